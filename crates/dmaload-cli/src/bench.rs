@@ -1,0 +1,259 @@
+//! `dmaload bench`: every engine against a buffered-read baseline and
+//! fio's best O_DIRECT io_uring setting, in one run, interleaved, with the
+//! page cache evicted before every run.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::Subcommand;
+use dmaload::{Engine, IoMode, LoadOptions};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::units::human_bytes;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Cold-load FILE with each engine, a buffered read and fio.
+    Load {
+        file: PathBuf,
+        /// Runs of each method (interleaved).
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+        /// Print one JSON object instead of a Markdown table.
+        #[arg(long)]
+        json: bool,
+        /// Skip fio even when it is installed.
+        #[arg(long)]
+        no_fio: bool,
+    },
+}
+
+/// A method under test.
+enum Method {
+    Dmaload { name: String, options: LoadOptions },
+    Fio { block_size: &'static str, iodepth: u32 },
+}
+
+impl Method {
+    fn name(&self) -> String {
+        match self {
+            Method::Dmaload { name, .. } => name.clone(),
+            Method::Fio { block_size, iodepth } => {
+                format!("fio io_uring direct bs={block_size} qd={iodepth}")
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Sample {
+    gib_per_second: f64,
+    cpu_seconds_per_gib: f64,
+    page_cache_residue: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    method: String,
+    baseline: bool,
+    fio: bool,
+    samples: Vec<Sample>,
+    median_gib_per_second: f64,
+    min_gib_per_second: f64,
+    max_gib_per_second: f64,
+    median_cpu_seconds_per_gib: f64,
+    max_page_cache_residue: f64,
+    ratio_to_fio_best: Option<f64>,
+    ratio_to_buffered: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Table {
+    file: String,
+    bytes: u64,
+    repeat: usize,
+    fio: String,
+    rows: Vec<Row>,
+}
+
+pub fn run(cmd: &BenchCommand) -> Result<(), String> {
+    match cmd {
+        BenchCommand::Load { file, repeat, json, no_fio } => {
+            bench_load(file, (*repeat).max(1), *json, *no_fio)
+        }
+    }
+}
+
+const BASELINE: &str = "read, buffered (baseline)";
+
+fn methods(with_fio: bool) -> Vec<Method> {
+    let mut methods: Vec<Method> = Engine::ALL
+        .into_iter()
+        .map(|engine| Method::Dmaload {
+            name: format!("dmaload {}", engine.name()),
+            options: LoadOptions { engine, ..LoadOptions::default() },
+        })
+        .collect();
+    methods.push(Method::Dmaload {
+        name: BASELINE.into(),
+        options: LoadOptions { engine: Engine::Read, mode: IoMode::Buffered, ..LoadOptions::default() },
+    });
+    if with_fio {
+        for (block_size, iodepth) in [("1M", 16), ("4M", 8), ("4M", 16), ("4M", 32)] {
+            methods.push(Method::Fio { block_size, iodepth });
+        }
+    }
+    methods
+}
+
+fn fio_version() -> Option<String> {
+    let out = Command::new("fio").arg("--version").output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<(), String> {
+    let bytes = std::fs::metadata(file).map_err(|e| format!("stat {}: {e}", file.display()))?.len();
+    let gib = bytes as f64 / (1u64 << 30) as f64;
+    let fio = if no_fio { None } else { fio_version() };
+    let fio_note = match (&fio, no_fio) {
+        (Some(v), _) => v.clone(),
+        (None, true) => "skipped (--no-fio)".into(),
+        (None, false) => "not installed (apt-get install fio): no ceiling row".into(),
+    };
+    let methods = methods(fio.is_some());
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); methods.len()];
+    let mut reference_hash: Option<u64> = None;
+    for round in 0..repeat {
+        for (i, method) in methods.iter().enumerate() {
+            eprintln!("bench: round {}/{repeat}: {}", round + 1, method.name());
+            dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
+            let sample = match method {
+                Method::Dmaload { name, options } => {
+                    let (buffer, report) = dmaload::load(file, options).map_err(|e| e.to_string())?;
+                    if round == 0 {
+                        // Every engine must return the same bytes.
+                        let digest = xxhash_rust::xxh3::xxh3_64(&buffer);
+                        if *reference_hash.get_or_insert(digest) != digest {
+                            return Err(format!("{name} returned different bytes from the first method"));
+                        }
+                    }
+                    let cpu = report.cpu_user_seconds + report.cpu_system_seconds;
+                    Sample {
+                        gib_per_second: report.gib_per_second,
+                        cpu_seconds_per_gib: cpu / gib.max(1e-12),
+                        page_cache_residue: report.page_cache.fraction,
+                    }
+                }
+                Method::Fio { block_size, iodepth } => run_fio(file, block_size, *iodepth, gib)?,
+            };
+            samples[i].push(sample);
+        }
+    }
+    dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
+
+    let median = |v: &[Sample], f: fn(&Sample) -> f64| {
+        let mut xs: Vec<f64> = v.iter().map(f).collect();
+        xs.sort_by(f64::total_cmp);
+        xs[xs.len() / 2]
+    };
+    let medians: Vec<f64> = samples.iter().map(|s| median(s, |x| x.gib_per_second)).collect();
+    let fio_best = methods
+        .iter()
+        .zip(&medians)
+        .filter(|(m, _)| matches!(m, Method::Fio { .. }))
+        .map(|(_, &v)| v)
+        .fold(None, |best: Option<f64>, v| Some(best.map_or(v, |b| b.max(v))));
+    let baseline_index = methods.iter().position(|m| m.name() == BASELINE).expect("baseline row");
+    let buffered = medians[baseline_index];
+    let rows: Vec<Row> = methods
+        .iter()
+        .zip(samples)
+        .zip(&medians)
+        .map(|((method, samples), &med)| Row {
+            method: method.name(),
+            baseline: method.name() == BASELINE,
+            fio: matches!(method, Method::Fio { .. }),
+            median_gib_per_second: med,
+            min_gib_per_second: samples.iter().map(|s| s.gib_per_second).fold(f64::INFINITY, f64::min),
+            max_gib_per_second: samples.iter().map(|s| s.gib_per_second).fold(0.0, f64::max),
+            median_cpu_seconds_per_gib: median(&samples, |x| x.cpu_seconds_per_gib),
+            max_page_cache_residue: samples.iter().map(|s| s.page_cache_residue).fold(0.0, f64::max),
+            ratio_to_fio_best: fio_best.map(|best| med / best),
+            ratio_to_buffered: med / buffered,
+            samples,
+        })
+        .collect();
+    let table = Table { file: file.display().to_string(), bytes, repeat, fio: fio_note, rows };
+    if json {
+        println!("{}", serde_json::to_string(&table).expect("table serializes"));
+    } else {
+        print_table(&table);
+    }
+    Ok(())
+}
+
+fn print_table(t: &Table) {
+    println!(
+        "Cold load of {} ({}), {} run(s) per method, interleaved, page cache evicted before each; fio: {}\n",
+        t.file,
+        human_bytes(t.bytes),
+        t.repeat,
+        t.fio
+    );
+    println!(
+        "| method | GiB/s (median) | min–max | CPU s/GiB | page-cache residue | × fio best | × buffered |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for r in &t.rows {
+        let fio = r.ratio_to_fio_best.map_or("–".into(), |x| format!("{x:.2}"));
+        println!(
+            "| {} | {:.2} | {:.2}–{:.2} | {:.3} | {:.1}% | {} | {:.2} |",
+            r.method,
+            r.median_gib_per_second,
+            r.min_gib_per_second,
+            r.max_gib_per_second,
+            r.median_cpu_seconds_per_gib,
+            r.max_page_cache_residue * 100.0,
+            fio,
+            r.ratio_to_buffered
+        );
+    }
+}
+
+/// One fio run: sequential O_DIRECT io_uring reads of the whole file with
+/// registered buffers and files, the same kind of I/O as the default engine
+/// but into one small reused buffer (so it pays no allocation).
+fn run_fio(file: &Path, block_size: &str, iodepth: u32, gib: f64) -> Result<Sample, String> {
+    let out = Command::new("fio")
+        .args([
+            "--name=ceiling",
+            "--rw=read",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--fixedbufs",
+            "--registerfiles",
+        ])
+        .arg(format!("--filename={}", file.display()))
+        .arg(format!("--bs={block_size}"))
+        .arg(format!("--iodepth={iodepth}"))
+        .arg("--output-format=json")
+        .output()
+        .map_err(|e| format!("running fio: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("fio failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    let report: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("parsing fio JSON: {e}"))?;
+    let job = &report["jobs"][0];
+    let field = |v: &Value| v.as_f64().ok_or_else(|| format!("fio JSON lacks a field: {job}"));
+    let read_bytes = field(&job["read"]["io_bytes"])?;
+    let runtime_s = field(&job["read"]["runtime"])? / 1000.0;
+    let cpu_percent = field(&job["usr_cpu"])? + field(&job["sys_cpu"])?;
+    let residue = dmaload::pagecache::residency(file).map_err(|e| e.to_string())?.fraction;
+    let read_gib = read_bytes / (1u64 << 30) as f64;
+    Ok(Sample {
+        gib_per_second: read_gib / runtime_s.max(1e-9),
+        cpu_seconds_per_gib: cpu_percent / 100.0 * runtime_s / gib.max(1e-12),
+        page_cache_residue: residue,
+    })
+}

@@ -1,0 +1,189 @@
+//! The `dmaload` command.
+
+mod bench;
+mod demo;
+mod output;
+mod sample;
+mod units;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand};
+use dmaload::{Engine, IoMode, LoadOptions, MemoryKind};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+#[derive(Parser)]
+#[command(
+    name = "dmaload",
+    version,
+    about = "Load huge files into DMA-shareable memory at the speed of the disk"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Allocate a buffer and fill it with a file (or a byte range of it).
+    Load(LoadCommand),
+    /// Show what this machine (and the filesystem of PATH) can do.
+    Info {
+        path: Option<PathBuf>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Generate a ~1 GiB sample model once, then load it with the default
+    /// engine and with a plain buffered read, side by side.
+    Demo(demo::DemoArgs),
+    /// Benchmarks, with baselines run side by side in the same run.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+#[derive(Args)]
+struct LoadCommand {
+    file: PathBuf,
+    /// First byte to load.
+    #[arg(long, value_parser = units::parse_size, default_value = "0")]
+    offset: u64,
+    /// Bytes to load (default: to the end of the file).
+    #[arg(long, value_parser = units::parse_size)]
+    length: Option<u64>,
+    #[command(flatten)]
+    options: LoadArgs,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    json: bool,
+    /// Also compute an xxh3-64 of the loaded bytes (after the load).
+    #[arg(long)]
+    hash: bool,
+}
+
+/// The knobs of a load, shared by `load`, `demo` and `bench`.
+#[derive(Args, Clone)]
+pub struct LoadArgs {
+    /// Engine: uring-fixed, uring, pread-pool or read.
+    #[arg(long, default_value = "uring-fixed")]
+    engine: Engine,
+    /// I/O mode: auto (direct I/O, else buffered without cache residue),
+    /// direct, buffered or dontcache.
+    #[arg(long, default_value = "auto")]
+    mode: IoMode,
+    /// Require direct I/O: fail instead of falling back (same as --mode direct).
+    #[arg(long, conflicts_with = "mode")]
+    direct: bool,
+    /// Memory: memfd (shareable by fd) or anonymous-thp.
+    #[arg(long, default_value = "memfd", value_parser = parse_memory)]
+    memory: MemoryKind,
+    /// Bytes populated and registered as one unit.
+    #[arg(long, value_parser = units::parse_size, default_value = "128M")]
+    gather_size: u64,
+    /// Bytes per read request.
+    #[arg(long, value_parser = units::parse_size, default_value = "4M")]
+    chunk_size: u64,
+    /// Requests in flight (io_uring engines).
+    #[arg(long, default_value_t = dmaload::load::DEFAULT_QUEUE_DEPTH)]
+    queue_depth: usize,
+    /// Threads (pread-pool engine).
+    #[arg(long, default_value_t = dmaload::load::DEFAULT_POOL_THREADS)]
+    threads: usize,
+}
+
+fn parse_memory(s: &str) -> Result<MemoryKind, String> {
+    match s {
+        "memfd" => Ok(MemoryKind::Memfd),
+        "anonymous-thp" | "thp" => Ok(MemoryKind::AnonymousThp),
+        _ => Err(format!("unknown memory kind {s:?} (expected memfd or anonymous-thp)")),
+    }
+}
+
+impl LoadArgs {
+    pub fn to_options(&self) -> LoadOptions {
+        LoadOptions {
+            engine: self.engine,
+            mode: if self.direct { IoMode::Direct } else { self.mode },
+            memory: self.memory,
+            gather_size: usize::try_from(self.gather_size).unwrap_or(usize::MAX),
+            chunk_size: usize::try_from(self.chunk_size).unwrap_or(usize::MAX),
+            queue_depth: self.queue_depth,
+            threads: self.threads,
+            progress: None,
+        }
+    }
+}
+
+/// A progress bar on stderr that appears only on a terminal and only once
+/// the work has taken longer than a moment.
+pub fn progress_bar(label: &str) -> (ProgressBar, Arc<dmaload::engine::ProgressFn>) {
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} {wide_bar} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("valid progress template"),
+    );
+    bar.set_message(label.to_owned());
+    let started = Instant::now();
+    let shown = std::sync::atomic::AtomicBool::new(false);
+    let handle = bar.clone();
+    let callback = move |done: u64, total: u64| {
+        if !shown.load(std::sync::atomic::Ordering::Relaxed) && started.elapsed() > Duration::from_millis(300)
+        {
+            shown.store(true, std::sync::atomic::Ordering::Relaxed);
+            // Hidden when stderr is not a terminal.
+            handle.set_draw_target(ProgressDrawTarget::stderr());
+        }
+        handle.set_length(total);
+        handle.set_position(done);
+    };
+    (bar, Arc::new(callback))
+}
+
+fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
+    let mut options = cmd.options.to_options();
+    let (bar, callback) = progress_bar("loading");
+    options.progress = Some(callback);
+    let result = match cmd.length {
+        Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
+        None if cmd.offset > 0 => {
+            let size =
+                std::fs::metadata(&cmd.file).map_err(|e| dmaload::Error::io("stat", &cmd.file, e))?.len();
+            dmaload::load_range(&cmd.file, cmd.offset, size.saturating_sub(cmd.offset), &options)
+        }
+        None => dmaload::load(&cmd.file, &options),
+    };
+    bar.finish_and_clear();
+    let (buffer, report) = result?;
+    for fallback in &report.fallbacks {
+        eprintln!("dmaload: fallback {fallback}");
+    }
+    let hash = cmd.hash.then(|| output::hash_timed(&buffer));
+    if cmd.json {
+        println!("{}", output::load_json(&report, hash.as_ref()));
+    } else {
+        print!("{}", output::load_text(&report, hash.as_ref()));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Load(cmd) => run_load(cmd).map_err(|e| e.to_string()),
+        Command::Info { path, json } => output::info(path.as_deref(), *json),
+        Command::Demo(args) => demo::run(args),
+        Command::Bench(cmd) => bench::run(cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("dmaload: error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! How reports look: text for people, JSON for machines.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::Instant;
+
+use dmaload::system::{self, DirectIoInfo};
+use dmaload::LoadReport;
+use serde::Serialize;
+
+use crate::units::human_bytes;
+
+/// An xxh3-64 of loaded bytes and the time it took.
+#[derive(Debug, Serialize)]
+pub struct Hash {
+    pub xxh3_64: String,
+    pub seconds: f64,
+}
+
+pub fn hash_timed(bytes: &[u8]) -> Hash {
+    let started = Instant::now();
+    let digest = xxhash_rust::xxh3::xxh3_64(bytes);
+    Hash { xxh3_64: format!("{digest:016x}"), seconds: started.elapsed().as_secs_f64() }
+}
+
+pub fn load_json(report: &LoadReport, hash: Option<&Hash>) -> String {
+    #[derive(Serialize)]
+    struct Out<'a> {
+        #[serde(flatten)]
+        report: &'a LoadReport,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        hash: Option<&'a Hash>,
+    }
+    serde_json::to_string(&Out { report, hash }).expect("report serializes")
+}
+
+pub fn cache_description(report: &LoadReport) -> &'static str {
+    match report.cache {
+        dmaload::CachePolicy::Bypass => "direct (O_DIRECT)",
+        dmaload::CachePolicy::Keep => "buffered (page cache kept)",
+        dmaload::CachePolicy::DontCache => "buffered (RWF_DONTCACHE)",
+        dmaload::CachePolicy::Fadvise => "buffered (POSIX_FADV_DONTNEED per chunk)",
+    }
+}
+
+pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
+    let mut s = String::new();
+    let cpu = r.cpu_user_seconds + r.cpu_system_seconds;
+    let gib = r.bytes as f64 / (1u64 << 30) as f64;
+    let _ = writeln!(
+        s,
+        "loaded    {} ({} bytes) from {} at offset {}",
+        human_bytes(r.bytes),
+        r.bytes,
+        r.path.display(),
+        r.offset
+    );
+    let _ = writeln!(
+        s,
+        "engine    {} | {} | {} memory | {} | align {} | chunk {} | gather {} | qd {}",
+        r.engine.name(),
+        cache_description(r),
+        r.memory.name(),
+        r.filesystem,
+        r.alignment,
+        human_bytes(r.chunk_size as u64),
+        human_bytes(r.gather_size as u64),
+        r.queue_depth
+    );
+    for fallback in &r.fallbacks {
+        let _ = writeln!(s, "fallback  {fallback}");
+    }
+    let _ = writeln!(
+        s,
+        "time      total {:.3} s = first gather {:.3} s + overlap | alloc {:.3} s | I/O {:.3} s | I/O waited for memory {:.3} s",
+        r.total_seconds, r.first_gather_seconds, r.alloc_seconds, r.io_seconds, r.waited_for_memory_seconds
+    );
+    let _ = writeln!(
+        s,
+        "speed     {:.2} GiB/s | CPU {:.3} s (user {:.3}, system {:.3}) = {:.3} s/GiB",
+        r.gib_per_second,
+        cpu,
+        r.cpu_user_seconds,
+        r.cpu_system_seconds,
+        if gib > 0.0 { cpu / gib } else { 0.0 }
+    );
+    let _ = writeln!(
+        s,
+        "cache     {} of the range in the page cache afterwards ({:.1}%)",
+        human_bytes(r.page_cache.resident_bytes),
+        r.page_cache.fraction * 100.0
+    );
+    if let Some(hash) = hash {
+        let _ = writeln!(s, "xxh3-64   {} ({:.3} s)", hash.xxh3_64, hash.seconds);
+    }
+    s
+}
+
+pub fn info(path: Option<&Path>, json: bool) -> Result<(), String> {
+    let info = system::info(path).map_err(|e| match path {
+        Some(p) => format!("info {}: {e}", p.display()),
+        None => format!("info: {e}"),
+    })?;
+    if json {
+        println!("{}", serde_json::to_string(&info).expect("info serializes"));
+        return Ok(());
+    }
+    println!("kernel            {}", info.kernel);
+    match &info.io_uring {
+        Ok(probe) => {
+            let ops: Vec<String> = probe
+                .opcodes
+                .iter()
+                .map(|(name, ok)| format!("{name} {}", if *ok { "yes" } else { "no" }))
+                .collect();
+            println!("io_uring          available: {}", ops.join(", "));
+            match &probe.sparse_buffers {
+                Ok(()) => println!("registered bufs   sparse table + update supported (Linux 5.19+)"),
+                Err(e) => println!("registered bufs   no sparse table: {e} (loads register nothing)"),
+            }
+        }
+        Err(e) => println!("io_uring          unavailable: {e} (loads use the pread pool)"),
+    }
+    let memlock = match info.memlock_limit {
+        Some(bytes) => human_bytes(bytes),
+        None => "unlimited".into(),
+    };
+    let exempt = if info.memlock_exempt {
+        "exempt (CAP_IPC_LOCK or unlimited): any gather can be registered"
+    } else {
+        "counts pinned buffers: gathers larger than this fall back to unregistered I/O"
+    };
+    println!("RLIMIT_MEMLOCK    {memlock}, {exempt}");
+    let thp = |v: &Option<String>| v.clone().unwrap_or_else(|| "unknown".into());
+    println!("THP anonymous     {}", thp(&info.thp_anonymous));
+    println!(
+        "THP shmem         {} (memfd buffers use huge pages only with always/within_size/advise)",
+        thp(&info.thp_shmem)
+    );
+    if let Some(bytes) = info.memory_available {
+        println!("MemAvailable      {}", human_bytes(bytes));
+    }
+    if info.dma_heaps.is_empty() {
+        println!("dma-heap          none (/dev/dma_heap missing: kernel without CONFIG_DMABUF_HEAPS)");
+    } else {
+        println!("dma-heap          {}", info.dma_heaps.join(", "));
+    }
+    match (info.udmabuf, info.udmabuf_size_limit_mb) {
+        (true, Some(mb)) => println!("udmabuf           /dev/udmabuf, size_limit_mb {mb}"),
+        (true, None) => println!("udmabuf           /dev/udmabuf"),
+        (false, _) => {
+            println!("udmabuf           none (/dev/udmabuf missing: kernel without CONFIG_UDMABUF)")
+        }
+    }
+    if let Some(p) = &info.path {
+        println!("path              {}", p.path);
+        println!("filesystem        {} ({})", p.filesystem, p.filesystem_magic);
+        match &p.direct_io {
+            DirectIoInfo::Supported { memory_align, offset_align } => {
+                println!("O_DIRECT          supported: memory align {memory_align}, offset align {offset_align} (statx)")
+            }
+            DirectIoInfo::Unsupported => println!("O_DIRECT          not supported on this file (statx)"),
+            DirectIoInfo::Unknown { reason } => println!("O_DIRECT          unknown: {reason}"),
+        }
+        match p.rwf_dontcache {
+            Some(true) => println!("RWF_DONTCACHE     supported"),
+            Some(false) => {
+                println!("RWF_DONTCACHE     not supported (buffered fallback uses POSIX_FADV_DONTNEED)")
+            }
+            None => {}
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,62 @@
+//! Byte sizes in and out: "128M", "1.5GiB", "4k" parse to bytes; bytes
+//! print with binary units.
+
+/// Parses a size with an optional binary suffix (K, M, G, T; "iB"/"B"
+/// optional, case-insensitive). Fractions are allowed: "1.5G".
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let s = text.trim();
+    let digits_end = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (number, suffix) = s.split_at(digits_end);
+    let value: f64 = number.parse().map_err(|_| format!("invalid size {text:?}"))?;
+    let shift = match suffix.trim().to_ascii_lowercase().trim_end_matches("ib").trim_end_matches('b') {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        other => return Err(format!("invalid size suffix {other:?} in {text:?} (use K, M, G or T)")),
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(format!("size {text:?} out of range"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+/// Formats bytes with a binary unit, e.g. "1.50 GiB".
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("4k").unwrap(), 4096);
+        assert_eq!(parse_size("128MiB").unwrap(), 128 << 20);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("2gb").unwrap(), 2 << 30);
+        assert!(parse_size("12x").is_err());
+        assert!(parse_size("").is_err());
+    }
+
+    #[test]
+    fn bytes_print_in_binary_units() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 << 29), "1.50 GiB");
+    }
+}

@@ -1,0 +1,98 @@
+//! A loaded buffer: the bytes of a file (or a range of it) in memory that
+//! can be shared.
+
+use std::fmt;
+use std::ops::{Deref, DerefMut, Range};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use crate::heap::{Allocation, MemoryKind};
+use crate::sys::mem::Mapping;
+
+/// A contiguous piece of a buffer that was populated and filled as one unit
+/// (one "gather" of the pipelined load).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Offset of the segment in the buffer, in bytes.
+    pub offset: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// Bytes loaded from a file. Dereferences to `[u8]`.
+///
+/// The memory is page-aligned and may start with a few bytes before the
+/// requested range (direct I/O reads whole aligned blocks); those are not
+/// part of the slice but are part of the memfd: see [`Buffer::memfd_offset`].
+pub struct Buffer {
+    mapping: Mapping,
+    memfd: Option<OwnedFd>,
+    kind: MemoryKind,
+    data: Range<usize>,
+    segments: Vec<Segment>,
+}
+
+impl Buffer {
+    /// A buffer over `data` of a filled allocation, whose gathers (ranges of
+    /// the mapping) are `gathers`.
+    pub(crate) fn new(alloc: Allocation, data: Range<usize>, gathers: &[Range<usize>]) -> Buffer {
+        let segments = gathers
+            .iter()
+            .filter_map(|g| {
+                let start = g.start.max(data.start);
+                let end = g.end.min(data.end);
+                (start < end).then(|| Segment { offset: start - data.start, len: end - start })
+            })
+            .collect();
+        Buffer { mapping: alloc.mapping, memfd: alloc.memfd, kind: alloc.kind, data, segments }
+    }
+
+    /// The pieces the buffer was filled in, in order, covering it exactly.
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    pub fn memory_kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    /// The memfd holding the bytes, for passing to another process or
+    /// exporting with udmabuf; `None` for anonymous memory.
+    pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
+        self.memfd.as_ref().map(|fd| fd.as_fd())
+    }
+
+    /// Where the buffer's first byte sits in the memfd (non-zero when a
+    /// range was loaded from an offset that direct I/O had to align down).
+    pub fn memfd_offset(&self) -> usize {
+        self.data.start
+    }
+
+    /// Gives up the mapping and returns the memfd, which keeps the bytes.
+    pub fn into_memfd(self) -> Option<OwnedFd> {
+        self.memfd
+    }
+}
+
+impl Deref for Buffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.mapping.as_slice()[self.data.clone()]
+    }
+}
+
+impl DerefMut for Buffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        let data = self.data.clone();
+        &mut self.mapping.as_mut_slice()[data]
+    }
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer")
+            .field("len", &self.data.len())
+            .field("memory", &self.kind)
+            .field("segments", &self.segments.len())
+            .finish()
+    }
+}

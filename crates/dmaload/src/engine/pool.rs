@@ -1,0 +1,82 @@
+//! Blocking-read engines: a pool of threads each taking the next chunk and
+//! reading it with `preadv2`; with one thread this is a plain sequential
+//! read loop.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::{Engine, EngineResult, EngineRun, Job};
+use crate::error::{Error, Result};
+use crate::plan::ReadOutcome;
+use crate::sys::file::pread_into;
+use crate::sys::mem::MappingWriter;
+
+pub(crate) fn run(job: &Job<'_>, dst: MappingWriter<'_>, threads: usize, engine: Engine) -> EngineResult {
+    let next_chunk = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let longest_wait = Mutex::new(Duration::ZERO);
+
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| {
+                let result = worker(job, dst, &next_chunk, &stop, &longest_wait);
+                if let Err(err) = result {
+                    stop.store(true, Ordering::Relaxed);
+                    first_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(err);
+                }
+            });
+        }
+    });
+    if let Some(err) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(err);
+    }
+    let waited_for_memory = longest_wait.into_inner().unwrap_or_else(|p| p.into_inner());
+    Ok(EngineRun { waited_for_memory, fallbacks: Vec::new(), engine })
+}
+
+fn worker(
+    job: &Job<'_>,
+    dst: MappingWriter<'_>,
+    next_chunk: &AtomicUsize,
+    stop: &AtomicBool,
+    longest_wait: &Mutex<Duration>,
+) -> Result<()> {
+    let plan = job.plan;
+    let mut waited = Duration::ZERO;
+    let rw_flags = job.cache.rw_flags();
+    while !stop.load(Ordering::Relaxed) {
+        let i = next_chunk.fetch_add(1, Ordering::Relaxed);
+        if i >= plan.chunk_count() {
+            break;
+        }
+        let mut req = plan.chunk_request(i);
+        waited += job
+            .gate
+            .wait_for(plan.gather_of(req.start))
+            .map_err(|e| Error::io("populate memory", job.path, e).at(req.start))?;
+        loop {
+            let got = match pread_into(job.file, dst, plan.mapping_range(&req), req.start, rw_flags) {
+                Ok(got) => got as u64,
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+                Err(err) => return Err(job.read_error(req.start, err)),
+            };
+            match plan.outcome(job.path, &req, got)? {
+                ReadOutcome::Done { credited } => {
+                    job.progress.add(credited);
+                    job.finish_request(&req);
+                    break;
+                }
+                ReadOutcome::Partial { credited, resume_at } => {
+                    job.progress.add(credited);
+                    req = plan.request_from(resume_at);
+                }
+            }
+        }
+    }
+    let mut longest = longest_wait.lock().unwrap_or_else(|p| p.into_inner());
+    *longest = (*longest).max(waited);
+    Ok(())
+}

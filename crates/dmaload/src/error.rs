@@ -1,0 +1,123 @@
+//! One error type for the whole crate: what was being done, to which file,
+//! at which offset, and why.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// What went wrong, beyond the OS error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// A system call failed; the OS error says why.
+    Io,
+    /// The file ended before the expected number of bytes were read (it was
+    /// shorter than the range asked for, or was truncated during the load).
+    Truncated,
+    /// The file does not fit in the memory that is available.
+    OutOfMemory,
+    /// Direct I/O was required (`--direct`) but cannot be used.
+    DirectIoUnavailable,
+    /// The options or arguments are invalid.
+    InvalidInput,
+}
+
+/// A failed operation on a file.
+#[derive(Debug)]
+pub struct Error {
+    kind: ErrorKind,
+    op: &'static str,
+    path: PathBuf,
+    offset: Option<u64>,
+    source: io::Error,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// A failed system call `op` on `path`.
+    pub fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        Error { kind: ErrorKind::Io, op, path: path.to_owned(), offset: None, source }
+    }
+
+    /// An error of `kind` with a message instead of an OS error.
+    pub fn new(kind: ErrorKind, op: &'static str, path: &Path, message: impl Into<String>) -> Self {
+        let errno = io::Error::from_raw_os_error(default_errno(kind));
+        let source = io::Error::new(errno.kind(), message.into());
+        Error { kind, op, path: path.to_owned(), offset: None, source }
+    }
+
+    /// The same error, located at byte `offset` of the file.
+    pub fn at(mut self, offset: u64) -> Self {
+        self.offset = Some(offset);
+        self
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// The operation that failed, e.g. "open", "read", "register buffer".
+    pub fn op(&self) -> &'static str {
+        self.op
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The byte offset in the file where the failure happened, if it is
+    /// tied to one.
+    pub fn offset(&self) -> Option<u64> {
+        self.offset
+    }
+
+    /// The OS error number, when a system call failed.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        self.source.raw_os_error()
+    }
+
+    /// The errno that best describes this error, for bindings that need one
+    /// (Python's OSError): the OS error when there is one, else one chosen
+    /// per kind (ENODATA for a truncated file, ENOMEM, EINVAL).
+    pub fn errno(&self) -> i32 {
+        self.source.raw_os_error().unwrap_or(default_errno(self.kind))
+    }
+
+    /// The underlying I/O error.
+    pub fn io_error(&self) -> &io::Error {
+        &self.source
+    }
+}
+
+/// The errno that stands for an error of `kind` that has no OS error.
+fn default_errno(kind: ErrorKind) -> i32 {
+    match kind {
+        ErrorKind::Io => libc::EIO,
+        ErrorKind::Truncated => libc::ENODATA,
+        ErrorKind::OutOfMemory => libc::ENOMEM,
+        ErrorKind::DirectIoUnavailable | ErrorKind::InvalidInput => libc::EINVAL,
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.op, self.path.display())?;
+        if let Some(offset) = self.offset {
+            write!(f, " at offset {offset}")?;
+        }
+        write!(f, ": {}", self.source)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
+impl From<Error> for io::Error {
+    fn from(err: Error) -> io::Error {
+        io::Error::new(err.source.kind(), err.to_string())
+    }
+}

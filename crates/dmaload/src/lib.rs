@@ -1,0 +1,28 @@
+//! dmaload: load huge files into DMA-shareable memory at the speed of the
+//! disk.
+//!
+//! ```no_run
+//! let (buffer, report) = dmaload::load("model.safetensors", &dmaload::LoadOptions::default())?;
+//! println!("{} bytes via {} in {:.2} s", buffer.len(), report.engine.name(), report.total_seconds);
+//! # Ok::<(), dmaload::Error>(())
+//! ```
+//!
+//! All `unsafe` code lives in the private `sys` module.
+#![deny(unsafe_code)]
+
+pub mod buffer;
+pub mod engine;
+pub mod error;
+pub mod heap;
+pub mod load;
+pub mod pagecache;
+mod plan;
+#[allow(unsafe_code)]
+mod sys;
+pub mod system;
+
+pub use buffer::{Buffer, Segment};
+pub use engine::{CachePolicy, Engine};
+pub use error::{Error, ErrorKind, Result};
+pub use heap::MemoryKind;
+pub use load::{load, load_range, Fallback, IoMode, LoadOptions, LoadReport};

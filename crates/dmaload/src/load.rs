@@ -1,0 +1,538 @@
+//! `load`: allocate a buffer and fill it with a file's bytes in one call,
+//! the userspace form of seed 000's DMA_HEAP_ALLOC_AND_READ_FILE.
+//!
+//! The buffer is reserved up front and populated gather by gather on a
+//! helper thread (`MADV_POPULATE_WRITE`) while the engine fills the gathers
+//! already populated, so T(total) ≈ T(first gather) + max(T(alloc), T(I/O)).
+//! The buffer is returned only once every byte has arrived.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Seek, SeekFrom};
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::buffer::Buffer;
+use crate::engine::{self, CachePolicy, Engine, EngineRun, Gate, Job, Progress, ProgressFn};
+use crate::error::{Error, ErrorKind, Result};
+use crate::heap::{Allocation, MemoryKind};
+use crate::pagecache::{self, Residency};
+use crate::plan::Plan;
+use crate::sys::file::{statx_dio_align, DioAlignQuery};
+use crate::sys::mem::MappingWriter;
+use crate::{sys, system};
+
+/// Bytes populated (and registered) as one unit: seed 000's gather size.
+pub const DEFAULT_GATHER_SIZE: usize = 128 << 20;
+/// Bytes per read request. Measured on a virtio disk (max_sectors_kb 4096):
+/// 4 MiB reads reach the device's best throughput with the least CPU.
+pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
+/// Read requests kept in flight by the io_uring engines.
+pub const DEFAULT_QUEUE_DEPTH: usize = 16;
+/// Threads of the pread-pool engine.
+pub const DEFAULT_POOL_THREADS: usize = 8;
+/// Largest queue depth accepted (io_uring rings hold at most 32768 entries).
+const MAX_QUEUE_DEPTH: usize = 4096;
+
+/// How the file is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IoMode {
+    /// Direct I/O where the filesystem supports it, else buffered reads that
+    /// leave nothing in the page cache.
+    #[default]
+    Auto,
+    /// Direct I/O (O_DIRECT) or an error: no fallback.
+    Direct,
+    /// Buffered reads through the page cache, which keeps the file.
+    Buffered,
+    /// Buffered reads that drop the pages they read (RWF_DONTCACHE, else
+    /// POSIX_FADV_DONTNEED per chunk).
+    DontCache,
+}
+
+impl IoMode {
+    pub const ALL: [IoMode; 4] = [IoMode::Auto, IoMode::Direct, IoMode::Buffered, IoMode::DontCache];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            IoMode::Auto => "auto",
+            IoMode::Direct => "direct",
+            IoMode::Buffered => "buffered",
+            IoMode::DontCache => "dontcache",
+        }
+    }
+}
+
+impl std::str::FromStr for IoMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        IoMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown mode {s:?} (expected one of: auto, direct, buffered, dontcache)"))
+    }
+}
+
+/// Options of [`load`] and [`load_range`]; `LoadOptions::default()` is
+/// what a user gets without flags.
+#[derive(Clone)]
+pub struct LoadOptions {
+    pub engine: Engine,
+    pub mode: IoMode,
+    pub memory: MemoryKind,
+    /// Bytes populated (and registered) as one unit.
+    pub gather_size: usize,
+    /// Bytes per read request (rounded up to whole pages).
+    pub chunk_size: usize,
+    /// Requests in flight for the io_uring engines.
+    pub queue_depth: usize,
+    /// Threads of the pread-pool engine.
+    pub threads: usize,
+    /// Called with (bytes done, bytes in all) as reads complete, from the
+    /// loading threads.
+    pub progress: Option<Arc<ProgressFn>>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            engine: Engine::default(),
+            mode: IoMode::default(),
+            memory: MemoryKind::default(),
+            gather_size: DEFAULT_GATHER_SIZE,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
+            threads: DEFAULT_POOL_THREADS,
+            progress: None,
+        }
+    }
+}
+
+impl fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("engine", &self.engine)
+            .field("mode", &self.mode)
+            .field("memory", &self.memory)
+            .field("gather_size", &self.gather_size)
+            .field("chunk_size", &self.chunk_size)
+            .field("queue_depth", &self.queue_depth)
+            .field("threads", &self.threads)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
+}
+
+/// A path not taken, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Fallback {
+    pub from: String,
+    pub to: String,
+    pub reason: String,
+}
+
+impl Fallback {
+    pub fn new(from: &str, to: &str, reason: impl Into<String>) -> Self {
+        Fallback { from: from.into(), to: to.into(), reason: reason.into() }
+    }
+}
+
+impl fmt::Display for Fallback {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} -> {}: {}", self.from, self.to, self.reason)
+    }
+}
+
+/// What a load did and how long each part took.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadReport {
+    pub path: PathBuf,
+    /// File offset of the first byte loaded.
+    pub offset: u64,
+    pub bytes: u64,
+    /// The engine that did the reading (after fallbacks).
+    pub engine: Engine,
+    /// How reads treated the page cache (after fallbacks): `bypass` is
+    /// direct I/O.
+    pub cache: CachePolicy,
+    pub memory: MemoryKind,
+    pub filesystem: &'static str,
+    /// Offset alignment of the reads (1 for buffered I/O).
+    pub alignment: usize,
+    pub chunk_size: usize,
+    pub gather_size: usize,
+    pub queue_depth: usize,
+    pub fallbacks: Vec<Fallback>,
+    /// Populating (allocating and zeroing) all of the buffer's pages, on the
+    /// helper thread.
+    pub alloc_seconds: f64,
+    /// Populating the first gather: the part of allocation never hidden.
+    pub first_gather_seconds: f64,
+    /// Reading, from the first request to the last completion, less the time
+    /// the reads stalled waiting for memory.
+    pub io_seconds: f64,
+    /// Time the reads stalled waiting for a gather to be populated.
+    pub waited_for_memory_seconds: f64,
+    pub total_seconds: f64,
+    pub gib_per_second: f64,
+    /// CPU time of the whole process during the load (all threads, kernel
+    /// page zeroing included).
+    pub cpu_user_seconds: f64,
+    pub cpu_system_seconds: f64,
+    /// How much of the loaded range is in the page cache afterwards.
+    pub page_cache: Residency,
+}
+
+/// Loads the whole file at `path`.
+pub fn load(path: impl AsRef<Path>, options: &LoadOptions) -> Result<(Buffer, LoadReport)> {
+    load_impl(path.as_ref(), 0, None, options)
+}
+
+/// Loads `len` bytes of the file at `path` from byte `offset` (neither needs
+/// any alignment). A range that extends past the end of the file is an error.
+pub fn load_range(
+    path: impl AsRef<Path>,
+    offset: u64,
+    len: u64,
+    options: &LoadOptions,
+) -> Result<(Buffer, LoadReport)> {
+    load_impl(path.as_ref(), offset, Some(len), options)
+}
+
+fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
+    let bad = |what: String| Err(Error::new(ErrorKind::InvalidInput, "load", path, what));
+    if o.chunk_size == 0 || o.chunk_size > 1 << 30 {
+        return bad(format!("chunk size {} must be between 1 byte and 1 GiB", o.chunk_size));
+    }
+    if o.gather_size == 0 {
+        return bad("gather size must be positive".into());
+    }
+    if o.queue_depth == 0 || o.queue_depth > MAX_QUEUE_DEPTH {
+        return bad(format!("queue depth {} must be between 1 and {MAX_QUEUE_DEPTH}", o.queue_depth));
+    }
+    if o.threads == 0 || o.threads > 1024 {
+        return bad(format!("thread count {} must be between 1 and 1024", o.threads));
+    }
+    Ok(())
+}
+
+/// Size of what `file` holds: its length, or a block device's capacity.
+fn source_size(path: &Path, file: &mut File) -> Result<u64> {
+    let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+    let kind = meta.file_type();
+    if kind.is_dir() {
+        return Err(Error::io("open", path, io::Error::from_raw_os_error(libc::EISDIR)));
+    }
+    if kind.is_file() {
+        return Ok(meta.len());
+    }
+    if kind.is_block_device() {
+        return file.seek(SeekFrom::End(0)).map_err(|e| Error::io("seek", path, e));
+    }
+    Err(Error::new(ErrorKind::InvalidInput, "open", path, "not a regular file or block device"))
+}
+
+/// How the load reads: the file to read from (O_DIRECT or not), the page
+/// cache policy and the offset alignment.
+struct ReadSetup {
+    file: File,
+    cache: CachePolicy,
+    align: usize,
+}
+
+fn buffered(file: &File, cache: CachePolicy) -> Result<ReadSetup, Error> {
+    let file = file.try_clone().map_err(|e| Error::io("dup", Path::new(""), e))?;
+    Ok(ReadSetup { file, cache, align: 1 })
+}
+
+/// Buffered reads that leave no page-cache residue: RWF_DONTCACHE where the
+/// filesystem has it, else fadvise per chunk.
+fn no_residue_policy(file: &File) -> CachePolicy {
+    if sys::file::supports_dontcache(file.as_fd()) {
+        CachePolicy::DontCache
+    } else {
+        CachePolicy::Fadvise
+    }
+}
+
+fn choose_read_setup(
+    path: &Path,
+    file: &File,
+    magic: i64,
+    mode: IoMode,
+    fallbacks: &mut Vec<Fallback>,
+) -> Result<ReadSetup> {
+    match mode {
+        IoMode::Buffered => return buffered(file, CachePolicy::Keep),
+        IoMode::DontCache => return buffered(file, no_residue_policy(file)),
+        IoMode::Auto | IoMode::Direct => {}
+    }
+    let refuse = |why: String| -> Result<ReadSetup> {
+        Err(Error::new(ErrorKind::DirectIoUnavailable, "open O_DIRECT", path, why))
+    };
+    if system::is_memory_filesystem(magic) {
+        let why = format!(
+            "{} keeps file data in the page cache, so direct I/O cannot bypass it",
+            system::filesystem_name(magic)
+        );
+        if mode == IoMode::Direct {
+            return refuse(why);
+        }
+        fallbacks.push(Fallback::new("direct", "buffered", why));
+        return buffered(file, CachePolicy::Keep);
+    }
+    let align = match statx_dio_align(file.as_fd()) {
+        Ok(DioAlignQuery::Supported(a)) => Some(a.offset.max(1) as usize),
+        Ok(DioAlignQuery::Unsupported) => None,
+        // Older kernels: the filesystem block size is a multiple of the
+        // device's logical block size, so it is a safe alignment.
+        Ok(DioAlignQuery::Unknown) | Err(_) => {
+            let blksize = file.metadata().map(|m| m.blksize() as usize).unwrap_or(4096);
+            Some(if blksize.is_power_of_two() && blksize >= 512 { blksize } else { 4096 })
+        }
+    };
+    let opened = match align {
+        Some(_) => OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path),
+        None => Err(io::Error::from_raw_os_error(libc::EINVAL)),
+    };
+    match (opened, align) {
+        (Ok(direct), Some(align)) => Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align }),
+        (Err(err), _) if err.raw_os_error() == Some(libc::EINVAL) => {
+            let why = format!(
+                "{} does not support O_DIRECT on this file (statx STATX_DIOALIGN / open EINVAL)",
+                system::filesystem_name(magic)
+            );
+            if mode == IoMode::Direct {
+                return refuse(why);
+            }
+            let setup = buffered(file, no_residue_policy(file))?;
+            fallbacks.push(Fallback::new("direct", cache_name(setup.cache), why));
+            Ok(setup)
+        }
+        (Err(err), _) => Err(Error::io("open O_DIRECT", path, err)),
+        (Ok(_), None) => unreachable!("opened O_DIRECT without an alignment"),
+    }
+}
+
+fn cache_name(cache: CachePolicy) -> &'static str {
+    match cache {
+        CachePolicy::Bypass => "direct",
+        CachePolicy::Keep => "buffered",
+        CachePolicy::DontCache => "buffered (RWF_DONTCACHE)",
+        CachePolicy::Fadvise => "buffered (POSIX_FADV_DONTNEED per chunk)",
+    }
+}
+
+/// Time spent populating the buffer on the helper thread.
+#[derive(Debug, Default)]
+struct PopulateTimes {
+    all: Duration,
+    first: Duration,
+}
+
+/// Populates each gather in order and opens the gate behind it.
+fn populate_gathers(dst: MappingWriter<'_>, plan: &Plan, gate: &Gate) -> PopulateTimes {
+    let mut times = PopulateTimes::default();
+    for g in 0..plan.gather_count() {
+        if gate.is_cancelled() {
+            break;
+        }
+        let started = Instant::now();
+        if let Err(err) = dst.populate(plan.gather_range(g)) {
+            gate.fail(&err);
+            break;
+        }
+        let took = started.elapsed();
+        times.all += took;
+        if g == 0 {
+            times.first = took;
+        }
+        gate.publish(g + 1);
+    }
+    times
+}
+
+/// Runs the engine the options ask for, falling back to the pread pool when
+/// io_uring is unavailable to this process.
+fn run_engine(job: &Job<'_>, dst: MappingWriter<'_>, options: &LoadOptions) -> engine::EngineResult {
+    match options.engine {
+        Engine::UringFixed | Engine::Uring => {
+            let entries = (job.queue_depth as u32).next_power_of_two();
+            match sys::uring::Ring::new(entries, dst) {
+                Ok(ring) => engine::uring::run(job, ring, options.engine == Engine::UringFixed),
+                Err(err) if io_uring_unavailable(&err) => {
+                    let mut run = engine::pool::run(job, dst, options.threads, Engine::PreadPool)?;
+                    run.fallbacks.insert(
+                        0,
+                        Fallback::new(
+                            options.engine.name(),
+                            Engine::PreadPool.name(),
+                            format!(
+                                "io_uring is unavailable ({err}): old kernel, \
+                                 kernel.io_uring_disabled, or a seccomp filter"
+                            ),
+                        ),
+                    );
+                    Ok(run)
+                }
+                Err(err) => Err(Error::io("io_uring_setup", job.path, err)),
+            }
+        }
+        Engine::PreadPool => engine::pool::run(job, dst, options.threads, Engine::PreadPool),
+        Engine::Read => engine::pool::run(job, dst, 1, Engine::Read),
+    }
+}
+
+fn io_uring_unavailable(err: &io::Error) -> bool {
+    matches!(err.raw_os_error(), Some(libc::ENOSYS | libc::EPERM | libc::EACCES | libc::EOPNOTSUPP))
+}
+
+/// One attempt at filling a fresh allocation; the allocation is dropped
+/// (never returned) when it fails.
+fn fill(
+    path: &Path,
+    setup: &ReadSetup,
+    plan: &Plan,
+    len: u64,
+    options: &LoadOptions,
+) -> Result<(Allocation, EngineRun, PopulateTimes, Duration)> {
+    let mut alloc = Allocation::new(options.memory, plan.mapping_len)
+        .map_err(|e| Error::io("allocate memory", path, e))?;
+    let gate = Gate::new();
+    let progress = Progress::new(len, options.progress.as_deref());
+    let job = Job {
+        path,
+        file: setup.file.as_fd(),
+        plan,
+        cache: setup.cache,
+        gate: &gate,
+        progress: &progress,
+        queue_depth: options.queue_depth,
+    };
+    let dst = alloc.mapping.writer();
+    let started = Instant::now();
+    let (result, times) = std::thread::scope(|scope| {
+        let populator = scope.spawn(|| populate_gathers(dst, plan, &gate));
+        let result = run_engine(&job, dst, options);
+        if result.is_err() {
+            gate.cancel();
+        }
+        let times = populator.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (result, times)
+    });
+    let engine_wall = started.elapsed();
+    let run = result?;
+    debug_assert_eq!(progress.done(), len);
+    Ok((alloc, run, times, engine_wall))
+}
+
+fn load_impl(
+    path: &Path,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<(Buffer, LoadReport)> {
+    validate(path, options)?;
+    let started = Instant::now();
+    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+
+    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let size = source_size(path, &mut file)?;
+    if offset > size {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "load",
+            path,
+            format!("offset {offset} is past the end of the file ({size} bytes)"),
+        )
+        .at(offset));
+    }
+    let len = len.unwrap_or(size - offset);
+    let end = offset.checked_add(len).filter(|&end| end <= size).ok_or_else(|| {
+        Error::new(
+            ErrorKind::Truncated,
+            "load",
+            path,
+            format!("range {offset}+{len} extends past the end of the file ({size} bytes)"),
+        )
+        .at(size)
+    })?;
+    let available = system::memory_available().map_err(|e| Error::io("read /proc/meminfo", path, e))?;
+    if len > available {
+        return Err(Error::new(
+            ErrorKind::OutOfMemory,
+            "load",
+            path,
+            format!(
+                "needs {len} bytes of memory but only {available} are available \
+                 (MemAvailable in /proc/meminfo); load a range instead"
+            ),
+        ));
+    }
+    let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", path, e))?;
+    let mut fallbacks = Vec::new();
+    let mut setup = choose_read_setup(path, &file, magic, options.mode, &mut fallbacks)?;
+    let page = sys::mem::page_size();
+    let mut plan = Plan::new(offset, len, setup.align, options.chunk_size, options.gather_size, page);
+
+    let filled = match fill(path, &setup, &plan, len, options) {
+        // Some devices reject the reported alignment: retry once buffered.
+        Err(err)
+            if setup.cache == CachePolicy::Bypass
+                && options.mode == IoMode::Auto
+                && err.raw_os_error() == Some(libc::EINVAL) =>
+        {
+            setup = buffered(&file, no_residue_policy(&file))?;
+            fallbacks.push(Fallback::new(
+                "direct",
+                cache_name(setup.cache),
+                format!("O_DIRECT read rejected: {err}"),
+            ));
+            plan = Plan::new(offset, len, 1, options.chunk_size, options.gather_size, page);
+            fill(path, &setup, &plan, len, options)
+        }
+        other => other,
+    };
+    let (alloc, run, times, engine_wall) = filled?;
+    if let Some(memfd) = &alloc.memfd {
+        // Fix the size for sharing: udmabuf requires F_SEAL_SHRINK.
+        sys::mem::add_seals(memfd.as_fd(), libc::F_SEAL_SHRINK | libc::F_SEAL_GROW)
+            .map_err(|e| Error::io("seal memfd", path, e))?;
+    }
+    let buffer = Buffer::new(alloc, plan.data_range(offset), &plan.gather_ranges());
+    let page_cache = pagecache::residency_of(&file, path, offset, len)?;
+    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let total = started.elapsed();
+    fallbacks.extend(run.fallbacks);
+    debug_assert_eq!(end - offset, buffer.len() as u64);
+    let report = LoadReport {
+        path: path.to_owned(),
+        offset,
+        bytes: len,
+        engine: run.engine,
+        cache: setup.cache,
+        memory: options.memory,
+        filesystem: system::filesystem_name(magic),
+        alignment: setup.align,
+        chunk_size: plan.chunk,
+        gather_size: plan.gather,
+        queue_depth: options.queue_depth,
+        fallbacks,
+        alloc_seconds: times.all.as_secs_f64(),
+        first_gather_seconds: times.first.as_secs_f64(),
+        io_seconds: engine_wall.saturating_sub(run.waited_for_memory).as_secs_f64(),
+        waited_for_memory_seconds: run.waited_for_memory.as_secs_f64(),
+        total_seconds: total.as_secs_f64(),
+        gib_per_second: len as f64 / (1u64 << 30) as f64 / total.as_secs_f64().max(1e-9),
+        cpu_user_seconds: (cpu_after.0.saturating_sub(cpu_before.0)).as_secs_f64(),
+        cpu_system_seconds: (cpu_after.1.saturating_sub(cpu_before.1)).as_secs_f64(),
+        page_cache,
+    };
+    Ok((buffer, report))
+}

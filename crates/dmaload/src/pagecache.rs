@@ -1,0 +1,46 @@
+//! Page-cache residency and eviction of files, for reports and for
+//! benchmarks that must start cold.
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::sys;
+
+/// How much of a byte range of a file is in the page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Residency {
+    /// Bytes of the range held in the page cache (whole pages).
+    pub resident_bytes: u64,
+    /// Fraction of the range's pages that are resident, 0.0 to 1.0.
+    pub fraction: f64,
+}
+
+/// Page-cache residency of `offset..offset + len` of an open file (`mincore`).
+pub fn residency_of(file: &File, path: &Path, offset: u64, len: u64) -> Result<Residency> {
+    let (resident, pages) = sys::mem::page_cache_residency(file.as_fd(), offset, len)
+        .map_err(|e| Error::io("mincore", path, e))?;
+    let page = sys::mem::page_size() as u64;
+    let fraction = if pages == 0 { 0.0 } else { resident as f64 / pages as f64 };
+    Ok(Residency { resident_bytes: (resident * page).min(len), fraction })
+}
+
+/// Page-cache residency of the whole file at `path`.
+pub fn residency(path: &Path) -> Result<Residency> {
+    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let len = file.metadata().map_err(|e| Error::io("stat", path, e))?.len();
+    residency_of(&file, path, 0, len)
+}
+
+/// Drops the file's clean pages from the page cache after writing back
+/// dirty ones (`fdatasync` + `POSIX_FADV_DONTNEED`; no root needed), so the
+/// next read comes from the device.
+pub fn evict(path: &Path) -> Result<()> {
+    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    file.sync_data().map_err(|e| Error::io("fdatasync", path, e))?;
+    sys::file::fadvise(file.as_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
+        .map_err(|e| Error::io("posix_fadvise(DONTNEED)", path, e))
+}

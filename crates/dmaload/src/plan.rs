@@ -1,0 +1,211 @@
+//! How a load is cut up: the file range in aligned chunks (one I/O each),
+//! grouped into gathers (populated, and registered with io_uring, as a unit).
+
+use std::ops::Range;
+use std::path::Path;
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// The byte layout of one load. Mapping offset 0 holds file offset
+/// `file_start`; reads cover `file_start..read_end`, of which
+/// `file_start..data_end` must arrive (the rest is alignment padding past
+/// the end of the file or range).
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub file_start: u64,
+    pub data_end: u64,
+    pub read_end: u64,
+    pub chunk: usize,
+    pub gather: usize,
+    /// Offset/length alignment of reads (1 for buffered I/O).
+    pub align: usize,
+    /// Bytes to reserve: the read span rounded up to whole pages.
+    pub mapping_len: usize,
+}
+
+/// One read request: file offsets `start..end` into mapping offsets
+/// `start - file_start ..`, of which the first `need` bytes must arrive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    pub start: u64,
+    pub end: u64,
+    pub need: u64,
+}
+
+/// What a finished read means for its request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// Everything needed arrived; `credited` bytes of new data.
+    Done { credited: u64 },
+    /// A short read: re-issue from `resume_at` (credited bytes arrived).
+    Partial { credited: u64, resume_at: u64 },
+}
+
+/// Most buffers the io_uring registered-buffer table holds (Linux limit).
+const MAX_GATHERS: usize = 16384;
+/// Largest single registered buffer io_uring accepts.
+const MAX_GATHER_BYTES: usize = 1 << 30;
+
+impl Plan {
+    /// Plans reading `len` bytes at `offset` with reads aligned to `align`.
+    pub fn new(offset: u64, len: u64, align: usize, chunk: usize, gather: usize, page: usize) -> Plan {
+        let align_u = align as u64;
+        let file_start = offset / align_u * align_u;
+        let data_end = offset + len;
+        let read_end = data_end.div_ceil(align_u) * align_u;
+        let span = (read_end - file_start) as usize;
+        let mapping_len = span.div_ceil(page) * page;
+        // A chunk is whole pages (so every chunk starts page-aligned in memory)
+        // and a gather is whole chunks.
+        let chunk = chunk.max(page).div_ceil(page) * page;
+        let mut gather = gather.clamp(chunk, MAX_GATHER_BYTES) / chunk * chunk;
+        while mapping_len.div_ceil(gather) > MAX_GATHERS && gather + chunk <= MAX_GATHER_BYTES {
+            gather *= 2;
+        }
+        Plan { file_start, data_end, read_end, chunk, gather, align, mapping_len }
+    }
+
+    /// Where the requested bytes start in the mapping.
+    pub fn data_range(&self, offset: u64) -> Range<usize> {
+        let start = (offset - self.file_start) as usize;
+        start..(self.data_end - self.file_start) as usize
+    }
+
+    pub fn chunk_count(&self) -> usize {
+        ((self.read_end - self.file_start) as usize).div_ceil(self.chunk)
+    }
+
+    pub fn gather_count(&self) -> usize {
+        self.mapping_len.div_ceil(self.gather)
+    }
+
+    /// Mapping range of gather `g`.
+    pub fn gather_range(&self, g: usize) -> Range<usize> {
+        let start = g * self.gather;
+        start..(start + self.gather).min(self.mapping_len)
+    }
+
+    pub fn gather_ranges(&self) -> Vec<Range<usize>> {
+        (0..self.gather_count()).map(|g| self.gather_range(g)).collect()
+    }
+
+    /// The gather that mapping offset of file offset `file_offset` falls in.
+    pub fn gather_of(&self, file_offset: u64) -> usize {
+        ((file_offset - self.file_start) as usize) / self.gather
+    }
+
+    /// Bytes of needed data in gather `g`.
+    pub fn gather_need(&self, g: usize) -> u64 {
+        let range = self.gather_range(g);
+        let start = self.file_start + range.start as u64;
+        let end = (self.file_start + range.end as u64).min(self.data_end);
+        end.saturating_sub(start)
+    }
+
+    /// The request for chunk `i`.
+    pub fn chunk_request(&self, i: usize) -> Request {
+        self.request_from(self.file_start + (i * self.chunk) as u64)
+    }
+
+    /// The chunk that file offset `offset` falls in.
+    pub fn chunk_index(&self, offset: u64) -> usize {
+        ((offset - self.file_start) / self.chunk as u64) as usize
+    }
+
+    /// A request from `start` to the end of its chunk.
+    pub fn request_from(&self, start: u64) -> Request {
+        let chunk_end = self.file_start + (self.chunk_index(start) as u64 + 1) * self.chunk as u64;
+        let end = chunk_end.min(self.read_end);
+        let need = end.min(self.data_end).saturating_sub(start);
+        Request { start, end, need }
+    }
+
+    /// The file range `start..end` of a request as a mapping range.
+    pub fn mapping_range(&self, req: &Request) -> Range<usize> {
+        (req.start - self.file_start) as usize..(req.end - self.file_start) as usize
+    }
+
+    /// Interprets `got` bytes read for `req`. A read that returns less than
+    /// needed is resumed, except at end of file (0 bytes) or, for direct
+    /// I/O, an unaligned count (the kernel stopped at end of file): then the
+    /// file is shorter than planned, which is an error naming the offset.
+    pub fn outcome(&self, path: &Path, req: &Request, got: u64) -> Result<ReadOutcome> {
+        if got >= req.need {
+            return Ok(ReadOutcome::Done { credited: req.need });
+        }
+        let eof_at = req.start + got;
+        if got == 0 || got % self.align as u64 != 0 {
+            return Err(Error::new(
+                ErrorKind::Truncated,
+                "read",
+                path,
+                format!(
+                    "file ended at offset {eof_at} but data was expected up to offset {} \
+                     (file shorter than expected, or truncated during the load)",
+                    self.data_end
+                ),
+            )
+            .at(eof_at));
+        }
+        Ok(ReadOutcome::Partial { credited: got, resume_at: eof_at })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: usize = 4096;
+
+    #[test]
+    fn unaligned_range_rounds_out_to_alignment() {
+        let plan = Plan::new(5000, 10_000, 512, 1 << 20, 1 << 27, P);
+        assert_eq!(plan.file_start, 4608);
+        assert_eq!(plan.data_end, 15_000);
+        assert_eq!(plan.read_end, 15_360);
+        assert_eq!(plan.data_range(5000), 392..10_392);
+        assert_eq!(plan.mapping_len, 12_288);
+        assert_eq!(plan.chunk_count(), 1);
+        assert_eq!(plan.chunk_request(0), Request { start: 4608, end: 15_360, need: 10_392 });
+    }
+
+    #[test]
+    fn chunks_and_gathers_cover_the_span() {
+        let plan = Plan::new(0, 10 * (1 << 20) + 1, 4096, 1 << 20, 4 << 20, P);
+        assert_eq!(plan.chunk_count(), 11);
+        assert_eq!(plan.gather_count(), 3);
+        assert_eq!(plan.gather_range(2), (8 << 20)..(10 << 20) + P);
+        let total: u64 = (0..plan.gather_count()).map(|g| plan.gather_need(g)).sum();
+        assert_eq!(total, 10 * (1 << 20) + 1);
+        let last = plan.chunk_request(10);
+        assert_eq!((last.end - last.start, last.need), (4096, 1));
+        assert_eq!(plan.gather_of(last.start), 2);
+    }
+
+    #[test]
+    fn gather_grows_to_fit_the_registered_table() {
+        let plan = Plan::new(0, 1 << 40, 4096, 1 << 20, 1 << 20, P);
+        assert!(plan.gather_count() <= MAX_GATHERS);
+    }
+
+    #[test]
+    fn short_reads_resume_or_fail_with_the_offset() {
+        let plan = Plan::new(0, 3 * 4096 + 10, 4096, 1 << 20, 1 << 27, P);
+        let req = plan.chunk_request(0);
+        let path = Path::new("f");
+        assert_eq!(plan.outcome(path, &req, 4 * 4096).unwrap(), ReadOutcome::Done { credited: req.need });
+        assert_eq!(
+            plan.outcome(path, &req, 3 * 4096 + 10).unwrap(),
+            ReadOutcome::Done { credited: req.need }
+        );
+        assert_eq!(
+            plan.outcome(path, &req, 4096).unwrap(),
+            ReadOutcome::Partial { credited: 4096, resume_at: 4096 }
+        );
+        let err = plan.outcome(path, &req, 100).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Truncated);
+        assert_eq!(err.offset(), Some(100));
+        assert_eq!(plan.outcome(path, &req, 0).unwrap_err().offset(), Some(0));
+        assert_eq!(plan.request_from(4096), Request { start: 4096, end: 4 * 4096, need: 2 * 4096 + 10 });
+    }
+}

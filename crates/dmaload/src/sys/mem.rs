@@ -1,0 +1,222 @@
+//! Memory: memfd, mappings, populate, mincore.
+
+use std::ffi::CStr;
+use std::io;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+
+use super::check;
+
+/// The system page size (`sysconf(_SC_PAGESIZE)`).
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 {
+        size as usize
+    } else {
+        4096
+    }
+}
+
+/// `memfd_create(2)` (Linux 3.17) with `MFD_CLOEXEC | MFD_ALLOW_SEALING`.
+pub fn memfd_create(name: &CStr) -> io::Result<OwnedFd> {
+    // SAFETY: `name` is a valid NUL-terminated string for the whole call.
+    let fd =
+        check(unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) })?;
+    // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A region of virtual memory owned by this value and unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a Mapping is plain memory; ownership can move between threads, and
+// shared references only allow reads.
+unsafe impl Send for Mapping {}
+// SAFETY: see above; `&Mapping` hands out only `&[u8]`.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// `mmap(MAP_SHARED)` of `len` bytes of `fd` from offset 0, read-write.
+    pub fn shared(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        Self::map(len, libc::MAP_SHARED, fd.as_raw_fd())
+    }
+
+    /// Private anonymous memory, optionally asking for transparent huge pages
+    /// (`MADV_HUGEPAGE`, Linux 2.6.38).
+    pub fn anonymous(len: usize, huge_pages: bool) -> io::Result<Mapping> {
+        let map = Self::map(len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)?;
+        if huge_pages {
+            // SAFETY: the range is exactly the mapping just created.
+            check(unsafe { libc::madvise(map.ptr.as_ptr().cast(), map.len, libc::MADV_HUGEPAGE) })?;
+        }
+        Ok(map)
+    }
+
+    fn map(len: usize, flags: libc::c_int, fd: libc::c_int) -> io::Result<Mapping> {
+        if len == 0 {
+            // A zero-length mmap is EINVAL; an empty buffer needs no pages.
+            return Ok(Mapping { ptr: NonNull::dangling(), len: 0 });
+        }
+        // SAFETY: a fresh mapping chosen by the kernel (addr NULL) cannot
+        // overlap memory that Rust already owns.
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0)
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+        Ok(Mapping { ptr, len })
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr..ptr+len is mapped readable for the life of self (or
+        // dangling with len 0), and writes need `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// A handle that lets the kernel (and several threads) write into the
+    /// mapping while it is mutably borrowed.
+    pub fn writer(&mut self) -> MappingWriter<'_> {
+        MappingWriter { ptr: self.ptr, len: self.len, _borrow: PhantomData }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: unmapping exactly the region this value owns; no
+            // reference to it can outlive `self`.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        }
+    }
+}
+
+/// Write access to a [`Mapping`] for syscalls and io_uring, shareable
+/// between threads. It holds the mapping's mutable borrow, so no Rust slice
+/// of the mapping exists while the kernel writes through it.
+#[derive(Debug, Clone, Copy)]
+pub struct MappingWriter<'m> {
+    ptr: NonNull<u8>,
+    len: usize,
+    _borrow: PhantomData<&'m mut [u8]>,
+}
+
+// SAFETY: the writer only passes addresses to the kernel; concurrent kernel
+// writes to disjoint (or even overlapping) ranges do not create Rust
+// references, and the mapping outlives 'm.
+unsafe impl Send for MappingWriter<'_> {}
+// SAFETY: see above.
+unsafe impl Sync for MappingWriter<'_> {}
+
+impl MappingWriter<'_> {
+    /// Panics if `range` is not inside the mapping: callers compute ranges
+    /// from the plan, so an out-of-range request is a bug, not bad input.
+    pub(super) fn raw_range(&self, range: &Range<usize>) -> (*mut u8, usize) {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "range {range:?} outside mapping of {} bytes",
+            self.len
+        );
+        // SAFETY: start <= len, so the offset stays inside (or one past) the mapping.
+        (unsafe { self.ptr.as_ptr().add(range.start) }, range.end - range.start)
+    }
+
+    /// Allocates and maps the pages of `range` now instead of on first
+    /// touch: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14). On older kernels
+    /// (EINVAL) it writes one byte per page instead, which also makes the
+    /// kernel allocate and zero them.
+    pub fn populate(&self, range: Range<usize>) -> io::Result<()> {
+        let (ptr, len) = self.raw_range(&range);
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: ptr..ptr+len lies inside the mapping (checked above).
+        let ret = unsafe { libc::madvise(ptr.cast(), len, libc::MADV_POPULATE_WRITE) };
+        if ret == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINVAL) {
+            return Err(err);
+        }
+        let page = page_size();
+        for offset in (0..len).step_by(page) {
+            // SAFETY: offset < len, inside the mapping; the byte is not yet
+            // read by anyone (the load has not reached it), and writing the
+            // value it already holds after allocation (zero) keeps content.
+            unsafe { std::ptr::write_volatile(ptr.add(offset), 0) };
+        }
+        Ok(())
+    }
+
+    /// The `iovec` of `range`, for registering it with io_uring.
+    pub(super) fn iovec(&self, range: &Range<usize>) -> libc::iovec {
+        let (ptr, len) = self.raw_range(range);
+        libc::iovec { iov_base: ptr.cast(), iov_len: len }
+    }
+}
+
+/// How many pages of bytes `offset..offset + len` of `fd` are in the page
+/// cache, and how many pages the range spans: `mmap` + `mincore(2)`.
+pub fn page_cache_residency(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<(u64, u64)> {
+    if len == 0 {
+        return Ok((0, 0));
+    }
+    let page = page_size() as u64;
+    let start = offset / page * page;
+    let span =
+        usize::try_from(offset + len - start).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    let pages = span.div_ceil(page as usize);
+    // SAFETY: a fresh read-only shared mapping of the file at a page-aligned
+    // offset; mincore only inspects it and we unmap it before returning.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            start as libc::off_t,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let mut vec = vec![0u8; pages];
+    // SAFETY: addr..addr+span is the mapping above; vec has one byte per page.
+    let ret = unsafe { libc::mincore(addr, span, vec.as_mut_ptr()) };
+    let err = io::Error::last_os_error();
+    // SAFETY: unmapping the mapping created above, which nothing else uses.
+    unsafe { libc::munmap(addr, span) };
+    if ret < 0 {
+        return Err(err);
+    }
+    let resident = vec.iter().filter(|&&b| b & 1 != 0).count();
+    Ok((resident as u64, pages as u64))
+}
+
+/// `ftruncate(2)`: sets the size of a memfd or file.
+pub fn set_len(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    // SAFETY: ftruncate takes no pointers.
+    check(unsafe { libc::ftruncate(fd.as_raw_fd(), len) }).map(drop)
+}
+
+/// `fcntl(F_ADD_SEALS)` (Linux 3.17) on a memfd created with sealing allowed.
+pub fn add_seals(fd: BorrowedFd<'_>, seals: libc::c_int) -> io::Result<()> {
+    // SAFETY: F_ADD_SEALS takes an integer argument, no pointers.
+    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) }).map(drop)
+}

@@ -1,0 +1,43 @@
+//! The only module of the crate allowed to use `unsafe`.
+//!
+//! # Safety
+//!
+//! Everything outside `sys` is `#![deny(unsafe_code)]`; the types here wrap
+//! raw syscalls behind safe signatures. The invariants this perimeter keeps:
+//!
+//! * A [`mem::Mapping`] owns its pages for its whole life and unmaps them on
+//!   drop. Rust references to its bytes exist only through `&Mapping` or
+//!   `&mut Mapping` (slices).
+//! * The kernel writes into a mapping only through a [`mem::MappingWriter`],
+//!   which mutably borrows the mapping. While a writer (or anything holding
+//!   one, such as a [`uring::Ring`]) lives, no slice of the mapping can exist,
+//!   so asynchronous kernel writes never race with Rust reads.
+//! * A [`uring::Ring`] waits for all of its in-flight requests before it is
+//!   dropped, so no request outlives the writer it targets.
+//! * Every raw pointer handed to the kernel is bounds-checked against the
+//!   mapping it points into.
+
+pub mod file;
+pub mod mem;
+pub mod process;
+pub mod uring;
+
+use std::io;
+
+/// Turns a `-1`-on-error libc return value into an `io::Result`.
+fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+/// Same as [`check`] for `ssize_t` results.
+fn check_size(ret: libc::ssize_t) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}

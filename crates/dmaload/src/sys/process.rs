@@ -1,0 +1,40 @@
+//! Process-wide facts: CPU time, resource limits, kernel release.
+
+use std::io;
+use std::mem::MaybeUninit;
+use std::time::Duration;
+
+use super::check;
+
+/// User and system CPU time consumed by the whole process so far
+/// (`getrusage(RUSAGE_SELF)`: all threads, io_uring workers included).
+pub fn cpu_time() -> io::Result<(Duration, Duration)> {
+    let mut usage = MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `usage` is a writable rusage the kernel fills.
+    check(unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) })?;
+    // SAFETY: filled by a successful getrusage.
+    let usage = unsafe { usage.assume_init() };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, (t.tv_usec as u32) * 1000);
+    Ok((tv(usage.ru_utime), tv(usage.ru_stime)))
+}
+
+/// The soft `RLIMIT_MEMLOCK` in bytes (`None` when unlimited).
+pub fn memlock_limit() -> io::Result<Option<u64>> {
+    let mut lim = MaybeUninit::<libc::rlimit>::zeroed();
+    // SAFETY: `lim` is a writable rlimit the kernel fills.
+    check(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, lim.as_mut_ptr()) })?;
+    // SAFETY: filled by a successful getrlimit.
+    let lim = unsafe { lim.assume_init() };
+    Ok((lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur))
+}
+
+/// The running kernel's release string (`uname(2)`), e.g. "6.18.4".
+pub fn kernel_release() -> io::Result<String> {
+    let mut uts = MaybeUninit::<libc::utsname>::zeroed();
+    // SAFETY: `uts` is a writable utsname the kernel fills.
+    check(unsafe { libc::uname(uts.as_mut_ptr()) })?;
+    // SAFETY: filled by a successful uname.
+    let uts = unsafe { uts.assume_init() };
+    let bytes: Vec<u8> = uts.release.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}

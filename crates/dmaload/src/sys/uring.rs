@@ -1,0 +1,181 @@
+//! io_uring (Linux 5.1) reads into a mapping, with optional registered
+//! ("fixed") buffers in a sparse table (Linux 5.19).
+
+use std::io;
+use std::ops::Range;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use io_uring::{opcode, register, types, IoUring};
+
+use super::mem::MappingWriter;
+
+/// One finished request: the caller's tag and the kernel's result (bytes
+/// read, or a negative errno).
+#[derive(Debug, Clone, Copy)]
+pub struct Completion {
+    pub tag: u64,
+    pub result: i32,
+}
+
+/// An io_uring instance whose reads all land in one mapping.
+///
+/// It borrows the mapping's writer for its whole life and drains every
+/// in-flight request before it is dropped, so the kernel never writes into
+/// memory that has been unmapped or handed to Rust code.
+pub struct Ring<'m> {
+    ring: IoUring,
+    dst: MappingWriter<'m>,
+    in_flight: usize,
+}
+
+impl<'m> Ring<'m> {
+    /// `io_uring_setup(2)`. Asks for single-issuer, cooperative task-run
+    /// mode (Linux 6.0/6.1) and falls back to a plain ring on older kernels.
+    /// ENOSYS or EPERM here means io_uring is unavailable to this process
+    /// (old kernel, `kernel.io_uring_disabled`, or a seccomp filter).
+    pub fn new(entries: u32, dst: MappingWriter<'m>) -> io::Result<Self> {
+        let ring = match IoUring::builder()
+            .setup_single_issuer()
+            .setup_coop_taskrun()
+            .setup_defer_taskrun()
+            .build(entries)
+        {
+            Ok(ring) => ring,
+            Err(err) if err.raw_os_error() == Some(libc::EINVAL) => IoUring::new(entries)?,
+            Err(err) => return Err(err),
+        };
+        Ok(Ring { ring, dst, in_flight: 0 })
+    }
+
+    /// Creates an empty table of `slots` registered buffers
+    /// (`IORING_REGISTER_BUFFERS2` with the sparse flag, Linux 5.19).
+    pub fn register_slots(&mut self, slots: u32) -> io::Result<()> {
+        self.ring.submitter().register_buffers_sparse(slots)
+    }
+
+    /// Registers `range` of the mapping in `slot`, pinning its pages
+    /// (`IORING_REGISTER_BUFFERS_UPDATE`). Pinned pages count against
+    /// RLIMIT_MEMLOCK unless the process has CAP_IPC_LOCK; ENOMEM means the
+    /// limit is too low. A registered buffer can be at most 1 GiB.
+    pub fn register(&mut self, slot: u32, range: Range<usize>) -> io::Result<()> {
+        let iov = self.dst.iovec(&range);
+        // SAFETY: the iovec lies inside the mapping, which stays mapped for
+        // 'm, longer than this ring and therefore longer than the
+        // registration (unregistered when the ring fd closes at the latest).
+        unsafe { self.ring.submitter().register_buffers_update(slot, &[iov], None) }
+    }
+
+    /// Empties `slot`, unpinning its pages once no request uses them.
+    pub fn unregister(&mut self, slot: u32) -> io::Result<()> {
+        let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+        // SAFETY: an empty iovec clears the slot; nothing is pinned.
+        unsafe { self.ring.submitter().register_buffers_update(slot, &[empty], None) }
+    }
+
+    /// Queues a read of `range.len()` bytes at file `offset` into `range` of
+    /// the mapping, through registered buffer `slot` (which must hold the
+    /// whole range) when given. Submits first when the queue is full.
+    pub fn queue_read(
+        &mut self,
+        fd: BorrowedFd<'_>,
+        range: Range<usize>,
+        offset: u64,
+        slot: Option<u16>,
+        rw_flags: i32,
+        tag: u64,
+    ) -> io::Result<()> {
+        let (ptr, len) = self.dst.raw_range(&range);
+        let len = u32::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let fd = types::Fd(fd.as_raw_fd());
+        let entry = match slot {
+            Some(index) => {
+                opcode::ReadFixed::new(fd, ptr, len, index).offset(offset).rw_flags(rw_flags).build()
+            }
+            None => opcode::Read::new(fd, ptr, len).offset(offset).rw_flags(rw_flags).build(),
+        }
+        .user_data(tag);
+        if self.ring.submission().is_full() {
+            self.submit(0)?;
+        }
+        // SAFETY: the target range is inside the mapping kept alive by 'm;
+        // `Drop` waits for this request before the borrow can end. The file
+        // is referenced by the kernel from submission on, so `fd` may close.
+        unsafe { self.ring.submission().push(&entry) }
+            .map_err(|_| io::Error::other("io_uring submission queue full after submit"))?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Requests queued or running in the kernel.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Submits queued requests and waits until at least `want` completions
+    /// are ready (0: just submit). Retries on EINTR.
+    pub fn submit(&mut self, want: usize) -> io::Result<()> {
+        loop {
+            match self.ring.submit_and_wait(want.min(self.in_flight)) {
+                Ok(_) => return Ok(()),
+                Err(err) if err.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(err) if err.raw_os_error() == Some(libc::EBUSY) && want > 0 => {
+                    // The completion queue is full: the caller must reap first.
+                    return Ok(());
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// Moves the ready completions into `out`.
+    pub fn reap(&mut self, out: &mut Vec<Completion>) {
+        let before = out.len();
+        out.extend(
+            self.ring.completion().map(|cqe| Completion { tag: cqe.user_data(), result: cqe.result() }),
+        );
+        self.in_flight -= out.len() - before;
+    }
+}
+
+impl Drop for Ring<'_> {
+    fn drop(&mut self) {
+        // In-flight reads still target the mapping: wait for all of them.
+        let mut sink = Vec::new();
+        while self.in_flight > 0 {
+            if let Err(err) = self.submit(1) {
+                // Returning now would let the kernel write into memory that
+                // is about to be freed; there is no safe way on.
+                eprintln!("dmaload: io_uring wait failed with requests in flight: {err}");
+                std::process::abort();
+            }
+            sink.clear();
+            self.reap(&mut sink);
+        }
+    }
+}
+
+/// What this kernel's io_uring offers, for `dmaload info`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct UringProbe {
+    /// (opcode name, supported) for the opcodes dmaload uses.
+    pub opcodes: Vec<(&'static str, bool)>,
+    /// Whether a sparse registered-buffer table could be created.
+    pub sparse_buffers: Result<(), String>,
+}
+
+/// Creates a small ring and asks it which opcodes it supports
+/// (`IORING_REGISTER_PROBE`, Linux 5.6).
+pub fn probe() -> io::Result<UringProbe> {
+    let ring = IoUring::new(2)?;
+    let mut probe = register::Probe::new();
+    ring.submitter().register_probe(&mut probe)?;
+    let opcodes = vec![
+        ("READ", probe.is_supported(opcode::Read::CODE)),
+        ("READ_FIXED", probe.is_supported(opcode::ReadFixed::CODE)),
+        ("WRITE", probe.is_supported(opcode::Write::CODE)),
+        ("WRITE_FIXED", probe.is_supported(opcode::WriteFixed::CODE)),
+        ("FSYNC", probe.is_supported(opcode::Fsync::CODE)),
+    ];
+    let sparse_buffers = ring.submitter().register_buffers_sparse(1).map_err(|e| e.to_string());
+    Ok(UringProbe { opcodes, sparse_buffers })
+}

@@ -1,0 +1,181 @@
+//! What this machine can do, read from /proc, /sys and /dev (no unsafe):
+//! the facts behind `dmaload info` and the loader's up-front checks.
+
+use std::fs;
+use std::io;
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::sys;
+
+/// Bytes the kernel estimates can be allocated without swapping
+/// (`MemAvailable` in /proc/meminfo, Linux 3.14).
+pub fn memory_available() -> io::Result<u64> {
+    let meminfo = fs::read_to_string("/proc/meminfo")?;
+    meminfo_field(&meminfo, "MemAvailable:")
+        .ok_or_else(|| io::Error::other("no MemAvailable in /proc/meminfo"))
+}
+
+fn meminfo_field(meminfo: &str, name: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with(name))?;
+    let kib: u64 = line[name.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The selected value of a THP setting file such as
+/// /sys/kernel/mm/transparent_hugepage/enabled ("always [madvise] never").
+fn bracketed_choice(path: &str) -> Option<String> {
+    let text = fs::read_to_string(path).ok()?;
+    let start = text.find('[')? + 1;
+    let end = text[start..].find(']')? + start;
+    Some(text[start..end].to_owned())
+}
+
+/// Names filesystem magic numbers (`statfs.f_type`) dmaload cares about.
+pub fn filesystem_name(magic: i64) -> &'static str {
+    match magic {
+        0xEF53 => "ext4",
+        0x58465342 => "xfs",
+        0x9123683E => "btrfs",
+        0xF2F52010 => "f2fs",
+        0x01021994 => "tmpfs",
+        0x858458F6 => "ramfs",
+        0x794C7630 => "overlayfs",
+        0x65735546 => "fuse",
+        0x6969 => "nfs",
+        0xE0F5E1E2 => "erofs",
+        0x73717368 => "squashfs",
+        0x2FC12FC1 => "zfs",
+        0xFF534D42 => "cifs",
+        0x6E667364 => "nfsd",
+        _ => "other",
+    }
+}
+
+/// Whether a filesystem keeps its files in the page cache itself (tmpfs,
+/// ramfs): O_DIRECT there still copies from that cache, and evicting it
+/// would delete the data.
+pub fn is_memory_filesystem(magic: i64) -> bool {
+    matches!(filesystem_name(magic), "tmpfs" | "ramfs")
+}
+
+/// The capabilities report printed by `dmaload info`.
+#[derive(Debug, Serialize)]
+pub struct SystemInfo {
+    pub kernel: String,
+    pub io_uring: Result<sys::uring::UringProbe, String>,
+    /// Soft RLIMIT_MEMLOCK in bytes; `None` = unlimited.
+    pub memlock_limit: Option<u64>,
+    /// Whether pinned memory is exempt from RLIMIT_MEMLOCK (CAP_IPC_LOCK).
+    pub memlock_exempt: bool,
+    pub thp_anonymous: Option<String>,
+    pub thp_shmem: Option<String>,
+    pub memory_available: Option<u64>,
+    pub dma_heaps: Vec<String>,
+    pub udmabuf: bool,
+    pub udmabuf_size_limit_mb: Option<u64>,
+    pub path: Option<PathInfo>,
+}
+
+/// Facts about one file or directory that decide how it can be read.
+#[derive(Debug, Serialize)]
+pub struct PathInfo {
+    pub path: String,
+    pub filesystem: String,
+    pub filesystem_magic: String,
+    /// `statx(STATX_DIOALIGN)`: memory and offset alignment for O_DIRECT.
+    pub direct_io: DirectIoInfo,
+    pub rwf_dontcache: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(tag = "status", rename_all = "kebab-case")]
+pub enum DirectIoInfo {
+    Supported { memory_align: u32, offset_align: u32 },
+    Unsupported,
+    Unknown { reason: String },
+}
+
+/// Whether the process's effective capabilities include CAP_IPC_LOCK
+/// (bit 14 of CapEff in /proc/self/status).
+fn has_cap_ipc_lock() -> bool {
+    let Ok(status) = fs::read_to_string("/proc/self/status") else { return false };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 14) != 0)
+}
+
+/// Whether pages pinned by io_uring buffer registration can exceed the
+/// memlock limit: true with CAP_IPC_LOCK or an unlimited limit.
+pub fn memlock_exempt() -> bool {
+    has_cap_ipc_lock() || matches!(sys::process::memlock_limit(), Ok(None))
+}
+
+/// Gathers everything `dmaload info` shows; `path` adds per-file facts.
+pub fn info(path: Option<&Path>) -> io::Result<SystemInfo> {
+    let dma_heaps = match fs::read_dir("/dev/dma_heap") {
+        Ok(dir) => {
+            let mut names: Vec<String> =
+                dir.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into()).collect();
+            names.sort();
+            names
+        }
+        Err(_) => Vec::new(),
+    };
+    let udmabuf_size_limit_mb = fs::read_to_string("/sys/module/udmabuf/parameters/size_limit_mb")
+        .ok()
+        .and_then(|s| s.trim().parse().ok());
+    Ok(SystemInfo {
+        kernel: sys::process::kernel_release()?,
+        io_uring: sys::uring::probe().map_err(|e| e.to_string()),
+        memlock_limit: sys::process::memlock_limit()?,
+        memlock_exempt: memlock_exempt(),
+        thp_anonymous: bracketed_choice("/sys/kernel/mm/transparent_hugepage/enabled"),
+        thp_shmem: bracketed_choice("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        memory_available: memory_available().ok(),
+        dma_heaps,
+        udmabuf: Path::new("/dev/udmabuf").exists(),
+        udmabuf_size_limit_mb,
+        path: path.map(path_info).transpose()?,
+    })
+}
+
+fn path_info(path: &Path) -> io::Result<PathInfo> {
+    let file = fs::File::open(path)?;
+    let magic = sys::file::filesystem_magic(file.as_fd())?;
+    let direct_io = match sys::file::statx_dio_align(file.as_fd()) {
+        Ok(sys::file::DioAlignQuery::Supported(a)) => {
+            DirectIoInfo::Supported { memory_align: a.memory, offset_align: a.offset }
+        }
+        Ok(sys::file::DioAlignQuery::Unsupported) => DirectIoInfo::Unsupported,
+        Ok(sys::file::DioAlignQuery::Unknown) => {
+            DirectIoInfo::Unknown { reason: "kernel or filesystem does not report STATX_DIOALIGN".into() }
+        }
+        Err(e) => DirectIoInfo::Unknown { reason: format!("statx failed: {e}") },
+    };
+    let rwf_dontcache =
+        if file.metadata()?.is_file() { Some(sys::file::supports_dontcache(file.as_fd())) } else { None };
+    Ok(PathInfo {
+        path: path.display().to_string(),
+        filesystem: filesystem_name(magic).into(),
+        filesystem_magic: format!("{magic:#x}"),
+        direct_io,
+        rwf_dontcache,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meminfo_parses_kib() {
+        let text = "MemTotal:       24000000 kB\nMemAvailable:    1024 kB\n";
+        assert_eq!(meminfo_field(text, "MemAvailable:"), Some(1024 * 1024));
+        assert_eq!(meminfo_field(text, "Missing:"), None);
+    }
+}
