@@ -53,6 +53,15 @@ impl Error {
         self
     }
 
+    /// The same error with `note` added to its message (errors without an
+    /// OS error only: the OS error's number would be lost).
+    pub(crate) fn with_note(mut self, note: &str) -> Self {
+        if self.source.raw_os_error().is_none() {
+            self.source = io::Error::new(self.source.kind(), format!("{}{note}", self.source));
+        }
+        self
+    }
+
     pub fn kind(&self) -> ErrorKind {
         self.kind
     }

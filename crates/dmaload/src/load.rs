@@ -499,7 +499,13 @@ fn load_impl(
         }
         other => other,
     };
-    let (alloc, run, times, engine_wall) = filled?;
+    let (alloc, run, times, engine_wall) = filled.map_err(|err| match err.kind() {
+        ErrorKind::Truncated => match std::fs::metadata(path) {
+            Ok(meta) => err.with_note(&format!("; the file is now {} bytes", meta.len())),
+            Err(_) => err,
+        },
+        _ => err,
+    })?;
     if let Some(memfd) = &alloc.memfd {
         // Fix the size for sharing: udmabuf requires F_SEAL_SHRINK.
         sys::mem::add_seals(memfd.as_fd(), libc::F_SEAL_SHRINK | libc::F_SEAL_GROW)

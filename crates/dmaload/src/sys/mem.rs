@@ -52,7 +52,7 @@ impl Mapping {
     /// (`MADV_HUGEPAGE`, Linux 2.6.38).
     pub fn anonymous(len: usize, huge_pages: bool) -> io::Result<Mapping> {
         let map = Self::map(len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)?;
-        if huge_pages {
+        if huge_pages && len > 0 {
             // SAFETY: the range is exactly the mapping just created.
             check(unsafe { libc::madvise(map.ptr.as_ptr().cast(), map.len, libc::MADV_HUGEPAGE) })?;
         }

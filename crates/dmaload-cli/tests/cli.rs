@@ -1,0 +1,287 @@
+//! The `dmaload` binary end to end: reports, fallbacks forced by real
+//! process limits (RLIMIT_MEMLOCK, a seccomp filter), and error output.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn dmaload() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_dmaload"))
+}
+
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new().prefix("dmaload-cli-").tempdir_in(std::env::temp_dir()).unwrap()
+}
+
+/// A file of `len` bytes whose content depends on position.
+fn sample_file(dir: &Path, name: &str, len: usize) -> PathBuf {
+    let path = dir.join(name);
+    let bytes: Vec<u8> =
+        (0..len).map(|i| (i as u64).wrapping_mul(2_654_435_761).rotate_right(13) as u8).collect();
+    File::create(&path).unwrap().write_all(&bytes).unwrap();
+    path
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn skip(test: &str, reason: &str) {
+    eprintln!("SKIP {test}: {reason}");
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+}
+
+fn have(tool: &str) -> bool {
+    Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success())
+}
+
+#[test]
+fn load_json_reports_the_engine_and_a_correct_hash() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "model.bin", (3 << 20) + 17);
+    let out = dmaload().args(["load", "--json", "--hash"]).arg(&path).output().unwrap();
+    let report = json_of(&out);
+    assert_eq!(report["bytes"], (3 << 20) + 17);
+    assert_eq!(report["engine"], "uring-fixed");
+    assert_eq!(report["cache"], "bypass");
+    assert_eq!(report["fallbacks"].as_array().unwrap().len(), 0);
+    let expected = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap());
+    assert_eq!(report["hash"]["xxh3_64"], format!("{expected:016x}"));
+    // Piped stderr: no progress bar, no fallback lines.
+    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn load_text_report_names_engine_time_split_and_cache() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 1 << 20);
+    let out = dmaload().args(["load", "--offset", "5", "--length", "1000"]).arg(&path).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    for needle in [
+        "1000 bytes",
+        "at offset 5",
+        "uring-fixed",
+        "direct (O_DIRECT)",
+        "alloc",
+        "GiB/s",
+        "CPU",
+        "page cache",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
+    }
+}
+
+#[test]
+fn low_memlock_limit_falls_back_to_unregistered_io_uring() {
+    if !have("prlimit") {
+        return skip(
+            "low_memlock_limit_falls_back_to_unregistered_io_uring",
+            "prlimit (util-linux) not installed",
+        );
+    }
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 4 << 20);
+    // Root is exempt from RLIMIT_MEMLOCK through CAP_IPC_LOCK: drop it too.
+    let mut cmd = Command::new("prlimit");
+    cmd.arg("--memlock=65536:65536");
+    if is_root() {
+        if !have("setpriv") {
+            return skip("low_memlock_limit_falls_back_to_unregistered_io_uring", "setpriv not installed");
+        }
+        cmd.args(["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "--"]);
+    }
+    let out = cmd
+        .arg(env!("CARGO_BIN_EXE_dmaload"))
+        .args(["load", "--json", "--gather-size", "1M"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let report = json_of(&out);
+    assert_eq!(report["engine"], "uring", "{report}");
+    let reason = report["fallbacks"][0]["reason"].as_str().unwrap();
+    assert!(reason.contains("RLIMIT_MEMLOCK") && reason.contains("64 KiB"), "{reason}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("fallback uring-fixed -> uring"), "{stderr}");
+}
+
+/// Installs a seccomp filter that makes io_uring_setup fail with ENOSYS,
+/// as container runtimes do.
+#[cfg(target_arch = "x86_64")]
+fn deny_io_uring() -> std::io::Result<()> {
+    const AUDIT_ARCH_X86_64: u32 = 0xC000_003E;
+    const SYS_IO_URING_SETUP: u32 = 425;
+    const OFFSET_NR: u32 = 0;
+    const OFFSET_ARCH: u32 = 4;
+    let ld = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
+    let jeq = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
+    let ret = (libc::BPF_RET | libc::BPF_K) as u16;
+    let stmt = |code, k| libc::sock_filter { code, jt: 0, jf: 0, k };
+    let jump = |k, jt, jf| libc::sock_filter { code: jeq, jt, jf, k };
+    let mut filter = [
+        stmt(ld, OFFSET_ARCH),
+        jump(AUDIT_ARCH_X86_64, 1, 0),
+        stmt(ret, libc::SECCOMP_RET_ALLOW),
+        stmt(ld, OFFSET_NR),
+        jump(SYS_IO_URING_SETUP, 0, 1),
+        stmt(ret, libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
+        stmt(ret, libc::SECCOMP_RET_ALLOW),
+    ];
+    let prog = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_mut_ptr() };
+    // SAFETY: runs in the forked child before exec; prctl reads `prog`,
+    // which lives on this stack frame for the duration of the call.
+    unsafe {
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+            || libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &prog as *const libc::sock_fprog)
+                != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn io_uring_blocked_by_seccomp_falls_back_to_the_pread_pool() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", (2 << 20) + 3);
+    let mut cmd = dmaload();
+    cmd.args(["load", "--json", "--hash"]).arg(&path);
+    // SAFETY: deny_io_uring only makes async-signal-safe syscalls (prctl).
+    unsafe { cmd.pre_exec(deny_io_uring) };
+    let report = json_of(&cmd.output().unwrap());
+    assert_eq!(report["engine"], "pread-pool", "{report}");
+    let reason = report["fallbacks"][0]["reason"].as_str().unwrap();
+    assert!(reason.contains("io_uring is unavailable") && reason.contains("seccomp"), "{reason}");
+    let expected = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap());
+    assert_eq!(report["hash"]["xxh3_64"], format!("{expected:016x}"));
+}
+
+#[test]
+fn errors_name_the_path_and_cause_and_exit_nonzero() {
+    let dir = scratch();
+    let missing = dir.path().join("nope.safetensors");
+    let out = dmaload().arg("load").arg(&missing).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("open") && stderr.contains("nope.safetensors") && stderr.contains("No such file"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn unreadable_file_is_permission_denied() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "secret", 4096);
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o000)).unwrap();
+    let mut cmd = if is_root() {
+        if !have("setpriv") {
+            return skip(
+                "unreadable_file_is_permission_denied",
+                "root without setpriv cannot drop privileges",
+            );
+        }
+        // Root reads anything: run as nobody.
+        let mut cmd = Command::new("setpriv");
+        cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(env!("CARGO_BIN_EXE_dmaload"));
+        cmd
+    } else {
+        dmaload()
+    };
+    let out = cmd.arg("load").arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("secret") && stderr.contains("Permission denied"), "{stderr}");
+}
+
+#[test]
+fn direct_flag_refuses_to_fall_back_on_tmpfs() {
+    if !Path::new("/dev/shm").is_dir() {
+        return skip("direct_flag_refuses_to_fall_back_on_tmpfs", "no /dev/shm");
+    }
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let path = sample_file(dir.path(), "f", 10_000);
+    let out = dmaload().args(["load", "--direct"]).arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("O_DIRECT") && stderr.contains("tmpfs"), "{stderr}");
+    let out = dmaload().args(["load", "--json"]).arg(&path).output().unwrap();
+    assert_eq!(json_of(&out)["fallbacks"][0]["to"], "buffered");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fallback direct -> buffered"));
+}
+
+#[test]
+fn info_reports_kernel_io_uring_and_path_facts() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 10);
+    let info = json_of(&dmaload().args(["info", "--json"]).arg(&path).output().unwrap());
+    assert!(info["kernel"].as_str().unwrap().chars().next().unwrap().is_ascii_digit());
+    assert!(info["io_uring"]["Ok"]["opcodes"].is_array() || info["io_uring"]["Err"].is_string(), "{info}");
+    assert!(info["path"]["filesystem"].is_string());
+    assert!(info["path"]["direct_io"]["status"].is_string());
+    let text = dmaload().arg("info").output().unwrap();
+    let text = String::from_utf8(text.stdout).unwrap();
+    for needle in
+        ["kernel", "io_uring", "RLIMIT_MEMLOCK", "THP anonymous", "THP shmem", "dma-heap", "udmabuf"]
+    {
+        assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
+    }
+}
+
+#[test]
+fn demo_generates_a_sample_model_and_compares_two_loads() {
+    let dir = scratch();
+    let out = dmaload().args(["demo", "--size", "48M", "--cache-dir"]).arg(dir.path()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("content identical: yes"), "{text}");
+    assert!(text.contains("== default") && text.contains("== baseline"), "{text}");
+    // The model is generated once and reused.
+    let again = dmaload().args(["demo", "--size", "48M", "--cache-dir"]).arg(dir.path()).output().unwrap();
+    assert!(!String::from_utf8_lossy(&again.stderr).contains("generated"));
+}
+
+#[test]
+fn bench_load_emits_a_table_with_every_engine_and_the_baseline() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", (4 << 20) + 1);
+    let out =
+        dmaload().args(["bench", "load", "--repeat", "1", "--json", "--no-fio"]).arg(&path).output().unwrap();
+    let table = json_of(&out);
+    let rows = table["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
+    for name in [
+        "dmaload uring-fixed",
+        "dmaload uring",
+        "dmaload pread-pool",
+        "dmaload read",
+        "read, buffered (baseline)",
+    ] {
+        assert!(names.contains(&name), "{name} missing: {names:?}");
+    }
+    for row in rows {
+        assert!(row["median_gib_per_second"].as_f64().unwrap() > 0.0);
+        assert!(row["ratio_to_fio_best"].is_null());
+    }
+    let markdown =
+        dmaload().args(["bench", "load", "--repeat", "1", "--no-fio"]).arg(&path).output().unwrap();
+    let markdown = String::from_utf8(markdown.stdout).unwrap();
+    assert!(markdown.contains("| method |") && markdown.contains("× buffered"), "{markdown}");
+}

@@ -1,0 +1,71 @@
+//! Test files with known contents, written on the real filesystem.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+/// The byte at `offset` of every test file: a position hash, so a byte
+/// read from the wrong offset (or a zero page) does not match.
+pub fn pattern_byte(offset: u64) -> u8 {
+    let x = offset.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    ((x >> 32) ^ (x >> 17) ^ offset) as u8
+}
+
+/// Writes `len` pattern bytes to `path`.
+pub fn write_pattern_file(path: &Path, len: u64) {
+    let mut file = File::create(path).unwrap();
+    let mut block = vec![0u8; 1 << 20];
+    let mut offset = 0u64;
+    while offset < len {
+        let n = (len - offset).min(block.len() as u64) as usize;
+        for (i, byte) in block[..n].iter_mut().enumerate() {
+            *byte = pattern_byte(offset + i as u64);
+        }
+        file.write_all(&block[..n]).unwrap();
+        offset += n as u64;
+    }
+    file.sync_all().unwrap();
+}
+
+/// Asserts `bytes` equals the pattern from file offset `offset`, naming
+/// the first differing offset.
+pub fn assert_pattern(bytes: &[u8], offset: u64) {
+    if let Some(i) = bytes.iter().enumerate().position(|(i, &b)| b != pattern_byte(offset + i as u64)) {
+        panic!(
+            "byte {} (file offset {}) is {:#04x}, expected {:#04x}",
+            i,
+            offset + i as u64,
+            bytes[i],
+            pattern_byte(offset + i as u64)
+        );
+    }
+}
+
+/// xxh3-64 of a file read with plain buffered `read` calls: an independent
+/// reference for large loads.
+pub fn file_hash(path: &Path) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut file = File::open(path).unwrap();
+    let mut block = vec![0u8; 8 << 20];
+    loop {
+        let n = file.read(&mut block).unwrap();
+        if n == 0 {
+            break;
+        }
+        hasher.update(&block[..n]);
+    }
+    hasher.digest()
+}
+
+/// A scratch directory on the root filesystem (ext4 here, where O_DIRECT
+/// works), unlike /dev/shm which is tmpfs.
+pub fn scratch_dir() -> tempfile::TempDir {
+    let base = std::env::var_os("DMALOAD_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    tempfile::Builder::new().prefix("dmaload-test-").tempdir_in(base).unwrap()
+}
+
+/// Prints why a test is skipped, in the form the test log shows.
+pub fn skip(test: &str, reason: &str) {
+    eprintln!("SKIP {test}: {reason}");
+}

@@ -1,0 +1,222 @@
+//! Loads of real files on the real filesystem, every engine, checked
+//! against independently computed contents.
+
+mod common;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use dmaload::{CachePolicy, Engine, ErrorKind, IoMode, LoadOptions, MemoryKind};
+
+fn options(engine: Engine) -> LoadOptions {
+    // Small chunks and gathers so even small files span several of each.
+    LoadOptions { engine, chunk_size: 64 << 10, gather_size: 256 << 10, ..LoadOptions::default() }
+}
+
+const SMALL_SIZES: [u64; 6] = [0, 1, 4095, 4096, 4097, (1 << 20) + 1];
+
+#[test]
+fn every_engine_loads_every_small_size_exactly() {
+    let dir = scratch_dir();
+    for size in SMALL_SIZES {
+        let path = dir.path().join(format!("f{size}"));
+        write_pattern_file(&path, size);
+        for engine in Engine::ALL {
+            for memory in [MemoryKind::Memfd, MemoryKind::AnonymousThp] {
+                let opts = LoadOptions { memory, ..options(engine) };
+                let (buffer, report) = dmaload::load(&path, &opts).unwrap();
+                assert_eq!(buffer.len() as u64, size, "{engine:?} {size}");
+                assert_pattern(&buffer, 0);
+                assert_eq!(report.bytes, size);
+                assert_eq!(report.cache, CachePolicy::Bypass, "ext4 supports O_DIRECT");
+                let covered: usize = buffer.segments().iter().map(|s| s.len).sum();
+                assert_eq!(covered, buffer.len());
+                assert_eq!(buffer.memfd().is_some(), memory == MemoryKind::Memfd);
+            }
+        }
+    }
+}
+
+#[test]
+fn large_file_with_odd_tail_matches_its_hash_with_every_engine() {
+    let dir = scratch_dir();
+    let path = dir.path().join("large");
+    let size = (300 << 20) + 12_345;
+    write_pattern_file(&path, size);
+    let expected = file_hash(&path);
+    for engine in Engine::ALL {
+        dmaload::pagecache::evict(&path).unwrap();
+        // Default chunk and gather sizes: the pipeline runs over 3 gathers.
+        let opts = LoadOptions { engine, ..LoadOptions::default() };
+        let (buffer, report) = dmaload::load(&path, &opts).unwrap();
+        assert_eq!(buffer.len() as u64, size);
+        assert_eq!(xxhash_rust::xxh3::xxh3_64(&buffer), expected, "{engine:?}");
+        assert_eq!(report.cache, CachePolicy::Bypass);
+        assert_eq!(buffer.segments().len(), 3);
+        assert!(report.page_cache.fraction < 0.01, "direct I/O left {:?} cached", report.page_cache);
+    }
+}
+
+#[test]
+fn ranges_at_unaligned_offsets_load_exactly() {
+    let dir = scratch_dir();
+    let path = dir.path().join("ranged");
+    let size = (2 << 20) + 333;
+    write_pattern_file(&path, size);
+    let ranges =
+        [(0, 1), (1, 10), (4095, 4098), (5000, (1 << 20) + 3), (size - 1, 1), (size, 0), (777, size - 777)];
+    for engine in Engine::ALL {
+        for mode in [IoMode::Auto, IoMode::Buffered] {
+            for (offset, len) in ranges {
+                let opts = LoadOptions { mode, ..options(engine) };
+                let (buffer, report) = dmaload::load_range(&path, offset, len, &opts).unwrap();
+                assert_eq!(buffer.len() as u64, len, "{engine:?} {offset}+{len}");
+                assert_pattern(&buffer, offset);
+                assert_eq!(report.offset, offset);
+                if mode == IoMode::Auto {
+                    // Direct reads start at an aligned offset at or before the range.
+                    assert!(buffer.memfd_offset() < report.alignment);
+                    assert_eq!((offset - buffer.memfd_offset() as u64) % report.alignment as u64, 0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn range_past_the_end_is_an_error_naming_the_size() {
+    let dir = scratch_dir();
+    let path = dir.path().join("short");
+    write_pattern_file(&path, 10_000);
+    let err = dmaload::load_range(&path, 9_000, 2_000, &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Truncated);
+    assert_eq!(err.offset(), Some(10_000));
+    assert!(err.to_string().contains("10000 bytes"), "{err}");
+    let err = dmaload::load_range(&path, 20_000, 1, &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    assert_eq!(err.offset(), Some(20_000));
+}
+
+#[test]
+fn buffered_modes_read_the_same_bytes_and_control_the_page_cache() {
+    let dir = scratch_dir();
+    let path = dir.path().join("buffered");
+    let size = (8 << 20) + 5;
+    write_pattern_file(&path, size);
+    for (mode, expect_cached) in [(IoMode::Buffered, true), (IoMode::DontCache, false)] {
+        dmaload::pagecache::evict(&path).unwrap();
+        let (buffer, report) = dmaload::load(&path, &LoadOptions { mode, ..options(Engine::Uring) }).unwrap();
+        assert_pattern(&buffer, 0);
+        assert_eq!(report.alignment, 1);
+        if expect_cached {
+            assert_eq!(report.cache, CachePolicy::Keep);
+            assert!(report.page_cache.fraction > 0.99, "{:?}", report.page_cache);
+        } else {
+            assert!(matches!(report.cache, CachePolicy::DontCache | CachePolicy::Fadvise));
+            assert!(report.page_cache.fraction < 0.01, "{:?} left {:?}", report.cache, report.page_cache);
+        }
+    }
+}
+
+#[test]
+fn tmpfs_falls_back_to_buffered_and_says_why() {
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        return skip("tmpfs_falls_back_to_buffered_and_says_why", "/dev/shm does not exist");
+    }
+    let dir = tempfile::tempdir_in(shm).unwrap();
+    let path = dir.path().join("on-tmpfs");
+    write_pattern_file(&path, 100_003);
+    let (buffer, report) = dmaload::load(&path, &LoadOptions::default()).unwrap();
+    assert_pattern(&buffer, 0);
+    assert_eq!(report.filesystem, "tmpfs");
+    assert_eq!(report.cache, CachePolicy::Keep);
+    assert_eq!(report.fallbacks.len(), 1);
+    assert!(report.fallbacks[0].reason.contains("tmpfs"), "{:?}", report.fallbacks);
+
+    let err =
+        dmaload::load(&path, &LoadOptions { mode: IoMode::Direct, ..LoadOptions::default() }).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::DirectIoUnavailable);
+    assert!(err.to_string().contains("on-tmpfs"), "{err}");
+}
+
+#[test]
+fn missing_file_and_directory_are_errors_naming_the_path() {
+    let dir = scratch_dir();
+    let missing = dir.path().join("does-not-exist");
+    let err = dmaload::load(&missing, &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+    assert_eq!(err.op(), "open");
+    assert!(err.to_string().contains("does-not-exist"), "{err}");
+
+    let err = dmaload::load(dir.path(), &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EISDIR));
+    assert!(err.to_string().contains(&*dir.path().to_string_lossy()), "{err}");
+}
+
+#[test]
+fn invalid_options_are_rejected_before_any_io() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_pattern_file(&path, 10);
+    for opts in [
+        LoadOptions { queue_depth: 0, ..LoadOptions::default() },
+        LoadOptions { chunk_size: 0, ..LoadOptions::default() },
+        LoadOptions { threads: 0, ..LoadOptions::default() },
+    ] {
+        let err = dmaload::load(&path, &opts).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{opts:?}");
+    }
+}
+
+#[test]
+fn file_larger_than_available_memory_is_refused_before_allocating() {
+    let dir = scratch_dir();
+    let path = dir.path().join("sparse-huge");
+    let available = dmaload::system::memory_available().unwrap();
+    // A sparse file costs no disk space.
+    let file = std::fs::File::create(&path).unwrap();
+    file.set_len(available + (1 << 30)).unwrap();
+    let err = dmaload::load(&path, &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    assert_eq!(err.errno(), libc::ENOMEM);
+    assert!(err.to_string().contains("MemAvailable"), "{err}");
+}
+
+#[test]
+fn file_truncated_during_the_load_is_an_error_never_a_buffer() {
+    let dir = scratch_dir();
+    for engine in Engine::ALL {
+        let path = dir.path().join(format!("shrinking-{}", engine.name()));
+        let size = 16u64 << 20;
+        let cut = (3 << 20) + (1 << 19);
+        write_pattern_file(&path, size);
+        let truncated = Arc::new(AtomicBool::new(false));
+        let (flag, victim) = (truncated.clone(), path.clone());
+        let opts = LoadOptions {
+            chunk_size: 1 << 20,
+            gather_size: 4 << 20,
+            queue_depth: 2,
+            threads: 2,
+            // The first finished chunk shrinks the file under the loader.
+            progress: Some(Arc::new(move |_done, _total| {
+                if !flag.swap(true, Ordering::SeqCst) {
+                    std::fs::OpenOptions::new().write(true).open(&victim).unwrap().set_len(cut).unwrap();
+                }
+            })),
+            ..options(engine)
+        };
+        let err = dmaload::load(&path, &opts).unwrap_err();
+        assert!(truncated.load(Ordering::SeqCst));
+        assert_eq!(err.kind(), ErrorKind::Truncated, "{engine:?}: {err}");
+        let at = err.offset().expect("truncation names an offset");
+        assert!(at >= cut && at < size, "{engine:?}: offset {at}");
+        let message = err.to_string();
+        assert!(
+            message.contains(&*path.to_string_lossy()) && message.contains(&cut.to_string()),
+            "{message}"
+        );
+    }
+}
