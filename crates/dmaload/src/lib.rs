@@ -13,6 +13,7 @@
 pub mod buffer;
 pub mod engine;
 pub mod error;
+pub mod format;
 pub mod heap;
 pub mod load;
 pub mod pagecache;
