@@ -1,0 +1,32 @@
+"""dmaload: load huge files into shareable memory at the speed of the disk.
+
+>>> import dmaload, numpy as np
+>>> with dmaload.load("weights.bin") as buf:          # doctest: +SKIP
+...     arr = np.frombuffer(buf, dtype=np.uint8)      # zero-copy view
+...     print(len(buf), buf.report.gib_per_second)
+...     del arr                                       # views must go before close
+
+``dmaload.safetensors`` loads safetensors files (or sharded models) into
+NumPy arrays or PyTorch tensors that are views of one buffer per file.
+"""
+
+from __future__ import annotations
+
+from . import safetensors
+from ._dmaload import Buffer, SafetensorError, __version__
+from ._load import load, load_range
+from ._options import LoadOptions
+from ._report import Fallback, LoadReport, PageCacheResidency
+
+__all__ = [
+    "Buffer",
+    "Fallback",
+    "LoadOptions",
+    "LoadReport",
+    "PageCacheResidency",
+    "SafetensorError",
+    "__version__",
+    "load",
+    "load_range",
+    "safetensors",
+]

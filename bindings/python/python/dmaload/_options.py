@@ -1,0 +1,59 @@
+"""Load options shared by every entry point."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, TypedDict, Union
+
+Engine = Literal["uring-fixed", "uring", "pread-pool", "read"]
+Mode = Literal["auto", "direct", "buffered", "dontcache"]
+Memory = Literal["memfd", "anonymous-thp"]
+Size = Union[int, str]
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class LoadOptions(TypedDict, total=False):
+    """Keyword options of every load (all optional; the defaults are the core's).
+
+    engine: how the file is read (default ``"uring-fixed"``).
+    mode: ``"auto"`` (direct I/O, else buffered without page-cache residue),
+        ``"direct"`` (or an error), ``"buffered"`` or ``"dontcache"``.
+    memory: ``"memfd"`` (shareable by fd, the default) or ``"anonymous-thp"``.
+    gather_size, chunk_size: bytes (an int, or a string such as ``"128M"``).
+    queue_depth: requests in flight (io_uring engines).
+    threads: threads of the pread-pool engine.
+    """
+
+    engine: Engine
+    mode: Mode
+    memory: Memory
+    gather_size: Size
+    chunk_size: Size
+    queue_depth: int
+    threads: int
+
+
+def parse_size(value: Size) -> int:
+    """``4096``, ``"4096"``, ``"4K"``, ``"128M"``, ``"1G"`` (binary units)."""
+    if isinstance(value, bool):
+        raise TypeError("a size must be an int or a string such as '128M'")
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"invalid size {value!r} (expected bytes, or a number with K, M, G or T)")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def native_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    """Checks option names and converts sizes for the native module."""
+    allowed = LoadOptions.__annotations__.keys()
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(f"unknown load option(s): {', '.join(unknown)} (known: {', '.join(allowed)})")
+    out = dict(options)
+    for key in ("gather_size", "chunk_size"):
+        if out.get(key) is not None:
+            out[key] = parse_size(out[key])
+    return out

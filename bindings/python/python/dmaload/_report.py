@@ -1,0 +1,78 @@
+"""The report of a load, as dataclasses (built from the native module's JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Fallback", "LoadReport", "PageCacheResidency"]
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A path the loader did not take, and why (e.g. direct -> buffered)."""
+
+    from_: str
+    to: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PageCacheResidency:
+    """How much of the loaded range is in the page cache after the load."""
+
+    resident_bytes: int = 0
+    fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did and how long each part took (see the Rust `LoadReport`).
+
+    Fields the native library reports but this version does not know are
+    kept in ``extra``.
+    """
+
+    path: str = ""
+    offset: int = 0
+    bytes: int = 0
+    engine: str = ""
+    cache: str = ""
+    memory: str = ""
+    filesystem: str = ""
+    alignment: int = 0
+    chunk_size: int = 0
+    gather_size: int = 0
+    queue_depth: int = 0
+    fallbacks: tuple[Fallback, ...] = ()
+    alloc_seconds: float = 0.0
+    first_gather_seconds: float = 0.0
+    io_seconds: float = 0.0
+    waited_for_memory_seconds: float = 0.0
+    total_seconds: float = 0.0
+    gib_per_second: float = 0.0
+    cpu_user_seconds: float = 0.0
+    cpu_system_seconds: float = 0.0
+    page_cache: PageCacheResidency = field(default_factory=PageCacheResidency)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, text: str) -> LoadReport:
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in known}
+        kwargs["fallbacks"] = tuple(
+            Fallback(from_=f.get("from", ""), to=f.get("to", ""), reason=f.get("reason", ""))
+            for f in data.get("fallbacks", ())
+        )
+        pc = data.get("page_cache") or {}
+        kwargs["page_cache"] = PageCacheResidency(
+            resident_bytes=int(pc.get("resident_bytes", 0)), fraction=float(pc.get("fraction", 0.0))
+        )
+        kwargs["extra"] = {k: v for k, v in data.items() if k not in known}
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,426 @@
+"""safetensors files into NumPy arrays or PyTorch tensors, at disk speed.
+
+A drop-in for ``safetensors.numpy.load_file`` / ``safetensors.torch.load_file``
+and ``safetensors.safe_open``::
+
+    from dmaload.safetensors import load_file          # or: safe_open
+    tensors = load_file("model.safetensors", framework="pt")
+
+Each file is loaded whole, with the GIL released, into one :class:`dmaload.Buffer`
+(memfd memory, direct I/O where the filesystem allows), and every tensor is
+a view of that buffer: no per-tensor copy. The views keep the buffer alive;
+the buffer is freed when the last of them goes, and its memory is never
+reused while any view exists (``Buffer.close()`` refuses then).
+
+``path`` may be a file, a ``*.safetensors.index.json`` or a directory (its
+``model.safetensors.index.json``, else all its ``*.safetensors`` files): the
+shards are loaded concurrently.
+
+The header is untrusted input: anything malformed raises
+:class:`dmaload.SafetensorError` saying what is wrong and at which byte.
+
+Dtypes (all that safetensors defines):
+
+========================  =========================  ==================================
+safetensors               NumPy (``framework="np"``)   PyTorch (``framework="pt"``)
+========================  =========================  ==================================
+BOOL, U8..U64, I8..I64,   the same type               the same type (U16/U32/U64 need
+F16, F32, F64, C64                                    torch >= 2.3)
+BF16                      ``ml_dtypes.bfloat16`` if   ``torch.bfloat16``
+                          installed, else ``uint16``
+                          (the raw bits)
+F8_E4M3, F8_E5M2,         ``ml_dtypes`` float8 type   ``torch.float8_*`` (torch >= 2.1;
+F8_E4M3FNUZ,              if installed, else          E8M0 needs ``float8_e8m0fnu``)
+F8_E5M2FNUZ, F8_E8M0      ``uint8`` (raw bits)
+F4                        ``uint8``, 1-D raw bytes    ``float4_e2m1fn_x2`` (last dim
+                          (two values per byte)       halved) if available, else raw
+F6_E2M3, F6_E3M2          ``uint8``, 1-D raw bytes    ``uint8``, 1-D raw bytes
+========================  =========================  ==================================
+
+Any dtype the framework lacks comes back as its raw bytes (uint8) rather
+than failing. A tensor whose offset is not a multiple of its element size
+(never the case in files written by safetensors) is copied for PyTorch,
+which requires aligned storage; NumPy views it in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal, Union, Unpack
+
+from .. import _dmaload
+from .._dmaload import Buffer, SafetensorError
+from .._options import LoadOptions, native_kwargs
+from .._progress import Progress, resolve
+from .._report import LoadReport
+
+__all__ = ["SafeOpen", "SafetensorError", "TensorInfo", "load_file", "safe_open", "shard_paths"]
+
+Framework = Literal["np", "numpy", "pt", "torch"]
+StrPath = Union[str, "os.PathLike[str]"]
+TensorInfo = tuple[str, str, tuple[int, ...], int, int]
+"""(name, dtype, shape, begin, end): offsets relative to the data section."""
+
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_CONCURRENCY = 4
+
+
+def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
+    """The files a model path stands for, and the index's weight map (if any).
+
+    A file is itself; a ``*.json`` is an index whose ``weight_map`` names
+    the shards (relative to the index); a directory is its
+    ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json``)
+    else all of its ``*.safetensors`` files in name order.
+    """
+    p = Path(path)
+    if p.is_dir():
+        indexes = sorted(p.glob("*.safetensors.index.json"))
+        if (p / INDEX_NAME).is_file():
+            return shard_paths(p / INDEX_NAME)
+        if len(indexes) == 1:
+            return shard_paths(indexes[0])
+        files = sorted(f for f in p.glob("*.safetensors") if f.is_file())
+        if not files:
+            raise FileNotFoundError(2, "no *.safetensors files in directory", str(p))
+        return files, None
+    if p.suffix == ".json":
+        try:
+            index = json.loads(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SafetensorError(f"{p}: invalid index JSON: {exc}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise SafetensorError(f"{p}: index has no weight_map of tensor name -> file name")
+        files: list[Path] = []
+        for name in dict.fromkeys(weight_map.values()):
+            shard = Path(name)
+            if shard.is_absolute() or ".." in shard.parts:
+                raise SafetensorError(f"{p}: shard {name!r} is outside the index's directory")
+            files.append(p.parent / shard)
+        return files, dict(weight_map)
+    return [p], None
+
+
+class _File:
+    """One loaded file: its buffer, a memoryview of it, and its tensor table."""
+
+    def __init__(self, buffer: Buffer, header: tuple[list[Any], dict[str, str] | None, int]) -> None:
+        tensors, metadata, data_start = header
+        self.buffer = buffer
+        self.view = memoryview(buffer)
+        self.metadata = metadata
+        self.data_start = data_start
+        self.tensors: dict[str, TensorInfo] = {
+            name: (name, dtype, tuple(shape), begin, end) for name, dtype, shape, begin, end in tensors
+        }
+        self._torch_base: Any = None
+
+    # NumPy ----------------------------------------------------------------
+    def numpy(self, name: str) -> Any:
+        import numpy as np
+
+        _, dtype, shape, begin, end = self.tensors[name]
+        np_dtype, raw = _numpy_dtype(dtype)
+        offset = self.data_start + begin
+        if raw:
+            return np.frombuffer(self.view, dtype=np.uint8, count=end - begin, offset=offset)
+        count = _product(shape)
+        if count == 0:
+            return np.empty(shape, dtype=np_dtype)
+        return np.frombuffer(self.view, dtype=np_dtype, count=count, offset=offset).reshape(shape)
+
+    # PyTorch --------------------------------------------------------------
+    def torch(self, name: str) -> Any:
+        import torch
+
+        _, dtype, shape, begin, end = self.tensors[name]
+        t_dtype, t_shape = _torch_dtype(torch, dtype, shape)
+        if end == begin:
+            return torch.empty(t_shape if t_dtype is not None else (0,), dtype=t_dtype or torch.uint8)
+        if self._torch_base is None:
+            # One uint8 tensor over the whole file. torch.frombuffer keeps a
+            # reference to the memoryview, which holds an export of the
+            # buffer: the buffer cannot be closed while any tensor lives.
+            self._torch_base = torch.frombuffer(self.view, dtype=torch.uint8)
+        raw = self._torch_base[self.data_start + begin : self.data_start + end]
+        if t_dtype is None:
+            return raw
+        itemsize = t_dtype.itemsize
+        if (self.data_start + begin) % itemsize != 0:
+            raw = raw.clone()  # torch requires aligned storage for wider types
+        return raw.view(t_dtype).view(t_shape)
+
+    def tensor(self, name: str, framework: str) -> Any:
+        return self.torch(name) if framework == "pt" else self.numpy(name)
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+_NUMPY_NATIVE = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "F16": "float16",
+    "U32": "uint32",
+    "I32": "int32",
+    "F32": "float32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F64": "float64",
+    "C64": "complex64",
+}
+_ML_DTYPES = {
+    "BF16": ("bfloat16", "uint16"),
+    "F8_E4M3": ("float8_e4m3fn", "uint8"),
+    "F8_E5M2": ("float8_e5m2", "uint8"),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", "uint8"),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", "uint8"),
+    "F8_E8M0": ("float8_e8m0fnu", "uint8"),
+}
+
+
+def _numpy_dtype(dtype: str) -> tuple[Any, bool]:
+    """(NumPy dtype, whether the tensor is returned as 1-D raw bytes)."""
+    import numpy as np
+
+    little = "<"  # safetensors is little-endian
+    if dtype in _NUMPY_NATIVE:
+        return np.dtype(_NUMPY_NATIVE[dtype]).newbyteorder(little), False
+    if dtype in _ML_DTYPES:
+        name, fallback = _ML_DTYPES[dtype]
+        try:
+            import ml_dtypes
+
+            return np.dtype(getattr(ml_dtypes, name)), False
+        except (ImportError, AttributeError):
+            return np.dtype(fallback).newbyteorder(little), False
+    return np.dtype(np.uint8), True
+
+
+_TORCH = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+    "I32": "int32",
+    "F32": "float32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+def _torch_dtype(torch: Any, dtype: str, shape: tuple[int, ...]) -> tuple[Any, tuple[int, ...]]:
+    """(torch dtype, shape of the returned tensor); dtype None means the raw
+    bytes as a 1-D uint8 tensor."""
+    if dtype == "F4":
+        if shape and shape[-1] % 2 == 0 and hasattr(torch, "float4_e2m1fn_x2"):
+            return torch.float4_e2m1fn_x2, (*shape[:-1], shape[-1] // 2)
+        return None, (-1,)
+    name = _TORCH.get(dtype)
+    t = getattr(torch, name, None) if name else None
+    if t is not None:
+        return t, shape
+    if dtype.startswith("F8"):
+        return torch.uint8, shape  # the raw bits, same shape
+    return None, (-1,)  # F6, or U16/U32/U64 before torch 2.3
+
+
+def _framework(framework: str) -> str:
+    if framework in ("np", "numpy"):
+        return "np"
+    if framework in ("pt", "torch"):
+        return "pt"
+    raise ValueError(f"unsupported framework {framework!r} (expected 'np' or 'pt')")
+
+
+def _check_device(framework: str, device: Any) -> None:
+    if framework == "np" and str(device) != "cpu":
+        raise ValueError(f"framework='np' loads to the CPU only, not device={device!r}")
+
+
+def _load_files(
+    paths: list[Path], progress: Progress, concurrency: int, options: dict[str, Any]
+) -> list[_File]:
+    desc = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
+    callback, finish = resolve(progress, desc)
+    try:
+        loaded = _dmaload.load_safetensors(
+            [os.fspath(p) for p in paths],
+            concurrency=concurrency,
+            progress=callback,
+            **native_kwargs(options),
+        )
+    finally:
+        finish()
+    return [_File(buffer, header) for buffer, header in loaded]
+
+
+class SafeOpen:
+    """A loaded safetensors file (or sharded model), like ``safetensors.safe_open``.
+
+    The files are loaded when it is opened; ``keys()``, ``metadata()`` and
+    ``get_tensor()`` then only build views. Leaving the ``with`` block drops
+    this object's hold on the buffers: tensors taken from it stay valid and
+    keep their buffer alive.
+    """
+
+    def __init__(
+        self,
+        path: StrPath,
+        framework: Framework = "np",
+        device: Any = "cpu",
+        *,
+        progress: Progress = None,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        **options: Unpack[LoadOptions],
+    ) -> None:
+        self._framework = _framework(framework)
+        _check_device(self._framework, device)
+        self._device = device
+        paths, weight_map = shard_paths(path)
+        self._files = _load_files(paths, progress, concurrency, dict(options))
+        self._index: dict[str, _File] = {}
+        for f in self._files:
+            for name in f.tensors:
+                if name in self._index:
+                    raise SafetensorError(
+                        f"tensor {name!r} is in both {self._index[name].buffer.path} and {f.buffer.path}"
+                    )
+                self._index[name] = f
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                f = self._index.get(name)
+                if f is None or Path(f.buffer.path).name != Path(shard).name:
+                    raise SafetensorError(f"index says tensor {name!r} is in {shard!r}, but it is not there")
+        self._closed = False
+
+    def __enter__(self) -> SafeOpen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drops this object's references; tensors already taken stay valid."""
+        self._files = []
+        self._index = {}
+        self._closed = True
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ValueError("operation on a closed safe_open")
+
+    def keys(self) -> list[str]:
+        """Tensor names, sorted (as safetensors returns them)."""
+        self._check()
+        return sorted(self._index)
+
+    def offset_keys(self) -> list[str]:
+        """Tensor names in the order of their data in the files."""
+        self._check()
+        return [name for f in self._files for name in f.tensors]
+
+    def metadata(self) -> dict[str, str] | None:
+        """The ``__metadata__`` of the (first) file, or None."""
+        self._check()
+        return self._files[0].metadata if self._files else None
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """(name, dtype, shape, begin, end) of a tensor."""
+        self._check()
+        return self._file(name).tensors[name]
+
+    def _file(self, name: str) -> _File:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"no tensor named {name!r}") from None
+
+    def get_tensor(self, name: str) -> Any:
+        """The tensor called ``name``: a view of the loaded buffer."""
+        self._check()
+        t = self._file(name).tensor(name, self._framework)
+        if self._framework == "pt" and str(self._device) != "cpu":
+            t = t.to(self._device)
+        return t
+
+    def get_tensors(self) -> dict[str, Any]:
+        """All tensors, in file order."""
+        return {name: self.get_tensor(name) for name in self.offset_keys()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    @property
+    def buffers(self) -> list[Buffer]:
+        """The loaded buffers, one per file."""
+        return [f.buffer for f in self._files]
+
+    @property
+    def reports(self) -> list[LoadReport]:
+        """The load reports, one per file."""
+        return [f.buffer.report for f in self._files]
+
+
+def safe_open(
+    path: StrPath,
+    framework: Framework = "np",
+    device: Any = "cpu",
+    *,
+    progress: Progress = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    **options: Unpack[LoadOptions],
+) -> SafeOpen:
+    """Opens (loads) a safetensors file or sharded model; see :class:`SafeOpen`."""
+    return SafeOpen(path, framework, device, progress=progress, concurrency=concurrency, **options)
+
+
+def load_file(
+    path: StrPath,
+    device: Any = "cpu",
+    framework: Framework = "np",
+    *,
+    progress: Progress = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    **options: Unpack[LoadOptions],
+) -> dict[str, Any]:
+    """All tensors of a safetensors file (or sharded model) as a dict, like
+    ``safetensors.numpy.load_file`` / ``safetensors.torch.load_file``.
+
+    ``framework`` is ``"np"`` (NumPy arrays) or ``"pt"`` (PyTorch tensors);
+    ``device`` other than ``"cpu"`` (PyTorch only) copies each tensor there
+    after the load. See the module doc for dtypes and lifetimes.
+    """
+    with safe_open(path, framework, device, progress=progress, concurrency=concurrency, **options) as f:
+        return f.get_tensors()
+

@@ -1,0 +1,26 @@
+"""``safetensors.torch``-compatible entry points: swap the import, keep the code."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Union, Unpack
+
+from .._options import LoadOptions
+from .._progress import Progress
+from . import DEFAULT_CONCURRENCY
+from . import load_file as _load_file
+
+__all__ = ["load_file"]
+
+
+def load_file(
+    filename: Union[str, "os.PathLike[str]"],
+    device: Any = "cpu",
+    *,
+    progress: Progress = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    **options: Unpack[LoadOptions],
+) -> dict[str, Any]:
+    """Like ``safetensors.torch.load_file``: a dict of PyTorch tensors, each a
+    view of the loaded file on the CPU (copied to ``device`` otherwise)."""
+    return _load_file(filename, device, "pt", progress=progress, concurrency=concurrency, **options)

@@ -1,0 +1,605 @@
+//! `dmaload._dmaload`: the native half of the `dmaload` Python package.
+//!
+//! The pure-Python package in `python/dmaload` is the public API; this
+//! module holds what must be native: the [`Buffer`] type with the buffer
+//! protocol, and loads that run with the GIL released.
+//!
+//! The only `unsafe` code is the buffer protocol (`__getbuffer__` and
+//! `__releasebuffer__`, which PyO3 requires to be `unsafe fn`) and the
+//! function that fills a `Py_buffer`, all in [`Buffer`]'s methods.
+#![deny(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::ffi::{c_int, c_void};
+use std::os::fd::{AsRawFd, IntoRawFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dmaload::format::safetensors as st;
+use dmaload::{Engine, IoMode, LoadOptions, LoadReport, MemoryKind};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyBufferError, PyOSError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+create_exception!(
+    _dmaload,
+    SafetensorError,
+    PyValueError,
+    "A malformed safetensors file: the message says what is wrong and at which byte."
+);
+
+/// Bytes loaded from a file, in memfd (or anonymous) memory.
+///
+/// The bytes are exported through the buffer protocol without copying.
+/// While any export (memoryview, numpy array, tensor) exists the buffer
+/// cannot be closed; once closed it exports nothing.
+#[pyclass(module = "dmaload._dmaload", name = "Buffer", weakref)]
+pub struct Buffer {
+    /// Owns the mapping and the memfd; `None` once closed.
+    inner: Option<dmaload::Buffer>,
+    /// Address and length of the bytes, taken once when the buffer was
+    /// created: Rust never forms a reference to the bytes afterwards, since
+    /// Python may write through exports at any time.
+    addr: usize,
+    len: usize,
+    exports: AtomicUsize,
+    path: PathBuf,
+    report_json: String,
+    report: Option<Py<PyAny>>,
+}
+
+impl Buffer {
+    fn new(mut buffer: dmaload::Buffer, report: &LoadReport) -> Buffer {
+        let bytes: &mut [u8] = &mut buffer;
+        let (addr, len) = (bytes.as_mut_ptr() as usize, bytes.len());
+        Buffer {
+            inner: Some(buffer),
+            addr,
+            len,
+            exports: AtomicUsize::new(0),
+            path: report.path.clone(),
+            report_json: serde_json::to_string(report).unwrap_or_else(|_| "{}".into()),
+            report: None,
+        }
+    }
+
+    fn open(&self) -> PyResult<&dmaload::Buffer> {
+        self.inner.as_ref().ok_or_else(|| PyValueError::new_err("operation on a closed Buffer"))
+    }
+}
+
+#[pymethods]
+impl Buffer {
+    fn __len__(&self) -> usize {
+        if self.inner.is_some() {
+            self.len
+        } else {
+            0
+        }
+    }
+
+    /// Exports the bytes: one-dimensional, unsigned bytes (`"B"`), C
+    /// contiguous, writable.
+    #[allow(unsafe_code)]
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("NULL Py_buffer"));
+        }
+        let (addr, len) = {
+            let this = slf.borrow();
+            if this.inner.is_none() {
+                return Err(PyValueError::new_err("operation on a closed Buffer"));
+            }
+            this.exports.fetch_add(1, Ordering::AcqRel);
+            (this.addr, this.len)
+        };
+        // SAFETY: `view` is non-null and CPython hands us a Py_buffer to
+        // fill. `addr..addr + len` is the buffer's mapping, which stays
+        // mapped until `close()` or drop: `close()` refuses while `exports`
+        // is non-zero (incremented above, decremented in
+        // `__releasebuffer__`), and drop cannot happen while `view.obj`
+        // holds the strong reference stored here. The mapping is
+        // PROT_READ|PROT_WRITE, so handing out a writable buffer is sound;
+        // Rust itself never reads or writes the bytes after `Buffer::new`.
+        // `format`, `shape` and `strides` point at a static string and at
+        // fields of `*view` itself, as CPython's own bytes-like objects do.
+        unsafe {
+            (*view).obj = slf.into_any().into_ptr();
+            (*view).buf = addr as *mut c_void;
+            (*view).len = len as isize;
+            (*view).readonly = 0;
+            (*view).itemsize = 1;
+            (*view).format = if flags & ffi::PyBUF_FORMAT != 0 { c"B".as_ptr().cast_mut() } else { std::ptr::null_mut() };
+            (*view).ndim = 1;
+            (*view).shape = if flags & ffi::PyBUF_ND != 0 { &raw mut (*view).len } else { std::ptr::null_mut() };
+            (*view).strides =
+                if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES { &raw mut (*view).itemsize } else { std::ptr::null_mut() };
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+        }
+        Ok(())
+    }
+
+    #[allow(unsafe_code)]
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        // Nothing was allocated for the view; only the count changes.
+        self.exports.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Unmaps the memory and closes the memfd. Raises BufferError while
+    /// exports (memoryviews, arrays, tensors) exist, as `mmap.close()` does.
+    fn close(&mut self) -> PyResult<()> {
+        let exports = self.exports.load(Ordering::Acquire);
+        if exports > 0 {
+            return Err(PyBufferError::new_err(format!(
+                "cannot close a Buffer with {exports} live export(s) (memoryviews, arrays or tensors)"
+            )));
+        }
+        self.inner = None;
+        self.addr = 0;
+        Ok(())
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_none()
+    }
+
+    /// Number of live exports of the bytes.
+    #[getter]
+    fn exports(&self) -> usize {
+        self.exports.load(Ordering::Acquire)
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&mut self, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close()?;
+        Ok(false)
+    }
+
+    /// The memfd holding the bytes (owned by the buffer: valid until close).
+    fn fileno(&self) -> PyResult<i32> {
+        let buffer = self.open()?;
+        buffer.memfd().map(|fd| fd.as_raw_fd()).ok_or_else(|| no_memfd(buffer))
+    }
+
+    /// A new file descriptor for the memfd, owned by the caller (it keeps
+    /// the bytes after the buffer is closed; pass it to another process or
+    /// to udmabuf).
+    fn dup_memfd(&self) -> PyResult<i32> {
+        let buffer = self.open()?;
+        let fd = buffer.memfd().ok_or_else(|| no_memfd(buffer))?;
+        let owned = fd.try_clone_to_owned().map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(0), e.to_string())))?;
+        Ok(owned.into_raw_fd())
+    }
+
+    /// Offset of the first byte in the memfd (non-zero for a range whose
+    /// start direct I/O had to align down).
+    #[getter]
+    fn memfd_offset(&self) -> PyResult<usize> {
+        Ok(self.open()?.memfd_offset())
+    }
+
+    /// "memfd" or "anonymous-thp".
+    #[getter]
+    fn memory(&self) -> PyResult<&'static str> {
+        Ok(self.open()?.memory_kind().name())
+    }
+
+    /// The pieces the buffer was filled in, as (offset, length) pairs.
+    #[getter]
+    fn segments(&self) -> PyResult<Vec<(usize, usize)>> {
+        Ok(self.open()?.segments().iter().map(|s| (s.offset, s.len)).collect())
+    }
+
+    /// The file the bytes came from.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.path.clone()
+    }
+
+    /// The load's report as JSON.
+    #[getter]
+    fn report_json(&self) -> &str {
+        &self.report_json
+    }
+
+    /// The load's report, a `dmaload.LoadReport` dataclass.
+    #[getter]
+    fn report(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        if let Some(report) = &self.report {
+            return Ok(report.clone_ref(py));
+        }
+        let class = py.import("dmaload._report")?.getattr("LoadReport")?;
+        let report = class.call_method1("from_json", (self.report_json.as_str(),))?.unbind();
+        self.report = Some(report.clone_ref(py));
+        Ok(report)
+    }
+
+    /// DLPack export (a 1-D uint8 CPU tensor over the bytes, no copy).
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        slf: Bound<'py, Self>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<Bound<'py, PyAny>>,
+        dl_device: Option<Bound<'py, PyAny>>,
+        copy: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        py.import("dmaload._buffer")?.getattr("dlpack")?.call1((slf, stream, max_version, dl_device, copy))
+    }
+
+    /// `(kDLCPU, 0)`: the bytes are host memory.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (1, 0)
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.inner {
+            Some(b) => format!(
+                "<dmaload.Buffer {} bytes of {} from {:?}, {} export(s)>",
+                self.len,
+                b.memory_kind().name(),
+                self.path,
+                self.exports.load(Ordering::Acquire)
+            ),
+            None => format!("<dmaload.Buffer closed, from {:?}>", self.path),
+        }
+    }
+}
+
+fn no_memfd(buffer: &dmaload::Buffer) -> PyErr {
+    PyValueError::new_err(format!("this buffer is {} memory, which has no memfd", buffer.memory_kind().name()))
+}
+
+/// A core error as OSError(errno, message, filename); the message names the
+/// operation and, where known, the file offset.
+fn os_error(err: &dmaload::Error) -> PyErr {
+    let mut reason = err.io_error().to_string();
+    if let Some(code) = err.raw_os_error() {
+        // io::Error's Display ends with " (os error N)"; OSError prints errno itself.
+        if let Some(stripped) = reason.strip_suffix(&format!(" (os error {code})")) {
+            reason = stripped.to_owned();
+        }
+    }
+    let message = match err.offset() {
+        Some(offset) => format!("{} at offset {offset}: {reason}", err.op()),
+        None => format!("{}: {reason}", err.op()),
+    };
+    PyOSError::new_err((err.errno(), message, err.path().as_os_str().to_owned()))
+}
+
+fn format_error(err: &st::Error) -> PyErr {
+    match err {
+        st::Error::Io(e) => os_error(e),
+        st::Error::Header { .. } => SafetensorError::new_err(err.to_string()),
+    }
+}
+
+/// Forwards the core's per-load progress to one Python callable, summed
+/// over the loads of one call, at most every 50 ms (and at the end).
+struct Progress {
+    callback: Py<PyAny>,
+    total: u64,
+    done: AtomicU64,
+    last_call: Mutex<Instant>,
+    reported: AtomicU64,
+    failed: AtomicBool,
+    error: Mutex<Option<PyErr>>,
+}
+
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(50);
+
+impl Progress {
+    fn new(callback: Py<PyAny>, total: u64) -> Arc<Progress> {
+        Arc::new(Progress {
+            callback,
+            total,
+            done: AtomicU64::new(0),
+            last_call: Mutex::new(Instant::now() - PROGRESS_INTERVAL),
+            reported: AtomicU64::new(u64::MAX),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+        })
+    }
+
+    /// A core progress callback for one load, adding its bytes to the sum.
+    fn for_load(self: &Arc<Progress>) -> Arc<dmaload::engine::ProgressFn> {
+        let this = Arc::clone(self);
+        let seen = AtomicU64::new(0);
+        Arc::new(move |done: u64, _total: u64| {
+            // Completions may arrive out of order, and a retried load counts
+            // from zero again: only growth beyond what was seen counts.
+            let before = seen.fetch_max(done, Ordering::AcqRel);
+            if done > before {
+                this.done.fetch_add(done - before, Ordering::AcqRel);
+            }
+            this.maybe_call(false);
+        })
+    }
+
+    fn maybe_call(&self, force: bool) {
+        if self.failed.load(Ordering::Acquire) {
+            return;
+        }
+        let done = self.done.load(Ordering::Acquire).min(self.total);
+        {
+            let Ok(mut last) = self.last_call.try_lock() else { return };
+            let due = last.elapsed() >= PROGRESS_INTERVAL || done == self.total;
+            if !(force || due) || self.reported.load(Ordering::Acquire) == done {
+                return;
+            }
+            *last = Instant::now();
+            self.reported.store(done, Ordering::Release);
+        }
+        Python::attach(|py| {
+            if let Err(err) = self.callback.call1(py, (done, self.total)) {
+                self.failed.store(true, Ordering::Release);
+                *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(err);
+            }
+        });
+    }
+
+    /// The exception the callback raised, if any.
+    fn take_error(&self) -> Option<PyErr> {
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// The keyword options every load accepts.
+#[derive(Default)]
+struct Opts {
+    engine: Option<String>,
+    mode: Option<String>,
+    memory: Option<String>,
+    gather_size: Option<usize>,
+    chunk_size: Option<usize>,
+    queue_depth: Option<usize>,
+    threads: Option<usize>,
+}
+
+impl Opts {
+    fn to_options(&self) -> PyResult<LoadOptions> {
+        let mut o = LoadOptions::default();
+        if let Some(engine) = &self.engine {
+            o.engine = engine.parse::<Engine>().map_err(PyValueError::new_err)?;
+        }
+        if let Some(mode) = &self.mode {
+            o.mode = mode.parse::<IoMode>().map_err(PyValueError::new_err)?;
+        }
+        if let Some(memory) = &self.memory {
+            o.memory = match memory.as_str() {
+                "memfd" => MemoryKind::Memfd,
+                "anonymous-thp" | "thp" => MemoryKind::AnonymousThp,
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "unknown memory kind {other:?} (expected memfd or anonymous-thp)"
+                    )))
+                }
+            };
+        }
+        o.gather_size = self.gather_size.unwrap_or(o.gather_size);
+        o.chunk_size = self.chunk_size.unwrap_or(o.chunk_size);
+        o.queue_depth = self.queue_depth.unwrap_or(o.queue_depth);
+        o.threads = self.threads.unwrap_or(o.threads);
+        Ok(o)
+    }
+}
+
+fn file_len(path: &std::path::Path) -> Result<u64, dmaload::Error> {
+    std::fs::metadata(path).map(|m| m.len()).map_err(|e| dmaload::Error::io("stat", path, e))
+}
+
+/// Loads a file, or `length` bytes of it from `offset`, with the GIL
+/// released. See `dmaload.load` for the options.
+#[pyfunction]
+#[pyo3(signature = (path, offset=None, length=None, *, engine=None, mode=None, memory=None,
+                    gather_size=None, chunk_size=None, queue_depth=None, threads=None, progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn load(
+    py: Python<'_>,
+    path: PathBuf,
+    offset: Option<u64>,
+    length: Option<u64>,
+    engine: Option<String>,
+    mode: Option<String>,
+    memory: Option<String>,
+    gather_size: Option<usize>,
+    chunk_size: Option<usize>,
+    queue_depth: Option<usize>,
+    threads: Option<usize>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Buffer> {
+    let opts = Opts { engine, mode, memory, gather_size, chunk_size, queue_depth, threads };
+    let mut options = opts.to_options()?;
+    let relay = match progress {
+        Some(callback) => {
+            let total = match length {
+                Some(len) => len,
+                None => py.detach(|| file_len(&path)).map_err(|e| os_error(&e))?.saturating_sub(offset.unwrap_or(0)),
+            };
+            let relay = Progress::new(callback, total);
+            options.progress = Some(relay.for_load());
+            Some(relay)
+        }
+        None => None,
+    };
+    let result = py.detach(|| match (offset, length) {
+        (None, None) => dmaload::load(&path, &options),
+        (offset, length) => {
+            let offset = offset.unwrap_or(0);
+            let length = match length {
+                Some(len) => len,
+                None => file_len(&path)?.saturating_sub(offset),
+            };
+            dmaload::load_range(&path, offset, length, &options)
+        }
+    });
+    if let Some(relay) = &relay {
+        if let Some(err) = relay.take_error() {
+            return Err(err);
+        }
+    }
+    let (buffer, report) = result.map_err(|e| os_error(&e))?;
+    if let Some(relay) = &relay {
+        relay.maybe_call(true);
+        if let Some(err) = relay.take_error() {
+            return Err(err);
+        }
+    }
+    Ok(Buffer::new(buffer, &report))
+}
+
+/// One tensor of a header: (name, dtype, shape, begin, end), offsets
+/// relative to the data section.
+type TensorRow = (String, &'static str, Vec<u64>, u64, u64);
+/// A parsed header: tensors in file order, metadata, offset of the data.
+type HeaderRow = (Vec<TensorRow>, Option<BTreeMap<String, String>>, u64);
+
+fn header_row(header: st::Header) -> HeaderRow {
+    let data_start = header.data_start();
+    let tensors = header
+        .tensors
+        .into_iter()
+        .map(|t| (t.name, t.dtype.name(), t.shape, t.data_offsets.0, t.data_offsets.1))
+        .collect();
+    (tensors, header.metadata, data_start)
+}
+
+/// Parses a safetensors header from bytes: `data` holds at least the
+/// first `8 + n` bytes of a file of `file_len` bytes (default: `len(data)`).
+#[pyfunction]
+#[pyo3(signature = (data, file_len=None))]
+fn parse_safetensors_header(data: &[u8], file_len: Option<u64>) -> PyResult<HeaderRow> {
+    let header = st::parse(data, file_len.unwrap_or(data.len() as u64))
+        .map_err(|e| SafetensorError::new_err(e.to_string()))?;
+    Ok(header_row(header))
+}
+
+/// Reads and validates the header of a safetensors file without loading it.
+#[pyfunction]
+fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult<HeaderRow> {
+    let (header, _) = py.detach(|| st::read_header(&path)).map_err(|e| format_error(&e))?;
+    Ok(header_row(header))
+}
+
+/// Loads safetensors files whole, `concurrency` at a time, with the GIL
+/// released; returns (buffer, header) per file, in order.
+#[pyfunction]
+#[pyo3(signature = (paths, *, concurrency=4, engine=None, mode=None, memory=None,
+                    gather_size=None, chunk_size=None, queue_depth=None, threads=None, progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn load_safetensors(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    concurrency: usize,
+    engine: Option<String>,
+    mode: Option<String>,
+    memory: Option<String>,
+    gather_size: Option<usize>,
+    chunk_size: Option<usize>,
+    queue_depth: Option<usize>,
+    threads: Option<usize>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Vec<(Buffer, HeaderRow)>> {
+    let opts = Opts { engine, mode, memory, gather_size, chunk_size, queue_depth, threads };
+    let mut options = opts.to_options()?;
+    if concurrency == 0 {
+        return Err(PyValueError::new_err("concurrency must be at least 1"));
+    }
+    // Sizes first: for the progress total and to refuse, before allocating
+    // anything, a set of files that cannot fit in memory together.
+    let sizes = py
+        .detach(|| -> Result<Vec<u64>, dmaload::Error> { paths.iter().map(|p| file_len(p)).collect() })
+        .map_err(|e| os_error(&e))?;
+    let total: u64 = sizes.iter().sum();
+    if paths.len() > 1 {
+        let available = dmaload::system::memory_available().unwrap_or(u64::MAX);
+        if total > available {
+            return Err(PyOSError::new_err((
+                libc::ENOMEM,
+                format!(
+                    "load: {} files need {total} bytes of memory but only {available} are available \
+                     (MemAvailable in /proc/meminfo)",
+                    paths.len()
+                ),
+                paths[0].as_os_str().to_owned(),
+            )));
+        }
+    }
+    let relay = progress.map(|callback| Progress::new(callback, total));
+    let results: Vec<Mutex<Option<Result<st::Loaded, st::Error>>>> =
+        paths.iter().map(|_| Mutex::new(None)).collect();
+    py.detach(|| {
+        let next = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            for _ in 0..concurrency.min(paths.len()) {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::AcqRel);
+                    if i >= paths.len() || failed.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let mut options = options.clone();
+                    if let Some(relay) = &relay {
+                        options.progress = Some(relay.for_load());
+                    }
+                    let result = st::load(&paths[i], &options);
+                    if result.is_err() {
+                        failed.store(true, Ordering::Release);
+                    }
+                    *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+                });
+            }
+        });
+    });
+    options.progress = None;
+    if let Some(relay) = &relay {
+        if let Some(err) = relay.take_error() {
+            return Err(err);
+        }
+    }
+    let mut out = Vec::with_capacity(paths.len());
+    for slot in results {
+        match slot.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(loaded)) => out.push((Buffer::new(loaded.buffer, &loaded.report), header_row(loaded.header))),
+            Some(Err(err)) => return Err(format_error(&err)),
+            // Not started because another file failed: that error was returned above.
+            None => continue,
+        }
+    }
+    if let Some(relay) = &relay {
+        relay.maybe_call(true);
+        if let Some(err) = relay.take_error() {
+            return Err(err);
+        }
+    }
+    Ok(out)
+}
+
+/// The dtype names safetensors defines, with their sizes in bits.
+#[pyfunction]
+fn safetensors_dtypes() -> Vec<(&'static str, u64)> {
+    st::Dtype::ALL.iter().map(|d| (d.name(), d.bits())).collect()
+}
+
+#[pymodule]
+fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("MAX_HEADER_LEN", st::MAX_HEADER_LEN)?;
+    m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
+    m.add_class::<Buffer>()?;
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;
+    m.add_function(wrap_pyfunction!(safetensors_dtypes, m)?)?;
+    Ok(())
+}
