@@ -92,6 +92,9 @@ pub struct LoadArgs {
     /// Threads (pread-pool engine).
     #[arg(long, default_value_t = dmaload::load::DEFAULT_POOL_THREADS)]
     threads: usize,
+    /// Threads populating memory ahead of the I/O (default: CPUs, up to 4).
+    #[arg(long, default_value_t = dmaload::load::default_populate_threads())]
+    populate_threads: usize,
 }
 
 fn parse_memory(s: &str) -> Result<MemoryKind, String> {
@@ -112,6 +115,7 @@ impl LoadArgs {
             chunk_size: usize::try_from(self.chunk_size).unwrap_or(usize::MAX),
             queue_depth: self.queue_depth,
             threads: self.threads,
+            populate_threads: self.populate_threads,
             progress: None,
         }
     }

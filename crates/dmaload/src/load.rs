@@ -9,7 +9,8 @@
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
-use std::os::fd::AsFd;
+use std::ops::Range;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,6 +26,7 @@ use crate::pagecache::{self, Residency};
 use crate::plan::Plan;
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
 use crate::sys::mem::MappingWriter;
+use crate::sys::uring::{Registrar, Ring};
 use crate::{sys, system};
 
 /// Bytes populated (and registered) as one unit: seed 000's gather size.
@@ -36,6 +38,12 @@ pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
 pub const DEFAULT_QUEUE_DEPTH: usize = 16;
 /// Threads of the pread-pool engine.
 pub const DEFAULT_POOL_THREADS: usize = 8;
+/// Threads populating each gather: one per CPU, up to 4 (beyond that
+/// memory bandwidth, not CPU, limits page zeroing).
+pub fn default_populate_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+}
+
 /// Largest queue depth accepted (io_uring rings hold at most 32768 entries).
 const MAX_QUEUE_DEPTH: usize = 4096;
 
@@ -94,6 +102,9 @@ pub struct LoadOptions {
     pub queue_depth: usize,
     /// Threads of the pread-pool engine.
     pub threads: usize,
+    /// Threads that populate (allocate and zero) each gather ahead of the
+    /// I/O; page zeroing is CPU-bound, so more threads hide more of it.
+    pub populate_threads: usize,
     /// Called with (bytes done, bytes in all) as reads complete, from the
     /// loading threads.
     pub progress: Option<Arc<ProgressFn>>,
@@ -109,6 +120,7 @@ impl Default for LoadOptions {
             chunk_size: DEFAULT_CHUNK_SIZE,
             queue_depth: DEFAULT_QUEUE_DEPTH,
             threads: DEFAULT_POOL_THREADS,
+            populate_threads: default_populate_threads(),
             progress: None,
         }
     }
@@ -124,6 +136,7 @@ impl fmt::Debug for LoadOptions {
             .field("chunk_size", &self.chunk_size)
             .field("queue_depth", &self.queue_depth)
             .field("threads", &self.threads)
+            .field("populate_threads", &self.populate_threads)
             .field("progress", &self.progress.is_some())
             .finish()
     }
@@ -172,6 +185,9 @@ pub struct LoadReport {
     /// Populating (allocating and zeroing) all of the buffer's pages, on the
     /// helper thread.
     pub alloc_seconds: f64,
+    /// Registering (pinning) the buffer's gathers with io_uring, on the
+    /// helper thread, beside the I/O.
+    pub register_seconds: f64,
     /// Populating the first gather: the part of allocation never hidden.
     pub first_gather_seconds: f64,
     /// Reading, from the first request to the last completion, less the time
@@ -218,6 +234,9 @@ fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
     }
     if o.threads == 0 || o.threads > 1024 {
         return bad(format!("thread count {} must be between 1 and 1024", o.threads));
+    }
+    if o.populate_threads == 0 || o.populate_threads > 1024 {
+        return bad(format!("populate thread count {} must be between 1 and 1024", o.populate_threads));
     }
     Ok(())
 }
@@ -329,22 +348,67 @@ fn cache_name(cache: CachePolicy) -> &'static str {
     }
 }
 
-/// Time spent populating the buffer on the helper thread.
+/// Time spent on the helper thread: populating the buffer, and
+/// registering it with io_uring.
 #[derive(Debug, Default)]
 struct PopulateTimes {
     all: Duration,
     first: Duration,
+    register: Duration,
 }
 
-/// Populates each gather in order and opens the gate behind it.
-fn populate_gathers(dst: MappingWriter<'_>, plan: &Plan, gate: &Gate) -> PopulateTimes {
+/// Allocates and maps the pages of `range` on `threads` threads, each
+/// taking an equal page-aligned share. A memfd's pages are first allocated
+/// with `fallocate` (cheaper than one fault per page), then mapped with
+/// `MADV_POPULATE_WRITE` so the I/O never faults.
+fn populate_range(
+    dst: MappingWriter<'_>,
+    memfd: Option<BorrowedFd<'_>>,
+    range: Range<usize>,
+    threads: usize,
+) -> io::Result<()> {
+    let populate = |part: Range<usize>| -> io::Result<()> {
+        if let Some(fd) = memfd {
+            sys::mem::allocate(fd, part.start as u64, part.len() as u64)?;
+        }
+        dst.populate(part)
+    };
+    let page = sys::mem::page_size();
+    let share = range.len().div_ceil(threads.max(1)).div_ceil(page) * page;
+    if threads <= 1 || share >= range.len() {
+        return populate(range);
+    }
+    let parts: Vec<Range<usize>> =
+        range.clone().step_by(share).map(|start| start..(start + share).min(range.end)).collect();
+    std::thread::scope(|scope| {
+        let helpers: Vec<_> = parts[1..].iter().map(|part| scope.spawn(|| populate(part.clone()))).collect();
+        let mut result = populate(parts[0].clone());
+        for helper in helpers {
+            let joined = helper.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            result = result.and(joined);
+        }
+        result
+    })
+}
+
+/// Populates each gather in order, registers it with io_uring when a
+/// registrar is given, and opens the gate behind it.
+fn populate_gathers(
+    dst: MappingWriter<'_>,
+    memfd: Option<BorrowedFd<'_>>,
+    mut registrar: Option<Registrar<'_>>,
+    plan: &Plan,
+    gate: &Gate,
+    threads: usize,
+) -> PopulateTimes {
     let mut times = PopulateTimes::default();
     for g in 0..plan.gather_count() {
         if gate.is_cancelled() {
             break;
         }
         let started = Instant::now();
-        if let Err(err) = dst.populate(plan.gather_range(g)) {
+        let range = plan.gather_range(g);
+        if let Err(err) = populate_range(dst, memfd, range.clone(), threads) {
             gate.fail(&err);
             break;
         }
@@ -353,55 +417,93 @@ fn populate_gathers(dst: MappingWriter<'_>, plan: &Plan, gate: &Gate) -> Populat
         if g == 0 {
             times.first = took;
         }
+        if let Some(reg) = &registrar {
+            let started = Instant::now();
+            match reg.register(g as u32, range) {
+                Ok(()) => gate.publish_registered(g + 1),
+                Err(err) => {
+                    gate.refuse_registration(engine::uring::register_refusal(&err));
+                    registrar = None;
+                }
+            }
+            times.register += started.elapsed();
+        }
         gate.publish(g + 1);
     }
     times
 }
 
-/// Runs the engine the options ask for, falling back to the pread pool when
-/// io_uring is unavailable to this process.
-fn run_engine(job: &Job<'_>, dst: MappingWriter<'_>, options: &LoadOptions) -> engine::EngineResult {
-    match options.engine {
-        Engine::UringFixed | Engine::Uring => {
-            let entries = (job.queue_depth as u32).next_power_of_two();
-            match sys::uring::Ring::new(entries, dst) {
-                Ok(ring) => engine::uring::run(job, ring, options.engine == Engine::UringFixed),
-                Err(err) if io_uring_unavailable(&err) => {
-                    let mut run = engine::pool::run(job, dst, options.threads, Engine::PreadPool)?;
-                    run.fallbacks.insert(
-                        0,
-                        Fallback::new(
-                            options.engine.name(),
-                            Engine::PreadPool.name(),
-                            format!(
-                                "io_uring is unavailable ({err}): old kernel, \
-                                 kernel.io_uring_disabled, or a seccomp filter"
-                            ),
-                        ),
-                    );
-                    Ok(run)
-                }
-                Err(err) => Err(Error::io("io_uring_setup", job.path, err)),
+/// An engine ready to run, chosen from the options and what the process
+/// may do.
+enum Prepared<'m> {
+    Uring(Box<Ring<'m>>),
+    Pool { threads: usize, engine: Engine },
+}
+
+/// Sets up the engine the options ask for: the ring and, for registered
+/// buffers, its sparse buffer table and a registrar for the populating
+/// thread. Falls back to the pread pool when io_uring is unavailable to this
+/// process, and to plain addresses when the table is.
+fn prepare_engine<'m>(
+    path: &Path,
+    plan: &Plan,
+    dst: MappingWriter<'m>,
+    options: &LoadOptions,
+    fallbacks: &mut Vec<Fallback>,
+) -> Result<(Prepared<'m>, Option<Registrar<'m>>)> {
+    let pool = |engine: Engine| Prepared::Pool {
+        threads: if engine == Engine::Read { 1 } else { options.threads },
+        engine,
+    };
+    if matches!(options.engine, Engine::PreadPool | Engine::Read) {
+        return Ok((pool(options.engine), None));
+    }
+    let entries = (options.queue_depth as u32).next_power_of_two();
+    let mut ring = match Ring::new(entries, dst) {
+        Ok(ring) => ring,
+        Err(err) if io_uring_unavailable(&err) => {
+            fallbacks.push(Fallback::new(
+                options.engine.name(),
+                Engine::PreadPool.name(),
+                format!("io_uring is unavailable ({err}): old kernel, kernel.io_uring_disabled, or a seccomp filter"),
+            ));
+            return Ok((pool(Engine::PreadPool), None));
+        }
+        Err(err) => return Err(Error::io("io_uring_setup", path, err)),
+    };
+    let registrar = if options.engine == Engine::UringFixed {
+        match ring.register_slots(plan.gather_count() as u32).and_then(|()| ring.registrar()) {
+            Ok(registrar) => Some(registrar),
+            Err(err) => {
+                fallbacks.push(Fallback::new(
+                    "uring-fixed",
+                    "uring",
+                    format!("cannot create a sparse registered-buffer table (Linux 5.19+): {err}"),
+                ));
+                None
             }
         }
-        Engine::PreadPool => engine::pool::run(job, dst, options.threads, Engine::PreadPool),
-        Engine::Read => engine::pool::run(job, dst, 1, Engine::Read),
-    }
+    } else {
+        None
+    };
+    Ok((Prepared::Uring(Box::new(ring)), registrar))
 }
 
 fn io_uring_unavailable(err: &io::Error) -> bool {
     matches!(err.raw_os_error(), Some(libc::ENOSYS | libc::EPERM | libc::EACCES | libc::EOPNOTSUPP))
 }
 
+/// What one successful fill produced.
+struct Filled {
+    alloc: Allocation,
+    run: EngineRun,
+    times: PopulateTimes,
+    engine_wall: Duration,
+}
+
 /// One attempt at filling a fresh allocation; the allocation is dropped
 /// (never returned) when it fails.
-fn fill(
-    path: &Path,
-    setup: &ReadSetup,
-    plan: &Plan,
-    len: u64,
-    options: &LoadOptions,
-) -> Result<(Allocation, EngineRun, PopulateTimes, Duration)> {
+fn fill(path: &Path, setup: &ReadSetup, plan: &Plan, len: u64, options: &LoadOptions) -> Result<Filled> {
     let mut alloc = Allocation::new(options.memory, plan.mapping_len)
         .map_err(|e| Error::io("allocate memory", path, e))?;
     let gate = Gate::new();
@@ -415,11 +517,22 @@ fn fill(
         progress: &progress,
         queue_depth: options.queue_depth,
     };
+    let memfd = alloc.memfd.as_ref().map(|fd| fd.as_fd());
     let dst = alloc.mapping.writer();
+    let mut fallbacks = Vec::new();
     let started = Instant::now();
     let (result, times) = std::thread::scope(|scope| {
-        let populator = scope.spawn(|| populate_gathers(dst, plan, &gate));
-        let result = run_engine(&job, dst, options);
+        let (prepared, registrar) = match prepare_engine(path, plan, dst, options, &mut fallbacks) {
+            Ok((prepared, registrar)) => (Ok(prepared), registrar),
+            Err(err) => (Err(err), None),
+        };
+        let fixed = registrar.is_some();
+        let populator =
+            scope.spawn(|| populate_gathers(dst, memfd, registrar, plan, &gate, options.populate_threads));
+        let result = prepared.and_then(|prepared| match prepared {
+            Prepared::Uring(ring) => engine::uring::run(&job, *ring, fixed),
+            Prepared::Pool { threads, engine } => engine::pool::run(&job, dst, threads, engine),
+        });
         if result.is_err() {
             gate.cancel();
         }
@@ -427,9 +540,11 @@ fn fill(
         (result, times)
     });
     let engine_wall = started.elapsed();
-    let run = result?;
+    let mut run = result?;
+    fallbacks.append(&mut run.fallbacks);
+    run.fallbacks = fallbacks;
     debug_assert_eq!(progress.done(), len);
-    Ok((alloc, run, times, engine_wall))
+    Ok(Filled { alloc, run, times, engine_wall })
 }
 
 fn load_impl(
@@ -499,7 +614,7 @@ fn load_impl(
         }
         other => other,
     };
-    let (alloc, run, times, engine_wall) = filled.map_err(|err| match err.kind() {
+    let Filled { alloc, run, times, engine_wall } = filled.map_err(|err| match err.kind() {
         ErrorKind::Truncated => match std::fs::metadata(path) {
             Ok(meta) => err.with_note(&format!("; the file is now {} bytes", meta.len())),
             Err(_) => err,
@@ -531,6 +646,7 @@ fn load_impl(
         queue_depth: options.queue_depth,
         fallbacks,
         alloc_seconds: times.all.as_secs_f64(),
+        register_seconds: times.register.as_secs_f64(),
         first_gather_seconds: times.first.as_secs_f64(),
         io_seconds: engine_wall.saturating_sub(run.waited_for_memory).as_secs_f64(),
         waited_for_memory_seconds: run.waited_for_memory.as_secs_f64(),

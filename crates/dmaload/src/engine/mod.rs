@@ -85,8 +85,8 @@ impl CachePolicy {
     }
 }
 
-/// Tells engines how many gathers are populated, and the populating thread
-/// when to stop because the load failed.
+/// Tells engines how many gathers are populated (and registered), and the
+/// populating thread when to stop because the load failed.
 pub(crate) struct Gate {
     state: Mutex<GateState>,
     changed: Condvar,
@@ -95,16 +95,42 @@ pub(crate) struct Gate {
 
 struct GateState {
     ready: usize,
+    registered: usize,
+    registration_refused: Option<String>,
     failure: Option<(Option<i32>, String)>,
 }
 
 impl Gate {
     pub fn new() -> Gate {
         Gate {
-            state: Mutex::new(GateState { ready: 0, failure: None }),
+            state: Mutex::new(GateState {
+                ready: 0,
+                registered: 0,
+                registration_refused: None,
+                failure: None,
+            }),
             changed: Condvar::new(),
             cancelled: AtomicBool::new(false),
         }
+    }
+
+    /// Gathers `0..registered` hold a registered io_uring buffer (in the
+    /// slot of the same number).
+    pub fn publish_registered(&self, registered: usize) {
+        self.lock().registered = registered;
+    }
+
+    /// Registering stopped: later gathers use plain addresses.
+    pub fn refuse_registration(&self, reason: String) {
+        self.lock().registration_refused = Some(reason);
+    }
+
+    pub fn registered(&self) -> usize {
+        self.lock().registered
+    }
+
+    pub fn registration_refused(&self) -> Option<String> {
+        self.lock().registration_refused.clone()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {

@@ -1,7 +1,8 @@
 //! io_uring engine: keeps `queue_depth` chunk reads in flight from one
 //! thread; with registered buffers each gather is registered (pinned) once
 //! when populated and unregistered when its last chunk arrives, so pinned
-//! memory stays at a few gathers whatever the file size.
+//! memory stays at a few gathers whatever the file size, and pinning runs
+//! beside the I/O instead of before it.
 
 use std::io;
 
@@ -11,28 +12,20 @@ use crate::load::Fallback;
 use crate::plan::{ReadOutcome, Request};
 use crate::sys::uring::{Completion, Ring};
 
-pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, want_fixed: bool) -> EngineResult {
+/// Runs the load on `ring`. With `fixed`, the populating thread registers
+/// each gather in the ring's sparse buffer table before opening it (see
+/// [`super::Gate::registered`]), and this thread unregisters each gather
+/// once its last chunk has arrived.
+pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResult {
     let plan = job.plan;
     let mut run = EngineRun { engine: Engine::Uring, ..EngineRun::default() };
-    let gathers = plan.gather_count();
-    let mut fixed = false;
-    if want_fixed {
-        match ring.register_slots(gathers as u32) {
-            Ok(()) => fixed = true,
-            Err(err) => run.fallbacks.push(Fallback::new(
-                "uring-fixed",
-                "uring",
-                format!("cannot create a sparse registered-buffer table (Linux 5.19+): {err}"),
-            )),
-        }
-    }
-    // Gathers 0..registered hold a registered buffer (until unregistered).
-    let mut registered = 0usize;
-    let mut unfinished: Vec<u64> = (0..gathers).map(|g| plan.gather_need(g)).collect();
+    let mut unfinished: Vec<u64> = (0..plan.gather_count()).map(|g| plan.gather_need(g)).collect();
     let mut next_chunk = 0;
     let mut retries: Vec<Request> = Vec::new();
     let mut completions: Vec<Completion> = Vec::with_capacity(job.queue_depth);
     let rw_flags = job.cache.rw_flags();
+    // Gathers below this hold a registered buffer; refreshed from the gate.
+    let mut registered = 0usize;
 
     let queue = |ring: &mut Ring<'_>, req: &Request, registered: usize| -> io::Result<()> {
         let g = plan.gather_of(req.start);
@@ -56,14 +49,8 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, want_fixed: bool) -> Engine
                     .wait_for(g)
                     .map_err(|e| Error::io("populate memory", job.path, e).at(req.start))?;
             }
-            if fixed && g == registered {
-                match ring.register(g as u32, plan.gather_range(g)) {
-                    Ok(()) => registered += 1,
-                    Err(err) => {
-                        fixed = false;
-                        run.fallbacks.push(Fallback::new("uring-fixed", "uring", register_refusal(&err)));
-                    }
-                }
+            if fixed && g >= registered {
+                registered = job.gate.registered();
             }
             queue(&mut ring, &req, registered).map_err(|e| job.read_error(req.start, e))?;
             next_chunk += 1;
@@ -99,14 +86,17 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, want_fixed: bool) -> Engine
             }
         }
     }
-    if registered > 0 && fixed {
-        run.engine = Engine::UringFixed;
+    if fixed {
+        match job.gate.registration_refused() {
+            Some(reason) => run.fallbacks.push(Fallback::new("uring-fixed", "uring", reason)),
+            None => run.engine = Engine::UringFixed,
+        }
     }
     Ok(run)
 }
 
 /// Why registering a buffer failed, in words a user can act on.
-fn register_refusal(err: &io::Error) -> String {
+pub(crate) fn register_refusal(err: &io::Error) -> String {
     if err.raw_os_error() == Some(libc::ENOMEM) {
         let limit = match crate::sys::process::memlock_limit() {
             Ok(Some(bytes)) => format!("{} KiB", bytes / 1024),

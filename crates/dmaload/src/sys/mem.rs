@@ -215,6 +215,14 @@ pub fn set_len(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
     check(unsafe { libc::ftruncate(fd.as_raw_fd(), len) }).map(drop)
 }
 
+/// `fallocate(2)` mode 0 on a memfd: allocates (and zeroes) the pages of
+/// `offset..offset + len` in the file without mapping them, in one call,
+/// which costs less than faulting them in one by one.
+pub fn allocate(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+    // SAFETY: fallocate takes no pointers.
+    check(unsafe { libc::fallocate(fd.as_raw_fd(), 0, offset as libc::off_t, len as libc::off_t) }).map(drop)
+}
+
 /// `fcntl(F_ADD_SEALS)` (Linux 3.17) on a memfd created with sealing allowed.
 pub fn add_seals(fd: BorrowedFd<'_>, seals: libc::c_int) -> io::Result<()> {
     // SAFETY: F_ADD_SEALS takes an integer argument, no pointers.

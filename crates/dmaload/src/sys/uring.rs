@@ -3,7 +3,7 @@
 
 use std::io;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
 use io_uring::{opcode, register, types, IoUring};
 
@@ -29,17 +29,13 @@ pub struct Ring<'m> {
 }
 
 impl<'m> Ring<'m> {
-    /// `io_uring_setup(2)`. Asks for single-issuer, cooperative task-run
-    /// mode (Linux 6.0/6.1) and falls back to a plain ring on older kernels.
+    /// `io_uring_setup(2)`. Asks for cooperative task-run mode (Linux 5.19)
+    /// and falls back to a plain ring on older kernels. Not single-issuer:
+    /// a [`Registrar`] registers buffers from another thread.
     /// ENOSYS or EPERM here means io_uring is unavailable to this process
     /// (old kernel, `kernel.io_uring_disabled`, or a seccomp filter).
     pub fn new(entries: u32, dst: MappingWriter<'m>) -> io::Result<Self> {
-        let ring = match IoUring::builder()
-            .setup_single_issuer()
-            .setup_coop_taskrun()
-            .setup_defer_taskrun()
-            .build(entries)
-        {
+        let ring = match IoUring::builder().setup_coop_taskrun().build(entries) {
             Ok(ring) => ring,
             Err(err) if err.raw_os_error() == Some(libc::EINVAL) => IoUring::new(entries)?,
             Err(err) => return Err(err),
@@ -53,16 +49,12 @@ impl<'m> Ring<'m> {
         self.ring.submitter().register_buffers_sparse(slots)
     }
 
-    /// Registers `range` of the mapping in `slot`, pinning its pages
-    /// (`IORING_REGISTER_BUFFERS_UPDATE`). Pinned pages count against
-    /// RLIMIT_MEMLOCK unless the process has CAP_IPC_LOCK; ENOMEM means the
-    /// limit is too low. A registered buffer can be at most 1 GiB.
-    pub fn register(&mut self, slot: u32, range: Range<usize>) -> io::Result<()> {
-        let iov = self.dst.iovec(&range);
-        // SAFETY: the iovec lies inside the mapping, which stays mapped for
-        // 'm, longer than this ring and therefore longer than the
-        // registration (unregistered when the ring fd closes at the latest).
-        unsafe { self.ring.submitter().register_buffers_update(slot, &[iov], None) }
+    /// A handle that registers buffers of this ring from another thread.
+    pub fn registrar(&self) -> io::Result<Registrar<'m>> {
+        let fd = self.ring.as_raw_fd();
+        // SAFETY: `fd` is this ring's open fd for the duration of the call.
+        let ring_fd = unsafe { BorrowedFd::borrow_raw(fd) }.try_clone_to_owned()?;
+        Ok(Registrar { ring_fd, dst: self.dst })
     }
 
     /// Empties `slot`, unpinning its pages once no request uses them.
@@ -151,6 +143,61 @@ impl Drop for Ring<'_> {
             sink.clear();
             self.reap(&mut sink);
         }
+    }
+}
+
+/// Registers ranges of a ring's mapping as fixed buffers, from any thread
+/// (`io_uring_register(2)` on a duplicate of the ring fd).
+pub struct Registrar<'m> {
+    ring_fd: OwnedFd,
+    dst: MappingWriter<'m>,
+}
+
+/// `struct io_uring_rsrc_update2` of the io_uring uAPI.
+#[repr(C)]
+struct RsrcUpdate2 {
+    offset: u32,
+    resv: u32,
+    data: u64,
+    tags: u64,
+    nr: u32,
+    resv2: u32,
+}
+
+const IORING_REGISTER_BUFFERS_UPDATE: libc::c_uint = 16;
+
+impl Registrar<'_> {
+    /// Registers `range` of the mapping in `slot`, pinning its pages
+    /// (`IORING_REGISTER_BUFFERS_UPDATE`, Linux 5.13). Pinned pages count
+    /// against RLIMIT_MEMLOCK unless the process has CAP_IPC_LOCK; ENOMEM
+    /// means the limit is too low. A registered buffer is at most 1 GiB.
+    pub fn register(&self, slot: u32, range: Range<usize>) -> io::Result<()> {
+        let iov = self.dst.iovec(&range);
+        let update = RsrcUpdate2 {
+            offset: slot,
+            resv: 0,
+            data: &iov as *const libc::iovec as u64,
+            tags: 0,
+            nr: 1,
+            resv2: 0,
+        };
+        // SAFETY: `update` and the iovec it points to live across the call.
+        // The iovec lies inside the mapping, which stays mapped for 'm; the
+        // kernel pins the pages, so they stay valid for as long as the
+        // registration does, even past the ring.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_io_uring_register,
+                self.ring_fd.as_raw_fd(),
+                IORING_REGISTER_BUFFERS_UPDATE,
+                &update as *const RsrcUpdate2,
+                std::mem::size_of::<RsrcUpdate2>() as libc::c_uint,
+            )
+        };
+        if ret < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 }
 
