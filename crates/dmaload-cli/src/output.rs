@@ -72,8 +72,13 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
     }
     let _ = writeln!(
         s,
-        "time      total {:.3} s = first gather {:.3} s + overlap | alloc {:.3} s | I/O {:.3} s | I/O waited for memory {:.3} s",
-        r.total_seconds, r.first_gather_seconds, r.alloc_seconds, r.io_seconds, r.waited_for_memory_seconds
+        "time      total {:.3} s = first gather {:.3} s + overlap | alloc {:.3} s | register {:.3} s | I/O {:.3} s | I/O waited for memory {:.3} s",
+        r.total_seconds,
+        r.first_gather_seconds,
+        r.alloc_seconds,
+        r.register_seconds,
+        r.io_seconds,
+        r.waited_for_memory_seconds
     );
     let _ = writeln!(
         s,

@@ -265,8 +265,8 @@ struct ReadSetup {
     align: usize,
 }
 
-fn buffered(file: &File, cache: CachePolicy) -> Result<ReadSetup, Error> {
-    let file = file.try_clone().map_err(|e| Error::io("dup", Path::new(""), e))?;
+fn buffered(path: &Path, file: &File, cache: CachePolicy) -> Result<ReadSetup> {
+    let file = file.try_clone().map_err(|e| Error::io("dup", path, e))?;
     Ok(ReadSetup { file, cache, align: 1 })
 }
 
@@ -288,8 +288,8 @@ fn choose_read_setup(
     fallbacks: &mut Vec<Fallback>,
 ) -> Result<ReadSetup> {
     match mode {
-        IoMode::Buffered => return buffered(file, CachePolicy::Keep),
-        IoMode::DontCache => return buffered(file, no_residue_policy(file)),
+        IoMode::Buffered => return buffered(path, file, CachePolicy::Keep),
+        IoMode::DontCache => return buffered(path, file, no_residue_policy(file)),
         IoMode::Auto | IoMode::Direct => {}
     }
     let refuse = |why: String| -> Result<ReadSetup> {
@@ -304,7 +304,7 @@ fn choose_read_setup(
             return refuse(why);
         }
         fallbacks.push(Fallback::new("direct", "buffered", why));
-        return buffered(file, CachePolicy::Keep);
+        return buffered(path, file, CachePolicy::Keep);
     }
     let align = match statx_dio_align(file.as_fd()) {
         Ok(DioAlignQuery::Supported(a)) => Some(a.offset.max(1) as usize),
@@ -330,7 +330,7 @@ fn choose_read_setup(
             if mode == IoMode::Direct {
                 return refuse(why);
             }
-            let setup = buffered(file, no_residue_policy(file))?;
+            let setup = buffered(path, file, no_residue_policy(file))?;
             fallbacks.push(Fallback::new("direct", cache_name(setup.cache), why));
             Ok(setup)
         }
@@ -603,7 +603,7 @@ fn load_impl(
                 && options.mode == IoMode::Auto
                 && err.raw_os_error() == Some(libc::EINVAL) =>
         {
-            setup = buffered(&file, no_residue_policy(&file))?;
+            setup = buffered(path, &file, no_residue_policy(&file))?;
             fallbacks.push(Fallback::new(
                 "direct",
                 cache_name(setup.cache),
