@@ -201,8 +201,8 @@ impl Buffer {
 
     /// The file the bytes came from.
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.path.clone()
+    fn path(&self) -> std::ffi::OsString {
+        self.path.clone().into_os_string()
     }
 
     /// The load's report as JSON.

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, TypedDict, Union
+from typing import Any, Literal, TypeAlias, TypedDict, Union
 
-Engine = Literal["uring-fixed", "uring", "pread-pool", "read"]
-Mode = Literal["auto", "direct", "buffered", "dontcache"]
-Memory = Literal["memfd", "anonymous-thp"]
-Size = Union[int, str]
+Engine: TypeAlias = Literal["uring-fixed", "uring", "pread-pool", "read"]
+Mode: TypeAlias = Literal["auto", "direct", "buffered", "dontcache"]
+Memory: TypeAlias = Literal["memfd", "anonymous-thp"]
+Size: TypeAlias = Union[int, str]
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 

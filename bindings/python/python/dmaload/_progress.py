@@ -13,7 +13,7 @@ class _Bar:
     """Feeds (done, total) byte counts to a tqdm bar."""
 
     def __init__(self, desc: str) -> None:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
 
         self.bar = tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
 

@@ -49,7 +49,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, Union, Unpack
+from typing import Any, Literal, TypeAlias, Union, Unpack
 
 from .. import _dmaload
 from .._dmaload import Buffer, SafetensorError
@@ -59,9 +59,9 @@ from .._report import LoadReport
 
 __all__ = ["SafeOpen", "SafetensorError", "TensorInfo", "load_file", "safe_open", "shard_paths"]
 
-Framework = Literal["np", "numpy", "pt", "torch"]
-StrPath = Union[str, "os.PathLike[str]"]
-TensorInfo = tuple[str, str, tuple[int, ...], int, int]
+Framework: TypeAlias = Literal["np", "numpy", "pt", "torch"]
+StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
+TensorInfo: TypeAlias = tuple[str, str, tuple[int, ...], int, int]
 """(name, dtype, shape, begin, end): offsets relative to the data section."""
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -83,10 +83,10 @@ def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
             return shard_paths(p / INDEX_NAME)
         if len(indexes) == 1:
             return shard_paths(indexes[0])
-        files = sorted(f for f in p.glob("*.safetensors") if f.is_file())
-        if not files:
+        found = sorted(f for f in p.glob("*.safetensors") if f.is_file())
+        if not found:
             raise FileNotFoundError(2, "no *.safetensors files in directory", str(p))
-        return files, None
+        return found, None
     if p.suffix == ".json":
         try:
             index = json.loads(p.read_text(encoding="utf-8"))
@@ -196,9 +196,8 @@ def _numpy_dtype(dtype: str) -> tuple[Any, bool]:
     """(NumPy dtype, whether the tensor is returned as 1-D raw bytes)."""
     import numpy as np
 
-    little = "<"  # safetensors is little-endian
     if dtype in _NUMPY_NATIVE:
-        return np.dtype(_NUMPY_NATIVE[dtype]).newbyteorder(little), False
+        return np.dtype(_NUMPY_NATIVE[dtype]).newbyteorder("<"), False
     if dtype in _ML_DTYPES:
         name, fallback = _ML_DTYPES[dtype]
         try:
@@ -206,7 +205,7 @@ def _numpy_dtype(dtype: str) -> tuple[Any, bool]:
 
             return np.dtype(getattr(ml_dtypes, name)), False
         except (ImportError, AttributeError):
-            return np.dtype(fallback).newbyteorder(little), False
+            return np.dtype(fallback).newbyteorder("<"), False
     return np.dtype(np.uint8), True
 
 
@@ -313,8 +312,8 @@ class SafeOpen:
                 self._index[name] = f
         if weight_map is not None:
             for name, shard in weight_map.items():
-                f = self._index.get(name)
-                if f is None or Path(f.buffer.path).name != Path(shard).name:
+                owner = self._index.get(name)
+                if owner is None or Path(owner.buffer.path).name != Path(shard).name:
                     raise SafetensorError(f"index says tensor {name!r} is in {shard!r}, but it is not there")
         self._closed = False
 

@@ -1,0 +1,100 @@
+"""Type stubs of the native module (checked with ``python -m mypy.stubtest``)."""
+
+import os
+from collections.abc import Callable
+from typing import Any, Final, final
+
+from ._report import LoadReport
+
+__all__ = [
+    "Buffer",
+    "MAX_HEADER_LEN",
+    "SafetensorError",
+    "load",
+    "load_safetensors",
+    "parse_safetensors_header",
+    "read_safetensors_header",
+    "safetensors_dtypes",
+    "__version__",
+]
+
+__version__: Final[str]
+MAX_HEADER_LEN: Final[int]
+
+class SafetensorError(ValueError):
+    """A malformed safetensors file: the message says what is wrong and at which byte."""
+
+@final
+class Buffer:
+    """Bytes loaded from a file, in memfd (or anonymous) memory."""
+
+    def __len__(self) -> int: ...
+    # The buffer protocol (PEP 688). CPython < 3.12 has no Python-level
+    # __buffer__ even though the type exports buffers: allowlisted for
+    # stubtest in stubtest-allowlist.txt.
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def exports(self) -> int: ...
+    def __enter__(self) -> Buffer: ...
+    def __exit__(self, *_args: object) -> bool: ...
+    def fileno(self) -> int: ...
+    def dup_memfd(self) -> int: ...
+    @property
+    def memfd_offset(self) -> int: ...
+    @property
+    def memory(self) -> str: ...
+    @property
+    def segments(self) -> list[tuple[int, int]]: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def report_json(self) -> str: ...
+    @property
+    def report(self) -> LoadReport: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+
+_TensorRow = tuple[str, str, list[int], int, int]
+_HeaderRow = tuple[list[_TensorRow], dict[str, str] | None, int]
+
+def load(
+    path: str | os.PathLike[str],
+    offset: int | None = None,
+    length: int | None = None,
+    *,
+    engine: str | None = None,
+    mode: str | None = None,
+    memory: str | None = None,
+    gather_size: int | None = None,
+    chunk_size: int | None = None,
+    queue_depth: int | None = None,
+    threads: int | None = None,
+    progress: Callable[[int, int], Any] | None = None,
+) -> Buffer: ...
+def load_safetensors(
+    paths: list[str] | list[os.PathLike[str]],
+    *,
+    concurrency: int = 4,
+    engine: str | None = None,
+    mode: str | None = None,
+    memory: str | None = None,
+    gather_size: int | None = None,
+    chunk_size: int | None = None,
+    queue_depth: int | None = None,
+    threads: int | None = None,
+    progress: Callable[[int, int], Any] | None = None,
+) -> list[tuple[Buffer, _HeaderRow]]: ...
+def read_safetensors_header(path: str | os.PathLike[str]) -> _HeaderRow: ...
+def parse_safetensors_header(data: bytes, file_len: int | None = None) -> _HeaderRow: ...
+def safetensors_dtypes() -> list[tuple[str, int]]: ...

@@ -1,0 +1,275 @@
+"""dmaload.load / load_range and the Buffer type."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import evict, write_random
+
+import dmaload
+
+
+def test_load_whole_file_bit_exact(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    buf = dmaload.load(path)
+    assert len(buf) == len(data)
+    assert bytes(memoryview(buf)) == data
+    assert buf.path == str(path)
+    assert not buf.closed
+
+
+@pytest.mark.parametrize("engine", ["uring-fixed", "uring", "pread-pool", "read"])
+@pytest.mark.parametrize("mode", ["auto", "buffered", "dontcache"])
+def test_engines_and_modes(data_file: tuple[Path, bytes], engine: str, mode: str) -> None:
+    path, data = data_file
+    with dmaload.load(path, engine=engine, mode=mode, chunk_size="64K", gather_size="1M") as buf:  # type: ignore[arg-type]
+        assert bytes(memoryview(buf)) == data
+        assert buf.report.bytes == len(data)
+
+
+def test_load_range_unaligned(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    for offset, length in [(0, 1), (1, 4095), (4097, 1 << 20), (len(data) - 5, 5), (len(data), 0)]:
+        with dmaload.load_range(path, offset, length) as buf:
+            assert bytes(memoryview(buf)) == data[offset : offset + length]
+            assert buf.report.offset == offset
+    with dmaload.load_range(path, 1000) as buf:
+        assert bytes(memoryview(buf)) == data[1000:]
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty"
+    path.write_bytes(b"")
+    with dmaload.load(path) as buf:
+        assert len(buf) == 0
+        assert bytes(memoryview(buf)) == b""
+        assert np.frombuffer(buf, dtype=np.uint8).size == 0
+
+
+def test_buffer_protocol_is_zero_copy_and_writable(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    buf = dmaload.load(path)
+    a = np.frombuffer(buf, dtype=np.uint8)
+    b = np.frombuffer(buf, dtype=np.uint8)
+    assert a.flags.writeable
+    assert np.shares_memory(a, b)
+    a[0] ^= 0xFF
+    assert b[0] == data[0] ^ 0xFF
+    m = memoryview(buf)
+    assert m.format == "B" and m.itemsize == 1 and m.ndim == 1 and m.nbytes == len(data) and not m.readonly
+    assert m[0] == data[0] ^ 0xFF
+    assert buf.exports == 3
+
+
+def test_close_refuses_while_views_exist(data_file: tuple[Path, bytes]) -> None:
+    path, _ = data_file
+    buf = dmaload.load(path)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    with pytest.raises(BufferError):
+        buf.close()
+    assert not buf.closed and int(arr[:16].sum()) >= 0
+    del arr
+    buf.close()
+    assert buf.closed and len(buf) == 0
+    buf.close()  # idempotent
+    with pytest.raises(ValueError):
+        memoryview(buf)
+    with pytest.raises(ValueError):
+        buf.fileno()
+
+
+def test_context_manager_closes(data_file: tuple[Path, bytes]) -> None:
+    path, _ = data_file
+    with dmaload.load(path) as buf:
+        assert not buf.closed
+    assert buf.closed
+    with pytest.raises(BufferError):
+        with dmaload.load(path) as buf2:
+            view = memoryview(buf2)
+    view.release()
+    buf2.close()
+
+
+def test_views_keep_buffer_alive(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    buf = dmaload.load(path)
+    ref = weakref.ref(buf)
+    arr = np.frombuffer(buf, dtype=np.uint8)[10:20]
+    del buf
+    gc.collect()
+    assert ref() is not None
+    assert arr.tobytes() == data[10:20]
+    del arr
+    gc.collect()
+    assert ref() is None
+
+
+def test_memfd_export(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    buf = dmaload.load(path)
+    fd = buf.fileno()
+    assert os.fstat(fd).st_size >= len(data)
+    off = buf.memfd_offset
+    assert os.pread(fd, 100, off) == data[:100]
+    dup = buf.dup_memfd()
+    try:
+        buf.close()
+        # The duplicate keeps the memory after the buffer is closed.
+        assert os.pread(dup, 100, off) == data[:100]
+    finally:
+        os.close(dup)
+    assert buf.memory if not buf.closed else True
+
+
+def test_anonymous_memory_has_no_memfd(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    with dmaload.load(path, memory="anonymous-thp") as buf:
+        assert buf.memory == "anonymous-thp"
+        assert bytes(memoryview(buf)[:64]) == data[:64]
+        with pytest.raises(ValueError):
+            buf.fileno()
+
+
+def test_segments_cover_the_buffer(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    with dmaload.load(path, gather_size="1M") as buf:
+        segs = buf.segments
+        assert segs[0][0] == 0 and sum(n for _, n in segs) == len(data)
+        assert all(a + n == b for (a, n), (b, _) in zip(segs, segs[1:]))
+
+
+def test_report_is_a_dataclass(data_file: tuple[Path, bytes]) -> None:
+    import dataclasses
+
+    path, data = data_file
+    with dmaload.load(path) as buf:
+        r = buf.report
+        assert dataclasses.is_dataclass(r) and isinstance(r, dmaload.LoadReport)
+        assert r.bytes == len(data) and r.path == str(path) and r.total_seconds > 0
+        assert r.engine in ("uring-fixed", "uring", "pread-pool", "read")
+        assert isinstance(r.page_cache, dmaload.PageCacheResidency)
+        assert all(isinstance(f, dmaload.Fallback) for f in r.fallbacks)
+        assert buf.report is r
+        assert r.to_dict()["bytes"] == len(data)
+
+
+def test_dlpack_numpy_and_torch(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    buf = dmaload.load(path)
+    assert buf.__dlpack_device__() == (1, 0)
+    arr = np.from_dlpack(buf)
+    assert arr.dtype == np.uint8 and arr.tobytes() == data
+    torch = pytest.importorskip("torch")
+    t = torch.from_dlpack(buf)
+    assert t.dtype == torch.uint8 and t.numel() == len(data) and bytes(t[:32].numpy()) == data[:32]
+    del arr
+    with pytest.raises(BufferError):
+        buf.close()  # the torch tensor holds an export
+    t[0] = 7
+    assert memoryview(buf)[0] == 7
+    del t
+    gc.collect()
+    buf.close()
+
+
+def test_errors_are_oserror_with_errno_and_filename(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    with pytest.raises(FileNotFoundError) as e:
+        dmaload.load(missing)
+    assert e.value.errno == errno.ENOENT and e.value.filename == str(missing)
+    with pytest.raises(IsADirectoryError) as e2:
+        dmaload.load(tmp_path)
+    assert e2.value.errno == errno.EISDIR
+    small = tmp_path / "small"
+    small.write_bytes(b"x" * 100)
+    with pytest.raises(OSError) as e3:
+        dmaload.load_range(small, 50, 100)
+    assert e3.value.errno == errno.ENODATA and e3.value.filename == str(small)
+    assert "offset" in str(e3.value)
+    with pytest.raises(OSError) as e4:
+        dmaload.load_range(small, 200, 1)
+    assert "offset 200" in str(e4.value)
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ValueError, match="unknown engine"):
+        dmaload.load("/dev/null", engine="warp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="memory"):
+        dmaload.load("/dev/null", memory="vram")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unknown load option"):
+        dmaload.load("/dev/null", colour="red")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="invalid size"):
+        dmaload.load("/dev/null", chunk_size="lots")
+    with pytest.raises(OSError, match="chunk size"):
+        dmaload.load(__file__, chunk_size=0)
+
+
+def test_progress_callback(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    calls: list[tuple[int, int]] = []
+    with dmaload.load(path, chunk_size="256K", progress=lambda d, t: calls.append((d, t))):
+        pass
+    assert calls and calls[-1] == (len(data), len(data))
+    assert all(t == len(data) and 0 <= d <= t for d, t in calls)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_progress_callback_exception_propagates(data_file: tuple[Path, bytes]) -> None:
+    path, _ = data_file
+
+    def boom(done: int, total: int) -> None:
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        dmaload.load(path, progress=boom)
+
+
+def test_progress_true_uses_tqdm(data_file: tuple[Path, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    path, data = data_file
+    with dmaload.load(path, progress=True) as buf:
+        assert len(buf) == len(data)
+    with pytest.raises(TypeError):
+        dmaload.load(path, progress=3)  # type: ignore[arg-type]
+
+
+def test_gil_is_released_during_load(tmp_path: Path) -> None:
+    """A second Python thread keeps running while a load is in progress."""
+    path = tmp_path / "big.bin"
+    write_random(path, 256 << 20)
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    evict(path)
+    t = threading.Thread(target=spin)
+    t.start()
+    time.sleep(0.02)
+    try:
+        start = time.perf_counter()
+        buf = dmaload.load(path, engine="read", mode="dontcache", chunk_size="1M")
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+    assert len(buf) == 256 << 20
+    duration = end - start
+    inside = [s for s in stamps if start <= s <= end]
+    # With the GIL held for the whole load the spinner would stall for all
+    # of it; released, it ticks about every millisecond throughout.
+    assert duration > 0.05, f"load too fast ({duration:.3f} s) to judge"
+    assert len(inside) >= max(5, int(duration / 0.001 * 0.2)), (len(inside), duration)
+    gaps = [b - a for a, b in zip([start, *inside], [*inside, end])]
+    assert max(gaps) < duration / 2, (max(gaps), duration)
