@@ -125,14 +125,17 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); methods.len()];
     let mut reference_hash: Option<u64> = None;
     for round in 0..repeat {
-        for (i, method) in methods.iter().enumerate() {
+        // Each round starts one method later, so no method always runs
+        // first (right after a fio run, say) and inherits a position effect.
+        for i in (0..methods.len()).map(|k| (k + round) % methods.len()) {
+            let method = &methods[i];
             eprintln!("bench: round {}/{repeat}: {}", round + 1, method.name());
             dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
             let sample = match method {
                 Method::Dmaload { name, options } => {
                     let (buffer, report) = dmaload::load(file, options).map_err(|e| e.to_string())?;
                     if round == 0 {
-                        // Every engine must return the same bytes.
+                        // Every method must return the same bytes.
                         let digest = xxhash_rust::xxh3::xxh3_64(&buffer);
                         if *reference_hash.get_or_insert(digest) != digest {
                             return Err(format!("{name} returned different bytes from the first method"));
@@ -195,7 +198,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
 
 fn print_table(t: &Table) {
     println!(
-        "Cold load of {} ({}), {} run(s) per method, interleaved, page cache evicted before each; fio: {}\n",
+        "Cold load of {} ({}), {} run(s) per method, interleaved in rotating order, page cache evicted before each; fio: {}\n",
         t.file,
         human_bytes(t.bytes),
         t.repeat,
