@@ -175,6 +175,8 @@ pub struct LoadReport {
     /// direct I/O.
     pub cache: CachePolicy,
     pub memory: MemoryKind,
+    /// The filesystem the file is on ("ext4", "tmpfs", ...), or
+    /// "block-device".
     pub filesystem: &'static str,
     /// Offset alignment of the reads (1 for buffered I/O).
     pub alignment: usize,
@@ -241,20 +243,36 @@ fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
     Ok(())
 }
 
-/// Size of what `file` holds: its length, or a block device's capacity.
-fn source_size(path: &Path, file: &mut File) -> Result<u64> {
+/// What is being loaded: its size and where it lives.
+struct Source {
+    size: u64,
+    /// The filesystem's name, or "block-device".
+    storage: &'static str,
+    /// tmpfs/ramfs: the file lives in the page cache.
+    in_memory: bool,
+}
+
+/// Sizes up `file`: a regular file's length, or a block device's capacity
+/// (the filesystem of a device node says nothing about the device).
+fn inspect_source(path: &Path, file: &mut File) -> Result<Source> {
     let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
     let kind = meta.file_type();
     if kind.is_dir() {
         return Err(Error::io("open", path, io::Error::from_raw_os_error(libc::EISDIR)));
     }
-    if kind.is_file() {
-        return Ok(meta.len());
-    }
     if kind.is_block_device() {
-        return file.seek(SeekFrom::End(0)).map_err(|e| Error::io("seek", path, e));
+        let size = file.seek(SeekFrom::End(0)).map_err(|e| Error::io("seek", path, e))?;
+        return Ok(Source { size, storage: "block-device", in_memory: false });
     }
-    Err(Error::new(ErrorKind::InvalidInput, "open", path, "not a regular file or block device"))
+    if !kind.is_file() {
+        return Err(Error::new(ErrorKind::InvalidInput, "open", path, "not a regular file or block device"));
+    }
+    let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", path, e))?;
+    Ok(Source {
+        size: meta.len(),
+        storage: system::filesystem_name(magic),
+        in_memory: system::is_memory_filesystem(magic),
+    })
 }
 
 /// How the load reads: the file to read from (O_DIRECT or not), the page
@@ -283,7 +301,7 @@ fn no_residue_policy(file: &File) -> CachePolicy {
 fn choose_read_setup(
     path: &Path,
     file: &File,
-    magic: i64,
+    source: &Source,
     mode: IoMode,
     fallbacks: &mut Vec<Fallback>,
 ) -> Result<ReadSetup> {
@@ -295,11 +313,9 @@ fn choose_read_setup(
     let refuse = |why: String| -> Result<ReadSetup> {
         Err(Error::new(ErrorKind::DirectIoUnavailable, "open O_DIRECT", path, why))
     };
-    if system::is_memory_filesystem(magic) {
-        let why = format!(
-            "{} keeps file data in the page cache, so direct I/O cannot bypass it",
-            system::filesystem_name(magic)
-        );
+    if source.in_memory {
+        let why =
+            format!("{} keeps file data in the page cache, so direct I/O cannot bypass it", source.storage);
         if mode == IoMode::Direct {
             return refuse(why);
         }
@@ -325,7 +341,7 @@ fn choose_read_setup(
         (Err(err), _) if err.raw_os_error() == Some(libc::EINVAL) => {
             let why = format!(
                 "{} does not support O_DIRECT on this file (statx STATX_DIOALIGN / open EINVAL)",
-                system::filesystem_name(magic)
+                source.storage
             );
             if mode == IoMode::Direct {
                 return refuse(why);
@@ -361,7 +377,7 @@ struct PopulateTimes {
 /// taking an equal page-aligned share. A memfd's pages are first allocated
 /// with `fallocate` (cheaper than one fault per page), then mapped with
 /// `MADV_POPULATE_WRITE` so the I/O never faults.
-fn populate_range(
+pub(crate) fn populate_range(
     dst: MappingWriter<'_>,
     memfd: Option<BorrowedFd<'_>>,
     range: Range<usize>,
@@ -527,8 +543,13 @@ fn fill(path: &Path, setup: &ReadSetup, plan: &Plan, len: u64, options: &LoadOpt
             Err(err) => (Err(err), None),
         };
         let fixed = registrar.is_some();
-        let populator =
-            scope.spawn(|| populate_gathers(dst, memfd, registrar, plan, &gate, options.populate_threads));
+        let populator = scope.spawn(|| {
+            let populated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                populate_gathers(dst, memfd, registrar, plan, &gate, options.populate_threads)
+            }));
+            // A panic must still open the gate, or the engine would wait forever.
+            populated.inspect_err(|_| gate.fail(&io::Error::other("the populating thread panicked")))
+        });
         let result = prepared.and_then(|prepared| match prepared {
             Prepared::Uring(ring) => engine::uring::run(&job, *ring, fixed),
             Prepared::Pool { threads, engine } => engine::pool::run(&job, dst, threads, engine),
@@ -536,7 +557,10 @@ fn fill(path: &Path, setup: &ReadSetup, plan: &Plan, len: u64, options: &LoadOpt
         if result.is_err() {
             gate.cancel();
         }
-        let times = populator.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        let times = populator
+            .join()
+            .and_then(|populated| populated)
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         (result, times)
     });
     let engine_wall = started.elapsed();
@@ -558,7 +582,8 @@ fn load_impl(
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
 
     let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    let size = source_size(path, &mut file)?;
+    let source = inspect_source(path, &mut file)?;
+    let size = source.size;
     if offset > size {
         return Err(Error::new(
             ErrorKind::InvalidInput,
@@ -590,9 +615,8 @@ fn load_impl(
             ),
         ));
     }
-    let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", path, e))?;
     let mut fallbacks = Vec::new();
-    let mut setup = choose_read_setup(path, &file, magic, options.mode, &mut fallbacks)?;
+    let mut setup = choose_read_setup(path, &file, &source, options.mode, &mut fallbacks)?;
     let page = sys::mem::page_size();
     let mut plan = Plan::new(offset, len, setup.align, options.chunk_size, options.gather_size, page);
 
@@ -639,7 +663,7 @@ fn load_impl(
         engine: run.engine,
         cache: setup.cache,
         memory: options.memory,
-        filesystem: system::filesystem_name(magic),
+        filesystem: source.storage,
         alignment: setup.align,
         chunk_size: plan.chunk,
         gather_size: plan.gather,

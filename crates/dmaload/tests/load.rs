@@ -220,3 +220,35 @@ fn file_truncated_during_the_load_is_an_error_never_a_buffer() {
         );
     }
 }
+
+/// A loop device detached on drop.
+struct LoopDevice(String);
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
+
+#[test]
+fn block_device_loads_through_direct_io() {
+    let name = "block_device_loads_through_direct_io";
+    let dir = scratch_dir();
+    let backing = dir.path().join("disk.img");
+    let size = (6 << 20) + 512;
+    write_pattern_file(&backing, size);
+    let attached = std::process::Command::new("losetup").args(["--find", "--show"]).arg(&backing).output();
+    let device = match attached {
+        Ok(out) if out.status.success() => LoopDevice(String::from_utf8_lossy(&out.stdout).trim().to_owned()),
+        Ok(out) => {
+            return skip(name, &format!("losetup failed: {}", String::from_utf8_lossy(&out.stderr).trim()))
+        }
+        Err(err) => return skip(name, &format!("losetup not available: {err}")),
+    };
+    let (buffer, report) = dmaload::load(&device.0, &options(Engine::UringFixed)).unwrap();
+    assert_eq!(buffer.len() as u64, size);
+    assert_pattern(&buffer, 0);
+    assert_eq!(report.cache, CachePolicy::Bypass);
+    let (range, _) = dmaload::load_range(&device.0, 1001, 70_000, &options(Engine::Uring)).unwrap();
+    assert_pattern(&range, 1001);
+}
