@@ -16,7 +16,10 @@ pub struct Plan {
     pub data_end: u64,
     pub read_end: u64,
     pub chunk: usize,
+    /// Largest gather, in bytes.
     pub gather: usize,
+    /// Mapping offset where each gather starts, then `mapping_len`.
+    gather_bounds: Vec<usize>,
     /// Offset/length alignment of reads (1 for buffered I/O).
     pub align: usize,
     /// Bytes to reserve: the read span rounded up to whole pages.
@@ -41,6 +44,24 @@ pub enum ReadOutcome {
     Partial { credited: u64, resume_at: u64 },
 }
 
+/// Gather boundaries that start with one chunk and double up to `gather`:
+/// the I/O can start as soon as the first chunk's pages exist, instead of
+/// after a whole gather (seed 000's T(first gather)), while later gathers
+/// are large enough to keep per-gather costs small.
+fn ramped_bounds(mapping_len: usize, chunk: usize, gather: usize) -> Vec<usize> {
+    let mut bounds = vec![0];
+    let mut size = chunk;
+    let mut start = 0;
+    while start < mapping_len {
+        start = (start + size).min(mapping_len);
+        bounds.push(start);
+        if start >= 2 * size {
+            size = (size * 2).min(gather);
+        }
+    }
+    bounds
+}
+
 /// Most buffers the io_uring registered-buffer table holds (Linux limit).
 const MAX_GATHERS: usize = 16384;
 /// Largest single registered buffer io_uring accepts.
@@ -59,10 +80,13 @@ impl Plan {
         // and a gather is whole chunks.
         let chunk = chunk.max(page).div_ceil(page) * page;
         let mut gather = gather.clamp(chunk, MAX_GATHER_BYTES) / chunk * chunk;
-        while mapping_len.div_ceil(gather) > MAX_GATHERS && gather + chunk <= MAX_GATHER_BYTES {
+        // The ramp adds at most log2(gather / chunk) + 1 gathers.
+        let ramp = |gather: usize| (gather / chunk).ilog2() as usize + 1;
+        while mapping_len.div_ceil(gather) + ramp(gather) > MAX_GATHERS && gather * 2 <= MAX_GATHER_BYTES {
             gather *= 2;
         }
-        Plan { file_start, data_end, read_end, chunk, gather, align, mapping_len }
+        let gather_bounds = ramped_bounds(mapping_len, chunk, gather);
+        Plan { file_start, data_end, read_end, chunk, gather, gather_bounds, align, mapping_len }
     }
 
     /// Where the requested bytes start in the mapping.
@@ -76,22 +100,22 @@ impl Plan {
     }
 
     pub fn gather_count(&self) -> usize {
-        self.mapping_len.div_ceil(self.gather)
+        self.gather_bounds.len() - 1
     }
 
     /// Mapping range of gather `g`.
     pub fn gather_range(&self, g: usize) -> Range<usize> {
-        let start = g * self.gather;
-        start..(start + self.gather).min(self.mapping_len)
+        self.gather_bounds[g]..self.gather_bounds[g + 1]
     }
 
     pub fn gather_ranges(&self) -> Vec<Range<usize>> {
         (0..self.gather_count()).map(|g| self.gather_range(g)).collect()
     }
 
-    /// The gather that mapping offset of file offset `file_offset` falls in.
+    /// The gather that file offset `file_offset` falls in (binary search).
     pub fn gather_of(&self, file_offset: u64) -> usize {
-        ((file_offset - self.file_start) as usize) / self.gather
+        let at = (file_offset - self.file_start) as usize;
+        self.gather_bounds.partition_point(|&start| start <= at) - 1
     }
 
     /// Bytes of needed data in gather `g`.
@@ -170,16 +194,30 @@ mod tests {
     }
 
     #[test]
+    fn gathers_ramp_up_from_one_chunk() {
+        const M: usize = 1 << 20;
+        let bounds = ramped_bounds(100 * M, M, 16 * M);
+        let sizes: Vec<usize> = bounds.windows(2).map(|w| (w[1] - w[0]) / M).collect();
+        assert_eq!(sizes, [1, 1, 2, 4, 8, 16, 16, 16, 16, 16, 4]);
+        assert_eq!(ramped_bounds(0, M, 16 * M), [0]);
+        assert_eq!(ramped_bounds(M / 2, M, 16 * M), [0, M / 2]);
+    }
+
+    #[test]
     fn chunks_and_gathers_cover_the_span() {
         let plan = Plan::new(0, 10 * (1 << 20) + 1, 4096, 1 << 20, 4 << 20, P);
         assert_eq!(plan.chunk_count(), 11);
-        assert_eq!(plan.gather_count(), 3);
-        assert_eq!(plan.gather_range(2), (8 << 20)..(10 << 20) + P);
+        // Gathers of 1, 1, 2, 4 MiB, then the rest.
+        assert_eq!(plan.gather_count(), 5);
+        assert_eq!(plan.gather_range(4), (8 << 20)..(10 << 20) + P);
         let total: u64 = (0..plan.gather_count()).map(|g| plan.gather_need(g)).sum();
         assert_eq!(total, 10 * (1 << 20) + 1);
         let last = plan.chunk_request(10);
         assert_eq!((last.end - last.start, last.need), (4096, 1));
-        assert_eq!(plan.gather_of(last.start), 2);
+        assert_eq!(plan.gather_of(last.start), 4);
+        assert_eq!(plan.gather_of(0), 0);
+        assert_eq!(plan.gather_of(1 << 20), 1);
+        assert_eq!(plan.gather_of((4 << 20) - 1), 2);
     }
 
     #[test]

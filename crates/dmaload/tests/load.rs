@@ -54,7 +54,11 @@ fn large_file_with_odd_tail_matches_its_hash_with_every_engine() {
         assert_eq!(buffer.len() as u64, size);
         assert_eq!(xxhash_rust::xxh3::xxh3_64(&buffer), expected, "{engine:?}");
         assert_eq!(report.cache, CachePolicy::Bypass);
-        assert_eq!(buffer.segments().len(), 3);
+        // Gathers ramp up from one chunk: 4, 4, 8, ... 128 MiB, then the rest.
+        let segments = buffer.segments();
+        assert_eq!(segments.len(), 8);
+        assert_eq!((segments[0].len, segments[7].offset), (4 << 20, 256 << 20));
+        assert!(segments.windows(2).all(|w| w[0].offset + w[0].len == w[1].offset));
         assert!(report.page_cache.fraction < 0.01, "direct I/O left {:?} cached", report.page_cache);
     }
 }
