@@ -5,8 +5,9 @@ use std::fmt;
 use std::ops::{Deref, DerefMut, Range};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use crate::heap::{Allocation, MemoryKind};
-use crate::sys::mem::Mapping;
+use crate::error::{Error, ErrorKind, Result};
+use crate::heap::{self, Allocation, DmaBuf, MemoryKind};
+use crate::sys::mem::{page_size, Mapping};
 
 /// A contiguous piece of a buffer that was populated and filled as one unit
 /// (one "gather" of the pipelined load).
@@ -65,6 +66,27 @@ impl Buffer {
     /// range was loaded from an offset that direct I/O had to align down).
     pub fn memfd_offset(&self) -> usize {
         self.data.start
+    }
+
+    /// Exports the buffer's memory as a dma-buf with udmabuf, without
+    /// copying: devices import it, and the memfd keeps backing it. It
+    /// covers whole pages, so the buffer's first byte is at
+    /// `memfd_offset() % page size` in it. Needs memfd memory (a load
+    /// seals the memfd as udmabuf requires); past udmabuf's
+    /// `size_limit_mb` (64 MiB by default) the kernel refuses.
+    pub fn export_dmabuf(&self) -> Result<DmaBuf> {
+        let Some(memfd) = self.memfd() else {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "export",
+                std::path::Path::new(heap::UDMABUF_DEVICE),
+                "anonymous memory has no memfd to export: load with memory memfd",
+            ));
+        };
+        let page = page_size();
+        let start = self.data.start / page * page;
+        let end = self.data.end.div_ceil(page) * page;
+        heap::udmabuf_export(&[(memfd, start as u64, (end - start) as u64)])
     }
 
     /// Gives up the mapping and returns the memfd, which keeps the bytes.

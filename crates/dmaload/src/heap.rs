@@ -1,11 +1,18 @@
 //! Where buffers come from: memfd (shareable by fd, exportable as a dma-buf
-//! through udmabuf) or anonymous memory with transparent huge pages.
+//! through udmabuf) or anonymous memory with transparent huge pages; and
+//! dma-bufs: allocated from the system dma-heap or exported from memfds
+//! with udmabuf.
 
+use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
 
 use serde::Serialize;
 
+use crate::error::{Error, ErrorKind, Result};
+use crate::sys;
+use crate::sys::dmabuf;
 use crate::sys::mem::{self, Mapping};
 
 /// The kind of memory a buffer lives in.
@@ -54,5 +61,173 @@ impl Allocation {
                 Ok(Allocation { mapping, memfd: None, kind })
             }
         }
+    }
+}
+
+/// The system dma-heap: page-backed memory any device driver can import.
+pub const SYSTEM_HEAP: &str = "/dev/dma_heap/system";
+/// The udmabuf device: turns memfd pages into a dma-buf.
+pub const UDMABUF_DEVICE: &str = "/dev/udmabuf";
+const UDMABUF_SIZE_LIMIT: &str = "/sys/module/udmabuf/parameters/size_limit_mb";
+
+/// Which CPU accesses a [`DmaBuf::begin_cpu_access`] bracket covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuAccess {
+    Read,
+    Write,
+    ReadWrite,
+}
+
+impl From<CpuAccess> for dmabuf::SyncAccess {
+    fn from(access: CpuAccess) -> Self {
+        match access {
+            CpuAccess::Read => dmabuf::SyncAccess::Read,
+            CpuAccess::Write => dmabuf::SyncAccess::Write,
+            CpuAccess::ReadWrite => dmabuf::SyncAccess::ReadWrite,
+        }
+    }
+}
+
+/// A dma-buf: memory that devices can import and other processes can map,
+/// passed around as an fd.
+#[derive(Debug)]
+pub struct DmaBuf {
+    fd: OwnedFd,
+    len: u64,
+}
+
+impl DmaBuf {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
+    /// Call before the CPU reads or writes the buffer's mmap
+    /// (`DMA_BUF_IOCTL_SYNC` start): on devices that are not cache-coherent
+    /// the exporter invalidates or flushes CPU caches here.
+    pub fn begin_cpu_access(&self, access: CpuAccess) -> io::Result<()> {
+        dmabuf::sync(self.fd.as_fd(), access.into(), true)
+    }
+
+    /// Call after the CPU is done with the mmap (`DMA_BUF_IOCTL_SYNC` end).
+    pub fn end_cpu_access(&self, access: CpuAccess) -> io::Result<()> {
+        dmabuf::sync(self.fd.as_fd(), access.into(), false)
+    }
+
+    /// Maps the dma-buf for the CPU (`mmap` of its fd) inside a
+    /// begin/end CPU-access bracket that lasts as long as the map.
+    pub fn map(&self, access: CpuAccess) -> io::Result<DmaBufMap<'_>> {
+        let mapping = Mapping::shared(self.fd.as_fd(), usize::try_from(self.len).map_err(io::Error::other)?)?;
+        self.begin_cpu_access(access)?;
+        Ok(DmaBufMap { mapping, buf: self, access })
+    }
+}
+
+/// The CPU's view of a [`DmaBuf`]; dereferences to its bytes. Dropping it
+/// ends the CPU-access bracket and unmaps.
+pub struct DmaBufMap<'a> {
+    mapping: Mapping,
+    buf: &'a DmaBuf,
+    access: CpuAccess,
+}
+
+impl std::ops::Deref for DmaBufMap<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.mapping.as_slice()
+    }
+}
+
+impl std::ops::DerefMut for DmaBufMap<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.mapping.as_mut_slice()
+    }
+}
+
+impl Drop for DmaBufMap<'_> {
+    fn drop(&mut self) {
+        // Nothing to do on failure: the bytes are in place either way.
+        let _ = self.buf.end_cpu_access(self.access);
+    }
+}
+
+/// Why `device` cannot be used here, if it cannot: missing (kernel built
+/// without it) or not openable (permissions).
+fn probe_device(device: &str, config: &str) -> Result<File, String> {
+    match OpenOptions::new().read(true).write(device == UDMABUF_DEVICE).open(device) {
+        Ok(file) => Ok(file),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(format!("{device} does not exist (kernel {} without {config})", kernel()))
+        }
+        Err(e) => Err(format!("cannot open {device}: {e}")),
+    }
+}
+
+fn kernel() -> String {
+    sys::process::kernel_release().unwrap_or_else(|_| "unknown".into())
+}
+
+/// Whether the system dma-heap can be used, and why not.
+pub fn dma_heap_probe() -> Result<(), String> {
+    probe_device(SYSTEM_HEAP, "CONFIG_DMABUF_HEAPS_SYSTEM").map(drop)
+}
+
+/// Whether udmabuf can be used, and why not.
+pub fn udmabuf_probe() -> Result<(), String> {
+    probe_device(UDMABUF_DEVICE, "CONFIG_UDMABUF").map(drop)
+}
+
+/// udmabuf's `size_limit_mb` module parameter, in bytes, where readable.
+pub fn udmabuf_size_limit() -> Option<u64> {
+    std::fs::read_to_string(UDMABUF_SIZE_LIMIT).ok()?.trim().parse::<u64>().ok().map(|mb| mb << 20)
+}
+
+/// Allocates `len` bytes from the system dma-heap (`DMA_HEAP_IOCTL_ALLOC`,
+/// Linux 5.6). The pages are zeroed and allocated at once.
+pub fn dma_heap_alloc(len: u64) -> Result<DmaBuf> {
+    let path = Path::new(SYSTEM_HEAP);
+    let heap = probe_device(SYSTEM_HEAP, "CONFIG_DMABUF_HEAPS_SYSTEM")
+        .map_err(|why| Error::new(ErrorKind::InvalidInput, "open", path, why))?;
+    let fd = dmabuf::dma_heap_alloc(heap.as_fd(), len).map_err(|e| Error::io("dma-heap alloc", path, e))?;
+    Ok(DmaBuf { fd, len })
+}
+
+/// Exports ranges of memfds (sealed `F_SEAL_SHRINK`, offsets and sizes
+/// page-aligned) as one dma-buf with udmabuf, without copying:
+/// `UDMABUF_CREATE` for one range, `UDMABUF_CREATE_LIST` for several.
+/// The total is capped by udmabuf's `size_limit_mb` (64 MiB by default).
+pub fn udmabuf_export(ranges: &[(BorrowedFd<'_>, u64, u64)]) -> Result<DmaBuf> {
+    let path = Path::new(UDMABUF_DEVICE);
+    let dev = probe_device(UDMABUF_DEVICE, "CONFIG_UDMABUF")
+        .map_err(|why| Error::new(ErrorKind::InvalidInput, "open", path, why))?;
+    let len: u64 = ranges.iter().map(|r| r.2).sum();
+    let items: Vec<dmabuf::UdmabufRange<'_>> =
+        ranges.iter().map(|&(memfd, offset, size)| dmabuf::UdmabufRange { memfd, offset, size }).collect();
+    match dmabuf::udmabuf_create(dev.as_fd(), &items) {
+        Ok(fd) => Ok(DmaBuf { fd, len }),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) && udmabuf_size_limit().is_some_and(|l| len > l) => {
+            Err(Error::new(
+                ErrorKind::InvalidInput,
+                "udmabuf create",
+                path,
+                format!(
+                    "{len} bytes exceed udmabuf's size_limit_mb ({} MiB): raise it with the kernel \
+                     parameter udmabuf.size_limit_mb=N or in {UDMABUF_SIZE_LIMIT}",
+                    udmabuf_size_limit().unwrap_or(0) >> 20
+                ),
+            ))
+        }
+        Err(e) => Err(Error::io("udmabuf create", path, e)),
     }
 }

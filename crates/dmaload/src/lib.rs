@@ -15,15 +15,19 @@ pub mod engine;
 pub mod error;
 pub mod format;
 pub mod heap;
+pub mod iops;
 pub mod load;
 pub mod pagecache;
 mod plan;
+pub mod save;
 #[allow(unsafe_code)]
 mod sys;
 pub mod system;
+pub mod transfer;
 
 pub use buffer::{Buffer, Segment};
 pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
 pub use load::{load, load_range, Fallback, IoMode, LoadOptions, LoadReport};
+pub use save::{save, SaveOptions, SaveReport};

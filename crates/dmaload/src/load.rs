@@ -1,10 +1,12 @@
 //! `load`: allocate a buffer and fill it with a file's bytes in one call,
 //! the userspace form of seed 000's DMA_HEAP_ALLOC_AND_READ_FILE.
 //!
-//! The buffer is reserved up front and populated gather by gather on a
-//! helper thread (`MADV_POPULATE_WRITE`) while the engine fills the gathers
-//! already populated, so T(total) ≈ T(first gather) + max(T(alloc), T(I/O)).
-//! The buffer is returned only once every byte has arrived.
+//! The buffer is reserved up front and populated gather by gather
+//! (`fallocate` + `MADV_POPULATE_WRITE`, then io_uring registration) by
+//! helper threads while the engine fills the gathers already populated, so
+//! T(total) ≈ T(first gather) + max(T(alloc), T(I/O)); gathers ramp up from
+//! one chunk, so T(first gather) is milliseconds. The buffer is returned
+//! only once every byte has arrived.
 
 use std::fmt;
 use std::fs::{File, OpenOptions};
@@ -332,26 +334,23 @@ fn choose_read_setup(
             Some(if blksize.is_power_of_two() && blksize >= 512 { blksize } else { 4096 })
         }
     };
-    let opened = match align {
-        Some(_) => OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path),
-        None => Err(io::Error::from_raw_os_error(libc::EINVAL)),
-    };
-    match (opened, align) {
-        (Ok(direct), Some(align)) => Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align }),
-        (Err(err), _) if err.raw_os_error() == Some(libc::EINVAL) => {
-            let why = format!(
-                "{} does not support O_DIRECT on this file (statx STATX_DIOALIGN / open EINVAL)",
-                source.storage
-            );
-            if mode == IoMode::Direct {
-                return refuse(why);
-            }
-            let setup = buffered(path, file, no_residue_policy(file))?;
-            fallbacks.push(Fallback::new("direct", cache_name(setup.cache), why));
-            Ok(setup)
+    let mut unsupported = || {
+        let why = format!(
+            "{} does not support O_DIRECT on this file (statx STATX_DIOALIGN / open EINVAL)",
+            source.storage
+        );
+        if mode == IoMode::Direct {
+            return refuse(why);
         }
-        (Err(err), _) => Err(Error::io("open O_DIRECT", path, err)),
-        (Ok(_), None) => unreachable!("opened O_DIRECT without an alignment"),
+        let setup = buffered(path, file, no_residue_policy(file))?;
+        fallbacks.push(Fallback::new("direct", cache_name(setup.cache), why));
+        Ok(setup)
+    };
+    let Some(align) = align else { return unsupported() };
+    match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+        Ok(direct) => Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align }),
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => unsupported(),
+        Err(err) => Err(Error::io("open O_DIRECT", path, err)),
     }
 }
 

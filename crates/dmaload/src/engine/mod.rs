@@ -4,6 +4,7 @@
 
 pub(crate) mod pool;
 pub(crate) mod uring;
+pub(crate) mod write;
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -254,3 +255,9 @@ pub(crate) struct EngineRun {
 }
 
 pub(crate) type EngineResult = Result<EngineRun>;
+
+/// Whether a failed `io_uring_setup` means io_uring is unavailable to this
+/// process (old kernel, `kernel.io_uring_disabled`, seccomp), not a bug.
+pub(crate) fn io_uring_unavailable(err: &io::Error) -> bool {
+    matches!(err.raw_os_error(), Some(libc::ENOSYS | libc::EPERM | libc::EACCES | libc::EOPNOTSUPP))
+}

@@ -16,7 +16,14 @@
 //!   dropped, so no request outlives the writer it targets.
 //! * Every raw pointer handed to the kernel is bounds-checked against the
 //!   mapping it points into.
+//! * A [`uring::WriteRing`] holds a shared borrow of the bytes it writes
+//!   out (the kernel only reads them) and, like a `Ring`, drains its
+//!   requests before it drops.
+//! * ioctl argument structs ([`dmabuf`]) are `#[repr(C)]` copies of the
+//!   kernel uAPI, live across the call, and new fds returned by the kernel
+//!   are wrapped in `OwnedFd` at once.
 
+pub mod dmabuf;
 pub mod file;
 pub mod mem;
 pub mod process;

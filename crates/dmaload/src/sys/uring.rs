@@ -226,3 +226,128 @@ pub fn probe() -> io::Result<UringProbe> {
     let sparse_buffers = ring.submitter().register_buffers_sparse(1).map_err(|e| e.to_string());
     Ok(UringProbe { opcodes, sparse_buffers })
 }
+
+/// An io_uring instance whose writes all come from one borrowed byte slice
+/// (the write direction of [`Ring`]).
+///
+/// The kernel only reads the slice, which the shared borrow keeps alive and
+/// unchanged; every in-flight request is drained before the ring drops, so
+/// none outlives the borrow.
+pub struct WriteRing<'s> {
+    ring: IoUring,
+    src: &'s [u8],
+    in_flight: usize,
+}
+
+impl<'s> WriteRing<'s> {
+    /// `io_uring_setup(2)` (Linux 5.1), cooperative task-run mode where the
+    /// kernel has it (5.19).
+    pub fn new(entries: u32, src: &'s [u8]) -> io::Result<Self> {
+        let ring = match IoUring::builder().setup_coop_taskrun().build(entries) {
+            Ok(ring) => ring,
+            Err(err) if err.raw_os_error() == Some(libc::EINVAL) => IoUring::new(entries)?,
+            Err(err) => return Err(err),
+        };
+        Ok(WriteRing { ring, src, in_flight: 0 })
+    }
+
+    fn raw_range(&self, range: &Range<usize>) -> (*const u8, usize) {
+        // Ranges come from the caller's plan: out of range is a bug.
+        let bytes = &self.src[range.clone()];
+        (bytes.as_ptr(), bytes.len())
+    }
+
+    /// A sparse table of `slots` registered buffers (Linux 5.19).
+    pub fn register_slots(&mut self, slots: u32) -> io::Result<()> {
+        self.ring.submitter().register_buffers_sparse(slots)
+    }
+
+    /// Registers `range` of the slice in `slot`, pinning its pages
+    /// (`IORING_REGISTER_BUFFERS_UPDATE`, Linux 5.13; at most 1 GiB; ENOMEM
+    /// past RLIMIT_MEMLOCK; EFAULT for PFN mappings such as a dma-buf mmap).
+    pub fn register(&mut self, slot: u32, range: Range<usize>) -> io::Result<()> {
+        let (ptr, len) = self.raw_range(&range);
+        let iov = libc::iovec { iov_base: ptr as *mut libc::c_void, iov_len: len };
+        // SAFETY: the iovec lies inside `src`, borrowed for longer than the
+        // ring lives; the kernel pins the pages and only reads them
+        // (WRITE_FIXED), so no Rust reference is invalidated.
+        unsafe { self.ring.submitter().register_buffers_update(slot, &[iov], None) }
+    }
+
+    /// Empties `slot`, unpinning its pages once no request uses them.
+    pub fn unregister(&mut self, slot: u32) -> io::Result<()> {
+        let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+        // SAFETY: an empty iovec clears the slot; nothing is pinned.
+        unsafe { self.ring.submitter().register_buffers_update(slot, &[empty], None) }
+    }
+
+    /// Queues a write of `range` of the slice at file `offset`, through
+    /// registered buffer `slot` (which must hold the whole range) when given.
+    pub fn queue_write(
+        &mut self,
+        fd: BorrowedFd<'_>,
+        range: Range<usize>,
+        offset: u64,
+        slot: Option<u16>,
+        tag: u64,
+    ) -> io::Result<()> {
+        let (ptr, len) = self.raw_range(&range);
+        let len = u32::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let fd = types::Fd(fd.as_raw_fd());
+        let entry = match slot {
+            Some(index) => opcode::WriteFixed::new(fd, ptr, len, index).offset(offset).build(),
+            None => opcode::Write::new(fd, ptr, len).offset(offset).build(),
+        }
+        .user_data(tag);
+        if self.ring.submission().is_full() {
+            self.submit(0)?;
+        }
+        // SAFETY: the source range is inside `src`, alive and unchanged for
+        // 's; `Drop` waits for this request before the borrow can end.
+        unsafe { self.ring.submission().push(&entry) }
+            .map_err(|_| io::Error::other("io_uring submission queue full after submit"))?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Submits queued requests and waits for at least `want` completions
+    /// (0: just submit). Retries on EINTR.
+    pub fn submit(&mut self, want: usize) -> io::Result<()> {
+        loop {
+            match self.ring.submit_and_wait(want.min(self.in_flight)) {
+                Ok(_) => return Ok(()),
+                Err(err) if err.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(err) if err.raw_os_error() == Some(libc::EBUSY) && want > 0 => return Ok(()),
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// Moves the ready completions into `out`.
+    pub fn reap(&mut self, out: &mut Vec<Completion>) {
+        let before = out.len();
+        out.extend(
+            self.ring.completion().map(|cqe| Completion { tag: cqe.user_data(), result: cqe.result() }),
+        );
+        self.in_flight -= out.len() - before;
+    }
+}
+
+impl Drop for WriteRing<'_> {
+    fn drop(&mut self) {
+        // In-flight writes still read `src`: wait for all of them.
+        let mut sink = Vec::new();
+        while self.in_flight > 0 {
+            if let Err(err) = self.submit(1) {
+                eprintln!("dmaload: io_uring wait failed with writes in flight: {err}");
+                std::process::abort();
+            }
+            sink.clear();
+            self.reap(&mut sink);
+        }
+    }
+}
