@@ -258,7 +258,7 @@ def _framework(framework: str) -> str:
 
 def _check_device(framework: str, device: Any) -> None:
     if framework == "np" and str(device) != "cpu":
-        raise ValueError(f"framework='np' loads to the CPU only, not device={device!r}")
+        raise ValueError(f"framework='np' loads to the cpu only, not device={device!r}")
 
 
 def _load_files(

@@ -1,0 +1,383 @@
+"""dmaload.safetensors against files written by the safetensors package."""
+
+from __future__ import annotations
+
+import gc
+import json
+import struct
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dmaload
+import dmaload.safetensors as dst
+
+st_numpy = pytest.importorskip("safetensors.numpy")
+torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
+import safetensors  # noqa: E402
+
+RNG = np.random.default_rng(42)
+
+NUMPY_DTYPES = ["bool", "uint8", "int8", "uint16", "int16", "float16", "uint32", "int32", "float32",
+                "uint64", "int64", "float64", "complex64"]  # fmt: skip
+SHAPES: list[tuple[int, ...]] = [(), (1,), (7,), (3, 5), (2, 3, 4), (0,), (4, 0, 2), (1, 1, 1, 1)]
+
+
+def _random_numpy(dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    n = int(np.prod(shape))
+    raw = RNG.integers(0, 256, n * np.dtype(dtype).itemsize, dtype=np.uint8)
+    if dtype == "bool":
+        return (raw % 2).astype(bool).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def _torch_bytes(t: Any) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+
+
+def _same_numpy(ours: np.ndarray[Any, Any], theirs: np.ndarray[Any, Any]) -> None:
+    assert ours.shape == theirs.shape
+    assert ours.dtype == theirs.dtype, (ours.dtype, theirs.dtype)
+    assert ours.tobytes() == theirs.tobytes()
+
+
+def _same_torch(ours: Any, theirs: Any) -> None:
+    assert ours.dtype == theirs.dtype and tuple(ours.shape) == tuple(theirs.shape)
+    assert _torch_bytes(ours) == _torch_bytes(theirs)
+
+
+@pytest.fixture(scope="module")
+def numpy_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("np") / "all.safetensors"
+    tensors = {f"{dt}_{'x'.join(map(str, s)) or 'scalar'}": _random_numpy(dt, s) for dt in NUMPY_DTYPES for s in SHAPES}
+    # Odd sizes: byte tensors of odd lengths between wider ones.
+    tensors.update({f"odd_{n}": _random_numpy("uint8", (n,)) for n in (1, 3, 5, 7, 9, 4095)})
+    st_numpy.save_file(tensors, path, metadata={"format": "np", "note": "ünïcode ✓"})
+    return path
+
+
+TORCH_DTYPES = ["bool", "uint8", "int8", "int16", "uint16", "float16", "bfloat16", "int32", "uint32", "float32",
+                "int64", "uint64", "float64", "complex64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                "float8_e5m2fnuz", "float8_e8m0fnu"]  # fmt: skip
+
+
+def _random_torch(dtype: Any, shape: tuple[int, ...]) -> Any:
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.from_numpy(RNG.integers(0, 256, n, dtype=np.uint8))
+    if dtype == torch.bool:
+        return (raw % 2).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.fixture(scope="module")
+def torch_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("pt") / "all.safetensors"
+    tensors = {}
+    for name in TORCH_DTYPES:
+        dtype = getattr(torch, name, None)
+        if dtype is None:
+            continue
+        for s in SHAPES:
+            tensors[f"{name}_{'x'.join(map(str, s)) or 'scalar'}"] = _random_torch(dtype, s)
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        tensors["f4_packed"] = _random_torch(torch.uint8, (3, 4)).view(torch.float4_e2m1fn_x2)
+    st_torch.save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
+def test_numpy_bit_for_bit(numpy_file: Path) -> None:
+    theirs = st_numpy.load_file(numpy_file)
+    ours = dst.load_file(numpy_file)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        _same_numpy(ours[name], theirs[name])
+
+
+def test_numpy_compat_module(numpy_file: Path) -> None:
+    from dmaload.safetensors.numpy import load_file
+
+    ours = load_file(numpy_file)
+    theirs = st_numpy.load_file(numpy_file)
+    for name in theirs:
+        _same_numpy(ours[name], theirs[name])
+
+
+def test_torch_bit_for_bit(numpy_file: Path, torch_file: Path) -> None:
+    for path in (numpy_file, torch_file):
+        ours = dst.load_file(path, framework="pt")
+        with safetensors.safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            for name in names:
+                if name == "f4_packed":
+                    continue  # safetensors.torch cannot load F4; checked below
+                _same_torch(ours[name], f.get_tensor(name))
+        assert set(ours) == set(names)
+
+
+def test_torch_compat_module(torch_file: Path) -> None:
+    from dmaload.safetensors.torch import load_file
+
+    ours = load_file(torch_file)
+    theirs = st_torch.load_file(torch_file)
+    for name, t in theirs.items():
+        _same_torch(ours[name], t)
+
+
+def test_f4_is_packed_pairs(torch_file: Path) -> None:
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("torch has no float4_e2m1fn_x2")
+    with dst.safe_open(torch_file, "pt") as f:
+        info = f.tensor_info("f4_packed")
+        assert info[1] == "F4" and info[2] == (3, 8)
+        t = f.get_tensor("f4_packed")
+        assert t.dtype == torch.float4_e2m1fn_x2 and tuple(t.shape) == (3, 4)
+    with dst.safe_open(torch_file, "np") as g:
+        raw = g.get_tensor("f4_packed")
+        assert raw.dtype == np.uint8 and raw.shape == (12,)
+        assert raw.tobytes() == _torch_bytes(t)
+
+
+def test_bf16_and_f8_to_numpy(torch_file: Path) -> None:
+    theirs = st_torch.load_file(torch_file)
+    ours = dst.load_file(torch_file, framework="np")
+    try:
+        import ml_dtypes  # noqa: F401
+
+        has_ml = True
+    except ImportError:
+        has_ml = False
+    for name, t in theirs.items():
+        a = ours[name]
+        if name.startswith("bfloat16"):
+            assert a.dtype.name == ("bfloat16" if has_ml else "uint16")
+        if name.startswith("float8"):
+            assert a.dtype.itemsize == 1 and (has_ml or a.dtype == np.uint8)
+        if name != "f4_packed":
+            assert a.shape == tuple(t.shape), name
+        assert a.tobytes() == _torch_bytes(t), name
+
+
+def test_bf16_uint16_fallback_without_ml_dtypes(torch_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import now fails
+    ours = dst.load_file(torch_file)
+    theirs = st_torch.load_file(torch_file)
+    a = ours["bfloat16_3x5"]
+    assert a.dtype == np.uint16
+    assert a.tobytes() == _torch_bytes(theirs["bfloat16_3x5"])
+    assert ours["float8_e4m3fn_7"].dtype == np.uint8
+
+
+def test_safe_open_api(numpy_file: Path) -> None:
+    with safetensors.safe_open(numpy_file, framework="np") as theirs, dst.safe_open(numpy_file, "np") as ours:
+        assert ours.keys() == list(theirs.keys())
+        assert ours.metadata() == theirs.metadata() == {"format": "np", "note": "ünïcode ✓"}
+        for name in theirs.keys():
+            _same_numpy(ours.get_tensor(name), theirs.get_tensor(name))
+        assert len(ours) == len(theirs.keys()) and "odd_3" in ours
+        with pytest.raises(KeyError):
+            ours.get_tensor("nope")
+        assert ours.reports[0].bytes == numpy_file.stat().st_size
+    with pytest.raises(ValueError):
+        ours.keys()
+
+
+def test_all_tensors_are_views_of_one_buffer(numpy_file: Path) -> None:
+    with dst.safe_open(numpy_file) as f:
+        (buf,) = f.buffers
+        base = np.frombuffer(buf, dtype=np.uint8)
+        lo = base.__array_interface__["data"][0]
+        hi = lo + base.nbytes
+        tensors = f.get_tensors()
+        del base
+    for name, a in tensors.items():
+        if a.size:
+            ptr = a.__array_interface__["data"][0]
+            assert lo <= ptr and ptr + a.nbytes <= hi, name
+            assert np.shares_memory(a, np.frombuffer(buf, dtype=np.uint8)), name
+    pt = dst.load_file(numpy_file, framework="pt")
+    ptrs = [t.untyped_storage().data_ptr() for t in pt.values() if t.numel()]
+    assert len(set(ptrs)) == 1  # one storage for the whole file
+
+
+def test_tensors_keep_the_buffer_alive(numpy_file: Path) -> None:
+    f = dst.safe_open(numpy_file)
+    buf_ref = weakref.ref(f.buffers[0])
+    a = f.get_tensor("float32_3x5")
+    expected = a.copy()
+    f.close()
+    del f
+    gc.collect()
+    buf = buf_ref()
+    assert buf is not None and not buf.closed
+    with pytest.raises(BufferError):
+        buf.close()  # the array still views it
+    del buf
+    np.testing.assert_array_equal(a, expected)
+    del a
+    gc.collect()
+    assert buf_ref() is None
+
+
+def test_torch_tensors_keep_the_buffer_alive(numpy_file: Path) -> None:
+    f = dst.safe_open(numpy_file, "pt")
+    buf = f.buffers[0]
+    t = f.get_tensor("int64_2x3x4")
+    expected = t.clone()
+    f.close()
+    del f
+    gc.collect()
+    with pytest.raises(BufferError):
+        buf.close()
+    assert torch.equal(t, expected)
+    del t
+    gc.collect()
+    buf.close()
+
+
+def test_writes_through_a_tensor_are_visible_in_the_buffer(numpy_file: Path) -> None:
+    with dst.safe_open(numpy_file) as f:
+        a = f.get_tensor("uint8_7")
+        _, _, _, begin, _ = f.tensor_info("uint8_7")
+        buf = f.buffers[0]
+        header_len = struct.unpack("<Q", bytes(memoryview(buf)[:8]))[0]
+        a[0] = 0xAB
+        assert memoryview(buf)[8 + header_len + begin] == 0xAB
+
+
+def _write_raw(path: Path, header: dict[str, Any], data: bytes, pad: int = 8) -> None:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % pad)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_unaligned_offsets(tmp_path: Path) -> None:
+    """A float32 tensor at an odd offset (never written by safetensors, valid
+    all the same): NumPy views it in place, PyTorch gets an aligned copy."""
+    values = np.arange(6, dtype="<f4")
+    header = {
+        "a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [3, 27]},
+        "h": {"dtype": "F16", "shape": [1], "data_offsets": [27, 29]},
+    }
+    path = tmp_path / "odd.safetensors"
+    for pad in (1, 8):  # also an odd header length
+        _write_raw(path, header, b"\x01\x02\x03" + values.tobytes() + np.float16(1.5).tobytes(), pad=pad)
+        out = dst.load_file(path)
+        np.testing.assert_array_equal(out["w"], values.reshape(2, 3))
+        assert out["h"][0] == np.float16(1.5)
+        pt = dst.load_file(path, framework="pt")
+        assert torch.equal(pt["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
+        theirs = st_numpy.load_file(path)
+        _same_numpy(out["w"], theirs["w"])
+
+
+def test_f6_is_raw_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "f6.safetensors"
+    _write_raw(path, {"q": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [0, 3]}}, b"\x10\x20\x30")
+    for fw in ("np", "pt"):
+        q = dst.load_file(path, framework=fw)["q"]  # type: ignore[arg-type]
+        assert bytes(q.numpy() if fw == "pt" else q) == b"\x10\x20\x30"
+
+
+def _model(tmp: Path, shards: int) -> dict[str, np.ndarray[Any, Any]]:
+    everything: dict[str, np.ndarray[Any, Any]] = {}
+    weight_map = {}
+    for i in range(shards):
+        part = {f"layer{i}.{k}": _random_numpy("float32", (16, 8)) for k in ("q", "k", "v")}
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        st_numpy.save_file(part, tmp / name, metadata={"format": "np"})
+        weight_map.update({k: name for k in part})
+        everything.update(part)
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return everything
+
+
+def test_sharded_model_by_index_and_directory(tmp_path: Path) -> None:
+    expected = _model(tmp_path, 5)
+    for path in (tmp_path, tmp_path / "model.safetensors.index.json"):
+        for concurrency in (1, 3):
+            out = dst.load_file(path, concurrency=concurrency)
+            assert set(out) == set(expected)
+            for k, v in expected.items():
+                _same_numpy(out[k], v)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    assert set(dst.load_file(tmp_path)) == set(expected)  # all *.safetensors of the directory
+
+
+def test_sharded_progress_sums_files(tmp_path: Path) -> None:
+    _model(tmp_path, 4)
+    total = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
+    calls: list[tuple[int, int]] = []
+    dst.load_file(tmp_path, progress=lambda d, t: calls.append((d, t)))
+    assert calls[-1] == (total, total)
+    assert all(t == total for _, t in calls)
+
+
+def test_sharded_errors(tmp_path: Path) -> None:
+    _model(tmp_path, 2)
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["layer0.q"] = "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(dmaload.SafetensorError, match="layer0.q"):
+        dst.load_file(tmp_path)
+    data["weight_map"]["layer0.q"] = "../escape.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(dmaload.SafetensorError, match="outside"):
+        dst.load_file(index)
+    index.write_text("{not json")
+    with pytest.raises(dmaload.SafetensorError):
+        dst.load_file(index)
+    index.unlink()
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    st_numpy.save_file({"layer0.q": np.zeros(2, np.float32)}, tmp_path / "dup.safetensors")
+    with pytest.raises(dmaload.SafetensorError, match="both"):
+        dst.load_file(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        dst.load_file(tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        dst.load_file(tmp_path / "empty")
+
+
+def test_framework_and_device_checks(numpy_file: Path) -> None:
+    with pytest.raises(ValueError, match="framework"):
+        dst.load_file(numpy_file, framework="jax")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cpu"):
+        dst.load_file(numpy_file, device="cuda")
+    out = dst.load_file(numpy_file, device="cpu", framework="torch")
+    assert out["float32_3x5"].device.type == "cpu"
+
+
+def test_load_releases_the_gil(tmp_path: Path) -> None:
+    """Concurrent safetensors loads from two Python threads both finish."""
+    path = tmp_path / "m.safetensors"
+    st_numpy.save_file({"w": _random_numpy("float32", (1024, 1024))}, path)
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(len(dst.load_file(path)))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [1, 1, 1, 1]
+
+
+def test_read_header_only(numpy_file: Path) -> None:
+    from dmaload import _dmaload
+
+    tensors, metadata, data_start = _dmaload.read_safetensors_header(numpy_file)
+    assert metadata == {"format": "np", "note": "ünïcode ✓"}
+    assert data_start % 8 == 0 and len(tensors) > 50
+    offsets = [(b, e) for _, _, _, b, e in tensors]
+    assert offsets == sorted(offsets)
+    dtypes = dict(_dmaload.safetensors_dtypes())
+    assert dtypes["BF16"] == 16 and dtypes["F4"] == 4 and len(dtypes) == 22
