@@ -112,11 +112,16 @@ impl Buffer {
             (*view).len = len as isize;
             (*view).readonly = 0;
             (*view).itemsize = 1;
-            (*view).format = if flags & ffi::PyBUF_FORMAT != 0 { c"B".as_ptr().cast_mut() } else { std::ptr::null_mut() };
+            (*view).format =
+                if flags & ffi::PyBUF_FORMAT != 0 { c"B".as_ptr().cast_mut() } else { std::ptr::null_mut() };
             (*view).ndim = 1;
-            (*view).shape = if flags & ffi::PyBUF_ND != 0 { &raw mut (*view).len } else { std::ptr::null_mut() };
-            (*view).strides =
-                if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES { &raw mut (*view).itemsize } else { std::ptr::null_mut() };
+            (*view).shape =
+                if flags & ffi::PyBUF_ND != 0 { &raw mut (*view).len } else { std::ptr::null_mut() };
+            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
+                &raw mut (*view).itemsize
+            } else {
+                std::ptr::null_mut()
+            };
             (*view).suboffsets = std::ptr::null_mut();
             (*view).internal = std::ptr::null_mut();
         }
@@ -176,7 +181,9 @@ impl Buffer {
     fn dup_memfd(&self) -> PyResult<i32> {
         let buffer = self.open()?;
         let fd = buffer.memfd().ok_or_else(|| no_memfd(buffer))?;
-        let owned = fd.try_clone_to_owned().map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(0), e.to_string())))?;
+        let owned = fd
+            .try_clone_to_owned()
+            .map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(0), e.to_string())))?;
         Ok(owned.into_raw_fd())
     }
 
@@ -256,7 +263,10 @@ impl Buffer {
 }
 
 fn no_memfd(buffer: &dmaload::Buffer) -> PyErr {
-    PyValueError::new_err(format!("this buffer is {} memory, which has no memfd", buffer.memory_kind().name()))
+    PyValueError::new_err(format!(
+        "this buffer is {} memory, which has no memfd",
+        buffer.memory_kind().name()
+    ))
 }
 
 /// A core error as OSError(errno, message, filename); the message names the
@@ -423,7 +433,10 @@ fn load(
         Some(callback) => {
             let total = match length {
                 Some(len) => len,
-                None => py.detach(|| file_len(&path)).map_err(|e| os_error(&e))?.saturating_sub(offset.unwrap_or(0)),
+                None => py
+                    .detach(|| file_len(&path))
+                    .map_err(|e| os_error(&e))?
+                    .saturating_sub(offset.unwrap_or(0)),
             };
             let relay = Progress::new(callback, total);
             options.progress = Some(relay.for_load());
@@ -569,7 +582,9 @@ fn load_safetensors(
     let mut out = Vec::with_capacity(paths.len());
     for slot in results {
         match slot.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(Ok(loaded)) => out.push((Buffer::new(loaded.buffer, &loaded.report), header_row(loaded.header))),
+            Some(Ok(loaded)) => {
+                out.push((Buffer::new(loaded.buffer, &loaded.report), header_row(loaded.header)))
+            }
             Some(Err(err)) => return Err(format_error(&err)),
             // Not started because another file failed: that error was returned above.
             None => continue,
