@@ -27,6 +27,14 @@ pub enum BenchCommand {
         #[arg(long)]
         no_fio: bool,
     },
+    /// Seed 001's table: memory type × method × buffered/direct, both directions.
+    Matrix(crate::bench_matrix::MatrixArgs),
+    /// Seed 000's table: 512K/8M/1G/3G × normal, sendfile, sync and pipelined alloc-and-read.
+    Sizes(crate::bench_sizes::SizesArgs),
+    /// Seed 003's table: QD1/16 × 4k/16k/64k random reads, plain vs registered buffers.
+    Qd(crate::bench_qd::QdArgs),
+    /// Save with each engine beside fio's sequential O_DIRECT write.
+    Save(crate::bench_save::SaveBenchArgs),
 }
 
 /// A method under test.
@@ -82,6 +90,10 @@ pub fn run(cmd: &BenchCommand) -> Result<(), String> {
         BenchCommand::Load { file, repeat, json, no_fio } => {
             bench_load(file, (*repeat).max(1), *json, *no_fio)
         }
+        BenchCommand::Matrix(args) => crate::bench_matrix::run(args),
+        BenchCommand::Sizes(args) => crate::bench_sizes::run(args),
+        BenchCommand::Qd(args) => crate::bench_qd::run(args),
+        BenchCommand::Save(args) => crate::bench_save::run(args),
     }
 }
 

@@ -1,9 +1,16 @@
 //! The `dmaload` command.
 
 mod bench;
+mod bench_matrix;
+mod bench_qd;
+mod bench_save;
+mod bench_sizes;
+mod benchkit;
 mod demo;
 mod output;
+mod plot;
 mod sample;
+mod save_cmd;
 mod units;
 
 use std::path::PathBuf;
@@ -40,6 +47,10 @@ enum Command {
     /// Generate a ~1 GiB sample model once, then load it with the default
     /// engine and with a plain buffered read, side by side.
     Demo(demo::DemoArgs),
+    /// Write a generated buffer to a file, crash-safe (tmp + fsync + rename).
+    Save(save_cmd::SaveCommand),
+    /// Load SRC into shareable memory and save it to DST; reports both halves.
+    Copy(save_cmd::CopyCommand),
     /// Benchmarks, with baselines run side by side in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -181,6 +192,8 @@ fn main() -> ExitCode {
         Command::Load(cmd) => run_load(cmd).map_err(|e| e.to_string()),
         Command::Info { path, json } => output::info(path.as_deref(), *json),
         Command::Demo(args) => demo::run(args),
+        Command::Save(cmd) => save_cmd::save(cmd),
+        Command::Copy(cmd) => save_cmd::copy(cmd),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -64,7 +64,7 @@ fn header(tensors: &[Tensor]) -> (Vec<u8>, u64) {
 }
 
 /// Fills `buf` with the splitmix64 stream starting at word `index`.
-fn fill_pseudo_random(buf: &mut [u8], mut index: u64) {
+pub fn fill_pseudo_random(buf: &mut [u8], mut index: u64) {
     for word in buf.chunks_mut(8) {
         let mut z = index.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0x9E37_79B9_7F4A_7C15);
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

@@ -1,0 +1,122 @@
+//! What the seed-table benchmarks share: spread statistics, generated test
+//! files with known per-piece hashes, and cold-cache preparation.
+
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::sample::fill_pseudo_random;
+
+/// Minimum, median and maximum of a set of samples.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Spread {
+    pub min: f64,
+    pub median: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    pub fn of(samples: &[f64]) -> Spread {
+        if samples.is_empty() {
+            return Spread::default();
+        }
+        let mut xs = samples.to_vec();
+        xs.sort_by(f64::total_cmp);
+        Spread { min: xs[0], median: xs[xs.len() / 2], max: xs[xs.len() - 1] }
+    }
+
+    /// "median (min–max)" with `digits` decimals.
+    pub fn show(&self, digits: usize) -> String {
+        format!("{:.d$} ({:.d$}–{:.d$})", self.median, self.min, self.max, d = digits)
+    }
+}
+
+/// Fills `buf` with the bench pattern as it sits at byte `offset` of a
+/// generated file (`offset` a multiple of 8).
+pub fn fill_pattern(buf: &mut [u8], offset: u64) {
+    fill_pseudo_random(buf, offset / 8);
+}
+
+/// A generated bench file of exactly `len` bytes in `dir`, reused when it
+/// is already there with that size.
+pub fn bench_file(dir: &Path, len: u64) -> Result<PathBuf, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    let path = dir.join(format!("dmaload-bench-{len}.bin"));
+    if fs::metadata(&path).is_ok_and(|m| m.len() == len) {
+        return Ok(path);
+    }
+    eprintln!("bench: writing a {len}-byte test file {}", path.display());
+    let tmp = path.with_extension("tmp");
+    let written = (|| -> io::Result<()> {
+        let mut file = File::create(&tmp)?;
+        let mut block = vec![0u8; 8 << 20];
+        let mut at = 0u64;
+        while at < len {
+            let n = (len - at).min(block.len() as u64) as usize;
+            fill_pattern(&mut block[..n], at);
+            file.write_all(&block[..n])?;
+            at += n as u64;
+        }
+        file.sync_all()?;
+        fs::rename(&tmp, &path)
+    })();
+    written.map_err(|e| format!("write {}: {e}", tmp.display()))?;
+    Ok(path)
+}
+
+/// xxh3-64 of each `piece`-sized piece of the file, read buffered (the
+/// reference the benchmarks verify against), then the file is evicted.
+pub fn piece_hashes(path: &Path, piece: usize) -> Result<Vec<u64>, String> {
+    let fail = |e: io::Error| format!("read {}: {e}", path.display());
+    let mut file = File::open(path).map_err(fail)?;
+    let mut hashes = Vec::new();
+    let mut block = vec![0u8; piece.max(1)];
+    loop {
+        let mut filled = 0;
+        while filled < block.len() {
+            let n = file.read(&mut block[filled..]).map_err(fail)?;
+            if n == 0 {
+                break;
+            }
+            filled += n;
+        }
+        if filled == 0 {
+            break;
+        }
+        hashes.push(xxhash_rust::xxh3::xxh3_64(&block[..filled]));
+        if filled < block.len() {
+            break;
+        }
+    }
+    evict(path)?;
+    Ok(hashes)
+}
+
+/// Drops `path` from the page cache so the next read comes from the device.
+pub fn evict(path: &Path) -> Result<(), String> {
+    dmaload::pagecache::evict(path).map_err(|e| e.to_string())
+}
+
+/// The default directory of generated bench files: the sample cache.
+pub fn default_dir() -> PathBuf {
+    crate::sample::default_cache_dir()
+}
+
+/// xxh3-64 of the whole file, read buffered in 8 MiB blocks; then evicted.
+pub fn file_hash(path: &Path) -> Result<u64, String> {
+    let fail = |e: io::Error| format!("read {}: {e}", path.display());
+    let mut file = File::open(path).map_err(fail)?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut block = vec![0u8; 8 << 20];
+    loop {
+        let n = file.read(&mut block).map_err(fail)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&block[..n]);
+    }
+    evict(path)?;
+    Ok(hasher.digest())
+}

@@ -1,0 +1,155 @@
+//! `dmaload save` and `dmaload copy`: the write direction from the command
+//! line. `copy` loads SRC into shareable memory and saves it to DST,
+//! reporting both halves; `save` writes a generated buffer (a quick way to
+//! see what a device takes).
+
+use std::path::PathBuf;
+
+use clap::Args;
+use dmaload::transfer::{MemoryType, TransferBuffer};
+use dmaload::{Engine, IoMode, SaveOptions, SaveReport};
+use serde::Serialize;
+
+use crate::output::{cache_description, load_text};
+use crate::units::{human_bytes, parse_size};
+use crate::{benchkit, progress_bar, LoadArgs};
+
+/// Options of the save half.
+#[derive(Args, Clone)]
+pub struct SaveArgs {
+    /// Save engine: uring-fixed, uring, pread-pool (pwrite threads) or read
+    /// (sequential writes).
+    #[arg(id = "save_engine", long = "save-engine", default_value = "uring-fixed")]
+    engine: Engine,
+    /// auto (O_DIRECT where possible), direct, buffered or dontcache.
+    #[arg(id = "save_mode", long = "save-mode", default_value = "auto")]
+    mode: IoMode,
+    /// Skip the fsyncs (scratch data): a killed process still leaves no
+    /// torn file, but a machine crash may lose the new one.
+    #[arg(long)]
+    no_sync: bool,
+}
+
+impl SaveArgs {
+    fn to_options(&self) -> SaveOptions {
+        SaveOptions { engine: self.engine, mode: self.mode, sync: !self.no_sync, ..SaveOptions::default() }
+    }
+}
+
+#[derive(Args)]
+pub struct SaveCommand {
+    /// File to write (replaced atomically).
+    dst: PathBuf,
+    /// Bytes of generated content to save.
+    #[arg(long, value_parser = parse_size, default_value = "1G")]
+    size: u64,
+    #[command(flatten)]
+    save: SaveArgs,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct CopyCommand {
+    src: PathBuf,
+    dst: PathBuf,
+    #[command(flatten)]
+    load: LoadArgs,
+    #[command(flatten)]
+    save: SaveArgs,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn save_text(r: &SaveReport) -> String {
+    let cpu = r.cpu_user_seconds + r.cpu_system_seconds;
+    let fallbacks: String = r.fallbacks.iter().map(|f| format!("fallback  {f}\n")).collect();
+    format!(
+        "saved     {} ({} bytes) to {}{}\n\
+         engine    {} | {} | {} | align {} | {} direct + {} buffered tail | tmpfile {}\n\
+         {fallbacks}\
+         time      total {:.3} s | fallocate {:.3} s | write {:.3} s | fsync + rename {:.3} s\n\
+         speed     {:.2} GiB/s | CPU {:.3} s (user {:.3}, system {:.3})\n",
+        human_bytes(r.bytes),
+        r.bytes,
+        r.path.display(),
+        if r.replaced { " (replaced the previous file)" } else { "" },
+        r.engine.name(),
+        match r.cache {
+            dmaload::CachePolicy::Bypass => "direct (O_DIRECT)",
+            dmaload::CachePolicy::Fadvise => "buffered, dropped from the page cache after the sync",
+            _ => "buffered",
+        },
+        r.filesystem,
+        r.alignment,
+        human_bytes(r.direct_bytes),
+        human_bytes(r.bytes - r.direct_bytes),
+        if r.anonymous_tmpfile { "O_TMPFILE" } else { "named" },
+        r.total_seconds,
+        r.allocate_seconds,
+        r.write_seconds,
+        r.sync_seconds,
+        r.gib_per_second,
+        cpu,
+        r.cpu_user_seconds,
+        r.cpu_system_seconds
+    )
+}
+
+pub fn save(cmd: &SaveCommand) -> Result<(), String> {
+    let e = |err: dmaload::Error| err.to_string();
+    let mut buf = TransferBuffer::new(MemoryType::Memfd, cmd.size as usize).map_err(e)?;
+    buf.with_bytes_mut(|b| benchkit::fill_pattern(b, 0)).map_err(e)?;
+    let report =
+        buf.with_bytes(|b| dmaload::save(b, &cmd.dst, &cmd.save.to_options())).map_err(e)?.map_err(e)?;
+    for fallback in &report.fallbacks {
+        eprintln!("dmaload: fallback {fallback}");
+    }
+    if cmd.json {
+        println!("{}", serde_json::to_string(&report).expect("report serializes"));
+    } else {
+        print!("{}", save_text(&report));
+    }
+    Ok(())
+}
+
+pub fn copy(cmd: &CopyCommand) -> Result<(), String> {
+    let mut options = cmd.load.to_options();
+    let (bar, callback) = progress_bar("loading");
+    options.progress = Some(callback);
+    let loaded = dmaload::load(&cmd.src, &options);
+    bar.finish_and_clear();
+    let (buffer, load) = loaded.map_err(|e| e.to_string())?;
+    let save = dmaload::save(&buffer, &cmd.dst, &cmd.save.to_options()).map_err(|e| e.to_string())?;
+    for fallback in load.fallbacks.iter().chain(&save.fallbacks) {
+        eprintln!("dmaload: fallback {fallback}");
+    }
+    let total = load.total_seconds + save.total_seconds;
+    if cmd.json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            load: &'a dmaload::LoadReport,
+            save: &'a SaveReport,
+            total_seconds: f64,
+        }
+        println!(
+            "{}",
+            serde_json::to_string(&Out { load: &load, save: &save, total_seconds: total })
+                .expect("serializes")
+        );
+    } else {
+        println!("== load ({})", cache_description(&load));
+        print!("{}", load_text(&load, None));
+        println!("== save");
+        print!("{}", save_text(&save));
+        println!(
+            "== copy      {} in {:.3} s = load {:.3} s + save {:.3} s ({:.2} GiB/s end to end)",
+            human_bytes(load.bytes),
+            total,
+            load.total_seconds,
+            save.total_seconds,
+            load.bytes as f64 / (1u64 << 30) as f64 / total.max(1e-9)
+        );
+    }
+    Ok(())
+}
