@@ -27,6 +27,9 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 py="$venv/bin/python"
+# maturin develop installs into $VIRTUAL_ENV (else a .venv beside pyproject.toml).
+export VIRTUAL_ENV="$venv"
+export PATH="$venv/bin:$PATH"
 "$py" -m pip install --quiet --upgrade pip
 
 step "test dependencies from PyPI"

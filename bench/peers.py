@@ -1,0 +1,395 @@
+#!/usr/bin/env python3
+"""Cold-load benchmark of dmaload against its peers, side by side in one run.
+
+Generates one LLM-shaped safetensors model (embeddings, per-layer attention
+and MLP projections in F16, norms in F32), then loads it to CPU memory with
+every peer, each run in a fresh process with the file evicted from the page
+cache first (fdatasync + POSIX_FADV_DONTNEED; no root needed), the peers
+interleaved round by round. Every run ends by touching one byte per page of
+every tensor, so a loader that only maps the file pays for the reads too.
+
+Peers (those whose package is missing are skipped and listed):
+
+  dmaload (np|pt)        dmaload.safetensors.load_file, framework np / pt
+  safetensors (np|pt)    safetensors.numpy / safetensors.torch.load_file
+  fastsafetensors        fastsafe_open(device="cpu", nogds=True)
+  runai-model-streamer   SafetensorsStreamer().stream_file + get_tensors
+  fio (ceiling)          fio O_DIRECT io_uring sequential read of the file,
+                         4 MiB x QD16 into one small buffer: no allocation
+
+Reported per peer: median GiB/s (min-max), CPU seconds (user+system, all
+threads), peak RSS added by the load (VmHWM after clear_refs minus the RSS
+before the load, memfd and mapped-file pages included) as a multiple of the
+model size, page-cache residue left by the load (mincore), and each median
+against the best non-dmaload peer's.
+
+    python bench/peers.py --size 3G --runs 3
+    python bench/peers.py --size 2G --runs 5 --peers dmaload-pt,safetensors-pt,fio
+
+Not a test: absolute numbers depend on the machine; compare ratios within
+one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import json
+import mmap
+import os
+import re
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+GIB = 1 << 30
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+# --------------------------------------------------------------------------
+# The model
+
+
+def model_layout(size: int) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype, shape) of an LLM-shaped model of about ``size`` bytes."""
+    hidden, inter, vocab, kv = 2048, 5632, 32000, 512
+    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter) + 2 * 4 * hidden
+    fixed = 2 * 2 * vocab * hidden + 4 * hidden
+    layers = max(1, round((size - fixed) / per_layer))
+    out: list[tuple[str, str, list[int]]] = [("model.embed_tokens.weight", "F16", [vocab, hidden])]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", "F32", [hidden]),
+            (p + "self_attn.q_proj.weight", "F16", [hidden, hidden]),
+            (p + "self_attn.k_proj.weight", "F16", [kv, hidden]),
+            (p + "self_attn.v_proj.weight", "F16", [kv, hidden]),
+            (p + "self_attn.o_proj.weight", "F16", [hidden, hidden]),
+            (p + "post_attention_layernorm.weight", "F32", [hidden]),
+            (p + "mlp.gate_proj.weight", "F16", [inter, hidden]),
+            (p + "mlp.up_proj.weight", "F16", [inter, hidden]),
+            (p + "mlp.down_proj.weight", "F16", [hidden, inter]),
+        ]
+    out += [("model.norm.weight", "F32", [hidden]), ("lm_head.weight", "F16", [vocab, hidden])]
+    return out
+
+
+def write_model(path: Path, size: int) -> int:
+    """Writes the model (random bytes; the same layout as safetensors writes)."""
+    layout = model_layout(size)
+    itemsize = {"F16": 2, "F32": 4}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "generator": "dmaload bench/peers.py"}}
+    offset = 0
+    # safetensors orders by descending dtype size, then name: F32 first.
+    for name, dtype, shape in sorted(layout, key=lambda t: (-itemsize[t[1]], t[0])):
+        n = itemsize[dtype]
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    block = os.urandom(64 << 20)
+    tmp = path.with_suffix(".partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        left, i = offset, 0
+        while left:
+            # Shift each block a little so pages are not all identical.
+            chunk = block[i % 4096 :] + block[: i % 4096]
+            f.write(chunk[: min(left, len(chunk))])
+            left -= min(left, len(chunk))
+            i += 1
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)
+    return len(layout)
+
+
+# --------------------------------------------------------------------------
+# Page cache
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of the file in the page cache: mincore(2) over a read-only
+    shared mapping of it (mapping does not read anything in)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap failed", str(path))
+        try:
+            pages = (size + PAGE - 1) // PAGE
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed", str(path))
+            return min(size, sum(v & 1 for v in bytes(vec)) * PAGE)
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------
+# Peers (each runs in its own child process)
+
+
+def _touch(tensors: dict[str, Any]) -> int:
+    """Reads one byte per page of every tensor; returns a checksum."""
+    total = 0
+    for t in tensors.values():
+        if hasattr(t, "untyped_storage"):  # torch
+            import torch
+
+            flat = t.detach().reshape(-1).view(torch.uint8) if t.numel() else None
+            if flat is not None:
+                total += int(flat[::PAGE].sum())
+        else:
+            import numpy as np
+
+            flat = t.reshape(-1).view(np.uint8)
+            total += int(flat[::PAGE].sum())
+    return total
+
+
+def _prepare_dmaload(framework: str) -> Callable[[str], dict[str, Any]]:
+    import dmaload.safetensors as d
+
+    if framework == "pt":
+        import torch  # noqa: F401
+    else:
+        import numpy  # noqa: F401
+    return lambda path: d.load_file(path, framework=framework)  # type: ignore[arg-type]
+
+
+def _prepare_st(framework: str) -> Callable[[str], dict[str, Any]]:
+    if framework == "pt":
+        from safetensors.torch import load_file
+    else:
+        from safetensors.numpy import load_file  # type: ignore[assignment]
+    return lambda path: load_file(path)
+
+
+def _prepare_fastsafetensors() -> Callable[[str], dict[str, Any]]:
+    import torch  # noqa: F401
+    from fastsafetensors import fastsafe_open
+
+    def run(path: str) -> dict[str, Any]:
+        f = fastsafe_open(path, framework="pt", device="cpu", nogds=True)
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+    return run
+
+
+def _prepare_runai() -> Callable[[str], dict[str, Any]]:
+    import torch  # noqa: F401
+    from runai_model_streamer import SafetensorsStreamer
+
+    def run(path: str) -> dict[str, Any]:
+        out = {}
+        with SafetensorsStreamer() as s:
+            s.stream_file(path)
+            for name, t in s.get_tensors():
+                out[name] = t
+        return out
+
+    return run
+
+
+PEERS: dict[str, tuple[str, Callable[[], Callable[[str], dict[str, Any]]] | None, str]] = {
+    "dmaload-np": ("dmaload (np)", lambda: _prepare_dmaload("np"), "dmaload"),
+    "dmaload-pt": ("dmaload (pt)", lambda: _prepare_dmaload("pt"), "dmaload"),
+    "safetensors-np": ("safetensors (np)", lambda: _prepare_st("np"), "safetensors"),
+    "safetensors-pt": ("safetensors (pt)", lambda: _prepare_st("pt"), "safetensors"),
+    "fastsafetensors": ("fastsafetensors", _prepare_fastsafetensors, "fastsafetensors"),
+    "runai": ("runai-model-streamer", _prepare_runai, "runai_model_streamer"),
+    "fio": ("fio (ceiling)", None, ""),
+}
+
+
+def _status(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(m.group(1)) * 1024 if m else 0
+
+
+def child(peer: str, path: str) -> None:
+    import resource
+
+    prepare = PEERS[peer][1]
+    assert prepare is not None
+    run = prepare()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (Linux 4.0)
+    except OSError:
+        pass
+    rss0 = _status("VmRSS")
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    tensors = run(path)
+    checksum = _touch(tensors)
+    t1 = time.perf_counter()
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    hwm = _status("VmHWM")
+    print(
+        json.dumps(
+            {
+                "seconds": t1 - t0,
+                "cpu": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
+                "peak_rss": max(0, hwm - rss0),
+                "tensors": len(tensors),
+                "checksum": checksum,
+            }
+        )
+    )
+
+
+def run_fio(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        ["fio", "--name=ceiling", f"--filename={path}", "--rw=read", "--bs=4M", "--direct=1",
+         "--ioengine=io_uring", "--iodepth=16", f"--size={size}", "--output-format=json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    job = json.loads(out.stdout)["jobs"][0]
+    runtime = job["read"]["runtime"] / 1000 or wall
+    cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * runtime
+    return {"seconds": runtime, "cpu": cpu, "peak_rss": 0, "tensors": 0}
+
+
+def run_peer(peer: str, path: Path) -> dict[str, Any]:
+    if peer == "fio":
+        return run_fio(path)
+    env = dict(os.environ, RUNAI_STREAMER_LOG_LEVEL="ERROR", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", peer, str(path)], capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{peer} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def available(peer: str) -> bool:
+    if peer == "fio":
+        return shutil.which("fio") is not None
+    import importlib.util
+
+    return importlib.util.find_spec(PEERS[peer][2]) is not None
+
+
+# --------------------------------------------------------------------------
+# Main
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", text.strip().upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}")
+    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=parse_size, default=3 * GIB, help="model size (default 3G)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per peer (default 3)")
+    ap.add_argument("--dir", type=Path, default=Path("/var/tmp/dmaload-bench"), help="where the model lives")
+    ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated: " + ",".join(PEERS))
+    ap.add_argument("--json", type=Path, help="also write all runs as JSON here")
+    ap.add_argument("--child", nargs=2, metavar=("PEER", "PATH"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return 0
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    path = args.dir / f"model-{args.size >> 20}M.safetensors"
+    if not path.exists():
+        t0 = time.perf_counter()
+        n = write_model(path, args.size)
+        print(f"generated {path}: {n} tensors, {path.stat().st_size / GIB:.2f} GiB in {time.perf_counter() - t0:.1f} s")
+    size = path.stat().st_size
+    wanted = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = [p for p in wanted if p not in PEERS]
+    if unknown:
+        ap.error(f"unknown peer(s): {', '.join(unknown)}")
+    peers = [p for p in wanted if available(p)]
+    skipped = [p for p in wanted if p not in peers]
+    if skipped:
+        print(f"skipped (not installed): {', '.join(skipped)}")
+    print(f"model {path} ({size / GIB:.2f} GiB), {args.runs} runs per peer, interleaved, cache evicted before each")
+
+    results: dict[str, list[dict[str, Any]]] = {p: [] for p in peers}
+    for r in range(args.runs):
+        order = peers[r % len(peers) :] + peers[: r % len(peers)]
+        for peer in order:
+            evict(path)
+            time.sleep(0.3)
+            try:
+                res = run_peer(peer, path)
+            except Exception as exc:  # a peer failing is reported, not fatal
+                print(f"  run {r + 1} {peer}: FAILED {exc}")
+                continue
+            res["residue"] = resident_bytes(path)
+            res["gibs"] = size / GIB / res["seconds"]
+            results[peer].append(res)
+            print(
+                f"  run {r + 1} {PEERS[peer][0]:<22} {res['gibs']:6.2f} GiB/s  cpu {res['cpu']:5.2f} s  "
+                f"peak rss {res['peak_rss'] / GIB:5.2f} GiB  cache {res['residue'] / GIB:5.2f} GiB"
+            )
+    evict(path)
+
+    med = {p: statistics.median(x["gibs"] for x in rs) for p, rs in results.items() if rs}
+    best_peer = max((p for p in med if not p.startswith("dmaload") and p != "fio"), key=med.__getitem__, default=None)
+    best = med[best_peer] if best_peer else None
+    print()
+    print(f"model {size / GIB:.2f} GiB; best peer: {PEERS[best_peer][0] if best_peer else 'none'}")
+    head = f"| {'loader':<22} | {'GiB/s (median, min-max)':<24} | {'CPU s':>6} | {'peak RSS':>16} | {'page cache after':>16} | {'vs best peer':>12} |"
+    print(head)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    for p, rs in results.items():
+        if not rs:
+            print(f"| {PEERS[p][0]:<22} | {'failed':<24} | {'':>6} | {'':>16} | {'':>16} | {'':>12} |")
+            continue
+        g = [x["gibs"] for x in rs]
+        cpu = statistics.median(x["cpu"] for x in rs)
+        rss = max(x["peak_rss"] for x in rs)
+        res = max(x["residue"] for x in rs)
+        ratio = f"{med[p] / best:.2f}x" if best else "-"
+        rss_s = "-" if p == "fio" else f"{rss / GIB:.2f} GiB {rss / size:.2f}x"
+        print(
+            f"| {PEERS[p][0]:<22} | {med[p]:6.2f} ({min(g):.2f}-{max(g):.2f}){'':<8} | {cpu:6.2f} | "
+            f"{rss_s:>16} | {res / GIB:9.2f} GiB {res / size * 100:3.0f}% | {ratio:>12} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"size": size, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
