@@ -28,7 +28,7 @@ fn allowed_refusals(kind: MemoryType, method: Method, direct: bool) -> &'static 
         (_, Method::ReadWrite) if !direct => &[],
         (_, Method::ReadWrite | Method::Uring | Method::UringFixed) => &[libc::EFAULT, libc::EINVAL],
         // dma-buf fds implement neither read/write nor splice.
-        _ => &[libc::EINVAL, libc::EXDEV, libc::EBADF, libc::EOPNOTSUPP],
+        _ => &[libc::EINVAL, libc::EXDEV, libc::EBADF, libc::EOPNOTSUPP, libc::ESPIPE],
     }
 }
 
