@@ -9,7 +9,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 
 use super::Engine;
 use crate::error::{Error, Result};
@@ -97,9 +97,11 @@ impl WriteJob<'_> {
         }
     }
 
-    /// `queue_depth` writes in flight on one io_uring; with `fixed`, each
-    /// 128 MiB window of the source is registered when its first chunk is
-    /// queued and unregistered when its last one lands.
+    /// `queue_depth` writes in flight on one io_uring; with `fixed`, a
+    /// helper thread registers each 128 MiB window of the source a little
+    /// ahead of the writes (pinning beside the I/O, not between it), and
+    /// each window is unregistered when its last write lands, so only a few
+    /// windows are pinned at a time.
     fn uring(&self, fixed: bool) -> Result<WriteRun> {
         let mut fallbacks = Vec::new();
         let entries = (self.queue_depth as u32).next_power_of_two();
@@ -121,61 +123,86 @@ impl WriteJob<'_> {
             window *= 2;
         }
         let windows = self.src.len().div_ceil(window);
-        let mut registering = fixed;
-        if fixed {
-            if let Err(err) = ring.register_slots(windows.max(1) as u32) {
-                fallbacks.push(Fallback::new(
-                    "uring-fixed",
-                    "uring",
-                    format!("cannot create a sparse registered-buffer table (Linux 5.19+): {err}"),
-                ));
-                registering = false;
+        let registrar = if fixed && windows > 0 {
+            match ring.register_slots(windows as u32).and_then(|()| ring.registrar()) {
+                Ok(registrar) => Some(registrar),
+                Err(err) => {
+                    fallbacks.push(Fallback::new(
+                        "uring-fixed",
+                        "uring",
+                        format!("cannot create a sparse registered-buffer table (Linux 5.19+): {err}"),
+                    ));
+                    None
+                }
             }
+        } else {
+            None
+        };
+        let ahead = Ahead::new(windows);
+        let result = std::thread::scope(|scope| {
+            if let Some(registrar) = registrar {
+                let ahead = &ahead;
+                scope.spawn(move || {
+                    for w in 0..windows {
+                        if !ahead.wait_turn(w) {
+                            break;
+                        }
+                        let range = w * window..((w + 1) * window).min(self.src.len());
+                        match registrar.register(w as u32, range) {
+                            Ok(()) => ahead.registered[w].store(true, Ordering::Release),
+                            Err(err) => {
+                                *ahead.refused.lock().unwrap_or_else(|p| p.into_inner()) =
+                                    Some(super::uring::register_refusal(&err));
+                                break;
+                            }
+                        }
+                    }
+                });
+            }
+            let result = self.uring_loop(&mut ring, window, &ahead);
+            ahead.finish();
+            result
+        });
+        result?;
+        if let Some(reason) = ahead.refused.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            fallbacks.push(Fallback::new("uring-fixed", "uring", reason));
         }
-        // Per window: bytes not yet written, and whether it is registered.
+        let engine = if fixed && fallbacks.is_empty() { Engine::UringFixed } else { Engine::Uring };
+        Ok(WriteRun { engine, fallbacks })
+    }
+
+    /// The submitting side of [`Self::uring`]: writes through a window's
+    /// registered buffer once the helper has registered it, plain before.
+    fn uring_loop(&self, ring: &mut WriteRing<'_>, window: usize, ahead: &Ahead) -> Result<()> {
+        let windows = ahead.registered.len();
         let mut unfinished: Vec<usize> =
             (0..windows).map(|w| (self.src.len() - w * window).min(window)).collect();
-        let mut registered = vec![false; windows];
         let mut retries: Vec<usize> = Vec::new();
         let mut next = 0usize;
         let mut completions: Vec<Completion> = Vec::with_capacity(self.queue_depth);
+        let queue = |ring: &mut WriteRing<'_>, start: usize| -> Result<()> {
+            let w = start / window;
+            let slot = ahead.registered[w].load(Ordering::Acquire).then_some(w as u16);
+            ring.queue_write(
+                self.file.as_fd(),
+                self.request(start),
+                self.file_offset + start as u64,
+                slot,
+                start as u64,
+            )
+            .map_err(|e| self.error(start, e))
+        };
         loop {
-            let mut queue = |ring: &mut WriteRing<'_>, start: usize| -> Result<()> {
-                let w = start / window;
-                if registering && !registered[w] {
-                    let range = w * window..((w + 1) * window).min(self.src.len());
-                    match ring.register(w as u32, range) {
-                        Ok(()) => registered[w] = true,
-                        Err(err) => {
-                            fallbacks.push(Fallback::new(
-                                "uring-fixed",
-                                "uring",
-                                super::uring::register_refusal(&err),
-                            ));
-                            registering = false;
-                        }
-                    }
-                }
-                let slot = registered[w].then_some(w as u16);
-                let range = self.request(start);
-                ring.queue_write(
-                    self.file.as_fd(),
-                    range,
-                    self.file_offset + start as u64,
-                    slot,
-                    start as u64,
-                )
-                .map_err(|e| self.error(start, e))
-            };
             for start in std::mem::take(&mut retries) {
-                queue(&mut ring, start)?;
+                queue(ring, start)?;
             }
             while ring.in_flight() < self.queue_depth && next < self.src.len() {
-                queue(&mut ring, next)?;
+                ahead.advance(next / window);
+                queue(ring, next)?;
                 next = self.request(next).end;
             }
             if ring.in_flight() == 0 {
-                break;
+                return Ok(());
             }
             ring.submit(1).map_err(|e| Error::io("io_uring_enter", self.path, e))?;
             completions.clear();
@@ -194,14 +221,60 @@ impl WriteJob<'_> {
                 }
                 let w = range.start / window;
                 unfinished[w] -= wrote.min(range.len());
-                if unfinished[w] == 0 && registered[w] {
+                if unfinished[w] == 0 && ahead.registered[w].swap(false, Ordering::AcqRel) {
                     // Unpin early; a failure only keeps pages pinned until the ring closes.
                     let _ = ring.unregister(w as u32);
-                    registered[w] = false;
                 }
             }
         }
-        let engine = if fixed && fallbacks.is_empty() { Engine::UringFixed } else { Engine::Uring };
-        Ok(WriteRun { engine, fallbacks })
+    }
+}
+
+/// Windows registered at most this far ahead of the one being written, so
+/// pinned memory (RLIMIT_MEMLOCK) stays at a few windows.
+const REGISTER_AHEAD: usize = 2;
+
+/// Coordination between the writing thread and the registering helper.
+struct Ahead {
+    /// Window `w` is registered in slot `w`.
+    registered: Vec<AtomicBool>,
+    /// (window being written, writing finished)
+    state: Mutex<(usize, bool)>,
+    changed: Condvar,
+    refused: Mutex<Option<String>>,
+}
+
+impl Ahead {
+    fn new(windows: usize) -> Ahead {
+        Ahead {
+            registered: (0..windows).map(|_| AtomicBool::new(false)).collect(),
+            state: Mutex::new((0, false)),
+            changed: Condvar::new(),
+            refused: Mutex::new(None),
+        }
+    }
+
+    /// The writer reached window `w`.
+    fn advance(&self, w: usize) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.0 != w {
+            state.0 = w;
+            self.changed.notify_all();
+        }
+    }
+
+    fn finish(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+        self.changed.notify_all();
+    }
+
+    /// Waits until window `w` is due for registration; false when it no
+    /// longer should be (writing finished, or already past it).
+    fn wait_turn(&self, w: usize) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        while !state.1 && w > state.0 + REGISTER_AHEAD {
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+        !state.1 && w >= state.0
     }
 }

@@ -262,23 +262,20 @@ impl<'s> WriteRing<'s> {
         self.ring.submitter().register_buffers_sparse(slots)
     }
 
-    /// Registers `range` of the slice in `slot`, pinning its pages
-    /// (`IORING_REGISTER_BUFFERS_UPDATE`, Linux 5.13; at most 1 GiB; ENOMEM
-    /// past RLIMIT_MEMLOCK; EFAULT for PFN mappings such as a dma-buf mmap).
-    pub fn register(&mut self, slot: u32, range: Range<usize>) -> io::Result<()> {
-        let (ptr, len) = self.raw_range(&range);
-        let iov = libc::iovec { iov_base: ptr as *mut libc::c_void, iov_len: len };
-        // SAFETY: the iovec lies inside `src`, borrowed for longer than the
-        // ring lives; the kernel pins the pages and only reads them
-        // (WRITE_FIXED), so no Rust reference is invalidated.
-        unsafe { self.ring.submitter().register_buffers_update(slot, &[iov], None) }
-    }
-
     /// Empties `slot`, unpinning its pages once no request uses them.
     pub fn unregister(&mut self, slot: u32) -> io::Result<()> {
         let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
         // SAFETY: an empty iovec clears the slot; nothing is pinned.
         unsafe { self.ring.submitter().register_buffers_update(slot, &[empty], None) }
+    }
+
+    /// A handle that registers ranges of the slice from another thread, so
+    /// pinning runs beside the writes instead of between them.
+    pub fn registrar(&self) -> io::Result<SliceRegistrar<'s>> {
+        let fd = self.ring.as_raw_fd();
+        // SAFETY: `fd` is this ring's open fd for the duration of the call.
+        let ring_fd = unsafe { BorrowedFd::borrow_raw(fd) }.try_clone_to_owned()?;
+        Ok(SliceRegistrar { ring_fd, src: self.src })
     }
 
     /// Queues a write of `range` of the slice at file `offset`, through
@@ -349,5 +346,46 @@ impl Drop for WriteRing<'_> {
             sink.clear();
             self.reap(&mut sink);
         }
+    }
+}
+
+/// Registers ranges of a [`WriteRing`]'s source slice as fixed buffers from
+/// any thread (`io_uring_register(2)` on a duplicate of the ring fd).
+pub struct SliceRegistrar<'s> {
+    ring_fd: OwnedFd,
+    src: &'s [u8],
+}
+
+impl SliceRegistrar<'_> {
+    /// Registers `range` of the slice in `slot`, pinning its pages
+    /// (`IORING_REGISTER_BUFFERS_UPDATE`, Linux 5.13; at most 1 GiB; ENOMEM
+    /// past RLIMIT_MEMLOCK; EFAULT for PFN mappings such as a dma-buf mmap).
+    pub fn register(&self, slot: u32, range: Range<usize>) -> io::Result<()> {
+        let bytes = &self.src[range];
+        let iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
+        let update = RsrcUpdate2 {
+            offset: slot,
+            resv: 0,
+            data: &iov as *const libc::iovec as u64,
+            tags: 0,
+            nr: 1,
+            resv2: 0,
+        };
+        // SAFETY: `update` and its iovec live across the call; the iovec lies
+        // inside `src`, which outlives the ring, and the kernel only reads
+        // the pinned pages (WRITE_FIXED).
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_io_uring_register,
+                self.ring_fd.as_raw_fd(),
+                IORING_REGISTER_BUFFERS_UPDATE,
+                &update as *const RsrcUpdate2,
+                std::mem::size_of::<RsrcUpdate2>() as libc::c_uint,
+            )
+        };
+        if ret < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 }
