@@ -14,7 +14,7 @@ use std::ffi::{c_int, c_void};
 use std::os::fd::{AsRawFd, IntoRawFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use dmaload::format::safetensors as st;
@@ -48,7 +48,7 @@ pub struct Buffer {
     exports: AtomicUsize,
     path: PathBuf,
     report_json: String,
-    report: Option<Py<PyAny>>,
+    report: OnceLock<Py<PyAny>>,
 }
 
 impl Buffer {
@@ -62,7 +62,7 @@ impl Buffer {
             exports: AtomicUsize::new(0),
             path: report.path.clone(),
             report_json: serde_json::to_string(report).unwrap_or_else(|_| "{}".into()),
-            report: None,
+            report: OnceLock::new(),
         }
     }
 
@@ -89,7 +89,7 @@ impl Buffer {
             return Err(PyBufferError::new_err("NULL Py_buffer"));
         }
         let (addr, len) = {
-            let this = slf.borrow();
+            let this = slf.try_borrow()?;
             if this.inner.is_none() {
                 return Err(PyValueError::new_err("operation on a closed Buffer"));
             }
@@ -220,14 +220,14 @@ impl Buffer {
 
     /// The load's report, a `dmaload.LoadReport` dataclass.
     #[getter]
-    fn report(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        if let Some(report) = &self.report {
+    fn report(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        if let Some(report) = self.report.get() {
             return Ok(report.clone_ref(py));
         }
         let class = py.import("dmaload._report")?.getattr("LoadReport")?;
         let report = class.call_method1("from_json", (self.report_json.as_str(),))?.unbind();
-        self.report = Some(report.clone_ref(py));
-        Ok(report)
+        // Another thread may have won the race while the import ran: keep its object.
+        Ok(self.report.get_or_init(|| report).clone_ref(py))
     }
 
     /// DLPack export (a 1-D uint8 CPU tensor over the bytes, no copy).

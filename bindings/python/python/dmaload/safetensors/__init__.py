@@ -264,6 +264,8 @@ def _check_device(framework: str, device: Any) -> None:
 def _load_files(
     paths: list[Path], progress: Progress, concurrency: int, options: dict[str, Any]
 ) -> list[_File]:
+    if not paths:
+        return []
     desc = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
     callback, finish = resolve(progress, desc)
     try:
