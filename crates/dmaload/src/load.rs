@@ -649,7 +649,7 @@ fn load_impl(
         sys::mem::add_seals(memfd.as_fd(), libc::F_SEAL_SHRINK | libc::F_SEAL_GROW)
             .map_err(|e| Error::io("seal memfd", path, e))?;
     }
-    let buffer = Buffer::new(alloc, plan.data_range(offset), &plan.gather_ranges());
+    let buffer = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges());
     let page_cache = pagecache::residency_of(&file, path, offset, len)?;
     let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let total = started.elapsed();

@@ -8,11 +8,12 @@ use crate::error::{Error, ErrorKind, Result};
 
 /// The byte layout of one load. Mapping offset 0 holds file offset
 /// `file_start`; reads cover `file_start..read_end`, of which
-/// `file_start..data_end` must arrive (the rest is alignment padding past
-/// the end of the file or range).
+/// `file_start..data_end` must arrive. The caller asked for
+/// `data_start..data_end`; the rest is alignment padding.
 #[derive(Debug, Clone)]
 pub struct Plan {
     pub file_start: u64,
+    pub data_start: u64,
     pub data_end: u64,
     pub read_end: u64,
     pub chunk: usize,
@@ -38,9 +39,10 @@ pub struct Request {
 /// What a finished read means for its request.
 #[derive(Debug, PartialEq, Eq)]
 pub enum ReadOutcome {
-    /// Everything needed arrived; `credited` bytes of new data.
+    /// Everything needed arrived; `credited` bytes of requested data.
     Done { credited: u64 },
-    /// A short read: re-issue from `resume_at` (credited bytes arrived).
+    /// A short read: re-issue from `resume_at` (`credited` bytes of
+    /// requested data arrived).
     Partial { credited: u64, resume_at: u64 },
 }
 
@@ -86,13 +88,28 @@ impl Plan {
             gather *= 2;
         }
         let gather_bounds = ramped_bounds(mapping_len, chunk, gather);
-        Plan { file_start, data_end, read_end, chunk, gather, gather_bounds, align, mapping_len }
+        Plan {
+            file_start,
+            data_start: offset,
+            data_end,
+            read_end,
+            chunk,
+            gather,
+            gather_bounds,
+            align,
+            mapping_len,
+        }
     }
 
-    /// Where the requested bytes start in the mapping.
-    pub fn data_range(&self, offset: u64) -> Range<usize> {
-        let start = (offset - self.file_start) as usize;
-        start..(self.data_end - self.file_start) as usize
+    /// Where the requested bytes are in the mapping.
+    pub fn data_range(&self) -> Range<usize> {
+        (self.data_start - self.file_start) as usize..(self.data_end - self.file_start) as usize
+    }
+
+    /// How many of the file bytes `start..end` the caller asked for: what
+    /// progress and per-gather accounting count (not alignment padding).
+    fn requested_bytes(&self, start: u64, end: u64) -> u64 {
+        end.min(self.data_end).saturating_sub(start.max(self.data_start))
     }
 
     pub fn chunk_count(&self) -> usize {
@@ -118,12 +135,10 @@ impl Plan {
         self.gather_bounds.partition_point(|&start| start <= at) - 1
     }
 
-    /// Bytes of needed data in gather `g`.
+    /// Bytes of requested data in gather `g`.
     pub fn gather_need(&self, g: usize) -> u64 {
         let range = self.gather_range(g);
-        let start = self.file_start + range.start as u64;
-        let end = (self.file_start + range.end as u64).min(self.data_end);
-        end.saturating_sub(start)
+        self.requested_bytes(self.file_start + range.start as u64, self.file_start + range.end as u64)
     }
 
     /// The request for chunk `i`.
@@ -155,7 +170,7 @@ impl Plan {
     /// file is shorter than planned, which is an error naming the offset.
     pub fn outcome(&self, path: &Path, req: &Request, got: u64) -> Result<ReadOutcome> {
         if got >= req.need {
-            return Ok(ReadOutcome::Done { credited: req.need });
+            return Ok(ReadOutcome::Done { credited: self.requested_bytes(req.start, req.start + req.need) });
         }
         let eof_at = req.start + got;
         if got == 0 || got % self.align as u64 != 0 {
@@ -171,7 +186,7 @@ impl Plan {
             )
             .at(eof_at));
         }
-        Ok(ReadOutcome::Partial { credited: got, resume_at: eof_at })
+        Ok(ReadOutcome::Partial { credited: self.requested_bytes(req.start, eof_at), resume_at: eof_at })
     }
 }
 
@@ -187,7 +202,14 @@ mod tests {
         assert_eq!(plan.file_start, 4608);
         assert_eq!(plan.data_end, 15_000);
         assert_eq!(plan.read_end, 15_360);
-        assert_eq!(plan.data_range(5000), 392..10_392);
+        assert_eq!(plan.data_range(), 392..10_392);
+        // Progress counts the requested bytes, not the aligned head.
+        let req = plan.chunk_request(0);
+        assert_eq!(
+            plan.outcome(Path::new("f"), &req, 10_752).unwrap(),
+            ReadOutcome::Done { credited: 10_000 }
+        );
+        assert_eq!(plan.gather_need(0), 10_000);
         assert_eq!(plan.mapping_len, 12_288);
         assert_eq!(plan.chunk_count(), 1);
         assert_eq!(plan.chunk_request(0), Request { start: 4608, end: 15_360, need: 10_392 });

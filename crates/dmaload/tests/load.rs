@@ -74,9 +74,16 @@ fn ranges_at_unaligned_offsets_load_exactly() {
     for engine in Engine::ALL {
         for mode in [IoMode::Auto, IoMode::Buffered] {
             for (offset, len) in ranges {
-                let opts = LoadOptions { mode, ..options(engine) };
+                let last = Arc::new(std::sync::Mutex::new((0, 0)));
+                let seen = last.clone();
+                let progress = Arc::new(move |done, total| *seen.lock().unwrap() = (done, total));
+                let opts = LoadOptions { mode, progress: Some(progress), ..options(engine) };
                 let (buffer, report) = dmaload::load_range(&path, offset, len, &opts).unwrap();
                 assert_eq!(buffer.len() as u64, len, "{engine:?} {offset}+{len}");
+                if len > 0 {
+                    // Progress counts requested bytes only, not alignment padding.
+                    assert_eq!(*last.lock().unwrap(), (len, len), "{engine:?} {offset}+{len}");
+                }
                 assert_pattern(&buffer, offset);
                 assert_eq!(report.offset, offset);
                 if mode == IoMode::Auto {
