@@ -8,3 +8,7 @@ cd "$(dirname "$0")/.."
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 cargo test --workspace --release -- --nocapture
+
+# The Python package: builds it into its own venv (installing its test
+# dependencies from PyPI), then stubtest, mypy and pytest.
+bash bindings/python/ci.sh
