@@ -10,6 +10,7 @@ use dmaload::{Engine, IoMode, LoadOptions};
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::benchkit::Spread;
 use crate::units::human_bytes;
 
 #[derive(Subcommand)]
@@ -167,11 +168,8 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
     }
     dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
 
-    let median = |v: &[Sample], f: fn(&Sample) -> f64| {
-        let mut xs: Vec<f64> = v.iter().map(f).collect();
-        xs.sort_by(f64::total_cmp);
-        xs[xs.len() / 2]
-    };
+    let spread = |v: &[Sample], f: fn(&Sample) -> f64| Spread::of(&v.iter().map(f).collect::<Vec<_>>());
+    let median = |v: &[Sample], f: fn(&Sample) -> f64| spread(v, f).median;
     let medians: Vec<f64> = samples.iter().map(|s| median(s, |x| x.gib_per_second)).collect();
     let fio_best = methods
         .iter()
@@ -190,8 +188,8 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             baseline: method.name() == BASELINE,
             fio: matches!(method, Method::Fio { .. }),
             median_gib_per_second: med,
-            min_gib_per_second: samples.iter().map(|s| s.gib_per_second).fold(f64::INFINITY, f64::min),
-            max_gib_per_second: samples.iter().map(|s| s.gib_per_second).fold(0.0, f64::max),
+            min_gib_per_second: spread(&samples, |x| x.gib_per_second).min,
+            max_gib_per_second: spread(&samples, |x| x.gib_per_second).max,
             median_cpu_seconds_per_gib: median(&samples, |x| x.cpu_seconds_per_gib),
             max_page_cache_residue: samples.iter().map(|s| s.page_cache_residue).fold(0.0, f64::max),
             ratio_to_fio_best: fio_best.map(|best| med / best),

@@ -24,7 +24,9 @@ impl Spread {
         }
         let mut xs = samples.to_vec();
         xs.sort_by(f64::total_cmp);
-        Spread { min: xs[0], median: xs[xs.len() / 2], max: xs[xs.len() - 1] }
+        let mid = xs.len() / 2;
+        let median = if xs.len() % 2 == 0 { (xs[mid - 1] + xs[mid]) / 2.0 } else { xs[mid] };
+        Spread { min: xs[0], median, max: xs[xs.len() - 1] }
     }
 
     /// "median (min–max)" with `digits` decimals.
