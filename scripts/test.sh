@@ -12,3 +12,8 @@ cargo test --workspace --release -- --nocapture
 # The Python package: builds it into its own venv (installing its test
 # dependencies from PyPI), then stubtest, mypy and pytest.
 bash bindings/python/ci.sh
+
+# dma-heap and udmabuf, which this kernel lacks: static test binaries booted
+# in a QEMU guest on a kernel that has both (prints "SKIP vm: ..." and
+# passes where QEMU cannot run).
+bash tests/vm/ci.sh

@@ -479,7 +479,7 @@ fn prepare_engine<'m>(
     let entries = (options.queue_depth as u32).next_power_of_two();
     let mut ring = match Ring::new(entries, dst) {
         Ok(ring) => ring,
-        Err(err) if io_uring_unavailable(&err) => {
+        Err(err) if engine::io_uring_unavailable(&err) => {
             fallbacks.push(Fallback::new(
                 options.engine.name(),
                 Engine::PreadPool.name(),
@@ -493,11 +493,7 @@ fn prepare_engine<'m>(
         match ring.register_slots(plan.gather_count() as u32).and_then(|()| ring.registrar()) {
             Ok(registrar) => Some(registrar),
             Err(err) => {
-                fallbacks.push(Fallback::new(
-                    "uring-fixed",
-                    "uring",
-                    format!("cannot create a sparse registered-buffer table (Linux 5.19+): {err}"),
-                ));
+                fallbacks.push(engine::no_sparse_table(&err));
                 None
             }
         }
@@ -505,10 +501,6 @@ fn prepare_engine<'m>(
         None
     };
     Ok((Prepared::Uring(Box::new(ring)), registrar))
-}
-
-fn io_uring_unavailable(err: &io::Error) -> bool {
-    matches!(err.raw_os_error(), Some(libc::ENOSYS | libc::EPERM | libc::EACCES | libc::EOPNOTSUPP))
 }
 
 /// What one successful fill produced.

@@ -256,6 +256,16 @@ pub(crate) struct EngineRun {
 
 pub(crate) type EngineResult = Result<EngineRun>;
 
+/// The fallback taken when the kernel has no sparse registered-buffer
+/// table: io_uring with plain addresses.
+pub(crate) fn no_sparse_table(err: &io::Error) -> crate::load::Fallback {
+    crate::load::Fallback::new(
+        Engine::UringFixed.name(),
+        Engine::Uring.name(),
+        format!("cannot create a sparse registered-buffer table (Linux 5.19+): {err}"),
+    )
+}
+
 /// Whether a failed `io_uring_setup` means io_uring is unavailable to this
 /// process (old kernel, `kernel.io_uring_disabled`, seccomp), not a bug.
 pub(crate) fn io_uring_unavailable(err: &io::Error) -> bool {

@@ -127,11 +127,7 @@ impl WriteJob<'_> {
             match ring.register_slots(windows as u32).and_then(|()| ring.registrar()) {
                 Ok(registrar) => Some(registrar),
                 Err(err) => {
-                    fallbacks.push(Fallback::new(
-                        "uring-fixed",
-                        "uring",
-                        format!("cannot create a sparse registered-buffer table (Linux 5.19+): {err}"),
-                    ));
+                    fallbacks.push(super::no_sparse_table(&err));
                     None
                 }
             }
