@@ -493,18 +493,17 @@ fn uring_read(
     let mut next = 0usize;
     let mut arrived = 0usize;
     let mut completions: Vec<Completion> = Vec::with_capacity(options.queue_depth);
+    // Queues the request starting at `start`, through its window's registered
+    // buffer when there is one.
+    let queue = |ring: &mut Ring<'_>, start: usize, registered: &[bool]| -> Result<()> {
+        let w = start / window;
+        let slot = registered[w].then_some(w as u16);
+        ring.queue_read(file.file.as_fd(), request(start), offset + start as u64, slot, 0, start as u64)
+            .map_err(|e| file.error("read", offset + start as u64, e))
+    };
     loop {
         for start in std::mem::take(&mut retries) {
-            let w = start / window;
-            ring.queue_read(
-                file.file.as_fd(),
-                request(start),
-                offset + start as u64,
-                registered[w].then_some(w as u16),
-                0,
-                start as u64,
-            )
-            .map_err(|e| file.error("read", offset + start as u64, e))?;
+            queue(&mut ring, start, &registered)?;
         }
         while ring.in_flight() < options.queue_depth && next < want {
             let w = next / window;
@@ -514,15 +513,7 @@ fn uring_read(
                     .map_err(|e| file.error("register buffer", offset + next as u64, e))?;
                 registered[w] = true;
             }
-            ring.queue_read(
-                file.file.as_fd(),
-                request(next),
-                offset + next as u64,
-                registered[w].then_some(w as u16),
-                0,
-                next as u64,
-            )
-            .map_err(|e| file.error("read", offset + next as u64, e))?;
+            queue(&mut ring, next, &registered)?;
             next = request(next).end;
         }
         if ring.in_flight() == 0 {
