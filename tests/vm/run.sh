@@ -79,7 +79,8 @@ need_cmds() {
 need_cmds qemu-system-x86_64:qemu-system-x86 cpio:cpio xz:xz-utils readelf:binutils
 
 # A dynamically linked busybox would need its libc in the guest; insist on static.
-is_static() { ! readelf -l "$1" 2>/dev/null | grep -q 'program interpreter'; }
+# Headers read whole first: `readelf | grep -q` under pipefail can fail on SIGPIPE.
+is_static() { local headers; headers=$(readelf -l "$1" 2>/dev/null) && ! grep -q 'program interpreter' <<<"$headers"; }
 find_busybox() {
     local b
     for b in ${DMALOAD_VM_BUSYBOX:-} /bin/busybox /usr/bin/busybox; do
