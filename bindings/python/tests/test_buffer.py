@@ -159,6 +159,12 @@ def test_report_is_a_dataclass(data_file: tuple[Path, bytes]) -> None:
         assert all(isinstance(f, dmaload.Fallback) for f in r.fallbacks)
         assert buf.report is r
         assert r.to_dict()["bytes"] == len(data)
+        # Every field the native report has is a typed field here too.
+        assert r.extra == {}, f"LoadReport lacks fields {sorted(r.extra)}"
+        shmem = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        if shmem.exists():
+            policy = shmem.read_text().split("[")[1].split("]")[0]
+            assert r.huge_pages == (policy in ("always", "within_size", "advise", "force"))
 
 
 def test_dlpack_numpy_and_torch(data_file: tuple[Path, bytes]) -> None:

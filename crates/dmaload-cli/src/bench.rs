@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use clap::Subcommand;
-use dmaload::{Engine, IoMode, LoadOptions};
+use dmaload::{Engine, IoMode, LoadOptions, MemoryKind};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -83,6 +83,10 @@ struct Table {
     bytes: u64,
     repeat: usize,
     fio: String,
+    /// Which page size each memory kind gets here.
+    memory: String,
+    /// See `dmaload::system::free_page_reporting`.
+    free_page_reporting: Option<u64>,
     rows: Vec<Row>,
 }
 
@@ -108,6 +112,13 @@ fn methods(with_fio: bool) -> Vec<Method> {
             options: LoadOptions { engine, ..LoadOptions::default() },
         })
         .collect();
+    // The default engine again in the other memory kind: where the THP
+    // policy gives memfd 4 KiB pages, this row shows what 2 MiB pages save.
+    let memory = MemoryKind::AnonymousThp;
+    methods.push(Method::Dmaload {
+        name: format!("dmaload {} {}", Engine::default().name(), memory.name()),
+        options: LoadOptions { memory, ..LoadOptions::default() },
+    });
     methods.push(Method::Dmaload {
         name: BASELINE.into(),
         options: LoadOptions { engine: Engine::Read, mode: IoMode::Buffered, ..LoadOptions::default() },
@@ -197,7 +208,23 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             samples,
         })
         .collect();
-    let table = Table { file: file.display().to_string(), bytes, repeat, fio: fio_note, rows };
+    let pages = |kind: MemoryKind| if dmaload::system::huge_pages_allowed(kind) { "2 MiB" } else { "4 KiB" };
+    let memory = format!(
+        "{} memory (the default) gets {} pages, {} gets {} pages (THP policy)",
+        MemoryKind::Memfd.name(),
+        pages(MemoryKind::Memfd),
+        MemoryKind::AnonymousThp.name(),
+        pages(MemoryKind::AnonymousThp)
+    );
+    let table = Table {
+        file: file.display().to_string(),
+        bytes,
+        repeat,
+        fio: fio_note,
+        memory,
+        free_page_reporting: dmaload::system::free_page_reporting(),
+        rows,
+    };
     if json {
         println!("{}", serde_json::to_string(&table).expect("table serializes"));
     } else {
@@ -214,6 +241,10 @@ fn print_table(t: &Table) {
         t.repeat,
         t.fio
     );
+    println!("Memory: {}.\n", t.memory);
+    if let Some(block) = t.free_page_reporting {
+        println!("Free page reporting {}.\n", crate::output::free_page_reporting_note(block));
+    }
     println!(
         "| method | GiB/s (median) | min–max | CPU s/GiB | page-cache residue | × fio best | × buffered |"
     );

@@ -34,6 +34,15 @@ pub fn load_json(report: &LoadReport, hash: Option<&Hash>) -> String {
     serde_json::to_string(&Out { report, hash }).expect("report serializes")
 }
 
+/// What free page reporting means for loads and benchmarks.
+pub fn free_page_reporting_note(block: u64) -> String {
+    format!(
+        "on: a virtio balloon hands free blocks of {} and up back to the host about 2 s after they are freed; \
+         reusing them costs a host fault and zeroing, so huge pages and loads after idle are slower and benchmarks noisier",
+        human_bytes(block)
+    )
+}
+
 pub fn cache_description(report: &LoadReport) -> &'static str {
     match report.cache {
         dmaload::CachePolicy::Bypass => "direct (O_DIRECT)",
@@ -57,10 +66,11 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
     );
     let _ = writeln!(
         s,
-        "engine    {} | {} | {} memory | {} | align {} | chunk {} | gather {} | qd {}",
+        "engine    {} | {} | {} memory, {} pages | {} | align {} | chunk {} | gather {} | qd {}",
         r.engine.name(),
         cache_description(r),
         r.memory.name(),
+        if r.huge_pages { "2 MiB" } else { "4 KiB" },
         r.filesystem,
         r.alignment,
         human_bytes(r.chunk_size as u64),
@@ -144,6 +154,10 @@ pub fn info(path: Option<&Path>, json: bool) -> Result<(), String> {
     );
     if let Some(bytes) = info.memory_available {
         println!("MemAvailable      {}", human_bytes(bytes));
+    }
+    match info.free_page_reporting {
+        Some(block) => println!("page reporting    {}", free_page_reporting_note(block)),
+        None => println!("page reporting    off (no virtio balloon reporting free memory to a host)"),
     }
     if info.dma_heaps.is_empty() {
         println!("dma-heap          none (/dev/dma_heap missing: kernel without CONFIG_DMABUF_HEAPS)");

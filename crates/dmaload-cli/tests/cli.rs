@@ -236,11 +236,25 @@ fn info_reports_kernel_io_uring_and_path_facts() {
     assert!(info["io_uring"]["Ok"]["opcodes"].is_array() || info["io_uring"]["Err"].is_string(), "{info}");
     assert!(info["path"]["filesystem"].is_string());
     assert!(info["path"]["direct_io"]["status"].is_string());
+    // Free page reporting: any bound virtio balloon with feature bit 5.
+    let balloon_reports = std::fs::read_dir("/sys/bus/virtio/drivers/virtio_balloon").is_ok_and(|entries| {
+        entries.flatten().any(|e| {
+            std::fs::read_to_string(e.path().join("features")).is_ok_and(|f| f.chars().nth(5) == Some('1'))
+        })
+    });
+    assert_eq!(info["free_page_reporting"].is_u64(), balloon_reports, "{info}");
     let text = dmaload().arg("info").output().unwrap();
     let text = String::from_utf8(text.stdout).unwrap();
-    for needle in
-        ["kernel", "io_uring", "RLIMIT_MEMLOCK", "THP anonymous", "THP shmem", "dma-heap", "udmabuf"]
-    {
+    for needle in [
+        "kernel",
+        "io_uring",
+        "RLIMIT_MEMLOCK",
+        "THP anonymous",
+        "THP shmem",
+        "page reporting",
+        "dma-heap",
+        "udmabuf",
+    ] {
         assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
     }
 }

@@ -12,7 +12,7 @@ use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
 use std::ops::Range;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -180,6 +180,9 @@ pub struct LoadReport {
     /// direct I/O.
     pub cache: CachePolicy,
     pub memory: MemoryKind,
+    /// Whether the kernel's THP policy let the memory use 2 MiB pages (see
+    /// [`crate::system::huge_pages_allowed`]).
+    pub huge_pages: bool,
     /// The filesystem the file is on ("ext4", "tmpfs", ...), or
     /// "block-device".
     pub filesystem: &'static str,
@@ -376,21 +379,12 @@ struct PopulateTimes {
 }
 
 /// Allocates and maps the pages of `range` on `threads` threads, each
-/// taking an equal page-aligned share. A memfd's pages are first allocated
-/// with `fallocate` (cheaper than one fault per page), then mapped with
-/// `MADV_POPULATE_WRITE` so the I/O never faults.
-pub(crate) fn populate_range(
-    dst: MappingWriter<'_>,
-    memfd: Option<BorrowedFd<'_>>,
-    range: Range<usize>,
-    threads: usize,
-) -> io::Result<()> {
-    let populate = |part: Range<usize>| -> io::Result<()> {
-        if let Some(fd) = memfd {
-            sys::mem::allocate(fd, part.start as u64, part.len() as u64)?;
-        }
-        dst.populate(part)
-    };
+/// taking an equal page-aligned share, with `MADV_POPULATE_WRITE` so the I/O
+/// never faults. No `fallocate` first: it has no mapping to take the
+/// `MADV_HUGEPAGE` hint from, so under `shmem_enabled=advise` it would
+/// allocate a memfd in 4 KiB pages.
+pub(crate) fn populate_range(dst: MappingWriter<'_>, range: Range<usize>, threads: usize) -> io::Result<()> {
+    let populate = |part: Range<usize>| dst.populate(part);
     let page = sys::mem::page_size();
     let share = range.len().div_ceil(threads.max(1)).div_ceil(page) * page;
     if threads <= 1 || share >= range.len() {
@@ -413,7 +407,6 @@ pub(crate) fn populate_range(
 /// registrar is given, and opens the gate behind it.
 fn populate_gathers(
     dst: MappingWriter<'_>,
-    memfd: Option<BorrowedFd<'_>>,
     mut registrar: Option<Registrar<'_>>,
     plan: &Plan,
     gate: &Gate,
@@ -426,7 +419,7 @@ fn populate_gathers(
         }
         let started = Instant::now();
         let range = plan.gather_range(g);
-        if let Err(err) = populate_range(dst, memfd, range.clone(), threads) {
+        if let Err(err) = populate_range(dst, range.clone(), threads) {
             gate.fail(&err);
             break;
         }
@@ -527,7 +520,6 @@ fn fill(path: &Path, setup: &ReadSetup, plan: &Plan, len: u64, options: &LoadOpt
         progress: &progress,
         queue_depth: options.queue_depth,
     };
-    let memfd = alloc.memfd.as_ref().map(|fd| fd.as_fd());
     let dst = alloc.mapping.writer();
     let mut fallbacks = Vec::new();
     let started = Instant::now();
@@ -539,7 +531,7 @@ fn fill(path: &Path, setup: &ReadSetup, plan: &Plan, len: u64, options: &LoadOpt
         let fixed = registrar.is_some();
         let populator = scope.spawn(|| {
             let populated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                populate_gathers(dst, memfd, registrar, plan, &gate, options.populate_threads)
+                populate_gathers(dst, registrar, plan, &gate, options.populate_threads)
             }));
             // A panic must still open the gate, or the engine would wait forever.
             populated.inspect_err(|_| gate.fail(&io::Error::other("the populating thread panicked")))
@@ -657,6 +649,7 @@ fn load_impl(
         engine: run.engine,
         cache: setup.cache,
         memory: options.memory,
+        huge_pages: crate::system::huge_pages_allowed(options.memory),
         filesystem: source.storage,
         alignment: setup.align,
         chunk_size: plan.chunk,

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use crate::heap::MemoryKind;
 use crate::sys;
 
 /// Bytes the kernel estimates can be allocated without swapping
@@ -22,6 +23,27 @@ fn meminfo_field(meminfo: &str, name: &str) -> Option<u64> {
     let line = meminfo.lines().find(|l| l.starts_with(name))?;
     let kib: u64 = line[name.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
     Some(kib * 1024)
+}
+
+const THP_ANONYMOUS: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+const THP_SHMEM: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+
+/// Whether the kernel's THP policy lets `kind` memory get 2 MiB pages when
+/// dmaload asks for them (`MADV_HUGEPAGE`). Warm huge pages cost a third of
+/// the CPU of 4 KiB pages to populate; see docs/benchmarks.md for a VM where
+/// cold ones cost far more.
+pub fn huge_pages_allowed(kind: MemoryKind) -> bool {
+    match kind {
+        MemoryKind::AnonymousThp => {
+            matches!(bracketed_choice(THP_ANONYMOUS).as_deref(), Some("always" | "madvise"))
+        }
+        MemoryKind::Memfd => {
+            matches!(
+                bracketed_choice(THP_SHMEM).as_deref(),
+                Some("always" | "within_size" | "advise" | "force")
+            )
+        }
+    }
 }
 
 /// The selected value of a THP setting file such as
@@ -76,7 +98,31 @@ pub struct SystemInfo {
     pub dma_heaps: Vec<String>,
     pub udmabuf: bool,
     pub udmabuf_size_limit_mb: Option<u64>,
+    /// Set when a virtio balloon reports free memory to the hypervisor: the
+    /// size in bytes of the smallest free block handed back.
+    pub free_page_reporting: Option<u64>,
     pub path: Option<PathInfo>,
+}
+
+/// The smallest free block (bytes) a virtio balloon with free page
+/// reporting (`VIRTIO_BALLOON_F_REPORTING`, feature bit 5) hands back to the
+/// host, or `None` where no such device is bound. Memory in such blocks
+/// costs a host fault and zeroing again when reused, which makes huge pages
+/// and memory-hungry benchmark runs slow after the machine idles.
+pub fn free_page_reporting() -> Option<u64> {
+    const VIRTIO_BALLOON_F_REPORTING: usize = 5;
+    let devices = fs::read_dir("/sys/bus/virtio/drivers/virtio_balloon").ok()?;
+    let reporting = devices.flatten().any(|entry| {
+        fs::read_to_string(entry.path().join("features"))
+            .is_ok_and(|bits| bits.as_bytes().get(VIRTIO_BALLOON_F_REPORTING) == Some(&b'1'))
+    });
+    let order: u32 = fs::read_to_string("/sys/module/page_reporting/parameters/page_reporting_order")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())?;
+    if !reporting {
+        return None;
+    }
+    (sys::mem::page_size() as u64).checked_shl(order)
 }
 
 /// Facts about one file or directory that decide how it can be read.
@@ -134,12 +180,13 @@ pub fn info(path: Option<&Path>) -> io::Result<SystemInfo> {
         io_uring: sys::uring::probe().map_err(|e| e.to_string()),
         memlock_limit: sys::process::memlock_limit()?,
         memlock_exempt: memlock_exempt(),
-        thp_anonymous: bracketed_choice("/sys/kernel/mm/transparent_hugepage/enabled"),
-        thp_shmem: bracketed_choice("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        thp_anonymous: bracketed_choice(THP_ANONYMOUS),
+        thp_shmem: bracketed_choice(THP_SHMEM),
         memory_available: memory_available().ok(),
         dma_heaps,
         udmabuf: Path::new("/dev/udmabuf").exists(),
         udmabuf_size_limit_mb,
+        free_page_reporting: free_page_reporting(),
         path: path.map(path_info).transpose()?,
     })
 }

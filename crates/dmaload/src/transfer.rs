@@ -235,17 +235,16 @@ impl TransferBuffer {
         self.dmabuf.as_ref()
     }
 
-    /// Allocates every page now (fallocate + `MADV_POPULATE_WRITE` on
-    /// `threads` threads) instead of on first touch: the "alloc" half of a
-    /// synchronous alloc-then-read.
+    /// Allocates every page now (`MADV_POPULATE_WRITE` on `threads`
+    /// threads) instead of on first touch: the "alloc" half of a synchronous
+    /// alloc-then-read.
     pub fn populate(&mut self, threads: usize) -> Result<()> {
-        let memfd = match self.kind {
-            MemoryType::Memfd | MemoryType::UdmabufMemfd => Some(self.io.as_fd()),
+        if let MemoryType::Udmabuf | MemoryType::DmaHeap = self.kind {
             // A dma-buf's pages exist from its creation.
-            MemoryType::Udmabuf | MemoryType::DmaHeap => return Ok(()),
-        };
+            return Ok(());
+        }
         let len = self.mapping.as_slice().len();
-        crate::load::populate_range(self.mapping.writer(), memfd, 0..len, threads)
+        crate::load::populate_range(self.mapping.writer(), 0..len, threads)
             .map_err(|e| Error::io("populate memory", Path::new("memfd"), e))
     }
 

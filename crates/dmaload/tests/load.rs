@@ -15,6 +15,18 @@ fn options(engine: Engine) -> LoadOptions {
     LoadOptions { engine, chunk_size: 64 << 10, gather_size: 256 << 10, ..LoadOptions::default() }
 }
 
+/// Reads the THP policy files directly, independently of the library.
+fn thp_policy_allows_huge_pages(memory: MemoryKind) -> bool {
+    let (file, allowing): (&str, &[&str]) = match memory {
+        MemoryKind::Memfd => ("shmem_enabled", &["always", "within_size", "advise", "force"]),
+        MemoryKind::AnonymousThp => ("enabled", &["always", "madvise"]),
+    };
+    let text =
+        std::fs::read_to_string(format!("/sys/kernel/mm/transparent_hugepage/{file}")).unwrap_or_default();
+    let selected = text.split('[').nth(1).and_then(|rest| rest.split(']').next()).unwrap_or("");
+    allowing.contains(&selected)
+}
+
 const SMALL_SIZES: [u64; 6] = [0, 1, 4095, 4096, 4097, (1 << 20) + 1];
 
 #[test]
@@ -34,6 +46,7 @@ fn every_engine_loads_every_small_size_exactly() {
                 let covered: usize = buffer.segments().iter().map(|s| s.len).sum();
                 assert_eq!(covered, buffer.len());
                 assert_eq!(buffer.memfd().is_some(), memory == MemoryKind::Memfd);
+                assert_eq!(report.huge_pages, thp_policy_allows_huge_pages(memory), "{memory:?}");
             }
         }
     }

@@ -41,6 +41,7 @@ class LoadReport:
     engine: str = ""
     cache: str = ""
     memory: str = ""
+    huge_pages: bool = False
     filesystem: str = ""
     alignment: int = 0
     chunk_size: int = 0
@@ -48,6 +49,7 @@ class LoadReport:
     queue_depth: int = 0
     fallbacks: tuple[Fallback, ...] = ()
     alloc_seconds: float = 0.0
+    register_seconds: float = 0.0
     first_gather_seconds: float = 0.0
     io_seconds: float = 0.0
     waited_for_memory_seconds: float = 0.0

@@ -44,19 +44,34 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// `mmap(MAP_SHARED)` of `len` bytes of `fd` from offset 0, read-write.
+    /// For a memfd it asks for huge pages too (`MADV_HUGEPAGE`), which shmem
+    /// honours when `shmem_enabled` is `advise`; a kernel without THP
+    /// (EINVAL) just keeps small pages.
     pub fn shared(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
-        Self::map(len, libc::MAP_SHARED, fd.as_raw_fd())
+        let map = Self::map(len, libc::MAP_SHARED, fd.as_raw_fd())?;
+        match map.advise_huge_pages() {
+            Err(err) if err.raw_os_error() == Some(libc::EINVAL) => Ok(map),
+            other => other.map(|()| map),
+        }
     }
 
     /// Private anonymous memory, optionally asking for transparent huge pages
     /// (`MADV_HUGEPAGE`, Linux 2.6.38).
     pub fn anonymous(len: usize, huge_pages: bool) -> io::Result<Mapping> {
         let map = Self::map(len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)?;
-        if huge_pages && len > 0 {
-            // SAFETY: the range is exactly the mapping just created.
-            check(unsafe { libc::madvise(map.ptr.as_ptr().cast(), map.len, libc::MADV_HUGEPAGE) })?;
+        if huge_pages {
+            map.advise_huge_pages()?;
         }
         Ok(map)
+    }
+
+    fn advise_huge_pages(&self) -> io::Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the range is exactly this mapping; MADV_HUGEPAGE changes
+        // how pages are allocated, not their contents.
+        check(unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_HUGEPAGE) }).map(drop)
     }
 
     fn map(len: usize, flags: libc::c_int, fd: libc::c_int) -> io::Result<Mapping> {
@@ -215,9 +230,8 @@ pub fn set_len(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
     check(unsafe { libc::ftruncate(fd.as_raw_fd(), len) }).map(drop)
 }
 
-/// `fallocate(2)` mode 0 on a memfd: allocates (and zeroes) the pages of
-/// `offset..offset + len` in the file without mapping them, in one call,
-/// which costs less than faulting them in one by one.
+/// `fallocate(2)` mode 0: reserves `offset..offset + len` of a file, so a
+/// full filesystem fails here rather than part-way through the writes.
 pub fn allocate(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     // SAFETY: fallocate takes no pointers.
     check(unsafe { libc::fallocate(fd.as_raw_fd(), 0, offset as libc::off_t, len as libc::off_t) }).map(drop)
