@@ -53,7 +53,7 @@ impl Allocation {
             MemoryKind::Memfd => {
                 let memfd = mem::memfd_create(c"dmaload")?;
                 mem::set_len(memfd.as_fd(), len as u64)?;
-                let mapping = Mapping::shared(memfd.as_fd(), len)?;
+                let mapping = Mapping::memfd(memfd.as_fd(), len)?;
                 Ok(Allocation { mapping, memfd: Some(memfd), kind })
             }
             MemoryKind::AnonymousThp => {

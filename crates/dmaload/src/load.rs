@@ -285,10 +285,10 @@ fn inspect_source(path: &Path, file: &mut File) -> Result<Source> {
 
 /// How the load reads: the file to read from (O_DIRECT or not), the page
 /// cache policy and the offset alignment.
-struct ReadSetup {
-    file: File,
-    cache: CachePolicy,
-    align: usize,
+pub(crate) struct ReadSetup {
+    pub file: File,
+    pub cache: CachePolicy,
+    pub align: usize,
 }
 
 fn buffered(path: &Path, file: &File, cache: CachePolicy) -> Result<ReadSetup> {
@@ -372,7 +372,7 @@ fn cache_name(cache: CachePolicy) -> &'static str {
 /// Time spent on the helper thread: populating the buffer, and
 /// registering it with io_uring.
 #[derive(Debug, Default)]
-struct PopulateTimes {
+pub(crate) struct PopulateTimes {
     all: Duration,
     first: Duration,
     register: Duration,
@@ -509,6 +509,23 @@ struct Filled {
 fn fill(path: &Path, setup: &ReadSetup, plan: &Plan, len: u64, options: &LoadOptions) -> Result<Filled> {
     let mut alloc = Allocation::new(options.memory, plan.mapping_len)
         .map_err(|e| Error::io("allocate memory", path, e))?;
+    let started = Instant::now();
+    let (run, times) = fill_mapping(path, setup, plan, len, options, alloc.mapping.writer())?;
+    Ok(Filled { alloc, run, times, engine_wall: started.elapsed() })
+}
+
+/// Reads the plan's range into `dst` (at least `plan.mapping_len` bytes)
+/// with the options' engine, a helper thread populating (and registering)
+/// each gather ahead of the reads. On error the memory holds a partial
+/// read, which the caller must not hand out as loaded.
+pub(crate) fn fill_mapping(
+    path: &Path,
+    setup: &ReadSetup,
+    plan: &Plan,
+    len: u64,
+    options: &LoadOptions,
+    dst: MappingWriter<'_>,
+) -> Result<(EngineRun, PopulateTimes)> {
     let gate = Gate::new();
     let progress = Progress::new(len, options.progress.as_deref());
     let job = Job {
@@ -520,9 +537,7 @@ fn fill(path: &Path, setup: &ReadSetup, plan: &Plan, len: u64, options: &LoadOpt
         progress: &progress,
         queue_depth: options.queue_depth,
     };
-    let dst = alloc.mapping.writer();
     let mut fallbacks = Vec::new();
-    let started = Instant::now();
     let (result, times) = std::thread::scope(|scope| {
         let (prepared, registrar) = match prepare_engine(path, plan, dst, options, &mut fallbacks) {
             Ok((prepared, registrar)) => (Ok(prepared), registrar),
@@ -549,12 +564,11 @@ fn fill(path: &Path, setup: &ReadSetup, plan: &Plan, len: u64, options: &LoadOpt
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         (result, times)
     });
-    let engine_wall = started.elapsed();
     let mut run = result?;
     fallbacks.append(&mut run.fallbacks);
     run.fallbacks = fallbacks;
     debug_assert_eq!(progress.done(), len);
-    Ok(Filled { alloc, run, times, engine_wall })
+    Ok((run, times))
 }
 
 fn load_impl(

@@ -64,8 +64,8 @@ fn ramped_bounds(mapping_len: usize, chunk: usize, gather: usize) -> Vec<usize> 
     bounds
 }
 
-/// Most buffers the io_uring registered-buffer table holds (Linux limit).
-const MAX_GATHERS: usize = 16384;
+/// Most buffers the io_uring registered-buffer table holds.
+const MAX_GATHERS: usize = crate::sys::uring::MAX_REGISTERED_BUFFERS;
 /// Largest single registered buffer io_uring accepts.
 const MAX_GATHER_BYTES: usize = 1 << 30;
 

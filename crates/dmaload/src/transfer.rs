@@ -11,7 +11,6 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
-use std::ops::Range;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -19,14 +18,14 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::engine::write::WriteJob;
-use crate::engine::Engine;
+use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
 use crate::heap::{self, CpuAccess, DmaBuf};
-use crate::load::{Fallback, DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
+use crate::load::{fill_mapping, Fallback, LoadOptions, ReadSetup, DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
+use crate::plan::Plan;
 use crate::sys;
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
 use crate::sys::mem::Mapping;
-use crate::sys::uring::{Completion, Ring};
 
 /// How bytes move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -151,9 +150,6 @@ impl Default for TransferOptions {
     }
 }
 
-/// Bytes registered as one io_uring buffer (the transfer's "gather").
-const WINDOW: usize = 128 << 20;
-
 /// A piece of memory of one [`MemoryType`], created and dropped (closed)
 /// as a unit, so both can be timed.
 pub struct TransferBuffer {
@@ -181,7 +177,9 @@ impl TransferBuffer {
             sys::mem::set_len(fd.as_fd(), size as u64).map_err(|e| Error::io("ftruncate", memfd_path, e))?;
             Ok(fd)
         };
-        let map = |fd: &OwnedFd, path: &str| {
+        let map_memfd =
+            |fd: &OwnedFd| Mapping::memfd(fd.as_fd(), size).map_err(|e| Error::io("mmap", memfd_path, e));
+        let map_dmabuf = |fd: &OwnedFd, path: &str| {
             Mapping::shared(fd.as_fd(), size).map_err(|e| Error::io("mmap", Path::new(path), e))
         };
         let dup = |fd: &OwnedFd, path: &str| {
@@ -190,7 +188,7 @@ impl TransferBuffer {
         let (mapping, io, dmabuf, memfd) = match kind {
             MemoryType::Memfd => {
                 let fd = memfd()?;
-                (map(&fd, "memfd")?, dup(&fd, "memfd")?, None, Some(fd))
+                (map_memfd(&fd)?, dup(&fd, "memfd")?, None, Some(fd))
             }
             MemoryType::UdmabufMemfd | MemoryType::Udmabuf => {
                 let fd = memfd()?;
@@ -201,9 +199,14 @@ impl TransferBuffer {
                 let dmabuf_fd =
                     dmabuf.fd().try_clone_to_owned().map_err(|e| Error::io("dup", memfd_path, e))?;
                 if kind == MemoryType::UdmabufMemfd {
-                    (map(&fd, "memfd")?, dup(&fd, "memfd")?, Some(dmabuf), Some(fd))
+                    (map_memfd(&fd)?, dup(&fd, "memfd")?, Some(dmabuf), Some(fd))
                 } else {
-                    (map(&dmabuf_fd, heap::UDMABUF_DEVICE)?, File::from(dmabuf_fd), Some(dmabuf), Some(fd))
+                    (
+                        map_dmabuf(&dmabuf_fd, heap::UDMABUF_DEVICE)?,
+                        File::from(dmabuf_fd),
+                        Some(dmabuf),
+                        Some(fd),
+                    )
                 }
             }
             MemoryType::DmaHeap => {
@@ -212,7 +215,7 @@ impl TransferBuffer {
                     .fd()
                     .try_clone_to_owned()
                     .map_err(|e| Error::io("dup", Path::new(heap::SYSTEM_HEAP), e))?;
-                (map(&fd, heap::SYSTEM_HEAP)?, File::from(fd), Some(dmabuf), None)
+                (map_dmabuf(&fd, heap::SYSTEM_HEAP)?, File::from(fd), Some(dmabuf), None)
             }
         };
         Ok(TransferBuffer { mapping, io, dmabuf, _memfd: memfd, kind, len })
@@ -375,7 +378,7 @@ pub fn transfer(
     };
     sync(buf, true)?;
     let result = match direction {
-        Direction::Read => read_into(buf, file, offset, method, options).map(|()| Vec::new()),
+        Direction::Read => read_into(buf, file, offset, method, options),
         Direction::Write => write_from(buf, file, offset, method, options),
     };
     sync(buf, false)?;
@@ -390,10 +393,10 @@ fn read_into(
     offset: u64,
     method: Method,
     options: &TransferOptions,
-) -> Result<()> {
+) -> Result<Vec<Fallback>> {
     let need = buf.len;
     if need == 0 {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let want = need.div_ceil(file.align) * file.align;
     let fd = file.file.as_fd();
@@ -417,7 +420,7 @@ fn read_into(
                     other => other.map_err(|e| file.error("read", offset + done as u64, e))?,
                 };
                 if advance(&mut done, got)? {
-                    return Ok(());
+                    return Ok(Vec::new());
                 }
             }
         }
@@ -427,7 +430,7 @@ fn read_into(
                 let got = sys::file::sendfile(io, fd, Some(&mut file_pos), want - done)
                     .map_err(|e| file.error("sendfile", offset + done as u64, e))?;
                 if advance(&mut done, got)? {
-                    return Ok(());
+                    return Ok(Vec::new());
                 }
             }
         }
@@ -444,7 +447,7 @@ fn read_into(
                         .map_err(|e| file.error("splice to memory", offset + done as u64, e))?;
                 }
                 if advance(&mut done, got)? {
-                    return Ok(());
+                    return Ok(Vec::new());
                 }
             }
         }
@@ -452,109 +455,46 @@ fn read_into(
             let got = sys::file::copy_file_range(fd, &mut file_pos, io, &mut mem_pos, want - done)
                 .map_err(|e| file.error("copy_file_range", offset + done as u64, e))?;
             if advance(&mut done, got)? {
-                return Ok(());
+                return Ok(Vec::new());
             }
         },
-        Method::Uring | Method::UringFixed => {
-            uring_read(buf, file, offset, need, want, method == Method::UringFixed, options)
-        }
+        Method::Uring => uring_read(buf, file, offset, Engine::Uring, options),
+        Method::UringFixed => uring_read(buf, file, offset, Engine::UringFixed, options),
     }
 }
 
-/// io_uring reads of `0..want` of the buffer from `offset`, `queue_depth`
-/// in flight; with `fixed`, each 128 MiB window is registered when its first
-/// request is queued and unregistered when its last completes.
+/// io_uring reads through the load pipeline ([`crate::load`]): a helper
+/// thread populates each gather, and for `uring-fixed` registers it, ahead
+/// of the reads. (Registering each window on the submitting thread, where
+/// the pinning also faulted the pages in, ran at half the plain engine's
+/// speed.)
 fn uring_read(
     buf: &mut TransferBuffer,
     file: &TransferFile,
     offset: u64,
-    need: usize,
-    want: usize,
-    fixed: bool,
+    engine: Engine,
     options: &TransferOptions,
-) -> Result<()> {
-    let chunk = options.chunk_size.div_ceil(file.align) * file.align;
-    let window = WINDOW.max(chunk) / chunk * chunk;
-    let windows = want.div_ceil(window);
-    let mapping_len = buf.mapping.as_slice().len();
-    let mut ring = Ring::new((options.queue_depth as u32).next_power_of_two(), buf.mapping.writer())
-        .map_err(|e| file.error("io_uring_setup", offset, e))?;
-    let registrar = if fixed {
-        ring.register_slots(windows as u32).map_err(|e| file.error("register buffers", offset, e))?;
-        Some(ring.registrar().map_err(|e| file.error("register buffers", offset, e))?)
-    } else {
-        None
-    };
-    let mut registered = vec![false; windows];
-    let mut unfinished: Vec<usize> = (0..windows).map(|w| (want - w * window).min(window)).collect();
-    let request = |start: usize| -> Range<usize> { start..((start / chunk + 1) * chunk).min(want) };
-    let mut retries = Vec::new();
-    let mut next = 0usize;
-    let mut arrived = 0usize;
-    let mut completions: Vec<Completion> = Vec::with_capacity(options.queue_depth);
-    // Queues the request starting at `start`, through its window's registered
-    // buffer when there is one.
-    let queue = |ring: &mut Ring<'_>, start: usize, registered: &[bool]| -> Result<()> {
-        let w = start / window;
-        let slot = registered[w].then_some(w as u16);
-        ring.queue_read(file.file.as_fd(), request(start), offset + start as u64, slot, 0, start as u64)
-            .map_err(|e| file.error("read", offset + start as u64, e))
-    };
-    loop {
-        for start in std::mem::take(&mut retries) {
-            queue(&mut ring, start, &registered)?;
-        }
-        while ring.in_flight() < options.queue_depth && next < want {
-            let w = next / window;
-            if let (Some(reg), false) = (&registrar, registered[w]) {
-                let range = w * window..((w + 1) * window).min(mapping_len);
-                reg.register(w as u32, range)
-                    .map_err(|e| file.error("register buffer", offset + next as u64, e))?;
-                registered[w] = true;
-            }
-            queue(&mut ring, next, &registered)?;
-            next = request(next).end;
-        }
-        if ring.in_flight() == 0 {
-            break;
-        }
-        ring.submit(1).map_err(|e| file.error("io_uring_enter", offset, e))?;
-        completions.clear();
-        ring.reap(&mut completions);
-        for done in &completions {
-            let range = request(done.tag as usize);
-            if done.result < 0 {
-                return Err(file.error(
-                    "read",
-                    offset + range.start as u64,
-                    io::Error::from_raw_os_error(-done.result),
-                ));
-            }
-            let got = done.result as usize;
-            let end = range.start + got;
-            if got < range.len() && end < need {
-                // A short read before the data ends: resume it, unless the
-                // kernel stopped at end of file (nothing, or an unaligned count).
-                if got == 0 || got % file.align != 0 {
-                    return Err(file.eof(offset + end as u64, offset + need as u64));
-                }
-                retries.push(end);
-            }
-            arrived += got;
-            // Past the data (alignment padding at end of file) nothing more comes.
-            let w = range.start / window;
-            unfinished[w] -= if end >= need { range.len() } else { got };
-            if unfinished[w] == 0 && registered[w] {
-                // Unpin early; a failure only keeps pages pinned until the ring closes.
-                let _ = ring.unregister(w as u32);
-                registered[w] = false;
-            }
-        }
+) -> Result<Vec<Fallback>> {
+    if offset % file.align as u64 != 0 {
+        let why = format!("direct io_uring reads must start at a multiple of {} bytes", file.align);
+        return Err(Error::new(ErrorKind::InvalidInput, "read", &file.path, why).at(offset));
     }
-    if arrived < need {
-        return Err(file.eof(offset + arrived as u64, offset + need as u64));
-    }
-    Ok(())
+    let load_options = LoadOptions {
+        engine,
+        chunk_size: options.chunk_size,
+        queue_depth: options.queue_depth,
+        ..LoadOptions::default()
+    };
+    let len = buf.len as u64;
+    let page = sys::mem::page_size();
+    let plan = Plan::new(offset, len, file.align, load_options.chunk_size, load_options.gather_size, page);
+    let setup = ReadSetup {
+        file: file.file.try_clone().map_err(|e| file.error("dup", offset, e))?,
+        cache: CachePolicy::Bypass,
+        align: file.align,
+    };
+    let (run, _) = fill_mapping(&file.path, &setup, &plan, len, &load_options, buf.mapping.writer())?;
+    Ok(run.fallbacks)
 }
 
 /// Memory → file. With O_DIRECT the aligned part goes direct and the

@@ -14,13 +14,11 @@ use std::sync::{Condvar, Mutex};
 use super::Engine;
 use crate::error::{Error, Result};
 use crate::load::Fallback;
-use crate::sys::uring::{Completion, WriteRing};
+use crate::sys::uring::{Completion, WriteRing, MAX_REGISTERED_BUFFERS};
 
 /// Bytes registered (pinned) as one io_uring buffer while writing: the
 /// write direction of a gather.
 const WINDOW: usize = 128 << 20;
-/// Most registered buffers a ring holds.
-const MAX_SLOTS: usize = 16384;
 
 /// One write of `src` to `file` at `file_offset`.
 pub(crate) struct WriteJob<'a> {
@@ -119,7 +117,7 @@ impl WriteJob<'_> {
             Err(err) => return Err(Error::io("io_uring_setup", self.path, err)),
         };
         let mut window = WINDOW.max(self.chunk) / self.chunk * self.chunk;
-        while self.src.len().div_ceil(window) > MAX_SLOTS {
+        while self.src.len().div_ceil(window) > MAX_REGISTERED_BUFFERS {
             window *= 2;
         }
         let windows = self.src.len().div_ceil(window);

@@ -44,11 +44,15 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// `mmap(MAP_SHARED)` of `len` bytes of `fd` from offset 0, read-write.
-    /// For a memfd it asks for huge pages too (`MADV_HUGEPAGE`), which shmem
-    /// honours when `shmem_enabled` is `advise`; a kernel without THP
-    /// (EINVAL) just keeps small pages.
     pub fn shared(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
-        let map = Self::map(len, libc::MAP_SHARED, fd.as_raw_fd())?;
+        Self::map(len, libc::MAP_SHARED, fd.as_raw_fd())
+    }
+
+    /// [`Mapping::shared`] for a memfd, asking for huge pages too
+    /// (`MADV_HUGEPAGE`), which shmem honours when `shmem_enabled` is
+    /// `advise`; a kernel without THP (EINVAL) just keeps small pages.
+    pub fn memfd(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        let map = Self::shared(fd, len)?;
         match map.advise_huge_pages() {
             Err(err) if err.raw_os_error() == Some(libc::EINVAL) => Ok(map),
             other => other.map(|()| map),

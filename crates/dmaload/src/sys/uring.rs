@@ -131,6 +131,10 @@ struct RsrcUpdate2 {
 
 const IORING_REGISTER_BUFFERS_UPDATE: libc::c_uint = 16;
 
+/// Most buffers a ring's registered-buffer table holds (the kernel's
+/// `IORING_MAX_REG_BUFFERS`).
+pub const MAX_REGISTERED_BUFFERS: usize = 1 << 14;
+
 /// Registers `iov` in `slot` of the ring behind `ring_fd`, pinning its pages
 /// (`IORING_REGISTER_BUFFERS_UPDATE`, Linux 5.13). Pinned pages count
 /// against RLIMIT_MEMLOCK unless the process has CAP_IPC_LOCK (ENOMEM past
