@@ -490,7 +490,7 @@ fn uring_read(
     let plan = Plan::new(offset, len, file.align, load_options.chunk_size, load_options.gather_size, page);
     let setup = ReadSetup {
         file: file.file.try_clone().map_err(|e| file.error("dup", offset, e))?,
-        cache: CachePolicy::Bypass,
+        cache: if file.direct { CachePolicy::Bypass } else { CachePolicy::Keep },
         align: file.align,
     };
     let (run, _) = fill_mapping(&file.path, &setup, &plan, len, &load_options, buf.mapping.writer())?;
