@@ -103,7 +103,7 @@ pub struct LoadArgs {
     /// Threads (pread-pool engine).
     #[arg(long, default_value_t = dmaload::load::DEFAULT_POOL_THREADS)]
     threads: usize,
-    /// Threads populating memory ahead of the I/O (default: CPUs - 1, 1 to 4).
+    /// Threads populating memory ahead of the I/O (default: CPUs, 1 to 4).
     #[arg(long, default_value_t = dmaload::load::default_populate_threads())]
     populate_threads: usize,
 }

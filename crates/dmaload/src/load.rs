@@ -41,12 +41,12 @@ pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
 pub const DEFAULT_QUEUE_DEPTH: usize = 32;
 /// Threads of the pread-pool engine.
 pub const DEFAULT_POOL_THREADS: usize = 8;
-/// Threads populating each gather: all CPUs but one, which is left to the
-/// I/O (submission and completions; on 2 CPUs a second populating thread
-/// slowed the reads by 15% without speeding anything up), and at most 4,
-/// beyond which memory bandwidth, not CPU, limits page zeroing.
+/// Threads populating each gather: one per CPU, at most 4, beyond which
+/// memory bandwidth, not CPU, limits page zeroing. The I/O needs little CPU
+/// of its own: on 2 vCPUs, 2 populating threads populated 2 GiB in 0.6-0.8 s
+/// against 0.9-2.5 s for one, and the reads never waited for memory.
 pub fn default_populate_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).clamp(1, 4))
+    std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
 }
 
 /// Largest queue depth accepted (io_uring rings hold at most 32768 entries).
