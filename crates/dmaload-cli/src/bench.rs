@@ -208,7 +208,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             samples,
         })
         .collect();
-    let pages = |kind: MemoryKind| if dmaload::system::huge_pages_allowed(kind) { "2 MiB" } else { "4 KiB" };
+    let pages = |kind| crate::output::page_size_label(dmaload::system::huge_pages_allowed(kind));
     let memory = format!(
         "{} memory (the default) gets {} pages, {} gets {} pages (THP policy)",
         MemoryKind::Memfd.name(),

@@ -34,6 +34,15 @@ pub fn load_json(report: &LoadReport, hash: Option<&Hash>) -> String {
     serde_json::to_string(&Out { report, hash }).expect("report serializes")
 }
 
+/// The page size a load's memory got, from `LoadReport::huge_pages`.
+pub fn page_size_label(huge_pages: bool) -> &'static str {
+    if huge_pages {
+        "2 MiB"
+    } else {
+        "4 KiB"
+    }
+}
+
 /// What free page reporting means for loads and benchmarks.
 pub fn free_page_reporting_note(block: u64) -> String {
     format!(
@@ -70,7 +79,7 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
         r.engine.name(),
         cache_description(r),
         r.memory.name(),
-        if r.huge_pages { "2 MiB" } else { "4 KiB" },
+        page_size_label(r.huge_pages),
         r.filesystem,
         r.alignment,
         human_bytes(r.chunk_size as u64),

@@ -116,12 +116,12 @@ pub fn free_page_reporting() -> Option<u64> {
         fs::read_to_string(entry.path().join("features"))
             .is_ok_and(|bits| bits.as_bytes().get(VIRTIO_BALLOON_F_REPORTING) == Some(&b'1'))
     });
-    let order: u32 = fs::read_to_string("/sys/module/page_reporting/parameters/page_reporting_order")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())?;
     if !reporting {
         return None;
     }
+    let order: u32 = fs::read_to_string("/sys/module/page_reporting/parameters/page_reporting_order")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())?;
     (sys::mem::page_size() as u64).checked_shl(order)
 }
 
