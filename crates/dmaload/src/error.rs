@@ -20,6 +20,9 @@ pub enum ErrorKind {
     DirectIoUnavailable,
     /// The options or arguments are invalid.
     InvalidInput,
+    /// The caller cancelled the operation (a [`crate::CancelToken`]); nothing
+    /// it produced was handed out.
+    Cancelled,
 }
 
 /// A failed operation on a file.
@@ -106,6 +109,7 @@ fn default_errno(kind: ErrorKind) -> i32 {
         ErrorKind::Truncated => libc::ENODATA,
         ErrorKind::OutOfMemory => libc::ENOMEM,
         ErrorKind::DirectIoUnavailable | ErrorKind::InvalidInput => libc::EINVAL,
+        ErrorKind::Cancelled => libc::ECANCELED,
     }
 }
 
@@ -129,4 +133,11 @@ impl From<Error> for io::Error {
     fn from(err: Error) -> io::Error {
         io::Error::new(err.source.kind(), err.to_string())
     }
+}
+
+/// Serializes a path as a string, replacing bytes that are not UTF-8 with
+/// U+FFFD, so that a report about any file can be printed as JSON (serde
+/// refuses a non-UTF-8 `Path`).
+pub fn serialize_path<S: serde::Serializer>(path: &Path, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&path.to_string_lossy())
 }

@@ -11,6 +11,7 @@
 #![deny(unsafe_code)]
 
 pub mod buffer;
+pub mod cancel;
 pub mod engine;
 pub mod error;
 pub mod format;
@@ -26,6 +27,7 @@ pub mod system;
 pub mod transfer;
 
 pub use buffer::{Buffer, Segment};
+pub use cancel::CancelToken;
 pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::buffer::Buffer;
+use crate::cancel::CancelToken;
 use crate::engine::{self, CachePolicy, Engine, EngineRun, Gate, Job, Progress, ProgressFn};
 use crate::error::{Error, ErrorKind, Result};
 use crate::heap::{Allocation, MemoryKind};
@@ -110,9 +111,13 @@ pub struct LoadOptions {
     /// Threads that populate (allocate and zero) each gather ahead of the
     /// I/O; page zeroing is CPU-bound, so more threads hide more of it.
     pub populate_threads: usize,
-    /// Called with (bytes done, bytes in all) as reads complete, from the
-    /// loading threads.
+    /// Called with (bytes done, bytes in all) from a reporting thread of
+    /// the load (never an I/O thread, so a slow callback cannot stall the
+    /// reads): about every 50 ms while bytes arrive, and once with
+    /// `done == total` before a successful load returns.
     pub progress: Option<Arc<ProgressFn>>,
+    /// Cancels the load from another thread (see [`CancelToken`]).
+    pub cancel: CancelToken,
 }
 
 impl Default for LoadOptions {
@@ -127,6 +132,7 @@ impl Default for LoadOptions {
             threads: DEFAULT_POOL_THREADS,
             populate_threads: default_populate_threads(),
             progress: None,
+            cancel: CancelToken::default(),
         }
     }
 }
@@ -143,6 +149,7 @@ impl fmt::Debug for LoadOptions {
             .field("threads", &self.threads)
             .field("populate_threads", &self.populate_threads)
             .field("progress", &self.progress.is_some())
+            .field("cancelled", &self.cancel.is_cancelled())
             .finish()
     }
 }
@@ -170,6 +177,7 @@ impl fmt::Display for Fallback {
 /// What a load did and how long each part took.
 #[derive(Debug, Clone, Serialize)]
 pub struct LoadReport {
+    #[serde(serialize_with = "crate::error::serialize_path")]
     pub path: PathBuf,
     /// File offset of the first byte loaded.
     pub offset: u64,
@@ -393,10 +401,23 @@ pub(crate) fn populate_range(dst: MappingWriter<'_>, range: Range<usize>, thread
     let parts: Vec<Range<usize>> =
         range.clone().step_by(share).map(|start| start..(start + share).min(range.end)).collect();
     std::thread::scope(|scope| {
-        let helpers: Vec<_> = parts[1..].iter().map(|part| scope.spawn(|| populate(part.clone()))).collect();
-        let mut result = populate(parts[0].clone());
+        // A part whose helper thread cannot be created is populated here.
+        let mut result = Ok(());
+        let mut helpers = Vec::new();
+        for part in &parts[1..] {
+            let helper = part.clone();
+            match std::thread::Builder::new()
+                .name("dmaload-populate".into())
+                .spawn_scoped(scope, move || populate(helper))
+            {
+                Ok(helper) => helpers.push(helper),
+                Err(_) => result = result.and(populate(part.clone())),
+            }
+        }
+        result = result.and(populate(parts[0].clone()));
         for helper in helpers {
-            let joined = helper.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            let joined =
+                helper.join().unwrap_or_else(|_| Err(io::Error::other("a populating thread panicked")));
             result = result.and(joined);
         }
         result
@@ -526,7 +547,7 @@ pub(crate) fn fill_mapping(
     options: &LoadOptions,
     dst: MappingWriter<'_>,
 ) -> Result<(EngineRun, PopulateTimes)> {
-    let gate = Gate::new();
+    let gate = Gate::new(options.cancel.clone());
     let progress = Progress::new(len, options.progress.as_deref());
     let job = Job {
         path,
@@ -538,19 +559,40 @@ pub(crate) fn fill_mapping(
         queue_depth: options.queue_depth,
     };
     let mut fallbacks = Vec::new();
+    let (prepared, registrar) = match prepare_engine(path, plan, dst, options, &mut fallbacks) {
+        Ok((prepared, registrar)) => (Ok(prepared), registrar),
+        Err(err) => (Err(err), None),
+    };
+    let fixed = registrar.is_some();
+    // Taken by whichever thread populates (see below).
+    let registrar = std::sync::Mutex::new(registrar);
     let (result, times) = std::thread::scope(|scope| {
-        let (prepared, registrar) = match prepare_engine(path, plan, dst, options, &mut fallbacks) {
-            Ok((prepared, registrar)) => (Ok(prepared), registrar),
-            Err(err) => (Err(err), None),
-        };
-        let fixed = registrar.is_some();
-        let populator = scope.spawn(|| {
+        let populate = || {
+            let registrar = registrar.lock().unwrap_or_else(|p| p.into_inner()).take();
             let populated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 populate_gathers(dst, registrar, plan, &gate, options.populate_threads)
             }));
             // A panic must still open the gate, or the engine would wait forever.
             populated.inspect_err(|_| gate.fail(&io::Error::other("the populating thread panicked")))
-        });
+        };
+        let populator =
+            std::thread::Builder::new().name("dmaload-populate".into()).spawn_scoped(scope, populate);
+        // Without a thread of its own (RLIMIT_NPROC, cgroup pids.max) the
+        // memory is populated before the reads instead of beside them.
+        let (populator, populated_first) = match populator {
+            Ok(handle) => (Some(handle), None),
+            Err(err) => {
+                fallbacks.push(Fallback::new(
+                    "populate beside the reads",
+                    "populate before the reads",
+                    format!("cannot create a thread: {err}"),
+                ));
+                (None, Some(populate()))
+            }
+        };
+        let reporter = std::thread::Builder::new()
+            .name("dmaload-progress".into())
+            .spawn_scoped(scope, || progress.report());
         let result = prepared.and_then(|prepared| match prepared {
             Prepared::Uring(ring) => engine::uring::run(&job, *ring, fixed),
             Prepared::Pool { threads, engine } => engine::pool::run(&job, dst, threads, engine),
@@ -558,16 +600,21 @@ pub(crate) fn fill_mapping(
         if result.is_err() {
             gate.cancel();
         }
-        let times = populator
-            .join()
-            .and_then(|populated| populated)
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        progress.finish();
+        // A panicking reporter only means a callback panicked: no bytes are at stake.
+        let _ = reporter.map(|r| r.join());
+        let populated = match populator {
+            Some(handle) => handle.join().unwrap_or_else(|_| Err(Box::new("populating thread panicked"))),
+            None => populated_first.unwrap_or_else(|| Err(Box::new("not populated"))),
+        };
+        let times = populated.unwrap_or_default();
         (result, times)
     });
     let mut run = result?;
     fallbacks.append(&mut run.fallbacks);
     run.fallbacks = fallbacks;
     debug_assert_eq!(progress.done(), len);
+    progress.report_complete();
     Ok((run, times))
 }
 

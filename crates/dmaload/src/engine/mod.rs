@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::cancel::CancelToken;
+use crate::error::{Error, ErrorKind, Result};
 use crate::plan::{Plan, Request};
 use crate::sys;
 
@@ -86,12 +87,18 @@ impl CachePolicy {
     }
 }
 
+/// How often a thread blocked on the gate looks at the caller's
+/// [`CancelToken`]: the bound on how late a cancellation is noticed there.
+const CANCEL_POLL: Duration = Duration::from_millis(20);
+
 /// Tells engines how many gathers are populated (and registered), and the
-/// populating thread when to stop because the load failed.
+/// populating thread when to stop because the load failed or the caller
+/// cancelled it.
 pub(crate) struct Gate {
     state: Mutex<GateState>,
     changed: Condvar,
     cancelled: AtomicBool,
+    token: CancelToken,
 }
 
 struct GateState {
@@ -102,8 +109,9 @@ struct GateState {
 }
 
 impl Gate {
-    pub fn new() -> Gate {
+    pub fn new(token: CancelToken) -> Gate {
         Gate {
+            token,
             state: Mutex::new(GateState {
                 ready: 0,
                 registered: 0,
@@ -155,8 +163,14 @@ impl Gate {
         self.cancelled.store(true, Ordering::Relaxed);
     }
 
+    /// Whether the load failed or the caller cancelled it.
     pub fn is_cancelled(&self) -> bool {
-        self.cancelled.load(Ordering::Relaxed)
+        self.cancelled.load(Ordering::Relaxed) || self.token.is_cancelled()
+    }
+
+    /// Whether the caller cancelled the load.
+    pub fn caller_cancelled(&self) -> bool {
+        self.token.is_cancelled()
     }
 
     /// Whether gather `g` is ready, without blocking.
@@ -164,7 +178,8 @@ impl Gate {
         self.lock().ready > g
     }
 
-    /// Blocks until gather `g` is ready; returns how long it waited.
+    /// Blocks until gather `g` is ready; returns how long it waited. A
+    /// cancellation by the caller ends the wait with `ECANCELED`.
     pub fn wait_for(&self, g: usize) -> io::Result<Duration> {
         let started = Instant::now();
         let mut state = self.lock();
@@ -179,7 +194,14 @@ impl Gate {
                 };
                 return Err(err);
             }
-            state = self.changed.wait(state).unwrap_or_else(|poisoned| poisoned.into_inner());
+            if self.token.is_cancelled() {
+                return Err(io::Error::from_raw_os_error(libc::ECANCELED));
+            }
+            state = self
+                .changed
+                .wait_timeout(state, CANCEL_POLL)
+                .map(|(state, _)| state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner().0);
         }
     }
 }
@@ -187,27 +209,73 @@ impl Gate {
 /// A progress callback: bytes done so far and bytes in all.
 pub type ProgressFn = dyn Fn(u64, u64) + Send + Sync;
 
-/// Counts finished bytes and forwards them to the caller's callback.
+/// How often the reporting thread passes progress to the caller's callback.
+const PROGRESS_INTERVAL: Duration = Duration::from_millis(50);
+
+/// Counts finished bytes. The I/O threads only add to the count; the
+/// caller's callback runs on a reporting thread of its own ([`Progress::report`]),
+/// so a slow callback delays the next report, never a read.
 pub(crate) struct Progress<'a> {
     done: AtomicU64,
     total: u64,
     callback: Option<&'a ProgressFn>,
+    finished: Mutex<bool>,
+    wake: Condvar,
 }
 
 impl<'a> Progress<'a> {
     pub fn new(total: u64, callback: Option<&'a ProgressFn>) -> Self {
-        Progress { done: AtomicU64::new(0), total, callback }
+        Progress {
+            done: AtomicU64::new(0),
+            total,
+            callback,
+            finished: Mutex::new(false),
+            wake: Condvar::new(),
+        }
     }
 
     pub fn add(&self, bytes: u64) {
-        let done = self.done.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        if let Some(callback) = self.callback {
-            callback(done, self.total);
-        }
+        self.done.fetch_add(bytes, Ordering::Relaxed);
     }
 
     pub fn done(&self) -> u64 {
         self.done.load(Ordering::Relaxed)
+    }
+
+    /// The reporting loop: calls the callback with the count every
+    /// [`PROGRESS_INTERVAL`] while it grows, until [`Progress::finish`].
+    /// Returns at once without a callback.
+    pub fn report(&self) {
+        let Some(callback) = self.callback else { return };
+        let mut reported = 0;
+        let mut finished = self.finished.lock().unwrap_or_else(|p| p.into_inner());
+        while !*finished {
+            finished = self
+                .wake
+                .wait_timeout(finished, PROGRESS_INTERVAL)
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|p| p.into_inner().0);
+            let done = self.done();
+            if done != reported && !*finished {
+                reported = done;
+                drop(finished);
+                callback(done, self.total);
+                finished = self.finished.lock().unwrap_or_else(|p| p.into_inner());
+            }
+        }
+    }
+
+    /// Ends the reporting loop (within one callback's time).
+    pub fn finish(&self) {
+        *self.finished.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.wake.notify_all();
+    }
+
+    /// The last report of a load that completed: every byte is done.
+    pub fn report_complete(&self) {
+        if let Some(callback) = self.callback {
+            callback(self.total, self.total);
+        }
     }
 }
 
@@ -241,6 +309,27 @@ impl Job<'_> {
     pub fn read_error(&self, offset: u64, err: io::Error) -> Error {
         Error::io("read", self.path, err).at(offset)
     }
+
+    /// A failed wait for gather memory: the populating error, or the caller's
+    /// cancellation.
+    pub fn wait_error(&self, offset: u64, err: io::Error) -> Error {
+        if self.gate.caller_cancelled() {
+            return self.cancelled(offset);
+        }
+        Error::io("populate memory", self.path, err).at(offset)
+    }
+
+    /// The error of a load the caller cancelled, `offset` being the first
+    /// byte not yet requested.
+    pub fn cancelled(&self, offset: u64) -> Error {
+        cancelled_error("load", self.path, offset)
+    }
+}
+
+/// The error of an operation the caller cancelled through its
+/// [`CancelToken`].
+pub(crate) fn cancelled_error(op: &'static str, path: &Path, offset: u64) -> Error {
+    Error::new(ErrorKind::Cancelled, op, path, "cancelled by the caller; nothing was kept").at(offset)
 }
 
 /// What an engine reports back.

@@ -19,16 +19,21 @@ pub(crate) fn run(job: &Job<'_>, dst: MappingWriter<'_>, threads: usize, engine:
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let longest_wait = Mutex::new(Duration::ZERO);
 
-    std::thread::scope(|scope| {
-        for _ in 0..threads.max(1) {
-            scope.spawn(|| {
-                let result = worker(job, dst, &next_chunk, &stop, &longest_wait);
-                if let Err(err) = result {
-                    stop.store(true, Ordering::Relaxed);
-                    first_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(err);
-                }
-            });
+    let work = || {
+        if let Err(err) = worker(job, dst, &next_chunk, &stop, &longest_wait) {
+            stop.store(true, Ordering::Relaxed);
+            first_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(err);
         }
+    };
+    std::thread::scope(|scope| {
+        // The calling thread is one of the workers; helpers the process may
+        // not create (RLIMIT_NPROC, cgroup pids.max) leave fewer of them.
+        for _ in 1..threads.max(1) {
+            if std::thread::Builder::new().name("dmaload-read".into()).spawn_scoped(scope, work).is_err() {
+                break;
+            }
+        }
+        work();
     });
     if let Some(err) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(err);
@@ -53,10 +58,10 @@ fn worker(
             break;
         }
         let mut req = plan.chunk_request(i);
-        waited += job
-            .gate
-            .wait_for(plan.gather_of(req.start))
-            .map_err(|e| Error::io("populate memory", job.path, e).at(req.start))?;
+        if job.gate.caller_cancelled() {
+            return Err(job.cancelled(req.start));
+        }
+        waited += job.gate.wait_for(plan.gather_of(req.start)).map_err(|e| job.wait_error(req.start, e))?;
         loop {
             let got = match pread_into(job.file, dst, plan.mapping_range(&req), req.start, rw_flags) {
                 Ok(got) => got as u64,

@@ -34,6 +34,11 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResul
     };
 
     loop {
+        if job.gate.caller_cancelled() {
+            // Dropping the ring waits for the reads in flight.
+            let next = plan.chunk_request(next_chunk.min(plan.chunk_count().saturating_sub(1))).start;
+            return Err(job.cancelled(next));
+        }
         for req in retries.drain(..) {
             queue(&mut ring, &req, registered).map_err(|e| job.read_error(req.start, e))?;
         }
@@ -44,10 +49,7 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResul
                 if ring.in_flight() > 0 {
                     break; // reap what is running while the gather populates
                 }
-                run.waited_for_memory += job
-                    .gate
-                    .wait_for(g)
-                    .map_err(|e| Error::io("populate memory", job.path, e).at(req.start))?;
+                run.waited_for_memory += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
             }
             if fixed && g >= registered {
                 registered = job.gate.registered();
