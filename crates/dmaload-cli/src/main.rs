@@ -127,7 +127,7 @@ impl LoadArgs {
             queue_depth: self.queue_depth,
             threads: self.threads,
             populate_threads: self.populate_threads,
-            progress: None,
+            ..LoadOptions::default()
         }
     }
 }
