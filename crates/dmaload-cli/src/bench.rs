@@ -137,7 +137,15 @@ fn fio_version() -> Option<String> {
 }
 
 fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<(), String> {
-    let bytes = std::fs::metadata(file).map_err(|e| format!("stat {}: {e}", file.display()))?.len();
+    // The same checks as a load (no FIFO, device or pseudo-file), before any run.
+    let opened = dmaload::source::open_for_reading(file).map_err(|e| e.to_string())?;
+    let bytes = opened.metadata().map_err(|e| format!("stat {}: {e}", file.display()))?.len();
+    if bytes == 0 {
+        return Err(format!(
+            "bench load {}: the file is empty, so there is no speed to measure",
+            file.display()
+        ));
+    }
     let gib = bytes as f64 / (1u64 << 30) as f64;
     let fio = if no_fio { None } else { fio_version() };
     let fio_note = match (&fio, no_fio) {

@@ -72,7 +72,7 @@ pub fn bench_file(dir: &Path, len: u64) -> Result<PathBuf, String> {
 /// reference the benchmarks verify against), then the file is evicted.
 pub fn piece_hashes(path: &Path, piece: usize) -> Result<Vec<u64>, String> {
     let fail = |e: io::Error| format!("read {}: {e}", path.display());
-    let mut file = File::open(path).map_err(fail)?;
+    let mut file = dmaload::source::open_for_reading(path).map_err(|e| e.to_string())?;
     let mut hashes = Vec::new();
     let mut block = vec![0u8; piece.max(1)];
     loop {
@@ -109,7 +109,7 @@ pub fn default_dir() -> PathBuf {
 /// xxh3-64 of the whole file, read buffered in 8 MiB blocks; then evicted.
 pub fn file_hash(path: &Path) -> Result<u64, String> {
     let fail = |e: io::Error| format!("read {}: {e}", path.display());
-    let mut file = File::open(path).map_err(fail)?;
+    let mut file = dmaload::source::open_for_reading(path).map_err(|e| e.to_string())?;
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     let mut block = vec![0u8; 8 << 20];
     loop {

@@ -165,12 +165,7 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     options.progress = Some(callback);
     let result = match cmd.length {
         Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
-        None if cmd.offset > 0 => {
-            let size =
-                std::fs::metadata(&cmd.file).map_err(|e| dmaload::Error::io("stat", &cmd.file, e))?.len();
-            dmaload::load_range(&cmd.file, cmd.offset, size.saturating_sub(cmd.offset), &options)
-        }
-        None => dmaload::load(&cmd.file, &options),
+        None => dmaload::load_from(&cmd.file, cmd.offset, &options),
     };
     bar.finish_and_clear();
     let (buffer, report) = result?;

@@ -31,7 +31,9 @@ pub fn load_json(report: &LoadReport, hash: Option<&Hash>) -> String {
         #[serde(skip_serializing_if = "Option::is_none")]
         hash: Option<&'a Hash>,
     }
-    serde_json::to_string(&Out { report, hash }).expect("report serializes")
+    // Paths serialize lossily (see dmaload::error::serialize_path): nothing
+    // else in a report can fail to serialize.
+    serde_json::to_string(&Out { report, hash }).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
 }
 
 /// The page size a load's memory got, from `LoadReport::huge_pages`.

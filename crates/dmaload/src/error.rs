@@ -20,6 +20,9 @@ pub enum ErrorKind {
     DirectIoUnavailable,
     /// The options or arguments are invalid.
     InvalidInput,
+    /// The file was written during the load: its size, modification or
+    /// change time moved between the first look and the last.
+    Changed,
     /// The caller cancelled the operation (a [`crate::CancelToken`]); nothing
     /// it produced was handed out.
     Cancelled,
@@ -91,7 +94,8 @@ impl Error {
 
     /// The errno that best describes this error, for bindings that need one
     /// (Python's OSError): the OS error when there is one, else one chosen
-    /// per kind (ENODATA for a truncated file, ENOMEM, EINVAL).
+    /// per kind (ENODATA for a truncated file, ESTALE for one written during
+    /// the load, ECANCELED, ENOMEM, EINVAL).
     pub fn errno(&self) -> i32 {
         self.source.raw_os_error().unwrap_or(default_errno(self.kind))
     }
@@ -110,6 +114,7 @@ fn default_errno(kind: ErrorKind) -> i32 {
         ErrorKind::OutOfMemory => libc::ENOMEM,
         ErrorKind::DirectIoUnavailable | ErrorKind::InvalidInput => libc::EINVAL,
         ErrorKind::Cancelled => libc::ECANCELED,
+        ErrorKind::Changed => libc::ESTALE,
     }
 }
 

@@ -9,11 +9,11 @@
 //! only once every byte has arrived.
 
 use std::fmt;
-use std::fs::{File, OpenOptions};
-use std::io::{self, Seek, SeekFrom};
+use std::fs::File;
+use std::io;
 use std::ops::Range;
 use std::os::fd::AsFd;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,6 +27,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::heap::{Allocation, MemoryKind};
 use crate::pagecache::{self, Residency};
 use crate::plan::Plan;
+use crate::source::Source;
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
 use crate::sys::mem::MappingWriter;
 use crate::sys::uring::{Registrar, Ring};
@@ -239,6 +240,13 @@ pub fn load_range(
     load_impl(path.as_ref(), offset, Some(len), options)
 }
 
+/// Loads the file at `path` from byte `offset` (any alignment) to its end,
+/// its length taken from the open file itself (so a file replaced at the
+/// path between a `stat` and the load cannot change what "the end" means).
+pub fn load_from(path: impl AsRef<Path>, offset: u64, options: &LoadOptions) -> Result<(Buffer, LoadReport)> {
+    load_impl(path.as_ref(), offset, None, options)
+}
+
 fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
     let bad = |what: String| Err(Error::new(ErrorKind::InvalidInput, "load", path, what));
     if o.chunk_size == 0 || o.chunk_size > 1 << 30 {
@@ -259,38 +267,6 @@ fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
     Ok(())
 }
 
-/// What is being loaded: its size and where it lives.
-struct Source {
-    size: u64,
-    /// The filesystem's name, or "block-device".
-    storage: &'static str,
-    /// tmpfs/ramfs: the file lives in the page cache.
-    in_memory: bool,
-}
-
-/// Sizes up `file`: a regular file's length, or a block device's capacity
-/// (the filesystem of a device node says nothing about the device).
-fn inspect_source(path: &Path, file: &mut File) -> Result<Source> {
-    let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
-    let kind = meta.file_type();
-    if kind.is_dir() {
-        return Err(Error::io("open", path, io::Error::from_raw_os_error(libc::EISDIR)));
-    }
-    if kind.is_block_device() {
-        let size = file.seek(SeekFrom::End(0)).map_err(|e| Error::io("seek", path, e))?;
-        return Ok(Source { size, storage: "block-device", in_memory: false });
-    }
-    if !kind.is_file() {
-        return Err(Error::new(ErrorKind::InvalidInput, "open", path, "not a regular file or block device"));
-    }
-    let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", path, e))?;
-    Ok(Source {
-        size: meta.len(),
-        storage: system::filesystem_name(magic),
-        in_memory: system::is_memory_filesystem(magic),
-    })
-}
-
 /// How the load reads: the file to read from (O_DIRECT or not), the page
 /// cache policy and the offset alignment.
 pub(crate) struct ReadSetup {
@@ -299,8 +275,11 @@ pub(crate) struct ReadSetup {
     pub align: usize,
 }
 
+/// Reads through the page cache, on the source's own open file.
 fn buffered(path: &Path, file: &File, cache: CachePolicy) -> Result<ReadSetup> {
     let file = file.try_clone().map_err(|e| Error::io("dup", path, e))?;
+    // A retry after a rejected direct read: the flag is on the shared open file.
+    sys::file::set_direct(file.as_fd(), false).map_err(|e| Error::io("fcntl(O_DIRECT off)", path, e))?;
     Ok(ReadSetup { file, cache, align: 1 })
 }
 
@@ -361,10 +340,13 @@ fn choose_read_setup(
         Ok(setup)
     };
     let Some(align) = align else { return unsupported() };
-    match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
-        Ok(direct) => Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align }),
+    // O_DIRECT on the file already opened and checked, never a second open
+    // by path: a file renamed over the path since cannot be read by mistake.
+    let direct = file.try_clone().map_err(|e| Error::io("dup", path, e))?;
+    match sys::file::set_direct(direct.as_fd(), true) {
+        Ok(()) => Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align }),
         Err(err) if err.raw_os_error() == Some(libc::EINVAL) => unsupported(),
-        Err(err) => Err(Error::io("open O_DIRECT", path, err)),
+        Err(err) => Err(Error::io("fcntl(O_DIRECT)", path, err)),
     }
 }
 
@@ -490,6 +472,11 @@ fn prepare_engine<'m>(
     if matches!(options.engine, Engine::PreadPool | Engine::Read) {
         return Ok((pool(options.engine), None));
     }
+    if plan.chunk_count() == 0 {
+        // Nothing to read (an empty file or range): no ring, no buffers to
+        // register, and no fallback to report.
+        return Ok((Prepared::Pool { threads: 1, engine: options.engine }, None));
+    }
     let entries = (options.queue_depth as u32).next_power_of_two();
     let mut ring = match Ring::new(entries, dst) {
         Ok(ring) => ring,
@@ -497,7 +484,7 @@ fn prepare_engine<'m>(
             fallbacks.push(Fallback::new(
                 options.engine.name(),
                 Engine::PreadPool.name(),
-                format!("io_uring is unavailable ({err}): old kernel, kernel.io_uring_disabled, or a seccomp filter"),
+                engine::uring_unavailable_reason(&err),
             ));
             return Ok((pool(Engine::PreadPool), None));
         }
@@ -628,8 +615,8 @@ fn load_impl(
     let started = Instant::now();
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
 
-    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    let source = inspect_source(path, &mut file)?;
+    let source = Source::open(path)?;
+    let file = &source.file;
     let size = source.size;
     if offset > size {
         return Err(Error::new(
@@ -650,20 +637,20 @@ fn load_impl(
         )
         .at(size)
     })?;
-    let available = system::memory_available().map_err(|e| Error::io("read /proc/meminfo", path, e))?;
-    if len > available {
+    let budget = system::memory_budget().map_err(|e| Error::io("read /proc/meminfo", path, e))?;
+    if len > budget.available {
         return Err(Error::new(
             ErrorKind::OutOfMemory,
             "load",
             path,
             format!(
-                "needs {len} bytes of memory but only {available} are available \
-                 (MemAvailable in /proc/meminfo); load a range instead"
+                "needs {len} bytes of memory but only {} are available ({}); load a range instead",
+                budget.available, budget.limited_by
             ),
         ));
     }
     let mut fallbacks = Vec::new();
-    let mut setup = choose_read_setup(path, &file, &source, options.mode, &mut fallbacks)?;
+    let mut setup = choose_read_setup(path, file, &source, options.mode, &mut fallbacks)?;
     let page = sys::mem::page_size();
     let mut plan = Plan::new(offset, len, setup.align, options.chunk_size, options.gather_size, page);
 
@@ -674,7 +661,7 @@ fn load_impl(
                 && options.mode == IoMode::Auto
                 && err.raw_os_error() == Some(libc::EINVAL) =>
         {
-            setup = buffered(path, &file, no_residue_policy(&file))?;
+            setup = buffered(path, file, no_residue_policy(file))?;
             fallbacks.push(Fallback::new(
                 "direct",
                 cache_name(setup.cache),
@@ -685,20 +672,29 @@ fn load_impl(
         }
         other => other,
     };
-    let Filled { alloc, run, times, engine_wall } = filled.map_err(|err| match err.kind() {
-        ErrorKind::Truncated => match std::fs::metadata(path) {
+    let Filled { mut alloc, run, times, engine_wall } = filled.map_err(|err| match err.kind() {
+        ErrorKind::Truncated => match file.metadata() {
             Ok(meta) => err.with_note(&format!("; the file is now {} bytes", meta.len())),
             Err(_) => err,
         },
         _ => err,
     })?;
+    // Every byte is in, and progress has said so: a file written meanwhile
+    // (in place, or cut short) may have given a mix of old and new bytes.
+    source.check_unchanged(path, end)?;
+    // Direct I/O read whole aligned blocks around the range: the bytes
+    // outside it are not the caller's to see, nor to share through the memfd.
+    let data = plan.data_range();
+    let bytes = alloc.mapping.as_mut_slice();
+    bytes[..data.start].fill(0);
+    bytes[data.end..].fill(0);
     if let Some(memfd) = &alloc.memfd {
         // Fix the size for sharing: udmabuf requires F_SEAL_SHRINK.
         sys::mem::add_seals(memfd.as_fd(), libc::F_SEAL_SHRINK | libc::F_SEAL_GROW)
             .map_err(|e| Error::io("seal memfd", path, e))?;
     }
     let buffer = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges());
-    let page_cache = pagecache::residency_of(&file, path, offset, len)?;
+    let page_cache = pagecache::residency_of(file, path, offset, len)?;
     let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let total = started.elapsed();
     fallbacks.extend(run.fallbacks);

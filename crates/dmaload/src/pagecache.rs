@@ -30,7 +30,7 @@ pub fn residency_of(file: &File, path: &Path, offset: u64, len: u64) -> Result<R
 
 /// Page-cache residency of the whole file at `path`.
 pub fn residency(path: &Path) -> Result<Residency> {
-    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let file = crate::source::open_for_reading(path)?;
     let len = file.metadata().map_err(|e| Error::io("stat", path, e))?.len();
     residency_of(&file, path, 0, len)
 }
@@ -39,7 +39,7 @@ pub fn residency(path: &Path) -> Result<Residency> {
 /// dirty ones (`fdatasync` + `POSIX_FADV_DONTNEED`; no root needed), so the
 /// next read comes from the device.
 pub fn evict(path: &Path) -> Result<()> {
-    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let file = crate::source::open_for_reading(path)?;
     file.sync_data().map_err(|e| Error::io("fdatasync", path, e))?;
     sys::file::fadvise(file.as_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
         .map_err(|e| Error::io("posix_fadvise(DONTNEED)", path, e))

@@ -11,12 +11,111 @@ use serde::Serialize;
 use crate::heap::MemoryKind;
 use crate::sys;
 
-/// Bytes the kernel estimates can be allocated without swapping
-/// (`MemAvailable` in /proc/meminfo, Linux 3.14).
+/// Bytes this process can allocate without swapping or meeting its memory
+/// cgroup's limit: the smaller of `MemAvailable` in /proc/meminfo (Linux
+/// 3.14) and [`cgroup_memory_headroom`].
 pub fn memory_available() -> io::Result<u64> {
+    Ok(memory_budget()?.available)
+}
+
+/// How much memory a load may use, and what limits it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryBudget {
+    pub available: u64,
+    /// What sets `available`, in words for an error message.
+    pub limited_by: String,
+}
+
+/// [`memory_available`], with what limits it.
+pub fn memory_budget() -> io::Result<MemoryBudget> {
     let meminfo = fs::read_to_string("/proc/meminfo")?;
-    meminfo_field(&meminfo, "MemAvailable:")
-        .ok_or_else(|| io::Error::other("no MemAvailable in /proc/meminfo"))
+    let system = meminfo_field(&meminfo, "MemAvailable:")
+        .ok_or_else(|| io::Error::other("no MemAvailable in /proc/meminfo"))?;
+    let system = MemoryBudget { available: system, limited_by: "MemAvailable in /proc/meminfo".into() };
+    Ok(match cgroup_memory_headroom() {
+        Some(cgroup) if cgroup.available < system.available => cgroup,
+        _ => system,
+    })
+}
+
+/// The memory this process's cgroup (v2 `memory.max`, or v1
+/// `memory.limit_in_bytes`) and each of its ancestors still allow: the
+/// limit less the usage, where page cache that is not shmem counts as free
+/// (the kernel reclaims it before it fails an allocation). `None` where no
+/// memory cgroup limits the process.
+pub fn cgroup_memory_headroom() -> Option<MemoryBudget> {
+    let membership = fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mounts = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mut best: Option<MemoryBudget> = None;
+    for line in membership.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (fields.next(), fields.next(), fields.next()) else {
+            continue;
+        };
+        let v2 = controllers.is_empty();
+        if !v2 && !controllers.split(',').any(|c| c == "memory") {
+            continue;
+        }
+        let Some(mount) = cgroup_mount(&mounts, v2) else { continue };
+        let (limit_file, usage_file) = if v2 {
+            ("memory.max", "memory.current")
+        } else {
+            ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        };
+        let mut dir = mount.join(path.trim_start_matches('/'));
+        loop {
+            let read = |name: &str| fs::read_to_string(dir.join(name)).ok();
+            // "max" (v2) or a page-rounded i64::MAX (v1): no limit at this level.
+            let limit = read(limit_file).and_then(|l| l.trim().parse::<u64>().ok()).filter(|&l| l < 1 << 62);
+            if let (Some(limit), Some(usage)) =
+                (limit, read(usage_file).and_then(|u| u.trim().parse::<u64>().ok()))
+            {
+                let stat = read("memory.stat").unwrap_or_default();
+                let field = |name: &str| stat_field(&stat, name).unwrap_or(0);
+                let reclaimable = if v2 {
+                    field("file").saturating_sub(field("shmem"))
+                } else {
+                    field("total_cache").saturating_sub(field("total_shmem"))
+                };
+                let available = limit.saturating_sub(usage.saturating_sub(reclaimable));
+                if best.as_ref().is_none_or(|b| available < b.available) {
+                    best = Some(MemoryBudget {
+                        available,
+                        limited_by: format!(
+                            "the memory cgroup {}: {limit_file} {limit} bytes, {usage} in use",
+                            dir.display()
+                        ),
+                    });
+                }
+            }
+            if dir == mount || !dir.pop() || !dir.starts_with(&mount) {
+                break;
+            }
+        }
+    }
+    best
+}
+
+/// Where the cgroup v2 hierarchy, or the v1 memory controller, is mounted.
+fn cgroup_mount(mountinfo: &str, v2: bool) -> Option<std::path::PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        // "ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS ... - FSTYPE SOURCE SUPEROPTIONS"
+        let (left, right) = line.split_once(" - ")?;
+        let mountpoint = left.split(' ').nth(4)?;
+        let mut right = right.split(' ');
+        let fstype = right.next()?;
+        let super_options = right.nth(1).unwrap_or("");
+        let wanted = if v2 {
+            fstype == "cgroup2"
+        } else {
+            fstype == "cgroup" && super_options.split(',').any(|o| o == "memory")
+        };
+        wanted.then(|| std::path::PathBuf::from(mountpoint))
+    })
+}
+
+fn stat_field(stat: &str, name: &str) -> Option<u64> {
+    stat.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 fn meminfo_field(meminfo: &str, name: &str) -> Option<u64> {
@@ -74,6 +173,25 @@ pub fn filesystem_name(magic: i64) -> &'static str {
         0x6E667364 => "nfsd",
         _ => "other",
     }
+}
+
+/// The name of a filesystem whose files are generated when read (procfs,
+/// sysfs, ...): their `st_size` is 0 or a page, not their length.
+pub fn pseudo_filesystem_name(magic: i64) -> Option<&'static str> {
+    Some(match magic {
+        0x9fa0 => "procfs",
+        0x62656572 => "sysfs",
+        0x64626720 => "debugfs",
+        0x74726163 => "tracefs",
+        0x62656570 => "configfs",
+        0x73636673 => "securityfs",
+        0x63677270 => "cgroup2",
+        0x27e0eb => "cgroup",
+        0xcafe4a11 => "bpf",
+        0x6165676c => "pstore",
+        0xde5e81e4 => "efivarfs",
+        _ => return None,
+    })
 }
 
 /// Whether a filesystem keeps its files in the page cache itself (tmpfs,
@@ -192,7 +310,13 @@ pub fn info(path: Option<&Path>) -> io::Result<SystemInfo> {
 }
 
 fn path_info(path: &Path) -> io::Result<PathInfo> {
-    let file = fs::File::open(path)?;
+    // A directory tells what its filesystem can do; any other path must be
+    // something a load could open (a FIFO would block an open forever).
+    let file = if fs::metadata(path)?.is_dir() {
+        fs::File::open(path)?
+    } else {
+        crate::source::open_for_reading(path)?
+    };
     let magic = sys::file::filesystem_magic(file.as_fd())?;
     let direct_io = match sys::file::statx_dio_align(file.as_fd()) {
         Ok(sys::file::DioAlignQuery::Supported(a)) => {

@@ -100,16 +100,21 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResul
 /// Why registering a buffer failed, in words a user can act on.
 pub(crate) fn register_refusal(err: &io::Error) -> String {
     if err.raw_os_error() == Some(libc::ENOMEM) {
-        let limit = match crate::sys::process::memlock_limit() {
-            Ok(Some(bytes)) => format!("{} KiB", bytes / 1024),
-            Ok(None) => "unlimited".into(),
-            Err(_) => "unknown".into(),
-        };
+        let limit = memlock_limit_words();
         format!(
             "registering buffers failed with ENOMEM: pinned pages exceed RLIMIT_MEMLOCK \
              ({limit}); raise it (ulimit -l) or grant CAP_IPC_LOCK"
         )
     } else {
         format!("registering buffers failed: {err}")
+    }
+}
+
+/// The soft RLIMIT_MEMLOCK, in words: "64 KiB", "unlimited".
+pub(crate) fn memlock_limit_words() -> String {
+    match crate::sys::process::memlock_limit() {
+        Ok(Some(bytes)) => format!("{} KiB", bytes / 1024),
+        Ok(None) => "unlimited".into(),
+        Err(_) => "unknown".into(),
     }
 }

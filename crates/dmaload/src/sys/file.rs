@@ -50,6 +50,15 @@ pub fn statx_dio_align(fd: BorrowedFd<'_>) -> io::Result<DioAlignQuery> {
     }))
 }
 
+/// Sets or clears `O_NONBLOCK` on an open file (`fcntl(F_SETFL)`).
+pub fn set_nonblocking(fd: BorrowedFd<'_>, nonblocking: bool) -> io::Result<()> {
+    // SAFETY: F_GETFL/F_SETFL take no pointers.
+    let flags = check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) })?;
+    let flags = if nonblocking { flags | libc::O_NONBLOCK } else { flags & !libc::O_NONBLOCK };
+    // SAFETY: as above.
+    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags) }).map(drop)
+}
+
 /// The filesystem magic number of `fd` (`fstatfs(2)` `f_type`).
 pub fn filesystem_magic(fd: BorrowedFd<'_>) -> io::Result<i64> {
     let mut st = MaybeUninit::<libc::statfs>::zeroed();

@@ -1,0 +1,185 @@
+//! The file a load reads: opened once, checked once, and read through that
+//! one open file from then on.
+//!
+//! Opening never blocks and never has side effects: the path is `stat`ed
+//! first and only regular files and block devices are opened (a FIFO, a
+//! character device or a socket is refused by type before any `open`, so a
+//! FIFO without a writer cannot hang the caller and a tape or watchdog
+//! device is never touched); the open itself is `O_NONBLOCK | O_NOCTTY` and
+//! its type is checked again on the fd, in case the path was replaced in
+//! between. Everything after (size, alignment, `O_DIRECT`, the reads, the
+//! change check at the end) uses that fd, so a file renamed over the path
+//! mid-load cannot give one file's length and another file's bytes.
+
+use std::fs::{File, Metadata, OpenOptions};
+use std::io::{self, Seek, SeekFrom};
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::{sys, system};
+
+/// What a path names, in words for an error message.
+fn type_name(meta: &Metadata) -> &'static str {
+    let kind = meta.file_type();
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_symlink() {
+        "a symbolic link"
+    } else {
+        "a regular file"
+    }
+}
+
+/// Refuses what dmaload cannot load: anything but a regular file or a
+/// block device.
+fn check_type(path: &Path, meta: &Metadata) -> Result<()> {
+    let kind = meta.file_type();
+    if kind.is_file() || kind.is_block_device() {
+        return Ok(());
+    }
+    if kind.is_dir() {
+        return Err(Error::io("open", path, io::Error::from_raw_os_error(libc::EISDIR)));
+    }
+    Err(Error::new(
+        ErrorKind::InvalidInput,
+        "open",
+        path,
+        format!(
+            "{} has no fixed length to load: dmaload reads regular files and block devices \
+             (copy a stream to a file first)",
+            type_name(meta)
+        ),
+    ))
+}
+
+/// Opens `path` for reading without ever blocking: see the module doc.
+/// The fd is a regular file or a block device, in blocking mode.
+pub fn open_for_reading(path: &Path) -> Result<File> {
+    let before = std::fs::metadata(path).map_err(|e| Error::io("stat", path, e))?;
+    check_type(path, &before)?;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| Error::io("open", path, e))?;
+    let opened = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
+    check_type(path, &opened)?;
+    sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", path, e))?;
+    Ok(file)
+}
+
+/// Whether a file's content may have changed between two looks: its
+/// size, modification and status-change times. Reads change none of them;
+/// every write, truncation or `fallocate` moves the change time (ctime). On
+/// kernels with multigrain timestamps (6.13+, ext4/xfs/btrfs/tmpfs) a change
+/// after a look always gets a newer ctime; on older ones, a write within
+/// the same clock tick (a few ms) as the first look can go unseen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stamp {
+    pub size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(meta: &Metadata) -> Stamp {
+        Stamp {
+            size: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+}
+
+/// An open file being loaded: what it is, how big, where it lives.
+pub(crate) struct Source {
+    pub file: File,
+    pub size: u64,
+    /// The filesystem's name, or "block-device".
+    pub storage: &'static str,
+    /// tmpfs/ramfs: the file lives in the page cache.
+    pub in_memory: bool,
+    /// The regular file's stamp when opened; `None` for a block device,
+    /// whose node does not change when the device is written.
+    stamp: Option<Stamp>,
+}
+
+impl Source {
+    /// Opens and sizes up `path`: a regular file's length, or a block
+    /// device's capacity (the filesystem of a device node says nothing
+    /// about the device). Files of pseudo-filesystems (procfs, sysfs, ...)
+    /// are refused: their size is not their length.
+    pub fn open(path: &Path) -> Result<Source> {
+        let mut file = open_for_reading(path)?;
+        let meta = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
+        if meta.file_type().is_block_device() {
+            let size = file.seek(SeekFrom::End(0)).map_err(|e| Error::io("seek", path, e))?;
+            return Ok(Source { file, size, storage: "block-device", in_memory: false, stamp: None });
+        }
+        let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", path, e))?;
+        if let Some(pseudo) = system::pseudo_filesystem_name(magic) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "open",
+                path,
+                format!(
+                    "it is a file of {pseudo}, generated when read: its size ({} bytes) is not its \
+                     length; copy it to a regular file first (cat FILE > copy)",
+                    meta.len()
+                ),
+            ));
+        }
+        Ok(Source {
+            size: meta.len(),
+            storage: system::filesystem_name(magic),
+            in_memory: system::is_memory_filesystem(magic),
+            stamp: Some(Stamp::of(&meta)),
+            file,
+        })
+    }
+
+    /// Fails when the file changed since it was opened (see [`Stamp`]):
+    /// a file cut short below `end` is [`ErrorKind::Truncated`] at its new
+    /// size, any other change [`ErrorKind::Changed`].
+    pub fn check_unchanged(&self, path: &Path, end: u64) -> Result<()> {
+        let Some(before) = self.stamp else { return Ok(()) };
+        let now = Stamp::of(&self.file.metadata().map_err(|e| Error::io("fstat", path, e))?);
+        if now == before {
+            return Ok(());
+        }
+        if now.size < end {
+            return Err(Error::new(
+                ErrorKind::Truncated,
+                "load",
+                path,
+                format!(
+                    "the file was cut from {} to {} bytes during the load, before the end of the \
+                     range ({end}); the file is now {} bytes",
+                    before.size, now.size, now.size
+                ),
+            )
+            .at(now.size));
+        }
+        Err(Error::new(
+            ErrorKind::Changed,
+            "load",
+            path,
+            format!(
+                "the file was written during the load (size {} -> {} bytes, modification or change \
+                 time moved): the bytes read may mix old and new content; load it again once the \
+                 writer is done",
+                before.size, now.size
+            ),
+        ))
+    }
+}
