@@ -670,6 +670,23 @@ fn load_impl(
             plan = Plan::new(offset, len, 1, options.chunk_size, options.gather_size, page);
             fill(path, &setup, &plan, len, options)
         }
+        // io_uring cancels requests that its io-wq cannot create a worker
+        // thread for (RLIMIT_NPROC, cgroup pids.max): the pool reads inline.
+        Err(err)
+            if matches!(options.engine, Engine::UringFixed | Engine::Uring)
+                && err.raw_os_error() == Some(libc::ECANCELED)
+                && !options.cancel.is_cancelled() =>
+        {
+            fallbacks.push(Fallback::new(
+                options.engine.name(),
+                Engine::PreadPool.name(),
+                format!(
+                    "io_uring cancelled a read ({err}): its worker threads could not be created \
+                     (RLIMIT_NPROC or the cgroup's pids.max)"
+                ),
+            ));
+            fill(path, &setup, &plan, len, &LoadOptions { engine: Engine::PreadPool, ..options.clone() })
+        }
         other => other,
     };
     let Filled { mut alloc, run, times, engine_wall } = filled.map_err(|err| match err.kind() {

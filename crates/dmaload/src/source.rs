@@ -65,7 +65,7 @@ fn check_type(path: &Path, meta: &Metadata) -> Result<()> {
 /// Opens `path` for reading without ever blocking: see the module doc.
 /// The fd is a regular file or a block device, in blocking mode.
 pub fn open_for_reading(path: &Path) -> Result<File> {
-    let before = std::fs::metadata(path).map_err(|e| Error::io("stat", path, e))?;
+    let before = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
     check_type(path, &before)?;
     let file = OpenOptions::new()
         .read(true)
@@ -78,17 +78,23 @@ pub fn open_for_reading(path: &Path) -> Result<File> {
     Ok(file)
 }
 
-/// Whether a file's content may have changed between two looks: its
-/// size, modification and status-change times. Reads change none of them;
-/// every write, truncation or `fallocate` moves the change time (ctime). On
-/// kernels with multigrain timestamps (6.13+, ext4/xfs/btrfs/tmpfs) a change
-/// after a look always gets a newer ctime; on older ones, a write within
-/// the same clock tick (a few ms) as the first look can go unseen.
+/// What tells whether a file's content changed between two looks: its size
+/// and modification time, which every write, truncation and `fallocate`
+/// moves (reads move neither), and its change time (ctime), which also
+/// catches a writer that puts the old mtime back (`touch -d`, `cp -p`).
+/// ctime also moves on link, unlink, rename over the file (the link count
+/// drops), chmod and chown, none of which change a byte: a ctime move
+/// alongside such a metadata change is not taken as a write. On kernels
+/// with multigrain timestamps (6.13+: ext4, xfs, btrfs, tmpfs) a write
+/// after a look always gets newer times; on older ones a write within the
+/// same clock tick (a few ms) as the first look can go unseen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Stamp {
     pub size: u64,
     mtime: (i64, i64),
     ctime: (i64, i64),
+    /// Link count, mode and owner: metadata whose change moves ctime only.
+    metadata: (u64, u32, u32, u32),
 }
 
 impl Stamp {
@@ -97,7 +103,15 @@ impl Stamp {
             size: meta.len(),
             mtime: (meta.mtime(), meta.mtime_nsec()),
             ctime: (meta.ctime(), meta.ctime_nsec()),
+            metadata: (meta.nlink(), meta.mode(), meta.uid(), meta.gid()),
         }
+    }
+
+    /// Whether the content may differ between `self` and the later `now`.
+    fn content_changed(&self, now: &Stamp) -> bool {
+        self.size != now.size
+            || self.mtime != now.mtime
+            || (self.ctime != now.ctime && self.metadata == now.metadata)
     }
 }
 
@@ -154,7 +168,7 @@ impl Source {
     pub fn check_unchanged(&self, path: &Path, end: u64) -> Result<()> {
         let Some(before) = self.stamp else { return Ok(()) };
         let now = Stamp::of(&self.file.metadata().map_err(|e| Error::io("fstat", path, e))?);
-        if now == before {
+        if !before.content_changed(&now) {
             return Ok(());
         }
         if now.size < end {

@@ -78,7 +78,7 @@ pub fn cgroup_memory_headroom() -> Option<MemoryBudget> {
                     field("total_cache").saturating_sub(field("total_shmem"))
                 };
                 let available = limit.saturating_sub(usage.saturating_sub(reclaimable));
-                if best.as_ref().is_none_or(|b| available < b.available) {
+                if best.as_ref().map_or(true, |b| available < b.available) {
                     best = Some(MemoryBudget {
                         available,
                         limited_by: format!(

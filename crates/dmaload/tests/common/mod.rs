@@ -69,3 +69,75 @@ pub fn scratch_dir() -> tempfile::TempDir {
 pub fn skip(test: &str, reason: &str) {
     eprintln!("SKIP {test}: {reason}");
 }
+
+/// A child memory cgroup with a limit, removed on drop.
+pub struct MemoryCgroup {
+    dir: PathBuf,
+    procs: PathBuf,
+}
+
+impl MemoryCgroup {
+    /// Runs `cmd` inside the cgroup (a shell moves itself in, then execs it).
+    pub fn run(&self, cmd: &mut std::process::Command) -> std::io::Result<std::process::Output> {
+        let mut wrapped = std::process::Command::new("sh");
+        wrapped
+            .arg("-c")
+            .arg("echo $$ > \"$0\" && exec \"$@\"")
+            .arg(&self.procs)
+            .arg(cmd.get_program())
+            .args(cmd.get_args());
+        for (key, value) in cmd.get_envs() {
+            if let Some(value) = value {
+                wrapped.env(key, value);
+            }
+        }
+        wrapped.output()
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Creates a child of this process's memory cgroup (v2, else v1) limited
+/// to `limit` bytes, or `None` where that is not possible here.
+pub fn memory_cgroup_child(name: &str, limit: u64) -> Option<MemoryCgroup> {
+    let membership = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mount_of = |v2: bool| {
+        mounts.lines().find_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let mut right = right.split(' ');
+            let fstype = right.next()?;
+            let options = right.nth(1).unwrap_or("");
+            let wanted = if v2 {
+                fstype == "cgroup2"
+            } else {
+                fstype == "cgroup" && options.split(',').any(|o| o == "memory")
+            };
+            wanted.then(|| PathBuf::from(left.split(' ').nth(4).unwrap()))
+        })
+    };
+    for line in membership.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+        let v2 = controllers.is_empty();
+        if !v2 && !controllers.split(',').any(|c| c == "memory") {
+            continue;
+        }
+        let Some(mount) = mount_of(v2) else { continue };
+        let parent = mount.join(path.trim_start_matches('/'));
+        let dir = parent.join(format!("{name}-{}", std::process::id()));
+        let limit_file = if v2 { "memory.max" } else { "memory.limit_in_bytes" };
+        if std::fs::create_dir(&dir).is_err() {
+            continue;
+        }
+        let cgroup = MemoryCgroup { procs: dir.join("cgroup.procs"), dir };
+        if std::fs::write(cgroup.dir.join(limit_file), limit.to_string()).is_ok() {
+            return Some(cgroup);
+        }
+    }
+    None
+}
