@@ -381,6 +381,13 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, HeaderError> {
             HeaderError::new(HeaderErrorKind::InvalidHeaderStart, "header does not start with '{'").at(8)
         );
     }
+    if let Some(at) = too_deep(text) {
+        return Err(HeaderError::new(
+            HeaderErrorKind::InvalidJson,
+            format!("header is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels"),
+        )
+        .at(8 + at as u64));
+    }
     let raw: RawHeader = serde_json::from_str(text).map_err(|e| {
         let at = line_column_offset(text, e.line(), e.column());
         HeaderError::new(HeaderErrorKind::InvalidJson, format!("header is not valid JSON: {e}")).at(8 + at)
@@ -469,7 +476,7 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, HeaderError> {
 /// Reads and validates the header of the file at `path` with two `pread`s.
 /// Allocates at most `min(file length, MAX_HEADER_LEN)` bytes.
 pub fn read_header(path: &Path) -> Result<(Header, Vec<u8>), Error> {
-    let file = File::open(path).map_err(|e| IoError::io("open", path, e))?;
+    let file = crate::source::open_for_reading(path)?;
     let file_len = file.metadata().map_err(|e| IoError::io("stat", path, e))?.len();
     let mut prefix = [0u8; 8];
     let got = read_full(&file, &mut prefix, 0).map_err(|e| IoError::io("read", path, e))?;
@@ -554,6 +561,40 @@ fn truncate(s: &str) -> String {
         Some((i, _)) => format!("{}…", &s[..i]),
         None => s.to_owned(),
     }
+}
+
+/// Deepest nesting of JSON arrays and objects accepted, as serde_json (and
+/// so the reference implementation) allows: unknown fields of a tensor are
+/// skipped without that limit, so it is checked on the text first.
+const MAX_JSON_DEPTH: usize = 128;
+
+/// The byte offset where `text` nests arrays or objects deeper than
+/// [`MAX_JSON_DEPTH`], if it does (brackets inside strings do not count).
+fn too_deep(text: &str) -> Option<usize> {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for (at, byte) in text.bytes().enumerate() {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > MAX_JSON_DEPTH {
+                    return Some(at);
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// The header as written, before validation.
@@ -641,7 +682,10 @@ impl<'de> Deserialize<'de> for RawHeader {
                         return Err(de::Error::custom(format!("duplicate name {:?}", truncate(&key))));
                     }
                     if key == METADATA_KEY {
-                        metadata = Some(map.next_value::<UniqueMap<String>>()?.0.into_iter().collect());
+                        // `null` is what the reference writes for "no metadata".
+                        metadata = map
+                            .next_value::<Option<UniqueMap<String>>>()?
+                            .map(|entries| entries.0.into_iter().collect());
                     } else {
                         let tensor = map
                             .next_value::<RawTensor>()
@@ -658,6 +702,27 @@ impl<'de> Deserialize<'de> for RawHeader {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn null_metadata_is_no_metadata_as_in_the_reference() {
+        let h = parse_header(br#"{"__metadata__":null}"#, 8 + 21).unwrap();
+        assert!(h.metadata.is_none());
+        assert!(h.tensors.is_empty());
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_even_in_fields_that_are_skipped() {
+        let deep = "[".repeat(MAX_JSON_DEPTH + 1) + &"]".repeat(MAX_JSON_DEPTH + 1);
+        let json = format!(r#"{{"a":{{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":{deep}}}}}"#);
+        let err = parse_header(json.as_bytes(), 8 + json.len() as u64 + 1).unwrap_err();
+        assert!(err.message().contains("nested deeper than 128"), "{err}");
+        // Brackets inside strings are text, and nesting up to the limit is fine.
+        let ok = "[".repeat(MAX_JSON_DEPTH - 3) + &"]".repeat(MAX_JSON_DEPTH - 3);
+        let json = format!(
+            r#"{{"__metadata__":{{"k":"[[[[{{{{"}},"a":{{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":{ok}}}}}"#
+        );
+        parse_header(json.as_bytes(), 8 + json.len() as u64 + 1).unwrap();
+    }
+
     use super::*;
 
     /// A file of `json` (padded with spaces to 8 bytes) and `data` bytes.
