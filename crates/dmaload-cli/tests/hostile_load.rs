@@ -160,3 +160,52 @@ fn memlock_limit_of_zero_falls_back_to_the_pread_pool() {
         assert!(fallbacks.contains("io_uring_setup failed with ENOMEM"), "{fallbacks}");
     }
 }
+
+#[test]
+fn a_tiny_file_size_limit_is_an_error_not_sigxfsz() {
+    let name = "a_tiny_file_size_limit_is_an_error_not_sigxfsz";
+    if !have("prlimit") {
+        return skip(name, "prlimit (util-linux) not installed");
+    }
+    let dir = open_scratch();
+    let path = sample(dir.path(), OsStr::new("f.bin"), 1 << 20);
+    // A memfd is a file: sizing it past RLIMIT_FSIZE would raise SIGXFSZ.
+    let out = output_or_hang(
+        Command::new("prlimit").arg("--fsize=4096").arg(env!("CARGO_BIN_EXE_dmaload")).arg("load").arg(&path),
+    );
+    assert_eq!(out.status.code(), Some(1), "killed or succeeded: {:?}", out.status);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("RLIMIT_FSIZE"), "{stderr}");
+    // anonymous memory is not a file, and loads.
+    let out = output_or_hang(
+        Command::new("prlimit")
+            .arg("--fsize=4096")
+            .arg(env!("CARGO_BIN_EXE_dmaload"))
+            .args(["load", "--memory", "anonymous-thp"])
+            .arg(&path),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn too_few_file_descriptors_for_a_ring_fall_back_to_the_pread_pool() {
+    let name = "too_few_file_descriptors_for_a_ring_fall_back_to_the_pread_pool";
+    if !have("prlimit") {
+        return skip(name, "prlimit (util-linux) not installed");
+    }
+    let dir = open_scratch();
+    let path = sample(dir.path(), OsStr::new("f.bin"), (2 << 20) + 5);
+    let expected = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap());
+    // stdin/out/err, the file and the memfd: no descriptor left for a ring.
+    let out = output_or_hang(
+        Command::new("prlimit")
+            .arg("--nofile=6")
+            .arg(env!("CARGO_BIN_EXE_dmaload"))
+            .args(["load", "--json", "--hash"])
+            .arg(&path),
+    );
+    let report = json_of(&out);
+    assert_eq!(report["hash"]["xxh3_64"], format!("{expected:016x}"));
+    assert_eq!(report["engine"], "pread-pool", "{report}");
+    assert!(report["fallbacks"].to_string().contains("RLIMIT_NOFILE"), "{report}");
+}

@@ -51,6 +51,17 @@ impl Allocation {
     pub fn new(kind: MemoryKind, len: usize) -> io::Result<Allocation> {
         match kind {
             MemoryKind::Memfd => {
+                // A memfd is a file: sizing it past RLIMIT_FSIZE would kill
+                // the process with SIGXFSZ instead of failing.
+                if let Some(limit) = sys::process::file_size_limit()?.filter(|&l| l < len as u64) {
+                    return Err(io::Error::new(
+                        io::ErrorKind::FileTooLarge,
+                        format!(
+                            "memfd memory of {len} bytes is past RLIMIT_FSIZE ({limit} bytes), which \
+                             limits memfds like files: raise it (ulimit -f) or use anonymous-thp memory"
+                        ),
+                    ));
+                }
                 let memfd = mem::memfd_create(c"dmaload")?;
                 mem::set_len(memfd.as_fd(), len as u64)?;
                 let mapping = Mapping::memfd(memfd.as_fd(), len)?;

@@ -357,11 +357,19 @@ pub(crate) fn no_sparse_table(err: &io::Error) -> crate::load::Fallback {
 
 /// Whether a failed `io_uring_setup` means io_uring is unavailable to this
 /// process (old kernel, `kernel.io_uring_disabled`, seccomp, or a
-/// RLIMIT_MEMLOCK too small for the ring itself), not a bug.
+/// RLIMIT_MEMLOCK or RLIMIT_NOFILE too small for the ring itself), not a bug.
 pub(crate) fn io_uring_unavailable(err: &io::Error) -> bool {
     matches!(
         err.raw_os_error(),
-        Some(libc::ENOSYS | libc::EPERM | libc::EACCES | libc::EOPNOTSUPP | libc::ENOMEM)
+        Some(
+            libc::ENOSYS
+                | libc::EPERM
+                | libc::EACCES
+                | libc::EOPNOTSUPP
+                | libc::ENOMEM
+                | libc::EMFILE
+                | libc::ENFILE
+        )
     )
 }
 
@@ -372,6 +380,10 @@ pub(crate) fn uring_unavailable_reason(err: &io::Error) -> String {
             "io_uring_setup failed with ENOMEM: the ring's own memory counts against RLIMIT_MEMLOCK \
              ({}); raise it (ulimit -l) or grant CAP_IPC_LOCK",
             uring::memlock_limit_words()
+        )
+    } else if matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+        format!(
+            "io_uring_setup found no free file descriptor for the ring ({err}): RLIMIT_NOFILE is too small"
         )
     } else {
         format!("io_uring is unavailable ({err}): old kernel, kernel.io_uring_disabled, or a seccomp filter")

@@ -20,9 +20,20 @@ pub fn cpu_time() -> io::Result<(Duration, Duration)> {
 
 /// The soft `RLIMIT_MEMLOCK` in bytes (`None` when unlimited).
 pub fn memlock_limit() -> io::Result<Option<u64>> {
+    soft_limit(libc::RLIMIT_MEMLOCK)
+}
+
+/// The soft `RLIMIT_FSIZE` in bytes (`None` when unlimited): the largest
+/// file, memfds included, this process may make; going past it raises
+/// SIGXFSZ, which kills a process that does not handle it.
+pub fn file_size_limit() -> io::Result<Option<u64>> {
+    soft_limit(libc::RLIMIT_FSIZE)
+}
+
+fn soft_limit(resource: libc::__rlimit_resource_t) -> io::Result<Option<u64>> {
     let mut lim = MaybeUninit::<libc::rlimit>::zeroed();
     // SAFETY: `lim` is a writable rlimit the kernel fills.
-    check(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, lim.as_mut_ptr()) })?;
+    check(unsafe { libc::getrlimit(resource, lim.as_mut_ptr()) })?;
     // SAFETY: filled by a successful getrlimit.
     let lim = unsafe { lim.assume_init() };
     Ok((lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur))
