@@ -155,8 +155,10 @@ impl MappingWriter<'_> {
 
     /// Allocates and maps the pages of `range` now instead of on first
     /// touch: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14). On older kernels
-    /// (EINVAL) it writes one byte per page instead, which also makes the
-    /// kernel allocate and zero them.
+    /// (EINVAL) it adds zero to one byte per page with an atomic
+    /// read-modify-write instead: a write fault, so the kernel allocates the
+    /// page, that never changes a byte, whatever the page already holds and
+    /// whoever else writes it meanwhile.
     pub fn populate(&self, range: Range<usize>) -> io::Result<()> {
         let (ptr, len) = self.raw_range(&range);
         if len == 0 {
@@ -171,14 +173,22 @@ impl MappingWriter<'_> {
         if err.raw_os_error() != Some(libc::EINVAL) {
             return Err(err);
         }
+        self.touch_pages(range);
+        Ok(())
+    }
+
+    /// The populate fallback: one atomic `+= 0` per page of `range`.
+    fn touch_pages(&self, range: Range<usize>) {
+        let (ptr, len) = self.raw_range(&range);
         let page = page_size();
         for offset in (0..len).step_by(page) {
-            // SAFETY: offset < len, inside the mapping; the byte is not yet
-            // read by anyone (the load has not reached it), and writing the
-            // value it already holds after allocation (zero) keeps content.
-            unsafe { std::ptr::write_volatile(ptr.add(offset), 0) };
+            // SAFETY: offset < len, so the byte is inside the mapping, which
+            // lives for 'm; an AtomicU8 has the size and alignment of a u8,
+            // and every access to these bytes from this side is either the
+            // kernel's or atomic, so no Rust reference is invalidated.
+            let byte = unsafe { std::sync::atomic::AtomicU8::from_ptr(ptr.add(offset)) };
+            byte.fetch_add(0, std::sync::atomic::Ordering::Relaxed);
         }
-        Ok(())
     }
 
     /// The `iovec` of `range`, for registering it with io_uring.
@@ -245,4 +255,22 @@ pub fn allocate(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
 pub fn add_seals(fd: BorrowedFd<'_>, seals: libc::c_int) -> io::Result<()> {
     // SAFETY: F_ADD_SEALS takes an integer argument, no pointers.
     check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) }).map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_populate_fallback_keeps_what_the_pages_hold() {
+        let page = page_size();
+        let mut map = Mapping::anonymous(4 * page, false).unwrap();
+        for (i, byte) in map.as_mut_slice().iter_mut().enumerate().take(3 * page) {
+            *byte = (i % 251) as u8 + 1;
+        }
+        map.writer().touch_pages(0..4 * page);
+        let bytes = map.as_slice();
+        assert!(bytes[..3 * page].iter().enumerate().all(|(i, &b)| b == (i % 251) as u8 + 1));
+        assert!(bytes[3 * page..].iter().all(|&b| b == 0));
+    }
 }
