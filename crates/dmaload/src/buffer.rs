@@ -56,8 +56,13 @@ impl Buffer {
         self.kind
     }
 
-    /// The memfd holding the bytes, for passing to another process or
-    /// exporting with udmabuf; `None` for anonymous memory.
+    /// The memfd holding the bytes, for passing to another process;
+    /// `None` for anonymous memory. A load seals it against writes
+    /// (`F_SEAL_FUTURE_WRITE`, with `F_SEAL_SHRINK | F_SEAL_GROW`): whoever
+    /// receives it can map it read-only, or privately (copy-on-write), but
+    /// cannot change the bytes this buffer dereferences to. (A udmabuf made
+    /// from it elsewhere lets devices write the pages, as `/proc/self/mem`
+    /// lets a debugger: outside what the seal can stop.)
     pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
         self.memfd.as_ref().map(|fd| fd.as_fd())
     }
@@ -69,12 +74,23 @@ impl Buffer {
     }
 
     /// Exports the buffer's memory as a dma-buf with udmabuf, without
-    /// copying: devices import it, and the memfd keeps backing it. It
-    /// covers whole pages, so the buffer's first byte is at
-    /// `memfd_offset() % page size` in it. Needs memfd memory (a load
-    /// seals the memfd as udmabuf requires); past udmabuf's
-    /// `size_limit_mb` (64 MiB by default) the kernel refuses.
-    pub fn export_dmabuf(&self) -> Result<DmaBuf> {
+    /// copying: devices import it, and its pages stay alive as long as the
+    /// dma-buf does. It covers whole pages, so the buffer's first byte is at
+    /// `memfd_offset() % page size` in it. The buffer is consumed: devices
+    /// and other processes may write a dma-buf, so no `&[u8]` of the buffer
+    /// may outlive the export. Needs memfd memory (a load seals the memfd as
+    /// udmabuf requires); past udmabuf's `size_limit_mb` (64 MiB by
+    /// default) the kernel refuses. On failure the buffer comes back with
+    /// the error.
+    pub fn into_dmabuf(self) -> std::result::Result<DmaBuf, Box<(Error, Buffer)>> {
+        match self.udmabuf_part() {
+            Ok(part) => heap::udmabuf_export(&[part]).map_err(|err| Box::new((err, self))),
+            Err(err) => Err(Box::new((err, self))),
+        }
+    }
+
+    /// The whole pages of the memfd around the buffer's bytes, for udmabuf.
+    pub(crate) fn udmabuf_part(&self) -> Result<(BorrowedFd<'_>, u64, u64)> {
         let Some(memfd) = self.memfd() else {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -86,7 +102,7 @@ impl Buffer {
         let page = page_size();
         let start = self.data.start / page * page;
         let end = self.data.end.div_ceil(page) * page;
-        heap::udmabuf_export(&[(memfd, start as u64, (end - start) as u64)])
+        Ok((memfd, start as u64, (end - start) as u64))
     }
 
     /// Gives up the mapping and returns the memfd, which keeps the bytes.

@@ -10,9 +10,11 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use crate::buffer::Buffer;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sys;
 use crate::sys::dmabuf;
+pub use crate::sys::mem::SharedMapping;
 use crate::sys::mem::{self, Mapping};
 
 /// The kind of memory a buffer lives in.
@@ -55,7 +57,7 @@ impl Allocation {
                 // the process with SIGXFSZ instead of failing.
                 if let Some(limit) = sys::process::file_size_limit()?.filter(|&l| l < len as u64) {
                     return Err(io::Error::new(
-                        io::ErrorKind::FileTooLarge,
+                        io::ErrorKind::InvalidInput,
                         format!(
                             "memfd memory of {len} bytes is past RLIMIT_FSIZE ({limit} bytes), which \
                              limits memfds like files: raise it (ulimit -f) or use anonymous-thp memory"
@@ -137,32 +139,50 @@ impl DmaBuf {
     }
 
     /// Maps the dma-buf for the CPU (`mmap` of its fd) inside a
-    /// begin/end CPU-access bracket that lasts as long as the map.
+    /// begin/end CPU-access bracket that lasts as long as the map. Devices
+    /// and other processes may write a dma-buf at any time, so the map is a
+    /// [`SharedMapping`]: bytes are copied in and out, and slices are
+    /// `unsafe`.
     pub fn map(&self, access: CpuAccess) -> io::Result<DmaBufMap<'_>> {
-        let mapping = Mapping::shared(self.fd.as_fd(), usize::try_from(self.len).map_err(io::Error::other)?)?;
+        let mapping =
+            SharedMapping::new(self.fd.as_fd(), usize::try_from(self.len).map_err(io::Error::other)?)?;
         self.begin_cpu_access(access)?;
         Ok(DmaBufMap { mapping, buf: self, access })
     }
+
+    /// Exports whole loaded buffers, in order, as one dma-buf with udmabuf
+    /// (`UDMABUF_CREATE_LIST`), without copying: each buffer contributes the
+    /// pages around its bytes (its first byte at `memfd_offset() % page
+    /// size` of its part). The buffers are consumed: devices may write a
+    /// dma-buf, so no `&[u8]` of them may outlive the export. On failure they
+    /// come back with the error.
+    pub fn udmabuf_join(buffers: Vec<Buffer>) -> std::result::Result<DmaBuf, Box<(Error, Vec<Buffer>)>> {
+        let parts: Result<Vec<_>> = buffers.iter().map(Buffer::udmabuf_part).collect();
+        match parts.and_then(|parts| udmabuf_export(&parts)) {
+            Ok(dmabuf) => Ok(dmabuf),
+            Err(err) => Err(Box::new((err, buffers))),
+        }
+    }
 }
 
-/// The CPU's view of a [`DmaBuf`]; dereferences to its bytes. Dropping it
-/// ends the CPU-access bracket and unmaps.
+/// The CPU's view of a [`DmaBuf`]: a [`SharedMapping`]. Dropping it ends
+/// the CPU-access bracket and unmaps.
 pub struct DmaBufMap<'a> {
-    mapping: Mapping,
+    mapping: SharedMapping,
     buf: &'a DmaBuf,
     access: CpuAccess,
 }
 
 impl std::ops::Deref for DmaBufMap<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.mapping.as_slice()
+    type Target = SharedMapping;
+    fn deref(&self) -> &SharedMapping {
+        &self.mapping
     }
 }
 
 impl std::ops::DerefMut for DmaBufMap<'_> {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        self.mapping.as_mut_slice()
+    fn deref_mut(&mut self) -> &mut SharedMapping {
+        &mut self.mapping
     }
 }
 
@@ -218,7 +238,10 @@ pub fn dma_heap_alloc(len: u64) -> Result<DmaBuf> {
 /// page-aligned) as one dma-buf with udmabuf, without copying:
 /// `UDMABUF_CREATE` for one range, `UDMABUF_CREATE_LIST` for several.
 /// The total is capped by udmabuf's `size_limit_mb` (64 MiB by default).
-pub fn udmabuf_export(ranges: &[(BorrowedFd<'_>, u64, u64)]) -> Result<DmaBuf> {
+/// Crate-private: the dma-buf lets devices write the memfds' pages, so a
+/// memfd behind a [`Buffer`] is exported only by consuming the buffer
+/// ([`Buffer::into_dmabuf`], [`DmaBuf::udmabuf_join`]).
+pub(crate) fn udmabuf_export(ranges: &[(BorrowedFd<'_>, u64, u64)]) -> Result<DmaBuf> {
     let path = Path::new(UDMABUF_DEVICE);
     let dev = probe_device(UDMABUF_DEVICE, "CONFIG_UDMABUF")
         .map_err(|why| Error::new(ErrorKind::InvalidInput, "open", path, why))?;

@@ -29,7 +29,7 @@ use crate::pagecache::{self, Residency};
 use crate::plan::Plan;
 use crate::source::Source;
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
-use crate::sys::mem::MappingWriter;
+use crate::sys::mem::{MappingWriter, Seals};
 use crate::sys::uring::{Registrar, Ring};
 use crate::{sys, system};
 
@@ -706,8 +706,10 @@ fn load_impl(
     bytes[..data.start].fill(0);
     bytes[data.end..].fill(0);
     if let Some(memfd) = &alloc.memfd {
-        // Fix the size for sharing: udmabuf requires F_SEAL_SHRINK.
-        sys::mem::add_seals(memfd.as_fd(), libc::F_SEAL_SHRINK | libc::F_SEAL_GROW)
+        // Fix the size (udmabuf requires F_SEAL_SHRINK) and the bytes: the fd
+        // may be handed to other processes, which must not write what this
+        // buffer dereferences to.
+        sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW | Seals::FUTURE_WRITE)
             .map_err(|e| Error::io("seal memfd", path, e))?;
     }
     let buffer = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges());

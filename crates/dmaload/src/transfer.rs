@@ -193,7 +193,7 @@ impl TransferBuffer {
             MemoryType::UdmabufMemfd | MemoryType::Udmabuf => {
                 let fd = memfd()?;
                 // udmabuf requires the memfd's size to be fixed.
-                sys::mem::add_seals(fd.as_fd(), libc::F_SEAL_SHRINK)
+                sys::mem::add_seals(fd.as_fd(), sys::mem::Seals::SHRINK)
                     .map_err(|e| Error::io("seal memfd", memfd_path, e))?;
                 let dmabuf = heap::udmabuf_export(&[(fd.as_fd(), 0, size as u64)])?;
                 let dmabuf_fd =

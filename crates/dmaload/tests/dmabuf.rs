@@ -5,8 +5,14 @@
 mod common;
 
 use common::*;
-use dmaload::heap::{self, CpuAccess};
+use dmaload::heap::{self, CpuAccess, DmaBuf, DmaBufMap};
 use dmaload::{ErrorKind, LoadOptions};
+
+fn read_all(map: &DmaBufMap<'_>) -> Vec<u8> {
+    let mut bytes = vec![0u8; map.len()];
+    map.read_at(0, &mut bytes).unwrap();
+    bytes
+}
 
 fn available(test: &str, probe: Result<(), String>) -> bool {
     match probe {
@@ -27,11 +33,14 @@ fn dma_heap_buffer_is_zeroed_writable_and_keeps_its_bytes() {
     assert_eq!(buf.len(), 3 << 20);
     {
         let mut map = buf.map(CpuAccess::ReadWrite).unwrap();
-        assert!(map.iter().all(|&b| b == 0), "a fresh dma-heap buffer is zeroed");
-        map.iter_mut().enumerate().for_each(|(i, b)| *b = pattern_byte(i as u64));
+        assert!(read_all(&map).iter().all(|&b| b == 0), "a fresh dma-heap buffer is zeroed");
+        let pattern: Vec<u8> = (0..map.len() as u64).map(pattern_byte).collect();
+        map.write_at(0, &pattern).unwrap();
     }
     let map = buf.map(CpuAccess::Read).unwrap();
-    assert_pattern(&map, 0);
+    assert_pattern(&read_all(&map), 0);
+    // Copies are bounds-checked.
+    assert!(map.read_at(map.len() - 1, &mut [0u8; 2]).is_err());
 }
 
 #[test]
@@ -45,16 +54,17 @@ fn a_loaded_buffer_exports_as_a_udmabuf_with_the_same_bytes() {
     // Direct I/O into the memfd (the only way to get it into a dma-buf), then export.
     let (buffer, report) = dmaload::load(&path, &LoadOptions::default()).unwrap();
     eprintln!("loaded with {} ({:?})", report.engine.name(), report.cache);
-    let dmabuf = buffer.export_dmabuf().unwrap();
+    let len = buffer.len();
+    let dmabuf = buffer.into_dmabuf().map_err(|refused| refused.0).unwrap();
     assert_eq!(dmabuf.len(), (4 << 20) + 4096);
     let map = dmabuf.map(CpuAccess::Read).unwrap();
-    assert_pattern(&map[..buffer.len()], 0);
+    assert_pattern(&read_all(&map)[..len], 0);
     // A range whose data starts inside a page: the dma-buf covers whole pages.
     let (ranged, _) = dmaload::load_range(&path, 5000, 70_000, &LoadOptions::default()).unwrap();
-    let dmabuf = ranged.export_dmabuf().unwrap();
+    let (start, len) = (ranged.memfd_offset() % 4096, ranged.len());
+    let dmabuf = ranged.into_dmabuf().map_err(|refused| refused.0).unwrap();
     let map = dmabuf.map(CpuAccess::Read).unwrap();
-    let start = ranged.memfd_offset() % 4096;
-    assert_pattern(&map[start..start + ranged.len()], 5000);
+    assert_pattern(&read_all(&map)[start..start + len], 5000);
 }
 
 #[test]
@@ -68,12 +78,11 @@ fn udmabuf_create_list_joins_memfds_in_order() {
     write_pattern_file(&b_path, 2 << 20);
     let (a, _) = dmaload::load(&a_path, &LoadOptions::default()).unwrap();
     let (b, _) = dmaload::load_range(&b_path, 1 << 20, 1 << 20, &LoadOptions::default()).unwrap();
-    let joined =
-        heap::udmabuf_export(&[(a.memfd().unwrap(), 0, 1 << 20), (b.memfd().unwrap(), 0, 1 << 20)]).unwrap();
+    let joined = DmaBuf::udmabuf_join(vec![a, b]).map_err(|refused| refused.0).unwrap();
     let map = joined.map(CpuAccess::Read).unwrap();
     // Both halves hold the pattern of their file offsets: 0.. and 1 MiB.., so
     // together they read as one pattern from 0.
-    assert_pattern(&map, 0);
+    assert_pattern(&read_all(&map), 0);
 }
 
 #[test]
@@ -84,20 +93,13 @@ fn udmabuf_beyond_its_size_limit_says_which_limit() {
     let Some(limit) = heap::udmabuf_size_limit() else {
         return skip("udmabuf_beyond_its_size_limit_says_which_limit", "size_limit_mb is not readable");
     };
-    let memfds: Vec<_> = (0..2)
-        .map(|_| {
-            let dir = scratch_dir();
-            let path = dir.path().join("f");
-            write_pattern_file(&path, 4096);
-            dmaload::load(&path, &LoadOptions::default()).unwrap().0
-        })
-        .collect();
-    // Ranges past each memfd's size are refused too; the limit is checked on
-    // the total first, so ask for just over it across two items.
-    let half = (limit / 2 + 4096) / 4096 * 4096;
-    let err =
-        heap::udmabuf_export(&[(memfds[0].memfd().unwrap(), 0, half), (memfds[1].memfd().unwrap(), 0, half)])
-            .unwrap_err();
+    // A sparse memfd past the limit: udmabuf checks the size before it pins.
+    let err = dmaload::transfer::TransferBuffer::new(
+        dmaload::transfer::MemoryType::Udmabuf,
+        (limit + 4096) as usize,
+    )
+    .map(drop)
+    .unwrap_err();
     eprintln!("over the limit: {err}");
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
     assert!(err.to_string().contains("size_limit_mb"), "{err}");
@@ -107,5 +109,24 @@ fn udmabuf_beyond_its_size_limit_says_which_limit() {
     write_pattern_file(&path, 4096);
     let opts = LoadOptions { memory: dmaload::MemoryKind::AnonymousThp, ..LoadOptions::default() };
     let (anon, _) = dmaload::load(&path, &opts).unwrap();
-    assert_eq!(anon.export_dmabuf().unwrap_err().kind(), ErrorKind::InvalidInput);
+    let (err, anon) = *anon.into_dmabuf().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    assert_eq!(anon.len(), 4096, "a failed export gives the buffer back");
+}
+
+#[test]
+fn a_loaded_memfd_is_sealed_against_writes_from_whoever_receives_it() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_pattern_file(&path, 3 << 20);
+    let (buffer, _) = dmaload::load(&path, &LoadOptions::default()).unwrap();
+    let received = std::fs::File::from(buffer.memfd().unwrap().try_clone_to_owned().unwrap());
+    // write(2) and ftruncate(2) are refused (EPERM)...
+    let err = std::os::unix::fs::FileExt::write_at(&received, b"x", 0).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+    assert!(received.set_len(1 << 20).is_err());
+    // ...and so is a new writable shared mapping.
+    let err = dmaload::heap::SharedMapping::new(std::os::fd::AsFd::as_fd(&received), 4096).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+    assert_pattern(&buffer, 0);
 }

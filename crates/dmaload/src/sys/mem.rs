@@ -251,10 +251,113 @@ pub fn allocate(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     check(unsafe { libc::fallocate(fd.as_raw_fd(), 0, offset as libc::off_t, len as libc::off_t) }).map(drop)
 }
 
-/// `fcntl(F_ADD_SEALS)` (Linux 3.17) on a memfd created with sealing allowed.
-pub fn add_seals(fd: BorrowedFd<'_>, seals: libc::c_int) -> io::Result<()> {
+/// Seals of a memfd (`fcntl(F_ADD_SEALS)`, Linux 3.17): what no one, this
+/// process included, may do to it any more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seals(libc::c_int);
+
+impl Seals {
+    /// No shrinking (`F_SEAL_SHRINK`): udmabuf requires it.
+    pub const SHRINK: Seals = Seals(libc::F_SEAL_SHRINK);
+    /// No growing (`F_SEAL_GROW`).
+    pub const GROW: Seals = Seals(libc::F_SEAL_GROW);
+    /// No new writable shared mappings and no `write(2)` (Linux 5.1);
+    /// mappings made before stay writable, private mappings are
+    /// copy-on-write, and udmabuf still accepts the memfd.
+    pub const FUTURE_WRITE: Seals = Seals(libc::F_SEAL_FUTURE_WRITE);
+}
+
+impl std::ops::BitOr for Seals {
+    type Output = Seals;
+    fn bitor(self, other: Seals) -> Seals {
+        Seals(self.0 | other.0)
+    }
+}
+
+/// Adds `seals` to a memfd created with sealing allowed.
+pub fn add_seals(fd: BorrowedFd<'_>, seals: Seals) -> io::Result<()> {
     // SAFETY: F_ADD_SEALS takes an integer argument, no pointers.
-    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) }).map(drop)
+    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals.0) }).map(drop)
+}
+
+/// A mapping of memory that something besides this process's Rust code may
+/// write at any time: a dma-buf (devices, other processes importing it).
+/// Rust's rules forbid a `&[u8]` over bytes that change under it, so the
+/// bytes are copied in and out through raw pointers, and slices are
+/// `unsafe` with the caller's promise that nothing else writes meanwhile
+/// (memmap2's rule).
+#[derive(Debug)]
+pub struct SharedMapping {
+    mapping: Mapping,
+    // Raw copies from several threads at once would race with each other.
+    _not_sync: PhantomData<std::cell::Cell<u8>>,
+}
+
+impl SharedMapping {
+    /// `mmap(MAP_SHARED)` of `len` bytes of `fd`, read-write.
+    pub fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<SharedMapping> {
+        Ok(SharedMapping { mapping: Mapping::shared(fd, len)?, _not_sync: PhantomData })
+    }
+
+    pub fn len(&self) -> usize {
+        self.mapping.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.mapping.len == 0
+    }
+
+    fn check(&self, offset: usize, len: usize) -> io::Result<*mut u8> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.mapping.len => {
+                // SAFETY: offset <= end <= len: inside (or one past) the mapping.
+                Ok(unsafe { self.mapping.ptr.as_ptr().add(offset) })
+            }
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{len} bytes at offset {offset} run past the {}-byte mapping", self.mapping.len),
+            )),
+        }
+    }
+
+    /// Copies `out.len()` bytes from `offset` into `out`.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> io::Result<()> {
+        let src = self.check(offset, out.len())?;
+        // SAFETY: `src..src + out.len()` is inside the mapping (checked) and
+        // cannot overlap `out`, which Rust owns; no reference to the mapped
+        // bytes is formed, so a concurrent writer can only make the copy
+        // see old or new bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into the mapping at `offset`.
+    pub fn write_at(&mut self, offset: usize, data: &[u8]) -> io::Result<()> {
+        let dst = self.check(offset, data.len())?;
+        // SAFETY: as in `read_at`, in the other direction.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// The bytes as a slice.
+    ///
+    /// # Safety
+    ///
+    /// Nothing may write the memory (a device, another process, another
+    /// mapping of it in this one) while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        self.mapping.as_slice()
+    }
+
+    /// The bytes as a mutable slice.
+    ///
+    /// # Safety
+    ///
+    /// Nothing else may read or write the memory (a device, another
+    /// process, another mapping of it in this one) while the slice lives.
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mapping.as_mut_slice()
+    }
 }
 
 #[cfg(test)]
