@@ -140,15 +140,17 @@ fn deny_io_uring() -> std::io::Result<()> {
         stmt(ret, libc::SECCOMP_RET_ALLOW),
     ];
     let prog = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_mut_ptr() };
-    // SAFETY: runs in the forked child before exec; prctl reads `prog`,
-    // which lives on this stack frame for the duration of the call.
-    unsafe {
-        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
-            || libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &prog as *const libc::sock_fprog)
-                != 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
+    // SAFETY: runs in the forked child before exec; this prctl takes no pointers.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above; prctl reads `prog`, which lives on this stack frame
+    // for the duration of the call.
+    if unsafe {
+        libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &prog as *const libc::sock_fprog)
+    } != 0
+    {
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }

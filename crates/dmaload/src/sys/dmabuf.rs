@@ -115,28 +115,24 @@ pub fn udmabuf_create(dev: BorrowedFd<'_>, ranges: &[UdmabufRange<'_>]) -> io::R
         return owned(unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE as _, &create) });
     }
     let count = u32::try_from(ranges.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // The list head and its items as one contiguous, u64-aligned allocation.
-    let head_words = std::mem::size_of::<UdmabufCreateListHead>() / 8;
-    let item_words = std::mem::size_of::<UdmabufCreateItem>() / 8;
-    let mut words = vec![0u64; head_words + item_words * ranges.len()];
-    let base = words.as_mut_ptr();
-    // SAFETY: `words` holds exactly the head followed by `count` items, is
-    // 8-byte aligned (both structs need at most that), and outlives the
-    // writes and the ioctl; the kernel only reads it.
-    unsafe {
-        base.cast::<UdmabufCreateListHead>()
-            .write(UdmabufCreateListHead { flags: UDMABUF_FLAGS_CLOEXEC, count });
-        let items = base.add(head_words).cast::<UdmabufCreateItem>();
-        for (i, r) in ranges.iter().enumerate() {
-            items.add(i).write(UdmabufCreateItem {
-                memfd: r.memfd.as_raw_fd() as u32,
-                pad: 0,
-                offset: r.offset,
-                size: r.size,
-            });
-        }
-        owned(libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE_LIST as _, base))
+    // The list head and its items as one contiguous, u64-aligned array of
+    // words, packed field by field as the #[repr(C)] structs lay them out.
+    let pair = |low: u32, high: u32| {
+        let mut bytes = [0u8; 8];
+        bytes[..4].copy_from_slice(&low.to_ne_bytes());
+        bytes[4..].copy_from_slice(&high.to_ne_bytes());
+        u64::from_ne_bytes(bytes)
+    };
+    const _: () = assert!(std::mem::size_of::<UdmabufCreateListHead>() == 8);
+    const _: () = assert!(std::mem::size_of::<UdmabufCreateItem>() == 24);
+    let mut words = vec![pair(UDMABUF_FLAGS_CLOEXEC, count)];
+    for r in ranges {
+        words.extend([pair(r.memfd.as_raw_fd() as u32, 0), r.offset, r.size]);
     }
+    // SAFETY: `words` is a udmabuf_create_list head followed by `count`
+    // udmabuf_create_item entries in their C layout (sizes asserted above),
+    // 8-byte aligned, alive across the call; the kernel only reads it.
+    owned(unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE_LIST as _, words.as_ptr()) })
 }
 
 /// Which CPU accesses a [`sync`] bracket covers.

@@ -177,8 +177,10 @@ pub fn pipe_with_capacity(want: usize) -> io::Result<(OwnedFd, OwnedFd, usize)> 
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: `fds` has room for the two fds pipe2 writes.
     check(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
-    // SAFETY: both fds were just created and are owned by nobody else.
-    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: the fd was just created and is owned by nobody else.
+    let read = unsafe { OwnedFd::from_raw_fd(fds[0]) };
+    // SAFETY: as above.
+    let write = unsafe { OwnedFd::from_raw_fd(fds[1]) };
     let mut size = want.max(4096);
     loop {
         // SAFETY: F_SETPIPE_SZ takes an integer argument.

@@ -179,14 +179,14 @@ impl MappingWriter<'_> {
 
     /// The populate fallback: one atomic `+= 0` per page of `range`.
     fn touch_pages(&self, range: Range<usize>) {
-        let (ptr, len) = self.raw_range(&range);
-        let page = page_size();
-        for offset in (0..len).step_by(page) {
-            // SAFETY: offset < len, so the byte is inside the mapping, which
-            // lives for 'm; an AtomicU8 has the size and alignment of a u8,
-            // and every access to these bytes from this side is either the
-            // kernel's or atomic, so no Rust reference is invalidated.
-            let byte = unsafe { std::sync::atomic::AtomicU8::from_ptr(ptr.add(offset)) };
+        for start in range.clone().step_by(page_size()) {
+            let (ptr, _) = self.raw_range(&(start..start + 1));
+            // SAFETY: `ptr` is a byte inside the mapping (checked by
+            // raw_range), which lives for 'm; an AtomicU8 has the size and
+            // alignment of a u8, and every access to these bytes from this
+            // side is the kernel's or atomic, so no Rust reference is
+            // invalidated.
+            let byte = unsafe { std::sync::atomic::AtomicU8::from_ptr(ptr) };
             byte.fetch_add(0, std::sync::atomic::Ordering::Relaxed);
         }
     }
