@@ -32,5 +32,5 @@ pub use cancel::CancelToken;
 pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
-pub use load::{load, load_from, load_range, Fallback, IoMode, LoadOptions, LoadReport};
+pub use load::{load, load_fd, load_from, load_range, Fallback, IoMode, LoadOptions, LoadReport};
 pub use save::{save, SaveOptions, SaveReport};

@@ -247,6 +247,22 @@ pub fn load_from(path: impl AsRef<Path>, offset: u64, options: &LoadOptions) -> 
     load_impl(path.as_ref(), offset, None, options)
 }
 
+/// Loads from a file the caller has already opened (any flags: it is
+/// reopened through `/proc/self/fd`, so the caller's fd is never changed):
+/// `len` bytes from `offset`, or to the end when `len` is `None`. The same
+/// checks as a load by path apply (regular file or block device, changes
+/// during the load detected).
+pub fn load_fd(
+    fd: std::os::fd::BorrowedFd<'_>,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<(Buffer, LoadReport)> {
+    validate(Path::new("fd"), options)?;
+    let (source, path) = Source::from_fd(fd)?;
+    load_source(source, &path, offset, len, options)
+}
+
 fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
     let bad = |what: String| Err(Error::new(ErrorKind::InvalidInput, "load", path, what));
     if o.chunk_size == 0 || o.chunk_size > 1 << 30 {
@@ -612,10 +628,18 @@ fn load_impl(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     validate(path, options)?;
+    load_source(Source::open(path)?, path, offset, len, options)
+}
+
+fn load_source(
+    source: Source,
+    path: &Path,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<(Buffer, LoadReport)> {
     let started = Instant::now();
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-
-    let source = Source::open(path)?;
     let file = &source.file;
     let size = source.size;
     if offset > size {

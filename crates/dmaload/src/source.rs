@@ -13,9 +13,9 @@
 
 use std::fs::{File, Metadata, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::{sys, system};
@@ -134,7 +134,39 @@ impl Source {
     /// about the device). Files of pseudo-filesystems (procfs, sysfs, ...)
     /// are refused: their size is not their length.
     pub fn open(path: &Path) -> Result<Source> {
-        let mut file = open_for_reading(path)?;
+        Source::inspect(open_for_reading(path)?, path)
+    }
+
+    /// A source from a file the caller already opened. It is reopened
+    /// through `/proc/self/fd` (a description of its own, so setting
+    /// `O_DIRECT` never changes the caller's fd) and the reopened file must
+    /// be the same inode. Returns the source and the path it was opened at
+    /// (for messages and the report).
+    pub fn from_fd(fd: BorrowedFd<'_>) -> Result<(Source, PathBuf)> {
+        let proc_path = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+        let path = std::fs::read_link(&proc_path).unwrap_or_else(|_| proc_path.clone());
+        let given = File::from(fd.try_clone_to_owned().map_err(|e| Error::io("dup", &path, e))?);
+        let meta = given.metadata().map_err(|e| Error::io("fstat", &path, e))?;
+        check_type(&path, &meta)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(&proc_path)
+            .map_err(|e| Error::io("reopen", &proc_path, e))?;
+        let reopened = file.metadata().map_err(|e| Error::io("fstat", &path, e))?;
+        if (reopened.dev(), reopened.ino()) != (meta.dev(), meta.ino()) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "reopen",
+                &proc_path,
+                "reopening the fd through /proc/self/fd gave another file",
+            ));
+        }
+        sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", &path, e))?;
+        Ok((Source::inspect(file, &path)?, path))
+    }
+
+    fn inspect(mut file: File, path: &Path) -> Result<Source> {
         let meta = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
         if meta.file_type().is_block_device() {
             let size = file.seek(SeekFrom::End(0)).map_err(|e| Error::io("seek", path, e))?;

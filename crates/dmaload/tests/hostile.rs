@@ -6,6 +6,7 @@ mod common;
 use std::fs::OpenOptions;
 use std::io::{Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -327,4 +328,40 @@ fn cgroup_child_loads() {
     assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
     assert!(err.to_string().contains("memory cgroup"), "{err}");
     println!("CHILD-REFUSED");
+}
+
+#[test]
+fn a_load_from_an_open_fd_reads_that_file_and_leaves_the_fd_as_it_was() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f.bin");
+    write_pattern_file(&path, (3 << 20) + 77);
+    let file = std::fs::File::open(&path).unwrap();
+    // The path now names another file: the fd is what counts.
+    std::fs::rename(&path, dir.path().join("moved.bin")).unwrap();
+    std::fs::write(&path, b"another file").unwrap();
+    let flags = || {
+        std::fs::read_to_string(format!("/proc/self/fdinfo/{}", std::os::fd::AsRawFd::as_raw_fd(&file)))
+            .unwrap()
+            .lines()
+            .find(|l| l.starts_with("flags:"))
+            .unwrap()
+            .to_owned()
+    };
+    let before = flags();
+    let (buffer, report) =
+        dmaload::load_fd(std::os::fd::AsFd::as_fd(&file), 0, None, &LoadOptions::default()).unwrap();
+    assert_eq!(buffer.len(), (3 << 20) + 77);
+    assert_pattern(&buffer, 0);
+    assert_eq!(report.cache, dmaload::CachePolicy::Bypass);
+    assert_eq!(flags(), before, "the caller's fd flags changed (O_DIRECT leaked)");
+    let (range, _) =
+        dmaload::load_fd(std::os::fd::AsFd::as_fd(&file), 1000, Some(5000), &LoadOptions::default()).unwrap();
+    assert_pattern(&range, 1000);
+    // A FIFO's fd is refused by type, without reading.
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let reader = OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
+    let err =
+        dmaload::load_fd(std::os::fd::AsFd::as_fd(&reader), 0, None, &LoadOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("FIFO"), "{err}");
 }
