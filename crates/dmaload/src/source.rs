@@ -11,10 +11,10 @@
 //! change check at the end) uses that fd, so a file renamed over the path
 //! mid-load cannot give one file's length and another file's bytes.
 
-use std::fs::{File, Metadata, OpenOptions};
+use std::fs::{File, Metadata};
 use std::io::{self, Seek, SeekFrom};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, ErrorKind, Result};
@@ -67,11 +67,7 @@ fn check_type(path: &Path, meta: &Metadata) -> Result<()> {
 pub fn open_for_reading(path: &Path) -> Result<File> {
     let before = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
     check_type(path, &before)?;
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .map_err(|e| Error::io("open", path, e))?;
+    let file = sys::file::open_nonblocking(path).map_err(|e| Error::io("open", path, e))?;
     let opened = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
     check_type(path, &opened)?;
     sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", path, e))?;
@@ -148,11 +144,7 @@ impl Source {
         let given = File::from(fd.try_clone_to_owned().map_err(|e| Error::io("dup", &path, e))?);
         let meta = given.metadata().map_err(|e| Error::io("fstat", &path, e))?;
         check_type(&path, &meta)?;
-        let file = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(&proc_path)
-            .map_err(|e| Error::io("reopen", &proc_path, e))?;
+        let file = sys::file::open_nonblocking(&proc_path).map_err(|e| Error::io("reopen", &proc_path, e))?;
         let reopened = file.metadata().map_err(|e| Error::io("fstat", &path, e))?;
         if (reopened.dev(), reopened.ino()) != (meta.dev(), meta.ino()) {
             return Err(Error::new(

@@ -50,6 +50,14 @@ pub fn statx_dio_align(fd: BorrowedFd<'_>) -> io::Result<DioAlignQuery> {
     }))
 }
 
+/// Opens `path` read-only with `O_NONBLOCK | O_NOCTTY | O_CLOEXEC`: an open
+/// that never waits (a FIFO without a writer) and never makes a terminal
+/// the controlling one.
+pub fn open_nonblocking(path: &std::path::Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path)
+}
+
 /// Sets or clears `O_NONBLOCK` on an open file (`fcntl(F_SETFL)`).
 pub fn set_nonblocking(fd: BorrowedFd<'_>, nonblocking: bool) -> io::Result<()> {
     // SAFETY: F_GETFL/F_SETFL take no pointers.
