@@ -7,7 +7,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::heap::{self, Allocation, DmaBuf, MemoryKind};
-use crate::sys::mem::{page_size, Mapping};
+use crate::sys;
+use crate::sys::mem::{page_size, Mapping, Seals};
 
 /// A contiguous piece of a buffer that was populated and filled as one unit
 /// (one "gather" of the pipelined load).
@@ -57,14 +58,20 @@ impl Buffer {
     }
 
     /// The memfd holding the bytes, for passing to another process;
-    /// `None` for anonymous memory. A load seals it against writes
-    /// (`F_SEAL_FUTURE_WRITE`, with `F_SEAL_SHRINK | F_SEAL_GROW`): whoever
-    /// receives it can map it read-only, or privately (copy-on-write), but
-    /// cannot change the bytes this buffer dereferences to. (A udmabuf made
-    /// from it elsewhere lets devices write the pages, as `/proc/self/mem`
-    /// lets a debugger: outside what the seal can stop.)
+    /// `None` for anonymous memory. Before handing it out this seals it
+    /// against writes (`F_SEAL_FUTURE_WRITE`, Linux 5.1; a load already
+    /// sealed its size): whoever receives it can map it read-only, or
+    /// privately (copy-on-write), but cannot change the bytes this buffer
+    /// dereferences to. udmabuf refuses memfds with that seal (Linux
+    /// 6.12+), so export with [`Buffer::into_dmabuf`] before, not after,
+    /// handing the fd out. (A udmabuf made elsewhere from an unsealed copy
+    /// lets devices write the pages, as `/proc/self/mem` lets a debugger:
+    /// outside what a seal can stop.)
     pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
-        self.memfd.as_ref().map(|fd| fd.as_fd())
+        let fd = self.memfd.as_ref()?.as_fd();
+        // Kernels before 5.1 have no such seal (EINVAL): the size seals stay.
+        let _ = sys::mem::add_seals(fd, Seals::FUTURE_WRITE);
+        Some(fd)
     }
 
     /// Where the buffer's first byte sits in the memfd (non-zero when a
@@ -91,7 +98,7 @@ impl Buffer {
 
     /// The whole pages of the memfd around the buffer's bytes, for udmabuf.
     pub(crate) fn udmabuf_part(&self) -> Result<(BorrowedFd<'_>, u64, u64)> {
-        let Some(memfd) = self.memfd() else {
+        let Some(memfd) = self.memfd.as_ref().map(|fd| fd.as_fd()) else {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 "export",
@@ -99,6 +106,15 @@ impl Buffer {
                 "anonymous memory has no memfd to export: load with memory memfd",
             ));
         };
+        if sys::mem::seals(memfd).is_ok_and(|seals| seals.contains(Seals::FUTURE_WRITE)) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "export",
+                std::path::Path::new(heap::UDMABUF_DEVICE),
+                "the memfd was handed out (Buffer::memfd) and so sealed against writes, which \
+                 udmabuf refuses: export before sharing the fd",
+            ));
+        }
         let page = page_size();
         let start = self.data.start / page * page;
         let end = self.data.end.div_ceil(page) * page;

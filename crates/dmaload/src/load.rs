@@ -730,10 +730,9 @@ fn load_source(
     bytes[..data.start].fill(0);
     bytes[data.end..].fill(0);
     if let Some(memfd) = &alloc.memfd {
-        // Fix the size (udmabuf requires F_SEAL_SHRINK) and the bytes: the fd
-        // may be handed to other processes, which must not write what this
-        // buffer dereferences to.
-        sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW | Seals::FUTURE_WRITE)
+        // Fix the size: udmabuf requires F_SEAL_SHRINK. (Buffer::memfd adds
+        // F_SEAL_FUTURE_WRITE when the fd leaves: udmabuf refuses that seal.)
+        sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)
             .map_err(|e| Error::io("seal memfd", path, e))?;
     }
     let buffer = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges());

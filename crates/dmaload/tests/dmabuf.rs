@@ -129,4 +129,8 @@ fn a_loaded_memfd_is_sealed_against_writes_from_whoever_receives_it() {
     let err = dmaload::heap::SharedMapping::new(std::os::fd::AsFd::as_fd(&received), 4096).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
     assert_pattern(&buffer, 0);
+    // udmabuf refuses such a memfd: the export says why instead of EINVAL.
+    let (err, buffer) = *buffer.into_dmabuf().unwrap_err();
+    assert!(err.to_string().contains("export before sharing the fd"), "{err}");
+    assert_pattern(&buffer, 0);
 }

@@ -274,6 +274,19 @@ impl std::ops::BitOr for Seals {
     }
 }
 
+impl Seals {
+    /// Whether every seal of `other` is in `self`.
+    pub fn contains(self, other: Seals) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+/// The seals of a memfd (`fcntl(F_GET_SEALS)`).
+pub fn seals(fd: BorrowedFd<'_>) -> io::Result<Seals> {
+    // SAFETY: F_GET_SEALS takes no argument.
+    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) }).map(Seals)
+}
+
 /// Adds `seals` to a memfd created with sealing allowed.
 pub fn add_seals(fd: BorrowedFd<'_>, seals: Seals) -> io::Result<()> {
     // SAFETY: F_ADD_SEALS takes an integer argument, no pointers.
