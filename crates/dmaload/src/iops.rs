@@ -76,7 +76,8 @@ pub fn random_reads(path: impl AsRef<Path>, options: &RandomReadOptions) -> Resu
     let mut alloc =
         Allocation::new(MemoryKind::Memfd, bs * qd).map_err(|e| Error::io("allocate memory", path, e))?;
     let writer = alloc.mapping.writer();
-    crate::load::populate_range(writer, 0..bs * qd, 1).map_err(|e| Error::io("populate memory", path, e))?;
+    crate::pipeline::populate_range(writer, 0..bs * qd, 1)
+        .map_err(|e| Error::io("populate memory", path, e))?;
     let mut ring = Ring::new((qd as u32).next_power_of_two(), writer)
         .map_err(|e| Error::io("io_uring_setup", path, e))?;
     if options.registered {

@@ -18,8 +18,11 @@ pub mod format;
 pub mod heap;
 pub mod iops;
 pub mod load;
+mod options;
 pub mod pagecache;
+mod pipeline;
 mod plan;
+mod report;
 pub mod save;
 pub mod source;
 #[allow(unsafe_code)]

@@ -17,7 +17,10 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
+use crate::engine::CachePolicy;
 use crate::error::{Error, ErrorKind, Result};
+use crate::options::{Fallback, IoMode};
+use crate::sys::file::{statx_dio_align, DioAlignQuery};
 use crate::{sys, system};
 
 /// What a path names, in words for an error message.
@@ -219,5 +222,97 @@ impl Source {
                 before.size, now.size
             ),
         ))
+    }
+}
+
+/// How the load reads: the file to read from (O_DIRECT or not), the page
+/// cache policy and the offset alignment.
+pub(crate) struct ReadSetup {
+    pub file: File,
+    pub cache: CachePolicy,
+    pub align: usize,
+}
+
+/// Reads through the page cache, on the source's own open file.
+pub(crate) fn buffered(path: &Path, file: &File, cache: CachePolicy) -> Result<ReadSetup> {
+    let file = file.try_clone().map_err(|e| Error::io("dup", path, e))?;
+    // A retry after a rejected direct read: the flag is on the shared open file.
+    sys::file::set_direct(file.as_fd(), false).map_err(|e| Error::io("fcntl(O_DIRECT off)", path, e))?;
+    Ok(ReadSetup { file, cache, align: 1 })
+}
+
+/// Buffered reads that leave no page-cache residue: RWF_DONTCACHE where the
+/// filesystem has it, else fadvise per chunk.
+pub(crate) fn no_residue_policy(file: &File) -> CachePolicy {
+    if sys::file::supports_dontcache(file.as_fd()) {
+        CachePolicy::DontCache
+    } else {
+        CachePolicy::Fadvise
+    }
+}
+
+pub(crate) fn choose_read_setup(
+    path: &Path,
+    file: &File,
+    source: &Source,
+    mode: IoMode,
+    fallbacks: &mut Vec<Fallback>,
+) -> Result<ReadSetup> {
+    match mode {
+        IoMode::Buffered => return buffered(path, file, CachePolicy::Keep),
+        IoMode::DontCache => return buffered(path, file, no_residue_policy(file)),
+        IoMode::Auto | IoMode::Direct => {}
+    }
+    let refuse = |why: String| -> Result<ReadSetup> {
+        Err(Error::new(ErrorKind::DirectIoUnavailable, "open O_DIRECT", path, why))
+    };
+    if source.in_memory {
+        let why =
+            format!("{} keeps file data in the page cache, so direct I/O cannot bypass it", source.storage);
+        if mode == IoMode::Direct {
+            return refuse(why);
+        }
+        fallbacks.push(Fallback::new("direct", "buffered", why));
+        return buffered(path, file, CachePolicy::Keep);
+    }
+    let align = match statx_dio_align(file.as_fd()) {
+        Ok(DioAlignQuery::Supported(a)) => Some(a.offset.max(1) as usize),
+        Ok(DioAlignQuery::Unsupported) => None,
+        // Older kernels: the filesystem block size is a multiple of the
+        // device's logical block size, so it is a safe alignment.
+        Ok(DioAlignQuery::Unknown) | Err(_) => {
+            let blksize = file.metadata().map(|m| m.blksize() as usize).unwrap_or(4096);
+            Some(if blksize.is_power_of_two() && blksize >= 512 { blksize } else { 4096 })
+        }
+    };
+    let mut unsupported = || {
+        let why = format!(
+            "{} does not support O_DIRECT on this file (statx STATX_DIOALIGN / open EINVAL)",
+            source.storage
+        );
+        if mode == IoMode::Direct {
+            return refuse(why);
+        }
+        let setup = buffered(path, file, no_residue_policy(file))?;
+        fallbacks.push(Fallback::new("direct", cache_name(setup.cache), why));
+        Ok(setup)
+    };
+    let Some(align) = align else { return unsupported() };
+    // O_DIRECT on the file already opened and checked, never a second open
+    // by path: a file renamed over the path since cannot be read by mistake.
+    let direct = file.try_clone().map_err(|e| Error::io("dup", path, e))?;
+    match sys::file::set_direct(direct.as_fd(), true) {
+        Ok(()) => Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align }),
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => unsupported(),
+        Err(err) => Err(Error::io("fcntl(O_DIRECT)", path, err)),
+    }
+}
+
+pub(crate) fn cache_name(cache: CachePolicy) -> &'static str {
+    match cache {
+        CachePolicy::Bypass => "direct",
+        CachePolicy::Keep => "buffered",
+        CachePolicy::DontCache => "buffered (RWF_DONTCACHE)",
+        CachePolicy::Fadvise => "buffered (POSIX_FADV_DONTNEED per chunk)",
     }
 }

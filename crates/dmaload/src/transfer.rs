@@ -21,8 +21,10 @@ use crate::engine::write::WriteJob;
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
 use crate::heap::{self, CpuAccess, DmaBuf};
-use crate::load::{fill_mapping, Fallback, LoadOptions, ReadSetup, DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
+use crate::options::{Fallback, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
+use crate::pipeline::fill_mapping;
 use crate::plan::Plan;
+use crate::source::ReadSetup;
 use crate::sys;
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
 use crate::sys::mem::Mapping;
@@ -247,7 +249,7 @@ impl TransferBuffer {
             return Ok(());
         }
         let len = self.mapping.as_slice().len();
-        crate::load::populate_range(self.mapping.writer(), 0..len, threads)
+        crate::pipeline::populate_range(self.mapping.writer(), 0..len, threads)
             .map_err(|e| Error::io("populate memory", Path::new("memfd"), e))
     }
 

@@ -338,7 +338,7 @@ pub(crate) struct EngineRun {
     /// Time spent blocked waiting for gathers to be populated.
     pub waited_for_memory: Duration,
     /// Fallbacks the engine took while running (e.g. registration refused).
-    pub fallbacks: Vec<crate::load::Fallback>,
+    pub fallbacks: Vec<crate::options::Fallback>,
     /// The engine that actually did the work.
     pub engine: Engine,
 }
@@ -347,8 +347,8 @@ pub(crate) type EngineResult = Result<EngineRun>;
 
 /// The fallback taken when the kernel has no sparse registered-buffer
 /// table: io_uring with plain addresses.
-pub(crate) fn no_sparse_table(err: &io::Error) -> crate::load::Fallback {
-    crate::load::Fallback::new(
+pub(crate) fn no_sparse_table(err: &io::Error) -> crate::options::Fallback {
+    crate::options::Fallback::new(
         Engine::UringFixed.name(),
         Engine::Uring.name(),
         format!("cannot create a sparse registered-buffer table (Linux 5.19+): {err}"),

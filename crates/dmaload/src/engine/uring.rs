@@ -8,7 +8,7 @@ use std::io;
 
 use super::{Engine, EngineResult, EngineRun, Job};
 use crate::error::Error;
-use crate::load::Fallback;
+use crate::options::Fallback;
 use crate::plan::{ReadOutcome, Request};
 use crate::sys::uring::{Completion, Ring};
 

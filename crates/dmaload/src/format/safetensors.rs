@@ -29,7 +29,8 @@ use serde::Deserialize;
 
 use crate::buffer::Buffer;
 use crate::error::Error as IoError;
-use crate::load::{LoadOptions, LoadReport};
+use crate::options::LoadOptions;
+use crate::report::LoadReport;
 
 /// Largest header accepted, in bytes (the reference implementation's limit).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;

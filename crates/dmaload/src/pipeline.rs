@@ -1,0 +1,272 @@
+//! The pipeline of one fill: helper threads populate (and register) the
+//! destination gather by gather behind a [`Gate`], the engine reads the
+//! plan's chunks into what is ready, and a reporting thread passes
+//! progress on; see docs/architecture.md.
+
+use std::io;
+use std::ops::Range;
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::engine::{self, Engine, EngineRun, Gate, Job, Progress};
+use crate::error::{Error, Result};
+use crate::heap::Allocation;
+use crate::options::{Fallback, LoadOptions};
+use crate::plan::Plan;
+use crate::source::ReadSetup;
+use crate::sys;
+use crate::sys::mem::MappingWriter;
+use crate::sys::uring::{Registrar, Ring};
+
+/// Time spent on the helper thread: populating the buffer, and
+/// registering it with io_uring.
+#[derive(Debug, Default)]
+pub(crate) struct PopulateTimes {
+    pub all: Duration,
+    pub first: Duration,
+    pub register: Duration,
+}
+
+/// Allocates and maps the pages of `range` on `threads` threads, each
+/// taking an equal page-aligned share, with `MADV_POPULATE_WRITE` so the I/O
+/// never faults. No `fallocate` first: it has no mapping to take the
+/// `MADV_HUGEPAGE` hint from, so under `shmem_enabled=advise` it would
+/// allocate a memfd in 4 KiB pages.
+pub(crate) fn populate_range(dst: MappingWriter<'_>, range: Range<usize>, threads: usize) -> io::Result<()> {
+    let populate = |part: Range<usize>| dst.populate(part);
+    let page = sys::mem::page_size();
+    let share = range.len().div_ceil(threads.max(1)).div_ceil(page) * page;
+    if threads <= 1 || share >= range.len() {
+        return populate(range);
+    }
+    let parts: Vec<Range<usize>> =
+        range.clone().step_by(share).map(|start| start..(start + share).min(range.end)).collect();
+    std::thread::scope(|scope| {
+        // A part whose helper thread cannot be created is populated here.
+        let mut result = Ok(());
+        let mut helpers = Vec::new();
+        for part in &parts[1..] {
+            let helper = part.clone();
+            match std::thread::Builder::new()
+                .name("dmaload-populate".into())
+                .spawn_scoped(scope, move || populate(helper))
+            {
+                Ok(helper) => helpers.push(helper),
+                Err(_) => result = result.and(populate(part.clone())),
+            }
+        }
+        result = result.and(populate(parts[0].clone()));
+        for helper in helpers {
+            let joined =
+                helper.join().unwrap_or_else(|_| Err(io::Error::other("a populating thread panicked")));
+            result = result.and(joined);
+        }
+        result
+    })
+}
+
+/// Populates each gather in order, registers it with io_uring when a
+/// registrar is given, and opens the gate behind it.
+fn populate_gathers(
+    dst: MappingWriter<'_>,
+    mut registrar: Option<Registrar<'_>>,
+    plan: &Plan,
+    gate: &Gate,
+    threads: usize,
+) -> PopulateTimes {
+    let mut times = PopulateTimes::default();
+    for g in 0..plan.gather_count() {
+        if gate.is_cancelled() {
+            break;
+        }
+        let started = Instant::now();
+        let range = plan.gather_range(g);
+        if let Err(err) = populate_range(dst, range.clone(), threads) {
+            gate.fail(&err);
+            break;
+        }
+        let took = started.elapsed();
+        times.all += took;
+        if g == 0 {
+            times.first = took;
+        }
+        if let Some(reg) = &registrar {
+            let started = Instant::now();
+            match reg.register(g as u32, range) {
+                Ok(()) => gate.publish_registered(g + 1),
+                Err(err) => {
+                    gate.refuse_registration(engine::uring::register_refusal(&err));
+                    registrar = None;
+                }
+            }
+            times.register += started.elapsed();
+        }
+        gate.publish(g + 1);
+    }
+    times
+}
+
+/// An engine ready to run, chosen from the options and what the process
+/// may do.
+enum Prepared<'m> {
+    Uring(Box<Ring<'m>>),
+    Pool { threads: usize, engine: Engine },
+}
+
+/// Sets up the engine the options ask for: the ring and, for registered
+/// buffers, its sparse buffer table and a registrar for the populating
+/// thread. Falls back to the pread pool when io_uring is unavailable to this
+/// process, and to plain addresses when the table is.
+fn prepare_engine<'m>(
+    path: &Path,
+    plan: &Plan,
+    dst: MappingWriter<'m>,
+    options: &LoadOptions,
+    fallbacks: &mut Vec<Fallback>,
+) -> Result<(Prepared<'m>, Option<Registrar<'m>>)> {
+    let pool = |engine: Engine| Prepared::Pool {
+        threads: if engine == Engine::Read { 1 } else { options.threads },
+        engine,
+    };
+    if matches!(options.engine, Engine::PreadPool | Engine::Read) {
+        return Ok((pool(options.engine), None));
+    }
+    if plan.chunk_count() == 0 {
+        // Nothing to read (an empty file or range): no ring, no buffers to
+        // register, and no fallback to report.
+        return Ok((Prepared::Pool { threads: 1, engine: options.engine }, None));
+    }
+    let entries = (options.queue_depth as u32).next_power_of_two();
+    let mut ring = match Ring::new(entries, dst) {
+        Ok(ring) => ring,
+        Err(err) if engine::io_uring_unavailable(&err) => {
+            fallbacks.push(Fallback::new(
+                options.engine.name(),
+                Engine::PreadPool.name(),
+                engine::uring_unavailable_reason(&err),
+            ));
+            return Ok((pool(Engine::PreadPool), None));
+        }
+        Err(err) => return Err(Error::io("io_uring_setup", path, err)),
+    };
+    let registrar = if options.engine == Engine::UringFixed {
+        match ring.register_slots(plan.gather_count() as u32).and_then(|()| ring.registrar()) {
+            Ok(registrar) => Some(registrar),
+            Err(err) => {
+                fallbacks.push(engine::no_sparse_table(&err));
+                None
+            }
+        }
+    } else {
+        None
+    };
+    Ok((Prepared::Uring(Box::new(ring)), registrar))
+}
+
+/// What one successful fill produced.
+pub(crate) struct Filled {
+    pub alloc: Allocation,
+    pub run: EngineRun,
+    pub times: PopulateTimes,
+    pub engine_wall: Duration,
+}
+
+/// One attempt at filling a fresh allocation; the allocation is dropped
+/// (never returned) when it fails.
+pub(crate) fn fill(
+    path: &Path,
+    setup: &ReadSetup,
+    plan: &Plan,
+    len: u64,
+    options: &LoadOptions,
+) -> Result<Filled> {
+    let mut alloc = Allocation::new(options.memory, plan.mapping_len)
+        .map_err(|e| Error::io("allocate memory", path, e))?;
+    let started = Instant::now();
+    let (run, times) = fill_mapping(path, setup, plan, len, options, alloc.mapping.writer())?;
+    Ok(Filled { alloc, run, times, engine_wall: started.elapsed() })
+}
+
+/// Reads the plan's range into `dst` (at least `plan.mapping_len` bytes)
+/// with the options' engine, a helper thread populating (and registering)
+/// each gather ahead of the reads. On error the memory holds a partial
+/// read, which the caller must not hand out as loaded.
+pub(crate) fn fill_mapping(
+    path: &Path,
+    setup: &ReadSetup,
+    plan: &Plan,
+    len: u64,
+    options: &LoadOptions,
+    dst: MappingWriter<'_>,
+) -> Result<(EngineRun, PopulateTimes)> {
+    let gate = Gate::new(options.cancel.clone());
+    let progress = Progress::new(len, options.progress.as_deref());
+    let job = Job {
+        path,
+        file: setup.file.as_fd(),
+        plan,
+        cache: setup.cache,
+        gate: &gate,
+        progress: &progress,
+        queue_depth: options.queue_depth,
+    };
+    let mut fallbacks = Vec::new();
+    let (prepared, registrar) = match prepare_engine(path, plan, dst, options, &mut fallbacks) {
+        Ok((prepared, registrar)) => (Ok(prepared), registrar),
+        Err(err) => (Err(err), None),
+    };
+    let fixed = registrar.is_some();
+    // Taken by whichever thread populates (see below).
+    let registrar = std::sync::Mutex::new(registrar);
+    let (result, times) = std::thread::scope(|scope| {
+        let populate = || {
+            let registrar = registrar.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let populated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                populate_gathers(dst, registrar, plan, &gate, options.populate_threads)
+            }));
+            // A panic must still open the gate, or the engine would wait forever.
+            populated.inspect_err(|_| gate.fail(&io::Error::other("the populating thread panicked")))
+        };
+        let populator =
+            std::thread::Builder::new().name("dmaload-populate".into()).spawn_scoped(scope, populate);
+        // Without a thread of its own (RLIMIT_NPROC, cgroup pids.max) the
+        // memory is populated before the reads instead of beside them.
+        let (populator, populated_first) = match populator {
+            Ok(handle) => (Some(handle), None),
+            Err(err) => {
+                fallbacks.push(Fallback::new(
+                    "populate beside the reads",
+                    "populate before the reads",
+                    format!("cannot create a thread: {err}"),
+                ));
+                (None, Some(populate()))
+            }
+        };
+        let reporter = std::thread::Builder::new()
+            .name("dmaload-progress".into())
+            .spawn_scoped(scope, || progress.report());
+        let result = prepared.and_then(|prepared| match prepared {
+            Prepared::Uring(ring) => engine::uring::run(&job, *ring, fixed),
+            Prepared::Pool { threads, engine } => engine::pool::run(&job, dst, threads, engine),
+        });
+        if result.is_err() {
+            gate.cancel();
+        }
+        progress.finish();
+        // A panicking reporter only means a callback panicked: no bytes are at stake.
+        let _ = reporter.map(|r| r.join());
+        let populated = match populator {
+            Some(handle) => handle.join().unwrap_or_else(|_| Err(Box::new("populating thread panicked"))),
+            None => populated_first.unwrap_or_else(|| Err(Box::new("not populated"))),
+        };
+        let times = populated.unwrap_or_default();
+        (result, times)
+    });
+    let mut run = result?;
+    fallbacks.append(&mut run.fallbacks);
+    run.fallbacks = fallbacks;
+    debug_assert_eq!(progress.done(), len);
+    progress.report_complete();
+    Ok((run, times))
+}

@@ -1,0 +1,59 @@
+//! What a load did and how long each part took.
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::engine::{CachePolicy, Engine};
+use crate::heap::MemoryKind;
+use crate::options::Fallback;
+use crate::pagecache::Residency;
+
+/// What a load did and how long each part took.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadReport {
+    #[serde(serialize_with = "crate::error::serialize_path")]
+    pub path: PathBuf,
+    /// File offset of the first byte loaded.
+    pub offset: u64,
+    pub bytes: u64,
+    /// The engine that did the reading (after fallbacks).
+    pub engine: Engine,
+    /// How reads treated the page cache (after fallbacks): `bypass` is
+    /// direct I/O.
+    pub cache: CachePolicy,
+    pub memory: MemoryKind,
+    /// Whether the kernel's THP policy let the memory use 2 MiB pages (see
+    /// [`crate::system::huge_pages_allowed`]).
+    pub huge_pages: bool,
+    /// The filesystem the file is on ("ext4", "tmpfs", ...), or
+    /// "block-device".
+    pub filesystem: &'static str,
+    /// Offset alignment of the reads (1 for buffered I/O).
+    pub alignment: usize,
+    pub chunk_size: usize,
+    pub gather_size: usize,
+    pub queue_depth: usize,
+    pub fallbacks: Vec<Fallback>,
+    /// Populating (allocating and zeroing) all of the buffer's pages, on the
+    /// helper thread.
+    pub alloc_seconds: f64,
+    /// Registering (pinning) the buffer's gathers with io_uring, on the
+    /// helper thread, beside the I/O.
+    pub register_seconds: f64,
+    /// Populating the first gather: the part of allocation never hidden.
+    pub first_gather_seconds: f64,
+    /// Reading, from the first request to the last completion, less the time
+    /// the reads stalled waiting for memory.
+    pub io_seconds: f64,
+    /// Time the reads stalled waiting for a gather to be populated.
+    pub waited_for_memory_seconds: f64,
+    pub total_seconds: f64,
+    pub gib_per_second: f64,
+    /// CPU time of the whole process during the load (all threads, kernel
+    /// page zeroing included).
+    pub cpu_user_seconds: f64,
+    pub cpu_system_seconds: f64,
+    /// How much of the loaded range is in the page cache afterwards.
+    pub page_cache: Residency,
+}
