@@ -25,6 +25,7 @@ pub mod save;
 mod sys;
 pub mod system;
 pub mod transfer;
+pub mod vm;
 
 pub use buffer::{Buffer, Segment};
 pub use cancel::CancelToken;
