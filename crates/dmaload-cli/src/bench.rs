@@ -36,6 +36,8 @@ pub enum BenchCommand {
     Qd(crate::bench_qd::QdArgs),
     /// Save with each engine beside fio's sequential O_DIRECT write.
     Save(crate::bench_save::SaveBenchArgs),
+    /// Seed 002's test: random page binds of 1–64 GiB tables, binary search vs linear walk.
+    Bind(crate::bench_bind::BindArgs),
 }
 
 /// A method under test.
@@ -99,6 +101,7 @@ pub fn run(cmd: &BenchCommand) -> Result<(), String> {
         BenchCommand::Sizes(args) => crate::bench_sizes::run(args),
         BenchCommand::Qd(args) => crate::bench_qd::run(args),
         BenchCommand::Save(args) => crate::bench_save::run(args),
+        BenchCommand::Bind(args) => crate::bench_bind::run(args),
     }
 }
 

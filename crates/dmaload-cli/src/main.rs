@@ -1,6 +1,7 @@
 //! The `dmaload` command.
 
 mod bench;
+mod bench_bind;
 mod bench_matrix;
 mod bench_qd;
 mod bench_save;

@@ -29,6 +29,7 @@ pub mod source;
 mod sys;
 pub mod system;
 pub mod transfer;
+pub mod vm;
 
 pub use buffer::{Buffer, Segment};
 pub use cancel::CancelToken;

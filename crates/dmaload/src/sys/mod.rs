@@ -28,6 +28,7 @@ pub mod file;
 pub mod mem;
 pub mod process;
 pub mod uring;
+pub mod vm;
 
 use std::io;
 
