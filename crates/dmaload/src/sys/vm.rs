@@ -160,12 +160,11 @@ impl Reservation {
         let mut done = 0;
         while done < buf.len() {
             let local = libc::iovec { iov_base: buf[done..].as_mut_ptr().cast(), iov_len: buf.len() - done };
-            // SAFETY: `addr + done` stays inside the checked range.
-            let remote =
-                libc::iovec { iov_base: unsafe { addr.add(done) }.cast(), iov_len: buf.len() - done };
+            // Inside the checked range; only the kernel dereferences it.
+            let remote = libc::iovec { iov_base: addr.wrapping_add(done).cast(), iov_len: buf.len() - done };
             // SAFETY: `local` is a live exclusive buffer of iov_len bytes; the
             // kernel only reads `remote` and reports faults as EFAULT.
-            let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+            let n = unsafe { libc::process_vm_readv(this_process(), &local, 1, &remote, 1, 0) };
             done += fault_or_progress(n)?;
         }
         Ok(())
@@ -179,17 +178,21 @@ impl Reservation {
         while done < buf.len() {
             let local =
                 libc::iovec { iov_base: buf[done..].as_ptr().cast_mut().cast(), iov_len: buf.len() - done };
-            // SAFETY: `addr + done` stays inside the checked range.
-            let remote =
-                libc::iovec { iov_base: unsafe { addr.add(done) }.cast(), iov_len: buf.len() - done };
+            // Inside the checked range; only the kernel dereferences it.
+            let remote = libc::iovec { iov_base: addr.wrapping_add(done).cast(), iov_len: buf.len() - done };
             // SAFETY: the kernel only reads `local` (a live buffer of iov_len
             // bytes) and writes the shared pages at `remote`, which no Rust
             // reference views.
-            let n = unsafe { libc::process_vm_writev(libc::getpid(), &local, 1, &remote, 1, 0) };
+            let n = unsafe { libc::process_vm_writev(this_process(), &local, 1, &remote, 1, 0) };
             done += fault_or_progress(n)?;
         }
         Ok(())
     }
+}
+
+/// This process's PID, for the `process_vm_*` calls.
+fn this_process() -> libc::pid_t {
+    std::process::id() as libc::pid_t
 }
 
 /// A `process_vm_*` result: bytes moved, or the error; 0 bytes (the kernel
