@@ -35,11 +35,17 @@ create_exception!(
 ///
 /// The bytes are exported through the buffer protocol without copying.
 /// While any export (memoryview, numpy array, tensor) exists the buffer
-/// cannot be closed; once closed it exports nothing.
+/// cannot be closed; once closed it exports nothing. The memory itself is
+/// unmapped only when the object is deallocated: a consumer such as
+/// `torch.frombuffer` releases its export at once and keeps only a
+/// reference to the object, so `close()` cannot know that nothing reaches
+/// the bytes any more, but the last reference going away can.
 #[pyclass(module = "dmaload._dmaload", name = "Buffer", weakref)]
 pub struct Buffer {
-    /// Owns the mapping and the memfd; `None` once closed.
-    inner: Option<dmaload::Buffer>,
+    /// Owns the mapping and the memfd until the object is deallocated.
+    inner: dmaload::Buffer,
+    /// Set by `close()`: no new exports, no fd, length 0.
+    closed: bool,
     /// Address and length of the bytes, taken once when the buffer was
     /// created: Rust never forms a reference to the bytes afterwards, since
     /// Python may write through exports at any time.
@@ -56,7 +62,8 @@ impl Buffer {
         let bytes: &mut [u8] = &mut buffer;
         let (addr, len) = (bytes.as_mut_ptr() as usize, bytes.len());
         Buffer {
-            inner: Some(buffer),
+            inner: buffer,
+            closed: false,
             addr,
             len,
             exports: AtomicUsize::new(0),
@@ -67,17 +74,20 @@ impl Buffer {
     }
 
     fn open(&self) -> PyResult<&dmaload::Buffer> {
-        self.inner.as_ref().ok_or_else(|| PyValueError::new_err("operation on a closed Buffer"))
+        if self.closed {
+            return Err(PyValueError::new_err("operation on a closed Buffer"));
+        }
+        Ok(&self.inner)
     }
 }
 
 #[pymethods]
 impl Buffer {
     fn __len__(&self) -> usize {
-        if self.inner.is_some() {
-            self.len
-        } else {
+        if self.closed {
             0
+        } else {
+            self.len
         }
     }
 
@@ -90,7 +100,7 @@ impl Buffer {
         }
         let (addr, len) = {
             let this = slf.try_borrow()?;
-            if this.inner.is_none() {
+            if this.closed {
                 return Err(PyValueError::new_err("operation on a closed Buffer"));
             }
             this.exports.fetch_add(1, Ordering::AcqRel);
@@ -98,10 +108,9 @@ impl Buffer {
         };
         // SAFETY: `view` is non-null and CPython hands us a Py_buffer to
         // fill. `addr..addr + len` is the buffer's mapping, which stays
-        // mapped until `close()` or drop: `close()` refuses while `exports`
-        // is non-zero (incremented above, decremented in
-        // `__releasebuffer__`), and drop cannot happen while `view.obj`
-        // holds the strong reference stored here. The mapping is
+        // mapped until the object is deallocated (`close()` never unmaps),
+        // and deallocation cannot happen while `view.obj` holds the strong
+        // reference stored here, nor while any consumer keeps one. The mapping is
         // PROT_READ|PROT_WRITE, so handing out a writable buffer is sound;
         // Rust itself never reads or writes the bytes after `Buffer::new`.
         // `format`, `shape` and `strides` point at a static string and at
@@ -134,8 +143,12 @@ impl Buffer {
         self.exports.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Unmaps the memory and closes the memfd. Raises BufferError while
-    /// exports (memoryviews, arrays, tensors) exist, as `mmap.close()` does.
+    /// Closes the buffer: no new exports, no fd, length 0. Raises
+    /// BufferError while exports (memoryviews, arrays) exist, as
+    /// `mmap.close()` does. The memory is unmapped when the last reference
+    /// to the buffer goes away (at once after `del buf` when nothing else
+    /// holds it), never while a view made without an export
+    /// (`torch.frombuffer`) can still reach it.
     fn close(&mut self) -> PyResult<()> {
         let exports = self.exports.load(Ordering::Acquire);
         if exports > 0 {
@@ -143,14 +156,13 @@ impl Buffer {
                 "cannot close a Buffer with {exports} live export(s) (memoryviews, arrays or tensors)"
             )));
         }
-        self.inner = None;
-        self.addr = 0;
+        self.closed = true;
         Ok(())
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        self.inner.is_none()
+        self.closed
     }
 
     /// Number of live exports of the bytes.
@@ -249,7 +261,7 @@ impl Buffer {
     }
 
     fn __repr__(&self) -> String {
-        match &self.inner {
+        match (!self.closed).then_some(&self.inner) {
             Some(b) => format!(
                 "<dmaload.Buffer {} bytes of {} from {:?}, {} export(s)>",
                 self.len,
