@@ -237,7 +237,9 @@ impl Buffer {
             return Ok(report.clone_ref(py));
         }
         let class = py.import("dmaload._report")?.getattr("LoadReport")?;
-        let report = class.call_method1("from_json", (self.report_json.as_str(),))?.unbind();
+        // The path as Python names files (os.fsdecode), exact for any bytes.
+        let path = self.path.clone().into_os_string();
+        let report = class.call_method1("from_json", (self.report_json.as_str(), path))?.unbind();
         // Another thread may have won the race while the import ran: keep its object.
         Ok(self.report.get_or_init(|| report).clone_ref(py))
     }
@@ -309,6 +311,8 @@ fn format_error(err: &st::Error) -> PyErr {
 /// over the loads of one call, at most every 50 ms (and at the end).
 struct Progress {
     callback: Py<PyAny>,
+    /// Cancelled when the callback raises, so the load stops at once.
+    cancel: dmaload::CancelToken,
     total: u64,
     done: AtomicU64,
     last_call: Mutex<Instant>,
@@ -320,9 +324,10 @@ struct Progress {
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(50);
 
 impl Progress {
-    fn new(callback: Py<PyAny>, total: u64) -> Arc<Progress> {
+    fn new(callback: Py<PyAny>, total: u64, cancel: dmaload::CancelToken) -> Arc<Progress> {
         Arc::new(Progress {
             callback,
+            cancel,
             total,
             done: AtomicU64::new(0),
             last_call: Mutex::new(Instant::now() - PROGRESS_INTERVAL),
@@ -365,6 +370,7 @@ impl Progress {
             if let Err(err) = self.callback.call1(py, (done, self.total)) {
                 self.failed.store(true, Ordering::Release);
                 *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(err);
+                self.cancel.cancel();
             }
         });
     }
@@ -373,6 +379,84 @@ impl Progress {
     fn take_error(&self) -> Option<PyErr> {
         self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
+}
+
+/// How often a thread waiting for a load looks for a pending signal
+/// (Ctrl-C): the bound on how late `KeyboardInterrupt` is raised.
+const SIGNAL_POLL: Duration = Duration::from_millis(20);
+
+/// Runs `work` with the GIL released on a thread of its own while this
+/// thread checks for signals every [`SIGNAL_POLL`]: a pending one (Ctrl-C)
+/// cancels `cancel`, waits for `work` to stop, and is raised. A panic in
+/// `work` becomes a RuntimeError, never a PanicException (which `except
+/// Exception` does not catch). Where no thread can be created the work runs
+/// on this thread, with the GIL released but without signal checks.
+fn run_cancellable<T: Send>(
+    py: Python<'_>,
+    cancel: &dmaload::CancelToken,
+    work: impl FnOnce() -> T + Send,
+) -> PyResult<T> {
+    type Outcome<T> = std::thread::Result<T>;
+    // Taken by the load thread, or by this one if that cannot be created.
+    let slot = Mutex::new(Some(move || std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))));
+    let take = || slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Outcome<T>>(1);
+    let (result, interrupted) = std::thread::scope(|scope| {
+        let spawned = std::thread::Builder::new().name("dmaload-load".into()).spawn_scoped(scope, || {
+            if let Some(work) = take() {
+                let _ = tx.send(work());
+            }
+        });
+        if spawned.is_err() {
+            // The thread never started, so the work is still in the slot.
+            return match take() {
+                Some(work) => (py.detach(work), None),
+                None => (
+                    Err(Box::new("the load thread started and vanished") as Box<dyn std::any::Any + Send>),
+                    None,
+                ),
+            };
+        }
+        let mut interrupted = None;
+        let mut rx = rx;
+        loop {
+            // The receiver moves into the GIL-free closure and back (it is
+            // Send, not Sync).
+            let (received, back) = py.detach(move || (rx.recv_timeout(SIGNAL_POLL), rx));
+            rx = back;
+            match received {
+                Ok(result) => return (result, interrupted),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                // The thread ended without sending: only a panic in `send` could do that.
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    let lost: Box<dyn std::any::Any + Send> =
+                        Box::new("the load thread ended without a result");
+                    return (Err(lost), interrupted);
+                }
+            }
+            if interrupted.is_none() {
+                if let Err(err) = py.check_signals() {
+                    // Stop the load; keep waiting for it, so nothing it
+                    // touches outlives this call.
+                    cancel.cancel();
+                    interrupted = Some(err);
+                }
+            }
+        }
+    });
+    if let Some(err) = interrupted {
+        return Err(err);
+    }
+    result.map_err(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        pyo3::exceptions::PyRuntimeError::new_err(format!(
+            "internal error in dmaload (a bug: please report it): {what}"
+        ))
+    })
 }
 
 /// The keyword options every load accepts.
@@ -441,6 +525,8 @@ fn load(
 ) -> PyResult<Buffer> {
     let opts = Opts { engine, mode, memory, gather_size, chunk_size, queue_depth, threads };
     let mut options = opts.to_options()?;
+    let cancel = dmaload::CancelToken::new();
+    options.cancel = cancel.clone();
     let relay = match progress {
         Some(callback) => {
             let total = match length {
@@ -450,23 +536,17 @@ fn load(
                     .map_err(|e| os_error(&e))?
                     .saturating_sub(offset.unwrap_or(0)),
             };
-            let relay = Progress::new(callback, total);
+            let relay = Progress::new(callback, total, cancel.clone());
             options.progress = Some(relay.for_load());
             Some(relay)
         }
         None => None,
     };
-    let result = py.detach(|| match (offset, length) {
+    let result = run_cancellable(py, &cancel, || match (offset, length) {
         (None, None) => dmaload::load(&path, &options),
-        (offset, length) => {
-            let offset = offset.unwrap_or(0);
-            let length = match length {
-                Some(len) => len,
-                None => file_len(&path)?.saturating_sub(offset),
-            };
-            dmaload::load_range(&path, offset, length, &options)
-        }
-    });
+        (offset, None) => dmaload::load_from(&path, offset.unwrap_or(0), &options),
+        (offset, Some(length)) => dmaload::load_range(&path, offset.unwrap_or(0), length, &options),
+    })?;
     if let Some(relay) = &relay {
         if let Some(err) = relay.take_error() {
             return Err(err);
@@ -546,45 +626,60 @@ fn load_safetensors(
         .map_err(|e| os_error(&e))?;
     let total: u64 = sizes.iter().sum();
     if paths.len() > 1 {
-        let available = dmaload::system::memory_available().unwrap_or(u64::MAX);
-        if total > available {
-            return Err(PyOSError::new_err((
-                libc::ENOMEM,
-                format!(
-                    "load: {} files need {total} bytes of memory but only {available} are available \
-                     (MemAvailable in /proc/meminfo)",
-                    paths.len()
-                ),
-                paths[0].as_os_str().to_owned(),
-            )));
+        if let Ok(budget) = dmaload::system::memory_budget() {
+            if total > budget.available {
+                return Err(PyOSError::new_err((
+                    libc::ENOMEM,
+                    format!(
+                        "load: {} files need {total} bytes of memory but only {} are available ({})",
+                        paths.len(),
+                        budget.available,
+                        budget.limited_by
+                    ),
+                    paths[0].as_os_str().to_owned(),
+                )));
+            }
         }
     }
-    let relay = progress.map(|callback| Progress::new(callback, total));
+    // One token for every shard: a callback's exception or Ctrl-C stops them all.
+    let cancel = dmaload::CancelToken::new();
+    options.cancel = cancel.clone();
+    let relay = progress.map(|callback| Progress::new(callback, total, cancel.clone()));
     let results: Vec<Mutex<Option<Result<st::Loaded, st::Error>>>> =
         paths.iter().map(|_| Mutex::new(None)).collect();
-    py.detach(|| {
+    run_cancellable(py, &cancel, || {
         let next = AtomicUsize::new(0);
         let failed = AtomicBool::new(false);
-        std::thread::scope(|scope| {
-            for _ in 0..concurrency.min(paths.len()) {
-                scope.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::AcqRel);
-                    if i >= paths.len() || failed.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let mut options = options.clone();
-                    if let Some(relay) = &relay {
-                        options.progress = Some(relay.for_load());
-                    }
-                    let result = st::load(&paths[i], &options);
-                    if result.is_err() {
-                        failed.store(true, Ordering::Release);
-                    }
-                    *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
-                });
+        let worker = || loop {
+            let i = next.fetch_add(1, Ordering::AcqRel);
+            if i >= paths.len() || failed.load(Ordering::Acquire) {
+                break;
             }
+            let mut options = options.clone();
+            if let Some(relay) = &relay {
+                options.progress = Some(relay.for_load());
+            }
+            let result = st::load(&paths[i], &options);
+            if result.is_err() {
+                failed.store(true, Ordering::Release);
+            }
+            *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+        };
+        std::thread::scope(|scope| {
+            // This thread is one of the workers; others it cannot create
+            // (RLIMIT_NPROC) only mean fewer files at a time.
+            for _ in 1..concurrency.min(paths.len()) {
+                if std::thread::Builder::new()
+                    .name("dmaload-shard".into())
+                    .spawn_scoped(scope, worker)
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            worker();
         });
-    });
+    })?;
     options.progress = None;
     if let Some(relay) = &relay {
         if let Some(err) = relay.take_error() {

@@ -61,8 +61,13 @@ class LoadReport:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, text: str) -> LoadReport:
+    def from_json(cls, text: str, path: str | None = None) -> LoadReport:
+        """The report from the native JSON; ``path``, when given, replaces the
+        JSON's (which holds U+FFFD for bytes of a name that are not UTF-8) with
+        the ``os.fsdecode`` form that names the file exactly."""
         data = json.loads(text)
+        if path is not None:
+            data["path"] = path
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in known}
         kwargs["fallbacks"] = tuple(
