@@ -381,3 +381,34 @@ def test_read_header_only(numpy_file: Path) -> None:
     assert offsets == sorted(offsets)
     dtypes = dict(_dmaload.safetensors_dtypes())
     assert dtypes["BF16"] == 16 and dtypes["F4"] == 4 and len(dtypes) == 22
+
+
+def test_index_weight_maps_are_checked_against_the_files(tmp_path: Path) -> None:
+    _model(tmp_path, 2)
+    index = tmp_path / "model.safetensors.index.json"
+    good = json.loads(index.read_text())
+
+    def with_map(weight_map: dict[str, str]) -> Path:
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        return index
+
+    # A shard of the same name in another directory is not the shard.
+    (tmp_path / "sub").mkdir()
+    shard2 = "model-00002-of-00002.safetensors"
+    st_numpy.save_file({"other": np.zeros(2, np.float32)}, tmp_path / "sub" / shard2)
+    moved = dict(good["weight_map"])
+    moved.update({k: f"sub/{shard2}" for k, v in good["weight_map"].items() if v == shard2})
+    with pytest.raises(dmaload.SafetensorError, match="no such tensor"):
+        dst.load_file(with_map(moved))
+    # An empty weight map is an error, not an empty model.
+    with pytest.raises(dmaload.SafetensorError, match="empty weight_map"):
+        dst.load_file(with_map({}))
+    # A tensor in a shard that the map does not list.
+    partial = {k: v for k, v in good["weight_map"].items() if k != "layer1.v"}
+    with pytest.raises(dmaload.SafetensorError, match="does not list"):
+        dst.load_file(with_map(partial))
+    # A shard that does not exist.
+    missing = dict(good["weight_map"], **{"layer0.q": "model-00009-of-00002.safetensors"})
+    with pytest.raises(FileNotFoundError):
+        dst.load_file(with_map(missing))
+    assert set(dst.load_file(with_map(good["weight_map"]))) == set(good["weight_map"])

@@ -97,6 +97,8 @@ def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
             raise SafetensorError(f"{p}: index has no weight_map of tensor name -> file name")
+        if not weight_map:
+            raise SafetensorError(f"{p}: index has an empty weight_map: it names no tensor and no shard")
         files: list[Path] = []
         for name in dict.fromkeys(weight_map.values()):
             shard = Path(name)
@@ -313,10 +315,22 @@ class SafeOpen:
                     )
                 self._index[name] = f
         if weight_map is not None:
+            # shard_paths listed the shards in the order of their first
+            # mention in the weight map, and the files load in that order.
+            shard_of_file = dict(zip(dict.fromkeys(weight_map.values()), self._files))
             for name, shard in weight_map.items():
-                owner = self._index.get(name)
-                if owner is None or Path(owner.buffer.path).name != Path(shard).name:
-                    raise SafetensorError(f"index says tensor {name!r} is in {shard!r}, but it is not there")
+                if name not in shard_of_file[shard].tensors:
+                    owner = self._index.get(name)
+                    where = f"it is in {owner.buffer.path}" if owner else "no shard has it"
+                    raise SafetensorError(
+                        f"index says tensor {name!r} is in {shard!r}, but that file has no such tensor ({where})"
+                    )
+            unlisted = sorted(set(self._index) - set(weight_map))
+            if unlisted:
+                raise SafetensorError(
+                    f"tensor {unlisted[0]!r} is in {self._index[unlisted[0]].buffer.path} but the index's "
+                    f"weight_map does not list it ({len(unlisted)} such tensor(s))"
+                )
         self._closed = False
 
     def __enter__(self) -> SafeOpen:
