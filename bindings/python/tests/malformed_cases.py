@@ -64,12 +64,14 @@ CASES: list[tuple[str, bytes, str]] = [
     ("metadata_not_strings", file('{"__metadata__": {"a": 1}}'), "not valid JSON"),
     ("metadata_duplicate_key", file('{"__metadata__": {"a": "1", "a": "2"}}'), "duplicate name"),
     ("deep_nesting", file('{"a": ' + "[" * 5000 + "]" * 5000 + "}"), "not valid JSON"),
+    ("deep_nesting_in_skipped_field", file('{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": ' + "[" * 200 + "]" * 200 + "}}", b"\0"), "nested deeper"),  # fmt: skip
     ("many_dims_in_huge_list", file('{"a": {"dtype": "U8", "shape": [' + ",".join(["1"] * 20000) + '], "data_offsets": [0, 1]}}', b"\0"), "more than 64"),  # fmt: skip
 ]
 
 VALID: list[tuple[str, bytes]] = [
     ("valid_empty", file("{}")),
     ("valid_metadata_only", file('{"__metadata__": {"format": "pt"}}')),
+    ("valid_metadata_null", file('{"__metadata__": null}')),
     ("valid_two", tensors({"b": t("F32", [2], 2, 10), "a": t("BF16", [], 0, 2)}, b"\1" * 10)),
     ("valid_empty_tensors", tensors({"e": t("F64", [0, 4], 0, 0), "f": t("I8", [0], 0, 0)}, b"")),
     ("valid_f4", tensors({"q": t("F4", [2, 3], 0, 3)}, b"\x12\x34\x56")),
