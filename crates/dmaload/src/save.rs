@@ -414,7 +414,7 @@ fn choose_direct(
     path: &Path,
     file: &File,
     data: &[u8],
-    magic: i64,
+    magic: Option<i64>,
     mode: IoMode,
     fallbacks: &mut Vec<Fallback>,
 ) -> Result<Option<usize>> {
@@ -422,8 +422,10 @@ fn choose_direct(
     if data.is_empty() || matches!(mode, IoMode::Buffered | IoMode::DontCache) {
         return Ok(None);
     }
-    let why = if system::is_memory_filesystem(magic) {
-        format!("{} keeps file data in the page cache", system::filesystem_name(magic))
+    // `magic` is the filesystem holding the file; a block device has none.
+    let storage = magic.map_or("this block device", system::filesystem_name);
+    let why = if magic.is_some_and(system::is_memory_filesystem) {
+        format!("{storage} keeps file data in the page cache")
     } else {
         match statx_dio_align(file.as_fd()) {
             Ok(DioAlignQuery::Supported(a)) if data.as_ptr() as usize % a.memory.max(1) as usize != 0 => {
@@ -438,7 +440,7 @@ fn choose_direct(
                 Err(e) => format!("fcntl(O_DIRECT) refused: {e}"),
             },
             Ok(DioAlignQuery::Unsupported) => {
-                format!("{} does not support O_DIRECT on this file", system::filesystem_name(magic))
+                format!("{storage} does not support O_DIRECT on this file")
             }
             // Without STATX_DIOALIGN (Linux < 6.1) the memory alignment is
             // unknown: a page-aligned buffer and block-aligned offsets are safe.
@@ -538,7 +540,7 @@ fn write_body(
     target: &Path,
     file: &File,
     data: &[u8],
-    magic: i64,
+    magic: Option<i64>,
     options: &SaveOptions,
     fallbacks: &mut Vec<Fallback>,
 ) -> Result<Body> {
@@ -677,7 +679,7 @@ fn save_replacing(
     out.allocate_seconds = allocating.elapsed().as_secs_f64();
 
     let writing = Instant::now();
-    let mut body = write_body(&target, file, data, magic, options, &mut out.fallbacks)?;
+    let mut body = write_body(&target, file, data, Some(magic), options, &mut out.fallbacks)?;
     // fallocate past the end of a smaller write: the size is exact.
     file.set_len(len).map_err(|e| Error::io("ftruncate", &target, e))?;
     out.write_seconds = writing.elapsed().as_secs_f64();
@@ -753,9 +755,7 @@ fn save_in_place(
                 format!("{len} bytes do not fit on this block device of {size} bytes"),
             ));
         }
-        let magic =
-            sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", &target, e))?;
-        let mut body = write_body(&target, &file, data, magic, options, &mut out.fallbacks)?;
+        let mut body = write_body(&target, &file, data, None, options, &mut out.fallbacks)?;
         out.write_seconds = writing.elapsed().as_secs_f64();
         let syncing = Instant::now();
         if options.sync {
