@@ -356,6 +356,20 @@ fn resolve(path: &Path) -> Result<(PathBuf, Option<Metadata>)> {
     Err(Error::io("follow the symbolic links of", path, io::Error::from_raw_os_error(libc::ELOOP)))
 }
 
+/// The kernel's rule for a file not owned by the caller in directory
+/// `dir` at protection `level`: refused in a sticky directory others may
+/// write, unless the directory's owner owns the file (`may_follow_link`,
+/// `may_create_in_sticky` in fs/namei.c).
+fn sticky_refuses(meta: &Metadata, dir: &Metadata, level: u32) -> bool {
+    const STICKY: u32 = 0o1000;
+    const WORLD_WRITABLE: u32 = 0o002;
+    const GROUP_WRITABLE: u32 = 0o020;
+    // Level 2 extends the file rules (not the symlink one) to group-writable directories.
+    let others_write = dir.mode() & WORLD_WRITABLE != 0
+        || (level >= 2 && !meta.file_type().is_symlink() && dir.mode() & GROUP_WRITABLE != 0);
+    level > 0 && dir.mode() & STICKY != 0 && meta.uid() != dir.uid() && others_write
+}
+
 /// A `/proc/sys/fs` setting (0 where this kernel has none).
 fn fs_sysctl(name: &str) -> u32 {
     fs::read_to_string(Path::new("/proc/sys/fs").join(name))
@@ -387,12 +401,7 @@ fn check_sticky(path: &Path, meta: &Metadata) -> Result<()> {
     }
     let dir = parent_dir(path);
     let dir_meta = fs::metadata(dir).map_err(|e| Error::io("stat", dir, e))?;
-    const STICKY: u32 = 0o1000;
-    const WORLD_WRITABLE: u32 = 0o002;
-    const GROUP_WRITABLE: u32 = 0o020;
-    let others_write = dir_meta.mode() & WORLD_WRITABLE != 0
-        || (level >= 2 && !kind.is_symlink() && dir_meta.mode() & GROUP_WRITABLE != 0);
-    if dir_meta.mode() & STICKY == 0 || meta.uid() == dir_meta.uid() || !others_write {
+    if !sticky_refuses(meta, &dir_meta, level) {
         return Ok(());
     }
     Err(Error::new(
@@ -795,4 +804,41 @@ fn save_in_place(
     out.engine = Engine::Read;
     out.filesystem = type_name(meta);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sticky_rules_match_the_kernels() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        let link = dir.path().join("l");
+        fs::write(&file, b"x").unwrap();
+        std::os::unix::fs::symlink("f", &link).unwrap();
+        let meta = |p: &Path| fs::symlink_metadata(p).unwrap();
+        let set_mode = |mode| fs::set_permissions(dir.path(), fs::Permissions::from_mode(mode)).unwrap();
+        // Owned by the directory's owner: never refused.
+        set_mode(0o1777);
+        assert!(!sticky_refuses(&meta(&file), &meta(dir.path()), 2));
+        if sys::process::effective_uid() != 0 {
+            return eprintln!("SKIP sticky_rules_match_the_kernels: giving files away needs root");
+        }
+        std::os::unix::fs::lchown(&file, Some(65534), None).unwrap();
+        std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
+        for (mode, level, file_refused, link_refused) in [
+            (0o1777, 1, true, true),
+            (0o1777, 0, false, false),
+            (0o0777, 2, false, false),
+            (0o1775, 1, false, false),
+            (0o1775, 2, true, false),
+        ] {
+            set_mode(mode);
+            let d = meta(dir.path());
+            assert_eq!(sticky_refuses(&meta(&file), &d, level), file_refused, "{mode:o} {level}");
+            assert_eq!(sticky_refuses(&meta(&link), &d, level), link_refused, "{mode:o} {level}");
+        }
+        set_mode(0o700);
+    }
 }
