@@ -64,10 +64,27 @@ pub struct CopyCommand {
 pub fn save_text(r: &SaveReport) -> String {
     let cpu = r.cpu_user_seconds + r.cpu_system_seconds;
     let fallbacks: String = r.fallbacks.iter().map(|f| format!("fallback  {f}\n")).collect();
+    let mut notes = String::new();
+    if r.target != r.path {
+        notes += &format!("note      wrote {} (where the symbolic link leads)\n", r.target.display());
+    }
+    if r.in_place {
+        notes +=
+            &format!("note      written in place into the {} (no temporary file, no rename)\n", r.file_type);
+    }
+    if r.other_links > 0 {
+        notes += &format!(
+            "note      the replaced file had {} other hard link(s): they keep the old bytes\n",
+            r.other_links
+        );
+    }
+    for name in &r.removed_tmpfiles {
+        notes += &format!("note      removed {name}, left behind by a killed save\n");
+    }
     format!(
         "saved     {} ({} bytes) to {}{}\n\
          engine    {} | {} | {} | align {} | {} direct + {} buffered tail | tmpfile {}\n\
-         {fallbacks}\
+         {fallbacks}{notes}\
          time      total {:.3} s | fallocate {:.3} s | write {:.3} s | fsync + rename {:.3} s\n\
          speed     {:.2} GiB/s | CPU {:.3} s (user {:.3}, system {:.3})\n",
         human_bytes(r.bytes),
@@ -98,7 +115,27 @@ pub fn save_text(r: &SaveReport) -> String {
 
 pub fn save(cmd: &SaveCommand) -> Result<(), String> {
     let e = |err: dmaload::Error| err.to_string();
-    let mut buf = TransferBuffer::new(MemoryType::Memfd, cmd.size as usize).map_err(e)?;
+    // The generated buffer is all in memory: refuse a size that cannot fit.
+    let budget = dmaload::system::memory_budget()
+        .map_err(|err| dmaload::Error::io("read the available memory for", &cmd.dst, err))
+        .map_err(e)?;
+    if cmd.size > budget.available {
+        return Err(e(dmaload::Error::new(
+            dmaload::ErrorKind::OutOfMemory,
+            "save",
+            &cmd.dst,
+            format!(
+                "--size {} ({} bytes) needs that much memory, but only {} ({} bytes) is available ({})",
+                human_bytes(cmd.size),
+                cmd.size,
+                human_bytes(budget.available),
+                budget.available,
+                budget.limited_by
+            ),
+        )));
+    }
+    let size = usize::try_from(cmd.size).map_err(|_| format!("--size {} is too large", cmd.size))?;
+    let mut buf = TransferBuffer::new(MemoryType::Memfd, size).map_err(e)?;
     buf.with_bytes_mut(|b| benchkit::fill_pattern(b, 0)).map_err(e)?;
     let report =
         buf.with_bytes(|b| dmaload::save(b, &cmd.dst, &cmd.save.to_options())).map_err(e)?.map_err(e)?;
@@ -106,7 +143,7 @@ pub fn save(cmd: &SaveCommand) -> Result<(), String> {
         eprintln!("dmaload: fallback {fallback}");
     }
     if cmd.json {
-        println!("{}", serde_json::to_string(&report).expect("report serializes"));
+        println!("{}", serde_json::to_string(&report).map_err(|err| format!("report as JSON: {err}"))?);
     } else {
         print!("{}", save_text(&report));
     }
@@ -135,7 +172,7 @@ pub fn copy(cmd: &CopyCommand) -> Result<(), String> {
         println!(
             "{}",
             serde_json::to_string(&Out { load: &load, save: &save, total_seconds: total })
-                .expect("serializes")
+                .map_err(|err| format!("report as JSON: {err}"))?
         );
     } else {
         println!("== load ({})", cache_description(&load));

@@ -1,31 +1,71 @@
 //! `save`: write a buffer to a file, as fast as `load` reads one, without
 //! ever leaving a torn file under the target name.
 //!
-//! The bytes go to a temporary file in the target's directory (an unnamed
-//! `O_TMPFILE` where the filesystem has it, so a killed process leaves
-//! nothing behind): space is reserved with `fallocate` (a full filesystem
-//! fails before anything is written), the aligned part is written with
-//! O_DIRECT through io_uring registered buffers, the unaligned tail with a
-//! buffered write, the final size is set, the file is fsynced, renamed over
-//! the target and the directory fsynced. Until the rename the old file is
-//! untouched; after it, the new one is complete.
+//! What a save writes to depends on what the path names, looked at with
+//! `lstat` before anything is written:
+//!
+//! * **Symbolic links** are followed to their final target, a chain of them
+//!   too (at most 40, else ELOOP); a dangling link creates its target. The
+//!   links stay links. As the kernel does (`fs.protected_symlinks`), a link
+//!   in a sticky world-writable directory such as /tmp is only followed when
+//!   it belongs to the caller or to the directory's owner.
+//! * **A regular file, or nothing**: the bytes go to a temporary file in the
+//!   target's directory (an unnamed `O_TMPFILE` where the filesystem has it,
+//!   else `.NAME.dmaload-PID-NANOS.tmp`, the name shortened to fit 255
+//!   bytes): space is reserved with `fallocate` (a full filesystem fails
+//!   before anything is written), the aligned part is written with O_DIRECT
+//!   through io_uring registered buffers, the unaligned tail with a buffered
+//!   write, the final size is set, the file is fsynced, named, renamed over
+//!   the target and the directory fsynced. Until the rename the old file is
+//!   untouched; after it, the new one is complete. A replaced file keeps its
+//!   owner, group and permission bits (set-user-ID and set-group-ID
+//!   included); where the caller may not give the file to its old owner (not
+//!   root), the new file belongs to the caller and the report has a fallback
+//!   saying so. Other hard links of a replaced file keep the old bytes: the
+//!   rename gives the path a new inode (`other_links` counts them). Extended
+//!   attributes and ACLs of the old file are not carried over. RLIMIT_FSIZE
+//!   is checked first, so a save past it is an error, not a SIGXFSZ kill.
+//! * **A block device, character device or FIFO** is written in place: no
+//!   temporary file, no rename, never replaced by a regular file. It is
+//!   opened without `O_CREAT` or `O_TRUNC` and with `O_NONBLOCK`, so a FIFO
+//!   with no reader is an error at once instead of a hang. A block device
+//!   must be at least as large as the data and takes the same engines and
+//!   O_DIRECT as a file, then an fsync. A character device or FIFO takes
+//!   sequential `write(2)` calls from its current position (no offsets, no
+//!   O_DIRECT, no fsync); `/dev/null` makes a copy a read benchmark.
+//! * **A directory or socket** is an error naming the path and its type.
+//!
+//! In a sticky directory writable by others (/tmp), an existing regular file
+//! or FIFO that belongs neither to the caller nor to the directory's owner
+//! is refused, as the kernel refuses `open(O_CREAT)` of it
+//! (`fs.protected_regular`, `fs.protected_fifos`): a planted file cannot
+//! capture what root saves there.
+//!
+//! A save killed between naming its temporary file and the rename (a window
+//! of microseconds with `O_TMPFILE`, the whole save without it) leaves
+//! `.NAME.dmaload-PID-NANOS.tmp` behind. The next save into that directory
+//! removes every such file whose PID does not exist in its PID namespace
+//! and whose `flock` it can take: a running save holds an exclusive lock on
+//! its temporary file from creation, so a save from another PID namespace
+//! or host (NFS) is never touched. Removed names are in `removed_tmpfiles`.
 
-use std::fs::{self, File, OpenOptions};
-use std::io;
+use std::ffi::{OsStr, OsString};
+use std::fs::{self, File, Metadata, OpenOptions};
+use std::io::{self, Seek, SeekFrom, Write};
 use std::os::fd::AsFd;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime};
 
 use serde::Serialize;
 
-use crate::engine::write::WriteJob;
+use crate::engine::write::{WriteJob, WriteRun};
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Fallback, IoMode, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
 use crate::{sys, system};
-
 /// Options of [`save`]; `SaveOptions::default()` is what a user gets
 /// without flags.
 #[derive(Debug, Clone)]
@@ -66,7 +106,16 @@ impl Default for SaveOptions {
 /// What a save did and how long each part took.
 #[derive(Debug, Clone, Serialize)]
 pub struct SaveReport {
+    /// The path as given.
+    #[serde(serialize_with = "crate::error::serialize_path")]
     pub path: PathBuf,
+    /// The file written: `path` with its symbolic links followed.
+    #[serde(serialize_with = "crate::error::serialize_path")]
+    pub target: PathBuf,
+    /// "regular file", "block device", "character device" or "FIFO".
+    pub file_type: &'static str,
+    /// Written into an existing device or FIFO: no temporary file, no rename.
+    pub in_place: bool,
     pub bytes: u64,
     /// The engine that wrote the aligned part (after fallbacks).
     pub engine: Engine,
@@ -80,8 +129,12 @@ pub struct SaveReport {
     pub fallbacks: Vec<Fallback>,
     /// Whether the temporary file was an unnamed `O_TMPFILE`.
     pub anonymous_tmpfile: bool,
-    /// Whether a previous file was replaced.
+    /// Whether a previous regular file was replaced.
     pub replaced: bool,
+    /// Other names (hard links) of the replaced file: they keep the old bytes.
+    pub other_links: u64,
+    /// Temporary files of killed saves removed from the target's directory.
+    pub removed_tmpfiles: Vec<String>,
     /// Reserving space (`fallocate`).
     pub allocate_seconds: f64,
     /// Writing all bytes (aligned part and tail) and setting the size.
@@ -110,51 +163,258 @@ impl Drop for TmpFile {
     }
 }
 
-/// A name in `dir` that no other save (or file) is using right now.
-fn tmp_name(dir: &Path, target: &Path) -> PathBuf {
-    let base = target.file_name().map_or_else(|| "file".into(), |n| n.to_string_lossy().into_owned());
+/// The longest file name Linux filesystems take (NAME_MAX).
+const NAME_MAX: usize = 255;
+
+/// `.NAME.dmaload-PID-NANOS.tmp` in `dir`, a name no other save (or file)
+/// is using right now; NAME is cut short so the whole fits in NAME_MAX.
+fn tmp_name(dir: &Path, name: &OsStr) -> PathBuf {
     let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    dir.join(format!(".{base}.dmaload-{}-{nanos:09}.tmp", std::process::id()))
+    let suffix = format!(".dmaload-{}-{nanos:09}.tmp", std::process::id());
+    let bytes = name.as_bytes();
+    let mut keep = bytes.len().min(NAME_MAX - 1 - suffix.len());
+    // A UTF-8 name is cut at a character boundary, so the name stays UTF-8.
+    if let Ok(text) = std::str::from_utf8(bytes) {
+        while !text.is_char_boundary(keep) {
+            keep -= 1;
+        }
+    }
+    let mut tmp = OsString::from(".");
+    tmp.push(OsStr::from_bytes(&bytes[..keep]));
+    tmp.push(suffix);
+    dir.join(tmp)
+}
+
+/// `bytes` split around its last '-'.
+fn split_last_dash(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
+    let i = bytes.iter().rposition(|&c| c == b'-')?;
+    Some((&bytes[..i], &bytes[i + 1..]))
+}
+
+/// The PID in a name [`tmp_name`] made, or `None` for any other name.
+fn tmp_name_pid(name: &[u8]) -> Option<u32> {
+    let digits = |b: &[u8]| !b.is_empty() && b.iter().all(u8::is_ascii_digit);
+    let rest = name.strip_prefix(b".")?.strip_suffix(b".tmp")?;
+    let (rest, nanos) = split_last_dash(rest)?;
+    let (rest, pid) = split_last_dash(rest)?;
+    let base = rest.strip_suffix(b".dmaload")?;
+    if base.is_empty() || nanos.len() != 9 || !digits(nanos) || pid.len() > 10 || !digits(pid) {
+        return None;
+    }
+    std::str::from_utf8(pid).ok()?.parse().ok()
+}
+
+/// Removes temporary files that killed saves left in `dir` (see the module
+/// doc) and returns their names. Best effort: what cannot be read, opened,
+/// locked or removed is left alone, and never fails the save.
+fn remove_stale_tmpfiles(dir: &Path) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(dir) else { return Vec::new() };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        match tmp_name_pid(name.as_bytes()) {
+            Some(pid) if !sys::process::process_exists(pid) => {}
+            _ => continue,
+        }
+        let path = entry.path();
+        let Ok(file) = sys::file::open_nofollow(&path) else { continue };
+        let (Ok(opened), Ok(named)) = (file.metadata(), fs::symlink_metadata(&path)) else { continue };
+        // A live save (of another PID namespace or host) holds the lock.
+        let unlocked = sys::file::try_lock_exclusive(file.as_fd()).unwrap_or(false);
+        let same = (opened.dev(), opened.ino()) == (named.dev(), named.ino());
+        if unlocked && same && opened.file_type().is_file() && fs::remove_file(&path).is_ok() {
+            removed.push(name.to_string_lossy().into_owned());
+        }
+    }
+    removed
 }
 
 impl TmpFile {
     /// An unnamed O_TMPFILE in `dir` (Linux 3.11, most local filesystems),
-    /// else a named file created exclusively.
-    fn create(dir: &Path, target: &Path, mode: u32) -> Result<TmpFile> {
-        match OpenOptions::new().read(true).write(true).mode(mode).custom_flags(libc::O_TMPFILE).open(dir) {
-            Ok(file) => return Ok(TmpFile { file, name: None }),
-            // EOPNOTSUPP/EISDIR/EINVAL: this filesystem or kernel has no O_TMPFILE.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL)) => {}
+    /// else a named file created exclusively; either way locked (`flock`)
+    /// before it has a name, so no cleanup takes it for a killed save's.
+    fn create(dir: &Path, name: &OsStr, mode: u32) -> Result<TmpFile> {
+        let tmp = match sys::file::open_tmpfile(dir, mode) {
+            Ok(file) => TmpFile { file, name: None },
+            Err(e) if sys::file::tmpfile_unsupported(&e) => {
+                let name = tmp_name(dir, name);
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .mode(mode)
+                    .open(&name)
+                    .map_err(|e| Error::io("create", &name, e))?;
+                TmpFile { file, name: Some(name) }
+            }
             Err(e) => return Err(Error::io("create temporary file in", dir, e)),
-        }
-        let name = tmp_name(dir, target);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(&name)
-            .map_err(|e| Error::io("create", &name, e))?;
-        Ok(TmpFile { file, name: Some(name) })
+        };
+        // Where locks are unsupported (ENOLCK) no cleanup can take one either.
+        let _ = sys::file::try_lock_exclusive(tmp.file.as_fd());
+        Ok(tmp)
     }
 
-    /// Puts the file in place of `target` atomically.
+    /// Puts the file in place of `target` atomically, unless something
+    /// other than a regular file has appeared there since the save began.
     fn commit(mut self, dir: &Path, target: &Path) -> Result<()> {
-        let name = match self.name.take() {
-            Some(name) => name,
-            None => {
-                // linkat cannot replace a file: name it first, then rename.
-                let name = tmp_name(dir, target);
-                sys::file::link_tmpfile(self.file.as_fd(), &name).map_err(|e| Error::io("link", &name, e))?;
-                name
-            }
-        };
-        if let Err(e) = fs::rename(&name, target) {
-            let _ = fs::remove_file(&name);
-            return Err(Error::io("rename", target, e));
+        if self.name.is_none() {
+            // linkat cannot replace a file: name it first, then rename.
+            let name = tmp_name(dir, target.file_name().unwrap_or(OsStr::new("file")));
+            sys::file::link_tmpfile(self.file.as_fd(), &name).map_err(|e| Error::io("link", &name, e))?;
+            self.name = Some(name);
         }
+        match fs::symlink_metadata(target) {
+            Ok(meta) if !meta.file_type().is_file() => {
+                return Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    "rename",
+                    target,
+                    format!("{} appeared there during the save and is left alone", type_name(&meta)),
+                ))
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("stat", target, e)),
+        }
+        if let Some(name) = &self.name {
+            fs::rename(name, target).map_err(|e| Error::io("rename", target, e))?;
+        }
+        self.name = None;
         Ok(())
     }
+}
+
+/// A file type in words, for messages and the report.
+fn type_name(meta: &Metadata) -> &'static str {
+    let kind = meta.file_type();
+    if kind.is_file() {
+        "regular file"
+    } else if kind.is_dir() {
+        "directory"
+    } else if kind.is_symlink() {
+        "symbolic link"
+    } else if kind.is_block_device() {
+        "block device"
+    } else if kind.is_char_device() {
+        "character device"
+    } else if kind.is_fifo() {
+        "FIFO"
+    } else if kind.is_socket() {
+        "socket"
+    } else {
+        "file of unknown type"
+    }
+}
+
+/// The directory a path is in ("." for a bare name).
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+/// How many symbolic links a path may go through, as the kernel allows.
+const MAX_SYMLINKS: usize = 40;
+
+/// Follows the symbolic links `path` ends in: the final path and what is
+/// there (`None`: nothing yet).
+fn resolve(path: &Path) -> Result<(PathBuf, Option<Metadata>)> {
+    let mut current = path.to_owned();
+    for _ in 0..=MAX_SYMLINKS {
+        let bytes = current.as_os_str().as_bytes();
+        let names_a_directory =
+            current.file_name().is_none() || bytes.ends_with(b"/") || bytes.ends_with(b"/.") || bytes == b".";
+        let meta = match fs::symlink_metadata(&current) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !names_a_directory => {
+                return Ok((current, None))
+            }
+            Err(e) => return Err(Error::io("stat", &current, e)),
+        };
+        let kind = meta.file_type();
+        if kind.is_symlink() {
+            check_sticky(&current, &meta)?;
+            let link = fs::read_link(&current).map_err(|e| Error::io("readlink", &current, e))?;
+            current = match current.parent() {
+                Some(dir) if !dir.as_os_str().is_empty() => dir.join(link),
+                _ => link,
+            };
+        } else if kind.is_dir() {
+            return Err(Error::io("save to", &current, io::Error::from_raw_os_error(libc::EISDIR)));
+        } else if kind.is_file() || kind.is_block_device() || kind.is_char_device() || kind.is_fifo() {
+            return Ok((current, Some(meta)));
+        } else {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "save to",
+                &current,
+                format!("a {} cannot be saved to: dmaload writes files, devices and FIFOs", type_name(&meta)),
+            ));
+        }
+    }
+    Err(Error::io("follow the symbolic links of", path, io::Error::from_raw_os_error(libc::ELOOP)))
+}
+
+/// The kernel's rule for a file not owned by the caller in directory
+/// `dir` at protection `level`: refused in a sticky directory others may
+/// write, unless the directory's owner owns the file (`may_follow_link`,
+/// `may_create_in_sticky` in fs/namei.c).
+fn sticky_refuses(meta: &Metadata, dir: &Metadata, level: u32) -> bool {
+    const STICKY: u32 = 0o1000;
+    const WORLD_WRITABLE: u32 = 0o002;
+    const GROUP_WRITABLE: u32 = 0o020;
+    // Level 2 extends the file rules (not the symlink one) to group-writable directories.
+    let others_write = dir.mode() & WORLD_WRITABLE != 0
+        || (level >= 2 && !meta.file_type().is_symlink() && dir.mode() & GROUP_WRITABLE != 0);
+    level > 0 && dir.mode() & STICKY != 0 && meta.uid() != dir.uid() && others_write
+}
+
+/// A `/proc/sys/fs` setting (0 where this kernel has none).
+fn fs_sysctl(name: &str) -> u32 {
+    fs::read_to_string(Path::new("/proc/sys/fs").join(name))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Refuses what the kernel refuses in a sticky directory that others may
+/// write (/tmp): following a symlink (`fs.protected_symlinks`), or opening
+/// with `O_CREAT` an existing regular file (`fs.protected_regular`) or FIFO
+/// (`fs.protected_fifos`) owned by neither the caller nor the directory's
+/// owner. Saving follows links and replaces files itself, so it checks the
+/// same rules itself.
+fn check_sticky(path: &Path, meta: &Metadata) -> Result<()> {
+    let kind = meta.file_type();
+    let setting = if kind.is_symlink() {
+        "protected_symlinks"
+    } else if kind.is_file() {
+        "protected_regular"
+    } else if kind.is_fifo() {
+        "protected_fifos"
+    } else {
+        return Ok(());
+    };
+    let level = fs_sysctl(setting);
+    if level == 0 || meta.uid() == sys::process::effective_uid() {
+        return Ok(());
+    }
+    let dir = parent_dir(path);
+    let dir_meta = fs::metadata(dir).map_err(|e| Error::io("stat", dir, e))?;
+    if !sticky_refuses(meta, &dir_meta, level) {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::InvalidInput,
+        "save to",
+        path,
+        format!(
+            "refused: this {} in a sticky directory others can write belongs to uid {}, neither you nor \
+             the directory's owner (fs.{setting} = {level})",
+            type_name(meta),
+            meta.uid()
+        ),
+    ))
 }
 
 /// How the aligned part is written: O_DIRECT with this offset alignment,
@@ -163,7 +423,7 @@ fn choose_direct(
     path: &Path,
     file: &File,
     data: &[u8],
-    magic: i64,
+    magic: Option<i64>,
     mode: IoMode,
     fallbacks: &mut Vec<Fallback>,
 ) -> Result<Option<usize>> {
@@ -171,8 +431,10 @@ fn choose_direct(
     if data.is_empty() || matches!(mode, IoMode::Buffered | IoMode::DontCache) {
         return Ok(None);
     }
-    let why = if system::is_memory_filesystem(magic) {
-        format!("{} keeps file data in the page cache", system::filesystem_name(magic))
+    // `magic` is the filesystem holding the file; a block device has none.
+    let storage = magic.map_or("this block device", system::filesystem_name);
+    let why = if magic.is_some_and(system::is_memory_filesystem) {
+        format!("{storage} keeps file data in the page cache")
     } else {
         match statx_dio_align(file.as_fd()) {
             Ok(DioAlignQuery::Supported(a)) if data.as_ptr() as usize % a.memory.max(1) as usize != 0 => {
@@ -187,7 +449,7 @@ fn choose_direct(
                 Err(e) => format!("fcntl(O_DIRECT) refused: {e}"),
             },
             Ok(DioAlignQuery::Unsupported) => {
-                format!("{} does not support O_DIRECT on this file", system::filesystem_name(magic))
+                format!("{storage} does not support O_DIRECT on this file")
             }
             // Without STATX_DIOALIGN (Linux < 6.1) the memory alignment is
             // unknown: a page-aligned buffer and block-aligned offsets are safe.
@@ -221,57 +483,81 @@ fn validate(path: &Path, o: &SaveOptions) -> Result<()> {
     Ok(())
 }
 
-/// Writes `data` to `path`, replacing any file there atomically (see the
-/// module doc). A failed save leaves the previous file as it was and no
-/// temporary file behind; the error names the target path.
+/// Writes `data` to `path`: replaces a regular file atomically, writes a
+/// device or FIFO in place, follows symbolic links (see the module doc). A
+/// failed save leaves a previous regular file as it was and no temporary
+/// file behind; the error names the file and the cause.
 pub fn save(data: &[u8], path: impl AsRef<Path>, options: &SaveOptions) -> Result<SaveReport> {
     let path = path.as_ref();
     validate(path, options)?;
     let started = Instant::now();
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
-        _ => PathBuf::from("."),
+    let (target, existing) = resolve(path)?;
+    let mut report = match existing {
+        Some(meta) if !meta.file_type().is_file() => save_in_place(data, path, target, &meta, options)?,
+        previous => save_replacing(data, path, target, previous, options)?,
     };
-    let previous = match fs::metadata(path) {
-        Ok(meta) if meta.is_dir() => {
-            return Err(Error::io("save", path, io::Error::from_raw_os_error(libc::EISDIR)))
-        }
-        Ok(meta) => Some(meta),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
-        Err(e) => return Err(Error::io("stat", path, e)),
-    };
-    // A replaced file keeps its permission bits; a new one gets 0666 & ~umask.
-    let mode = previous.as_ref().map_or(0o666, |m| m.permissions().mode() & 0o7777);
-    let tmp = TmpFile::create(&dir, path, mode)?;
-    if previous.is_some() {
-        // O_TMPFILE's mode passes through the umask: restore the old bits.
-        tmp.file
-            .set_permissions(fs::Permissions::from_mode(mode))
-            .map_err(|e| Error::io("fchmod", path, e))?;
-    }
-    let file = &tmp.file;
-    let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", path, e))?;
-    let mut fallbacks = Vec::new();
-    let len = data.len() as u64;
+    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let total = started.elapsed().as_secs_f64();
+    report.total_seconds = total;
+    report.gib_per_second = data.len() as f64 / (1u64 << 30) as f64 / total.max(1e-9);
+    report.cpu_user_seconds = cpu_after.0.saturating_sub(cpu_before.0).as_secs_f64();
+    report.cpu_system_seconds = cpu_after.1.saturating_sub(cpu_before.1).as_secs_f64();
+    Ok(report)
+}
 
-    let allocating = Instant::now();
-    if len > 0 {
-        match sys::mem::allocate(file.as_fd(), 0, len) {
-            Ok(()) => {}
-            // Not every filesystem can preallocate; the writes still report ENOSPC.
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
-            Err(e) => return Err(Error::io("allocate space for", path, e)),
-        }
+/// A report with the facts every save has; the rest is filled in by the
+/// kind of save.
+fn report(path: &Path, target: PathBuf, file_type: &'static str, len: u64, engine: Engine) -> SaveReport {
+    SaveReport {
+        path: path.to_owned(),
+        target,
+        file_type,
+        in_place: false,
+        bytes: len,
+        engine,
+        cache: CachePolicy::Keep,
+        filesystem: "",
+        alignment: 1,
+        direct_bytes: 0,
+        fallbacks: Vec::new(),
+        anonymous_tmpfile: false,
+        replaced: false,
+        other_links: 0,
+        removed_tmpfiles: Vec::new(),
+        allocate_seconds: 0.0,
+        write_seconds: 0.0,
+        sync_seconds: 0.0,
+        total_seconds: 0.0,
+        gib_per_second: 0.0,
+        cpu_user_seconds: 0.0,
+        cpu_system_seconds: 0.0,
     }
-    let allocate_seconds = allocating.elapsed().as_secs_f64();
+}
 
-    let writing = Instant::now();
-    let mut direct = choose_direct(path, file, data, magic, options.mode, &mut fallbacks)?;
+/// What [`write_body`] did: the engine run, and the O_DIRECT alignment used.
+struct Body {
+    run: WriteRun,
+    direct: Option<usize>,
+    direct_bytes: u64,
+}
+
+/// Writes all of `data` at offset 0 of `file` (a regular file or a block
+/// device): the aligned part with the engine, O_DIRECT where possible, the
+/// unaligned tail buffered.
+fn write_body(
+    target: &Path,
+    file: &File,
+    data: &[u8],
+    magic: Option<i64>,
+    options: &SaveOptions,
+    fallbacks: &mut Vec<Fallback>,
+) -> Result<Body> {
+    let mut direct = choose_direct(target, file, data, magic, options.mode, fallbacks)?;
     // Requests are whole multiples of the alignment, so each direct write is aligned.
     let write = |part: &[u8], align: usize| {
         WriteJob {
-            path,
+            path: target,
             file,
             src: part,
             file_offset: 0,
@@ -282,14 +568,14 @@ pub fn save(data: &[u8], path: impl AsRef<Path>, options: &SaveOptions) -> Resul
         .run(options.engine)
     };
     let aligned = direct.map_or(data.len(), |a| data.len() / a * a);
-    let mut run = match write(&data[..aligned], direct.unwrap_or(1)) {
+    let run = match write(&data[..aligned], direct.unwrap_or(1)) {
         // Some devices reject the alignment statx reported: retry buffered once.
         Err(err)
             if direct.is_some()
                 && options.mode == IoMode::Auto
                 && err.raw_os_error() == Some(libc::EINVAL) =>
         {
-            sys::file::set_direct(file.as_fd(), false).map_err(|e| Error::io("fcntl", path, e))?;
+            sys::file::set_direct(file.as_fd(), false).map_err(|e| Error::io("fcntl", target, e))?;
             fallbacks.push(Fallback::new("direct", "buffered", format!("O_DIRECT write rejected: {err}")));
             direct = None;
             write(data, 1)?
@@ -299,54 +585,260 @@ pub fn save(data: &[u8], path: impl AsRef<Path>, options: &SaveOptions) -> Resul
     let direct_bytes = if direct.is_some() { aligned as u64 } else { 0 };
     if direct.is_some() && aligned < data.len() {
         // The unaligned tail cannot go direct: write it through the page cache.
-        sys::file::set_direct(file.as_fd(), false).map_err(|e| Error::io("fcntl", path, e))?;
+        sys::file::set_direct(file.as_fd(), false).map_err(|e| Error::io("fcntl", target, e))?;
         use std::os::unix::fs::FileExt;
         file.write_all_at(&data[aligned..], aligned as u64)
-            .map_err(|e| Error::io("write", path, e).at(aligned as u64))?;
+            .map_err(|e| Error::io("write", target, e).at(aligned as u64))?;
     }
-    // fallocate past the end of a smaller write, or an old tmp name: the size is exact.
-    file.set_len(len).map_err(|e| Error::io("ftruncate", path, e))?;
-    let write_seconds = writing.elapsed().as_secs_f64();
+    Ok(Body { run, direct, direct_bytes })
+}
+
+fn cache_policy(direct: Option<usize>, mode: IoMode) -> CachePolicy {
+    match (direct, mode) {
+        (Some(_), _) => CachePolicy::Bypass,
+        (None, IoMode::DontCache) => CachePolicy::Fadvise,
+        (None, _) => CachePolicy::Keep,
+    }
+}
+
+/// Gives the temporary file the replaced file's owner, group and
+/// permission bits. Changing the owner needs CAP_CHOWN: without it the
+/// group is kept where the caller belongs to it, and a fallback says who
+/// owns the new file.
+fn keep_owner_and_mode(
+    file: &File,
+    target: &Path,
+    old: &Metadata,
+    mode: u32,
+    fallbacks: &mut Vec<Fallback>,
+) -> Result<()> {
+    let now = file.metadata().map_err(|e| Error::io("fstat", target, e))?;
+    if (now.uid(), now.gid()) != (old.uid(), old.gid()) {
+        if let Err(err) = std::os::unix::fs::fchown(file, Some(old.uid()), Some(old.gid())) {
+            let group_kept = std::os::unix::fs::fchown(file, None, Some(old.gid())).is_ok();
+            fallbacks.push(Fallback::new(
+                "keep the owner",
+                "owned by the saver",
+                format!(
+                    "the replaced file belonged to uid {} gid {}; changing the owner was refused ({err}), \
+                     so the new file belongs to uid {}{}",
+                    old.uid(),
+                    old.gid(),
+                    now.uid(),
+                    if group_kept {
+                        format!(" and keeps gid {}", old.gid())
+                    } else {
+                        format!(" gid {}", now.gid())
+                    }
+                ),
+            ));
+        }
+    }
+    // After the chown, which clears the set-user-ID and set-group-ID bits;
+    // O_TMPFILE's mode also passed through the umask.
+    file.set_permissions(fs::Permissions::from_mode(mode)).map_err(|e| Error::io("fchmod", target, e))
+}
+
+/// Saves to a regular file (or a new one) through a temporary file and a
+/// rename; see the module doc.
+fn save_replacing(
+    data: &[u8],
+    path: &Path,
+    target: PathBuf,
+    previous: Option<Metadata>,
+    options: &SaveOptions,
+) -> Result<SaveReport> {
+    let len = data.len() as u64;
+    if let Some(meta) = &previous {
+        check_sticky(&target, meta)?;
+    }
+    // Writing past RLIMIT_FSIZE would kill the process with SIGXFSZ.
+    if let Some(limit) = sys::process::file_size_limit().ok().flatten().filter(|&l| l < len) {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "save",
+            &target,
+            format!("{len} bytes is past RLIMIT_FSIZE ({limit} bytes): raise it (ulimit -f)"),
+        ));
+    }
+    let dir = parent_dir(&target).to_owned();
+    let name = target.file_name().unwrap_or(OsStr::new("file")).to_owned();
+    let mut out = report(path, target.clone(), "regular file", len, options.engine);
+    out.removed_tmpfiles = remove_stale_tmpfiles(&dir);
+    // A replaced file keeps its permission bits; a new one gets 0666 & ~umask.
+    let mode = previous.as_ref().map_or(0o666, |m| m.mode() & 0o7777);
+    let tmp = TmpFile::create(&dir, &name, mode)?;
+    if let Some(meta) = &previous {
+        keep_owner_and_mode(&tmp.file, &target, meta, mode, &mut out.fallbacks)?;
+        out.replaced = true;
+        out.other_links = meta.nlink().saturating_sub(1);
+    }
+    let file = &tmp.file;
+    let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", &target, e))?;
+
+    let allocating = Instant::now();
+    if len > 0 {
+        match sys::mem::allocate(file.as_fd(), 0, len) {
+            Ok(()) => {}
+            // Not every filesystem can preallocate; the writes still report ENOSPC.
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+            Err(e) => return Err(Error::io("allocate space for", &target, e)),
+        }
+    }
+    out.allocate_seconds = allocating.elapsed().as_secs_f64();
+
+    let writing = Instant::now();
+    let mut body = write_body(&target, file, data, Some(magic), options, &mut out.fallbacks)?;
+    // fallocate past the end of a smaller write: the size is exact.
+    file.set_len(len).map_err(|e| Error::io("ftruncate", &target, e))?;
+    out.write_seconds = writing.elapsed().as_secs_f64();
 
     let syncing = Instant::now();
     if options.sync {
-        file.sync_all().map_err(|e| Error::io("fsync", path, e))?;
+        file.sync_all().map_err(|e| Error::io("fsync", &target, e))?;
     }
     if options.mode == IoMode::DontCache {
         // Advice only: failing leaves the pages cached, the data is written.
         let _ = sys::file::fadvise(file.as_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
     }
-    let anonymous_tmpfile = tmp.name.is_none();
-    tmp.commit(&dir, path)?;
+    out.anonymous_tmpfile = tmp.name.is_none();
+    tmp.commit(&dir, &target)?;
     if options.sync {
         File::open(&dir).and_then(|d| d.sync_all()).map_err(|e| Error::io("fsync directory", &dir, e))?;
     }
-    let sync_seconds = syncing.elapsed().as_secs_f64();
+    out.sync_seconds = syncing.elapsed().as_secs_f64();
 
-    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-    let total = started.elapsed().as_secs_f64();
-    fallbacks.append(&mut run.fallbacks);
-    Ok(SaveReport {
-        path: path.to_owned(),
-        bytes: len,
-        engine: run.engine,
-        cache: match (direct, options.mode) {
-            (Some(_), _) => CachePolicy::Bypass,
-            (None, IoMode::DontCache) => CachePolicy::Fadvise,
-            (None, _) => CachePolicy::Keep,
-        },
-        filesystem: system::filesystem_name(magic),
-        alignment: direct.unwrap_or(1),
-        direct_bytes,
-        fallbacks,
-        anonymous_tmpfile,
-        replaced: previous.is_some(),
-        allocate_seconds,
-        write_seconds,
-        sync_seconds,
-        total_seconds: total,
-        gib_per_second: len as f64 / (1u64 << 30) as f64 / total.max(1e-9),
-        cpu_user_seconds: cpu_after.0.saturating_sub(cpu_before.0).as_secs_f64(),
-        cpu_system_seconds: cpu_after.1.saturating_sub(cpu_before.1).as_secs_f64(),
-    })
+    out.engine = body.run.engine;
+    out.fallbacks.append(&mut body.run.fallbacks);
+    out.cache = cache_policy(body.direct, options.mode);
+    out.filesystem = system::filesystem_name(magic);
+    out.alignment = body.direct.unwrap_or(1);
+    out.direct_bytes = body.direct_bytes;
+    Ok(out)
+}
+
+/// Writes into an existing block device, character device or FIFO; see
+/// the module doc.
+fn save_in_place(
+    data: &[u8],
+    path: &Path,
+    target: PathBuf,
+    meta: &Metadata,
+    options: &SaveOptions,
+) -> Result<SaveReport> {
+    let len = data.len() as u64;
+    check_sticky(&target, meta)?;
+    let kind = meta.file_type();
+    let file = sys::file::open_existing_for_writing(&target).map_err(|e| {
+        if kind.is_fifo() && e.raw_os_error() == Some(libc::ENXIO) {
+            Error::new(
+                ErrorKind::Io,
+                "open",
+                &target,
+                "no process is reading the FIFO (dmaload does not wait for one)",
+            )
+        } else {
+            Error::io("open", &target, e)
+        }
+    })?;
+    let opened = file.metadata().map_err(|e| Error::io("fstat", &target, e))?;
+    if (opened.dev(), opened.ino()) != (meta.dev(), meta.ino()) {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "open",
+            &target,
+            format!("the {} was replaced while it was opened", type_name(meta)),
+        ));
+    }
+    sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", &target, e))?;
+    let mut out = report(path, target.clone(), type_name(meta), len, options.engine);
+    out.in_place = true;
+    let writing = Instant::now();
+    if kind.is_block_device() {
+        let size = (&file).seek(SeekFrom::End(0)).map_err(|e| Error::io("lseek", &target, e))?;
+        if len > size {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "save to",
+                &target,
+                format!("{len} bytes do not fit on this block device of {size} bytes"),
+            ));
+        }
+        let mut body = write_body(&target, &file, data, None, options, &mut out.fallbacks)?;
+        out.write_seconds = writing.elapsed().as_secs_f64();
+        let syncing = Instant::now();
+        if options.sync {
+            file.sync_all().map_err(|e| Error::io("fsync", &target, e))?;
+        }
+        if options.mode == IoMode::DontCache {
+            // Advice only: failing leaves the pages cached, the data is written.
+            let _ = sys::file::fadvise(file.as_fd(), 0, len, libc::POSIX_FADV_DONTNEED);
+        }
+        out.sync_seconds = syncing.elapsed().as_secs_f64();
+        out.engine = body.run.engine;
+        out.fallbacks.append(&mut body.run.fallbacks);
+        out.cache = cache_policy(body.direct, options.mode);
+        out.filesystem = "block-device";
+        out.alignment = body.direct.unwrap_or(1);
+        out.direct_bytes = body.direct_bytes;
+        return Ok(out);
+    }
+    // A FIFO or character device has no offsets to write at in parallel.
+    if options.mode == IoMode::Direct {
+        return Err(Error::new(
+            ErrorKind::DirectIoUnavailable,
+            "open O_DIRECT",
+            &target,
+            format!("a {} takes no O_DIRECT", type_name(meta)),
+        ));
+    }
+    if options.engine != Engine::Read {
+        out.fallbacks.push(Fallback::new(
+            options.engine.name(),
+            Engine::Read.name(),
+            format!("a {} is written with sequential write(2) calls at its position", type_name(meta)),
+        ));
+    }
+    (&file).write_all(data).map_err(|e| Error::io("write", &target, e))?;
+    out.write_seconds = writing.elapsed().as_secs_f64();
+    out.engine = Engine::Read;
+    out.filesystem = type_name(meta);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sticky_rules_match_the_kernels() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        let link = dir.path().join("l");
+        fs::write(&file, b"x").unwrap();
+        std::os::unix::fs::symlink("f", &link).unwrap();
+        let meta = |p: &Path| fs::symlink_metadata(p).unwrap();
+        let set_mode = |mode| fs::set_permissions(dir.path(), fs::Permissions::from_mode(mode)).unwrap();
+        // Owned by the directory's owner: never refused.
+        set_mode(0o1777);
+        assert!(!sticky_refuses(&meta(&file), &meta(dir.path()), 2));
+        if sys::process::effective_uid() != 0 {
+            return eprintln!("SKIP sticky_rules_match_the_kernels: giving files away needs root");
+        }
+        std::os::unix::fs::lchown(&file, Some(65534), None).unwrap();
+        std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
+        for (mode, level, file_refused, link_refused) in [
+            (0o1777, 1, true, true),
+            (0o1777, 0, false, false),
+            (0o0777, 2, false, false),
+            (0o1775, 1, false, false),
+            (0o1775, 2, true, false),
+        ] {
+            set_mode(mode);
+            let d = meta(dir.path());
+            assert_eq!(sticky_refuses(&meta(&file), &d, level), file_refused, "{mode:o} {level}");
+            assert_eq!(sticky_refuses(&meta(&link), &d, level), link_refused, "{mode:o} {level}");
+        }
+        set_mode(0o700);
+    }
 }

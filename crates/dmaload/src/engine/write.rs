@@ -14,7 +14,7 @@ use std::sync::{Condvar, Mutex};
 use super::Engine;
 use crate::error::{Error, Result};
 use crate::load::Fallback;
-use crate::sys::uring::{Completion, WriteRing, MAX_REGISTERED_BUFFERS};
+use crate::sys::uring::{Completion, SliceRegistrar, WriteRing, MAX_REGISTERED_BUFFERS};
 
 /// Bytes registered (pinned) as one io_uring buffer while writing: the
 /// write direction of a gather.
@@ -60,39 +60,56 @@ impl WriteJob<'_> {
     }
 
     /// Blocking `pwrite` calls from `threads` threads, each taking the next
-    /// chunk.
+    /// chunk. The calling thread is one of them; threads the process may not
+    /// create (RLIMIT_NPROC, cgroup pids.max) leave fewer, with a fallback.
     fn pool(&self, threads: usize, engine: Engine) -> Result<WriteRun> {
         let next = AtomicUsize::new(0);
         let stop = AtomicBool::new(false);
         let failure: Mutex<Option<Error>> = Mutex::new(None);
         let chunks = self.src.len().div_ceil(self.chunk);
-        std::thread::scope(|scope| {
-            for _ in 0..threads.clamp(1, chunks.max(1)) {
-                scope.spawn(|| {
-                    while !stop.load(Ordering::Relaxed) {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= chunks {
-                            break;
-                        }
-                        let range = self.request(i * self.chunk);
-                        let start = range.start;
-                        if let Err(err) =
-                            self.file.write_all_at(&self.src[range], self.file_offset + start as u64)
-                        {
-                            stop.store(true, Ordering::Relaxed);
-                            failure
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .get_or_insert(self.error(start, err));
-                        }
-                    }
-                });
+        let work = || {
+            while !stop.load(Ordering::Relaxed) {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= chunks {
+                    break;
+                }
+                let range = self.request(i * self.chunk);
+                let start = range.start;
+                if let Err(err) = self.file.write_all_at(&self.src[range], self.file_offset + start as u64) {
+                    stop.store(true, Ordering::Relaxed);
+                    failure.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(self.error(start, err));
+                }
             }
+        };
+        let wanted = threads.clamp(1, chunks.max(1));
+        let mut running = 1;
+        let mut refused = None;
+        std::thread::scope(|scope| {
+            for _ in 1..wanted {
+                match std::thread::Builder::new().name("dmaload-write".into()).spawn_scoped(scope, work) {
+                    Ok(_) => running += 1,
+                    Err(err) => {
+                        refused = Some(err);
+                        break;
+                    }
+                }
+            }
+            work();
         });
-        match failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(err) => Err(err),
-            None => Ok(WriteRun { engine, fallbacks: Vec::new() }),
+        if let Some(err) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(err);
         }
+        let fallbacks = refused
+            .map(|err| {
+                Fallback::new(
+                    &format!("{wanted} writing threads"),
+                    &format!("{running}"),
+                    format!("cannot create a thread: {err}"),
+                )
+            })
+            .into_iter()
+            .collect();
+        Ok(WriteRun { engine, fallbacks })
     }
 
     /// `queue_depth` writes in flight on one io_uring; with `fixed`, a
@@ -134,30 +151,55 @@ impl WriteJob<'_> {
         };
         let ahead = Ahead::new(windows);
         let result = std::thread::scope(|scope| {
-            if let Some(registrar) = registrar {
+            let mut inline = None;
+            if let Some(registrar) = &registrar {
                 let ahead = &ahead;
-                scope.spawn(move || {
+                let helper = move || {
                     for w in 0..windows {
                         if !ahead.wait_turn(w) {
                             break;
                         }
-                        let range = w * window..((w + 1) * window).min(self.src.len());
-                        match registrar.register(w as u32, range) {
-                            Ok(()) => ahead.registered[w].store(true, Ordering::Release),
-                            Err(err) => {
-                                *ahead.refused.lock().unwrap_or_else(|p| p.into_inner()) =
-                                    Some(super::uring::register_refusal(&err));
-                                break;
-                            }
+                        if !ahead.register(registrar, w, window, self.src.len()) {
+                            break;
                         }
                     }
-                });
+                };
+                let spawned =
+                    std::thread::Builder::new().name("dmaload-register".into()).spawn_scoped(scope, helper);
+                // Without a helper thread, each window is registered by the
+                // writing thread when it reaches it: pinning between the writes.
+                if let Err(err) = spawned {
+                    fallbacks.push(Fallback::new(
+                        "register beside the writes",
+                        "register between the writes",
+                        format!("cannot create a thread: {err}"),
+                    ));
+                    inline = Some(registrar);
+                }
             }
-            let result = self.uring_loop(&mut ring, window, &ahead);
+            let result = self.uring_loop(&mut ring, window, &ahead, inline);
             ahead.finish();
             result
         });
-        result?;
+        match result {
+            // io_uring cancels requests that its io-wq cannot create a worker
+            // thread for (RLIMIT_NPROC, cgroup pids.max): write them with pwrite.
+            Err(err) if err.raw_os_error() == Some(libc::ECANCELED) => {
+                drop(ring);
+                let mut run = self.pool(self.threads, Engine::PreadPool)?;
+                fallbacks.push(Fallback::new(
+                    if fixed { "uring-fixed" } else { "uring" },
+                    "pread-pool",
+                    format!(
+                        "io_uring cancelled a write ({err}): its worker threads could not be created \
+                         (RLIMIT_NPROC or the cgroup's pids.max)"
+                    ),
+                ));
+                fallbacks.append(&mut run.fallbacks);
+                return Ok(WriteRun { engine: Engine::PreadPool, fallbacks });
+            }
+            other => other?,
+        }
         if let Some(reason) = ahead.refused.into_inner().unwrap_or_else(|p| p.into_inner()) {
             fallbacks.push(Fallback::new("uring-fixed", "uring", reason));
         }
@@ -167,7 +209,13 @@ impl WriteJob<'_> {
 
     /// The submitting side of [`Self::uring`]: writes through a window's
     /// registered buffer once the helper has registered it, plain before.
-    fn uring_loop(&self, ring: &mut WriteRing<'_>, window: usize, ahead: &Ahead) -> Result<()> {
+    fn uring_loop(
+        &self,
+        ring: &mut WriteRing<'_>,
+        window: usize,
+        ahead: &Ahead,
+        mut inline: Option<&SliceRegistrar<'_>>,
+    ) -> Result<()> {
         let windows = ahead.registered.len();
         let mut unfinished: Vec<usize> =
             (0..windows).map(|w| (self.src.len() - w * window).min(window)).collect();
@@ -192,6 +240,11 @@ impl WriteJob<'_> {
             }
             while ring.in_flight() < self.queue_depth && next < self.src.len() {
                 ahead.advance(next / window);
+                if let Some(registrar) = inline.filter(|_| next % window == 0) {
+                    if !ahead.register(registrar, next / window, window, self.src.len()) {
+                        inline = None;
+                    }
+                }
                 queue(ring, next)?;
                 next = self.request(next).end;
             }
@@ -254,6 +307,22 @@ impl Ahead {
         if state.0 != w {
             state.0 = w;
             self.changed.notify_all();
+        }
+    }
+
+    /// Registers window `w` of a `len`-byte source; false (and the reason
+    /// kept) when the kernel refuses, after which no more are registered.
+    fn register(&self, registrar: &SliceRegistrar<'_>, w: usize, window: usize, len: usize) -> bool {
+        match registrar.register(w as u32, w * window..((w + 1) * window).min(len)) {
+            Ok(()) => {
+                self.registered[w].store(true, Ordering::Release);
+                true
+            }
+            Err(err) => {
+                *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(super::uring::register_refusal(&err));
+                false
+            }
         }
     }
 

@@ -228,3 +228,51 @@ pub fn link_tmpfile(fd: BorrowedFd<'_>, new: &std::path::Path) -> io::Result<()>
     })
     .map(drop)
 }
+
+/// Opens an unnamed temporary file in directory `dir` with `O_TMPFILE`
+/// (Linux 3.11; EOPNOTSUPP, EISDIR or EINVAL where the filesystem or
+/// kernel lacks it), read-write, with permission bits `mode`.
+pub fn open_tmpfile(dir: &std::path::Path, mode: u32) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().read(true).write(true).mode(mode).custom_flags(libc::O_TMPFILE).open(dir)
+}
+
+/// Whether an `open_tmpfile` error means "no O_TMPFILE here" rather than a
+/// real failure (a missing or unwritable directory).
+pub fn tmpfile_unsupported(err: &io::Error) -> bool {
+    matches!(err.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL))
+}
+
+/// Opens an existing file for writing with `O_NONBLOCK | O_NOCTTY |
+/// O_NOFOLLOW`, never creating or truncating it: an open that never waits
+/// (a FIFO without a reader fails with ENXIO at once), never makes a
+/// terminal the controlling one, and never follows a symlink swapped in.
+pub fn open_existing_for_writing(path: &std::path::Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// Opens an existing file read-only without following a symlink and
+/// without waiting (`O_NOFOLLOW | O_NONBLOCK | O_NOCTTY`).
+pub fn open_nofollow(path: &std::path::Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+}
+
+/// Takes an exclusive `flock(2)` on `fd` without waiting: `Ok(false)` when
+/// another open file description holds a lock. The lock lasts until every
+/// fd of this open file is closed, which a killed process does too.
+pub fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    // SAFETY: flock takes no pointers.
+    match check(unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(false),
+        Err(e) => Err(e),
+    }
+}

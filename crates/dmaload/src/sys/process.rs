@@ -49,3 +49,23 @@ pub fn kernel_release() -> io::Result<String> {
     let bytes: Vec<u8> = uts.release.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
+
+/// Whether process `pid` exists in this PID namespace (`kill(pid, 0)`):
+/// ESRCH means it does not; EPERM means it does (another user's). Only
+/// positive PIDs are asked, as 0 and negative numbers name process groups.
+pub fn process_exists(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 sends nothing; kill only checks that `pid` exists.
+    let ret = unsafe { libc::kill(pid, 0) };
+    ret == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// The effective user ID (`geteuid(2)`), which the kernel's file
+/// protections compare with owners.
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid takes no arguments and cannot fail.
+    unsafe { libc::geteuid() }
+}
