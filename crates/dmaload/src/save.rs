@@ -64,6 +64,7 @@ use crate::engine::write::{WriteJob, WriteRun};
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Fallback, IoMode, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use crate::source::type_name;
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
 use crate::{sys, system};
 /// Options of [`save`]; `SaveOptions::default()` is what a user gets
@@ -281,28 +282,6 @@ impl TmpFile {
         }
         self.name = None;
         Ok(())
-    }
-}
-
-/// A file type in words, for messages and the report.
-fn type_name(meta: &Metadata) -> &'static str {
-    let kind = meta.file_type();
-    if kind.is_file() {
-        "regular file"
-    } else if kind.is_dir() {
-        "directory"
-    } else if kind.is_symlink() {
-        "symbolic link"
-    } else if kind.is_block_device() {
-        "block device"
-    } else if kind.is_char_device() {
-        "character device"
-    } else if kind.is_fifo() {
-        "FIFO"
-    } else if kind.is_socket() {
-        "socket"
-    } else {
-        "file of unknown type"
     }
 }
 

@@ -23,23 +23,26 @@ use crate::options::{Fallback, IoMode};
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
 use crate::{sys, system};
 
-/// What a path names, in words for an error message.
-fn type_name(meta: &Metadata) -> &'static str {
+/// A file type in words ("regular file", "FIFO", ...), for messages and
+/// reports.
+pub(crate) fn type_name(meta: &Metadata) -> &'static str {
     let kind = meta.file_type();
-    if kind.is_dir() {
-        "a directory"
-    } else if kind.is_fifo() {
-        "a FIFO (named pipe)"
-    } else if kind.is_char_device() {
-        "a character device"
-    } else if kind.is_socket() {
-        "a socket"
-    } else if kind.is_block_device() {
-        "a block device"
+    if kind.is_file() {
+        "regular file"
+    } else if kind.is_dir() {
+        "directory"
     } else if kind.is_symlink() {
-        "a symbolic link"
+        "symbolic link"
+    } else if kind.is_block_device() {
+        "block device"
+    } else if kind.is_char_device() {
+        "character device"
+    } else if kind.is_fifo() {
+        "FIFO"
+    } else if kind.is_socket() {
+        "socket"
     } else {
-        "a regular file"
+        "file of unknown type"
     }
 }
 
@@ -58,7 +61,7 @@ fn check_type(path: &Path, meta: &Metadata) -> Result<()> {
         "open",
         path,
         format!(
-            "{} has no fixed length to load: dmaload reads regular files and block devices \
+            "a {} has no fixed length to load: dmaload reads regular files and block devices \
              (copy a stream to a file first)",
             type_name(meta)
         ),
