@@ -4,71 +4,15 @@
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
-use serde_json::Value;
+mod common;
 
-fn dmaload() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_dmaload"))
-}
-
-fn skip(test: &str, reason: &str) {
-    eprintln!("SKIP {test}: {reason}");
-}
-
-fn have(tool: &str) -> bool {
-    Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success())
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-}
-
-/// A scratch directory that an unprivileged user can read and write.
-fn open_scratch() -> tempfile::TempDir {
-    let dir = tempfile::Builder::new().prefix("dmaload-hostile-").tempdir_in("/tmp").unwrap();
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    dir
-}
-
-fn sample(dir: &Path, name: &OsStr, len: usize) -> PathBuf {
-    let path = dir.join(name);
-    let bytes: Vec<u8> =
-        (0..len).map(|i| (i as u64).wrapping_mul(0x9E37_79B9).rotate_right(7) as u8).collect();
-    std::fs::write(&path, bytes).unwrap();
-    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    path
-}
-
-/// Runs `cmd`, killing it if it outlives a generous bound: a hang must
-/// fail the test, not stall the suite.
-fn output_or_hang(cmd: &mut Command) -> Output {
-    let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("{cmd:?} hung");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
-}
+use common::*;
 
 #[test]
 fn fifo_paths_are_errors_not_hangs() {
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-hostile-");
     let fifo = dir.path().join("fifo");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
     for args in [&["load"][..], &["info"], &["bench", "load", "--no-fio", "--repeat", "1"]] {
@@ -81,7 +25,7 @@ fn fifo_paths_are_errors_not_hangs() {
 
 #[test]
 fn bench_load_refuses_an_empty_file() {
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-hostile-");
     let empty = sample(dir.path(), OsStr::new("empty"), 0);
     let out = output_or_hang(dmaload().args(["bench", "load", "--no-fio", "--repeat", "1"]).arg(&empty));
     assert!(!out.status.success());
@@ -91,36 +35,17 @@ fn bench_load_refuses_an_empty_file() {
 
 #[test]
 fn non_utf8_paths_print_valid_json() {
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-hostile-");
     let path = sample(dir.path(), OsStr::from_bytes(b"model-\xff\xfe.bin"), 12_345);
     let report = json_of(&output_or_hang(dmaload().args(["load", "--json"]).arg(&path)));
     assert_eq!(report["bytes"], 12_345);
     assert!(report["path"].as_str().unwrap().contains("model-\u{fffd}\u{fffd}.bin"), "{report}");
 }
 
-/// `cmd` run as nobody, with CAP_IPC_LOCK gone, under `limits` (prlimit
-/// arguments); `None` (the test skips) where that cannot be arranged.
-fn as_nobody_with(test: &str, limits: &[&str]) -> Option<Command> {
-    if !is_root() {
-        skip(test, "needs root to drop to an unprivileged user");
-        return None;
-    }
-    if !have("setpriv") || !have("prlimit") {
-        skip(test, "setpriv/prlimit (util-linux) not installed");
-        return None;
-    }
-    let mut cmd = Command::new("setpriv");
-    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
-        .arg("prlimit")
-        .args(limits)
-        .arg(env!("CARGO_BIN_EXE_dmaload"));
-    Some(cmd)
-}
-
 #[test]
 fn one_process_allowed_loads_without_helper_threads() {
     let name = "one_process_allowed_loads_without_helper_threads";
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-hostile-");
     let path = sample(dir.path(), OsStr::new("f.bin"), (9 << 20) + 3);
     let expected = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap());
     for engine in ["uring-fixed", "pread-pool"] {
@@ -145,7 +70,7 @@ fn one_process_allowed_loads_without_helper_threads() {
 #[test]
 fn memlock_limit_of_zero_falls_back_to_the_pread_pool() {
     let name = "memlock_limit_of_zero_falls_back_to_the_pread_pool";
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-hostile-");
     let path = sample(dir.path(), OsStr::new("f.bin"), (5 << 20) + 11);
     let expected = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap());
     let Some(mut cmd) = as_nobody_with(name, &["--memlock=0:0"]) else { return };
@@ -167,7 +92,7 @@ fn a_tiny_file_size_limit_is_an_error_not_sigxfsz() {
     if !have("prlimit") {
         return skip(name, "prlimit (util-linux) not installed");
     }
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-hostile-");
     let path = sample(dir.path(), OsStr::new("f.bin"), 1 << 20);
     // A memfd is a file: sizing it past RLIMIT_FSIZE would raise SIGXFSZ.
     let out = output_or_hang(
@@ -193,7 +118,7 @@ fn too_few_file_descriptors_for_a_ring_fall_back_to_the_pread_pool() {
     if !have("prlimit") {
         return skip(name, "prlimit (util-linux) not installed");
     }
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-hostile-");
     let path = sample(dir.path(), OsStr::new("f.bin"), (2 << 20) + 5);
     let expected = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap());
     // stdin/out/err, the file and the memfd: no descriptor left for a ring.

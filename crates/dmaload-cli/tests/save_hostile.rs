@@ -6,68 +6,12 @@
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use serde_json::Value;
+mod common;
 
-fn dmaload() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_dmaload"))
-}
-
-fn skip(test: &str, reason: &str) {
-    eprintln!("SKIP {test}: {reason}");
-}
-
-fn have(tool: &str) -> bool {
-    Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success())
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-}
-
-/// A scratch directory that an unprivileged user can read and write.
-fn open_scratch() -> tempfile::TempDir {
-    let dir = tempfile::Builder::new().prefix("dmaload-save-").tempdir_in("/tmp").unwrap();
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    dir
-}
-
-fn sample(dir: &Path, name: &OsStr, len: usize) -> PathBuf {
-    let path = dir.join(name);
-    let bytes: Vec<u8> =
-        (0..len).map(|i| (i as u64).wrapping_mul(0x9E37_79B9).rotate_right(7) as u8).collect();
-    std::fs::write(&path, bytes).unwrap();
-    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    path
-}
-
-/// Runs `cmd`, killing it if it outlives a generous bound: a hang must
-/// fail the test, not stall the suite.
-fn output_or_hang(cmd: &mut Command) -> Output {
-    let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("{cmd:?} hung");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn json_of(out: &Output) -> Value {
-    assert_ne!(out.status.code(), Some(101), "panicked: {}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
-}
+use common::*;
 
 fn failure(out: &Output) -> String {
     assert_eq!(
@@ -80,28 +24,9 @@ fn failure(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// `dmaload` run as nobody (uid 65534) with no capabilities, under `limits`
-/// (prlimit arguments); `None` (the test skips) where that cannot be arranged.
-fn as_nobody_with(test: &str, limits: &[&str]) -> Option<Command> {
-    if !is_root() {
-        skip(test, "needs root to drop to an unprivileged user");
-        return None;
-    }
-    if !have("setpriv") || !have("prlimit") {
-        skip(test, "setpriv/prlimit (util-linux) not installed");
-        return None;
-    }
-    let mut cmd = Command::new("setpriv");
-    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
-        .arg("prlimit")
-        .args(limits)
-        .arg(env!("CARGO_BIN_EXE_dmaload"));
-    Some(cmd)
-}
-
 #[test]
 fn json_reports_of_non_utf8_paths_do_not_panic() {
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-save-");
     let src = sample(dir.path(), OsStr::new("src.bin"), 70_001);
     let dst = dir.path().join(OsStr::from_bytes(b"out-\xff.bin"));
     let report = json_of(&output_or_hang(dmaload().args(["copy", "--json"]).arg(&src).arg(&dst)));
@@ -115,7 +40,7 @@ fn json_reports_of_non_utf8_paths_do_not_panic() {
 #[test]
 fn one_process_allowed_saves_and_copies_without_helper_threads() {
     let name = "one_process_allowed_saves_and_copies_without_helper_threads";
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-save-");
     let src = sample(dir.path(), OsStr::new("src.bin"), (9 << 20) + 3);
     for engine in ["uring-fixed", "pread-pool"] {
         let dst = dir.path().join(format!("copy-{engine}"));
@@ -141,7 +66,7 @@ fn one_process_allowed_saves_and_copies_without_helper_threads() {
 
 #[test]
 fn save_size_beyond_available_memory_is_an_error_before_allocating() {
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-save-");
     let dst = dir.path().join("huge.bin");
     let stderr = failure(&output_or_hang(dmaload().args(["save", "--size", "64T"]).arg(&dst)));
     assert!(
@@ -153,7 +78,7 @@ fn save_size_beyond_available_memory_is_an_error_before_allocating() {
 
 #[test]
 fn copy_onto_devices_and_fifos_writes_in_place_and_never_hangs() {
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-save-");
     let src = sample(dir.path(), OsStr::new("src.bin"), (2 << 20) + 7);
     let fifo = dir.path().join("fifo");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
@@ -178,7 +103,7 @@ fn copy_onto_devices_and_fifos_writes_in_place_and_never_hangs() {
 
 #[test]
 fn copy_onto_its_own_source_keeps_the_bytes() {
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-save-");
     let src = sample(dir.path(), OsStr::new("model.bin"), (4 << 20) + 99);
     let before = std::fs::read(&src).unwrap();
     std::os::unix::fs::symlink("model.bin", dir.path().join("alias")).unwrap();
@@ -193,7 +118,7 @@ fn copy_onto_its_own_source_keeps_the_bytes() {
 #[test]
 fn an_unwritable_directory_is_an_error_naming_it() {
     let name = "an_unwritable_directory_is_an_error_naming_it";
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-save-");
     let locked = dir.path().join("locked");
     std::fs::create_dir(&locked).unwrap();
     std::fs::set_permissions(&locked, std::os::unix::fs::PermissionsExt::from_mode(0o555)).unwrap();
@@ -205,7 +130,7 @@ fn an_unwritable_directory_is_an_error_naming_it() {
 #[test]
 fn a_user_replacing_another_users_file_is_told_who_owns_the_new_one() {
     let name = "a_user_replacing_another_users_file_is_told_who_owns_the_new_one";
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-save-");
     let target = sample(dir.path(), OsStr::new("shared.bin"), 100);
     std::os::unix::fs::chown(&target, Some(65533), Some(65533)).unwrap();
     let Some(mut cmd) = as_nobody_with(name, &[]) else { return };
@@ -221,7 +146,7 @@ fn a_file_size_limit_is_an_error_not_sigxfsz() {
     if !have("prlimit") {
         return skip(name, "prlimit (util-linux) not installed");
     }
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-save-");
     let src = sample(dir.path(), OsStr::new("src.bin"), 1 << 20);
     let dst = dir.path().join("dst.bin");
     let out = output_or_hang(
@@ -239,7 +164,7 @@ fn a_file_size_limit_is_an_error_not_sigxfsz() {
 
 #[test]
 fn killed_saves_leave_nothing_that_the_next_save_does_not_remove() {
-    let dir = open_scratch();
+    let dir = open_scratch("dmaload-save-");
     let dst = dir.path().join("snapshot.bin");
     for round in 0..20u64 {
         let mut child = dmaload()
