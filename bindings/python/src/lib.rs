@@ -9,20 +9,23 @@
 //! function that fills a `Py_buffer`, all in [`Buffer`]'s methods.
 #![deny(unsafe_code)]
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
 use std::os::fd::{AsRawFd, IntoRawFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use dmaload::format::safetensors as st;
-use dmaload::{Engine, IoMode, LoadOptions, LoadReport, MemoryKind};
+use dmaload::{CachePolicy, Engine, IoMode, LoadOptions, LoadReport, MemoryKind};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyBufferError, PyOSError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
 
 create_exception!(
     _dmaload,
@@ -30,6 +33,30 @@ create_exception!(
     PyValueError,
     "A malformed safetensors file: the message says what is wrong and at which byte."
 );
+
+/// A panic's payload as the RuntimeError users see. PyO3 would raise
+/// `PanicException`, which derives from BaseException: `except Exception`
+/// does not catch it.
+fn panic_error(payload: Box<dyn Any + Send>) -> PyErr {
+    let what = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    PyRuntimeError::new_err(format!("internal error in dmaload (a bug: please report it): {what}"))
+}
+
+/// Runs `f` (with the GIL held) so that a panic in it is a RuntimeError.
+/// Every entry point of this module goes through this, [`detached`] or
+/// [`run_cancellable`].
+fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| Err(panic_error(payload)))
+}
+
+/// Runs `f` with the GIL released; a panic in it is a RuntimeError.
+fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> PyResult<T> {
+    py.detach(|| catch_unwind(AssertUnwindSafe(f))).map_err(panic_error)
+}
 
 /// Bytes loaded from a file, in memfd (or anonymous) memory.
 ///
@@ -53,12 +80,14 @@ pub struct Buffer {
     len: usize,
     exports: AtomicUsize,
     path: PathBuf,
-    report_json: String,
+    /// The core's report, turned into a `dmaload.LoadReport` field by
+    /// field on first use (see [`report_object`]).
+    report_data: LoadReport,
     report: OnceLock<Py<PyAny>>,
 }
 
 impl Buffer {
-    fn new(mut buffer: dmaload::Buffer, report: &LoadReport) -> Buffer {
+    fn new(mut buffer: dmaload::Buffer, report: LoadReport) -> Buffer {
         let bytes: &mut [u8] = &mut buffer;
         let (addr, len) = (bytes.as_mut_ptr() as usize, bytes.len());
         Buffer {
@@ -68,7 +97,7 @@ impl Buffer {
             len,
             exports: AtomicUsize::new(0),
             path: report.path.clone(),
-            report_json: serde_json::to_string(report).unwrap_or_else(|_| "{}".into()),
+            report_data: report,
             report: OnceLock::new(),
         }
     }
@@ -83,12 +112,8 @@ impl Buffer {
 
 #[pymethods]
 impl Buffer {
-    fn __len__(&self) -> usize {
-        if self.closed {
-            0
-        } else {
-            self.len
-        }
+    fn __len__(&self) -> PyResult<usize> {
+        guard(|| Ok(if self.closed { 0 } else { self.len }))
     }
 
     /// Exports the bytes: one-dimensional, unsigned bytes (`"B"`), C
@@ -98,14 +123,14 @@ impl Buffer {
         if view.is_null() {
             return Err(PyBufferError::new_err("NULL Py_buffer"));
         }
-        let (addr, len) = {
+        let (addr, len) = guard(|| {
             let this = slf.try_borrow()?;
             if this.closed {
                 return Err(PyValueError::new_err("operation on a closed Buffer"));
             }
             this.exports.fetch_add(1, Ordering::AcqRel);
-            (this.addr, this.len)
-        };
+            Ok((this.addr, this.len))
+        })?;
         // SAFETY: `view` is non-null and CPython hands us a Py_buffer to
         // fill. `addr..addr + len` is the buffer's mapping, which stays
         // mapped until the object is deallocated (`close()` never unmaps),
@@ -150,14 +175,16 @@ impl Buffer {
     /// holds it), never while a view made without an export
     /// (`torch.frombuffer`) can still reach it.
     fn close(&mut self) -> PyResult<()> {
-        let exports = self.exports.load(Ordering::Acquire);
-        if exports > 0 {
-            return Err(PyBufferError::new_err(format!(
-                "cannot close a Buffer with {exports} live export(s) (memoryviews, arrays or tensors)"
-            )));
-        }
-        self.closed = true;
-        Ok(())
+        guard(|| {
+            let exports = self.exports.load(Ordering::Acquire);
+            if exports > 0 {
+                return Err(PyBufferError::new_err(format!(
+                    "cannot close a Buffer with {exports} live export(s) (memoryviews, arrays or tensors)"
+                )));
+            }
+            self.closed = true;
+            Ok(())
+        })
     }
 
     #[getter]
@@ -176,46 +203,50 @@ impl Buffer {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&mut self, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+    fn __exit__(&mut self, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
         self.close()?;
         Ok(false)
     }
 
     /// The memfd holding the bytes (owned by the buffer: valid until close).
     fn fileno(&self) -> PyResult<i32> {
-        let buffer = self.open()?;
-        buffer.memfd().map(|fd| fd.as_raw_fd()).ok_or_else(|| no_memfd(buffer))
+        guard(|| {
+            let buffer = self.open()?;
+            buffer.memfd().map(|fd| fd.as_raw_fd()).ok_or_else(|| no_memfd(buffer))
+        })
     }
 
     /// A new file descriptor for the memfd, owned by the caller (it keeps
     /// the bytes after the buffer is closed; pass it to another process or
     /// to udmabuf).
     fn dup_memfd(&self) -> PyResult<i32> {
-        let buffer = self.open()?;
-        let fd = buffer.memfd().ok_or_else(|| no_memfd(buffer))?;
-        let owned = fd
-            .try_clone_to_owned()
-            .map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(0), e.to_string())))?;
-        Ok(owned.into_raw_fd())
+        guard(|| {
+            let buffer = self.open()?;
+            let fd = buffer.memfd().ok_or_else(|| no_memfd(buffer))?;
+            let owned = fd.try_clone_to_owned().map_err(|e| {
+                PyOSError::new_err((e.raw_os_error().unwrap_or(0), format!("dup memfd: {e}")))
+            })?;
+            Ok(owned.into_raw_fd())
+        })
     }
 
     /// Offset of the first byte in the memfd (non-zero for a range whose
     /// start direct I/O had to align down).
     #[getter]
     fn memfd_offset(&self) -> PyResult<usize> {
-        Ok(self.open()?.memfd_offset())
+        guard(|| Ok(self.open()?.memfd_offset()))
     }
 
     /// "memfd" or "anonymous-thp".
     #[getter]
     fn memory(&self) -> PyResult<&'static str> {
-        Ok(self.open()?.memory_kind().name())
+        guard(|| Ok(self.open()?.memory_kind().name()))
     }
 
     /// The pieces the buffer was filled in, as (offset, length) pairs.
     #[getter]
     fn segments(&self) -> PyResult<Vec<(usize, usize)>> {
-        Ok(self.open()?.segments().iter().map(|s| (s.offset, s.len)).collect())
+        guard(|| Ok(self.open()?.segments().iter().map(|s| (s.offset, s.len)).collect()))
     }
 
     /// The file the bytes came from.
@@ -224,24 +255,28 @@ impl Buffer {
         self.path.clone().into_os_string()
     }
 
-    /// The load's report as JSON.
+    /// The load's report as the core's JSON (what `dmaload load --json`
+    /// prints); `report` is the same as a typed record.
     #[getter]
-    fn report_json(&self) -> &str {
-        &self.report_json
+    fn report_json(&self) -> PyResult<String> {
+        guard(|| {
+            serde_json::to_string(&self.report_data)
+                .map_err(|e| PyValueError::new_err(format!("the report cannot be written as JSON: {e}")))
+        })
     }
 
-    /// The load's report, a `dmaload.LoadReport` dataclass.
+    /// The load's report, a `dmaload.LoadReport` dataclass built field by
+    /// field from the core's report (no JSON in between).
     #[getter]
     fn report(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        if let Some(report) = self.report.get() {
-            return Ok(report.clone_ref(py));
-        }
-        let class = py.import("dmaload._report")?.getattr("LoadReport")?;
-        // The path as Python names files (os.fsdecode), exact for any bytes.
-        let path = self.path.clone().into_os_string();
-        let report = class.call_method1("from_json", (self.report_json.as_str(), path))?.unbind();
-        // Another thread may have won the race while the import ran: keep its object.
-        Ok(self.report.get_or_init(|| report).clone_ref(py))
+        guard(|| {
+            if let Some(report) = self.report.get() {
+                return Ok(report.clone_ref(py));
+            }
+            let report = report_object(py, &self.report_data)?.unbind();
+            // Another thread may have won the race while the import ran: keep its object.
+            Ok(self.report.get_or_init(|| report).clone_ref(py))
+        })
     }
 
     /// DLPack export (a 1-D uint8 CPU tensor over the bytes, no copy).
@@ -254,7 +289,15 @@ impl Buffer {
         copy: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        py.import("dmaload._buffer")?.getattr("dlpack")?.call1((slf, stream, max_version, dl_device, copy))
+        guard(|| {
+            py.import("dmaload._buffer")?.getattr("dlpack")?.call1((
+                slf,
+                stream,
+                max_version,
+                dl_device,
+                copy,
+            ))
+        })
     }
 
     /// `(kDLCPU, 0)`: the bytes are host memory.
@@ -262,18 +305,110 @@ impl Buffer {
         (1, 0)
     }
 
-    fn __repr__(&self) -> String {
-        match (!self.closed).then_some(&self.inner) {
-            Some(b) => format!(
-                "<dmaload.Buffer {} bytes of {} from {:?}, {} export(s)>",
-                self.len,
-                b.memory_kind().name(),
-                self.path,
-                self.exports.load(Ordering::Acquire)
-            ),
-            None => format!("<dmaload.Buffer closed, from {:?}>", self.path),
-        }
+    /// Refuses: the bytes live in this process's memory. Share them with
+    /// `dup_memfd()` (fd passing), or pickle `bytes(buf)`.
+    fn __reduce__(&self) -> PyResult<()> {
+        Err(PyTypeError::new_err(
+            "cannot pickle or copy a dmaload.Buffer: its bytes live in this process's memory; \
+             pass buf.dup_memfd() to another process, or pickle bytes(buf)",
+        ))
     }
+
+    fn __repr__(&self) -> PyResult<String> {
+        guard(|| {
+            Ok(match (!self.closed).then_some(&self.inner) {
+                Some(b) => format!(
+                    "<dmaload.Buffer {} bytes of {} from {:?}, {} export(s)>",
+                    self.len,
+                    b.memory_kind().name(),
+                    self.path,
+                    self.exports.load(Ordering::Acquire)
+                ),
+                None => format!("<dmaload.Buffer closed, from {:?}>", self.path),
+            })
+        })
+    }
+}
+
+/// The name the core's JSON gives a cache policy.
+fn cache_name(cache: CachePolicy) -> &'static str {
+    match cache {
+        CachePolicy::Bypass => "bypass",
+        CachePolicy::Keep => "keep",
+        CachePolicy::DontCache => "dont-cache",
+        CachePolicy::Fadvise => "fadvise",
+    }
+}
+
+/// The core's report as a `dmaload._report.LoadReport`, field by field.
+/// The destructuring names every field, so a field the core adds is a
+/// compile error here until it crosses too. `path` is a `str` as
+/// `os.fsdecode` gives it (surrogate escapes for bytes that are not UTF-8),
+/// so `os.fsencode(report.path)` is the file's name exactly.
+fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'py, PyAny>> {
+    let LoadReport {
+        path,
+        offset,
+        bytes,
+        engine,
+        cache,
+        memory,
+        huge_pages,
+        filesystem,
+        alignment,
+        chunk_size,
+        gather_size,
+        queue_depth,
+        fallbacks,
+        alloc_seconds,
+        register_seconds,
+        first_gather_seconds,
+        io_seconds,
+        waited_for_memory_seconds,
+        total_seconds,
+        gib_per_second,
+        cpu_user_seconds,
+        cpu_system_seconds,
+        page_cache,
+    } = report;
+    let module = py.import("dmaload._report")?;
+    let fallback_class = module.getattr("Fallback")?;
+    let fallbacks = fallbacks
+        .iter()
+        .map(|f| {
+            let kw = PyDict::new(py);
+            kw.set_item("from_", &f.from)?;
+            kw.set_item("to", &f.to)?;
+            kw.set_item("reason", &f.reason)?;
+            fallback_class.call((), Some(&kw))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let kw = PyDict::new(py);
+    kw.set_item("path", path.as_os_str())?;
+    kw.set_item("offset", offset)?;
+    kw.set_item("bytes", bytes)?;
+    kw.set_item("engine", engine.name())?;
+    kw.set_item("cache", cache_name(*cache))?;
+    kw.set_item("memory", memory.name())?;
+    kw.set_item("huge_pages", huge_pages)?;
+    kw.set_item("filesystem", filesystem)?;
+    kw.set_item("alignment", alignment)?;
+    kw.set_item("chunk_size", chunk_size)?;
+    kw.set_item("gather_size", gather_size)?;
+    kw.set_item("queue_depth", queue_depth)?;
+    kw.set_item("fallbacks", PyTuple::new(py, fallbacks)?)?;
+    kw.set_item("alloc_seconds", alloc_seconds)?;
+    kw.set_item("register_seconds", register_seconds)?;
+    kw.set_item("first_gather_seconds", first_gather_seconds)?;
+    kw.set_item("io_seconds", io_seconds)?;
+    kw.set_item("waited_for_memory_seconds", waited_for_memory_seconds)?;
+    kw.set_item("total_seconds", total_seconds)?;
+    kw.set_item("gib_per_second", gib_per_second)?;
+    kw.set_item("cpu_user_seconds", cpu_user_seconds)?;
+    kw.set_item("cpu_system_seconds", cpu_system_seconds)?;
+    let residency = module.getattr("PageCacheResidency")?;
+    kw.set_item("page_cache", residency.call1((page_cache.resident_bytes, page_cache.fraction))?)?;
+    module.getattr("LoadReport")?.call((), Some(&kw))
 }
 
 fn no_memfd(buffer: &dmaload::Buffer) -> PyErr {
@@ -366,7 +501,9 @@ impl Progress {
             *last = Instant::now();
             self.reported.store(done, Ordering::Release);
         }
-        Python::attach(|py| {
+        // try_attach: never panic on this thread of the core's, even if
+        // the interpreter were shutting down (then the report is skipped).
+        let _ = Python::try_attach(|py| {
             if let Err(err) = self.callback.call1(py, (done, self.total)) {
                 self.failed.store(true, Ordering::Release);
                 *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(err);
@@ -447,16 +584,7 @@ fn run_cancellable<T: Send>(
     if let Some(err) = interrupted {
         return Err(err);
     }
-    result.map_err(|panic| {
-        let what = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into());
-        pyo3::exceptions::PyRuntimeError::new_err(format!(
-            "internal error in dmaload (a bug: please report it): {what}"
-        ))
-    })
+    result.map_err(panic_error)
 }
 
 /// The keyword options every load accepts.
@@ -523,43 +651,44 @@ fn load(
     threads: Option<usize>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Buffer> {
-    let opts = Opts { engine, mode, memory, gather_size, chunk_size, queue_depth, threads };
-    let mut options = opts.to_options()?;
-    let cancel = dmaload::CancelToken::new();
-    options.cancel = cancel.clone();
-    let relay = match progress {
-        Some(callback) => {
-            let total = match length {
-                Some(len) => len,
-                None => py
-                    .detach(|| file_len(&path))
-                    .map_err(|e| os_error(&e))?
-                    .saturating_sub(offset.unwrap_or(0)),
-            };
-            let relay = Progress::new(callback, total, cancel.clone());
-            options.progress = Some(relay.for_load());
-            Some(relay)
+    guard(move || {
+        let opts = Opts { engine, mode, memory, gather_size, chunk_size, queue_depth, threads };
+        let mut options = opts.to_options()?;
+        let cancel = dmaload::CancelToken::new();
+        options.cancel = cancel.clone();
+        let relay = match progress {
+            Some(callback) => {
+                let total = match length {
+                    Some(len) => len,
+                    None => detached(py, || file_len(&path))?
+                        .map_err(|e| os_error(&e))?
+                        .saturating_sub(offset.unwrap_or(0)),
+                };
+                let relay = Progress::new(callback, total, cancel.clone());
+                options.progress = Some(relay.for_load());
+                Some(relay)
+            }
+            None => None,
+        };
+        let result = run_cancellable(py, &cancel, || match (offset, length) {
+            (None, None) => dmaload::load(&path, &options),
+            (offset, None) => dmaload::load_from(&path, offset.unwrap_or(0), &options),
+            (offset, Some(length)) => dmaload::load_range(&path, offset.unwrap_or(0), length, &options),
+        })?;
+        if let Some(relay) = &relay {
+            if let Some(err) = relay.take_error() {
+                return Err(err);
+            }
         }
-        None => None,
-    };
-    let result = run_cancellable(py, &cancel, || match (offset, length) {
-        (None, None) => dmaload::load(&path, &options),
-        (offset, None) => dmaload::load_from(&path, offset.unwrap_or(0), &options),
-        (offset, Some(length)) => dmaload::load_range(&path, offset.unwrap_or(0), length, &options),
-    })?;
-    if let Some(relay) = &relay {
-        if let Some(err) = relay.take_error() {
-            return Err(err);
+        let (buffer, report) = result.map_err(|e| os_error(&e))?;
+        if let Some(relay) = &relay {
+            relay.maybe_call(true);
+            if let Some(err) = relay.take_error() {
+                return Err(err);
+            }
         }
-    }
-    let (buffer, report) = result.map_err(|e| os_error(&e))?;
-    if let Some(relay) = &relay {
-        relay.maybe_call(true);
-        if let Some(err) = relay.take_error() {
-            return Err(err);
-        }
-    }
-    Ok(Buffer::new(buffer, &report))
+        Ok(Buffer::new(buffer, report))
+    })
 }
 
 /// One tensor of a header: (name, dtype, shape, begin, end), offsets
@@ -583,16 +712,18 @@ fn header_row(header: st::Header) -> HeaderRow {
 #[pyfunction]
 #[pyo3(signature = (data, file_len=None))]
 fn parse_safetensors_header(data: &[u8], file_len: Option<u64>) -> PyResult<HeaderRow> {
-    let header = st::parse(data, file_len.unwrap_or(data.len() as u64))
-        .map_err(|e| SafetensorError::new_err(e.to_string()))?;
-    Ok(header_row(header))
+    guard(|| {
+        let header = st::parse(data, file_len.unwrap_or(data.len() as u64))
+            .map_err(|e| SafetensorError::new_err(e.to_string()))?;
+        Ok(header_row(header))
+    })
 }
 
 /// Reads and validates the header of a safetensors file without loading it.
 #[pyfunction]
 fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult<HeaderRow> {
-    let (header, _) = py.detach(|| st::read_header(&path)).map_err(|e| format_error(&e))?;
-    Ok(header_row(header))
+    let (header, _) = detached(py, || st::read_header(&path))?.map_err(|e| format_error(&e))?;
+    guard(|| Ok(header_row(header)))
 }
 
 /// Loads safetensors files whole, `concurrency` at a time, with the GIL
@@ -614,102 +745,120 @@ fn load_safetensors(
     threads: Option<usize>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Vec<(Buffer, HeaderRow)>> {
-    let opts = Opts { engine, mode, memory, gather_size, chunk_size, queue_depth, threads };
-    let mut options = opts.to_options()?;
-    if concurrency == 0 {
-        return Err(PyValueError::new_err("concurrency must be at least 1"));
-    }
-    // Sizes first: for the progress total and to refuse, before allocating
-    // anything, a set of files that cannot fit in memory together.
-    let sizes = py
-        .detach(|| -> Result<Vec<u64>, dmaload::Error> { paths.iter().map(|p| file_len(p)).collect() })
-        .map_err(|e| os_error(&e))?;
-    let total: u64 = sizes.iter().sum();
-    if paths.len() > 1 {
-        if let Ok(budget) = dmaload::system::memory_budget() {
-            if total > budget.available {
-                return Err(PyOSError::new_err((
-                    libc::ENOMEM,
-                    format!(
-                        "load: {} files need {total} bytes of memory but only {} are available ({})",
-                        paths.len(),
-                        budget.available,
-                        budget.limited_by
-                    ),
-                    paths[0].as_os_str().to_owned(),
-                )));
-            }
+    guard(move || {
+        let opts = Opts { engine, mode, memory, gather_size, chunk_size, queue_depth, threads };
+        let mut options = opts.to_options()?;
+        if concurrency == 0 {
+            return Err(PyValueError::new_err("concurrency must be at least 1"));
         }
-    }
-    // One token for every shard: a callback's exception or Ctrl-C stops them all.
-    let cancel = dmaload::CancelToken::new();
-    options.cancel = cancel.clone();
-    let relay = progress.map(|callback| Progress::new(callback, total, cancel.clone()));
-    let results: Vec<Mutex<Option<Result<st::Loaded, st::Error>>>> =
-        paths.iter().map(|_| Mutex::new(None)).collect();
-    run_cancellable(py, &cancel, || {
-        let next = AtomicUsize::new(0);
-        let failed = AtomicBool::new(false);
-        let worker = || loop {
-            let i = next.fetch_add(1, Ordering::AcqRel);
-            if i >= paths.len() || failed.load(Ordering::Acquire) {
-                break;
-            }
-            let mut options = options.clone();
-            if let Some(relay) = &relay {
-                options.progress = Some(relay.for_load());
-            }
-            let result = st::load(&paths[i], &options);
-            if result.is_err() {
-                failed.store(true, Ordering::Release);
-            }
-            *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
-        };
-        std::thread::scope(|scope| {
-            // This thread is one of the workers; others it cannot create
-            // (RLIMIT_NPROC) only mean fewer files at a time.
-            for _ in 1..concurrency.min(paths.len()) {
-                if std::thread::Builder::new()
-                    .name("dmaload-shard".into())
-                    .spawn_scoped(scope, worker)
-                    .is_err()
-                {
-                    break;
+        // Sizes first: for the progress total and to refuse, before allocating
+        // anything, a set of files that cannot fit in memory together.
+        let sizes = detached(py, || -> Result<Vec<u64>, dmaload::Error> {
+            paths.iter().map(|p| file_len(p)).collect()
+        })?
+        .map_err(|e| os_error(&e))?;
+        let total: u64 = sizes.iter().sum();
+        if paths.len() > 1 {
+            if let Ok(budget) = dmaload::system::memory_budget() {
+                if total > budget.available {
+                    return Err(PyOSError::new_err((
+                        libc::ENOMEM,
+                        format!(
+                            "load: {} files need {total} bytes of memory but only {} are available ({})",
+                            paths.len(),
+                            budget.available,
+                            budget.limited_by
+                        ),
+                        paths[0].as_os_str().to_owned(),
+                    )));
                 }
             }
-            worker();
-        });
-    })?;
-    options.progress = None;
-    if let Some(relay) = &relay {
-        if let Some(err) = relay.take_error() {
-            return Err(err);
         }
-    }
-    let mut out = Vec::with_capacity(paths.len());
-    for slot in results {
-        match slot.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(Ok(loaded)) => {
-                out.push((Buffer::new(loaded.buffer, &loaded.report), header_row(loaded.header)))
+        // One token for every shard: a callback's exception or Ctrl-C stops them all.
+        let cancel = dmaload::CancelToken::new();
+        options.cancel = cancel.clone();
+        let relay = progress.map(|callback| Progress::new(callback, total, cancel.clone()));
+        let results: Vec<Mutex<Option<Result<st::Loaded, st::Error>>>> =
+            paths.iter().map(|_| Mutex::new(None)).collect();
+        run_cancellable(py, &cancel, || {
+            let next = AtomicUsize::new(0);
+            let failed = AtomicBool::new(false);
+            let worker = || loop {
+                let i = next.fetch_add(1, Ordering::AcqRel);
+                if i >= paths.len() || failed.load(Ordering::Acquire) {
+                    break;
+                }
+                let mut options = options.clone();
+                if let Some(relay) = &relay {
+                    options.progress = Some(relay.for_load());
+                }
+                let result = st::load(&paths[i], &options);
+                if result.is_err() {
+                    failed.store(true, Ordering::Release);
+                }
+                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+            };
+            std::thread::scope(|scope| {
+                // This thread is one of the workers; others it cannot create
+                // (RLIMIT_NPROC) only mean fewer files at a time.
+                for _ in 1..concurrency.min(paths.len()) {
+                    if std::thread::Builder::new()
+                        .name("dmaload-shard".into())
+                        .spawn_scoped(scope, worker)
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+                worker();
+            });
+        })?;
+        options.progress = None;
+        if let Some(relay) = &relay {
+            if let Some(err) = relay.take_error() {
+                return Err(err);
             }
-            Some(Err(err)) => return Err(format_error(&err)),
-            // Not started because another file failed: that error was returned above.
-            None => continue,
         }
-    }
-    if let Some(relay) = &relay {
-        relay.maybe_call(true);
-        if let Some(err) = relay.take_error() {
-            return Err(err);
+        let mut out = Vec::with_capacity(paths.len());
+        for slot in results {
+            match slot.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                Some(Ok(loaded)) => {
+                    out.push((Buffer::new(loaded.buffer, loaded.report), header_row(loaded.header)))
+                }
+                Some(Err(err)) => return Err(format_error(&err)),
+                // Not started because another file failed: that error was returned above.
+                None => continue,
+            }
         }
-    }
-    Ok(out)
+        if let Some(relay) = &relay {
+            relay.maybe_call(true);
+            if let Some(err) = relay.take_error() {
+                return Err(err);
+            }
+        }
+        Ok(out)
+    })
 }
 
 /// The dtype names safetensors defines, with their sizes in bits.
 #[pyfunction]
-fn safetensors_dtypes() -> Vec<(&'static str, u64)> {
-    st::Dtype::ALL.iter().map(|d| (d.name(), d.bits())).collect()
+fn safetensors_dtypes() -> PyResult<Vec<(&'static str, u64)>> {
+    guard(|| Ok(st::Dtype::ALL.iter().map(|d| (d.name(), d.bits())).collect()))
+}
+
+/// For the tests only: panics where `place` says ("gil": with the GIL
+/// held; "detached": with it released; "load": on the load thread, as a
+/// load would), to prove that every such panic reaches Python as a
+/// RuntimeError and never as a PanicException.
+#[pyfunction]
+fn _test_panic(py: Python<'_>, place: &str) -> PyResult<()> {
+    let message = format!("deliberate test panic ({place})");
+    match place {
+        "gil" => guard(|| panic!("{message}")),
+        "detached" => detached(py, || panic!("{message}")),
+        "load" => run_cancellable(py, &dmaload::CancelToken::new(), || -> () { panic!("{message}") }),
+        other => Err(PyValueError::new_err(format!("unknown place {other:?} (gil, detached or load)"))),
+    }
 }
 
 #[pymodule]
@@ -723,5 +872,6 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(_test_panic, m)?)?;
     Ok(())
 }

@@ -129,3 +129,114 @@ def test_a_name_that_is_not_utf8_round_trips(tmp_path: Path) -> None:
         assert buf.report.path == name
         assert os.fsencode(buf.report.path) == raw
         assert buf.report.bytes == 12345
+
+
+def test_a_panic_is_a_runtime_error_not_a_panic_exception() -> None:
+    """The guard every entry point goes through: a panic with the GIL held,
+    with it released, and on the load thread each reach Python as a
+    RuntimeError, which ``except Exception`` catches (PyO3's own
+    PanicException derives from BaseException and would not be)."""
+    from dmaload import _dmaload
+
+    for place in ("gil", "detached", "load"):
+        try:
+            _dmaload._test_panic(place)
+        except Exception as exc:  # noqa: BLE001 - the point of the test
+            assert type(exc) is RuntimeError, (place, type(exc).__mro__)
+            assert "internal error in dmaload" in str(exc) and place in str(exc)
+        else:
+            raise AssertionError(f"no exception from a panic ({place})")
+
+
+def _unprivileged_nproc_1() -> list[str]:
+    """argv prefix running a command as nobody with RLIMIT_NPROC = 1 (so it
+    can create no thread), keeping read access to this root-owned venv."""
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to an unprivileged user (root ignores RLIMIT_NPROC)")
+    if not (shutil.which("setpriv") and shutil.which("prlimit")):
+        pytest.skip("needs setpriv and prlimit (util-linux)")
+    caps = "+dac_read_search"
+    return [
+        "prlimit", "--nproc=1",
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+        f"--inh-caps={caps}", f"--ambient-caps={caps}",
+    ]  # fmt: skip
+
+
+def test_no_thread_can_be_created_is_never_a_panic(tmp_path: Path) -> None:
+    """Issue 7: with RLIMIT_NPROC exhausted, thread creation failed with a
+    panic (PanicException in Python). Every loading entry point, with and
+    without a progress callback, must either load the bytes (falling back
+    to running on fewer threads) or raise an ordinary Exception."""
+    prefix = _unprivileged_nproc_1()
+    os.chmod(tmp_path, 0o755)
+    data = tmp_path / "data.bin"
+    write_random(data, (3 << 20) + 5)
+    np = pytest.importorskip("numpy")
+    st_numpy = pytest.importorskip("safetensors.numpy")
+    for i in range(3):
+        st_numpy.save_file({f"t{i}": np.arange(1000 + i, dtype=np.float32)}, tmp_path / f"s{i}.safetensors")
+    for p in tmp_path.iterdir():
+        os.chmod(p, 0o644)
+    code = textwrap.dedent(
+        """
+        import sys, threading
+        import dmaload
+        from dmaload.safetensors import load_file
+        path, model, expected = sys.argv[1], sys.argv[2], open(sys.argv[1], "rb").read()
+        try:
+            threading.Thread(target=print).start()
+        except RuntimeError:
+            print("NO-THREADS")
+        for engine in ("uring-fixed", "uring", "pread-pool", "read"):
+            for progress in (None, lambda d, t: None):
+                for call in (
+                    lambda: bytes(memoryview(dmaload.load(path, engine=engine, progress=progress))) == expected,
+                    lambda: bytes(memoryview(dmaload.load_range(path, 7, 1 << 20, engine=engine,
+                                                                progress=progress))) == expected[7:7 + (1 << 20)],
+                    lambda: sorted(load_file(model, engine=engine, progress=progress)) == ["t0", "t1", "t2"],
+                ):
+                    try:
+                        assert call(), "wrong bytes"
+                    except Exception as exc:
+                        print("ERROR", engine, type(exc).__name__, exc)
+        print("SURVIVED")
+        """
+    )
+    out = subprocess.run(
+        [*prefix, sys.executable, "-c", code, str(data), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        # OpenBLAS (imported with numpy) kills the process when it cannot start its threads.
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+    )
+    assert "NO-THREADS" in out.stdout, f"the limit did not bite:\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == 0 and "SURVIVED" in out.stdout, f"{out.returncode}\n{out.stdout}\n{out.stderr}"
+    assert "PanicException" not in out.stdout + out.stderr and "panicked" not in out.stderr, out.stderr
+
+
+def test_the_report_of_a_name_that_is_not_utf8_is_complete(tmp_path: Path) -> None:
+    """The report crosses as a typed record built field by field: every
+    field is there for a name that is not UTF-8 (the JSON route gave an
+    empty report), and the path is the exact os.fsdecode form."""
+    raw = os.fsencode(tmp_path) + b"/\xff\xfe.bin"
+    data = os.urandom(4096 * 3 + 17)
+    with open(raw, "wb") as f:
+        f.write(data)
+    with dmaload.load(os.fsdecode(raw), engine="pread-pool") as buf:
+        report = buf.report
+    assert isinstance(report, dmaload.LoadReport)
+    assert os.fsencode(report.path) == raw and buf.path == os.fsdecode(raw)
+    assert report.bytes == len(data) and report.offset == 0
+    assert report.engine == "pread-pool" and report.memory == "memfd"
+    assert report.cache in ("bypass", "keep", "dont-cache", "fadvise")
+    assert report.chunk_size > 0 and report.gather_size > 0 and report.total_seconds > 0
+    assert isinstance(report.page_cache, dmaload.PageCacheResidency)
+    assert report.extra == {}
+    with dmaload.load_range(os.fsdecode(raw), 4096, 100) as part:
+        assert part.report.offset == 4096 and part.report.bytes == 100
+        assert os.fsencode(part.report.path) == raw

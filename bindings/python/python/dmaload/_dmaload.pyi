@@ -2,7 +2,7 @@
 
 import os
 from collections.abc import Callable
-from typing import Any, Final, final
+from typing import Any, Final, NoReturn, final
 
 from ._report import LoadReport
 
@@ -16,6 +16,7 @@ __all__ = [
     "read_safetensors_header",
     "safetensors_dtypes",
     "__version__",
+    "_test_panic",
 ]
 
 __version__: Final[str]
@@ -26,7 +27,16 @@ class SafetensorError(ValueError):
 
 @final
 class Buffer:
-    """Bytes loaded from a file, in memfd (or anonymous) memory."""
+    """Bytes loaded from a file, in memfd (or anonymous) memory.
+
+    Views (memoryview, ``numpy.frombuffer``, ``torch.frombuffer``, DLPack,
+    and slices of each) never outlive the memory: ``close()`` only stops
+    new views, drops the fd and makes ``len()`` 0 (it raises BufferError
+    while buffer-protocol exports are alive); the mapping is released when
+    the last reference to the Buffer goes, and every view holds one.
+    Cannot be pickled or copied (TypeError). Any internal failure of the
+    native code is a RuntimeError, never a PanicException.
+    """
 
     def __len__(self) -> int: ...
     # The buffer protocol (PEP 688). CPython < 3.12 has no Python-level
@@ -64,6 +74,8 @@ class Buffer:
         copy: bool | None = None,
     ) -> Any: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
+    def __reduce__(self) -> NoReturn:
+        """Raises TypeError: a Buffer cannot be pickled or copied."""
 
 _TensorRow = tuple[str, str, list[int], int, int]
 _HeaderRow = tuple[list[_TensorRow], dict[str, str] | None, int]
@@ -98,3 +110,5 @@ def load_safetensors(
 def read_safetensors_header(path: str | os.PathLike[str]) -> _HeaderRow: ...
 def parse_safetensors_header(data: bytes, file_len: int | None = None) -> _HeaderRow: ...
 def safetensors_dtypes() -> list[tuple[str, int]]: ...
+def _test_panic(place: str) -> None:
+    """For the tests: a deliberate panic ("gil", "detached" or "load"), raised as RuntimeError."""
