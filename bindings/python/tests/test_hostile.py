@@ -36,14 +36,57 @@ def slow_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path.unlink()
 
 
-def test_ctrl_c_stops_a_load_before_its_end(slow_file: Path) -> None:
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sharded safetensors model (index + 2 shards of SLOW_SIZE / 2) on disk."""
+    np = pytest.importorskip("numpy")
+    st_numpy = pytest.importorskip("safetensors.numpy")
+    base = Path(os.environ.get("DMALOAD_TEST_DIR", "/var/tmp"))
+    d = base / f"dmaload-hostile-model-{os.getpid()}-{tmp_path_factory.mktemp('m').name}"
+    d.mkdir()
+    weight_map = {}
+    for i in range(2):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        rng = np.random.default_rng(i)
+        st_numpy.save_file({f"w{i}": rng.integers(0, 255, SLOW_SIZE // 2, dtype=np.uint8)}, d / name)
+        weight_map[f"w{i}"] = name
+    (d / "model.safetensors.index.json").write_text(__import__("json").dumps({"weight_map": weight_map}))
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+# How each loading entry point is called on the slow file (or model).
+ENTRIES = {
+    "load": "dmaload.load(path, progress=progress, **SLOW)",
+    "load_range": "dmaload.load_range(path, 4097, SIZE - 8192, progress=progress, **SLOW)",
+    "safetensors sharded": "load_file(model, progress=progress, concurrency=2, **SLOW)",
+}
+
+
+def _rchar() -> int:
+    """Bytes this process has read with read()-like calls (/proc/self/io):
+    the "read" engine's reads count here, so a load that stopped early has
+    read less than the file."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_ctrl_c_stops_a_load_before_its_end(entry: str, slow_file: Path, slow_model: Path) -> None:
+    """A real SIGINT, sent once the child's progress callback shows the load
+    under way, raises KeyboardInterrupt from the load before it has read
+    the whole file (handshake and byte counts, no timing)."""
     code = textwrap.dedent(
         f"""
         import sys, dmaload
+        from dmaload.safetensors import load_file
+        path, model, SIZE, SLOW = sys.argv[1], sys.argv[2], {SLOW_SIZE}, {SLOW!r}
         def progress(done, total):
             print("DONE", done, total, flush=True)
         try:
-            dmaload.load(sys.argv[1], progress=progress, **{SLOW!r})
+            {ENTRIES[entry]}
         except KeyboardInterrupt:
             print("INTERRUPTED", flush=True)
             sys.exit(3)
@@ -51,33 +94,46 @@ def test_ctrl_c_stops_a_load_before_its_end(slow_file: Path) -> None:
         """
     )
     child = subprocess.Popen(
-        [sys.executable, "-c", code, str(slow_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, str(slow_file), str(slow_model)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert child.stdout is not None
     first = child.stdout.readline()  # handshake: the load is under way
-    assert first.startswith("DONE"), first
+    assert first.startswith("DONE"), first + (child.stderr.read() if child.stderr else "")
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=120)
     lines = [first, *out.splitlines()]
     assert child.returncode == 3 and "INTERRUPTED" in out, f"{child.returncode}\n{out}\n{err}"
-    last = max(int(line.split()[1]) for line in lines if line.startswith("DONE"))
-    assert last < SLOW_SIZE, "the load ran to its end before Ctrl-C took effect"
+    reports = [line.split() for line in lines if line.startswith("DONE")]
+    total = int(reports[0][2])
+    assert max(int(r[1]) for r in reports) < total, "the load ran to its end before Ctrl-C took effect"
 
 
 class Stop(Exception):
     pass
 
 
-def test_an_exception_in_the_callback_stops_the_load(slow_file: Path) -> None:
-    seen: list[int] = []
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_an_exception_in_the_callback_stops_the_load(entry: str, slow_file: Path, slow_model: Path) -> None:
+    """The callback's own exception comes out of the load, and the load
+    stopped: the process read far less than the file (/proc/self/io)."""
+    from dmaload.safetensors import load_file
+
+    seen: list[tuple[int, int]] = []
 
     def progress(done: int, total: int) -> None:
-        seen.append(done)
+        seen.append((done, total))
         raise Stop("enough")
 
-    with pytest.raises(Stop):
-        dmaload.load(slow_file, progress=progress, **SLOW)  # type: ignore[arg-type]
-    assert len(seen) == 1 and seen[0] < SLOW_SIZE
+    path, model, SIZE = slow_file, slow_model, SLOW_SIZE  # noqa: F841 - used by ENTRIES
+    before = _rchar()
+    with pytest.raises(Stop, match="enough"):
+        eval(ENTRIES[entry])
+    read = _rchar() - before
+    assert seen and all(done < total for done, total in seen)
+    assert read < seen[0][1] // 2, f"read {read} of {seen[0][1]} bytes: the load went on after the exception"
 
 
 def test_a_slow_callback_does_not_serialize_the_reads(tmp_path: Path) -> None:
