@@ -412,3 +412,52 @@ def test_index_weight_maps_are_checked_against_the_files(tmp_path: Path) -> None
     with pytest.raises(FileNotFoundError):
         dst.load_file(with_map(missing))
     assert set(dst.load_file(with_map(good["weight_map"]))) == set(good["weight_map"])
+
+
+def test_index_shard_names_are_checked_before_loading(tmp_path: Path) -> None:
+    """Issue 7: every bad weight_map value is an error naming the tensor and
+    the value, raised before any shard is loaded."""
+    _model(tmp_path, 2)
+    index = tmp_path / "model.safetensors.index.json"
+    good = json.loads(index.read_text())["weight_map"]
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.safetensors"
+    st_numpy.save_file({"layer0.q": np.zeros(2, np.float32)}, outside)
+    try:
+        cases: list[tuple[str, type[Exception], str]] = [
+            (str(outside), dmaload.SafetensorError, "outside the index's directory"),  # absolute
+            (f"../{outside.name}", dmaload.SafetensorError, "outside the index's directory"),
+            (f"sub/../../{outside.name}", dmaload.SafetensorError, "outside the index's directory"),
+            ("", dmaload.SafetensorError, "not a file name"),
+            (".", dmaload.SafetensorError, "not a file name"),
+            ("a\0b.safetensors", dmaload.SafetensorError, "not a file name"),
+            ("model-00009-of-00009.safetensors", FileNotFoundError, "does not exist"),
+        ]
+        for value, error, message in cases:
+            index.write_text(json.dumps({"weight_map": dict(good, **{"layer0.q": value})}))
+            with pytest.raises(error, match=message) as info:
+                dst.load_file(index)
+            assert "'layer0.q'" in str(info.value) and repr(value) in str(info.value), str(info.value)
+            if error is FileNotFoundError:
+                assert isinstance(info.value, OSError) and info.value.filename == str(tmp_path / value)
+    finally:
+        outside.unlink()
+    # A tensor listed twice (json.loads would silently keep the last entry).
+    first = next(iter(good))
+    text = json.dumps({"weight_map": good})
+    twice = text.replace("{", "{" + json.dumps(first) + ": " + json.dumps(good[first]) + ", ", 2)
+    index.write_text(twice)
+    with pytest.raises(dmaload.SafetensorError, match="twice"):
+        dst.load_file(index)
+    # Two spellings of one shard are one shard, loaded once.
+    respelled = {k: (f"./{v}" if i % 2 else v) for i, (k, v) in enumerate(good.items())}
+    index.write_text(json.dumps({"weight_map": respelled}))
+    with dst.safe_open(index) as f:
+        assert len(f.buffers) == 2 and set(f.keys()) == set(good)
+    # A symlinked shard (as in the Hugging Face cache) is fine.
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    shard = good[first]
+    (tmp_path / shard).rename(blobs / "blob1")
+    (tmp_path / shard).symlink_to(Path("blobs") / "blob1")
+    index.write_text(json.dumps({"weight_map": good}))
+    assert set(dst.load_file(index)) == set(good)

@@ -45,6 +45,7 @@ which requires aligned storage; NumPy views it in place.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterator
@@ -88,25 +89,62 @@ def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
             raise FileNotFoundError(2, "no *.safetensors files in directory", str(p))
         return found, None
     if p.suffix == ".json":
-        try:
-            index = json.loads(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SafetensorError(f"{p}: invalid index JSON: {exc}") from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise SafetensorError(f"{p}: index has no weight_map of tensor name -> file name")
-        if not weight_map:
-            raise SafetensorError(f"{p}: index has an empty weight_map: it names no tensor and no shard")
-        files: list[Path] = []
-        for name in dict.fromkeys(weight_map.values()):
-            shard = Path(name)
-            if shard.is_absolute() or ".." in shard.parts:
-                raise SafetensorError(f"{p}: shard {name!r} is outside the index's directory")
-            files.append(p.parent / shard)
-        return files, dict(weight_map)
+        return _index_shards(p)
     return [p], None
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object hook: a key given twice is an error (json.loads would keep the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise SafetensorError(f"key {key!r} appears twice in the same JSON object")
+        out[key] = value
+    return out
+
+
+def _index_shards(p: Path) -> tuple[list[Path], dict[str, str]]:
+    """The shards an index names, checked before anything is loaded.
+
+    The reference loaders (transformers) join each ``weight_map`` value to
+    the index's directory without checking it; dmaload refuses, naming the
+    tensor and the file: a value that is absolute, contains ``..``, names
+    no file (empty, ``.``), contains NUL; a shard that does not exist
+    (``FileNotFoundError``); an empty map; a tensor listed twice. Shards
+    may be symlinks (the Hugging Face cache links into ``../../blobs``):
+    the rule is about the names in the index, not where links lead.
+    """
+    try:
+        index = json.loads(p.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as exc:
+        raise SafetensorError(f"{p}: invalid index JSON: {exc}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise SafetensorError(f"{p}: index has no weight_map of tensor name -> file name")
+    if not weight_map:
+        raise SafetensorError(f"{p}: index has an empty weight_map: it names no tensor and no shard")
+    normalized: dict[str, str] = {}
+    files: dict[str, Path] = {}
+    for tensor, name in weight_map.items():
+        shard = Path(name)
+        if "\0" in name or not name or shard.name in ("", ".", ".."):
+            raise SafetensorError(f"{p}: tensor {tensor!r} is mapped to {name!r}, which is not a file name")
+        if shard.is_absolute() or ".." in shard.parts:
+            raise SafetensorError(
+                f"{p}: tensor {tensor!r} is mapped to shard {name!r}, which is outside the index's directory"
+            )
+        key = os.path.normpath(name)  # "a.safetensors" and "./a.safetensors" are one shard
+        normalized[tensor] = key
+        if key not in files:
+            path = p.parent / key
+            if not path.exists():
+                raise FileNotFoundError(
+                    errno.ENOENT, f"{p}: tensor {tensor!r} is mapped to shard {name!r}, which does not exist", str(path)
+                )
+            files[key] = path
+    return list(files.values()), normalized
 
 
 class _File:
