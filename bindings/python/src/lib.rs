@@ -71,8 +71,11 @@ fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> PyResult<T
 pub struct Buffer {
     /// Owns the mapping and the memfd until the object is deallocated.
     inner: dmaload::Buffer,
-    /// Set by `close()`: no new exports, no fd, length 0.
-    closed: bool,
+    /// Set by `close()`: no new exports, no fd, length 0. Atomic so that
+    /// no method needs `&mut self`: a mutable borrow would make a method
+    /// called from another thread while this one waits for the GIL (in an
+    /// import, say) fail with "Already borrowed".
+    closed: AtomicBool,
     /// Address and length of the bytes, taken once when the buffer was
     /// created: Rust never forms a reference to the bytes afterwards, since
     /// Python may write through exports at any time.
@@ -92,7 +95,7 @@ impl Buffer {
         let (addr, len) = (bytes.as_mut_ptr() as usize, bytes.len());
         Buffer {
             inner: buffer,
-            closed: false,
+            closed: AtomicBool::new(false),
             addr,
             len,
             exports: AtomicUsize::new(0),
@@ -103,17 +106,21 @@ impl Buffer {
     }
 
     fn open(&self) -> PyResult<&dmaload::Buffer> {
-        if self.closed {
+        if self.is_closed() {
             return Err(PyValueError::new_err("operation on a closed Buffer"));
         }
         Ok(&self.inner)
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 }
 
 #[pymethods]
 impl Buffer {
     fn __len__(&self) -> PyResult<usize> {
-        guard(|| Ok(if self.closed { 0 } else { self.len }))
+        guard(|| Ok(if self.is_closed() { 0 } else { self.len }))
     }
 
     /// Exports the bytes: one-dimensional, unsigned bytes (`"B"`), C
@@ -125,7 +132,7 @@ impl Buffer {
         }
         let (addr, len) = guard(|| {
             let this = slf.try_borrow()?;
-            if this.closed {
+            if this.is_closed() {
                 return Err(PyValueError::new_err("operation on a closed Buffer"));
             }
             this.exports.fetch_add(1, Ordering::AcqRel);
@@ -174,7 +181,7 @@ impl Buffer {
     /// to the buffer goes away (at once after `del buf` when nothing else
     /// holds it), never while a view made without an export
     /// (`torch.frombuffer`) can still reach it.
-    fn close(&mut self) -> PyResult<()> {
+    fn close(&self) -> PyResult<()> {
         guard(|| {
             let exports = self.exports.load(Ordering::Acquire);
             if exports > 0 {
@@ -182,14 +189,14 @@ impl Buffer {
                     "cannot close a Buffer with {exports} live export(s) (memoryviews, arrays or tensors)"
                 )));
             }
-            self.closed = true;
+            self.closed.store(true, Ordering::Release);
             Ok(())
         })
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        self.closed
+        self.is_closed()
     }
 
     /// Number of live exports of the bytes.
@@ -203,7 +210,7 @@ impl Buffer {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&mut self, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+    fn __exit__(&self, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
         self.close()?;
         Ok(false)
     }
@@ -316,7 +323,7 @@ impl Buffer {
 
     fn __repr__(&self) -> PyResult<String> {
         guard(|| {
-            Ok(match (!self.closed).then_some(&self.inner) {
+            Ok(match (!self.is_closed()).then_some(&self.inner) {
                 Some(b) => format!(
                     "<dmaload.Buffer {} bytes of {} from {:?}, {} export(s)>",
                     self.len,

@@ -279,3 +279,97 @@ def test_gil_is_released_during_load(tmp_path: Path) -> None:
     assert len(inside) >= max(5, int(duration / 0.001 * 0.2)), (len(inside), duration)
     gaps = [b - a for a, b in zip([start, *inside], [*inside, end])]
     assert max(gaps) < duration / 2, (max(gaps), duration)
+
+
+def test_a_closed_buffer_refuses_clearly(data_file: tuple[Path, bytes]) -> None:
+    """After close(): len 0, no new views, no fd; what describes the load
+    (path, report) stays; close() and leaving a with block again are no-ops."""
+    path, data = data_file
+    buf = dmaload.load(path)
+    buf.close()
+    assert buf.closed and len(buf) == 0 and buf.exports == 0
+    for call in (
+        buf.fileno,
+        buf.dup_memfd,
+        lambda: memoryview(buf),
+        lambda: bytes(buf),
+        lambda: np.frombuffer(buf, dtype=np.uint8),
+        buf.__dlpack__,
+        lambda: buf.segments,
+        lambda: buf.memory,
+        lambda: buf.memfd_offset,
+    ):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    assert buf.path == str(path) and buf.report.bytes == len(data)
+    assert "closed" in repr(buf) and buf.__dlpack_device__() == (1, 0)
+    buf.close()
+    with buf:
+        pass
+
+
+def test_pickling_and_copying_a_buffer_is_a_clear_type_error(data_file: tuple[Path, bytes]) -> None:
+    import copy
+    import pickle
+
+    path, _ = data_file
+    with dmaload.load(path) as buf:
+        for call in (lambda: pickle.dumps(buf), lambda: copy.copy(buf), lambda: copy.deepcopy(buf)):
+            with pytest.raises(TypeError, match="dup_memfd"):
+                call()
+
+
+def test_dlpack_arguments(data_file: tuple[Path, bytes]) -> None:
+    """The DLPack keywords do what the standard says: copy=True gives a copy
+    (no export of the buffer), a device other than the CPU is refused."""
+    path, data = data_file
+    with dmaload.load(path) as buf:
+        copied = np.from_dlpack(buf, copy=True)
+        assert copied.tobytes() == data and buf.exports == 0
+        view = np.from_dlpack(buf, copy=False)
+        assert buf.exports == 1
+        view[0] ^= 0xFF
+        assert memoryview(buf)[0] == data[0] ^ 0xFF and copied[0] == data[0]
+        del view
+        assert buf.__dlpack__(dl_device=(1, 0), max_version=(1, 0)) is not None
+        with pytest.raises(BufferError):
+            buf.__dlpack__(dl_device=(2, 0))  # kDLCUDA
+        assert buf.exports == 0
+
+
+def test_a_buffer_used_from_many_threads(data_file: tuple[Path, bytes]) -> None:
+    """Threads making views, reading and closing at once: every outcome is
+    a view with the right bytes or a clean BufferError/ValueError, never a
+    crash, and the export count ends at zero."""
+    path, data = data_file
+    buf = dmaload.load(path)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(200):
+                try:
+                    with memoryview(buf) as view:
+                        assert view[: 64].tobytes() == data[:64]
+                except ValueError:
+                    assert buf.closed
+                if i == 0:
+                    try:
+                        buf.close()
+                    except BufferError:
+                        pass
+                len(buf), repr(buf), buf.report, buf.exports
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert buf.exports == 0
+    buf.close()
+    assert buf.closed
