@@ -1,4 +1,5 @@
-"""The report of a load, as dataclasses (built from the native module's JSON)."""
+"""The report of a load, as dataclasses (built field by field by the native module;
+``LoadReport.from_json`` reads the JSON that ``dmaload load --json`` prints)."""
 
 from __future__ import annotations
 
