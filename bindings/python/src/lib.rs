@@ -361,6 +361,7 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
         cache,
         memory,
         huge_pages,
+        destination,
         filesystem,
         alignment,
         chunk_size,
@@ -370,6 +371,7 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
         alloc_seconds,
         register_seconds,
         first_gather_seconds,
+        deliver_seconds,
         io_seconds,
         waited_for_memory_seconds,
         total_seconds,
@@ -398,6 +400,7 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     kw.set_item("cache", cache_name(*cache))?;
     kw.set_item("memory", memory.name())?;
     kw.set_item("huge_pages", huge_pages)?;
+    kw.set_item("destination", destination)?;
     kw.set_item("filesystem", filesystem)?;
     kw.set_item("alignment", alignment)?;
     kw.set_item("chunk_size", chunk_size)?;
@@ -407,6 +410,7 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     kw.set_item("alloc_seconds", alloc_seconds)?;
     kw.set_item("register_seconds", register_seconds)?;
     kw.set_item("first_gather_seconds", first_gather_seconds)?;
+    kw.set_item("deliver_seconds", deliver_seconds)?;
     kw.set_item("io_seconds", io_seconds)?;
     kw.set_item("waited_for_memory_seconds", waited_for_memory_seconds)?;
     kw.set_item("total_seconds", total_seconds)?;

@@ -24,6 +24,7 @@ mod pipeline;
 mod plan;
 mod report;
 pub mod save;
+pub mod sink;
 pub mod source;
 #[allow(unsafe_code)]
 mod sys;
@@ -36,5 +37,8 @@ pub use cancel::CancelToken;
 pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
-pub use load::{load, load_fd, load_from, load_range, Fallback, IoMode, LoadOptions, LoadReport};
+pub use load::{
+    load, load_fd, load_from, load_range, load_to_sink, Fallback, IoMode, LoadOptions, LoadReport,
+};
 pub use save::{save, SaveOptions, SaveReport};
+pub use sink::{HostSink, Sink, SlotData, StagingRing};

@@ -15,6 +15,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::buffer::Buffer;
+use crate::engine::EngineRun;
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::validate;
@@ -23,10 +24,11 @@ pub use crate::options::{
     DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
 };
 use crate::pagecache;
-use crate::pipeline::{fill, Filled};
+use crate::pipeline::{fill, fill_staged, Filled};
 use crate::plan::Plan;
 pub use crate::report::LoadReport;
-use crate::source::{buffered, cache_name, choose_read_setup, no_residue_policy, Source};
+use crate::sink::{Sink, StagingRing};
+use crate::source::{buffered, cache_name, choose_read_setup, no_residue_policy, ReadSetup, Source};
 use crate::sys::mem::Seals;
 use crate::{sys, system};
 
@@ -79,16 +81,32 @@ fn load_impl(
     load_source(Source::open(path)?, path, offset, len, options)
 }
 
-fn load_source(
+/// A file range checked and ready to read: what every destination's load
+/// starts from.
+struct Opened<'p> {
     source: Source,
-    path: &Path,
+    path: &'p Path,
+    offset: u64,
+    len: u64,
+    setup: ReadSetup,
+    fallbacks: Vec<Fallback>,
+    started: Instant,
+    cpu_before: (std::time::Duration, std::time::Duration),
+}
+
+/// Checks the range against the open file (and, when the destination is
+/// fresh host memory, against the memory that is available) and chooses
+/// the read setup.
+fn open_range<'p>(
+    source: Source,
+    path: &'p Path,
     offset: u64,
     len: Option<u64>,
     options: &LoadOptions,
-) -> Result<(Buffer, LoadReport)> {
+    memory_needed: bool,
+) -> Result<Opened<'p>> {
     let started = Instant::now();
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-    let file = &source.file;
     let size = source.size;
     if offset > size {
         return Err(Error::new(
@@ -100,7 +118,7 @@ fn load_source(
         .at(offset));
     }
     let len = len.unwrap_or(size - offset);
-    let end = offset.checked_add(len).filter(|&end| end <= size).ok_or_else(|| {
+    offset.checked_add(len).filter(|&end| end <= size).ok_or_else(|| {
         Error::new(
             ErrorKind::Truncated,
             "load",
@@ -109,68 +127,139 @@ fn load_source(
         )
         .at(size)
     })?;
-    let budget = system::memory_budget().map_err(|e| Error::io("read /proc/meminfo", path, e))?;
-    if len > budget.available {
-        return Err(Error::new(
-            ErrorKind::OutOfMemory,
-            "load",
-            path,
-            format!(
-                "needs {len} bytes of memory but only {} are available ({}); load a range instead",
-                budget.available, budget.limited_by
-            ),
-        ));
-    }
-    let mut fallbacks = Vec::new();
-    let mut setup = choose_read_setup(path, file, &source, options.mode, &mut fallbacks)?;
-    let page = sys::mem::page_size();
-    let mut plan = Plan::new(offset, len, setup.align, options.chunk_size, options.gather_size, page);
-
-    let filled = match fill(path, &setup, &plan, len, options) {
-        // Some devices reject the reported alignment: retry once buffered.
-        Err(err)
-            if setup.cache == CachePolicy::Bypass
-                && options.mode == IoMode::Auto
-                && err.raw_os_error() == Some(libc::EINVAL) =>
-        {
-            setup = buffered(path, file, no_residue_policy(file))?;
-            fallbacks.push(Fallback::new(
-                "direct",
-                cache_name(setup.cache),
-                format!("O_DIRECT read rejected: {err}"),
-            ));
-            plan = Plan::new(offset, len, 1, options.chunk_size, options.gather_size, page);
-            fill(path, &setup, &plan, len, options)
-        }
-        // io_uring cancels requests that its io-wq cannot create a worker
-        // thread for (RLIMIT_NPROC, cgroup pids.max): the pool reads inline.
-        Err(err)
-            if matches!(options.engine, Engine::UringFixed | Engine::Uring)
-                && err.raw_os_error() == Some(libc::ECANCELED)
-                && !options.cancel.is_cancelled() =>
-        {
-            fallbacks.push(Fallback::new(
-                options.engine.name(),
-                Engine::PreadPool.name(),
+    if memory_needed {
+        let budget = system::memory_budget().map_err(|e| Error::io("read /proc/meminfo", path, e))?;
+        if len > budget.available {
+            return Err(Error::new(
+                ErrorKind::OutOfMemory,
+                "load",
+                path,
                 format!(
-                    "io_uring cancelled a read ({err}): its worker threads could not be created \
-                     (RLIMIT_NPROC or the cgroup's pids.max)"
+                    "needs {len} bytes of memory but only {} are available ({}); load a range instead",
+                    budget.available, budget.limited_by
                 ),
             ));
-            fill(path, &setup, &plan, len, &LoadOptions { engine: Engine::PreadPool, ..options.clone() })
         }
-        other => other,
-    };
-    let Filled { mut alloc, run, times, engine_wall } = filled.map_err(|err| match err.kind() {
-        ErrorKind::Truncated => match file.metadata() {
-            Ok(meta) => err.with_note(&format!("; the file is now {} bytes", meta.len())),
-            Err(_) => err,
-        },
-        _ => err,
-    })?;
-    // Every byte is in, and progress has said so: a file written meanwhile
-    // (in place, or cut short) may have given a mix of old and new bytes.
-    source.check_unchanged(path, end)?;
+    }
+    let mut fallbacks = Vec::new();
+    let setup = choose_read_setup(path, &source.file, &source, options.mode, &mut fallbacks)?;
+    Ok(Opened { source, path, offset, len, setup, fallbacks, started, cpu_before })
+}
+
+impl Opened<'_> {
+    /// Runs `attempt` with the chosen setup and its plan, retrying once the
+    /// way a failure allows: buffered after an `EINVAL` on a direct read
+    /// (some devices reject the reported alignment), with the pread pool
+    /// after io_uring cancelled a read for want of worker threads
+    /// (RLIMIT_NPROC, cgroup pids.max). A truncation names the new size.
+    fn read<T>(
+        &mut self,
+        options: &LoadOptions,
+        plan_for: impl Fn(usize) -> Plan,
+        mut attempt: impl FnMut(&ReadSetup, &Plan, &LoadOptions) -> Result<T>,
+    ) -> Result<(T, Plan)> {
+        let path = self.path;
+        let file = &self.source.file;
+        let plan = plan_for(self.setup.align);
+        let outcome = match attempt(&self.setup, &plan, options) {
+            Err(err)
+                if self.setup.cache == CachePolicy::Bypass
+                    && options.mode == IoMode::Auto
+                    && err.raw_os_error() == Some(libc::EINVAL) =>
+            {
+                self.setup = buffered(path, file, no_residue_policy(file))?;
+                self.fallbacks.push(Fallback::new(
+                    "direct",
+                    cache_name(self.setup.cache),
+                    format!("O_DIRECT read rejected: {err}"),
+                ));
+                let plan = plan_for(1);
+                attempt(&self.setup, &plan, options).map(|done| (done, plan))
+            }
+            Err(err)
+                if matches!(options.engine, Engine::UringFixed | Engine::Uring)
+                    && err.raw_os_error() == Some(libc::ECANCELED)
+                    && !options.cancel.is_cancelled() =>
+            {
+                self.fallbacks.push(Fallback::new(
+                    options.engine.name(),
+                    Engine::PreadPool.name(),
+                    format!(
+                        "io_uring cancelled a read ({err}): its worker threads could not be created \
+                         (RLIMIT_NPROC or the cgroup's pids.max)"
+                    ),
+                ));
+                let pool = LoadOptions { engine: Engine::PreadPool, ..options.clone() };
+                attempt(&self.setup, &plan, &pool).map(|done| (done, plan))
+            }
+            other => other.map(|done| (done, plan)),
+        };
+        let done = outcome.map_err(|err| match err.kind() {
+            ErrorKind::Truncated => match file.metadata() {
+                Ok(meta) => err.with_note(&format!("; the file is now {} bytes", meta.len())),
+                Err(_) => err,
+            },
+            _ => err,
+        })?;
+        // Every byte is in, and progress has said so: a file written meanwhile
+        // (in place, or cut short) may have given a mix of old and new bytes.
+        self.source.check_unchanged(path, self.offset + self.len)?;
+        Ok(done)
+    }
+
+    /// The report of a finished load; the caller fills in the destination's
+    /// own times.
+    fn report(self, plan: &Plan, run: EngineRun, options: &LoadOptions) -> Result<LoadReport> {
+        let path = self.path;
+        let page_cache = pagecache::residency_of(&self.source.file, path, self.offset, self.len)?;
+        let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+        let total = self.started.elapsed();
+        let mut fallbacks = self.fallbacks;
+        fallbacks.extend(run.fallbacks);
+        Ok(LoadReport {
+            path: path.to_owned(),
+            offset: self.offset,
+            bytes: self.len,
+            engine: run.engine,
+            cache: self.setup.cache,
+            memory: options.memory,
+            huge_pages: crate::system::huge_pages_allowed(options.memory),
+            destination: options.memory.name().to_owned(),
+            filesystem: self.source.storage,
+            alignment: self.setup.align,
+            chunk_size: plan.chunk,
+            gather_size: plan.gather,
+            queue_depth: options.queue_depth,
+            fallbacks,
+            alloc_seconds: 0.0,
+            register_seconds: 0.0,
+            first_gather_seconds: 0.0,
+            deliver_seconds: 0.0,
+            io_seconds: 0.0,
+            waited_for_memory_seconds: run.waited_for_memory.as_secs_f64(),
+            total_seconds: total.as_secs_f64(),
+            gib_per_second: self.len as f64 / (1u64 << 30) as f64 / total.as_secs_f64().max(1e-9),
+            cpu_user_seconds: (cpu_after.0.saturating_sub(self.cpu_before.0)).as_secs_f64(),
+            cpu_system_seconds: (cpu_after.1.saturating_sub(self.cpu_before.1)).as_secs_f64(),
+            page_cache,
+        })
+    }
+}
+
+fn load_source(
+    source: Source,
+    path: &Path,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<(Buffer, LoadReport)> {
+    let mut opened = open_range(source, path, offset, len, options, true)?;
+    let (offset, len) = (opened.offset, opened.len);
+    let page = sys::mem::page_size();
+    let plan_for = |align| Plan::new(offset, len, align, options.chunk_size, options.gather_size, page);
+    let (filled, plan) =
+        opened.read(options, plan_for, |setup, plan, options| fill(path, setup, plan, len, options))?;
+    let Filled { mut alloc, run, times, engine_wall } = filled;
     // Direct I/O read whole aligned blocks around the range: the bytes
     // outside it are not the caller's to see, nor to share through the memfd.
     let data = plan.data_range();
@@ -184,35 +273,57 @@ fn load_source(
             .map_err(|e| Error::io("seal memfd", path, e))?;
     }
     let buffer = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges());
-    let page_cache = pagecache::residency_of(file, path, offset, len)?;
-    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-    let total = started.elapsed();
-    fallbacks.extend(run.fallbacks);
-    debug_assert_eq!(end - offset, buffer.len() as u64);
-    let report = LoadReport {
-        path: path.to_owned(),
-        offset,
-        bytes: len,
-        engine: run.engine,
-        cache: setup.cache,
-        memory: options.memory,
-        huge_pages: crate::system::huge_pages_allowed(options.memory),
-        filesystem: source.storage,
-        alignment: setup.align,
-        chunk_size: plan.chunk,
-        gather_size: plan.gather,
-        queue_depth: options.queue_depth,
-        fallbacks,
-        alloc_seconds: times.all.as_secs_f64(),
-        register_seconds: times.register.as_secs_f64(),
-        first_gather_seconds: times.first.as_secs_f64(),
-        io_seconds: engine_wall.saturating_sub(run.waited_for_memory).as_secs_f64(),
-        waited_for_memory_seconds: run.waited_for_memory.as_secs_f64(),
-        total_seconds: total.as_secs_f64(),
-        gib_per_second: len as f64 / (1u64 << 30) as f64 / total.as_secs_f64().max(1e-9),
-        cpu_user_seconds: (cpu_after.0.saturating_sub(cpu_before.0)).as_secs_f64(),
-        cpu_system_seconds: (cpu_after.1.saturating_sub(cpu_before.1)).as_secs_f64(),
-        page_cache,
-    };
+    debug_assert_eq!(len, buffer.len() as u64);
+    let waited = run.waited_for_memory;
+    let mut report = opened.report(&plan, run, options)?;
+    report.alloc_seconds = times.all.as_secs_f64();
+    report.register_seconds = times.register.as_secs_f64();
+    report.first_gather_seconds = times.first.as_secs_f64();
+    report.io_seconds = engine_wall.saturating_sub(waited).as_secs_f64();
     Ok((buffer, report))
+}
+
+/// Loads `len` bytes of the file at `path` from `offset` (to the end when
+/// `len` is `None`) through the staging slots of `ring` into `sink`: the
+/// pipeline's staged destination (GPU memory, caller memory, a dma-heap
+/// mapping). The ring is the only host memory the load uses, whatever the
+/// file size; it may serve any number of loads, one at a time. The sink has
+/// received every byte when this returns `Ok`; after an error it may hold
+/// part of them, which the caller must not use.
+pub fn load_to_sink(
+    path: impl AsRef<Path>,
+    offset: u64,
+    len: Option<u64>,
+    ring: &mut StagingRing,
+    sink: &mut dyn Sink,
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    let path = path.as_ref();
+    validate(path, options)?;
+    let page = sys::mem::page_size();
+    let slot = ring.slot_len();
+    let chunk = options.chunk_size.min(slot).div_ceil(page) * page;
+    if slot % chunk != 0 {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "load",
+            path,
+            format!("staging slots of {} bytes do not hold whole chunks of {chunk} bytes", ring.slot_len()),
+        ));
+    }
+    let mut opened = open_range(Source::open(path)?, path, offset, len, options, false)?;
+    let (offset, len) = (opened.offset, opened.len);
+    let plan_for = |align| Plan::staged(offset, len, align, chunk, slot, page);
+    let started = Instant::now();
+    let ((run, times), plan) = opened.read(options, plan_for, |setup, plan, options| {
+        fill_staged(path, setup, plan, len, options, ring, sink)
+    })?;
+    let wall = started.elapsed();
+    let waited = run.waited_for_memory;
+    let mut report = opened.report(&plan, run, options)?;
+    report.destination = format!("staging ring ({} x {} bytes)", ring.slots(), ring.slot_len());
+    report.register_seconds = times.register.as_secs_f64();
+    report.deliver_seconds = times.deliver.as_secs_f64();
+    report.io_seconds = wall.saturating_sub(waited).as_secs_f64();
+    Ok(report)
 }

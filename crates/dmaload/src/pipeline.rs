@@ -9,11 +9,12 @@ use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::engine::{self, Engine, EngineRun, Gate, Job, Progress};
-use crate::error::{Error, Result};
+use crate::engine::{self, Engine, EngineRun, Gate, Job, Layout, Progress};
+use crate::error::{Error, ErrorKind, Result};
 use crate::heap::Allocation;
 use crate::options::{Fallback, LoadOptions};
 use crate::plan::Plan;
+use crate::sink::{Sink, SlotData, StagingRing};
 use crate::source::ReadSetup;
 use crate::sys;
 use crate::sys::mem::MappingWriter;
@@ -121,6 +122,7 @@ enum Prepared<'m> {
 fn prepare_engine<'m>(
     path: &Path,
     plan: &Plan,
+    layout: Layout,
     dst: MappingWriter<'m>,
     options: &LoadOptions,
     fallbacks: &mut Vec<Fallback>,
@@ -151,7 +153,7 @@ fn prepare_engine<'m>(
         Err(err) => return Err(Error::io("io_uring_setup", path, err)),
     };
     let registrar = if options.engine == Engine::UringFixed {
-        match ring.register_slots(plan.gather_count() as u32).and_then(|()| ring.registrar()) {
+        match ring.register_slots(layout.table_len(plan)).and_then(|()| ring.registrar()) {
             Ok(registrar) => Some(registrar),
             Err(err) => {
                 fallbacks.push(engine::no_sparse_table(&err));
@@ -200,47 +202,170 @@ pub(crate) fn fill_mapping(
     options: &LoadOptions,
     dst: MappingWriter<'_>,
 ) -> Result<(EngineRun, PopulateTimes)> {
+    let populate = |registrar: Option<Registrar<'_>>, gate: &Gate| {
+        populate_gathers(dst, registrar, plan, gate, options.populate_threads)
+    };
+    let (run, times) = run_pipeline(path, setup, plan, len, options, dst, Layout::InPlace, populate);
+    Ok((run?, times.unwrap_or_default()))
+}
+
+/// What feeding a sink cost, on the helper thread.
+#[derive(Debug, Default)]
+pub(crate) struct DeliverTimes {
+    /// Registering the staging slots with io_uring.
+    pub register: Duration,
+    /// Handing filled slots to the sink and waiting for it to release them.
+    pub deliver: Duration,
+}
+
+/// Reads the plan's range through `ring`'s staging slots into `sink`: the
+/// engine fills slots, a helper thread hands each filled slot to the sink
+/// (in file order) and gives it back to the engine once the sink has
+/// released it. Whatever happens, the sink is finished (every delivery it
+/// started has landed) before this returns, so the slots are quiet.
+pub(crate) fn fill_staged(
+    path: &Path,
+    setup: &ReadSetup,
+    plan: &Plan,
+    len: u64,
+    options: &LoadOptions,
+    ring: &mut StagingRing,
+    sink: &mut dyn Sink,
+) -> Result<(EngineRun, DeliverTimes)> {
+    let layout = Layout::Staged { slots: ring.slots(), slot_len: ring.slot_len() };
+    let dst = ring.writer();
+    let sink = std::sync::Mutex::new(sink);
+    let feed = |registrar: Option<Registrar<'_>>, gate: &Gate| {
+        let mut sink = sink.lock().unwrap_or_else(|p| p.into_inner());
+        feed_sink(path, dst, registrar, plan, layout, gate, &mut **sink)
+    };
+    let (run, fed) = run_pipeline(path, setup, plan, len, options, dst, layout, feed);
+    let finished = sink.into_inner().unwrap_or_else(|p| p.into_inner()).finish();
+    // The sink's own error is the cause; the engine only saw it stop.
+    let times = match fed {
+        Some(fed) => fed?,
+        None => {
+            run?;
+            return Err(Error::new(ErrorKind::Io, "deliver", path, "the delivery thread stopped"));
+        }
+    };
+    let run = run?;
+    finished.map_err(|e| Error::io("finish delivery", path, e))?;
+    Ok((run, times))
+}
+
+/// The helper thread of a staged load: registers the slots, lets the
+/// engine read into all of them, then hands each filled gather to the sink
+/// and the slot of the one before it back to the engine (one behind, so
+/// the sink's copy of a slot overlaps with waiting for the next). Fails
+/// only with the sink's own errors; it stops quietly when the engine does.
+fn feed_sink(
+    path: &Path,
+    dst: MappingWriter<'_>,
+    registrar: Option<Registrar<'_>>,
+    plan: &Plan,
+    layout: Layout,
+    gate: &Gate,
+    sink: &mut dyn Sink,
+) -> Result<DeliverTimes> {
+    let Layout::Staged { slots, slot_len } = layout else { unreachable!("feed_sink runs staged loads") };
+    let count = plan.gather_count();
+    let mut times = DeliverTimes::default();
+    if let Some(reg) = registrar {
+        let started = Instant::now();
+        let registered =
+            (0..slots.min(count)).try_for_each(|s| reg.register(s as u32, s * slot_len..(s + 1) * slot_len));
+        match registered {
+            Ok(()) => gate.publish_registered(usize::MAX),
+            Err(err) => gate.refuse_registration(engine::uring::register_refusal(&err)),
+        }
+        times.register = started.elapsed();
+    }
+    gate.publish(slots.min(count));
+    let fail = |err: io::Error, op: &'static str, g: usize| {
+        gate.fail(&err);
+        gate.cancel();
+        Error::io(op, path, err).at(plan.gather_data(g).start)
+    };
+    for g in 0..count {
+        if gate.wait_filled(g).is_err() {
+            break; // the engine failed or was cancelled: its error says why
+        }
+        let started = Instant::now();
+        let data = plan.gather_data(g);
+        let slot = g % slots;
+        let into = (data.start - plan.file_start) as usize - plan.gather_range(g).start;
+        let range = slot * slot_len + into..slot * slot_len + into + (data.end - data.start) as usize;
+        sink.deliver(slot, SlotData::new(dst, range, data.start)).map_err(|e| fail(e, "deliver", g))?;
+        if g >= 1 && g - 1 + slots < count {
+            sink.release((g - 1) % slots).map_err(|e| fail(e, "release staging slot", g - 1))?;
+            gate.publish(g + slots);
+        }
+        times.deliver += started.elapsed();
+    }
+    Ok(times)
+}
+
+/// Runs one pipeline: the engine on this thread, `helper` (populating a
+/// destination, or feeding a sink) on a thread beside it (or first, when
+/// no thread can be created), and the progress reporter. Returns the
+/// engine's result and the helper's (`None` if it panicked).
+#[allow(clippy::too_many_arguments)]
+fn run_pipeline<'m, T: Send>(
+    path: &Path,
+    setup: &ReadSetup,
+    plan: &Plan,
+    len: u64,
+    options: &LoadOptions,
+    dst: MappingWriter<'m>,
+    layout: Layout,
+    helper: impl FnOnce(Option<Registrar<'m>>, &Gate) -> T + Send,
+) -> (Result<EngineRun>, Option<T>) {
     let gate = Gate::new(options.cancel.clone());
     let progress = Progress::new(len, options.progress.as_deref());
     let job = Job {
         path,
         file: setup.file.as_fd(),
         plan,
+        layout,
         cache: setup.cache,
         gate: &gate,
         progress: &progress,
         queue_depth: options.queue_depth,
     };
     let mut fallbacks = Vec::new();
-    let (prepared, registrar) = match prepare_engine(path, plan, dst, options, &mut fallbacks) {
+    let (prepared, registrar) = match prepare_engine(path, plan, layout, dst, options, &mut fallbacks) {
         Ok((prepared, registrar)) => (Ok(prepared), registrar),
         Err(err) => (Err(err), None),
     };
     let fixed = registrar.is_some();
-    // Taken by whichever thread populates (see below).
-    let registrar = std::sync::Mutex::new(registrar);
-    let (result, times) = std::thread::scope(|scope| {
-        let populate = || {
-            let registrar = registrar.lock().unwrap_or_else(|p| p.into_inner()).take();
-            let populated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                populate_gathers(dst, registrar, plan, &gate, options.populate_threads)
-            }));
+    // Taken by whichever thread runs the helper (see below).
+    let helper = std::sync::Mutex::new(Some((helper, registrar)));
+    let (result, helped) = std::thread::scope(|scope| {
+        let help = || {
+            let (helper, registrar) = helper.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+            let helped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| helper(registrar, &gate)));
             // A panic must still open the gate, or the engine would wait forever.
-            populated.inspect_err(|_| gate.fail(&io::Error::other("the populating thread panicked")))
+            helped.inspect_err(|_| gate.fail(&io::Error::other("the helper thread panicked"))).ok()
         };
-        let populator =
-            std::thread::Builder::new().name("dmaload-populate".into()).spawn_scoped(scope, populate);
+        let helper_thread =
+            std::thread::Builder::new().name("dmaload-populate".into()).spawn_scoped(scope, help);
         // Without a thread of its own (RLIMIT_NPROC, cgroup pids.max) the
         // memory is populated before the reads instead of beside them.
-        let (populator, populated_first) = match populator {
+        let (helper_thread, helped_first) = match helper_thread {
             Ok(handle) => (Some(handle), None),
-            Err(err) => {
+            Err(err) if layout == Layout::InPlace => {
                 fallbacks.push(Fallback::new(
                     "populate beside the reads",
                     "populate before the reads",
                     format!("cannot create a thread: {err}"),
                 ));
-                (None, Some(populate()))
+                (None, help())
+            }
+            Err(err) => {
+                // A sink must run beside the reads: the slots are reused.
+                let err = Error::io("create the delivery thread", path, err);
+                return (Err(err), None);
             }
         };
         let reporter = std::thread::Builder::new()
@@ -256,17 +381,18 @@ pub(crate) fn fill_mapping(
         progress.finish();
         // A panicking reporter only means a callback panicked: no bytes are at stake.
         let _ = reporter.map(|r| r.join());
-        let populated = match populator {
-            Some(handle) => handle.join().unwrap_or_else(|_| Err(Box::new("populating thread panicked"))),
-            None => populated_first.unwrap_or_else(|| Err(Box::new("not populated"))),
+        let helped = match helper_thread {
+            Some(handle) => handle.join().ok().flatten(),
+            None => helped_first,
         };
-        let times = populated.unwrap_or_default();
-        (result, times)
+        (result, helped)
     });
-    let mut run = result?;
-    fallbacks.append(&mut run.fallbacks);
-    run.fallbacks = fallbacks;
-    debug_assert_eq!(progress.done(), len);
-    progress.report_complete();
-    Ok((run, times))
+    let result = result.map(|mut run| {
+        fallbacks.append(&mut run.fallbacks);
+        run.fallbacks = fallbacks;
+        debug_assert_eq!(progress.done(), len);
+        progress.report_complete();
+        run
+    });
+    (result, helped)
 }

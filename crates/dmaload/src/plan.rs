@@ -101,6 +101,38 @@ impl Plan {
         }
     }
 
+    /// Plans reading `len` bytes at `offset` through a ring of staging slots
+    /// of `slot` bytes: every gather is one slot's worth (no ramp: the slots
+    /// are populated before the load starts), and their number is not
+    /// bounded by the registered-buffer table, since gather `g` reuses slot
+    /// `g % slots`.
+    pub fn staged(offset: u64, len: u64, align: usize, chunk: usize, slot: usize, page: usize) -> Plan {
+        let mut plan = Plan::new(offset, len, align, chunk, slot, page);
+        plan.gather = Self::slot_len(chunk, slot, page);
+        let gather = plan.gather;
+        plan.gather_bounds = (0..plan.mapping_len.div_ceil(gather))
+            .map(|g| g * gather)
+            .chain(std::iter::once(plan.mapping_len))
+            .collect();
+        plan
+    }
+
+    /// The length of a staging slot for reads of `chunk` bytes: whole
+    /// chunks (themselves whole pages), at most 1 GiB (a registered buffer's
+    /// limit).
+    pub fn slot_len(chunk: usize, slot: usize, page: usize) -> usize {
+        let chunk = chunk.max(page).div_ceil(page) * page;
+        slot.clamp(chunk, MAX_GATHER_BYTES) / chunk * chunk
+    }
+
+    /// The part of gather `g` the caller asked for, as file offsets.
+    pub fn gather_data(&self, g: usize) -> Range<u64> {
+        let range = self.gather_range(g);
+        let start = (self.file_start + range.start as u64).max(self.data_start);
+        let end = (self.file_start + range.end as u64).min(self.data_end);
+        start..end.max(start)
+    }
+
     /// Where the requested bytes are in the mapping.
     pub fn data_range(&self) -> Range<usize> {
         (self.data_start - self.file_start) as usize..(self.data_end - self.file_start) as usize
@@ -240,6 +272,28 @@ mod tests {
         assert_eq!(plan.gather_of(0), 0);
         assert_eq!(plan.gather_of(1 << 20), 1);
         assert_eq!(plan.gather_of((4 << 20) - 1), 2);
+    }
+
+    #[test]
+    fn staged_gathers_are_slots() {
+        const M: usize = 1 << 20;
+        // An unaligned range: the first slot holds the alignment head too.
+        let plan = Plan::staged(1000, 10 * M as u64, 512, M, 4 * M, P);
+        assert_eq!(plan.gather, 4 * M);
+        assert_eq!(plan.gather_count(), 3);
+        assert_eq!(plan.gather_range(0), 0..4 * M);
+        assert_eq!(plan.gather_range(2), 8 * M..plan.mapping_len);
+        assert_eq!(plan.gather_data(0), 1000..4 * M as u64 + 512);
+        assert_eq!(plan.gather_data(2).end, 1000 + 10 * M as u64);
+        let total: u64 = (0..3).map(|g| plan.gather_need(g)).sum();
+        assert_eq!(total, 10 * M as u64);
+        let covered: u64 = (0..3).map(|g| plan.gather_data(g)).map(|r| r.end - r.start).sum();
+        assert_eq!(covered, 10 * M as u64);
+        // Far more slot-sized gathers than the registered table holds.
+        let huge = Plan::staged(0, 1 << 40, 4096, M, M, P);
+        assert_eq!(huge.gather_count(), 1 << 20);
+        assert_eq!(Plan::slot_len(3 * M, 4 * M, P), 3 * M);
+        assert_eq!(Plan::slot_len(M, 1, P), M);
     }
 
     #[test]

@@ -26,6 +26,9 @@ pub struct LoadReport {
     /// Whether the kernel's THP policy let the memory use 2 MiB pages (see
     /// [`crate::system::huge_pages_allowed`]).
     pub huge_pages: bool,
+    /// Where the bytes went: the memory kind of a host buffer, or the
+    /// staging ring a sink was fed from.
+    pub destination: String,
     /// The filesystem the file is on ("ext4", "tmpfs", ...), or
     /// "block-device".
     pub filesystem: &'static str,
@@ -43,6 +46,9 @@ pub struct LoadReport {
     pub register_seconds: f64,
     /// Populating the first gather: the part of allocation never hidden.
     pub first_gather_seconds: f64,
+    /// Handing filled staging slots to the sink and waiting for it to
+    /// release them, on the helper thread, beside the I/O (staged loads).
+    pub deliver_seconds: f64,
     /// Reading, from the first request to the last completion, less the time
     /// the reads stalled waiting for memory.
     pub io_seconds: f64,

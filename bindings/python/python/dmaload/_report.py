@@ -43,6 +43,7 @@ class LoadReport:
     cache: str = ""
     memory: str = ""
     huge_pages: bool = False
+    destination: str = ""
     filesystem: str = ""
     alignment: int = 0
     chunk_size: int = 0
@@ -52,6 +53,7 @@ class LoadReport:
     alloc_seconds: float = 0.0
     register_seconds: float = 0.0
     first_gather_seconds: float = 0.0
+    deliver_seconds: float = 0.0
     io_seconds: float = 0.0
     waited_for_memory_seconds: float = 0.0
     total_seconds: float = 0.0

@@ -7,6 +7,7 @@ pub(crate) mod uring;
 pub(crate) mod write;
 
 use std::io;
+use std::ops::Range;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::str::FromStr;
@@ -91,9 +92,11 @@ impl CachePolicy {
 /// [`CancelToken`]: the bound on how late a cancellation is noticed there.
 const CANCEL_POLL: Duration = Duration::from_millis(20);
 
-/// Tells engines how many gathers are populated (and registered), and the
-/// populating thread when to stop because the load failed or the caller
-/// cancelled it.
+/// Passes gathers between the engine and the helper thread beside it, both
+/// ways: the helper says how many gathers may be read into (populated and
+/// registered, or staging slots the destination has released), the engine
+/// says which gathers are filled (for a staged destination to take), and
+/// either side learns when the other failed or the caller cancelled.
 pub(crate) struct Gate {
     state: Mutex<GateState>,
     changed: Condvar,
@@ -106,6 +109,8 @@ struct GateState {
     registered: usize,
     registration_refused: Option<String>,
     failure: Option<(Option<i32>, String)>,
+    /// Gathers whose every byte has arrived (staged loads only).
+    filled: Vec<bool>,
 }
 
 impl Gate {
@@ -117,6 +122,7 @@ impl Gate {
                 registered: 0,
                 registration_refused: None,
                 failure: None,
+                filled: Vec::new(),
             }),
             changed: Condvar::new(),
             cancelled: AtomicBool::new(false),
@@ -176,6 +182,36 @@ impl Gate {
     /// Whether gather `g` is ready, without blocking.
     pub fn is_ready(&self, g: usize) -> bool {
         self.lock().ready > g
+    }
+
+    /// The engine has every byte of gather `g`.
+    pub fn mark_filled(&self, g: usize) {
+        let mut state = self.lock();
+        if state.filled.len() <= g {
+            state.filled.resize(g + 1, false);
+        }
+        state.filled[g] = true;
+        drop(state);
+        self.changed.notify_all();
+    }
+
+    /// Blocks until the engine has filled gather `g`; `ECANCELED` when the
+    /// load failed or was cancelled first.
+    pub fn wait_filled(&self, g: usize) -> io::Result<()> {
+        let mut state = self.lock();
+        loop {
+            if state.filled.get(g) == Some(&true) {
+                return Ok(());
+            }
+            if self.is_cancelled() {
+                return Err(io::Error::from_raw_os_error(libc::ECANCELED));
+            }
+            state = self
+                .changed
+                .wait_timeout(state, CANCEL_POLL)
+                .map(|(state, _)| state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner().0);
+        }
     }
 
     /// Blocks until gather `g` is ready; returns how long it waited. A
@@ -279,11 +315,73 @@ impl<'a> Progress<'a> {
     }
 }
 
+/// Where the engine puts the plan's bytes in the memory it writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// In place: plan offset `x` at mapping offset `x`; gather `g` in
+    /// registered buffer `g`, registered when populated.
+    InPlace,
+    /// A ring of `slots` staging slots of `slot_len` bytes each: gather `g`
+    /// (one slot's worth) in slot `g % slots`, which is registered buffer
+    /// `g % slots` for the whole load.
+    Staged { slots: usize, slot_len: usize },
+}
+
+impl Layout {
+    /// The mapping range that request `req` reads into.
+    pub fn target(&self, plan: &Plan, req: &Request) -> Range<usize> {
+        let range = plan.mapping_range(req);
+        match *self {
+            Layout::InPlace => range,
+            Layout::Staged { slots, slot_len } => {
+                let g = plan.gather_of(req.start);
+                let base = (g % slots) * slot_len;
+                let into = range.start - plan.gather_range(g).start;
+                base + into..base + into + range.len()
+            }
+        }
+    }
+
+    /// The registered buffer that holds gather `g`.
+    pub fn buffer_index(&self, g: usize) -> u16 {
+        match *self {
+            Layout::InPlace => g as u16,
+            Layout::Staged { slots, .. } => (g % slots) as u16,
+        }
+    }
+
+    /// Entries of the registered-buffer table the load needs.
+    pub fn table_len(&self, plan: &Plan) -> u32 {
+        match *self {
+            Layout::InPlace => plan.gather_count() as u32,
+            Layout::Staged { slots, .. } => slots.min(plan.gather_count()) as u32,
+        }
+    }
+}
+
+/// Bytes still to arrive in each gather, counted down by whichever thread
+/// completes a read.
+pub(crate) struct GatherTally {
+    left: Vec<AtomicU64>,
+}
+
+impl GatherTally {
+    pub fn new(plan: &Plan) -> GatherTally {
+        GatherTally { left: (0..plan.gather_count()).map(|g| AtomicU64::new(plan.gather_need(g))).collect() }
+    }
+
+    /// Counts `bytes` of gather `g` in; true when that completed it.
+    pub fn credit(&self, g: usize, bytes: u64) -> bool {
+        bytes > 0 && self.left[g].fetch_sub(bytes, Ordering::AcqRel) == bytes
+    }
+}
+
 /// Everything an engine needs to run one load.
 pub(crate) struct Job<'a> {
     pub path: &'a Path,
     pub file: BorrowedFd<'a>,
     pub plan: &'a Plan,
+    pub layout: Layout,
     pub cache: CachePolicy,
     pub gate: &'a Gate,
     pub progress: &'a Progress<'a>,

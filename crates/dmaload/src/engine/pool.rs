@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::{Engine, EngineResult, EngineRun, Job};
+use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout};
 use crate::error::{Error, Result};
 use crate::plan::ReadOutcome;
 use crate::sys::file::pread_into;
@@ -18,9 +18,10 @@ pub(crate) fn run(job: &Job<'_>, dst: MappingWriter<'_>, threads: usize, engine:
     let stop = AtomicBool::new(false);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let longest_wait = Mutex::new(Duration::ZERO);
+    let tally = GatherTally::new(job.plan);
 
     let work = || {
-        if let Err(err) = worker(job, dst, &next_chunk, &stop, &longest_wait) {
+        if let Err(err) = worker(job, dst, &tally, &next_chunk, &stop, &longest_wait) {
             stop.store(true, Ordering::Relaxed);
             first_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(err);
         }
@@ -45,6 +46,7 @@ pub(crate) fn run(job: &Job<'_>, dst: MappingWriter<'_>, threads: usize, engine:
 fn worker(
     job: &Job<'_>,
     dst: MappingWriter<'_>,
+    tally: &GatherTally,
     next_chunk: &AtomicUsize,
     stop: &AtomicBool,
     longest_wait: &Mutex<Duration>,
@@ -61,23 +63,28 @@ fn worker(
         if job.gate.caller_cancelled() {
             return Err(job.cancelled(req.start));
         }
-        waited += job.gate.wait_for(plan.gather_of(req.start)).map_err(|e| job.wait_error(req.start, e))?;
+        let g = plan.gather_of(req.start);
+        waited += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
         loop {
-            let got = match pread_into(job.file, dst, plan.mapping_range(&req), req.start, rw_flags) {
+            let got = match pread_into(job.file, dst, job.layout.target(plan, &req), req.start, rw_flags) {
                 Ok(got) => got as u64,
                 Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
                 Err(err) => return Err(job.read_error(req.start, err)),
             };
-            match plan.outcome(job.path, &req, got)? {
+            let (credited, resume_at) = match plan.outcome(job.path, &req, got)? {
                 ReadOutcome::Done { credited } => {
-                    job.progress.add(credited);
                     job.finish_request(&req);
-                    break;
+                    (credited, None)
                 }
-                ReadOutcome::Partial { credited, resume_at } => {
-                    job.progress.add(credited);
-                    req = plan.request_from(resume_at);
-                }
+                ReadOutcome::Partial { credited, resume_at } => (credited, Some(resume_at)),
+            };
+            job.progress.add(credited);
+            if tally.credit(g, credited) && matches!(job.layout, Layout::Staged { .. }) {
+                job.gate.mark_filled(g);
+            }
+            match resume_at {
+                Some(at) => req = plan.request_from(at),
+                None => break,
             }
         }
     }

@@ -1,12 +1,14 @@
 //! io_uring engine: keeps `queue_depth` chunk reads in flight from one
-//! thread; with registered buffers each gather is registered (pinned) once
-//! when populated and unregistered when its last chunk arrives, so pinned
-//! memory stays at a few gathers whatever the file size, and pinning runs
-//! beside the I/O instead of before it.
+//! thread. In place, with registered buffers, each gather is registered
+//! (pinned) once when populated and unregistered when its last chunk
+//! arrives, so pinned memory stays at a few gathers whatever the file size,
+//! and pinning runs beside the I/O instead of before it. Staged, the slots
+//! stay registered for the whole load and each filled gather is handed to
+//! the destination through the gate.
 
 use std::io;
 
-use super::{Engine, EngineResult, EngineRun, Job};
+use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout};
 use crate::error::Error;
 use crate::options::Fallback;
 use crate::plan::{ReadOutcome, Request};
@@ -19,7 +21,7 @@ use crate::sys::uring::{Completion, Ring};
 pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResult {
     let plan = job.plan;
     let mut run = EngineRun { engine: Engine::Uring, ..EngineRun::default() };
-    let mut unfinished: Vec<u64> = (0..plan.gather_count()).map(|g| plan.gather_need(g)).collect();
+    let tally = GatherTally::new(plan);
     let mut next_chunk = 0;
     let mut retries: Vec<Request> = Vec::new();
     let mut completions: Vec<Completion> = Vec::with_capacity(job.queue_depth);
@@ -29,8 +31,8 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResul
 
     let queue = |ring: &mut Ring<'_>, req: &Request, registered: usize| -> io::Result<()> {
         let g = plan.gather_of(req.start);
-        let slot = (g < registered).then_some(g as u16);
-        ring.queue_read(job.file, plan.mapping_range(req), req.start, slot, rw_flags, req.start)
+        let slot = (g < registered).then(|| job.layout.buffer_index(g));
+        ring.queue_read(job.file, job.layout.target(plan, req), req.start, slot, rw_flags, req.start)
     };
 
     loop {
@@ -80,11 +82,14 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResul
             };
             job.progress.add(credited);
             let g = plan.gather_of(req.start);
-            unfinished[g] -= credited;
-            if unfinished[g] == 0 && g < registered {
-                // Unpinning early keeps RLIMIT_MEMLOCK use to a few gathers;
-                // a failure only means the pages stay pinned until the ring closes.
-                let _ = ring.unregister(g as u32);
+            if tally.credit(g, credited) {
+                match job.layout {
+                    // Unpinning early keeps RLIMIT_MEMLOCK use to a few gathers; a
+                    // failure only means the pages stay pinned until the ring closes.
+                    Layout::InPlace if g < registered => drop(ring.unregister(g as u32)),
+                    Layout::InPlace => {}
+                    Layout::Staged { .. } => job.gate.mark_filled(g),
+                }
             }
         }
     }

@@ -191,6 +191,20 @@ impl MappingWriter<'_> {
         }
     }
 
+    /// Copies `range` of the mapping into `dst` (of the same length). The
+    /// bytes are read through the raw pointer, never as a Rust slice, so a
+    /// kernel write racing with the copy (a caller that reuses memory too
+    /// early) can only give wrong bytes, never undefined behaviour of Rust
+    /// references.
+    pub fn copy_out(&self, range: Range<usize>, dst: &mut [u8]) {
+        let (ptr, len) = self.raw_range(&range);
+        assert_eq!(len, dst.len(), "copy_out needs a destination of the range's length");
+        // SAFETY: ptr..ptr+len lies inside the live mapping (checked by
+        // raw_range); `dst` is a distinct, exclusively borrowed Rust slice
+        // of the same length, so the regions cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(ptr.cast_const(), dst.as_mut_ptr(), len) };
+    }
+
     /// The `iovec` of `range`, for registering it with io_uring.
     pub(super) fn iovec(&self, range: &Range<usize>) -> libc::iovec {
         let (ptr, len) = self.raw_range(range);

@@ -1,0 +1,214 @@
+//! The staged destination (a ring of staging slots feeding a sink) through
+//! the host sink: every engine, sizes with odd tails, unaligned ranges, a
+//! two-slot ring, many chunks per slot, a sink that fails, truncation and
+//! cancellation mid-load. The GPU sink shares all of this code.
+
+mod common;
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::{assert_pattern, scratch_dir, write_pattern_file};
+use dmaload::{CancelToken, Engine, ErrorKind, HostSink, LoadOptions, Sink, SlotData, StagingRing};
+
+const M: usize = 1 << 20;
+
+fn options(engine: Engine, chunk: usize) -> LoadOptions {
+    LoadOptions { engine, chunk_size: chunk, queue_depth: 4, threads: 3, ..LoadOptions::default() }
+}
+
+/// Loads `offset..offset + len` of `path` through a ring into a fresh
+/// vector and returns it with the report.
+fn load_staged(
+    path: &std::path::Path,
+    offset: u64,
+    len: u64,
+    ring: &mut StagingRing,
+    options: &LoadOptions,
+) -> dmaload::Result<(Vec<u8>, dmaload::LoadReport)> {
+    let mut dst = vec![0u8; len as usize];
+    let report =
+        dmaload::load_to_sink(path, offset, Some(len), ring, &mut HostSink::new(&mut dst, offset), options)?;
+    Ok((dst, report))
+}
+
+#[test]
+fn every_engine_delivers_every_size_exactly_through_a_two_slot_ring() {
+    let dir = scratch_dir();
+    for size in [0u64, 1, 4095, 4096, 4097, M as u64 + 1, (5 * M + 777) as u64] {
+        let path = dir.path().join(format!("f{size}"));
+        write_pattern_file(&path, size);
+        for engine in Engine::ALL {
+            // Two slots of two 256 KiB chunks: a slot is reused many times.
+            let mut ring = StagingRing::new(2, 512 << 10, 256 << 10).unwrap();
+            let (bytes, report) = load_staged(&path, 0, size, &mut ring, &options(engine, 256 << 10))
+                .unwrap_or_else(|e| panic!("{engine:?} size {size}: {e}"));
+            assert_pattern(&bytes, 0);
+            assert_eq!(report.bytes, size);
+            assert!(report.destination.starts_with("staging ring (2 x 524288"), "{}", report.destination);
+        }
+    }
+}
+
+#[test]
+fn unaligned_ranges_arrive_at_their_offsets() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    let size = 9 * M as u64 + 123;
+    write_pattern_file(&path, size);
+    let mut ring = StagingRing::new(3, M, M).unwrap();
+    for (offset, len) in
+        [(1u64, 10u64), (511, 2 * M as u64), (4097, 5 * M as u64 + 3), (M as u64 - 1, 2), (size - 7, 7)]
+    {
+        for engine in Engine::ALL {
+            let (bytes, _) = load_staged(&path, offset, len, &mut ring, &options(engine, M)).unwrap();
+            assert_eq!(bytes.len() as u64, len);
+            assert_pattern(&bytes, offset);
+        }
+    }
+}
+
+/// Records what each delivery held and fails at a chosen one.
+struct Recorder {
+    deliveries: Vec<(usize, u64, usize)>,
+    released: Vec<usize>,
+    fail_at: Option<usize>,
+    finished: bool,
+}
+
+impl Sink for Recorder {
+    fn deliver(&mut self, slot: usize, data: SlotData<'_>) -> io::Result<()> {
+        if self.fail_at == Some(self.deliveries.len()) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        let mut bytes = vec![0u8; data.len()];
+        data.copy_to(0..data.len(), &mut bytes);
+        assert_pattern(&bytes, data.file_offset());
+        self.deliveries.push((slot, data.file_offset(), data.len()));
+        Ok(())
+    }
+
+    fn release(&mut self, slot: usize) -> io::Result<()> {
+        self.released.push(slot);
+        Ok(())
+    }
+
+    fn finish(&mut self) -> io::Result<()> {
+        self.finished = true;
+        Ok(())
+    }
+}
+
+#[test]
+fn slots_are_delivered_in_file_order_and_released_before_reuse() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    let size = 10 * M as u64 + 5;
+    write_pattern_file(&path, size);
+    let mut ring = StagingRing::new(3, 2 * M, M).unwrap();
+    let mut sink = Recorder { deliveries: Vec::new(), released: Vec::new(), fail_at: None, finished: false };
+    dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options(Engine::UringFixed, M)).unwrap();
+    assert!(sink.finished);
+    let offsets: Vec<u64> = sink.deliveries.iter().map(|d| d.1).collect();
+    assert_eq!(offsets, [0, 2, 4, 6, 8, 10].map(|m| m * M as u64));
+    let slots: Vec<usize> = sink.deliveries.iter().map(|d| d.0).collect();
+    assert_eq!(slots, [0, 1, 2, 0, 1, 2]);
+    assert_eq!(sink.deliveries.iter().map(|d| d.2 as u64).sum::<u64>(), size);
+    // Slots 0..3 were released (in order) before gathers 3..6 reused them.
+    assert_eq!(sink.released, [0, 1, 2]);
+}
+
+#[test]
+fn a_failing_sink_stops_the_load_with_its_error_and_is_still_finished() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_pattern_file(&path, 16 * M as u64);
+    for engine in Engine::ALL {
+        let mut ring = StagingRing::new(2, M, M).unwrap();
+        let mut sink =
+            Recorder { deliveries: Vec::new(), released: Vec::new(), fail_at: Some(3), finished: false };
+        let err =
+            dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options(engine, M)).unwrap_err();
+        assert_eq!(err.errno(), libc::EIO, "{engine:?}: {err}");
+        assert_eq!(err.op(), "deliver", "{engine:?}: {err}");
+        assert_eq!(err.offset(), Some(3 * M as u64), "{engine:?}: {err}");
+        assert!(sink.finished, "{engine:?}: finish is called after a failure too");
+        assert_eq!(sink.deliveries.len(), 3);
+    }
+}
+
+#[test]
+fn truncation_mid_load_is_an_error_naming_the_offset() {
+    let dir = scratch_dir();
+    for engine in Engine::ALL {
+        let path = dir.path().join(format!("shrinking-{}", engine.name()));
+        let size = 16u64 << 20;
+        let cut = (3 << 20) + (1 << 19);
+        write_pattern_file(&path, size);
+        let truncated = Arc::new(AtomicBool::new(false));
+        let (flag, victim) = (truncated.clone(), path.clone());
+        let opts = LoadOptions {
+            queue_depth: 1,
+            threads: 1,
+            progress: Some(Arc::new(move |_done, _total| {
+                if !flag.swap(true, Ordering::SeqCst) {
+                    std::fs::OpenOptions::new().write(true).open(&victim).unwrap().set_len(cut).unwrap();
+                }
+            })),
+            ..options(engine, M)
+        };
+        let mut ring = StagingRing::new(2, M, M).unwrap();
+        let err = load_staged(&path, 0, size, &mut ring, &opts).unwrap_err();
+        assert!(truncated.load(Ordering::SeqCst));
+        assert_eq!(err.kind(), ErrorKind::Truncated, "{engine:?}: {err}");
+        let at = err.offset().expect("truncation names an offset");
+        assert!(at >= cut && at < size, "{engine:?}: offset {at}");
+    }
+}
+
+#[test]
+fn cancelling_a_staged_load_stops_it_and_finishes_the_sink() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    let size = 64u64 << 20;
+    write_pattern_file(&path, size);
+    for engine in Engine::ALL {
+        dmaload::pagecache::evict(&path).unwrap();
+        let token = CancelToken::new();
+        let canceller = token.clone();
+        let opts = LoadOptions {
+            queue_depth: 1,
+            threads: 1,
+            mode: dmaload::IoMode::Direct,
+            cancel: token,
+            progress: Some(Arc::new(move |_, _| canceller.cancel())),
+            ..options(engine, 64 << 10)
+        };
+        let mut ring = StagingRing::new(2, 64 << 10, 64 << 10).unwrap();
+        let mut sink =
+            Recorder { deliveries: Vec::new(), released: Vec::new(), fail_at: None, finished: false };
+        let err = dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &opts).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Cancelled, "{engine:?}: {err}");
+        assert!(sink.finished);
+        assert!((sink.deliveries.len() as u64) < size / (64 << 10), "{engine:?}: every slot was delivered");
+    }
+}
+
+#[test]
+fn a_ring_needs_two_slots_and_whole_chunks() {
+    assert!(StagingRing::new(1, M, M).is_err());
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_pattern_file(&path, 4 * M as u64);
+    let mut ring = StagingRing::new(2, 3 * M, 3 * M).unwrap();
+    let err =
+        load_staged(&path, 0, 4 * M as u64, &mut ring, &options(Engine::UringFixed, 2 * M)).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    // A chunk that divides the slot is fine, and so is one larger than it.
+    for chunk in [M, 8 * M] {
+        let (bytes, _) =
+            load_staged(&path, 0, 4 * M as u64, &mut ring, &options(Engine::UringFixed, chunk)).unwrap();
+        assert_pattern(&bytes, 0);
+    }
+}
