@@ -28,7 +28,9 @@ use crate::pipeline::{fill, fill_staged, Filled};
 use crate::plan::Plan;
 pub use crate::report::LoadReport;
 use crate::sink::{Sink, StagingRing};
-use crate::source::{buffered, cache_name, choose_read_setup, no_residue_policy, ReadSetup, Source};
+use crate::source::{
+    buffered, cache_name, choose_read_setup, no_residue_policy, OpenFile, ReadSetup, Source,
+};
 use crate::sys::mem::Seals;
 use crate::{sys, system};
 
@@ -84,7 +86,7 @@ fn load_impl(
 /// A file range checked and ready to read: what every destination's load
 /// starts from.
 struct Opened<'p> {
-    source: Source,
+    source: &'p Source,
     path: &'p Path,
     offset: u64,
     len: u64,
@@ -98,7 +100,7 @@ struct Opened<'p> {
 /// fresh host memory, against the memory that is available) and chooses
 /// the read setup.
 fn open_range<'p>(
-    source: Source,
+    source: &'p Source,
     path: &'p Path,
     offset: u64,
     len: Option<u64>,
@@ -142,7 +144,7 @@ fn open_range<'p>(
         }
     }
     let mut fallbacks = Vec::new();
-    let setup = choose_read_setup(path, &source.file, &source, options.mode, &mut fallbacks)?;
+    let setup = choose_read_setup(path, &source.file, source, options.mode, &mut fallbacks)?;
     Ok(Opened { source, path, offset, len, setup, fallbacks, started, cpu_before })
 }
 
@@ -253,7 +255,7 @@ fn load_source(
     len: Option<u64>,
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
-    let mut opened = open_range(source, path, offset, len, options, true)?;
+    let mut opened = open_range(&source, path, offset, len, options, true)?;
     let (offset, len) = (opened.offset, opened.len);
     let page = sys::mem::page_size();
     let plan_for = |align| Plan::new(offset, len, align, options.chunk_size, options.gather_size, page);
@@ -298,7 +300,22 @@ pub fn load_to_sink(
     sink: &mut dyn Sink,
     options: &LoadOptions,
 ) -> Result<LoadReport> {
-    let path = path.as_ref();
+    let file = OpenFile::open(path.as_ref())?;
+    load_open_to_sink(&file, offset, len, ring, sink, options)
+}
+
+/// [`load_to_sink`] from a file opened beforehand (whose header, say, the
+/// caller read to size the destination): the same open file is read, and a
+/// change to it since it was opened is an error.
+pub fn load_open_to_sink(
+    file: &OpenFile,
+    offset: u64,
+    len: Option<u64>,
+    ring: &mut StagingRing,
+    sink: &mut dyn Sink,
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    let path = file.path();
     validate(path, options)?;
     let page = sys::mem::page_size();
     let slot = ring.slot_len();
@@ -311,7 +328,7 @@ pub fn load_to_sink(
             format!("staging slots of {} bytes do not hold whole chunks of {chunk} bytes", ring.slot_len()),
         ));
     }
-    let mut opened = open_range(Source::open(path)?, path, offset, len, options, false)?;
+    let mut opened = open_range(file.source(), path, offset, len, options, false)?;
     let (offset, len) = (opened.offset, opened.len);
     let plan_for = |align| Plan::staged(offset, len, align, chunk, slot, page);
     let started = Instant::now();

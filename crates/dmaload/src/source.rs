@@ -117,6 +117,58 @@ impl Stamp {
     }
 }
 
+/// A file opened for loading, kept open so that everything read from it
+/// (a header first, then the data) comes from the one file: see the module
+/// doc for what opening checks.
+pub struct OpenFile {
+    source: Source,
+    path: PathBuf,
+}
+
+impl OpenFile {
+    pub fn open(path: impl AsRef<Path>) -> Result<OpenFile> {
+        let path = path.as_ref();
+        Ok(OpenFile { source: Source::open(path)?, path: path.to_owned() })
+    }
+
+    /// A file the caller opened (see [`Source::from_fd`]).
+    pub fn from_fd(fd: BorrowedFd<'_>) -> Result<OpenFile> {
+        let (source, path) = Source::from_fd(fd)?;
+        Ok(OpenFile { source, path })
+    }
+
+    /// The length when opened (a block device's capacity).
+    pub fn len(&self) -> u64 {
+        self.source.size
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `pread` until `buf` is full or the file ends; returns the bytes read.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match std::os::unix::fs::FileExt::read_at(&self.source.file, &mut buf[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(k) => done += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
+    pub(crate) fn source(&self) -> &Source {
+        &self.source
+    }
+}
+
 /// An open file being loaded: what it is, how big, where it lives.
 pub(crate) struct Source {
     pub file: File,

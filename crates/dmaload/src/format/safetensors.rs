@@ -19,9 +19,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
-use std::fs::File;
 use std::marker::PhantomData;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -31,6 +29,7 @@ use crate::buffer::Buffer;
 use crate::error::Error as IoError;
 use crate::options::LoadOptions;
 use crate::report::LoadReport;
+use crate::source::OpenFile;
 
 /// Largest header accepted, in bytes (the reference implementation's limit).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
@@ -477,15 +476,21 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header, HeaderError> {
 /// Reads and validates the header of the file at `path` with two `pread`s.
 /// Allocates at most `min(file length, MAX_HEADER_LEN)` bytes.
 pub fn read_header(path: &Path) -> Result<(Header, Vec<u8>), Error> {
-    let file = crate::source::open_for_reading(path)?;
-    let file_len = file.metadata().map_err(|e| IoError::io("stat", path, e))?.len();
+    read_header_of(&OpenFile::open(path)?)
+}
+
+/// [`read_header`] of a file already open: a load of the same [`OpenFile`]
+/// afterwards reads the file this header describes, or fails if it changed.
+pub fn read_header_of(file: &OpenFile) -> Result<(Header, Vec<u8>), Error> {
+    let path = file.path();
+    let file_len = file.len();
     let mut prefix = [0u8; 8];
-    let got = read_full(&file, &mut prefix, 0).map_err(|e| IoError::io("read", path, e))?;
+    let got = file.read_at(&mut prefix, 0).map_err(|e| IoError::io("read", path, e))?;
     let header = |error| Error::Header { path: path.to_owned(), error };
     let n = header_len(&prefix[..got], file_len).map_err(header)?;
     // n <= MAX_HEADER_LEN (100 MB), so this fits usize and is bounded.
     let mut json = vec![0u8; n as usize];
-    let got = read_full(&file, &mut json, 8).map_err(|e| IoError::io("read", path, e))?;
+    let got = file.read_at(&mut json, 8).map_err(|e| IoError::io("read", path, e))?;
     if got < json.len() {
         return Err(header(
             HeaderError::new(HeaderErrorKind::LengthMismatch, "file shrank while its header was read")
@@ -494,20 +499,6 @@ pub fn read_header(path: &Path) -> Result<(Header, Vec<u8>), Error> {
     }
     let parsed = parse_header(&json, file_len).map_err(header)?;
     Ok((parsed, json))
-}
-
-/// `pread` until `buf` is full or the file ends; returns the bytes read.
-fn read_full(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) => break,
-            Ok(k) => done += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
 }
 
 /// A safetensors file loaded whole into one buffer.
