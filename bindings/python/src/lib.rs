@@ -9,6 +9,8 @@
 //! function that fills a `Py_buffer`, all in [`Buffer`]'s methods.
 #![deny(unsafe_code)]
 
+mod staged;
+
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
@@ -883,6 +885,9 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_dtypes, m)?)?;
+    m.add_class::<staged::SafetensorsFile>()?;
+    m.add_function(wrap_pyfunction!(staged::open_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(staged::_load_staged, m)?)?;
     m.add_function(wrap_pyfunction!(_test_panic, m)?)?;
     Ok(())
 }

@@ -8,6 +8,7 @@ mod bench_save;
 mod bench_sizes;
 mod benchkit;
 mod demo;
+mod gpu;
 mod output;
 mod plot;
 mod sample;
@@ -71,9 +72,26 @@ struct LoadCommand {
     /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
-    /// Also compute an xxh3-64 of the loaded bytes (after the load).
+    /// Also compute an xxh3-64 of the loaded bytes (after the load; from a
+    /// device, of its bytes copied back, off the timed path).
     #[arg(long)]
     hash: bool,
+    /// Where the bytes go: host memory (what --memory says), or `cuda:N`,
+    /// a CUDA device's memory through a pinned staging ring.
+    #[arg(long, value_parser = parse_destination)]
+    to: Option<usize>,
+}
+
+/// `cuda:N` (or `cuda`, device 0) as the device ordinal.
+fn parse_destination(s: &str) -> Result<usize, String> {
+    match s.strip_prefix("cuda") {
+        Some("") => Ok(0),
+        Some(n) => n
+            .strip_prefix(':')
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| format!("invalid device {s:?} (expected cuda or cuda:N)")),
+        None => Err(format!("unknown destination {s:?} (expected cuda:N; host memory is --memory)")),
+    }
 }
 
 /// The knobs of a load, shared by `load`, `demo` and `bench`.
@@ -164,16 +182,24 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let mut options = cmd.options.to_options();
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
-    let result = match cmd.length {
-        Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
-        None => dmaload::load_from(&cmd.file, cmd.offset, &options),
+    let result = match cmd.to {
+        Some(device) => gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash),
+        None => {
+            let loaded = match cmd.length {
+                Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
+                None => dmaload::load_from(&cmd.file, cmd.offset, &options),
+            };
+            loaded.map(|(buffer, report)| {
+                let hash = cmd.hash.then(|| output::hash_timed(&buffer));
+                (report, hash)
+            })
+        }
     };
     bar.finish_and_clear();
-    let (buffer, report) = result?;
+    let (report, hash) = result?;
     for fallback in &report.fallbacks {
         eprintln!("dmaload: fallback {fallback}");
     }
-    let hash = cmd.hash.then(|| output::hash_timed(&buffer));
     if cmd.json {
         println!("{}", output::load_json(&report, hash.as_ref()));
     } else {

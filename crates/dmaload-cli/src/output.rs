@@ -75,13 +75,18 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
         r.path.display(),
         r.offset
     );
+    // A host buffer names its memory and pages; a sink, where the bytes went.
+    let destination = if r.deliver_seconds > 0.0 || r.destination.contains("staging ring") {
+        r.destination.clone()
+    } else {
+        format!("{} memory, {} pages", r.memory.name(), page_size_label(r.huge_pages))
+    };
     let _ = writeln!(
         s,
-        "engine    {} | {} | {} memory, {} pages | {} | align {} | chunk {} | gather {} | qd {}",
+        "engine    {} | {} | {} | {} | align {} | chunk {} | gather {} | qd {}",
         r.engine.name(),
         cache_description(r),
-        r.memory.name(),
-        page_size_label(r.huge_pages),
+        destination,
         r.filesystem,
         r.alignment,
         human_bytes(r.chunk_size as u64),
@@ -93,13 +98,14 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
     }
     let _ = writeln!(
         s,
-        "time      total {:.3} s = first gather {:.3} s + overlap | alloc {:.3} s | register {:.3} s | I/O {:.3} s | I/O waited for memory {:.3} s",
+        "time      total {:.3} s = first gather {:.3} s + overlap | alloc {:.3} s | register {:.3} s | I/O {:.3} s | I/O waited for memory {:.3} s | delivery {:.3} s",
         r.total_seconds,
         r.first_gather_seconds,
         r.alloc_seconds,
         r.register_seconds,
         r.io_seconds,
-        r.waited_for_memory_seconds
+        r.waited_for_memory_seconds,
+        r.deliver_seconds
     );
     let _ = writeln!(
         s,

@@ -154,7 +154,11 @@ impl OpenFile {
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let mut done = 0;
         while done < buf.len() {
-            match std::os::unix::fs::FileExt::read_at(&self.source.file, &mut buf[done..], offset + done as u64) {
+            match std::os::unix::fs::FileExt::read_at(
+                &self.source.file,
+                &mut buf[done..],
+                offset + done as u64,
+            ) {
                 Ok(0) => break,
                 Ok(k) => done += k,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -10,12 +10,15 @@ __all__ = [
     "Buffer",
     "MAX_HEADER_LEN",
     "SafetensorError",
+    "SafetensorsFile",
     "load",
     "load_safetensors",
+    "open_safetensors",
     "parse_safetensors_header",
     "read_safetensors_header",
     "safetensors_dtypes",
     "__version__",
+    "_load_staged",
     "_test_panic",
 ]
 
@@ -107,6 +110,38 @@ def load_safetensors(
     threads: int | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[tuple[Buffer, _HeaderRow]]: ...
+@final
+class SafetensorsFile:
+    """A safetensors file opened once, its header validated; ``_load_staged``
+    reads its data from this same open file."""
+
+    @property
+    def header(self) -> _HeaderRow: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def data_len(self) -> int: ...
+
+def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFile: ...
+def _load_staged(
+    files: list[SafetensorsFile],
+    addresses: list[int],
+    device: int,
+    *,
+    slots: int | None = None,
+    slot_size: int | None = None,
+    engine: str | None = None,
+    mode: str | None = None,
+    chunk_size: int | None = None,
+    queue_depth: int | None = None,
+    threads: int | None = None,
+    progress: Callable[[int, int], Any] | None = None,
+) -> list[LoadReport]:
+    """Loads each file's data section through a staging ring into the memory
+    at ``addresses`` (device pointers of CUDA device ``device``, or host
+    addresses when it is -1), each ``file.data_len`` bytes, alive and unused
+    by anything else until the call returns."""
+
 def read_safetensors_header(path: str | os.PathLike[str]) -> _HeaderRow: ...
 def parse_safetensors_header(data: bytes, file_len: int | None = None) -> _HeaderRow: ...
 def safetensors_dtypes() -> list[tuple[str, int]]: ...

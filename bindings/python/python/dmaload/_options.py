@@ -23,6 +23,9 @@ class LoadOptions(TypedDict, total=False):
     gather_size, chunk_size: bytes (an int, or a string such as ``"128M"``).
     queue_depth: requests in flight (io_uring engines).
     threads: threads of the pread-pool engine.
+    staging_slots, staging_slot_size: the pinned staging ring of a device
+        load (``device="cuda:N"``; default 32 slots of 16 MiB, one read
+        each); host loads ignore them.
     """
 
     engine: Engine
@@ -32,6 +35,8 @@ class LoadOptions(TypedDict, total=False):
     chunk_size: Size
     queue_depth: int
     threads: int
+    staging_slots: int
+    staging_slot_size: Size
 
 
 def parse_size(value: Size) -> int:
@@ -46,14 +51,24 @@ def parse_size(value: Size) -> int:
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
-def native_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    """Checks option names and converts sizes for the native module."""
+_STAGING = {"staging_slots": "slots", "staging_slot_size": "slot_size"}
+_HOST_ONLY = ("memory", "gather_size")
+
+
+def native_kwargs(options: dict[str, Any], staged: bool = False) -> dict[str, Any]:
+    """Checks option names and converts sizes for the native module: a host
+    load's options, or (``staged``) a device load's, which has a staging
+    ring instead of host memory to populate."""
     allowed = LoadOptions.__annotations__.keys()
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise TypeError(f"unknown load option(s): {', '.join(unknown)} (known: {', '.join(allowed)})")
     out = dict(options)
-    for key in ("gather_size", "chunk_size"):
+    for key in ("gather_size", "chunk_size", "staging_slot_size"):
         if out.get(key) is not None:
             out[key] = parse_size(out[key])
-    return out
+    if staged:
+        for key in _HOST_ONLY:
+            out.pop(key, None)
+        return {_STAGING.get(k, k): v for k, v in out.items()}
+    return {k: v for k, v in out.items() if k not in _STAGING}

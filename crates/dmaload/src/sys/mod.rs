@@ -23,6 +23,7 @@
 //!   kernel uAPI, live across the call, and new fds returned by the kernel
 //!   are wrapped in `OwnedFd` at once.
 
+pub mod cuda;
 pub mod dmabuf;
 pub mod file;
 pub mod mem;

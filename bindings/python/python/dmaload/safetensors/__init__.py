@@ -58,6 +58,7 @@ from .._dmaload import Buffer, SafetensorError
 from .._options import LoadOptions, native_kwargs
 from .._progress import Progress, resolve
 from .._report import LoadReport
+from . import _device
 
 __all__ = ["SafeOpen", "SafetensorError", "TensorInfo", "load_file", "safe_open", "shard_paths"]
 
@@ -149,24 +150,39 @@ def _index_shards(p: Path) -> tuple[list[Path], dict[str, str]]:
 
 
 class _File:
-    """One loaded file: its buffer, a memoryview of it, and its tensor table."""
+    """One loaded file and its tensor table: either a host buffer (with a
+    memoryview of it) or, for a device load, one uint8 tensor holding the
+    file's data section on the device."""
 
-    def __init__(self, buffer: Buffer, header: tuple[list[Any], dict[str, str] | None, int]) -> None:
+    def __init__(
+        self,
+        buffer: Buffer | None,
+        header: tuple[list[Any], dict[str, str] | None, int],
+        *,
+        device_data: Any = None,
+        report: LoadReport | None = None,
+        path: str = "",
+    ) -> None:
         tensors, metadata, data_start = header
         self.buffer = buffer
-        self.view = memoryview(buffer)
+        self.view = memoryview(buffer) if buffer is not None else None
         self.metadata = metadata
         self.data_start = data_start
         self.tensors: dict[str, TensorInfo] = {
             name: (name, dtype, tuple(shape), begin, end) for name, dtype, shape, begin, end in tensors
         }
-        self._torch_base: Any = None
+        # A device load's tensor holds the data section only: offsets from 0.
+        self._torch_base: Any = device_data
+        self._base_offset = data_start if device_data is None else 0
+        self.report = report if report is not None else (buffer.report if buffer is not None else LoadReport())
+        self.path = buffer.path if buffer is not None else path
 
     # NumPy ----------------------------------------------------------------
     def numpy(self, name: str) -> Any:
         import numpy as np
 
         _, dtype, shape, begin, end = self.tensors[name]
+        assert self.view is not None, "NumPy arrays come from host loads"
         np_dtype, raw = _numpy_dtype(dtype)
         offset = self.data_start + begin
         if raw:
@@ -183,17 +199,19 @@ class _File:
         _, dtype, shape, begin, end = self.tensors[name]
         t_dtype, t_shape = _torch_dtype(torch, dtype, shape)
         if end == begin:
-            return torch.empty(t_shape if t_dtype is not None else (0,), dtype=t_dtype or torch.uint8)
+            device = self._torch_base.device if self._torch_base is not None else "cpu"
+            return torch.empty(t_shape if t_dtype is not None else (0,), dtype=t_dtype or torch.uint8, device=device)
         if self._torch_base is None:
             # One uint8 tensor over the whole file. torch.frombuffer keeps a
             # reference to the memoryview, which holds an export of the
             # buffer: the buffer cannot be closed while any tensor lives.
+            assert self.view is not None
             self._torch_base = torch.frombuffer(self.view, dtype=torch.uint8)
-        raw = self._torch_base[self.data_start + begin : self.data_start + end]
+        raw = self._torch_base[self._base_offset + begin : self._base_offset + end]
         if t_dtype is None:
             return raw
         itemsize = t_dtype.itemsize
-        if (self.data_start + begin) % itemsize != 0:
+        if (self._base_offset + begin) % itemsize != 0:
             raw = raw.clone()  # torch requires aligned storage for wider types
         return raw.view(t_dtype).view(t_shape)
 
@@ -298,7 +316,7 @@ def _framework(framework: str) -> str:
 
 
 def _check_device(framework: str, device: Any) -> None:
-    if framework == "np" and str(device) != "cpu":
+    if framework == "np" and _device.is_device(device):
         raise ValueError(f"framework='np' loads to the cpu only, not device={device!r}")
 
 
@@ -344,13 +362,16 @@ class SafeOpen:
         _check_device(self._framework, device)
         self._device = device
         paths, weight_map = shard_paths(path)
-        self._files = _load_files(paths, progress, concurrency, dict(options))
+        if self._framework == "pt" and _device.is_device(device):
+            self._files = _device.load_files(paths, device, progress, dict(options))
+        else:
+            self._files = _load_files(paths, progress, concurrency, dict(options))
         self._index: dict[str, _File] = {}
         for f in self._files:
             for name in f.tensors:
                 if name in self._index:
                     raise SafetensorError(
-                        f"tensor {name!r} is in both {self._index[name].buffer.path} and {f.buffer.path}"
+                        f"tensor {name!r} is in both {self._index[name].path} and {f.path}"
                     )
                 self._index[name] = f
         if weight_map is not None:
@@ -360,14 +381,14 @@ class SafeOpen:
             for name, shard in weight_map.items():
                 if name not in shard_of_file[shard].tensors:
                     owner = self._index.get(name)
-                    where = f"it is in {owner.buffer.path}" if owner else "no shard has it"
+                    where = f"it is in {owner.path}" if owner else "no shard has it"
                     raise SafetensorError(
                         f"index says tensor {name!r} is in {shard!r}, but that file has no such tensor ({where})"
                     )
             unlisted = sorted(set(self._index) - set(weight_map))
             if unlisted:
                 raise SafetensorError(
-                    f"tensor {unlisted[0]!r} is in {self._index[unlisted[0]].buffer.path} but the index's "
+                    f"tensor {unlisted[0]!r} is in {self._index[unlisted[0]].path} but the index's "
                     f"weight_map does not list it ({len(unlisted)} such tensor(s))"
                 )
         self._closed = False
@@ -438,12 +459,12 @@ class SafeOpen:
     @property
     def buffers(self) -> list[Buffer]:
         """The loaded buffers, one per file."""
-        return [f.buffer for f in self._files]
+        return [f.buffer for f in self._files if f.buffer is not None]
 
     @property
     def reports(self) -> list[LoadReport]:
         """The load reports, one per file."""
-        return [f.buffer.report for f in self._files]
+        return [f.report for f in self._files]
 
 
 def safe_open(
@@ -472,8 +493,10 @@ def load_file(
     ``safetensors.numpy.load_file`` / ``safetensors.torch.load_file``.
 
     ``framework`` is ``"np"`` (NumPy arrays) or ``"pt"`` (PyTorch tensors);
-    ``device`` other than ``"cpu"`` (PyTorch only) copies each tensor there
-    after the load. See the module doc for dtypes and lifetimes.
+    ``device="cuda:N"`` (PyTorch only) reads each file through a small pinned
+    staging ring straight into one device allocation per file, never holding
+    the model in host memory (see ``dmaload.safetensors._device``). See the
+    module doc for dtypes and lifetimes.
     """
     with safe_open(path, framework, device, progress=progress, concurrency=concurrency, **options) as f:
         return f.get_tensors()

@@ -11,6 +11,10 @@
 use std::io;
 use std::ops::Range;
 
+mod cuda;
+pub use cuda::CudaSink;
+
+use crate::cuda::{Context, PinnedStaging};
 use crate::plan::Plan;
 use crate::sys;
 use crate::sys::mem::{Mapping, MappingWriter};
@@ -58,7 +62,6 @@ impl<'a> SlotData<'a> {
 
     /// The staging memory and the slot's range in it, for sinks that hand
     /// the bytes to a device (which reads them asynchronously).
-    #[allow(dead_code)] // used by the CUDA sink
     pub(crate) fn raw(&self) -> (MappingWriter<'a>, Range<usize>) {
         (self.memory, self.range.clone())
     }
@@ -87,12 +90,21 @@ pub trait Sink: Send {
 }
 
 /// A ring of staging slots: anonymous memory (2 MiB pages where THP
-/// allows), populated once, reused by every load it serves.
+/// allows), populated once, reused by every load it serves; pinned for a
+/// CUDA device ([`StagingRing::pinned`]) when it feeds one.
 #[derive(Debug)]
 pub struct StagingRing {
-    memory: Mapping,
+    memory: StagingMemory,
     slots: usize,
     slot_len: usize,
+}
+
+#[derive(Debug)]
+enum StagingMemory {
+    Plain(Mapping),
+    /// Page-locked for the device (`cuMemHostRegister`), so copies from it
+    /// run asynchronously at the link's speed.
+    Pinned(PinnedStaging),
 }
 
 impl StagingRing {
@@ -100,6 +112,25 @@ impl StagingRing {
     /// for reads of `chunk` bytes, each about `slot_size` bytes (rounded to
     /// whole chunks, at most 1 GiB).
     pub fn new(slots: usize, slot_size: usize, chunk: usize) -> io::Result<StagingRing> {
+        let (slot_len, len) = Self::size(slots, slot_size, chunk)?;
+        let mut memory = Mapping::anonymous(len, true)?;
+        crate::pipeline::populate_range(memory.writer(), 0..len, 1)?;
+        Ok(StagingRing { memory: StagingMemory::Plain(memory), slots, slot_len })
+    }
+
+    /// [`StagingRing::new`] in memory pinned for `context`'s device.
+    pub fn pinned(
+        context: &Context,
+        slots: usize,
+        slot_size: usize,
+        chunk: usize,
+    ) -> io::Result<StagingRing> {
+        let (slot_len, len) = Self::size(slots, slot_size, chunk)?;
+        let memory = PinnedStaging::new(context, len)?;
+        Ok(StagingRing { memory: StagingMemory::Pinned(memory), slots, slot_len })
+    }
+
+    fn size(slots: usize, slot_size: usize, chunk: usize) -> io::Result<(usize, usize)> {
         if slots < 2 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "a staging ring needs at least 2 slots"));
         }
@@ -107,9 +138,7 @@ impl StagingRing {
         let len = slots
             .checked_mul(slot_len)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "staging ring size overflows"))?;
-        let mut memory = Mapping::anonymous(len, true)?;
-        crate::pipeline::populate_range(memory.writer(), 0..len, 1)?;
-        Ok(StagingRing { memory, slots, slot_len })
+        Ok((slot_len, len))
     }
 
     pub fn slots(&self) -> usize {
@@ -130,8 +159,16 @@ impl StagingRing {
         self.len() == 0
     }
 
+    /// Whether the ring is pinned for a CUDA device.
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.memory, StagingMemory::Pinned(_))
+    }
+
     pub(crate) fn writer(&mut self) -> MappingWriter<'_> {
-        self.memory.writer()
+        match &mut self.memory {
+            StagingMemory::Plain(mapping) => mapping.writer(),
+            StagingMemory::Pinned(pinned) => pinned.writer(),
+        }
     }
 }
 

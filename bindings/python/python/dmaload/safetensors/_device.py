@@ -1,0 +1,89 @@
+"""safetensors files straight into device memory.
+
+``load_file(path, device="cuda:N")`` comes here: each file is opened once
+and its header validated, PyTorch allocates one uint8 tensor per file for
+its data section on the device (so PyTorch owns and frees that memory, and
+every tensor is a view of it), and the native loader reads the file with
+direct I/O into a small pinned staging ring (32 × 16 MiB by default),
+copying each filled slot to the device with asynchronous copies while the
+next slots fill. Host memory used: the ring and the headers, whatever the
+model size. A failed load raises and returns no tensors (the allocations
+are freed with the exception).
+
+``device="cpu"`` is accepted here too (the same staged path into a host
+tensor): the tests run every part of this code without a GPU that way.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import _dmaload
+from .._options import native_kwargs
+from .._progress import Progress, resolve
+
+if TYPE_CHECKING:
+    from . import _File
+
+__all__ = ["is_device", "load_files"]
+
+
+def is_device(device: Any) -> bool:
+    """Whether ``device`` names something other than the CPU."""
+    return str(device) != "cpu"
+
+
+def _ordinal(torch: Any, device: Any) -> int:
+    """The CUDA device index of ``device``, or -1 for the CPU."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return -1
+    if dev.type != "cuda":
+        raise ValueError(f"dmaload loads to 'cpu' or 'cuda:N' devices, not {str(device)!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {str(device)!r} asked for, but PyTorch sees no CUDA device")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device cuda:{index} asked for, but there are {torch.cuda.device_count()} CUDA device(s)")
+    return int(index)
+
+
+def load_files(paths: list[Path], device: Any, progress: Progress, options: dict[str, Any]) -> list[_File]:
+    """Loads every tensor of ``paths`` onto ``device``; one ``_File`` per path."""
+    import torch
+
+    from . import _File
+
+    ordinal = _ordinal(torch, device)
+    target = torch.device("cpu") if ordinal < 0 else torch.device("cuda", ordinal)
+    kwargs = native_kwargs(options, staged=True)
+    files = [_dmaload.open_safetensors(os.fspath(p)) for p in paths]
+    need = sum(f.data_len for f in files)
+    if ordinal >= 0:
+        free, _total = torch.cuda.mem_get_info(ordinal)
+        if need > free:
+            raise OSError(
+                errno.ENOMEM,
+                f"load: {len(files)} file(s) need {need} bytes on cuda:{ordinal} but only {free} are free",
+                os.fspath(paths[0]),
+            )
+    data = [torch.empty(f.data_len, dtype=torch.uint8, device=target) for f in files]
+    if ordinal >= 0:
+        # The caching allocator may hand out memory that kernels queued on
+        # the current stream still use: they finish before our copies start.
+        torch.cuda.current_stream(target).synchronize()
+    desc = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
+    callback, finish = resolve(progress, desc)
+    try:
+        reports = _dmaload._load_staged(
+            files, [d.data_ptr() for d in data], ordinal, progress=callback, **kwargs
+        )
+    finally:
+        finish()
+    return [
+        _File(None, f.header, device_data=d, report=r, path=os.fsdecode(f.path))
+        for f, d, r in zip(files, data, reports)
+    ]

@@ -1,0 +1,201 @@
+//! Safetensors files loaded through a staging ring into memory the caller
+//! allocated: a CUDA device (the tensors' one allocation per file, from
+//! PyTorch) or, for the tests that run without a GPU, host memory.
+
+use std::path::PathBuf;
+
+use dmaload::cuda::{Context, DeviceRange};
+use dmaload::format::safetensors as st;
+use dmaload::sink::{CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
+use dmaload::{OpenFile, StagingRing};
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::{
+    detached, format_error, guard, header_row, os_error, report_object, run_cancellable, HeaderRow, Opts,
+    Progress,
+};
+
+/// A safetensors file opened once, its header read and validated; the
+/// data are loaded from this same open file by `_load_staged`.
+#[pyclass(module = "dmaload._dmaload", name = "SafetensorsFile", frozen)]
+pub struct SafetensorsFile {
+    file: OpenFile,
+    header: HeaderRow,
+    data_start: u64,
+    data_len: u64,
+}
+
+#[pymethods]
+impl SafetensorsFile {
+    /// (tensors, metadata, data_start), as `read_safetensors_header` gives.
+    #[getter]
+    fn header(&self) -> HeaderRow {
+        self.header.clone()
+    }
+
+    /// The path the file was opened at (as ``os.fsdecode`` gives it).
+    #[getter]
+    fn path(&self) -> std::ffi::OsString {
+        self.file.path().as_os_str().to_owned()
+    }
+
+    /// Bytes of the data section (what the destination must hold).
+    #[getter]
+    fn data_len(&self) -> u64 {
+        self.data_len
+    }
+}
+
+/// Opens a safetensors file and validates its header.
+#[pyfunction]
+pub fn open_safetensors(py: Python<'_>, path: PathBuf) -> PyResult<SafetensorsFile> {
+    let opened = detached(py, || -> Result<_, st::Error> {
+        let file = OpenFile::open(&path)?;
+        let (header, _) = st::read_header_of(&file)?;
+        Ok((file, header))
+    })?;
+    let (file, header) = opened.map_err(|e| format_error(&e))?;
+    guard(|| {
+        let (data_start, data_len) = (header.data_start(), header.data_len());
+        Ok(SafetensorsFile { file, header: header_row(header), data_start, data_len })
+    })
+}
+
+/// Where one file's data section goes.
+enum Target<'d> {
+    Device(DeviceRange<'d>),
+    Host(&'d mut [u8]),
+}
+
+/// The destinations behind `addresses`, checked as far as they can be.
+///
+/// # Safety
+///
+/// Each address must be the start of `lens[i]` bytes that stay allocated,
+/// and that nothing else reads or writes, until this call returns: device
+/// memory of `context`'s device, or host memory when `context` is `None`.
+/// The Python caller (`dmaload.safetensors._device`) passes the storage of
+/// tensors it allocated for this call and holds until it returns.
+#[allow(unsafe_code)]
+unsafe fn targets<'d>(
+    context: Option<&Context>,
+    addresses: &[u64],
+    lens: &[u64],
+) -> PyResult<Vec<Target<'d>>> {
+    addresses
+        .iter()
+        .zip(lens)
+        .map(|(&address, &len)| {
+            let len = usize::try_from(len).map_err(|_| PyValueError::new_err("destination too large"))?;
+            match context {
+                // SAFETY: an empty range is never written.
+                Some(_) if len == 0 => Ok(Target::Device(unsafe { DeviceRange::from_raw(address, 0) })),
+                // SAFETY: forwarded from this function's contract; `checked`
+                // also refuses spans outside one allocation of the device.
+                Some(ctx) => unsafe { DeviceRange::checked(ctx, address, len) }
+                    .map(Target::Device)
+                    .map_err(|e| PyOSError::new_err((e.errno(), e.to_string()))),
+                None if len == 0 => Ok(Target::Host(&mut [])),
+                None if address == 0 => Err(PyValueError::new_err("null host destination")),
+                // SAFETY: forwarded from this function's contract.
+                None => Ok(Target::Host(unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) })),
+            }
+        })
+        .collect()
+}
+
+/// Loads the data sections of `files` (one after another, through one
+/// staging ring of `slots` × `slot_size` bytes) into `addresses`: device
+/// pointers on CUDA device `device`, or host addresses when `device` is -1.
+/// Each destination holds `file.data_len` bytes. Returns the reports.
+#[pyfunction]
+#[pyo3(signature = (files, addresses, device, *, slots=None, slot_size=None, engine=None, mode=None,
+                    chunk_size=None, queue_depth=None, threads=None, progress=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn _load_staged(
+    py: Python<'_>,
+    files: Vec<Py<SafetensorsFile>>,
+    addresses: Vec<u64>,
+    device: i64,
+    slots: Option<usize>,
+    slot_size: Option<usize>,
+    engine: Option<String>,
+    mode: Option<String>,
+    chunk_size: Option<usize>,
+    queue_depth: Option<usize>,
+    threads: Option<usize>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Vec<Py<PyAny>>> {
+    if files.len() != addresses.len() {
+        return Err(PyValueError::new_err("one destination address per file is needed"));
+    }
+    let slots = slots.unwrap_or(DEFAULT_SLOTS);
+    let slot_size = slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
+    let opts = Opts { engine, mode, memory: None, gather_size: None, chunk_size, queue_depth, threads };
+    let mut options = opts.to_options()?;
+    // One read per slot and every slot in flight, unless asked otherwise.
+    options.chunk_size = chunk_size.unwrap_or(slot_size);
+    options.queue_depth = queue_depth.unwrap_or(slots);
+    let files: Vec<&SafetensorsFile> = files.iter().map(|f| f.get()).collect();
+    let lens: Vec<u64> = files.iter().map(|f| f.data_len).collect();
+    let cancel = dmaload::CancelToken::new();
+    options.cancel = cancel.clone();
+    let relay = progress.map(|callback| Progress::new(callback, lens.iter().sum(), cancel.clone()));
+    let ordinal = match device {
+        -1 => None,
+        d => Some(usize::try_from(d).map_err(|_| PyValueError::new_err(format!("no device {d}")))?),
+    };
+    let outcome = run_cancellable(py, &cancel, || -> Result<Vec<dmaload::LoadReport>, PyErr> {
+        let context = match ordinal {
+            Some(ordinal) => {
+                Some(Context::primary(ordinal).map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))?)
+            }
+            None => None,
+        };
+        // SAFETY: the Python caller's promise, documented on `targets`.
+        #[allow(unsafe_code)]
+        let targets = unsafe { targets(context.as_ref(), &addresses, &lens) }?;
+        let ring = match &context {
+            Some(ctx) => StagingRing::pinned(ctx, slots, slot_size, options.chunk_size),
+            None => StagingRing::new(slots, slot_size, options.chunk_size),
+        };
+        let mut ring = ring.map_err(|e| {
+            let path = files.first().map(|f| f.file.path()).unwrap_or(std::path::Path::new(""));
+            os_error(&dmaload::Error::io("allocate the staging ring", path, e))
+        })?;
+        let mut reports = Vec::with_capacity(files.len());
+        for (file, target) in files.iter().zip(targets) {
+            let mut options = options.clone();
+            if let Some(relay) = &relay {
+                options.progress = Some(relay.for_load());
+            }
+            let (offset, len) = (file.data_start, Some(file.data_len));
+            let report = match target {
+                Target::Device(range) => {
+                    let ctx = context.as_ref().expect("device targets come with a context");
+                    let mut sink = CudaSink::new(ctx, vec![(offset, range)])
+                        .map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))?;
+                    dmaload::load_open_to_sink(&file.file, offset, len, &mut ring, &mut sink, &options)
+                }
+                Target::Host(dst) => {
+                    let mut sink = HostSink::new(dst, offset);
+                    dmaload::load_open_to_sink(&file.file, offset, len, &mut ring, &mut sink, &options)
+                }
+            };
+            reports.push(report.map_err(|e| os_error(&e))?);
+        }
+        Ok(reports)
+    })?;
+    if let Some(err) = relay.as_ref().and_then(|r| r.take_error()) {
+        return Err(err);
+    }
+    let reports = outcome?;
+    if let Some(relay) = &relay {
+        relay.maybe_call(true);
+        if let Some(err) = relay.take_error() {
+            return Err(err);
+        }
+    }
+    guard(|| reports.iter().map(|r| report_object(py, r).map(Bound::unbind)).collect())
+}
