@@ -304,6 +304,48 @@ pub fn load_to_sink(
     load_open_to_sink(&file, offset, len, ring, sink, options)
 }
 
+/// Share of a range in the page cache from which a staged load in `auto`
+/// mode copies from the cache instead of reading the disk again.
+pub const CACHED_SHARE: f64 = 0.5;
+
+/// A staged load looks before it reads: in `auto` mode, when most of the
+/// range is already in the page cache (`mincore`), copying it from there on
+/// every CPU beats direct I/O re-reading the disk (on the H100 machine: 4.1
+/// GiB/s from a warm cache against 1.1-1.8 for O_DIRECT loaders). Returns
+/// the options for that, and the note the report carries.
+fn cached_source_options(
+    file: &OpenFile,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<Option<(LoadOptions, Fallback)>> {
+    if options.mode != IoMode::Auto || file.source().in_memory {
+        return Ok(None);
+    }
+    let len = len.unwrap_or(file.len().saturating_sub(offset));
+    let residency = pagecache::residency_of(&file.source().file, file.path(), offset, len)?;
+    if len == 0 || residency.fraction < CACHED_SHARE {
+        return Ok(None);
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let warm = LoadOptions {
+        mode: IoMode::Buffered,
+        engine: Engine::PreadPool,
+        threads: options.threads.max(cpus.min(MAX_CACHE_COPY_THREADS)),
+        ..options.clone()
+    };
+    let why = format!(
+        "{:.0}% of the range is in the page cache: copying it from there on {} threads beats reading the disk again",
+        residency.fraction * 100.0,
+        warm.threads
+    );
+    Ok(Some((warm, Fallback::new("direct", "page cache", why))))
+}
+
+/// Threads copying from the page cache at most: memory bandwidth, not
+/// CPUs, limits them past this.
+const MAX_CACHE_COPY_THREADS: usize = 16;
+
 /// [`load_to_sink`] from a file opened beforehand (whose header, say, the
 /// caller read to size the destination): the same open file is read, and a
 /// change to it since it was opened is an error.
@@ -328,7 +370,13 @@ pub fn load_open_to_sink(
             format!("staging slots of {} bytes do not hold whole chunks of {chunk} bytes", ring.slot_len()),
         ));
     }
+    let warm = cached_source_options(file, offset, len, options)?;
+    let (options, cached) = match &warm {
+        Some((warm, why)) => (warm, Some(why)),
+        None => (options, None),
+    };
     let mut opened = open_range(file.source(), path, offset, len, options, false)?;
+    opened.fallbacks.extend(cached.cloned());
     let (offset, len) = (opened.offset, opened.len);
     let plan_for = |align| Plan::staged(offset, len, align, chunk, slot, page);
     let started = Instant::now();

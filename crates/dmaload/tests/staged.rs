@@ -14,6 +14,13 @@ use dmaload::{CancelToken, Engine, ErrorKind, HostSink, LoadOptions, Sink, SlotD
 
 const M: usize = 1 << 20;
 
+/// A pattern file out of the page cache: `auto` mode would otherwise copy it
+/// from the cache with the pool (see the last test), whatever the engine.
+fn write_cold(path: &std::path::Path, size: u64) {
+    write_pattern_file(path, size);
+    dmaload::pagecache::evict(path).unwrap();
+}
+
 fn options(engine: Engine, chunk: usize) -> LoadOptions {
     LoadOptions { engine, chunk_size: chunk, queue_depth: 4, threads: 3, ..LoadOptions::default() }
 }
@@ -38,7 +45,7 @@ fn every_engine_delivers_every_size_exactly_through_a_two_slot_ring() {
     let dir = scratch_dir();
     for size in [0u64, 1, 4095, 4096, 4097, M as u64 + 1, (5 * M + 777) as u64] {
         let path = dir.path().join(format!("f{size}"));
-        write_pattern_file(&path, size);
+        write_cold(&path, size);
         for engine in Engine::ALL {
             // Two slots of two 256 KiB chunks: a slot is reused many times.
             let mut ring = StagingRing::new(2, 512 << 10, 256 << 10).unwrap();
@@ -56,7 +63,7 @@ fn unaligned_ranges_arrive_at_their_offsets() {
     let dir = scratch_dir();
     let path = dir.path().join("f");
     let size = 9 * M as u64 + 123;
-    write_pattern_file(&path, size);
+    write_cold(&path, size);
     let mut ring = StagingRing::new(3, M, M).unwrap();
     for (offset, len) in
         [(1u64, 10u64), (511, 2 * M as u64), (4097, 5 * M as u64 + 3), (M as u64 - 1, 2), (size - 7, 7)]
@@ -105,7 +112,7 @@ fn slots_are_delivered_in_file_order_and_released_before_reuse() {
     let dir = scratch_dir();
     let path = dir.path().join("f");
     let size = 10 * M as u64 + 5;
-    write_pattern_file(&path, size);
+    write_cold(&path, size);
     let mut ring = StagingRing::new(3, 2 * M, M).unwrap();
     let mut sink = Recorder { deliveries: Vec::new(), released: Vec::new(), fail_at: None, finished: false };
     dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options(Engine::UringFixed, M)).unwrap();
@@ -123,7 +130,7 @@ fn slots_are_delivered_in_file_order_and_released_before_reuse() {
 fn a_failing_sink_stops_the_load_with_its_error_and_is_still_finished() {
     let dir = scratch_dir();
     let path = dir.path().join("f");
-    write_pattern_file(&path, 16 * M as u64);
+    write_cold(&path, 16 * M as u64);
     for engine in Engine::ALL {
         let mut ring = StagingRing::new(2, M, M).unwrap();
         let mut sink =
@@ -145,12 +152,14 @@ fn truncation_mid_load_is_an_error_naming_the_offset() {
         let path = dir.path().join(format!("shrinking-{}", engine.name()));
         let size = 16u64 << 20;
         let cut = (3 << 20) + (1 << 19);
-        write_pattern_file(&path, size);
+        write_cold(&path, size);
         let truncated = Arc::new(AtomicBool::new(false));
         let (flag, victim) = (truncated.clone(), path.clone());
         let opts = LoadOptions {
+            // Pool workers beyond the failing one wait for slots: they must
+            // be woken when the load fails.
             queue_depth: 1,
-            threads: 1,
+            threads: 3,
             progress: Some(Arc::new(move |_done, _total| {
                 if !flag.swap(true, Ordering::SeqCst) {
                     std::fs::OpenOptions::new().write(true).open(&victim).unwrap().set_len(cut).unwrap();
@@ -172,7 +181,7 @@ fn cancelling_a_staged_load_stops_it_and_finishes_the_sink() {
     let dir = scratch_dir();
     let path = dir.path().join("f");
     let size = 64u64 << 20;
-    write_pattern_file(&path, size);
+    write_cold(&path, size);
     for engine in Engine::ALL {
         dmaload::pagecache::evict(&path).unwrap();
         let token = CancelToken::new();
@@ -200,7 +209,7 @@ fn a_ring_needs_two_slots_and_whole_chunks() {
     assert!(StagingRing::new(1, M, M).is_err());
     let dir = scratch_dir();
     let path = dir.path().join("f");
-    write_pattern_file(&path, 4 * M as u64);
+    write_cold(&path, 4 * M as u64);
     let mut ring = StagingRing::new(2, 3 * M, 3 * M).unwrap();
     let err =
         load_staged(&path, 0, 4 * M as u64, &mut ring, &options(Engine::UringFixed, 2 * M)).unwrap_err();
@@ -211,4 +220,53 @@ fn a_ring_needs_two_slots_and_whole_chunks() {
             load_staged(&path, 0, 4 * M as u64, &mut ring, &options(Engine::UringFixed, chunk)).unwrap();
         assert_pattern(&bytes, 0);
     }
+}
+
+#[test]
+fn auto_mode_copies_a_cached_file_from_the_page_cache_and_reads_a_cold_one_direct() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    let size = 8 * M as u64 + 9;
+    write_pattern_file(&path, size);
+    let opts = LoadOptions::default();
+    let mut ring = StagingRing::new(4, M, M).unwrap();
+    // Warm: read it through the page cache first.
+    std::fs::read(&path).unwrap();
+    let (bytes, report) = load_staged(&path, 0, size, &mut ring, &opts).unwrap();
+    assert_pattern(&bytes, 0);
+    assert_eq!(report.engine, Engine::PreadPool, "{:?}", report.fallbacks);
+    assert_eq!(report.cache, dmaload::CachePolicy::Keep);
+    assert!(report.fallbacks.iter().any(|f| f.to == "page cache" && f.reason.contains("% of the range")));
+    // Cold: evicted, so the disk is read with direct I/O as usual.
+    dmaload::pagecache::evict(&path).unwrap();
+    let (bytes, report) = load_staged(&path, 0, size, &mut ring, &opts).unwrap();
+    assert_pattern(&bytes, 0);
+    if report.filesystem != "tmpfs" {
+        assert_eq!(report.cache, dmaload::CachePolicy::Bypass, "{:?}", report.fallbacks);
+        assert!(!report.fallbacks.iter().any(|f| f.to == "page cache"));
+    }
+}
+
+#[test]
+fn pool_workers_waiting_for_a_slot_are_woken_when_the_load_fails() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_cold(&path, 16 * M as u64);
+    // Opened at 16 MiB, then cut near the end: the last reads come back
+    // short. More workers than chunks in the two slots, so while one meets
+    // the end the others wait for a slot that the failed load will never
+    // release.
+    let file = dmaload::OpenFile::open(&path).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(16 * M as u64 - 100_000).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut ring = StagingRing::new(2, M, 256 << 10).unwrap();
+        let mut dst = vec![0u8; 16 * M];
+        let opts = LoadOptions { threads: 8, ..options(Engine::PreadPool, 256 << 10) };
+        let result =
+            dmaload::load_open_to_sink(&file, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &opts);
+        let _ = done.send(result.map(drop));
+    });
+    let result = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("the failed load hung");
+    assert_eq!(result.unwrap_err().kind(), ErrorKind::Truncated);
 }

@@ -167,6 +167,7 @@ impl Gate {
     /// The load failed: stop populating.
     pub fn cancel(&self) {
         self.cancelled.store(true, Ordering::Relaxed);
+        self.changed.notify_all();
     }
 
     /// Whether the load failed or the caller cancelled it.
@@ -215,7 +216,8 @@ impl Gate {
     }
 
     /// Blocks until gather `g` is ready; returns how long it waited. A
-    /// cancellation by the caller ends the wait with `ECANCELED`.
+    /// cancellation (by the caller, or because the load failed) ends the
+    /// wait with `ECANCELED`.
     pub fn wait_for(&self, g: usize) -> io::Result<Duration> {
         let started = Instant::now();
         let mut state = self.lock();
@@ -230,7 +232,7 @@ impl Gate {
                 };
                 return Err(err);
             }
-            if self.token.is_cancelled() {
+            if self.is_cancelled() {
                 return Err(io::Error::from_raw_os_error(libc::ECANCELED));
             }
             state = self
