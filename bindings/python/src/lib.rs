@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use dmaload::format::safetensors as st;
-use dmaload::{CachePolicy, Engine, IoMode, LoadOptions, LoadReport, MemoryKind};
+use dmaload::{CachePolicy, Destination, Engine, IoMode, LoadOptions, LoadReport};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -600,16 +600,18 @@ fn run_cancellable<T: Send>(
     result.map_err(panic_error)
 }
 
-/// The keyword options every load accepts.
+/// The keyword options every load accepts: the core's [`LoadOptions`],
+/// names and values as the core spells them (see [`_option_defaults`]).
 #[derive(Default)]
 struct Opts {
     engine: Option<String>,
     mode: Option<String>,
-    memory: Option<String>,
+    to: Option<String>,
     gather_size: Option<usize>,
     chunk_size: Option<usize>,
     queue_depth: Option<usize>,
     threads: Option<usize>,
+    populate_threads: Option<usize>,
 }
 
 impl Opts {
@@ -621,21 +623,14 @@ impl Opts {
         if let Some(mode) = &self.mode {
             o.mode = mode.parse::<IoMode>().map_err(PyValueError::new_err)?;
         }
-        if let Some(memory) = &self.memory {
-            o.memory = match memory.as_str() {
-                "memfd" => MemoryKind::Memfd,
-                "anonymous-thp" | "thp" => MemoryKind::AnonymousThp,
-                other => {
-                    return Err(PyValueError::new_err(format!(
-                        "unknown memory kind {other:?} (expected memfd or anonymous-thp)"
-                    )))
-                }
-            };
+        if let Some(to) = &self.to {
+            o.to = to.parse::<Destination>().map_err(PyValueError::new_err)?;
         }
         o.gather_size = self.gather_size.unwrap_or(o.gather_size);
         o.chunk_size = self.chunk_size.unwrap_or(o.chunk_size);
         o.queue_depth = self.queue_depth.unwrap_or(o.queue_depth);
         o.threads = self.threads.unwrap_or(o.threads);
+        o.populate_threads = self.populate_threads.unwrap_or(o.populate_threads);
         Ok(o)
     }
 }
@@ -647,8 +642,9 @@ fn file_len(path: &std::path::Path) -> Result<u64, dmaload::Error> {
 /// Loads a file, or `length` bytes of it from `offset`, with the GIL
 /// released. See `dmaload.load` for the options.
 #[pyfunction]
-#[pyo3(signature = (path, offset=None, length=None, *, engine=None, mode=None, memory=None,
-                    gather_size=None, chunk_size=None, queue_depth=None, threads=None, progress=None))]
+#[pyo3(signature = (path, offset=None, length=None, *, engine=None, mode=None, to=None,
+                    gather_size=None, chunk_size=None, queue_depth=None, threads=None,
+                    populate_threads=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -657,15 +653,16 @@ fn load(
     length: Option<u64>,
     engine: Option<String>,
     mode: Option<String>,
-    memory: Option<String>,
+    to: Option<String>,
     gather_size: Option<usize>,
     chunk_size: Option<usize>,
     queue_depth: Option<usize>,
     threads: Option<usize>,
+    populate_threads: Option<usize>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Buffer> {
     guard(move || {
-        let opts = Opts { engine, mode, memory, gather_size, chunk_size, queue_depth, threads };
+        let opts = Opts { engine, mode, to, gather_size, chunk_size, queue_depth, threads, populate_threads };
         let mut options = opts.to_options()?;
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
@@ -742,8 +739,9 @@ fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult<HeaderRow>
 /// Loads safetensors files whole, `concurrency` at a time, with the GIL
 /// released; returns (buffer, header) per file, in order.
 #[pyfunction]
-#[pyo3(signature = (paths, *, concurrency=4, engine=None, mode=None, memory=None,
-                    gather_size=None, chunk_size=None, queue_depth=None, threads=None, progress=None))]
+#[pyo3(signature = (paths, *, concurrency=4, engine=None, mode=None, to=None,
+                    gather_size=None, chunk_size=None, queue_depth=None, threads=None,
+                    populate_threads=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn load_safetensors(
     py: Python<'_>,
@@ -751,15 +749,16 @@ fn load_safetensors(
     concurrency: usize,
     engine: Option<String>,
     mode: Option<String>,
-    memory: Option<String>,
+    to: Option<String>,
     gather_size: Option<usize>,
     chunk_size: Option<usize>,
     queue_depth: Option<usize>,
     threads: Option<usize>,
+    populate_threads: Option<usize>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Vec<(Buffer, HeaderRow)>> {
     guard(move || {
-        let opts = Opts { engine, mode, memory, gather_size, chunk_size, queue_depth, threads };
+        let opts = Opts { engine, mode, to, gather_size, chunk_size, queue_depth, threads, populate_threads };
         let mut options = opts.to_options()?;
         if concurrency == 0 {
             return Err(PyValueError::new_err("concurrency must be at least 1"));
@@ -859,6 +858,63 @@ fn safetensors_dtypes() -> PyResult<Vec<(&'static str, u64)>> {
     guard(|| Ok(st::Dtype::ALL.iter().map(|d| (d.name(), d.bits())).collect()))
 }
 
+/// The values each enumerated option takes, as the core parses and prints
+/// them (`to` lists its forms, `cuda:N` for any device number): the tests
+/// check `dmaload._options`' types against these.
+#[pyfunction]
+fn _option_choices() -> PyResult<BTreeMap<&'static str, Vec<String>>> {
+    guard(|| {
+        Ok(BTreeMap::from([
+            ("engine", Engine::ALL.iter().map(|e| e.name().to_owned()).collect()),
+            ("mode", IoMode::ALL.iter().map(|m| m.name().to_owned()).collect()),
+            ("to", Destination::forms()),
+        ]))
+    })
+}
+
+/// A default the core gives an option: an enumerated option's name, or a
+/// number.
+#[derive(IntoPyObject)]
+enum DefaultValue {
+    Name(String),
+    Number(usize),
+}
+
+/// Every load option the binding takes, with the core's default: the
+/// fields of [`LoadOptions`] (all named, so a field the core adds is a
+/// compile error here until it crosses) less the callback and the
+/// cancellation token, which Python passes in its own way, and the
+/// staging ring of device loads.
+#[pyfunction]
+fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
+    guard(|| {
+        let LoadOptions {
+            engine,
+            mode,
+            to,
+            gather_size,
+            chunk_size,
+            queue_depth,
+            threads,
+            populate_threads,
+            progress: _,
+            cancel: _,
+        } = LoadOptions::default();
+        Ok(BTreeMap::from([
+            ("engine", DefaultValue::Name(engine.name().to_owned())),
+            ("mode", DefaultValue::Name(mode.name().to_owned())),
+            ("to", DefaultValue::Name(to.name())),
+            ("gather_size", DefaultValue::Number(gather_size)),
+            ("chunk_size", DefaultValue::Number(chunk_size)),
+            ("queue_depth", DefaultValue::Number(queue_depth)),
+            ("threads", DefaultValue::Number(threads)),
+            ("populate_threads", DefaultValue::Number(populate_threads)),
+            ("staging_slots", DefaultValue::Number(dmaload::sink::DEFAULT_SLOTS)),
+            ("staging_slot_size", DefaultValue::Number(dmaload::sink::DEFAULT_SLOT_SIZE)),
+        ]))
+    })
+}
+
 /// For the tests only: panics where `place` says ("gil": with the GIL
 /// held; "detached": with it released; "load": on the load thread, as a
 /// load would), to prove that every such panic reaches Python as a
@@ -888,6 +944,8 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<staged::SafetensorsFile>()?;
     m.add_function(wrap_pyfunction!(staged::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(staged::_load_staged, m)?)?;
+    m.add_function(wrap_pyfunction!(_option_choices, m)?)?;
+    m.add_function(wrap_pyfunction!(_option_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(_test_panic, m)?)?;
     Ok(())
 }

@@ -132,7 +132,7 @@ pub fn _load_staged(
     }
     let slots = slots.unwrap_or(DEFAULT_SLOTS);
     let slot_size = slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
-    let opts = Opts { engine, mode, memory: None, gather_size: None, chunk_size, queue_depth, threads };
+    let opts = Opts { engine, mode, chunk_size, queue_depth, threads, ..Opts::default() };
     let mut options = opts.to_options()?;
     // One read per slot and every slot in flight, unless asked otherwise.
     options.chunk_size = chunk_size.unwrap_or(slot_size);

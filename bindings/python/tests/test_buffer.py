@@ -131,7 +131,7 @@ def test_memfd_export(data_file: tuple[Path, bytes]) -> None:
 
 def test_anonymous_memory_has_no_memfd(data_file: tuple[Path, bytes]) -> None:
     path, data = data_file
-    with dmaload.load(path, memory="anonymous-thp") as buf:
+    with dmaload.load(path, to="anonymous-thp") as buf:
         assert buf.memory == "anonymous-thp"
         assert bytes(memoryview(buf)[:64]) == data[:64]
         with pytest.raises(ValueError):
@@ -208,8 +208,10 @@ def test_errors_are_oserror_with_errno_and_filename(tmp_path: Path) -> None:
 def test_bad_options() -> None:
     with pytest.raises(ValueError, match="unknown engine"):
         dmaload.load("/dev/null", engine="warp")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="memory"):
-        dmaload.load("/dev/null", memory="vram")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown destination"):
+        dmaload.load("/dev/null", to="vram")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unknown load option.*memory"):
+        dmaload.load("/dev/null", memory="memfd")  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="unknown load option"):
         dmaload.load("/dev/null", colour="red")  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="invalid size"):

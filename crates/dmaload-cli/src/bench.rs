@@ -120,7 +120,7 @@ fn methods(with_fio: bool) -> Vec<Method> {
     let memory = MemoryKind::AnonymousThp;
     methods.push(Method::Dmaload {
         name: format!("dmaload {} {}", Engine::default().name(), memory.name()),
-        options: LoadOptions { memory, ..LoadOptions::default() },
+        options: LoadOptions { to: memory.into(), ..LoadOptions::default() },
     });
     methods.push(Method::Dmaload {
         name: BASELINE.into(),

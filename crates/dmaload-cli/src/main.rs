@@ -21,8 +21,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
-use dmaload::{Engine, IoMode, LoadOptions, MemoryKind};
+use dmaload::load::{DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use dmaload::{Destination, Engine, IoMode, LoadOptions};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use units::Size;
 
 #[derive(Parser)]
 #[command(
@@ -76,63 +78,41 @@ struct LoadCommand {
     /// device, of its bytes copied back, off the timed path).
     #[arg(long)]
     hash: bool,
-    /// Where the bytes go: host memory (what --memory says), or `cuda:N`,
-    /// a CUDA device's memory through a pinned staging ring.
-    #[arg(long, value_parser = parse_destination)]
-    to: Option<usize>,
-}
-
-/// `cuda:N` (or `cuda`, device 0) as the device ordinal.
-fn parse_destination(s: &str) -> Result<usize, String> {
-    match s.strip_prefix("cuda") {
-        Some("") => Ok(0),
-        Some(n) => n
-            .strip_prefix(':')
-            .and_then(|n| n.parse().ok())
-            .ok_or_else(|| format!("invalid device {s:?} (expected cuda or cuda:N)")),
-        None => Err(format!("unknown destination {s:?} (expected cuda:N; host memory is --memory)")),
-    }
 }
 
 /// The knobs of a load, shared by `load`, `demo` and `bench`.
 #[derive(Args, Clone)]
 pub struct LoadArgs {
     /// Engine: uring-fixed, uring, pread-pool or read.
-    #[arg(long, default_value = "uring-fixed")]
+    #[arg(long, default_value_t = Engine::default())]
     engine: Engine,
     /// I/O mode: auto (direct I/O, else buffered without cache residue),
     /// direct, buffered or dontcache.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value_t = IoMode::default())]
     mode: IoMode,
     /// Require direct I/O: fail instead of falling back (same as --mode direct).
     #[arg(long, conflicts_with = "mode")]
     direct: bool,
-    /// Memory: memfd (shareable by fd) or anonymous-thp.
-    #[arg(long, default_value = "memfd", value_parser = parse_memory)]
-    memory: MemoryKind,
+    /// Where the bytes go: memfd (host memory, shareable by fd),
+    /// anonymous-thp (host memory, transparent huge pages) or cuda:N (CUDA
+    /// device N's memory through a pinned staging ring; `load` only).
+    #[arg(long, value_name = "DEST", default_value_t = Destination::default())]
+    to: Destination,
     /// Bytes populated and registered as one unit.
-    #[arg(long, value_parser = units::parse_size, default_value = "128M")]
-    gather_size: u64,
+    #[arg(long, default_value_t = Size(DEFAULT_GATHER_SIZE as u64))]
+    gather_size: Size,
     /// Bytes per read request.
-    #[arg(long, value_parser = units::parse_size, default_value = "4M")]
-    chunk_size: u64,
+    #[arg(long, default_value_t = Size(DEFAULT_CHUNK_SIZE as u64))]
+    chunk_size: Size,
     /// Requests in flight (io_uring engines).
-    #[arg(long, default_value_t = dmaload::load::DEFAULT_QUEUE_DEPTH)]
+    #[arg(long, default_value_t = DEFAULT_QUEUE_DEPTH)]
     queue_depth: usize,
     /// Threads (pread-pool engine).
-    #[arg(long, default_value_t = dmaload::load::DEFAULT_POOL_THREADS)]
+    #[arg(long, default_value_t = DEFAULT_POOL_THREADS)]
     threads: usize,
     /// Threads populating memory ahead of the I/O (default: CPUs, 1 to 4).
     #[arg(long, default_value_t = dmaload::load::default_populate_threads())]
     populate_threads: usize,
-}
-
-fn parse_memory(s: &str) -> Result<MemoryKind, String> {
-    match s {
-        "memfd" => Ok(MemoryKind::Memfd),
-        "anonymous-thp" | "thp" => Ok(MemoryKind::AnonymousThp),
-        _ => Err(format!("unknown memory kind {s:?} (expected memfd or anonymous-thp)")),
-    }
 }
 
 impl LoadArgs {
@@ -140,9 +120,9 @@ impl LoadArgs {
         LoadOptions {
             engine: self.engine,
             mode: if self.direct { IoMode::Direct } else { self.mode },
-            memory: self.memory,
-            gather_size: usize::try_from(self.gather_size).unwrap_or(usize::MAX),
-            chunk_size: usize::try_from(self.chunk_size).unwrap_or(usize::MAX),
+            to: self.to,
+            gather_size: usize::try_from(self.gather_size.0).unwrap_or(usize::MAX),
+            chunk_size: usize::try_from(self.chunk_size.0).unwrap_or(usize::MAX),
             queue_depth: self.queue_depth,
             threads: self.threads,
             populate_threads: self.populate_threads,
@@ -182,9 +162,11 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let mut options = cmd.options.to_options();
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
-    let result = match cmd.to {
-        Some(device) => gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash),
-        None => {
+    let result = match options.to {
+        Destination::Cuda(device) => {
+            gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash)
+        }
+        Destination::Memfd | Destination::AnonymousThp => {
             let loaded = match cmd.length {
                 Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
                 None => dmaload::load_from(&cmd.file, cmd.offset, &options),

@@ -152,6 +152,15 @@ pub fn save(cmd: &SaveCommand) -> Result<(), String> {
 
 pub fn copy(cmd: &CopyCommand) -> Result<(), String> {
     let mut options = cmd.load.to_options();
+    if options.to.host_memory().is_none() {
+        let host: Vec<_> = dmaload::MemoryKind::ALL.iter().map(|k| k.name()).collect();
+        return Err(format!(
+            "copy loads SRC into host memory to save it: --to takes {} here, not {to} \
+             (a device is loaded with `dmaload load --to {to}`)",
+            host.join(" or "),
+            to = options.to
+        ));
+    }
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
     let loaded = dmaload::load(&cmd.src, &options);

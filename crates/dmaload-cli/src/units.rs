@@ -23,6 +23,31 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
+/// A byte size on the command line: parsed by [`parse_size`], shown in
+/// the largest binary unit that holds it exactly ("128M"), so a default
+/// taken from the core's constants reads in `--help` as one would write it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl std::str::FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_size(s).map(Size)
+    }
+}
+
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0;
+        for (shift, suffix) in [(40, "T"), (30, "G"), (20, "M"), (10, "K")] {
+            if n != 0 && n % (1u64 << shift) == 0 {
+                return write!(f, "{}{suffix}", n >> shift);
+            }
+        }
+        write!(f, "{n}")
+    }
+}
+
 /// Formats bytes with a binary unit, e.g. "1.50 GiB".
 pub fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -52,6 +77,16 @@ mod tests {
         assert_eq!(parse_size("2gb").unwrap(), 2 << 30);
         assert!(parse_size("12x").is_err());
         assert!(parse_size("").is_err());
+    }
+
+    #[test]
+    fn sizes_print_as_they_parse() {
+        for (bytes, text) in
+            [(0, "0"), (4096, "4K"), (128 << 20, "128M"), (3 << 29, "1536M"), (1 << 40, "1T"), (4097, "4097")]
+        {
+            assert_eq!(Size(bytes).to_string(), text);
+            assert_eq!(text.parse::<Size>(), Ok(Size(bytes)));
+        }
     }
 
     #[test]

@@ -187,6 +187,44 @@ fn errors_name_the_path_and_cause_and_exit_nonzero() {
 }
 
 #[test]
+fn to_names_the_destination_and_its_defaults_are_the_cores() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 100_000);
+    let out = dmaload().args(["load", "--json", "--to", "anonymous-thp"]).arg(&path).output().unwrap();
+    let report = json_of(&out);
+    assert_eq!(
+        (report["memory"].as_str(), report["destination"].as_str()),
+        (Some("anonymous-thp"), Some("anonymous-thp"))
+    );
+    let report = json_of(&dmaload().args(["load", "--json"]).arg(&path).output().unwrap());
+    assert_eq!((report["memory"].as_str(), report["destination"].as_str()), (Some("memfd"), Some("memfd")));
+    assert_eq!(report["queue_depth"], dmaload::load::DEFAULT_QUEUE_DEPTH);
+    let help = String::from_utf8(dmaload().args(["load", "--help"]).output().unwrap().stdout).unwrap();
+    for default in
+        ["[default: uring-fixed]", "[default: auto]", "[default: memfd]", "[default: 128M]", "[default: 4M]"]
+    {
+        assert!(help.contains(default), "{default} missing from:\n{help}");
+    }
+    for form in dmaload::Destination::forms() {
+        assert!(help.contains(&form), "--help does not name {form}:\n{help}");
+    }
+    // Unknown names are refused with the choices; --memory is gone.
+    let out = dmaload().args(["load", "--to", "vram"]).arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("memfd, anonymous-thp, cuda:N"), "{stderr}");
+    let out = dmaload().args(["load", "--memory", "memfd"]).arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    // copy saves from host memory: a device destination is refused, saying where it belongs.
+    let out =
+        dmaload().args(["copy", "--to", "cuda:0"]).arg(&path).arg(dir.path().join("copy")).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not cuda:0") && stderr.contains("dmaload load --to cuda:0"), "{stderr}");
+    assert!(!dir.path().join("copy").exists());
+}
+
+#[test]
 fn unreadable_file_is_permission_denied() {
     let dir = scratch();
     let path = sample_file(dir.path(), "secret", 4096);

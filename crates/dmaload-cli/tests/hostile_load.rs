@@ -106,7 +106,7 @@ fn a_tiny_file_size_limit_is_an_error_not_sigxfsz() {
         Command::new("prlimit")
             .arg("--fsize=4096")
             .arg(env!("CARGO_BIN_EXE_dmaload"))
-            .args(["load", "--memory", "anonymous-thp"])
+            .args(["load", "--to", "anonymous-thp"])
             .arg(&path),
     );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -153,7 +153,7 @@ fn a_file_size_limit_is_an_error_not_sigxfsz() {
         Command::new("prlimit")
             .arg("--fsize=65536")
             .arg(env!("CARGO_BIN_EXE_dmaload"))
-            .args(["copy", "--memory", "anonymous-thp"])
+            .args(["copy", "--to", "anonymous-thp"])
             .arg(&src)
             .arg(&dst),
     );

@@ -31,11 +31,29 @@ pub enum MemoryKind {
 }
 
 impl MemoryKind {
+    pub const ALL: [MemoryKind; 2] = [MemoryKind::Memfd, MemoryKind::AnonymousThp];
+
     pub fn name(self) -> &'static str {
         match self {
             MemoryKind::Memfd => "memfd",
             MemoryKind::AnonymousThp => "anonymous-thp",
         }
+    }
+}
+
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for MemoryKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        MemoryKind::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
+            let names: Vec<_> = MemoryKind::ALL.iter().map(|k| k.name()).collect();
+            format!("unknown memory kind {s:?} (expected one of: {})", names.join(", "))
+        })
     }
 }
 

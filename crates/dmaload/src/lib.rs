@@ -39,8 +39,8 @@ pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
 pub use load::{
-    load, load_fd, load_from, load_open_to_sink, load_range, load_to_sink, Fallback, IoMode, LoadOptions,
-    LoadReport,
+    load, load_fd, load_from, load_open_to_sink, load_range, load_to_sink, Destination, Fallback, IoMode,
+    LoadOptions, LoadReport,
 };
 pub use save::{save, SaveOptions, SaveReport};
 pub use sink::{HostSink, Sink, SlotData, StagingRing};

@@ -18,11 +18,12 @@ use crate::buffer::Buffer;
 use crate::engine::EngineRun;
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
-use crate::options::validate;
+use crate::heap::MemoryKind;
 pub use crate::options::{
-    default_populate_threads, Fallback, IoMode, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE,
-    DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
+    default_populate_threads, Destination, Fallback, IoMode, LoadOptions, DEFAULT_CHUNK_SIZE,
+    DEFAULT_GATHER_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
 };
+use crate::options::{host_memory, validate};
 use crate::pagecache;
 use crate::pipeline::{fill, fill_staged, Filled};
 use crate::plan::Plan;
@@ -34,7 +35,10 @@ use crate::source::{
 use crate::sys::mem::Seals;
 use crate::{sys, system};
 
-/// Loads the whole file at `path`.
+/// Loads the whole file at `path` into a host [`Buffer`] of the memory
+/// `options.to` names. A device destination (`cuda:N`) is an
+/// [`ErrorKind::InvalidInput`] error: a device is loaded through a sink
+/// ([`load_to_sink`] with [`crate::sink::CudaSink`]).
 pub fn load(path: impl AsRef<Path>, options: &LoadOptions) -> Result<(Buffer, LoadReport)> {
     load_impl(path.as_ref(), 0, None, options)
 }
@@ -69,8 +73,9 @@ pub fn load_fd(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     validate(Path::new("fd"), options)?;
+    let memory = host_memory(Path::new("fd"), options)?;
     let (source, path) = Source::from_fd(fd)?;
-    load_source(source, &path, offset, len, options)
+    load_source(source, &path, offset, len, options, memory)
 }
 
 fn load_impl(
@@ -80,7 +85,8 @@ fn load_impl(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     validate(path, options)?;
-    load_source(Source::open(path)?, path, offset, len, options)
+    let memory = host_memory(path, options)?;
+    load_source(Source::open(path)?, path, offset, len, options, memory)
 }
 
 /// A file range checked and ready to read: what every destination's load
@@ -209,9 +215,15 @@ impl Opened<'_> {
         Ok(done)
     }
 
-    /// The report of a finished load; the caller fills in the destination's
-    /// own times.
-    fn report(self, plan: &Plan, run: EngineRun, options: &LoadOptions) -> Result<LoadReport> {
+    /// The report of a finished load into `memory`; the caller fills in the
+    /// destination's own times.
+    fn report(
+        self,
+        plan: &Plan,
+        run: EngineRun,
+        options: &LoadOptions,
+        memory: MemoryKind,
+    ) -> Result<LoadReport> {
         let path = self.path;
         let page_cache = pagecache::residency_of(&self.source.file, path, self.offset, self.len)?;
         let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
@@ -224,9 +236,9 @@ impl Opened<'_> {
             bytes: self.len,
             engine: run.engine,
             cache: self.setup.cache,
-            memory: options.memory,
-            huge_pages: crate::system::huge_pages_allowed(options.memory),
-            destination: options.memory.name().to_owned(),
+            memory,
+            huge_pages: crate::system::huge_pages_allowed(memory),
+            destination: Destination::from(memory).name(),
             filesystem: self.source.storage,
             alignment: self.setup.align,
             chunk_size: plan.chunk,
@@ -254,13 +266,14 @@ fn load_source(
     offset: u64,
     len: Option<u64>,
     options: &LoadOptions,
+    memory: MemoryKind,
 ) -> Result<(Buffer, LoadReport)> {
     let mut opened = open_range(&source, path, offset, len, options, true)?;
     let (offset, len) = (opened.offset, opened.len);
     let page = sys::mem::page_size();
     let plan_for = |align| Plan::new(offset, len, align, options.chunk_size, options.gather_size, page);
-    let (filled, plan) =
-        opened.read(options, plan_for, |setup, plan, options| fill(path, setup, plan, len, options))?;
+    let (filled, plan) = opened
+        .read(options, plan_for, |setup, plan, options| fill(path, setup, plan, len, options, memory))?;
     let Filled { mut alloc, run, times, engine_wall } = filled;
     // Direct I/O read whole aligned blocks around the range: the bytes
     // outside it are not the caller's to see, nor to share through the memfd.
@@ -277,7 +290,7 @@ fn load_source(
     let buffer = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges());
     debug_assert_eq!(len, buffer.len() as u64);
     let waited = run.waited_for_memory;
-    let mut report = opened.report(&plan, run, options)?;
+    let mut report = opened.report(&plan, run, options, memory)?;
     report.alloc_seconds = times.all.as_secs_f64();
     report.register_seconds = times.register.as_secs_f64();
     report.first_gather_seconds = times.first.as_secs_f64();
@@ -385,7 +398,10 @@ pub fn load_open_to_sink(
     })?;
     let wall = started.elapsed();
     let waited = run.waited_for_memory;
-    let mut report = opened.report(&plan, run, options)?;
+    // No Buffer is allocated: `memory` is what a host load with these options
+    // would use; `destination` names the ring (and the caller, the sink).
+    let memory = options.to.host_memory().unwrap_or_default();
+    let mut report = opened.report(&plan, run, options, memory)?;
     report.destination = format!("staging ring ({} x {} bytes)", ring.slots(), ring.slot_len());
     report.register_seconds = times.register.as_secs_f64();
     report.deliver_seconds = times.deliver.as_secs_f64();

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::path::Path;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -63,13 +64,105 @@ impl IoMode {
     }
 }
 
-impl std::str::FromStr for IoMode {
+impl fmt::Display for IoMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for IoMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        IoMode::ALL
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| format!("unknown mode {s:?} (expected one of: auto, direct, buffered, dontcache)"))
+        IoMode::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
+            let names: Vec<_> = IoMode::ALL.iter().map(|m| m.name()).collect();
+            format!("unknown mode {s:?} (expected one of: {})", names.join(", "))
+        })
+    }
+}
+
+/// Where a load's bytes go: `memfd`, `anonymous-thp` (host memory, a
+/// [`crate::Buffer`] of that [`MemoryKind`]) or `cuda:N` (the memory of
+/// CUDA device N, through a staging ring and [`crate::sink::CudaSink`]).
+/// Parsed from and shown as those names (`cuda` alone is `cuda:0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Destination {
+    /// A memfd, shareable by fd and exportable with udmabuf.
+    #[default]
+    Memfd,
+    /// Private anonymous memory with transparent huge pages.
+    AnonymousThp,
+    /// The memory of CUDA device N.
+    Cuda(usize),
+}
+
+impl Destination {
+    /// Every form a destination is written in, `N` standing for a device
+    /// number: the host memory kinds, then `cuda:N`. Help texts and the
+    /// Python binding's option types are checked against this list.
+    pub fn forms() -> Vec<String> {
+        MemoryKind::ALL.iter().map(|k| k.name().to_owned()).chain(["cuda:N".to_owned()]).collect()
+    }
+
+    /// The name the destination is given by (`memfd`, `anonymous-thp`,
+    /// `cuda:N`).
+    pub fn name(self) -> String {
+        self.to_string()
+    }
+
+    /// The memory kind of a host destination; `None` for a device.
+    pub fn host_memory(self) -> Option<MemoryKind> {
+        match self {
+            Destination::Memfd => Some(MemoryKind::Memfd),
+            Destination::AnonymousThp => Some(MemoryKind::AnonymousThp),
+            Destination::Cuda(_) => None,
+        }
+    }
+}
+
+impl From<MemoryKind> for Destination {
+    fn from(kind: MemoryKind) -> Self {
+        match kind {
+            MemoryKind::Memfd => Destination::Memfd,
+            MemoryKind::AnonymousThp => Destination::AnonymousThp,
+        }
+    }
+}
+
+impl fmt::Display for Destination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Destination::Memfd => f.write_str(MemoryKind::Memfd.name()),
+            Destination::AnonymousThp => f.write_str(MemoryKind::AnonymousThp.name()),
+            Destination::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for Destination {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(kind) = MemoryKind::ALL.into_iter().find(|k| k.name() == s) {
+            return Ok(kind.into());
+        }
+        match s.strip_prefix("cuda") {
+            Some("") => Ok(Destination::Cuda(0)),
+            Some(n) => n
+                .strip_prefix(':')
+                .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|n| n.parse().ok())
+                .map(Destination::Cuda)
+                .ok_or_else(|| format!("invalid device {s:?} (expected cuda or cuda:N, N a device number)")),
+            None => Err(format!(
+                "unknown destination {s:?} (expected one of: {})",
+                Destination::forms().join(", ")
+            )),
+        }
+    }
+}
+
+impl Serialize for Destination {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
     }
 }
 
@@ -79,7 +172,10 @@ impl std::str::FromStr for IoMode {
 pub struct LoadOptions {
     pub engine: Engine,
     pub mode: IoMode,
-    pub memory: MemoryKind,
+    /// Where the bytes go. [`crate::load`] and its kin fill a host
+    /// [`crate::Buffer`], so they take the host destinations only; a device
+    /// is loaded through a sink ([`crate::load_to_sink`]).
+    pub to: Destination,
     /// Bytes populated (and registered) as one unit.
     pub gather_size: usize,
     /// Bytes per read request (rounded up to whole pages).
@@ -105,7 +201,7 @@ impl Default for LoadOptions {
         LoadOptions {
             engine: Engine::default(),
             mode: IoMode::default(),
-            memory: MemoryKind::default(),
+            to: Destination::default(),
             gather_size: DEFAULT_GATHER_SIZE,
             chunk_size: DEFAULT_CHUNK_SIZE,
             queue_depth: DEFAULT_QUEUE_DEPTH,
@@ -122,7 +218,7 @@ impl fmt::Debug for LoadOptions {
         f.debug_struct("LoadOptions")
             .field("engine", &self.engine)
             .field("mode", &self.mode)
-            .field("memory", &self.memory)
+            .field("to", &self.to)
             .field("gather_size", &self.gather_size)
             .field("chunk_size", &self.chunk_size)
             .field("queue_depth", &self.queue_depth)
@@ -154,6 +250,23 @@ impl fmt::Display for Fallback {
     }
 }
 
+/// The memory kind a load into a host [`crate::Buffer`] allocates: the
+/// options' destination, which must be host memory.
+pub(crate) fn host_memory(path: &Path, o: &LoadOptions) -> Result<MemoryKind> {
+    o.to.host_memory().ok_or_else(|| {
+        Error::new(
+            ErrorKind::InvalidInput,
+            "load",
+            path,
+            format!(
+                "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and \
+                 the CUDA sink (load_to_sink with sink::CudaSink), or run `dmaload load --to {to}`",
+                to = o.to
+            ),
+        )
+    })
+}
+
 pub(crate) fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
     let bad = |what: String| Err(Error::new(ErrorKind::InvalidInput, "load", path, what));
     if o.chunk_size == 0 || o.chunk_size > 1 << 30 {
@@ -172,4 +285,63 @@ pub(crate) fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
         return bad(format!("populate thread count {} must be between 1 and 1024", o.populate_threads));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_option_enum_parses_the_names_it_prints() {
+        for engine in Engine::ALL {
+            assert_eq!(engine.name().parse::<Engine>(), Ok(engine));
+            assert_eq!(engine.to_string(), engine.name());
+        }
+        for mode in IoMode::ALL {
+            assert_eq!(mode.name().parse::<IoMode>(), Ok(mode));
+            assert_eq!(mode.to_string(), mode.name());
+        }
+        for kind in MemoryKind::ALL {
+            assert_eq!(kind.name().parse::<MemoryKind>(), Ok(kind));
+            let to = Destination::from(kind);
+            assert_eq!((to.name(), to.host_memory()), (kind.name().to_owned(), Some(kind)));
+            assert_eq!(to.name().parse::<Destination>(), Ok(to));
+        }
+        for n in [0, 1, 17] {
+            let to = Destination::Cuda(n);
+            assert_eq!(to.name(), format!("cuda:{n}"));
+            assert_eq!(to.name().parse::<Destination>(), Ok(to));
+            assert_eq!(to.host_memory(), None);
+        }
+        assert_eq!("cuda".parse::<Destination>(), Ok(Destination::Cuda(0)));
+        assert_eq!(Engine::default().to_string(), "uring-fixed");
+        assert_eq!(LoadOptions::default().to, Destination::Memfd);
+    }
+
+    #[test]
+    fn destination_forms_are_the_memory_kinds_then_cuda() {
+        assert_eq!(Destination::forms(), ["memfd", "anonymous-thp", "cuda:N"]);
+        for form in Destination::forms() {
+            assert!(form.replace('N', "3").parse::<Destination>().is_ok(), "{form}");
+        }
+    }
+
+    #[test]
+    fn bad_names_are_refused_with_the_choices() {
+        for bad in ["", "thp", "vram", "cuda:", "cuda:x", "cuda:+1", "cuda:-1", "cuda0", "CUDA:0", "memfd "] {
+            let err = bad.parse::<Destination>().unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")), "{err}");
+        }
+        assert!("vram".parse::<Destination>().unwrap_err().contains("memfd, anonymous-thp, cuda:N"));
+        assert!("warp".parse::<Engine>().unwrap_err().contains("uring-fixed, uring, pread-pool, read"));
+        assert!("fast".parse::<IoMode>().unwrap_err().contains("auto, direct, buffered, dontcache"));
+        assert!("huge".parse::<MemoryKind>().unwrap_err().contains("memfd, anonymous-thp"));
+    }
+
+    #[test]
+    fn destinations_serialize_as_their_names() {
+        let json =
+            serde_json::to_string(&[Destination::Memfd, Destination::AnonymousThp, Destination::Cuda(2)]);
+        assert_eq!(json.unwrap(), r#"["memfd","anonymous-thp","cuda:2"]"#);
+    }
 }

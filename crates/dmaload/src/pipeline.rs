@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::engine::{self, Engine, EngineRun, Gate, Job, Layout, Progress};
 use crate::error::{Error, ErrorKind, Result};
-use crate::heap::Allocation;
+use crate::heap::{Allocation, MemoryKind};
 use crate::options::{Fallback, LoadOptions};
 use crate::plan::Plan;
 use crate::sink::{Sink, SlotData, StagingRing};
@@ -174,17 +174,18 @@ pub(crate) struct Filled {
     pub engine_wall: Duration,
 }
 
-/// One attempt at filling a fresh allocation; the allocation is dropped
-/// (never returned) when it fails.
+/// One attempt at filling a fresh allocation of `memory`; the allocation is
+/// dropped (never returned) when it fails.
 pub(crate) fn fill(
     path: &Path,
     setup: &ReadSetup,
     plan: &Plan,
     len: u64,
     options: &LoadOptions,
+    memory: MemoryKind,
 ) -> Result<Filled> {
-    let mut alloc = Allocation::new(options.memory, plan.mapping_len)
-        .map_err(|e| Error::io("allocate memory", path, e))?;
+    let mut alloc =
+        Allocation::new(memory, plan.mapping_len).map_err(|e| Error::io("allocate memory", path, e))?;
     let started = Instant::now();
     let (run, times) = fill_mapping(path, setup, plan, len, options, alloc.mapping.writer())?;
     Ok(Filled { alloc, run, times, engine_wall: started.elapsed() })

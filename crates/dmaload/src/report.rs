@@ -22,12 +22,14 @@ pub struct LoadReport {
     /// How reads treated the page cache (after fallbacks): `bypass` is
     /// direct I/O.
     pub cache: CachePolicy,
+    /// The memory kind of a host buffer (of a staged load, the kind its
+    /// options name, though it allocates no buffer).
     pub memory: MemoryKind,
     /// Whether the kernel's THP policy let the memory use 2 MiB pages (see
     /// [`crate::system::huge_pages_allowed`]).
     pub huge_pages: bool,
-    /// Where the bytes went: the memory kind of a host buffer, or the
-    /// staging ring a sink was fed from.
+    /// Where the bytes went: the [`crate::Destination`] of a host buffer
+    /// (`memfd`, `anonymous-thp`), or the staging ring a sink was fed from.
     pub destination: String,
     /// The filesystem the file is on ("ext4", "tmpfs", ...), or
     /// "block-device".

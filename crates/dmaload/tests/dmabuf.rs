@@ -107,7 +107,7 @@ fn udmabuf_beyond_its_size_limit_says_which_limit() {
     let dir = scratch_dir();
     let path = dir.path().join("g");
     write_pattern_file(&path, 4096);
-    let opts = LoadOptions { memory: dmaload::MemoryKind::AnonymousThp, ..LoadOptions::default() };
+    let opts = LoadOptions { to: dmaload::Destination::AnonymousThp, ..LoadOptions::default() };
     let (anon, _) = dmaload::load(&path, &opts).unwrap();
     let (err, anon) = *anon.into_dmabuf().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput);

@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -37,7 +38,7 @@ fn every_engine_loads_every_small_size_exactly() {
         write_pattern_file(&path, size);
         for engine in Engine::ALL {
             for memory in [MemoryKind::Memfd, MemoryKind::AnonymousThp] {
-                let opts = LoadOptions { memory, ..options(engine) };
+                let opts = LoadOptions { to: memory.into(), ..options(engine) };
                 let (buffer, report) = dmaload::load(&path, &opts).unwrap();
                 assert_eq!(buffer.len() as u64, size, "{engine:?} {size}");
                 assert_pattern(&buffer, 0);
@@ -192,6 +193,28 @@ fn invalid_options_are_rejected_before_any_io() {
     ] {
         let err = dmaload::load(&path, &opts).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidInput, "{opts:?}");
+    }
+}
+
+#[test]
+fn a_device_destination_is_refused_by_host_loads_saying_where_to_go() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_pattern_file(&path, 10);
+    let opts = LoadOptions { to: "cuda:1".parse().unwrap(), ..LoadOptions::default() };
+    let errors = [
+        dmaload::load(&path, &opts).unwrap_err(),
+        dmaload::load_range(&path, 1, 2, &opts).unwrap_err(),
+        dmaload::load_from(&path, 1, &opts).unwrap_err(),
+        dmaload::load_fd(std::fs::File::open(&path).unwrap().as_fd(), 0, None, &opts).unwrap_err(),
+        // Before the file is even opened.
+        dmaload::load(dir.path().join("missing"), &opts).unwrap_err(),
+    ];
+    for err in errors {
+        assert_eq!((err.kind(), err.errno()), (ErrorKind::InvalidInput, libc::EINVAL), "{err}");
+        let message = err.to_string();
+        assert!(message.contains("cannot live on a device (cuda:1)"), "{message}");
+        assert!(message.contains("CudaSink") && message.contains("dmaload load --to cuda:1"), "{message}");
     }
 }
 

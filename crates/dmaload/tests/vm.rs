@@ -289,7 +289,7 @@ fn a_table_over_several_loaded_files_matches_them_byte_for_byte() {
 
     // No buffers: an empty table. Anonymous memory: refused.
     assert!(SegmentTable::from_buffers(&[]).unwrap().is_empty());
-    let options = LoadOptions { memory: MemoryKind::AnonymousThp, ..options };
+    let options = LoadOptions { to: MemoryKind::AnonymousThp.into(), ..options };
     let (anon, _) = dmaload::load(&paths[1], &options).unwrap();
     let err = SegmentTable::from_buffer(&anon).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput);

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, get_args
 
 from . import _dmaload
 from ._load import load_range
-from ._options import parse_size
+from ._options import DEVICE_DESTINATIONS, Destination, Engine, Mode, parse_size
 from ._report import LoadReport
 
 # Subcommands only the Python implementation has.
@@ -28,14 +28,20 @@ def _parser() -> argparse.ArgumentParser:
     ld.add_argument("file")
     ld.add_argument("--offset", type=parse_size, default=0, help="first byte to load")
     ld.add_argument("--length", type=parse_size, default=None, help="bytes to load (default: to the end)")
-    ld.add_argument("--engine", choices=["uring-fixed", "uring", "pread-pool", "read"], default=None)
-    ld.add_argument("--mode", choices=["auto", "direct", "buffered", "dontcache"], default=None)
+    ld.add_argument("--engine", choices=get_args(Engine), default=None)
+    ld.add_argument("--mode", choices=get_args(Mode), default=None)
     ld.add_argument("--direct", action="store_true", help="require direct I/O (same as --mode direct)")
-    ld.add_argument("--memory", choices=["memfd", "anonymous-thp"], default=None)
+    ld.add_argument(
+        "--to",
+        choices=get_args(Destination),
+        default=None,
+        help=f"host memory the bytes go to ({', '.join(DEVICE_DESTINATIONS)} needs the native dmaload CLI)",
+    )
     ld.add_argument("--gather-size", type=parse_size, default=None)
     ld.add_argument("--chunk-size", type=parse_size, default=None)
     ld.add_argument("--queue-depth", type=int, default=None)
     ld.add_argument("--threads", type=int, default=None)
+    ld.add_argument("--populate-threads", type=int, default=None)
     ld.add_argument("--json", action="store_true", help="print the report as one JSON object")
     ts = sub.add_parser("tensors", help="list the tensors of a safetensors file (header only)")
     ts.add_argument("file")
@@ -68,11 +74,12 @@ def _cmd_load(a: argparse.Namespace) -> int:
         for k, v in {
             "engine": a.engine,
             "mode": "direct" if a.direct else a.mode,
-            "memory": a.memory,
+            "to": a.to,
             "gather_size": a.gather_size,
             "chunk_size": a.chunk_size,
             "queue_depth": a.queue_depth,
             "threads": a.threads,
+            "populate_threads": a.populate_threads,
         }.items()
         if v is not None
     }

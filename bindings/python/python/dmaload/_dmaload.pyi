@@ -19,6 +19,8 @@ __all__ = [
     "safetensors_dtypes",
     "__version__",
     "_load_staged",
+    "_option_choices",
+    "_option_defaults",
     "_test_panic",
 ]
 
@@ -90,11 +92,12 @@ def load(
     *,
     engine: str | None = None,
     mode: str | None = None,
-    memory: str | None = None,
+    to: str | None = None,
     gather_size: int | None = None,
     chunk_size: int | None = None,
     queue_depth: int | None = None,
     threads: int | None = None,
+    populate_threads: int | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> Buffer: ...
 def load_safetensors(
@@ -103,11 +106,12 @@ def load_safetensors(
     concurrency: int = 4,
     engine: str | None = None,
     mode: str | None = None,
-    memory: str | None = None,
+    to: str | None = None,
     gather_size: int | None = None,
     chunk_size: int | None = None,
     queue_depth: int | None = None,
     threads: int | None = None,
+    populate_threads: int | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[tuple[Buffer, _HeaderRow]]: ...
 @final
@@ -145,5 +149,14 @@ def _load_staged(
 def read_safetensors_header(path: str | os.PathLike[str]) -> _HeaderRow: ...
 def parse_safetensors_header(data: bytes, file_len: int | None = None) -> _HeaderRow: ...
 def safetensors_dtypes() -> list[tuple[str, int]]: ...
+def _option_choices() -> dict[str, list[str]]:
+    """For the tests: the values of each enumerated option as the core
+    names them (``engine``, ``mode``, and ``to``'s forms, ``cuda:N`` for
+    any device)."""
+
+def _option_defaults() -> dict[str, str | int]:
+    """For the tests: every load option the binding takes, with the core's
+    default."""
+
 def _test_panic(place: str) -> None:
     """For the tests: a deliberate panic ("gil", "detached" or "load"), raised as RuntimeError."""

@@ -20,7 +20,10 @@ def load(path: StrPath, *, progress: Progress = None, **options: Unpack[LoadOpti
     ``errno`` and ``filename`` set (``FileNotFoundError`` and friends), the
     message naming the operation and, where known, the file offset.
     ``progress`` is a callable ``(bytes_done, bytes_total)`` or ``True`` for
-    a tqdm bar (when tqdm is installed).
+    a tqdm bar (when tqdm is installed). ``to`` is the host memory the
+    buffer lives in (``"memfd"``, ``"anonymous-thp"``); a device
+    (``"cuda:N"``) is refused with ``OSError`` EINVAL, as a Buffer cannot
+    live there: ``dmaload.safetensors`` loads onto a GPU with ``device=``.
     """
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
     try:

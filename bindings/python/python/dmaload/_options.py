@@ -1,4 +1,9 @@
-"""Load options shared by every entry point."""
+"""Load options shared by every entry point.
+
+The names and values are the core's (``dmaload::LoadOptions``): the tests
+check these types against the native module's ``_option_choices()`` and
+``_option_defaults()``, so a change on one side that the other lacks fails.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,12 @@ from typing import Any, Literal, TypeAlias, TypedDict, Union
 
 Engine: TypeAlias = Literal["uring-fixed", "uring", "pread-pool", "read"]
 Mode: TypeAlias = Literal["auto", "direct", "buffered", "dontcache"]
-Memory: TypeAlias = Literal["memfd", "anonymous-thp"]
+Destination: TypeAlias = Literal["memfd", "anonymous-thp"]
+"""Where a host load's bytes go (``to=``): the host memory kinds."""
+DEVICE_DESTINATIONS = ("cuda:N",)
+"""The other forms ``to`` takes in the core, ``N`` a device number. A
+:class:`dmaload.Buffer` cannot live on a device, so ``dmaload.load`` refuses
+them (``OSError`` EINVAL); the safetensors loaders take ``device="cuda:N"``."""
 Size: TypeAlias = Union[int, str]
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -17,12 +27,18 @@ class LoadOptions(TypedDict, total=False):
     """Keyword options of every load (all optional; the defaults are the core's).
 
     engine: how the file is read (default ``"uring-fixed"``).
-    mode: ``"auto"`` (direct I/O, else buffered without page-cache residue),
-        ``"direct"`` (or an error), ``"buffered"`` or ``"dontcache"``.
-    memory: ``"memfd"`` (shareable by fd, the default) or ``"anonymous-thp"``.
-    gather_size, chunk_size: bytes (an int, or a string such as ``"128M"``).
-    queue_depth: requests in flight (io_uring engines).
-    threads: threads of the pread-pool engine.
+    mode: ``"auto"`` (direct I/O, else buffered without page-cache residue;
+        the default), ``"direct"`` (or an error), ``"buffered"`` or
+        ``"dontcache"``.
+    to: where the bytes go: ``"memfd"`` (shareable by fd, the default) or
+        ``"anonymous-thp"``. (The safetensors loaders choose a device with
+        ``device=`` instead; ``to`` picks the host memory of a cpu load.)
+    gather_size, chunk_size: bytes (an int, or a string such as ``"128M"``;
+        default 128 MiB and 4 MiB).
+    queue_depth: requests in flight (io_uring engines; default 32).
+    threads: threads of the pread-pool engine (default 8).
+    populate_threads: threads populating memory ahead of the reads
+        (default: one per CPU, 1 to 4).
     staging_slots, staging_slot_size: the pinned staging ring of a device
         load (``device="cuda:N"``; default 32 slots of 16 MiB, one read
         each); host loads ignore them.
@@ -30,11 +46,12 @@ class LoadOptions(TypedDict, total=False):
 
     engine: Engine
     mode: Mode
-    memory: Memory
+    to: Destination
     gather_size: Size
     chunk_size: Size
     queue_depth: int
     threads: int
+    populate_threads: int
     staging_slots: int
     staging_slot_size: Size
 
@@ -52,7 +69,7 @@ def parse_size(value: Size) -> int:
 
 
 _STAGING = {"staging_slots": "slots", "staging_slot_size": "slot_size"}
-_HOST_ONLY = ("memory", "gather_size")
+_HOST_ONLY = ("to", "gather_size", "populate_threads")
 
 
 def native_kwargs(options: dict[str, Any], staged: bool = False) -> dict[str, Any]:

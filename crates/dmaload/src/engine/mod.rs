@@ -53,6 +53,12 @@ impl Engine {
     }
 }
 
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl FromStr for Engine {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

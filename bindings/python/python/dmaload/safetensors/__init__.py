@@ -51,11 +51,11 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, TypeAlias, Union, Unpack
+from typing import Any, Literal, TypeAlias, Union, Unpack, get_args
 
 from .. import _dmaload
 from .._dmaload import Buffer, SafetensorError
-from .._options import LoadOptions, native_kwargs
+from .._options import Destination, LoadOptions, native_kwargs
 from .._progress import Progress, resolve
 from .._report import LoadReport
 from . import _device
@@ -315,9 +315,15 @@ def _framework(framework: str) -> str:
     raise ValueError(f"unsupported framework {framework!r} (expected 'np' or 'pt')")
 
 
-def _check_device(framework: str, device: Any) -> None:
+def _check_device(framework: str, device: Any, options: dict[str, Any]) -> None:
     if framework == "np" and _device.is_device(device):
         raise ValueError(f"framework='np' loads to the cpu only, not device={device!r}")
+    to = options.get("to")
+    if to is not None and to not in get_args(Destination):
+        raise ValueError(
+            f"to={to!r}: these loaders choose a device with device= (device='cuda:N'); "
+            f"to= picks the host memory of a cpu load ({', '.join(get_args(Destination))})"
+        )
 
 
 def _load_files(
@@ -359,7 +365,7 @@ class SafeOpen:
         **options: Unpack[LoadOptions],
     ) -> None:
         self._framework = _framework(framework)
-        _check_device(self._framework, device)
+        _check_device(self._framework, device, dict(options))
         self._device = device
         paths, weight_map = shard_paths(path)
         if self._framework == "pt" and _device.is_device(device):

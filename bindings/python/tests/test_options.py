@@ -1,0 +1,119 @@
+"""The Python options are the core's: the same names, the same values, the
+same defaults (``dmaload::LoadOptions``, ``Engine::ALL``, ``IoMode::ALL``,
+``Destination::forms()``, the ``DEFAULT_*`` constants), as the native
+module reports them."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import get_args
+
+import pytest
+
+import dmaload
+from dmaload import _dmaload, _options
+from dmaload._options import DEVICE_DESTINATIONS, Destination, Engine, LoadOptions, Mode
+
+
+def test_enumerated_options_take_the_cores_values_in_its_order() -> None:
+    choices = _dmaload._option_choices()
+    assert set(choices) == {"engine", "mode", "to"}
+    assert list(get_args(Engine)) == choices["engine"]
+    assert list(get_args(Mode)) == choices["mode"]
+    # Host memory kinds first, then the device forms, which dmaload.load refuses.
+    assert [*get_args(Destination), *DEVICE_DESTINATIONS] == choices["to"]
+
+
+def test_option_names_and_defaults_are_the_cores() -> None:
+    defaults = _dmaload._option_defaults()
+    assert set(LoadOptions.__annotations__) == set(defaults)
+    assert defaults["engine"] in get_args(Engine) and defaults["engine"] == "uring-fixed"
+    assert defaults["mode"] in get_args(Mode) and defaults["mode"] == "auto"
+    assert defaults["to"] in get_args(Destination) and defaults["to"] == "memfd"
+    # What LoadOptions' docstring promises.
+    expected = {
+        "gather_size": 128 << 20,
+        "chunk_size": 4 << 20,
+        "queue_depth": 32,
+        "threads": 8,
+        "staging_slots": 32,
+        "staging_slot_size": 16 << 20,
+    }
+    assert {k: defaults[k] for k in expected} == expected
+    assert isinstance(defaults["populate_threads"], int) and 1 <= defaults["populate_threads"] <= 4
+    doc = LoadOptions.__doc__ or ""
+    for name in LoadOptions.__annotations__:
+        assert name in doc, f"LoadOptions' docstring does not describe {name}"
+    promised = ('``"uring-fixed"``', '``"memfd"``', "128 MiB and 4 MiB", "default 32)", "default 8)", "32 slots of 16 MiB")
+    for text in promised:
+        assert text in doc, text
+
+
+def test_a_load_without_options_uses_the_cores_defaults(data_file: tuple[Path, bytes]) -> None:
+    path, _ = data_file
+    defaults = _dmaload._option_defaults()
+    with dmaload.load(path) as buf:
+        report = buf.report
+        assert (report.engine, report.memory, report.destination) == (defaults["engine"], defaults["to"], "memfd")
+        assert (report.chunk_size, report.queue_depth) == (defaults["chunk_size"], defaults["queue_depth"])
+        assert buf.memory == defaults["to"]
+
+
+@pytest.mark.parametrize("to", get_args(Destination))
+def test_every_host_destination_loads(data_file: tuple[Path, bytes], to: Destination) -> None:
+    path, data = data_file
+    with dmaload.load_range(path, 3, 1000, to=to) as buf:
+        assert buf.memory == to and buf.report.destination == to
+        assert bytes(memoryview(buf)) == data[3:1003]
+
+
+@pytest.mark.parametrize("to", ["cuda:0", "cuda", "cuda:3"])
+def test_a_device_destination_is_the_cores_error(data_file: tuple[Path, bytes], to: str) -> None:
+    path, _ = data_file
+    with pytest.raises(OSError) as e:
+        dmaload.load(path, to=to)  # type: ignore[arg-type]
+    assert e.value.errno == errno.EINVAL
+    assert "cannot live on a device" in str(e.value) and "dmaload load --to cuda:" in str(e.value)
+    with pytest.raises(ValueError, match="invalid device"):
+        dmaload.load(path, to="cuda:x")  # type: ignore[arg-type]
+
+
+def test_safetensors_loaders_take_device_not_a_device_destination(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    st = pytest.importorskip("safetensors.numpy")
+    path = tmp_path / "m.safetensors"
+    st.save_file({"w": np.arange(6, dtype=np.float32)}, path)
+    from dmaload.safetensors import load_file
+
+    with pytest.raises(ValueError, match="device="):
+        load_file(path, to="cuda:0")  # type: ignore[arg-type]
+    tensors = load_file(path, to="anonymous-thp")
+    assert tensors["w"].tolist() == list(range(6))
+
+
+def test_staged_loads_drop_only_host_options() -> None:
+    kwargs = _options.native_kwargs(
+        {"to": "memfd", "gather_size": "1M", "populate_threads": 2, "staging_slots": 4, "chunk_size": "1M"}, staged=True
+    )
+    assert kwargs == {"slots": 4, "chunk_size": 1 << 20}
+
+
+def _python_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DMALOAD_PYTHON_CLI": "1"}
+    command = [sys.executable, "-m", "dmaload", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_python_cli_takes_to_with_the_host_choices(data_file: tuple[Path, bytes]) -> None:
+    path, _ = data_file
+    out = _python_cli("load", str(path), "--to", "anonymous-thp", "--json")
+    assert out.returncode == 0, out.stderr
+    assert '"memory":"anonymous-thp"' in out.stdout
+    out = _python_cli("load", str(path), "--to", "cuda:0")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
+    assert "needs the native dmaload CLI" in " ".join(_python_cli("load", "--help").stdout.split())
+    assert _python_cli("load", str(path), "--memory", "memfd").returncode == 2
