@@ -19,6 +19,7 @@ pub mod format;
 pub mod heap;
 pub mod iops;
 pub mod load;
+pub mod many;
 mod options;
 pub mod pagecache;
 mod pipeline;
@@ -42,6 +43,7 @@ pub use load::{
     load, load_fd, load_from, load_open_to_sink, load_range, load_to_sink, Destination, Fallback, IoMode,
     LoadOptions, LoadReport,
 };
+pub use many::{load_many, load_many_safetensors};
 pub use save::{save, SaveOptions, SaveReport};
 pub use sink::{HostSink, Sink, SlotData, StagingRing};
 pub use source::OpenFile;

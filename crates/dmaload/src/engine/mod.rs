@@ -205,38 +205,33 @@ impl Gate {
     /// Blocks until the engine has filled gather `g`; `ECANCELED` when the
     /// load failed or was cancelled first.
     pub fn wait_filled(&self, g: usize) -> io::Result<()> {
-        let mut state = self.lock();
-        loop {
-            if state.filled.get(g) == Some(&true) {
-                return Ok(());
-            }
-            if self.is_cancelled() {
-                return Err(io::Error::from_raw_os_error(libc::ECANCELED));
-            }
-            state = self
-                .changed
-                .wait_timeout(state, CANCEL_POLL)
-                .map(|(state, _)| state)
-                .unwrap_or_else(|poisoned| poisoned.into_inner().0);
-        }
+        self.wait_until(|state| (state.filled.get(g) == Some(&true)).then_some(Ok(())))
     }
 
     /// Blocks until gather `g` is ready; returns how long it waited. A
-    /// cancellation (by the caller, or because the load failed) ends the
-    /// wait with `ECANCELED`.
+    /// populating failure ends the wait with its error, a cancellation (by
+    /// the caller, or because the load failed) with `ECANCELED`.
     pub fn wait_for(&self, g: usize) -> io::Result<Duration> {
         let started = Instant::now();
+        self.wait_until(|state| {
+            if state.ready > g {
+                return Some(Ok(started.elapsed()));
+            }
+            let (errno, message) = state.failure.as_ref()?;
+            Some(Err(match errno {
+                Some(errno) => io::Error::from_raw_os_error(*errno),
+                None => io::Error::other(message.clone()),
+            }))
+        })
+    }
+
+    /// Waits on the gate until `outcome` of its state is `Some`, or the load
+    /// is cancelled (`ECANCELED`), looking at the token every [`CANCEL_POLL`].
+    fn wait_until<T>(&self, outcome: impl Fn(&GateState) -> Option<io::Result<T>>) -> io::Result<T> {
         let mut state = self.lock();
         loop {
-            if state.ready > g {
-                return Ok(started.elapsed());
-            }
-            if let Some((errno, message)) = &state.failure {
-                let err = match errno {
-                    Some(errno) => io::Error::from_raw_os_error(*errno),
-                    None => io::Error::other(message.clone()),
-                };
-                return Err(err);
+            if let Some(out) = outcome(&state) {
+                return out;
             }
             if self.is_cancelled() {
                 return Err(io::Error::from_raw_os_error(libc::ECANCELED));
