@@ -763,85 +763,27 @@ fn load_safetensors(
         if concurrency == 0 {
             return Err(PyValueError::new_err("concurrency must be at least 1"));
         }
-        // Sizes first: for the progress total and to refuse, before allocating
-        // anything, a set of files that cannot fit in memory together.
-        let sizes = detached(py, || -> Result<Vec<u64>, dmaload::Error> {
-            paths.iter().map(|p| file_len(p)).collect()
-        })?
-        .map_err(|e| os_error(&e))?;
-        let total: u64 = sizes.iter().sum();
-        if paths.len() > 1 {
-            if let Ok(budget) = dmaload::system::memory_budget() {
-                if total > budget.available {
-                    return Err(PyOSError::new_err((
-                        libc::ENOMEM,
-                        format!(
-                            "load: {} files need {total} bytes of memory but only {} are available ({})",
-                            paths.len(),
-                            budget.available,
-                            budget.limited_by
-                        ),
-                        paths[0].as_os_str().to_owned(),
-                    )));
-                }
-            }
-        }
+        // The progress total; the core checks the files against the memory
+        // budget together, before allocating anything.
+        let total =
+            detached(py, || -> Result<u64, dmaload::Error> { paths.iter().map(|p| file_len(p)).sum() })?
+                .map_err(|e| os_error(&e))?;
         // One token for every shard: a callback's exception or Ctrl-C stops them all.
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
         let relay = progress.map(|callback| Progress::new(callback, total, cancel.clone()));
-        let results: Vec<Mutex<Option<Result<st::Loaded, st::Error>>>> =
-            paths.iter().map(|_| Mutex::new(None)).collect();
-        run_cancellable(py, &cancel, || {
-            let next = AtomicUsize::new(0);
-            let failed = AtomicBool::new(false);
-            let worker = || loop {
-                let i = next.fetch_add(1, Ordering::AcqRel);
-                if i >= paths.len() || failed.load(Ordering::Acquire) {
-                    break;
-                }
-                let mut options = options.clone();
-                if let Some(relay) = &relay {
-                    options.progress = Some(relay.for_load());
-                }
-                let result = st::load(&paths[i], &options);
-                if result.is_err() {
-                    failed.store(true, Ordering::Release);
-                }
-                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
-            };
-            std::thread::scope(|scope| {
-                // This thread is one of the workers; others it cannot create
-                // (RLIMIT_NPROC) only mean fewer files at a time.
-                for _ in 1..concurrency.min(paths.len()) {
-                    if std::thread::Builder::new()
-                        .name("dmaload-shard".into())
-                        .spawn_scoped(scope, worker)
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-                worker();
-            });
-        })?;
+        options.progress = relay.as_ref().map(|relay| relay.for_load());
+        let loaded =
+            run_cancellable(py, &cancel, || dmaload::load_many_safetensors(&paths, &options, concurrency))?;
         options.progress = None;
-        if let Some(relay) = &relay {
-            if let Some(err) = relay.take_error() {
-                return Err(err);
-            }
+        if let Some(err) = relay.as_ref().and_then(|relay| relay.take_error()) {
+            return Err(err);
         }
-        let mut out = Vec::with_capacity(paths.len());
-        for slot in results {
-            match slot.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                Some(Ok(loaded)) => {
-                    out.push((Buffer::new(loaded.buffer, loaded.report), header_row(loaded.header)))
-                }
-                Some(Err(err)) => return Err(format_error(&err)),
-                // Not started because another file failed: that error was returned above.
-                None => continue,
-            }
-        }
+        let out: Vec<_> = loaded
+            .map_err(|err| format_error(&err))?
+            .into_iter()
+            .map(|loaded| (Buffer::new(loaded.buffer, loaded.report), header_row(loaded.header)))
+            .collect();
         if let Some(relay) = &relay {
             relay.maybe_call(true);
             if let Some(err) = relay.take_error() {
