@@ -2,7 +2,8 @@
 # The dma-heap / udmabuf tests on a kernel that has them: builds static
 # test binaries and the dmaload CLI, then boots each in the VM harness
 # (run.sh). Prints "SKIP vm: <reason>" and exits 0 when the VM cannot run
-# here (no qemu and no way to install it, no kernel package).
+# here (no qemu and no way to install it, no kernel package); fails when it
+# runs but the guest lacks /dev/dma_heap/system or /dev/udmabuf.
 #
 #   bash tests/vm/ci.sh
 set -euo pipefail
@@ -33,7 +34,11 @@ cli=$TARGET_DIR/$TARGET/release/dmaload
 # 1024 MiB so the matrix's 32 MiB pieces and the tests' loads fit; the
 # size-limit test reads the limit, so it still checks the refusal.
 export DMALOAD_VM_KERNEL_ARGS=${DMALOAD_VM_KERNEL_ARGS:-udmabuf.size_limit_mb=1024}
-export DMALOAD_VM_ENV="DMALOAD_TEST_DIR=/mnt/disk RUST_BACKTRACE=1"
+# The guest exists to run what this host lacks: a guest without dma-heap or
+# udmabuf fails the run (run.sh checks the device nodes before the binary
+# starts), and the tests' own probes panic there instead of skipping.
+export DMALOAD_VM_REQUIRE="/dev/dma_heap/system /dev/udmabuf"
+export DMALOAD_VM_ENV="DMALOAD_TEST_DIR=/mnt/disk RUST_BACKTRACE=1 DMALOAD_TEST_NO_SKIP=1"
 export DMALOAD_VM_TIMEOUT=${DMALOAD_VM_TIMEOUT:-900}
 
 vm() {

@@ -4,7 +4,8 @@
 #
 #   tests/vm/run.sh BINARY [ARGS...]
 #
-# Exit status: 0 PASS, 1 FAIL (binary exited non-zero), 2 usage/harness error,
+# Exit status: 0 PASS, 1 FAIL (binary exited non-zero, or a path named in
+# DMALOAD_VM_REQUIRE is missing in the guest), 2 usage/harness error,
 # 3 guest ended without a verdict (kernel panic, init crash, QEMU error),
 # 4 timeout, 77 SKIP (prerequisites missing and not installable).
 # See tests/vm/README.md for the environment variables and the marker protocol.
@@ -23,6 +24,9 @@ DISK_SIZE=${DMALOAD_VM_DISK_SIZE:-1G}
 MODULES=${DMALOAD_VM_MODULES:-virtio_blk}
 KERNEL_ARGS=${DMALOAD_VM_KERNEL_ARGS:-}
 GUEST_ENV=${DMALOAD_VM_ENV:-}
+# Paths the guest must have (e.g. /dev/udmabuf): the run fails, without
+# starting the binary, when one is missing, instead of the binary skipping.
+REQUIRE=${DMALOAD_VM_REQUIRE:-}
 SAVE_LOG=${DMALOAD_VM_LOG:-}
 KEEP=${DMALOAD_VM_KEEP:-0}
 NO_INSTALL=${DMALOAD_VM_NO_INSTALL:-0}
@@ -33,7 +37,7 @@ die() { say "error: $*"; exit 2; }
 skip() { printf 'SKIP: %s\n' "$*"; exit 77; }
 
 if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
-    sed -n '2,10s/^# \{0,1\}//p' "$0" >&2
+    sed -n '2,11s/^# \{0,1\}//p' "$0" >&2
     exit 2
 fi
 BINARY=$1
@@ -211,6 +215,8 @@ for e in $GUEST_ENV; do
     [[ $e == *=* ]] || die "DMALOAD_VM_ENV entries must be NAME=VALUE, got '$e'"
     ENV_Q+=" $(squote "$e")"
 done
+REQUIRE_Q=""
+for p in $REQUIRE; do REQUIRE_Q+=" $(squote "$p")"; done
 # A per-run nonce keeps a binary that happens to print marker-like text (or a
 # stale log) from being mistaken for the harness's verdict.
 NONCE=$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')
@@ -244,6 +250,18 @@ for p in size_limit_mb list_limit; do
 done
 echo "workdir: \$workdir (\$(grep " \$workdir " /proc/mounts || echo tmpfs))"
 echo "== end diagnostics =="
+
+missing=
+set --$REQUIRE_Q
+for p in "\$@"; do
+    [ -e "\$p" ] || { echo "DMALOAD-VM-MISSING: \$p run=$NONCE"; missing=1; }
+done
+if [ -n "\$missing" ]; then
+    echo "DMALOAD-VM-RESULT: MISSING run=$NONCE"
+    poweroff -f
+    echo b >/proc/sysrq-trigger
+    sleep 1000000
+fi
 
 cd "\$workdir"
 # Boot ran 'quiet'; from here on show kernel warnings live, since a WARN or
@@ -320,6 +338,10 @@ case $verdict in
     *PASS*)
         say "PASS (${elapsed}s)"
         exit 0 ;;
+    *MISSING*)
+        missing=$(grep -o "^DMALOAD-VM-MISSING: .* run=$NONCE\$" <<<"$clean" | sed "s/^DMALOAD-VM-MISSING: //; s/ run=$NONCE\$//" | tr '\n' ' ')
+        say "FAIL: the guest kernel lacks ${missing% } (required by DMALOAD_VM_REQUIRE; $BIN_NAME not run) (${elapsed}s)"
+        exit 1 ;;
     *FAIL*)
         rc=${verdict#*rc=}
         say "FAIL: $BIN_NAME exited with status ${rc%% *} in the guest (${elapsed}s)"

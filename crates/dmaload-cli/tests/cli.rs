@@ -326,6 +326,7 @@ fn bench_load_emits_a_table_with_every_engine_and_the_baseline() {
         "dmaload uring",
         "dmaload pread-pool",
         "dmaload read",
+        "dmaload uring-fixed staging ring → host buffer",
         "read, buffered (baseline)",
     ] {
         assert!(names.contains(&name), "{name} missing: {names:?}");
@@ -333,9 +334,15 @@ fn bench_load_emits_a_table_with_every_engine_and_the_baseline() {
     for row in rows {
         assert!(row["median_gib_per_second"].as_f64().unwrap() > 0.0);
         assert!(row["ratio_to_fio_best"].is_null());
+        assert!(row["ratio_to_in_place_default"].as_f64().unwrap() > 0.0);
     }
+    // The staged row is held against the default engine's in-place row.
+    let in_place = rows.iter().find(|r| r["method"] == "dmaload uring-fixed").unwrap();
+    assert_eq!(in_place["ratio_to_in_place_default"].as_f64(), Some(1.0));
+    assert!(table["staging"].as_str().unwrap().contains("32 slots x 4.00 MiB"), "{table}");
     let markdown =
         dmaload().args(["bench", "load", "--repeat", "1", "--no-fio"]).arg(&path).output().unwrap();
     let markdown = String::from_utf8(markdown.stdout).unwrap();
     assert!(markdown.contains("| method |") && markdown.contains("× buffered"), "{markdown}");
+    assert!(markdown.contains("× in-place default") && markdown.contains("staging ring → host buffer"));
 }
