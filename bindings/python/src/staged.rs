@@ -8,6 +8,7 @@ use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
 use dmaload::sink::{CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use dmaload::{OpenFile, StagingRing};
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 
@@ -68,55 +69,76 @@ enum Target<'d> {
     Host(&'d mut [u8]),
 }
 
-/// The destinations behind `addresses`, checked as far as they can be.
+/// Device destinations: each address the start of `lens[i]` bytes of
+/// device memory, checked as far as the driver can tell.
 ///
 /// # Safety
 ///
-/// Each address must be the start of `lens[i]` bytes that stay allocated,
-/// and that nothing else reads or writes, until this call returns: device
-/// memory of `context`'s device, or host memory when `context` is `None`.
-/// The Python caller (`dmaload.safetensors._device`) passes the storage of
-/// tensors it allocated for this call and holds until it returns.
+/// Each span must stay allocated, and nothing else may read or write it,
+/// until this call's loads return. The Python caller
+/// (`dmaload.safetensors._device`) passes the storage of tensors it
+/// allocated for this call and holds until it returns.
 #[allow(unsafe_code)]
-unsafe fn targets<'d>(
-    context: Option<&Context>,
-    addresses: &[u64],
-    lens: &[u64],
-) -> PyResult<Vec<Target<'d>>> {
+unsafe fn device_targets<'d>(ctx: &Context, addresses: &[u64], lens: &[usize]) -> PyResult<Vec<Target<'d>>> {
     addresses
         .iter()
         .zip(lens)
         .map(|(&address, &len)| {
-            let len = usize::try_from(len).map_err(|_| PyValueError::new_err("destination too large"))?;
-            match context {
+            let range = match len {
                 // SAFETY: an empty range is never written.
-                Some(_) if len == 0 => Ok(Target::Device(unsafe { DeviceRange::from_raw(address, 0) })),
+                0 => Ok(unsafe { DeviceRange::from_raw(address, 0) }),
                 // SAFETY: forwarded from this function's contract; `checked`
                 // also refuses spans outside one allocation of the device.
-                Some(ctx) => unsafe { DeviceRange::checked(ctx, address, len) }
-                    .map(Target::Device)
-                    .map_err(|e| PyOSError::new_err((e.errno(), e.to_string()))),
-                None if len == 0 => Ok(Target::Host(&mut [])),
-                None if address == 0 => Err(PyValueError::new_err("null host destination")),
-                // SAFETY: forwarded from this function's contract.
-                None => Ok(Target::Host(unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) })),
-            }
+                _ => unsafe { DeviceRange::checked(ctx, address, len) },
+            };
+            range.map(Target::Device).map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))
         })
         .collect()
 }
 
+/// A host destination: a writable, C-contiguous buffer-protocol object
+/// (`tensor.numpy()`, a bytearray) of exactly `len` bytes. The export is
+/// held until the load returns, so the memory stays valid meanwhile.
+fn host_buffer(target: &Bound<'_, PyAny>, len: usize) -> PyResult<PyBuffer<u8>> {
+    let buffer = PyBuffer::<u8>::get(target)?;
+    if buffer.readonly() || !buffer.is_c_contiguous() || buffer.len_bytes() != len {
+        return Err(PyValueError::new_err(format!(
+            "a host destination must be a writable C-contiguous buffer of {len} bytes \
+             (got {} bytes, readonly={}, contiguous={})",
+            buffer.len_bytes(),
+            buffer.readonly(),
+            buffer.is_c_contiguous()
+        )));
+    }
+    Ok(buffer)
+}
+
+/// The bytes of a [`host_buffer`], for the loader to fill.
+#[allow(unsafe_code)]
+fn host_target(buffer: &PyBuffer<u8>) -> Target<'_> {
+    let len = buffer.len_bytes();
+    if len == 0 {
+        return Target::Host(&mut []);
+    }
+    // SAFETY: the export (held by `buffer`, borrowed for the slice's
+    // lifetime) keeps `len` bytes at `buf_ptr` valid and writable (checked
+    // in host_buffer); the loader is their only Rust user while it runs.
+    Target::Host(unsafe { std::slice::from_raw_parts_mut(buffer.buf_ptr().cast::<u8>(), len) })
+}
+
 /// Loads the data sections of `files` (one after another, through one
-/// staging ring of `slots` × `slot_size` bytes) into `addresses`: device
-/// pointers on CUDA device `device`, or host addresses when `device` is -1.
-/// Each destination holds `file.data_len` bytes. Returns the reports.
+/// staging ring of `slots` × `slot_size` bytes) into `targets`: device
+/// pointers (ints) on CUDA device `device`, or, when `device` is -1,
+/// writable buffer-protocol objects in host memory. Each destination holds
+/// `file.data_len` bytes. Returns the reports.
 #[pyfunction]
-#[pyo3(signature = (files, addresses, device, *, slots=None, slot_size=None, engine=None, mode=None,
+#[pyo3(signature = (files, targets, device, *, slots=None, slot_size=None, engine=None, mode=None,
                     chunk_size=None, queue_depth=None, threads=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn _load_staged(
     py: Python<'_>,
     files: Vec<Py<SafetensorsFile>>,
-    addresses: Vec<u64>,
+    targets: Vec<Bound<'_, PyAny>>,
     device: i64,
     slots: Option<usize>,
     slot_size: Option<usize>,
@@ -127,8 +149,8 @@ pub fn _load_staged(
     threads: Option<usize>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Vec<Py<PyAny>>> {
-    if files.len() != addresses.len() {
-        return Err(PyValueError::new_err("one destination address per file is needed"));
+    if files.len() != targets.len() {
+        return Err(PyValueError::new_err("one destination per file is needed"));
     }
     let slots = slots.unwrap_or(DEFAULT_SLOTS);
     let slot_size = slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
@@ -138,13 +160,30 @@ pub fn _load_staged(
     options.chunk_size = chunk_size.unwrap_or(slot_size);
     options.queue_depth = queue_depth.unwrap_or(slots);
     let files: Vec<&SafetensorsFile> = files.iter().map(|f| f.get()).collect();
-    let lens: Vec<u64> = files.iter().map(|f| f.data_len).collect();
+    let lens = files
+        .iter()
+        .map(|f| usize::try_from(f.data_len).map_err(|_| PyValueError::new_err("file too large")))
+        .collect::<PyResult<Vec<usize>>>()?;
     let cancel = dmaload::CancelToken::new();
     options.cancel = cancel.clone();
-    let relay = progress.map(|callback| Progress::new(callback, lens.iter().sum(), cancel.clone()));
+    let total = files.iter().map(|f| f.data_len).sum();
+    let relay = progress.map(|callback| Progress::new(callback, total, cancel.clone()));
     let ordinal = match device {
         -1 => None,
         d => Some(usize::try_from(d).map_err(|_| PyValueError::new_err(format!("no device {d}")))?),
+    };
+    // Host destinations are buffer exports, held until the loads return;
+    // device ones are pointers.
+    let (host, addresses) = match ordinal {
+        None => {
+            let host = targets
+                .iter()
+                .zip(&lens)
+                .map(|(t, &len)| host_buffer(t, len))
+                .collect::<PyResult<Vec<_>>>()?;
+            (host, Vec::new())
+        }
+        Some(_) => (Vec::new(), targets.iter().map(|t| t.extract::<u64>()).collect::<PyResult<Vec<u64>>>()?),
     };
     let outcome = run_cancellable(py, &cancel, || -> Result<Vec<dmaload::LoadReport>, PyErr> {
         let context = match ordinal {
@@ -153,9 +192,12 @@ pub fn _load_staged(
             }
             None => None,
         };
-        // SAFETY: the Python caller's promise, documented on `targets`.
-        #[allow(unsafe_code)]
-        let targets = unsafe { targets(context.as_ref(), &addresses, &lens) }?;
+        let targets = match &context {
+            // SAFETY: the Python caller's promise, documented on `device_targets`.
+            #[allow(unsafe_code)]
+            Some(ctx) => unsafe { device_targets(ctx, &addresses, &lens) }?,
+            None => host.iter().map(host_target).collect(),
+        };
         let ring = match &context {
             Some(ctx) => StagingRing::pinned(ctx, slots, slot_size, options.chunk_size),
             None => StagingRing::new(slots, slot_size, options.chunk_size),

@@ -138,7 +138,7 @@ def test_truncated_file_raises_and_returns_nothing(model: tuple[Path, dict[str, 
     with open(cut, "r+b") as f:
         f.truncate(len(data) - 100_000)  # after the header was read: mid-stream
     with pytest.raises(OSError) as info:
-        dmaload._dmaload._load_staged([file], [base.data_ptr()], -1, slots=2, slot_size=65536, chunk_size=16384)
+        dmaload._dmaload._load_staged([file], [base.numpy()], -1, slots=2, slot_size=65536, chunk_size=16384)
     assert str(cut) in str(info.value) and "offset" in str(info.value)
     # A header that promises more than the file holds is refused before reading.
     with pytest.raises(dmaload.SafetensorError):
@@ -167,6 +167,17 @@ def test_bad_devices_are_refused_with_the_reason(model: tuple[Path, dict[str, An
             dst.load_file(path, device="cuda:0", framework="pt")
     with pytest.raises(TypeError, match="unknown load option"):
         _device.load_files([path], "cpu", None, {"slots": 3})
+
+
+def test_host_destinations_must_be_writable_buffers_of_the_right_size(model: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = model
+    file = dmaload._dmaload.open_safetensors(os.fspath(path))
+    for bad in (bytes(file.data_len), bytearray(file.data_len - 1), 12345):
+        with pytest.raises((ValueError, TypeError, BufferError)):
+            dmaload._dmaload._load_staged([file], [bad], -1)
+    good = bytearray(file.data_len)
+    dmaload._dmaload._load_staged([file], [good], -1)
+    assert bytes(good) == path.read_bytes()[-file.data_len :]
 
 
 @needs_cuda

@@ -129,7 +129,7 @@ class SafetensorsFile:
 def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFile: ...
 def _load_staged(
     files: list[SafetensorsFile],
-    addresses: list[int],
+    targets: list[Any],
     device: int,
     *,
     slots: int | None = None,
@@ -141,10 +141,11 @@ def _load_staged(
     threads: int | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[LoadReport]:
-    """Loads each file's data section through a staging ring into the memory
-    at ``addresses`` (device pointers of CUDA device ``device``, or host
-    addresses when it is -1), each ``file.data_len`` bytes, alive and unused
-    by anything else until the call returns."""
+    """Loads each file's data section through a staging ring into ``targets``:
+    device pointers (ints) of CUDA device ``device``, each ``file.data_len``
+    bytes of device memory alive and unused by anything else until the call
+    returns; or, when ``device`` is -1, writable C-contiguous buffers
+    (``tensor.numpy()``, ``bytearray``) of exactly ``file.data_len`` bytes."""
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> _HeaderRow: ...
 def parse_safetensors_header(data: bytes, file_len: int | None = None) -> _HeaderRow: ...

@@ -78,9 +78,10 @@ def load_files(paths: list[Path], device: Any, progress: Progress, options: dict
     desc = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
     callback, finish = resolve(progress, desc)
     try:
-        reports = _dmaload._load_staged(
-            files, [d.data_ptr() for d in data], ordinal, progress=callback, **kwargs
-        )
+        # Device memory goes as pointers (these tensors stay referenced
+        # until the call returns); host memory as writable buffer exports.
+        targets = [d.data_ptr() for d in data] if ordinal >= 0 else [d.numpy() for d in data]
+        reports = _dmaload._load_staged(files, targets, ordinal, progress=callback, **kwargs)
     finally:
         finish()
     return [
