@@ -188,6 +188,10 @@ pub fn info(path: Option<&Path>, json: bool) -> Result<(), String> {
             println!("udmabuf           none (/dev/udmabuf missing: kernel without CONFIG_UDMABUF)")
         }
     }
+    match &info.cuda {
+        Ok(devices) => println!("CUDA              {devices} (--to cuda:N)"),
+        Err(why) => println!("CUDA              unavailable: {why}"),
+    }
     if let Some(p) = &info.path {
         println!("path              {}", p.path);
         println!("filesystem        {} ({})", p.filesystem, p.filesystem_magic);

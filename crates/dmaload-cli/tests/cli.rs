@@ -283,6 +283,11 @@ fn info_reports_kernel_io_uring_and_path_facts() {
         })
     });
     assert_eq!(info["free_page_reporting"].is_u64(), balloon_reports, "{info}");
+    // CUDA: the devices, or (no libcuda.so.1 here) why not.
+    match dmaload::cuda::device_count() {
+        Ok(n) => assert_eq!(info["cuda"]["Ok"].as_str().unwrap().matches("cuda:").count(), n, "{info}"),
+        Err(err) => assert_eq!(info["cuda"]["Err"].as_str(), Some(err.to_string().as_str()), "{info}"),
+    }
     let text = dmaload().arg("info").output().unwrap();
     let text = String::from_utf8(text.stdout).unwrap();
     for needle in [
@@ -294,6 +299,7 @@ fn info_reports_kernel_io_uring_and_path_facts() {
         "page reporting",
         "dma-heap",
         "udmabuf",
+        "CUDA",
     ] {
         assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
     }

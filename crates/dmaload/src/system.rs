@@ -219,7 +219,24 @@ pub struct SystemInfo {
     /// Set when a virtio balloon reports free memory to the hypervisor: the
     /// size in bytes of the smallest free block handed back.
     pub free_page_reporting: Option<u64>,
+    /// CUDA devices for `--to cuda:N`: the driver and each device's name,
+    /// or why there are none (no libcuda.so.1, no device, ...).
+    pub cuda: Result<String, String>,
     pub path: Option<PathInfo>,
+}
+
+/// "driver 13.0: cuda:0 NVIDIA H100 80GB HBM3, ..." from the driver API
+/// (loaded at run time), or why CUDA is unusable here.
+fn cuda_summary() -> Result<String, String> {
+    use crate::cuda::{device_count, driver_version, Context};
+    let version = driver_version().map_err(|e| e.to_string())?;
+    let devices: Vec<String> = (0..device_count().map_err(|e| e.to_string())?)
+        .map(|n| {
+            let name = Context::primary(n).and_then(|ctx| ctx.device_name());
+            format!("cuda:{n} {}", name.unwrap_or_else(|e| e.to_string()))
+        })
+        .collect();
+    Ok(format!("driver {}.{}: {}", version / 1000, version % 1000 / 10, devices.join(", ")))
 }
 
 /// The smallest free block (bytes) a virtio balloon with free page
@@ -305,6 +322,7 @@ pub fn info(path: Option<&Path>) -> io::Result<SystemInfo> {
         udmabuf: Path::new("/dev/udmabuf").exists(),
         udmabuf_size_limit_mb,
         free_page_reporting: free_page_reporting(),
+        cuda: cuda_summary(),
         path: path.map(path_info).transpose()?,
     })
 }
