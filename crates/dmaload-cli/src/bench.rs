@@ -202,11 +202,10 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
     let mut ring = staging_ring()?;
     let staging = format!(
         "ring of {} slots x {} populated once before the runs; each run allocates a fresh {} memfd \
-         destination and populates it on {} thread(s) before the load (both timed)",
+         destination, populated slot by slot as the sink delivers (timed)",
         ring.slots(),
         human_bytes(ring.slot_len() as u64),
         human_bytes(bytes),
-        LoadOptions::default().populate_threads
     );
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); methods.len()];
     let mut reference_hash: Option<u64> = None;
@@ -345,14 +344,12 @@ fn print_table(t: &Table) {
 }
 
 /// One staged run: a fresh memfd destination of the file's size (the
-/// in-place default's memory kind), populated with `MADV_POPULATE_WRITE`
-/// on as many threads as the in-place load populates with, then the whole
-/// file through `ring` into it. Timed from before the allocation to the
-/// last byte delivered, as an in-place load's report times its allocation
-/// and reads. Populating first, not overlapped with the reads as in place:
-/// left to first touch, the faults land on the one delivering thread, which
-/// then limits the load (0.9 GiB/s against 1.4 populated first, 2 GiB on
-/// the 2-vCPU VM). With `hash`, also the xxh3 of the destination.
+/// in-place default's memory kind), not populated: the `HostSink`
+/// populates each slot's part of it as it delivers, beside the reads, as
+/// the in-place load populates beside its reads. Timed from before the
+/// allocation to the last byte delivered, as an in-place load's report
+/// times its allocation and reads. With `hash`, also the xxh3 of the
+/// destination.
 fn run_staged(
     file: &Path,
     bytes: u64,
@@ -364,7 +361,6 @@ fn run_staged(
     let cpu_before = process_cpu_seconds()?;
     let started = Instant::now();
     let mut dst = TransferBuffer::new(MemoryType::Memfd, len).map_err(|e| e.to_string())?;
-    dst.populate(options.populate_threads).map_err(|e| e.to_string())?;
     let report = dst
         .with_bytes_mut(|dst| dmaload::load_to_sink(file, 0, None, ring, &mut HostSink::new(dst, 0), options))
         .and_then(|loaded| loaded)
