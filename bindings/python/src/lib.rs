@@ -701,43 +701,60 @@ fn load(
     })
 }
 
-/// One tensor of a header: (name, dtype, shape, begin, end), offsets
-/// relative to the data section.
-type TensorRow = (String, &'static str, Vec<u64>, u64, u64);
-/// A parsed header: tensors in file order, metadata, offset of the data.
-type HeaderRow = (Vec<TensorRow>, Option<BTreeMap<String, String>>, u64);
-
-fn header_row(header: st::Header) -> HeaderRow {
+/// The core's header as a `dmaload._header.Header`, its tensors
+/// `dmaload._header.TensorInfo` records, built field by field. The
+/// destructurings name every field, so a field the core adds to its
+/// `Header` or `TensorInfo` is a compile error here until it crosses too.
+fn header_object<'py>(py: Python<'py>, header: st::Header) -> PyResult<Bound<'py, PyAny>> {
     let data_start = header.data_start();
-    let tensors = header
-        .tensors
+    let st::Header { header_len: _, tensors, metadata } = header;
+    let module = py.import("dmaload._header")?;
+    let tensor_class = module.getattr("TensorInfo")?;
+    let tensors = tensors
         .into_iter()
-        .map(|t| (t.name, t.dtype.name(), t.shape, t.data_offsets.0, t.data_offsets.1))
-        .collect();
-    (tensors, header.metadata, data_start)
+        .map(|tensor| {
+            let st::TensorInfo { name, dtype, shape, data_offsets: (begin, end) } = tensor;
+            let kw = PyDict::new(py);
+            kw.set_item(pyo3::intern!(py, "name"), name)?;
+            kw.set_item(pyo3::intern!(py, "dtype"), dtype.name())?;
+            kw.set_item(pyo3::intern!(py, "shape"), PyTuple::new(py, shape)?)?;
+            kw.set_item(pyo3::intern!(py, "begin"), begin)?;
+            kw.set_item(pyo3::intern!(py, "end"), end)?;
+            tensor_class.call((), Some(&kw))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let kw = PyDict::new(py);
+    kw.set_item("tensors", PyTuple::new(py, tensors)?)?;
+    kw.set_item("metadata", metadata)?;
+    kw.set_item("data_start", data_start)?;
+    module.getattr("Header")?.call((), Some(&kw))
 }
 
 /// Parses a safetensors header from bytes: `data` holds at least the
 /// first `8 + n` bytes of a file of `file_len` bytes (default: `len(data)`).
 #[pyfunction]
 #[pyo3(signature = (data, file_len=None))]
-fn parse_safetensors_header(data: &[u8], file_len: Option<u64>) -> PyResult<HeaderRow> {
+fn parse_safetensors_header<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    file_len: Option<u64>,
+) -> PyResult<Bound<'py, PyAny>> {
     guard(|| {
         let header = st::parse(data, file_len.unwrap_or(data.len() as u64))
             .map_err(|e| SafetensorError::new_err(e.to_string()))?;
-        Ok(header_row(header))
+        header_object(py, header)
     })
 }
 
 /// Reads and validates the header of a safetensors file without loading it.
 #[pyfunction]
-fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult<HeaderRow> {
+fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyAny>> {
     let (header, _) = detached(py, || st::read_header(&path))?.map_err(|e| format_error(&e))?;
-    guard(|| Ok(header_row(header)))
+    guard(|| header_object(py, header))
 }
 
 /// Loads safetensors files whole, `concurrency` at a time, with the GIL
-/// released; returns (buffer, header) per file, in order.
+/// released; returns (buffer, `Header`) per file, in order.
 #[pyfunction]
 #[pyo3(signature = (paths, *, concurrency=4, engine=None, mode=None, to=None,
                     gather_size=None, chunk_size=None, queue_depth=None, threads=None,
@@ -756,7 +773,7 @@ fn load_safetensors(
     threads: Option<usize>,
     populate_threads: Option<usize>,
     progress: Option<Py<PyAny>>,
-) -> PyResult<Vec<(Buffer, HeaderRow)>> {
+) -> PyResult<Vec<(Buffer, Bound<'_, PyAny>)>> {
     guard(move || {
         let opts = Opts { engine, mode, to, gather_size, chunk_size, queue_depth, threads, populate_threads };
         let mut options = opts.to_options()?;
@@ -779,11 +796,11 @@ fn load_safetensors(
         if let Some(err) = relay.as_ref().and_then(|relay| relay.take_error()) {
             return Err(err);
         }
-        let out: Vec<_> = loaded
+        let out = loaded
             .map_err(|err| format_error(&err))?
             .into_iter()
-            .map(|loaded| (Buffer::new(loaded.buffer, loaded.report), header_row(loaded.header)))
-            .collect();
+            .map(|loaded| Ok((Buffer::new(loaded.buffer, loaded.report), header_object(py, loaded.header)?)))
+            .collect::<PyResult<Vec<_>>>()?;
         if let Some(relay) = &relay {
             relay.maybe_call(true);
             if let Some(err) = relay.take_error() {

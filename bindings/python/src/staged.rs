@@ -13,8 +13,7 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::{
-    detached, format_error, guard, header_row, os_error, report_object, run_cancellable, HeaderRow, Opts,
-    Progress,
+    detached, format_error, guard, header_object, os_error, report_object, run_cancellable, Opts, Progress,
 };
 
 /// A safetensors file opened once, its header read and validated; the
@@ -22,17 +21,18 @@ use crate::{
 #[pyclass(module = "dmaload._dmaload", name = "SafetensorsFile", frozen)]
 pub struct SafetensorsFile {
     file: OpenFile,
-    header: HeaderRow,
+    /// The `dmaload._header.Header`, built once when the file was opened.
+    header: Py<PyAny>,
     data_start: u64,
     data_len: u64,
 }
 
 #[pymethods]
 impl SafetensorsFile {
-    /// (tensors, metadata, data_start), as `read_safetensors_header` gives.
+    /// The `dmaload._header.Header`, as `read_safetensors_header` gives.
     #[getter]
-    fn header(&self) -> HeaderRow {
-        self.header.clone()
+    fn header(&self, py: Python<'_>) -> Py<PyAny> {
+        self.header.clone_ref(py)
     }
 
     /// The path the file was opened at (as ``os.fsdecode`` gives it).
@@ -59,7 +59,8 @@ pub fn open_safetensors(py: Python<'_>, path: PathBuf) -> PyResult<SafetensorsFi
     let (file, header) = opened.map_err(|e| format_error(&e))?;
     guard(|| {
         let (data_start, data_len) = (header.data_start(), header.data_len());
-        Ok(SafetensorsFile { file, header: header_row(header), data_start, data_len })
+        let header = header_object(py, header)?.unbind();
+        Ok(SafetensorsFile { file, header, data_start, data_len })
     })
 }
 

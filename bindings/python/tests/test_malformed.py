@@ -50,9 +50,9 @@ def test_safetensor_error_is_a_value_error() -> None:
 def test_valid_edge_cases_parse(tmp_path: Path, name: str, data: bytes) -> None:
     path = tmp_path / f"{name}.safetensors"
     path.write_bytes(data)
-    tensors, metadata, data_start = _dmaload.parse_safetensors_header(data)
+    header = _dmaload.parse_safetensors_header(data)
     out = dst.load_file(path)
-    assert set(out) == {t[0] for t in tensors}
+    assert set(out) == {t.name for t in header.tensors}
 
 
 def test_safetensors_package_agrees(tmp_path: Path) -> None:

@@ -135,7 +135,7 @@ def test_f4_is_packed_pairs(torch_file: Path) -> None:
         pytest.skip("torch has no float4_e2m1fn_x2")
     with dst.safe_open(torch_file, "pt") as f:
         info = f.tensor_info("f4_packed")
-        assert info[1] == "F4" and info[2] == (3, 8)
+        assert info.dtype == "F4" and info.shape == (3, 8)
         t = f.get_tensor("f4_packed")
         assert t.dtype == torch.float4_e2m1fn_x2 and tuple(t.shape) == (3, 4)
     with dst.safe_open(torch_file, "np") as g:
@@ -374,13 +374,84 @@ def test_load_releases_the_gil(tmp_path: Path) -> None:
 def test_read_header_only(numpy_file: Path) -> None:
     from dmaload import _dmaload
 
-    tensors, metadata, data_start = _dmaload.read_safetensors_header(numpy_file)
-    assert metadata == {"format": "np", "note": "ünïcode ✓"}
-    assert data_start % 8 == 0 and len(tensors) > 50
-    offsets = [(b, e) for _, _, _, b, e in tensors]
+    header = _dmaload.read_safetensors_header(numpy_file)
+    assert header.metadata == {"format": "np", "note": "ünïcode ✓"}
+    assert header.data_start % 8 == 0 and len(header.tensors) > 50
+    offsets = [(t.begin, t.end) for t in header.tensors]
     assert offsets == sorted(offsets)
+    assert header.data_len == numpy_file.stat().st_size - header.data_start
     dtypes = dict(_dmaload.safetensors_dtypes())
     assert dtypes["BF16"] == 16 and dtypes["F4"] == 4 and len(dtypes) == 22
+
+
+def test_header_crosses_as_typed_records(tmp_path: Path) -> None:
+    """Every way the native module gives a header gives the same
+    ``Header`` of ``TensorInfo`` records, with Python types throughout, and
+    the values the safetensors package reads from the file."""
+    from dmaload import _dmaload
+
+    path = tmp_path / "h.safetensors"
+    st_numpy.save_file(
+        {"b": np.zeros((2, 3), np.float32), "a": np.zeros(5, np.uint8), "s": np.zeros((), np.int64)},
+        path,
+        metadata={"k": "v"},
+    )
+    data = path.read_bytes()
+    json_len = struct.unpack("<Q", data[:8])[0]
+    listed = {k: v for k, v in json.loads(data[8 : 8 + json_len]).items() if k != "__metadata__"}
+
+    read = _dmaload.read_safetensors_header(path)
+    parsed = _dmaload.parse_safetensors_header(data)
+    [(buf, loaded)] = _dmaload.load_safetensors([str(path)])
+    file = _dmaload.open_safetensors(str(path))
+    opened = file.header
+    assert read == parsed == loaded == opened
+    for header in (read, parsed, loaded, opened):
+        assert type(header) is dst.Header
+        assert type(header.tensors) is tuple and type(header.data_start) is int
+        assert header.data_start == 8 + json_len
+        assert header.metadata == {"k": "v"} and type(header.metadata) is dict
+        assert header.data_len == len(data) - header.data_start == file.data_len
+        # File order: the order of the data, not of the names.
+        assert [t.name for t in header.tensors] == sorted(listed, key=lambda k: listed[k]["data_offsets"])
+        for t in header.tensors:
+            assert type(t) is dst.TensorInfo
+            assert type(t.name) is str and type(t.dtype) is str and type(t.begin) is int and type(t.end) is int
+            assert type(t.shape) is tuple and all(type(d) is int for d in t.shape)
+            assert t.dtype == listed[t.name]["dtype"]
+            assert list(t.shape) == listed[t.name]["shape"]
+            assert [t.begin, t.end] == listed[t.name]["data_offsets"]
+            assert t.nbytes == t.end - t.begin
+    by_name = {t.name: t for t in read.tensors}
+    assert by_name["b"] == dst.TensorInfo("b", "F32", (2, 3), by_name["b"].begin, by_name["b"].begin + 24)
+    assert by_name["s"].shape == () and by_name["s"].nbytes == 8
+    # Records are frozen.
+    with pytest.raises(AttributeError):
+        by_name["b"].begin = 0  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        read.data_start = 0  # type: ignore[misc]
+    del buf
+
+    empty = _dmaload.parse_safetensors_header(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    assert empty == dst.Header(tensors=(), metadata=None, data_start=10) and empty.data_len == 0
+
+
+def test_tensor_info_is_a_record_that_unpacks(numpy_file: Path) -> None:
+    from dmaload import _dmaload
+
+    data_start = _dmaload.read_safetensors_header(numpy_file).data_start
+    with dst.safe_open(numpy_file) as f:
+        info = f.tensor_info("float32_3x5")
+        assert isinstance(info, dst.TensorInfo)
+        assert (info.name, info.dtype, info.shape) == ("float32_3x5", "F32", (3, 5))
+        assert info.nbytes == info.end - info.begin == 60
+        # It unpacks like the tuple earlier versions returned.
+        name, dtype, shape, begin, end = info
+        assert (name, dtype, shape, begin, end) == (info.name, info.dtype, info.shape, info.begin, info.end)
+        assert tuple(info) == (name, dtype, shape, begin, end)
+        raw = bytes(memoryview(f.buffers[0])[data_start + begin : data_start + end])
+        assert raw == f.get_tensor(name).tobytes()
+    assert set(dst.__all__) >= {"Header", "TensorInfo"}
 
 
 def test_index_weight_maps_are_checked_against_the_files(tmp_path: Path) -> None:

@@ -92,22 +92,23 @@ def _cmd_load(a: argparse.Namespace) -> int:
 
 
 def _cmd_tensors(a: argparse.Namespace) -> int:
-    tensors, metadata, data_start = _dmaload.read_safetensors_header(a.file)
+    header = _dmaload.read_safetensors_header(a.file)
     if a.json:
         print(
             json.dumps(
                 {
-                    "data_start": data_start,
-                    "metadata": metadata,
+                    "data_start": header.data_start,
+                    "metadata": header.metadata,
                     "tensors": [
-                        {"name": n, "dtype": d, "shape": s, "data_offsets": [b, e]} for n, d, s, b, e in tensors
+                        {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+                        for t in header.tensors
                     ],
                 }
             )
         )
         return 0
-    for name, dtype, shape, begin, end in tensors:
-        print(f"{name}\t{dtype}\t{list(shape)}\t{data_start + begin}\t{end - begin}")
+    for t in header.tensors:
+        print(f"{t.name}\t{t.dtype}\t{list(t.shape)}\t{header.data_start + t.begin}\t{t.nbytes}")
     return 0
 
 

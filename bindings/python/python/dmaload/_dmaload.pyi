@@ -4,6 +4,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Final, NoReturn, final
 
+from ._header import Header
 from ._report import LoadReport
 
 __all__ = [
@@ -82,9 +83,6 @@ class Buffer:
     def __reduce__(self) -> NoReturn:
         """Raises TypeError: a Buffer cannot be pickled or copied."""
 
-_TensorRow = tuple[str, str, list[int], int, int]
-_HeaderRow = tuple[list[_TensorRow], dict[str, str] | None, int]
-
 def load(
     path: str | os.PathLike[str],
     offset: int | None = None,
@@ -113,14 +111,14 @@ def load_safetensors(
     threads: int | None = None,
     populate_threads: int | None = None,
     progress: Callable[[int, int], Any] | None = None,
-) -> list[tuple[Buffer, _HeaderRow]]: ...
+) -> list[tuple[Buffer, Header]]: ...
 @final
 class SafetensorsFile:
     """A safetensors file opened once, its header validated; ``_load_staged``
     reads its data from this same open file."""
 
     @property
-    def header(self) -> _HeaderRow: ...
+    def header(self) -> Header: ...
     @property
     def path(self) -> str: ...
     @property
@@ -147,8 +145,8 @@ def _load_staged(
     returns; or, when ``device`` is -1, writable C-contiguous buffers
     (``tensor.numpy()``, ``bytearray``) of exactly ``file.data_len`` bytes."""
 
-def read_safetensors_header(path: str | os.PathLike[str]) -> _HeaderRow: ...
-def parse_safetensors_header(data: bytes, file_len: int | None = None) -> _HeaderRow: ...
+def read_safetensors_header(path: str | os.PathLike[str]) -> Header: ...
+def parse_safetensors_header(data: bytes, file_len: int | None = None) -> Header: ...
 def safetensors_dtypes() -> list[tuple[str, int]]: ...
 def _option_choices() -> dict[str, list[str]]:
     """For the tests: the values of each enumerated option as the core

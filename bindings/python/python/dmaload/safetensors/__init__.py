@@ -55,17 +55,16 @@ from typing import Any, Literal, TypeAlias, Union, Unpack, get_args
 
 from .. import _dmaload
 from .._dmaload import Buffer, SafetensorError
+from .._header import Header, TensorInfo
 from .._options import Destination, LoadOptions, native_kwargs
 from .._progress import Progress, resolve
 from .._report import LoadReport
 from . import _device
 
-__all__ = ["SafeOpen", "SafetensorError", "TensorInfo", "load_file", "safe_open", "shard_paths"]
+__all__ = ["Header", "SafeOpen", "SafetensorError", "TensorInfo", "load_file", "safe_open", "shard_paths"]
 
 Framework: TypeAlias = Literal["np", "numpy", "pt", "torch"]
 StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
-TensorInfo: TypeAlias = tuple[str, str, tuple[int, ...], int, int]
-"""(name, dtype, shape, begin, end): offsets relative to the data section."""
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_CONCURRENCY = 4
@@ -157,23 +156,20 @@ class _File:
     def __init__(
         self,
         buffer: Buffer | None,
-        header: tuple[list[Any], dict[str, str] | None, int],
+        header: Header,
         *,
         device_data: Any = None,
         report: LoadReport | None = None,
         path: str = "",
     ) -> None:
-        tensors, metadata, data_start = header
         self.buffer = buffer
         self.view = memoryview(buffer) if buffer is not None else None
-        self.metadata = metadata
-        self.data_start = data_start
-        self.tensors: dict[str, TensorInfo] = {
-            name: (name, dtype, tuple(shape), begin, end) for name, dtype, shape, begin, end in tensors
-        }
+        self.metadata = header.metadata
+        self.data_start = header.data_start
+        self.tensors: dict[str, TensorInfo] = {t.name: t for t in header.tensors}
         # A device load's tensor holds the data section only: offsets from 0.
         self._torch_base: Any = device_data
-        self._base_offset = data_start if device_data is None else 0
+        self._base_offset = header.data_start if device_data is None else 0
         self.report = report if report is not None else (buffer.report if buffer is not None else LoadReport())
         self.path = buffer.path if buffer is not None else path
 
@@ -181,23 +177,24 @@ class _File:
     def numpy(self, name: str) -> Any:
         import numpy as np
 
-        _, dtype, shape, begin, end = self.tensors[name]
+        info = self.tensors[name]
         assert self.view is not None, "NumPy arrays come from host loads"
-        np_dtype, raw = _numpy_dtype(dtype)
-        offset = self.data_start + begin
+        np_dtype, raw = _numpy_dtype(info.dtype)
+        offset = self.data_start + info.begin
         if raw:
-            return np.frombuffer(self.view, dtype=np.uint8, count=end - begin, offset=offset)
-        count = _product(shape)
+            return np.frombuffer(self.view, dtype=np.uint8, count=info.nbytes, offset=offset)
+        count = _product(info.shape)
         if count == 0:
-            return np.empty(shape, dtype=np_dtype)
-        return np.frombuffer(self.view, dtype=np_dtype, count=count, offset=offset).reshape(shape)
+            return np.empty(info.shape, dtype=np_dtype)
+        return np.frombuffer(self.view, dtype=np_dtype, count=count, offset=offset).reshape(info.shape)
 
     # PyTorch --------------------------------------------------------------
     def torch(self, name: str) -> Any:
         import torch
 
-        _, dtype, shape, begin, end = self.tensors[name]
-        t_dtype, t_shape = _torch_dtype(torch, dtype, shape)
+        info = self.tensors[name]
+        begin, end = info.begin, info.end
+        t_dtype, t_shape = _torch_dtype(torch, info.dtype, info.shape)
         if end == begin:
             device = self._torch_base.device if self._torch_base is not None else "cpu"
             return torch.empty(t_shape if t_dtype is not None else (0,), dtype=t_dtype or torch.uint8, device=device)
@@ -431,7 +428,10 @@ class SafeOpen:
         return self._files[0].metadata if self._files else None
 
     def tensor_info(self, name: str) -> TensorInfo:
-        """(name, dtype, shape, begin, end) of a tensor."""
+        """The :class:`TensorInfo` of a tensor: name, dtype, shape, and
+        ``begin``/``end`` offsets relative to its file's data section. It
+        unpacks like the tuple earlier versions returned:
+        ``name, dtype, shape, begin, end = f.tensor_info(name)``."""
         self._check()
         return self._file(name).tensors[name]
 
