@@ -419,8 +419,11 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     kw.set_item("gib_per_second", gib_per_second)?;
     kw.set_item("cpu_user_seconds", cpu_user_seconds)?;
     kw.set_item("cpu_system_seconds", cpu_system_seconds)?;
-    let residency = module.getattr("PageCacheResidency")?;
-    kw.set_item("page_cache", residency.call1((page_cache.resident_bytes, page_cache.fraction))?)?;
+    let page_cache = match page_cache {
+        Some(r) => Some(module.getattr("PageCacheResidency")?.call1((r.resident_bytes, r.fraction))?),
+        None => None,
+    };
+    kw.set_item("page_cache", page_cache)?;
     module.getattr("LoadReport")?.call((), Some(&kw))
 }
 
@@ -612,6 +615,7 @@ struct Opts {
     queue_depth: Option<usize>,
     threads: Option<usize>,
     populate_threads: Option<usize>,
+    measure_page_cache: Option<bool>,
 }
 
 impl Opts {
@@ -631,6 +635,7 @@ impl Opts {
         o.queue_depth = self.queue_depth.unwrap_or(o.queue_depth);
         o.threads = self.threads.unwrap_or(o.threads);
         o.populate_threads = self.populate_threads.unwrap_or(o.populate_threads);
+        o.measure_page_cache = self.measure_page_cache.unwrap_or(o.measure_page_cache);
         Ok(o)
     }
 }
@@ -644,7 +649,7 @@ fn file_len(path: &std::path::Path) -> Result<u64, dmaload::Error> {
 #[pyfunction]
 #[pyo3(signature = (path, offset=None, length=None, *, engine=None, mode=None, to=None,
                     gather_size=None, chunk_size=None, queue_depth=None, threads=None,
-                    populate_threads=None, progress=None))]
+                    populate_threads=None, measure_page_cache=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -659,10 +664,21 @@ fn load(
     queue_depth: Option<usize>,
     threads: Option<usize>,
     populate_threads: Option<usize>,
+    measure_page_cache: Option<bool>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Buffer> {
     guard(move || {
-        let opts = Opts { engine, mode, to, gather_size, chunk_size, queue_depth, threads, populate_threads };
+        let opts = Opts {
+            engine,
+            mode,
+            to,
+            gather_size,
+            chunk_size,
+            queue_depth,
+            threads,
+            populate_threads,
+            measure_page_cache,
+        };
         let mut options = opts.to_options()?;
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
@@ -758,7 +774,7 @@ fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, 
 #[pyfunction]
 #[pyo3(signature = (paths, *, concurrency=4, engine=None, mode=None, to=None,
                     gather_size=None, chunk_size=None, queue_depth=None, threads=None,
-                    populate_threads=None, progress=None))]
+                    populate_threads=None, measure_page_cache=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn load_safetensors(
     py: Python<'_>,
@@ -772,10 +788,21 @@ fn load_safetensors(
     queue_depth: Option<usize>,
     threads: Option<usize>,
     populate_threads: Option<usize>,
+    measure_page_cache: Option<bool>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Vec<(Buffer, Bound<'_, PyAny>)>> {
     guard(move || {
-        let opts = Opts { engine, mode, to, gather_size, chunk_size, queue_depth, threads, populate_threads };
+        let opts = Opts {
+            engine,
+            mode,
+            to,
+            gather_size,
+            chunk_size,
+            queue_depth,
+            threads,
+            populate_threads,
+            measure_page_cache,
+        };
         let mut options = opts.to_options()?;
         if concurrency == 0 {
             return Err(PyValueError::new_err("concurrency must be at least 1"));
@@ -831,12 +858,13 @@ fn _option_choices() -> PyResult<BTreeMap<&'static str, Vec<String>>> {
     })
 }
 
-/// A default the core gives an option: an enumerated option's name, or a
-/// number.
+/// A default the core gives an option: an enumerated option's name, a
+/// number, or a switch.
 #[derive(IntoPyObject)]
 enum DefaultValue {
     Name(String),
     Number(usize),
+    Flag(bool),
 }
 
 /// Every load option the binding takes, with the core's default: the
@@ -856,6 +884,7 @@ fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
             queue_depth,
             threads,
             populate_threads,
+            measure_page_cache,
             progress: _,
             cancel: _,
         } = LoadOptions::default();
@@ -868,6 +897,7 @@ fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
             ("queue_depth", DefaultValue::Number(queue_depth)),
             ("threads", DefaultValue::Number(threads)),
             ("populate_threads", DefaultValue::Number(populate_threads)),
+            ("measure_page_cache", DefaultValue::Flag(measure_page_cache)),
             ("staging_slots", DefaultValue::Number(dmaload::sink::DEFAULT_SLOTS)),
             ("staging_slot_size", DefaultValue::Number(dmaload::sink::DEFAULT_SLOT_SIZE)),
         ]))

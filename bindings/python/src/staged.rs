@@ -134,7 +134,8 @@ fn host_target(buffer: &PyBuffer<u8>) -> Target<'_> {
 /// `file.data_len` bytes. Returns the reports.
 #[pyfunction]
 #[pyo3(signature = (files, targets, device, *, slots=None, slot_size=None, engine=None, mode=None,
-                    chunk_size=None, queue_depth=None, threads=None, progress=None))]
+                    chunk_size=None, queue_depth=None, threads=None, measure_page_cache=None,
+                    progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn _load_staged(
     py: Python<'_>,
@@ -148,6 +149,7 @@ pub fn _load_staged(
     chunk_size: Option<usize>,
     queue_depth: Option<usize>,
     threads: Option<usize>,
+    measure_page_cache: Option<bool>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Vec<Py<PyAny>>> {
     if files.len() != targets.len() {
@@ -155,7 +157,7 @@ pub fn _load_staged(
     }
     let slots = slots.unwrap_or(DEFAULT_SLOTS);
     let slot_size = slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
-    let opts = Opts { engine, mode, chunk_size, queue_depth, threads, ..Opts::default() };
+    let opts = Opts { engine, mode, chunk_size, queue_depth, threads, measure_page_cache, ..Opts::default() };
     let mut options = opts.to_options()?;
     // One read per slot and every slot in flight, unless asked otherwise.
     options.chunk_size = chunk_size.unwrap_or(slot_size);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import gc
 import os
 import threading
@@ -155,7 +156,7 @@ def test_report_is_a_dataclass(data_file: tuple[Path, bytes]) -> None:
         assert dataclasses.is_dataclass(r) and isinstance(r, dmaload.LoadReport)
         assert r.bytes == len(data) and r.path == str(path) and r.total_seconds > 0
         assert r.engine in ("uring-fixed", "uring", "pread-pool", "read")
-        assert isinstance(r.page_cache, dmaload.PageCacheResidency)
+        assert r.page_cache is None  # measured only when asked
         assert all(isinstance(f, dmaload.Fallback) for f in r.fallbacks)
         assert buf.report is r
         assert r.to_dict()["bytes"] == len(data)
@@ -165,6 +166,22 @@ def test_report_is_a_dataclass(data_file: tuple[Path, bytes]) -> None:
         if shmem.exists():
             policy = shmem.read_text().split("[")[1].split("]")[0]
             assert r.huge_pages == (policy in ("always", "within_size", "advise", "force"))
+
+
+def test_page_cache_residency_is_measured_only_when_asked(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    # Buffered reads leave the range cached, so a measurement has something to see.
+    with dmaload.load(path, mode="buffered") as buf:
+        assert buf.report.page_cache is None
+        assert json.loads(buf.report_json)["page_cache"] is None
+        assert dmaload.LoadReport.from_json(buf.report_json).page_cache is None
+    with dmaload.load_range(path, 4096, 8192, mode="buffered", measure_page_cache=True) as buf:
+        pc = buf.report.page_cache
+        assert isinstance(pc, dmaload.PageCacheResidency)
+        assert pc.resident_bytes == 8192 and pc.fraction > 0.99
+        assert dmaload.LoadReport.from_json(buf.report_json).page_cache == pc
+    with dmaload.load(path, measure_page_cache=False) as buf:
+        assert buf.report.page_cache is None
 
 
 def test_dlpack_numpy_and_torch(data_file: tuple[Path, bytes]) -> None:

@@ -28,12 +28,20 @@ def test_python_cli_load_json(data_file: tuple[Path, bytes]) -> None:
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["bytes"] == 4097 and report["offset"] == 1024
+    # The command's report shows the page cache unless told not to.
+    assert set(report["page_cache"]) == {"resident_bytes", "fraction"}
+    out = run("load", str(path), "--json", "--no-page-cache")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["page_cache"] is None
 
 
 def test_python_cli_load_text_and_errors(data_file: tuple[Path, bytes], tmp_path: Path) -> None:
     path, _ = data_file
     out = run("load", str(path), "--engine", "pread-pool", "--mode", "buffered")
     assert out.returncode == 0 and "pread-pool" in out.stdout
+    assert "cache    3145851 bytes resident after the load (100.0%)" in out.stdout
+    out = run("load", str(path), "--no-page-cache")
+    assert out.returncode == 0 and "resident after the load" not in out.stdout
     out = run("load", str(tmp_path / "missing"))
     assert out.returncode == 1 and "No such file" in out.stderr
     out = run("bench")

@@ -98,6 +98,14 @@ def test_staged_host_load_is_bit_exact_through_a_two_slot_ring(model: tuple[Path
             _same(out[name], t, "cpu")
 
 
+def test_staged_load_measures_the_page_cache_only_when_asked(model: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = model
+    assert _device_report(path).page_cache is None
+    # Buffered reads keep the data section in the page cache.
+    pc = _device_report(path, mode="buffered", measure_page_cache=True).page_cache
+    assert isinstance(pc, dmaload.PageCacheResidency) and pc.fraction > 0.99
+
+
 def test_staged_tensors_are_views_of_one_allocation(model: tuple[Path, dict[str, Any]]) -> None:
     path, _ = model
     files = _device.load_files([path], "cpu", None, dict(TINY_RING))

@@ -45,10 +45,19 @@ def test_option_names_and_defaults_are_the_cores() -> None:
     }
     assert {k: defaults[k] for k in expected} == expected
     assert isinstance(defaults["populate_threads"], int) and 1 <= defaults["populate_threads"] <= 4
+    assert defaults["measure_page_cache"] is False
     doc = LoadOptions.__doc__ or ""
     for name in LoadOptions.__annotations__:
         assert name in doc, f"LoadOptions' docstring does not describe {name}"
-    promised = ('``"uring-fixed"``', '``"memfd"``', "128 MiB and 4 MiB", "default 32)", "default 8)", "32 slots of 16 MiB")
+    promised = (
+        '``"uring-fixed"``',
+        '``"memfd"``',
+        "128 MiB and 4 MiB",
+        "default 32)",
+        "default 8)",
+        "32 slots of 16 MiB",
+        "default ``False``",
+    )
     for text in promised:
         assert text in doc, text
 

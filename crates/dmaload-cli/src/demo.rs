@@ -39,6 +39,8 @@ pub fn run(args: &DemoArgs) -> Result<(), String> {
     ];
     let mut results = Vec::new();
     for (label, mut options) in runs {
+        // The comparison shows what each load leaves in the page cache.
+        options.measure_page_cache = true;
         dmaload::pagecache::evict(&path).map_err(|e| e.to_string())?;
         let (bar, callback) = progress_bar(label.split(' ').next().unwrap_or(label));
         options.progress = Some(callback);

@@ -78,6 +78,11 @@ struct LoadCommand {
     /// device, of its bytes copied back, off the timed path).
     #[arg(long)]
     hash: bool,
+    /// Skip measuring how much of the range is in the page cache afterwards
+    /// (the `cache` line; `mincore` over the whole range, after the timed
+    /// load): the report's `page_cache` is then null.
+    #[arg(long)]
+    no_page_cache: bool,
 }
 
 /// The knobs of a load, shared by `load`, `demo` and `bench`.
@@ -160,6 +165,9 @@ pub fn progress_bar(label: &str) -> (ProgressBar, Arc<dmaload::engine::ProgressF
 
 fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let mut options = cmd.options.to_options();
+    // The report this command prints shows the page cache: measured unless
+    // --no-page-cache (the library measures only when asked).
+    options.measure_page_cache = !cmd.no_page_cache;
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
     let result = match options.to {

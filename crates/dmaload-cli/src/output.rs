@@ -116,12 +116,15 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
         r.cpu_system_seconds,
         if gib > 0.0 { cpu / gib } else { 0.0 }
     );
-    let _ = writeln!(
-        s,
-        "cache     {} of the range in the page cache afterwards ({:.1}%)",
-        human_bytes(r.page_cache.resident_bytes),
-        r.page_cache.fraction * 100.0
-    );
+    // Only a load that asked for it measured the page cache.
+    if let Some(residency) = &r.page_cache {
+        let _ = writeln!(
+            s,
+            "cache     {} of the range in the page cache afterwards ({:.1}%)",
+            human_bytes(residency.resident_bytes),
+            residency.fraction * 100.0
+        );
+    }
     if let Some(hash) = hash {
         let _ = writeln!(s, "xxh3-64   {} ({:.3} s)", hash.xxh3_64, hash.seconds);
     }

@@ -85,6 +85,21 @@ fn load_text_report_names_engine_time_split_and_cache() {
 }
 
 #[test]
+fn load_measures_the_page_cache_unless_told_not_to() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 1 << 20);
+    let report =
+        json_of(&dmaload().args(["load", "--json", "--mode", "buffered"]).arg(&path).output().unwrap());
+    assert_eq!(report["page_cache"]["resident_bytes"], 1 << 20, "{report}");
+    let out = dmaload().args(["load", "--json", "--no-page-cache"]).arg(&path).output().unwrap();
+    assert!(json_of(&out)["page_cache"].is_null());
+    let out = dmaload().args(["load", "--no-page-cache"]).arg(&path).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("GiB/s") && !text.lines().any(|l| l.starts_with("cache ")), "{text}");
+}
+
+#[test]
 fn low_memlock_limit_falls_back_to_unregistered_io_uring() {
     if !have("prlimit") {
         return skip(

@@ -225,9 +225,15 @@ impl Opened<'_> {
         memory: MemoryKind,
     ) -> Result<LoadReport> {
         let path = self.path;
-        let page_cache = pagecache::residency_of(&self.source.file, path, self.offset, self.len)?;
         let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
         let total = self.started.elapsed();
+        // mincore over the whole range, only when asked (it maps the range and
+        // walks its pages), and after the clocks stop: it observes the load,
+        // it is not part of it.
+        let page_cache = options
+            .measure_page_cache
+            .then(|| pagecache::residency_of(&self.source.file, path, self.offset, self.len))
+            .transpose()?;
         let mut fallbacks = self.fallbacks;
         fallbacks.extend(run.fallbacks);
         Ok(LoadReport {

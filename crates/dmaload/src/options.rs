@@ -187,6 +187,12 @@ pub struct LoadOptions {
     /// Threads that populate (allocate and zero) each gather ahead of the
     /// I/O; page zeroing is CPU-bound, so more threads hide more of it.
     pub populate_threads: usize,
+    /// Measure, after the load, how much of the range is in the page cache
+    /// ([`crate::LoadReport::page_cache`]): `mmap` of the whole range, then
+    /// `mincore` (a page-cache look-up per page and a status byte per page
+    /// of memory), outside the report's times. Off by default: the report's
+    /// `page_cache` is then `None`.
+    pub measure_page_cache: bool,
     /// Called with (bytes done, bytes in all) from a reporting thread of
     /// the load (never an I/O thread, so a slow callback cannot stall the
     /// reads): about every 50 ms while bytes arrive, and once with
@@ -207,6 +213,7 @@ impl Default for LoadOptions {
             queue_depth: DEFAULT_QUEUE_DEPTH,
             threads: DEFAULT_POOL_THREADS,
             populate_threads: default_populate_threads(),
+            measure_page_cache: false,
             progress: None,
             cancel: CancelToken::default(),
         }
@@ -224,6 +231,7 @@ impl fmt::Debug for LoadOptions {
             .field("queue_depth", &self.queue_depth)
             .field("threads", &self.threads)
             .field("populate_threads", &self.populate_threads)
+            .field("measure_page_cache", &self.measure_page_cache)
             .field("progress", &self.progress.is_some())
             .field("cancelled", &self.cancel.is_cancelled())
             .finish()

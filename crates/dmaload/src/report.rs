@@ -62,6 +62,8 @@ pub struct LoadReport {
     /// page zeroing included).
     pub cpu_user_seconds: f64,
     pub cpu_system_seconds: f64,
-    /// How much of the loaded range is in the page cache afterwards.
-    pub page_cache: Residency,
+    /// How much of the loaded range is in the page cache afterwards, when
+    /// [`crate::LoadOptions::measure_page_cache`] asked for it; `None`
+    /// (JSON `null`) when it was not measured.
+    pub page_cache: Option<Residency>,
 }

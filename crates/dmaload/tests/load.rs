@@ -63,7 +63,7 @@ fn large_file_with_odd_tail_matches_its_hash_with_every_engine() {
     for engine in Engine::ALL {
         dmaload::pagecache::evict(&path).unwrap();
         // Default chunk and gather sizes: the pipeline runs over 3 gathers.
-        let opts = LoadOptions { engine, ..LoadOptions::default() };
+        let opts = LoadOptions { engine, measure_page_cache: true, ..LoadOptions::default() };
         let (buffer, report) = dmaload::load(&path, &opts).unwrap();
         assert_eq!(buffer.len() as u64, size);
         assert_eq!(xxhash_rust::xxh3::xxh3_64(&buffer), expected, "{engine:?}");
@@ -73,7 +73,8 @@ fn large_file_with_odd_tail_matches_its_hash_with_every_engine() {
         assert_eq!(segments.len(), 8);
         assert_eq!((segments[0].len, segments[7].offset), (4 << 20, 256 << 20));
         assert!(segments.windows(2).all(|w| w[0].offset + w[0].len == w[1].offset));
-        assert!(report.page_cache.fraction < 0.01, "direct I/O left {:?} cached", report.page_cache);
+        let residency = report.page_cache.expect("measured when asked");
+        assert!(residency.fraction < 0.01, "direct I/O left {residency:?} cached");
     }
 }
 
@@ -132,17 +133,43 @@ fn buffered_modes_read_the_same_bytes_and_control_the_page_cache() {
     write_pattern_file(&path, size);
     for (mode, expect_cached) in [(IoMode::Buffered, true), (IoMode::DontCache, false)] {
         dmaload::pagecache::evict(&path).unwrap();
-        let (buffer, report) = dmaload::load(&path, &LoadOptions { mode, ..options(Engine::Uring) }).unwrap();
+        let opts = LoadOptions { mode, measure_page_cache: true, ..options(Engine::Uring) };
+        let (buffer, report) = dmaload::load(&path, &opts).unwrap();
         assert_pattern(&buffer, 0);
         assert_eq!(report.alignment, 1);
+        let residency = report.page_cache.expect("measured when asked");
         if expect_cached {
             assert_eq!(report.cache, CachePolicy::Keep);
-            assert!(report.page_cache.fraction > 0.99, "{:?}", report.page_cache);
+            assert!(residency.fraction > 0.99, "{residency:?}");
+            assert_eq!(residency.resident_bytes, size);
         } else {
             assert!(matches!(report.cache, CachePolicy::DontCache | CachePolicy::Fadvise));
-            assert!(report.page_cache.fraction < 0.01, "{:?} left {:?}", report.cache, report.page_cache);
+            assert!(residency.fraction < 0.01, "{:?} left {residency:?}", report.cache);
         }
     }
+}
+
+#[test]
+fn page_cache_residency_is_measured_only_when_asked() {
+    let dir = scratch_dir();
+    let path = dir.path().join("residency");
+    let size = (1 << 20) + 7;
+    write_pattern_file(&path, size);
+    // Buffered reads leave the range cached, so a measurement has something to see.
+    let opts = LoadOptions { mode: IoMode::Buffered, ..options(Engine::Uring) };
+    assert!(!LoadOptions::default().measure_page_cache);
+    let (_, report) = dmaload::load(&path, &opts).unwrap();
+    assert_eq!(report.page_cache, None);
+    let json = serde_json::to_value(&report).unwrap();
+    assert!(json["page_cache"].is_null(), "{json}");
+
+    let measured = LoadOptions { measure_page_cache: true, ..opts };
+    let (_, report) = dmaload::load_range(&path, 4096, 8192, &measured).unwrap();
+    let residency = report.page_cache.expect("measured when asked");
+    assert_eq!(residency.resident_bytes, 8192, "{residency:?}");
+    assert!(residency.fraction > 0.99, "{residency:?}");
+    let json = serde_json::to_value(&report).unwrap();
+    assert_eq!(json["page_cache"]["resident_bytes"], 8192);
 }
 
 #[test]

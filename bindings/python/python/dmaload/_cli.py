@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     ld.add_argument("--queue-depth", type=int, default=None)
     ld.add_argument("--threads", type=int, default=None)
     ld.add_argument("--populate-threads", type=int, default=None)
+    ld.add_argument(
+        "--no-page-cache",
+        action="store_true",
+        help="skip measuring how much of the range is in the page cache afterwards (the cache line)",
+    )
     ld.add_argument("--json", action="store_true", help="print the report as one JSON object")
     ts = sub.add_parser("tensors", help="list the tensors of a safetensors file (header only)")
     ts.add_argument("file")
@@ -62,8 +67,11 @@ def _load_text(r: LoadReport) -> str:
         f"time     {r.total_seconds:.3f} s ({r.gib_per_second:.2f} GiB/s): alloc {r.alloc_seconds:.3f} s, "
         f"I/O {r.io_seconds:.3f} s, waited for memory {r.waited_for_memory_seconds:.3f} s",
         f"cpu      user {r.cpu_user_seconds:.3f} s, system {r.cpu_system_seconds:.3f} s",
-        f"cache    {r.page_cache.resident_bytes} bytes resident after the load ({r.page_cache.fraction:.1%})",
     ]
+    if r.page_cache is not None:
+        lines.append(
+            f"cache    {r.page_cache.resident_bytes} bytes resident after the load ({r.page_cache.fraction:.1%})"
+        )
     lines += [f"fallback {f.from_} -> {f.to}: {f.reason}" for f in r.fallbacks]
     return "\n".join(lines) + "\n"
 
@@ -83,6 +91,8 @@ def _cmd_load(a: argparse.Namespace) -> int:
         }.items()
         if v is not None
     }
+    # The report printed shows the page cache, as the native CLI's does.
+    options["measure_page_cache"] = not a.no_page_cache
     with load_range(a.file, a.offset, a.length, progress=sys.stderr.isatty(), **options) as buf:
         if a.json:
             print(buf.report_json)

@@ -96,6 +96,7 @@ def load(
     queue_depth: int | None = None,
     threads: int | None = None,
     populate_threads: int | None = None,
+    measure_page_cache: bool | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> Buffer: ...
 def load_safetensors(
@@ -110,6 +111,7 @@ def load_safetensors(
     queue_depth: int | None = None,
     threads: int | None = None,
     populate_threads: int | None = None,
+    measure_page_cache: bool | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[tuple[Buffer, Header]]: ...
 @final
@@ -137,6 +139,7 @@ def _load_staged(
     chunk_size: int | None = None,
     queue_depth: int | None = None,
     threads: int | None = None,
+    measure_page_cache: bool | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[LoadReport]:
     """Loads each file's data section through a staging ring into ``targets``:
@@ -153,7 +156,7 @@ def _option_choices() -> dict[str, list[str]]:
     names them (``engine``, ``mode``, and ``to``'s forms, ``cuda:N`` for
     any device)."""
 
-def _option_defaults() -> dict[str, str | int]:
+def _option_defaults() -> dict[str, str | int | bool]:
     """For the tests: every load option the binding takes, with the core's
     default."""
 

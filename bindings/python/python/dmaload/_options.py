@@ -39,6 +39,10 @@ class LoadOptions(TypedDict, total=False):
     threads: threads of the pread-pool engine (default 8).
     populate_threads: threads populating memory ahead of the reads
         (default: one per CPU, 1 to 4).
+    measure_page_cache: after the load, measure how much of the range is in
+        the page cache (``mincore`` over the whole range, outside the timed
+        load) into ``report.page_cache`` (default ``False``: not measured,
+        ``report.page_cache`` is ``None``).
     staging_slots, staging_slot_size: the pinned staging ring of a device
         load (``device="cuda:N"``; default 32 slots of 16 MiB, one read
         each); host loads ignore them.
@@ -52,6 +56,7 @@ class LoadOptions(TypedDict, total=False):
     queue_depth: int
     threads: int
     populate_threads: int
+    measure_page_cache: bool
     staging_slots: int
     staging_slot_size: Size
 

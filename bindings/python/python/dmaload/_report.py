@@ -22,7 +22,8 @@ class Fallback:
 
 @dataclass(frozen=True)
 class PageCacheResidency:
-    """How much of the loaded range is in the page cache after the load."""
+    """How much of the loaded range is in the page cache after the load
+    (measured only when the load's ``measure_page_cache`` option asks)."""
 
     resident_bytes: int = 0
     fraction: float = 0.0
@@ -60,7 +61,8 @@ class LoadReport:
     gib_per_second: float = 0.0
     cpu_user_seconds: float = 0.0
     cpu_system_seconds: float = 0.0
-    page_cache: PageCacheResidency = field(default_factory=PageCacheResidency)
+    page_cache: PageCacheResidency | None = None
+    """``None`` unless the load measured it (``measure_page_cache=True``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -77,9 +79,13 @@ class LoadReport:
             Fallback(from_=f.get("from", ""), to=f.get("to", ""), reason=f.get("reason", ""))
             for f in data.get("fallbacks", ())
         )
-        pc = data.get("page_cache") or {}
-        kwargs["page_cache"] = PageCacheResidency(
-            resident_bytes=int(pc.get("resident_bytes", 0)), fraction=float(pc.get("fraction", 0.0))
+        pc = data.get("page_cache")
+        kwargs["page_cache"] = (
+            None
+            if pc is None
+            else PageCacheResidency(
+                resident_bytes=int(pc.get("resident_bytes", 0)), fraction=float(pc.get("fraction", 0.0))
+            )
         )
         kwargs["extra"] = {k: v for k, v in data.items() if k not in known}
         return cls(**kwargs)
