@@ -23,10 +23,12 @@ pub(crate) fn run(job: &Job<'_>, dst: MappingWriter<'_>, threads: usize, engine:
     let work = || {
         if let Err(err) = worker(job, dst, &tally, &next_chunk, &stop, &longest_wait) {
             stop.store(true, Ordering::Relaxed);
+            // The cause goes in before the gate is cancelled: the workers the
+            // cancellation wakes fail with ECANCELED, which must not win.
+            first_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(err);
             // Wakes workers waiting on the gate: a staged load's helper stops
             // releasing slots once the engine fails.
             job.gate.cancel();
-            first_error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(err);
         }
     };
     std::thread::scope(|scope| {
