@@ -380,7 +380,7 @@ pub fn load_open_to_sink(
     validate(path, options)?;
     let page = sys::mem::page_size();
     let slot = ring.slot_len();
-    let chunk = options.chunk_size.min(slot).div_ceil(page) * page;
+    let chunk = Plan::chunk_len(options.chunk_size.min(slot), page);
     if slot % chunk != 0 {
         return Err(Error::new(
             ErrorKind::InvalidInput,

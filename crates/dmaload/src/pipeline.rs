@@ -233,12 +233,13 @@ pub(crate) fn fill_staged(
     ring: &mut StagingRing,
     sink: &mut dyn Sink,
 ) -> Result<(EngineRun, DeliverTimes)> {
-    let layout = Layout::Staged { slots: ring.slots(), slot_len: ring.slot_len() };
+    let (ring_slots, slot_len) = (ring.slots(), ring.slot_len());
+    let layout = Layout::Staged { slots: ring_slots, slot_len };
     let dst = ring.writer();
     let sink = std::sync::Mutex::new(sink);
     let feed = |registrar: Option<Registrar<'_>>, gate: &Gate| {
         let mut sink = sink.lock().unwrap_or_else(|p| p.into_inner());
-        feed_sink(path, dst, registrar, plan, layout, gate, &mut **sink)
+        feed_sink(path, dst, registrar, plan, (ring_slots, slot_len), gate, &mut **sink)
     };
     let (run, fed) = run_pipeline(path, setup, plan, len, options, dst, layout, feed);
     let finished = sink.into_inner().unwrap_or_else(|p| p.into_inner()).finish();
@@ -265,11 +266,10 @@ fn feed_sink(
     dst: MappingWriter<'_>,
     registrar: Option<Registrar<'_>>,
     plan: &Plan,
-    layout: Layout,
+    (slots, slot_len): (usize, usize),
     gate: &Gate,
     sink: &mut dyn Sink,
 ) -> Result<DeliverTimes> {
-    let Layout::Staged { slots, slot_len } = layout else { unreachable!("feed_sink runs staged loads") };
     let count = plan.gather_count();
     let mut times = DeliverTimes::default();
     if let Some(reg) = registrar {

@@ -80,7 +80,7 @@ impl Plan {
         let mapping_len = span.div_ceil(page) * page;
         // A chunk is whole pages (so every chunk starts page-aligned in memory)
         // and a gather is whole chunks.
-        let chunk = chunk.max(page).div_ceil(page) * page;
+        let chunk = Self::chunk_len(chunk, page);
         let mut gather = gather.clamp(chunk, MAX_GATHER_BYTES) / chunk * chunk;
         // The ramp adds at most log2(gather / chunk) + 1 gathers.
         let ramp = |gather: usize| (gather / chunk).ilog2() as usize + 1;
@@ -121,8 +121,14 @@ impl Plan {
     /// chunks (themselves whole pages), at most 1 GiB (a registered buffer's
     /// limit).
     pub fn slot_len(chunk: usize, slot: usize, page: usize) -> usize {
-        let chunk = chunk.max(page).div_ceil(page) * page;
+        let chunk = Self::chunk_len(chunk, page);
         slot.clamp(chunk, MAX_GATHER_BYTES) / chunk * chunk
+    }
+
+    /// The length of a read request for `chunk` bytes asked for: whole
+    /// pages, at least one.
+    pub fn chunk_len(chunk: usize, page: usize) -> usize {
+        chunk.max(page).div_ceil(page) * page
     }
 
     /// The part of gather `g` the caller asked for, as file offsets.
