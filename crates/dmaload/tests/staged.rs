@@ -270,3 +270,68 @@ fn pool_workers_waiting_for_a_slot_are_woken_when_the_load_fails() {
     let result = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("the failed load hung");
     assert_eq!(result.unwrap_err().kind(), ErrorKind::Truncated);
 }
+
+/// A staged load on its own thread, failing the test if it hangs.
+fn staged_or_hang(path: &std::path::Path) -> dmaload::Result<Vec<u8>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = path.to_owned();
+    std::thread::spawn(move || {
+        let mut ring = StagingRing::new(2, M, M).unwrap();
+        let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let mut dst = vec![0u8; len as usize];
+        let result = dmaload::load_to_sink(
+            &path,
+            0,
+            None,
+            &mut ring,
+            &mut HostSink::new(&mut dst, 0),
+            &options(Engine::UringFixed, M),
+        );
+        let _ = tx.send(result.map(|_| dst));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(30))
+        .expect("staged load hung instead of returning an error")
+}
+
+#[test]
+fn staged_loads_refuse_fifos_and_character_devices_and_follow_symlinks() {
+    let dir = scratch_dir();
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let err = staged_or_hang(&fifo).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("FIFO"), "{err}");
+    let err = staged_or_hang(std::path::Path::new("/dev/zero")).unwrap_err();
+    assert!(err.to_string().contains("character device"), "{err}");
+    let target = dir.path().join("target");
+    write_cold(&target, 3 * M as u64 + 5);
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    assert_pattern(&staged_or_hang(&link).unwrap(), 0);
+}
+
+#[test]
+fn a_file_rewritten_during_a_staged_load_is_an_error() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_cold(&path, 16 * M as u64);
+    let victim = path.clone();
+    let rewritten = Arc::new(AtomicBool::new(false));
+    let flag = rewritten.clone();
+    let opts = LoadOptions {
+        queue_depth: 1,
+        // The first progress report rewrites a byte in place (same size).
+        progress: Some(Arc::new(move |_, _| {
+            if !flag.swap(true, Ordering::SeqCst) {
+                use std::os::unix::fs::FileExt;
+                let file = std::fs::OpenOptions::new().write(true).open(&victim).unwrap();
+                file.write_all_at(b"X", 15 * M as u64).unwrap();
+            }
+        })),
+        ..options(Engine::UringFixed, M)
+    };
+    let mut ring = StagingRing::new(2, M, M).unwrap();
+    let err = load_staged(&path, 0, 16 * M as u64, &mut ring, &opts).unwrap_err();
+    assert!(rewritten.load(Ordering::SeqCst));
+    assert_eq!(err.kind(), ErrorKind::Changed, "{err}");
+}
