@@ -26,6 +26,7 @@ mod pipeline;
 mod plan;
 mod report;
 pub mod save;
+pub mod share;
 pub mod sink;
 pub mod source;
 #[allow(unsafe_code)]
