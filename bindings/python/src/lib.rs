@@ -717,6 +717,67 @@ fn load(
     })
 }
 
+/// Fills `target` (a writable, C-contiguous buffer-protocol object: a
+/// bytearray, a numpy array, `tensor.numpy()`) with its length's worth of
+/// the file from `offset`, the GIL released; returns the report. In place
+/// where the memory lines up with the file, else through a staging ring.
+#[pyfunction]
+#[pyo3(signature = (path, target, offset=0, *, engine=None, mode=None, gather_size=None,
+                    chunk_size=None, queue_depth=None, threads=None, populate_threads=None,
+                    measure_page_cache=None, progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn load_into<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    target: &Bound<'py, PyAny>,
+    offset: u64,
+    engine: Option<String>,
+    mode: Option<String>,
+    gather_size: Option<usize>,
+    chunk_size: Option<usize>,
+    queue_depth: Option<usize>,
+    threads: Option<usize>,
+    populate_threads: Option<usize>,
+    measure_page_cache: Option<bool>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    guard(move || {
+        let opts = Opts {
+            engine,
+            mode,
+            gather_size,
+            chunk_size,
+            queue_depth,
+            threads,
+            populate_threads,
+            measure_page_cache,
+            ..Opts::default()
+        };
+        let mut options = opts.to_options()?;
+        let cancel = dmaload::CancelToken::new();
+        options.cancel = cancel.clone();
+        let mut export = staged::writable_buffer(target)?;
+        let relay = progress.map(|callback| {
+            let relay = Progress::new(callback, export.len_bytes() as u64, cancel.clone());
+            options.progress = Some(relay.for_load());
+            relay
+        });
+        let dst = staged::writable_bytes(&mut export);
+        let result = run_cancellable(py, &cancel, || dmaload::load_into(&path, offset, dst, &options))?;
+        if let Some(err) = relay.as_ref().and_then(|relay| relay.take_error()) {
+            return Err(err);
+        }
+        let report = result.map_err(|e| os_error(&e))?;
+        if let Some(relay) = &relay {
+            relay.maybe_call(true);
+            if let Some(err) = relay.take_error() {
+                return Err(err);
+            }
+        }
+        report_object(py, &report)
+    })
+}
+
 /// The core's header as a `dmaload._header.Header`, its tensors
 /// `dmaload._header.TensorInfo` records, built field by field. The
 /// destructurings name every field, so a field the core adds to its
@@ -926,6 +987,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
     m.add_class::<Buffer>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(load_into, m)?)?;
     m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;

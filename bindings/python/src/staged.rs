@@ -97,16 +97,14 @@ unsafe fn device_targets<'d>(ctx: &Context, addresses: &[u64], lens: &[usize]) -
         .collect()
 }
 
-/// A host destination: a writable, C-contiguous buffer-protocol object
-/// (`tensor.numpy()`, a bytearray) of exactly `len` bytes. The export is
-/// held until the load returns, so the memory stays valid meanwhile.
-fn host_buffer(target: &Bound<'_, PyAny>, len: usize) -> PyResult<PyBuffer<u8>> {
+/// A writable, C-contiguous buffer-protocol object (`tensor.numpy()`, a
+/// bytearray, a numpy array), exported until the returned value drops, so
+/// the memory stays valid meanwhile.
+pub fn writable_buffer(target: &Bound<'_, PyAny>) -> PyResult<PyBuffer<u8>> {
     let buffer = PyBuffer::<u8>::get(target)?;
-    if buffer.readonly() || !buffer.is_c_contiguous() || buffer.len_bytes() != len {
+    if buffer.readonly() || !buffer.is_c_contiguous() {
         return Err(PyValueError::new_err(format!(
-            "a host destination must be a writable C-contiguous buffer of {len} bytes \
-             (got {} bytes, readonly={}, contiguous={})",
-            buffer.len_bytes(),
+            "the destination must be a writable C-contiguous buffer (readonly={}, contiguous={})",
             buffer.readonly(),
             buffer.is_c_contiguous()
         )));
@@ -114,17 +112,34 @@ fn host_buffer(target: &Bound<'_, PyAny>, len: usize) -> PyResult<PyBuffer<u8>> 
     Ok(buffer)
 }
 
-/// The bytes of a [`host_buffer`], for the loader to fill.
+/// A host destination of a staged load: a [`writable_buffer`] of exactly
+/// `len` bytes.
+fn host_buffer(target: &Bound<'_, PyAny>, len: usize) -> PyResult<PyBuffer<u8>> {
+    let buffer = writable_buffer(target)?;
+    if buffer.len_bytes() != len {
+        return Err(PyValueError::new_err(format!(
+            "a host destination must hold {len} bytes (got {})",
+            buffer.len_bytes()
+        )));
+    }
+    Ok(buffer)
+}
+
+/// The bytes of a [`writable_buffer`], for the loader to fill.
 #[allow(unsafe_code)]
-fn host_target(buffer: &PyBuffer<u8>) -> Target<'_> {
+pub fn writable_bytes(buffer: &mut PyBuffer<u8>) -> &mut [u8] {
     let len = buffer.len_bytes();
     if len == 0 {
-        return Target::Host(&mut []);
+        return &mut [];
     }
-    // SAFETY: the export (held by `buffer`, borrowed for the slice's
-    // lifetime) keeps `len` bytes at `buf_ptr` valid and writable (checked
-    // in host_buffer); the loader is their only Rust user while it runs.
-    Target::Host(unsafe { std::slice::from_raw_parts_mut(buffer.buf_ptr().cast::<u8>(), len) })
+    // SAFETY: the export (held by `buffer`, mutably borrowed for the
+    // slice's lifetime, so no second slice of it exists) keeps `len` bytes
+    // at `buf_ptr` valid and writable (checked in writable_buffer).
+    unsafe { std::slice::from_raw_parts_mut(buffer.buf_ptr().cast::<u8>(), len) }
+}
+
+fn host_target(buffer: &mut PyBuffer<u8>) -> Target<'_> {
+    Target::Host(writable_bytes(buffer))
 }
 
 /// Loads the data sections of `files` (one after another, through one
@@ -177,7 +192,7 @@ pub fn _load_staged(
     };
     // Host destinations are buffer exports, held until the loads return;
     // device ones are pointers.
-    let (host, addresses) = match ordinal {
+    let (mut host, addresses) = match ordinal {
         None => {
             let host = targets
                 .iter()
@@ -199,7 +214,7 @@ pub fn _load_staged(
             // SAFETY: the Python caller's promise, documented on `device_targets`.
             #[allow(unsafe_code)]
             Some(ctx) => unsafe { device_targets(ctx, &addresses, &lens) }?,
-            None => host.iter().map(host_target).collect(),
+            None => host.iter_mut().map(host_target).collect(),
         };
         let ring = match &context {
             Some(ctx) => StagingRing::pinned(ctx, slots, slot_size, options.chunk_size),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from . import safetensors
 from ._dmaload import Buffer, SafetensorError, __version__
-from ._load import load, load_range
+from ._load import load, load_into, load_range
 from ._options import LoadOptions
 from ._report import Fallback, LoadReport, PageCacheResidency
 
@@ -27,6 +27,7 @@ __all__ = [
     "SafetensorError",
     "__version__",
     "load",
+    "load_into",
     "load_range",
     "safetensors",
 ]

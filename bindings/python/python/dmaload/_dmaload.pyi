@@ -13,6 +13,7 @@ __all__ = [
     "SafetensorError",
     "SafetensorsFile",
     "load",
+    "load_into",
     "load_safetensors",
     "open_safetensors",
     "parse_safetensors_header",
@@ -99,6 +100,21 @@ def load(
     measure_page_cache: bool | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> Buffer: ...
+def load_into(
+    path: str | os.PathLike[str],
+    target: Buffer | bytearray | memoryview | Any,
+    offset: int = 0,
+    *,
+    engine: str | None = None,
+    mode: str | None = None,
+    gather_size: int | None = None,
+    chunk_size: int | None = None,
+    queue_depth: int | None = None,
+    threads: int | None = None,
+    populate_threads: int | None = None,
+    measure_page_cache: bool | None = None,
+    progress: Callable[[int, int], Any] | None = None,
+) -> LoadReport: ...
 def load_safetensors(
     paths: list[str] | list[os.PathLike[str]],
     *,

@@ -1,14 +1,15 @@
-"""``dmaload.load`` and ``dmaload.load_range``."""
+"""``dmaload.load``, ``dmaload.load_range`` and ``dmaload.load_into``."""
 
 from __future__ import annotations
 
 import os
-from typing import Union, Unpack
+from typing import Any, Union, Unpack
 
 from . import _dmaload
 from ._dmaload import Buffer
 from ._options import LoadOptions, native_kwargs
 from ._progress import Progress, resolve
+from ._report import LoadReport
 
 StrPath = Union[str, "os.PathLike[str]"]
 
@@ -48,5 +49,40 @@ def load_range(
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
     try:
         return _dmaload.load(path, offset, length, progress=callback, **native_kwargs(dict(options)))
+    finally:
+        finish()
+
+
+def load_into(
+    path: StrPath,
+    target: Any,
+    offset: int = 0,
+    *,
+    progress: Progress = None,
+    **options: Unpack[LoadOptions],
+) -> LoadReport:
+    """Fills ``target``, memory the caller already has, with as many bytes
+    of ``path`` as it holds, from byte ``offset``; returns the report.
+
+    ``target`` is any writable C-contiguous buffer: a ``bytearray``, a numpy
+    array, ``tensor.numpy()`` of a CPU tensor, a :class:`Buffer`'s
+    ``memoryview``. Where its address lines up with the file offset (modulo
+    the direct-I/O alignment: page-aligned memory and an aligned offset, for
+    instance) the file is read straight into it; otherwise through a small
+    staging ring, one copy (``report.destination`` says which). A range past
+    the end of the file is an ``OSError`` (ENODATA); after any error the
+    memory holds a mix of old and new bytes. ``to`` is refused: ``target`` is
+    the destination.
+    """
+    if offset < 0:
+        raise ValueError("offset must be non-negative")
+    if "to" in options:
+        raise TypeError("load_into() takes no 'to': the target is the destination")
+    native = native_kwargs(dict(options))
+    callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
+    # Bytes of any element type: a C-contiguous view casts to unsigned bytes.
+    try:
+        with memoryview(target) as view, view.cast("B") as raw:
+            return _dmaload.load_into(path, raw, offset, progress=callback, **native)
     finally:
         finish()

@@ -1,0 +1,72 @@
+"""dmaload.load_into: memory the caller owns (bytearray, numpy, torch),
+filled in place where it lines up with the file, through a ring where not."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import evict
+
+import dmaload
+
+
+def test_bytearray_and_numpy_get_the_exact_bytes(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    evict(path)
+    target = bytearray(len(data) - 5)
+    report = dmaload.load_into(path, target, 5)
+    assert bytes(target) == data[5:]
+    assert (report.offset, report.bytes) == (5, len(data) - 5)
+    assert report.destination.startswith("caller memory")
+
+    array = np.zeros(1000, dtype=np.uint32)
+    dmaload.load_into(path, array, 4096)
+    assert array.tobytes() == data[4096 : 4096 + 4000]
+
+
+def test_page_aligned_memory_is_filled_in_place(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    evict(path)
+    with mmap.mmap(-1, 2 << 20) as memory:  # page-aligned anonymous memory
+        report = dmaload.load_into(path, memory, 1 << 20)
+        assert memory[:] == data[1 << 20 : 3 << 20]
+        assert report.destination == "caller memory (in place)"
+
+
+def test_torch_tensor_memory(data_file: tuple[Path, bytes]) -> None:
+    torch = pytest.importorskip("torch")
+    path, data = data_file
+    tensor = torch.zeros(len(data) // 2, dtype=torch.int16)
+    dmaload.load_into(path, tensor.numpy(), progress=lambda done, total: None)
+    assert tensor.numpy().tobytes() == data[: len(data) // 2 * 2]
+
+
+def test_refusals(data_file: tuple[Path, bytes], tmp_path: Path) -> None:
+    path, data = data_file
+    with pytest.raises(OSError) as excinfo:
+        dmaload.load_into(path, bytearray(len(data) + 1))
+    assert excinfo.value.errno == errno.ENODATA
+    with pytest.raises(FileNotFoundError):
+        dmaload.load_into(tmp_path / "absent", bytearray(1))
+    with pytest.raises((TypeError, ValueError)):
+        dmaload.load_into(path, b"read-only bytes")
+    with pytest.raises((TypeError, ValueError)):
+        dmaload.load_into(path, np.zeros((4, 4), dtype=np.uint8)[:, ::2])  # not contiguous
+    with pytest.raises(TypeError):
+        dmaload.load_into(path, bytearray(1), to="memfd")
+    with pytest.raises(ValueError):
+        dmaload.load_into(path, bytearray(1), -1)
+
+
+def test_a_failing_progress_callback_stops_the_load(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+
+    def explode(done: int, total: int) -> None:
+        raise KeyError("stop")
+
+    with pytest.raises(KeyError):
+        dmaload.load_into(path, bytearray(len(data)), progress=explode)
