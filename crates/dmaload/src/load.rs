@@ -232,8 +232,9 @@ impl Opened<'_> {
         // it is not part of it.
         let page_cache = options
             .measure_page_cache
-            .then(|| pagecache::residency_of(&self.source.file, path, self.offset, self.len))
-            .transpose()?;
+            .then(|| pagecache::known_residency_of(&self.source.file, path, self.offset, self.len))
+            .transpose()?
+            .flatten();
         let mut fallbacks = self.fallbacks;
         fallbacks.extend(run.fallbacks);
         Ok(LoadReport {
@@ -342,7 +343,11 @@ pub(crate) fn cached_source_options(
         return Ok(None);
     }
     let len = len.unwrap_or(file.len().saturating_sub(offset));
-    let residency = pagecache::residency_of(&file.source().file, file.path(), offset, len)?;
+    // Unknown residency (mincore would call every page cached): read the disk.
+    let Some(residency) = pagecache::known_residency_of(&file.source().file, file.path(), offset, len)?
+    else {
+        return Ok(None);
+    };
     if len == 0 || residency.fraction < CACHED_SHARE {
         return Ok(None);
     }

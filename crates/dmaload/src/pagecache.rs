@@ -28,6 +28,15 @@ pub fn residency_of(file: &File, path: &Path, offset: u64, len: u64) -> Result<R
     Ok(Residency { resident_bytes: (resident * page).min(len), fraction })
 }
 
+/// [`residency_of`], or `None` where the kernel will not say: a file this
+/// process neither owns nor may write, whose pages mincore calls all cached.
+pub fn known_residency_of(file: &File, path: &Path, offset: u64, len: u64) -> Result<Option<Residency>> {
+    match residency_of(file, path, offset, len) {
+        Err(err) if err.io_error().kind() == std::io::ErrorKind::PermissionDenied => Ok(None),
+        other => other.map(Some),
+    }
+}
+
 /// Page-cache residency of the whole file at `path`.
 pub fn residency(path: &Path) -> Result<Residency> {
     let file = crate::source::open_for_reading(path)?;

@@ -339,7 +339,7 @@ fn run_pipeline<'m, T: Send>(
         Ok((prepared, registrar)) => (Ok(prepared), registrar),
         Err(err) => (Err(err), None),
     };
-    let fixed = registrar.is_some();
+    let mut fixed = registrar.is_some();
     // Taken by whichever thread runs the helper (see below).
     let helper = std::sync::Mutex::new(Some((helper, registrar)));
     let (result, helped) = std::thread::scope(|scope| {
@@ -353,6 +353,7 @@ fn run_pipeline<'m, T: Send>(
             std::thread::Builder::new().name("dmaload-populate".into()).spawn_scoped(scope, help);
         // Without a thread of its own (RLIMIT_NPROC, cgroup pids.max) the
         // memory is populated before the reads instead of beside them.
+        let mut deliver_after = false;
         let (helper_thread, helped_first) = match helper_thread {
             Ok(handle) => (Some(handle), None),
             Err(err) if layout == Layout::InPlace => {
@@ -362,6 +363,23 @@ fn run_pipeline<'m, T: Send>(
                     format!("cannot create a thread: {err}"),
                 ));
                 (None, help())
+            }
+            Err(err) if matches!(layout, Layout::Staged { slots, .. } if plan.gather_count() <= slots) => {
+                // Every gather has a slot of its own, none is reused: the
+                // engine may fill them all (unregistered, as registering is
+                // the helper's part), then the sink takes them here.
+                fallbacks.push(Fallback::new(
+                    "deliver beside the reads",
+                    "deliver after the reads",
+                    format!("cannot create a thread: {err}"),
+                ));
+                if let Some((_, registrar)) = helper.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                    *registrar = None;
+                }
+                fixed = false;
+                gate.publish(plan.gather_count());
+                deliver_after = true;
+                (None, None)
             }
             Err(err) => {
                 // A sink must run beside the reads: the slots are reused.
@@ -384,6 +402,7 @@ fn run_pipeline<'m, T: Send>(
         let _ = reporter.map(|r| r.join());
         let helped = match helper_thread {
             Some(handle) => handle.join().ok().flatten(),
+            None if deliver_after => help(),
             None => helped_first,
         };
         (result, helped)

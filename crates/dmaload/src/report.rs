@@ -64,6 +64,8 @@ pub struct LoadReport {
     pub cpu_system_seconds: f64,
     /// How much of the loaded range is in the page cache afterwards, when
     /// [`crate::LoadOptions::measure_page_cache`] asked for it; `None`
-    /// (JSON `null`) when it was not measured.
+    /// (JSON `null`) when it was not measured, or cannot be: the kernel
+    /// calls every page of a file this process neither owns nor may write
+    /// cached.
     pub page_cache: Option<Residency>,
 }

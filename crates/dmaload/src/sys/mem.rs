@@ -239,9 +239,21 @@ pub fn populate_bytes(bytes: &mut [u8]) -> io::Result<()> {
 
 /// How many pages of bytes `offset..offset + len` of `fd` are in the page
 /// cache, and how many pages the range spans: `mmap` + `mincore(2)`.
+///
+/// Since Linux 5.0, mincore reports every page of a file as resident unless
+/// the process owns the file or may write it (a side channel closed by
+/// lying): for such a file this fails with `PermissionDenied` instead of
+/// answering "all cached".
 pub fn page_cache_residency(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<(u64, u64)> {
     if len == 0 {
         return Ok((0, 0));
+    }
+    if !mincore_tells_the_truth(fd)? {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "mincore reports every page of a file this process neither owns nor may write as cached \
+             (Linux 5.0+), so its page-cache residency is unknown",
+        ));
     }
     let page = page_size() as u64;
     let start = offset / page * page;
@@ -274,6 +286,25 @@ pub fn page_cache_residency(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Re
     }
     let resident = vec.iter().filter(|&&b| b & 1 != 0).count();
     Ok((resident as u64, pages as u64))
+}
+
+/// Whether mincore tells the truth about `fd`'s file: the process owns it
+/// (or is root, which the kernel lets past as owner), or may write it.
+fn mincore_tells_the_truth(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    let mut stat = std::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: `stat` is a writable struct stat the kernel fills.
+    check(unsafe { libc::fstat(fd.as_raw_fd(), stat.as_mut_ptr()) })?;
+    // SAFETY: filled by a successful fstat.
+    let owner = unsafe { stat.assume_init() }.st_uid;
+    let euid = super::process::effective_uid();
+    if euid == 0 || euid == owner {
+        return Ok(true);
+    }
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: `path` is a NUL-terminated string that lives across the call.
+    let writable = unsafe { libc::faccessat(libc::AT_FDCWD, path.as_ptr(), libc::W_OK, libc::AT_EACCESS) };
+    Ok(writable == 0)
 }
 
 /// `ftruncate(2)`: sets the size of a memfd or file.

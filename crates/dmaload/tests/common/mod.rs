@@ -146,3 +146,10 @@ pub fn memory_cgroup_child(name: &str, limit: u64) -> Option<MemoryCgroup> {
     }
     None
 }
+
+/// Whether this process runs as root (files it creates belong to uid 0).
+pub fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let dir = scratch_dir();
+    std::fs::metadata(dir.path()).is_ok_and(|m| m.uid() == 0)
+}
