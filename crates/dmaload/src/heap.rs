@@ -144,6 +144,17 @@ impl DmaBuf {
         self.fd
     }
 
+    /// A dma-buf received as an fd (from a driver, another process,
+    /// [`DmaBuf::into_fd`]); its size is the fd's (`lseek(SEEK_END)`, then
+    /// back to 0). An fd that is not a dma-buf fails here or at [`DmaBuf::map`].
+    pub fn from_fd(fd: OwnedFd) -> io::Result<DmaBuf> {
+        use std::io::Seek;
+        let mut file = File::from(fd);
+        let len = file.seek(io::SeekFrom::End(0))?;
+        file.rewind()?;
+        Ok(DmaBuf { fd: file.into(), len })
+    }
+
     /// Call before the CPU reads or writes the buffer's mmap
     /// (`DMA_BUF_IOCTL_SYNC` start): on devices that are not cache-coherent
     /// the exporter invalidates or flushes CPU caches here.
