@@ -148,7 +148,7 @@ fn choose(path: &Path, to: &Destination, pages_len: u64) -> Result<(Producer, Ch
                 };
                 Ok((
                     Producer::Udmabuf,
-                    Choice::Chose(format!("dmabuf: {} exists and {fits}; no copy", heap::UDMABUF_DEVICE)),
+                    Choice::Chose(format!("dmabuf: {} exists and {fits}", heap::UDMABUF_DEVICE)),
                 ))
             }
             Err(why) => {
