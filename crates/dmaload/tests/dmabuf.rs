@@ -170,6 +170,12 @@ fn load_dmabuf_from_a_dma_heap_holds_the_file_and_nothing_else() {
     let (ranged, _) = dmaload::load_dmabuf(&path, 5000, Some(3 << 20), &to("dma-heap")).unwrap();
     assert_eq!(ranged.data_offset, 0);
     assert_pattern(&read_back(&ranged), 5000);
+    // A file smaller than a page: one page of dma-buf, a ring of two small slots.
+    let tiny = dir.path().join("tiny");
+    write_pattern_file(&tiny, 100);
+    let (loaded, _) = dmaload::load_dmabuf(&tiny, 0, None, &to("dma-heap:system")).unwrap();
+    assert_eq!((loaded.len, loaded.dmabuf.len()), (100, 4096));
+    assert_pattern(&read_back(&loaded), 0);
 }
 
 #[test]
@@ -209,6 +215,11 @@ fn load_dmabuf_through_udmabuf_is_the_memfd_itself() {
     // Direct I/O aligned the offset down to the device's block, udmabuf to the page.
     assert!(ranged.data_offset <= 5000 % 4096, "{}", ranged.data_offset);
     assert_pattern(&read_back(&ranged), 5000);
+    let tiny = dir.path().join("tiny");
+    write_pattern_file(&tiny, 100);
+    let (loaded, _) = dmaload::load_dmabuf(&tiny, 0, None, &to("udmabuf")).unwrap();
+    assert_eq!((loaded.len, loaded.dmabuf.len()), (100, 4096));
+    assert_pattern(&read_back(&loaded), 0);
 }
 
 #[test]
