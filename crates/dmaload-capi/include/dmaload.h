@@ -163,6 +163,7 @@ struct dmaload_load_options dmaload_load_options_default(void);
 // EINVAL for bad arguments, ENOENT for a missing file, ENOMEM when the
 // file does not fit in memory, ENODATA when the file shrank during the
 // load, ESTALE when it was written meanwhile. Thread-safe.
+//
 // # Safety
 // `path` is NULL or a NUL-terminated string, `options` NULL or a valid struct
 // (its `to` NULL or a NUL-terminated string), `out` NULL or writable, all
@@ -174,6 +175,7 @@ int dmaload_load(const char *path,
 // `dmaload_load` for `len` bytes from byte `offset` (neither needs any
 // alignment). A range past the end of the file fails with ENODATA.
 // Ownership and thread safety as for `dmaload_load`.
+//
 // # Safety
 // As for `dmaload_load`.
 int dmaload_load_range(const char *path,
@@ -185,11 +187,13 @@ int dmaload_load_range(const char *path,
 // The buffer's bytes (`dmaload_buffer_len` of them), valid until
 // `dmaload_buffer_free`; NULL for a NULL buffer. The memory stays the
 // buffer's: do not free it. Any thread may read it.
+//
 // # Safety
 // `buffer` is NULL or a live buffer from `dmaload_load*`.
 const uint8_t *dmaload_buffer_data(const struct dmaload_buffer *buffer);
 
 // Bytes in the buffer; 0 for a NULL buffer. Thread-safe.
+//
 // # Safety
 // `buffer` is NULL or a live buffer from `dmaload_load*`.
 size_t dmaload_buffer_len(const struct dmaload_buffer *buffer);
@@ -200,6 +204,7 @@ size_t dmaload_buffer_len(const struct dmaload_buffer *buffer);
 // stays the buffer's: `dup()` it to keep it past `dmaload_buffer_free`,
 // never `close()` it. The bytes start at `dmaload_buffer_memfd_offset` in
 // it. Thread-safe.
+//
 // # Safety
 // `buffer` is NULL or a live buffer from `dmaload_load*`.
 int dmaload_buffer_memfd(const struct dmaload_buffer *buffer);
@@ -207,6 +212,7 @@ int dmaload_buffer_memfd(const struct dmaload_buffer *buffer);
 // Where the buffer's first byte sits in its memfd (non-zero when a range
 // was loaded from an offset direct I/O aligned down); 0 for a NULL
 // buffer. Thread-safe.
+//
 // # Safety
 // `buffer` is NULL or a live buffer from `dmaload_load*`.
 size_t dmaload_buffer_memfd_offset(const struct dmaload_buffer *buffer);
@@ -214,6 +220,7 @@ size_t dmaload_buffer_memfd_offset(const struct dmaload_buffer *buffer);
 // The report of the load that filled the buffer, owned by the buffer
 // (valid until `dmaload_buffer_free`; do not free it); NULL for a NULL
 // buffer. Thread-safe.
+//
 // # Safety
 // `buffer` is NULL or a live buffer from `dmaload_load*`.
 const struct dmaload_report *dmaload_buffer_report(const struct dmaload_buffer *buffer);
@@ -222,6 +229,7 @@ const struct dmaload_report *dmaload_buffer_report(const struct dmaload_buffer *
 // memory and closes its memfd (a `dup` of it keeps the bytes alive).
 // NULL is a no-op. Call once, when no thread uses the buffer, its data or
 // its report any more.
+//
 // # Safety
 // `buffer` is NULL or a buffer from `dmaload_load*` not freed before.
 void dmaload_buffer_free(struct dmaload_buffer *buffer);
@@ -238,6 +246,7 @@ void dmaload_buffer_free(struct dmaload_buffer *buffer);
 // EINVAL for bad arguments, an unknown heap or a kernel without udmabuf,
 // ENOENT for a missing file, ENOMEM, ENODATA for a range past the end.
 // Thread-safe.
+//
 // # Safety
 // `path` and `target` are NULL or NUL-terminated strings, `options` NULL
 // or a valid struct, `out` NULL or writable, all for the whole call.
@@ -248,6 +257,7 @@ int dmaload_load_dmabuf(const char *path,
 
 // `dmaload_load_dmabuf` for `len` bytes from byte `offset`. Ownership and
 // thread safety as for `dmaload_load_dmabuf`.
+//
 // # Safety
 // As for `dmaload_load_dmabuf`.
 int dmaload_load_dmabuf_range(const char *path,
@@ -260,6 +270,7 @@ int dmaload_load_dmabuf_range(const char *path,
 // Frees a report from `dmaload_load_dmabuf` (`out->report`). NULL is a
 // no-op. Never pass the report of a buffer (`dmaload_buffer_report`): the
 // buffer frees that. Call once, when no thread reads the report.
+//
 // # Safety
 // `report` is NULL or a `dmaload_dmabuf`'s report not freed before.
 void dmaload_report_free(struct dmaload_report *report);
@@ -269,13 +280,15 @@ void dmaload_report_free(struct dmaload_report *report);
 // `DMA_BUF_IOCTL_SYNC` read bracket, stored in `*hash`. The fd stays the
 // caller's. Returns 0 or an errno. Thread-safe (each call maps the
 // dma-buf anew).
+//
 // # Safety
 // `dmabuf` is NULL or a valid struct whose fd is open, `hash` NULL or
 // writable, for the whole call.
 int dmaload_dmabuf_xxh3_64(const struct dmaload_dmabuf *dmabuf, uint64_t *hash);
 
 // The xxh3-64 of `len` bytes at `data` (as `dmaload load --hash` prints
-// it, `%016llx`); 0 when `data` is NULL. Thread-safe.
+// it, `%016llx`); 0 when `data` is NULL and `len` is not. Thread-safe.
+//
 // # Safety
 // `data` is NULL or points to `len` readable bytes, unchanged for the call.
 uint64_t dmaload_xxh3_64(const void *data, size_t len);
@@ -291,6 +304,7 @@ struct dmaload_save_options dmaload_save_options_default(void);
 // `data` is only read, and may be a buffer's (`dmaload_buffer_data`).
 // Returns 0 or an errno (see `dmaload_last_error`). Thread-safe (saves of
 // the same path at once each replace it whole; the last rename wins).
+//
 // # Safety
 // `path` is NULL or a NUL-terminated string, `data` NULL or `len`
 // readable bytes, `options` NULL or a valid struct, `report` NULL or
@@ -302,6 +316,7 @@ int dmaload_save(const char *path,
                  struct dmaload_save_report **report);
 
 // Frees a report from `dmaload_save`. NULL is a no-op. Call once.
+//
 // # Safety
 // `report` is NULL or a report from `dmaload_save` not freed before.
 void dmaload_save_report_free(struct dmaload_save_report *report);

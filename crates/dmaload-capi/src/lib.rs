@@ -252,11 +252,16 @@ fn path_arg<'a>(op: &str, path: *const c_char) -> Result<&'a Path, Failure> {
     Ok(Path::new(OsStr::from_bytes(path.to_bytes())))
 }
 
-/// `*ptr`, or an error naming `what` when NULL.
-fn arg<'a, T>(op: &str, what: &str, ptr: *const T) -> Result<&'a T, Failure> {
+/// `*ptr`, or `None` when NULL.
+fn borrow<'a, T>(ptr: *const T) -> Option<&'a T> {
     // SAFETY: the caller passes NULL or a pointer to a valid, initialized T
     // that stays valid and unchanged for the call (every function's contract).
-    unsafe { ptr.as_ref() }.ok_or_else(|| invalid(op, format!("{what} is NULL")))
+    unsafe { ptr.as_ref() }
+}
+
+/// `*ptr`, or an error naming `what` when NULL.
+fn arg<'a, T>(op: &str, what: &str, ptr: *const T) -> Result<&'a T, Failure> {
+    borrow(ptr).ok_or_else(|| invalid(op, format!("{what} is NULL")))
 }
 
 fn engine(op: &str, value: u32) -> Result<Engine, Failure> {
@@ -313,8 +318,7 @@ fn destination(op: &str, to: *const c_char) -> Result<Option<Destination>, Failu
 /// The core's options from the C struct (the defaults when NULL).
 fn load_options(op: &str, options: *const dmaload_load_options) -> Result<LoadOptions, Failure> {
     let defaults = dmaload_load_options_default();
-    // SAFETY: as in `arg`: NULL or a valid struct for the call.
-    let o = unsafe { options.as_ref() }.unwrap_or(&defaults);
+    let o = borrow(options).unwrap_or(&defaults);
     Ok(LoadOptions {
         engine: engine(op, o.engine)?,
         mode: mode(op, o.mode)?,
@@ -403,6 +407,7 @@ fn load_impl(
 /// EINVAL for bad arguments, ENOENT for a missing file, ENOMEM when the
 /// file does not fit in memory, ENODATA when the file shrank during the
 /// load, ESTALE when it was written meanwhile. Thread-safe.
+///
 /// # Safety
 /// `path` is NULL or a NUL-terminated string, `options` NULL or a valid struct
 /// (its `to` NULL or a NUL-terminated string), `out` NULL or writable, all
@@ -419,6 +424,7 @@ pub unsafe extern "C" fn dmaload_load(
 /// `dmaload_load` for `len` bytes from byte `offset` (neither needs any
 /// alignment). A range past the end of the file fails with ENODATA.
 /// Ownership and thread safety as for `dmaload_load`.
+///
 /// # Safety
 /// As for `dmaload_load`.
 #[no_mangle]
@@ -435,22 +441,21 @@ pub unsafe extern "C" fn dmaload_load_range(
 /// The buffer's bytes (`dmaload_buffer_len` of them), valid until
 /// `dmaload_buffer_free`; NULL for a NULL buffer. The memory stays the
 /// buffer's: do not free it. Any thread may read it.
+///
 /// # Safety
 /// `buffer` is NULL or a live buffer from `dmaload_load*`.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_buffer_data(buffer: *const dmaload_buffer) -> *const u8 {
-    accessor(std::ptr::null(), || match arg("", "", buffer) {
-        Ok(b) => b.buffer.as_ptr(),
-        Err(_) => std::ptr::null(),
-    })
+    accessor(std::ptr::null(), || borrow(buffer).map_or(std::ptr::null(), |b| b.buffer.as_ptr()))
 }
 
 /// Bytes in the buffer; 0 for a NULL buffer. Thread-safe.
+///
 /// # Safety
 /// `buffer` is NULL or a live buffer from `dmaload_load*`.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_buffer_len(buffer: *const dmaload_buffer) -> usize {
-    accessor(0, || arg("", "", buffer).map_or(0, |b| b.buffer.len()))
+    accessor(0, || borrow(buffer).map_or(0, |b| b.buffer.len()))
 }
 
 /// The memfd holding the buffer's bytes, for passing to another process
@@ -459,37 +464,37 @@ pub unsafe extern "C" fn dmaload_buffer_len(buffer: *const dmaload_buffer) -> us
 /// stays the buffer's: `dup()` it to keep it past `dmaload_buffer_free`,
 /// never `close()` it. The bytes start at `dmaload_buffer_memfd_offset` in
 /// it. Thread-safe.
+///
 /// # Safety
 /// `buffer` is NULL or a live buffer from `dmaload_load*`.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_buffer_memfd(buffer: *const dmaload_buffer) -> c_int {
     accessor(-1, || {
-        arg("", "", buffer)
-            .ok()
-            .and_then(|b| b.buffer.memfd())
-            .map_or(-1, |fd: BorrowedFd<'_>| fd.as_raw_fd())
+        borrow(buffer).and_then(|b| b.buffer.memfd()).map_or(-1, |fd: BorrowedFd<'_>| fd.as_raw_fd())
     })
 }
 
 /// Where the buffer's first byte sits in its memfd (non-zero when a range
 /// was loaded from an offset direct I/O aligned down); 0 for a NULL
 /// buffer. Thread-safe.
+///
 /// # Safety
 /// `buffer` is NULL or a live buffer from `dmaload_load*`.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_buffer_memfd_offset(buffer: *const dmaload_buffer) -> usize {
-    accessor(0, || arg("", "", buffer).map_or(0, |b| b.buffer.memfd_offset()))
+    accessor(0, || borrow(buffer).map_or(0, |b| b.buffer.memfd_offset()))
 }
 
 /// The report of the load that filled the buffer, owned by the buffer
 /// (valid until `dmaload_buffer_free`; do not free it); NULL for a NULL
 /// buffer. Thread-safe.
+///
 /// # Safety
 /// `buffer` is NULL or a live buffer from `dmaload_load*`.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_buffer_report(buffer: *const dmaload_buffer) -> *const dmaload_report {
     accessor(std::ptr::null(), || {
-        arg("", "", buffer).map_or(std::ptr::null(), |b| &b.report.c as *const dmaload_report)
+        borrow(buffer).map_or(std::ptr::null(), |b| &b.report.c as *const dmaload_report)
     })
 }
 
@@ -497,6 +502,7 @@ pub unsafe extern "C" fn dmaload_buffer_report(buffer: *const dmaload_buffer) ->
 /// memory and closes its memfd (a `dup` of it keeps the bytes alive).
 /// NULL is a no-op. Call once, when no thread uses the buffer, its data or
 /// its report any more.
+///
 /// # Safety
 /// `buffer` is NULL or a buffer from `dmaload_load*` not freed before.
 #[no_mangle]
@@ -559,6 +565,7 @@ fn load_dmabuf_impl(
 /// EINVAL for bad arguments, an unknown heap or a kernel without udmabuf,
 /// ENOENT for a missing file, ENOMEM, ENODATA for a range past the end.
 /// Thread-safe.
+///
 /// # Safety
 /// `path` and `target` are NULL or NUL-terminated strings, `options` NULL
 /// or a valid struct, `out` NULL or writable, all for the whole call.
@@ -574,6 +581,7 @@ pub unsafe extern "C" fn dmaload_load_dmabuf(
 
 /// `dmaload_load_dmabuf` for `len` bytes from byte `offset`. Ownership and
 /// thread safety as for `dmaload_load_dmabuf`.
+///
 /// # Safety
 /// As for `dmaload_load_dmabuf`.
 #[no_mangle]
@@ -591,6 +599,7 @@ pub unsafe extern "C" fn dmaload_load_dmabuf_range(
 /// Frees a report from `dmaload_load_dmabuf` (`out->report`). NULL is a
 /// no-op. Never pass the report of a buffer (`dmaload_buffer_report`): the
 /// buffer frees that. Call once, when no thread reads the report.
+///
 /// # Safety
 /// `report` is NULL or a `dmaload_dmabuf`'s report not freed before.
 #[no_mangle]
@@ -609,6 +618,7 @@ pub unsafe extern "C" fn dmaload_report_free(report: *mut dmaload_report) {
 /// `DMA_BUF_IOCTL_SYNC` read bracket, stored in `*hash`. The fd stays the
 /// caller's. Returns 0 or an errno. Thread-safe (each call maps the
 /// dma-buf anew).
+///
 /// # Safety
 /// `dmabuf` is NULL or a valid struct whose fd is open, `hash` NULL or
 /// writable, for the whole call.
@@ -647,15 +657,19 @@ pub unsafe extern "C" fn dmaload_dmabuf_xxh3_64(dmabuf: *const dmaload_dmabuf, h
 }
 
 /// The xxh3-64 of `len` bytes at `data` (as `dmaload load --hash` prints
-/// it, `%016llx`); 0 when `data` is NULL. Thread-safe.
+/// it, `%016llx`); 0 when `data` is NULL and `len` is not. Thread-safe.
+///
 /// # Safety
 /// `data` is NULL or points to `len` readable bytes, unchanged for the call.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_xxh3_64(data: *const c_void, len: usize) -> u64 {
-    if data.is_null() {
+    if data.is_null() && len > 0 {
         return 0;
     }
     accessor(0, || {
+        if len == 0 {
+            return xxhash_rust::xxh3::xxh3_64(&[]);
+        }
         // SAFETY: `data..data + len` is readable and unchanged for the call
         // (the contract).
         let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) };
@@ -685,6 +699,7 @@ pub extern "C" fn dmaload_save_options_default() -> dmaload_save_options {
 /// `data` is only read, and may be a buffer's (`dmaload_buffer_data`).
 /// Returns 0 or an errno (see `dmaload_last_error`). Thread-safe (saves of
 /// the same path at once each replace it whole; the last rename wins).
+///
 /// # Safety
 /// `path` is NULL or a NUL-terminated string, `data` NULL or `len`
 /// readable bytes, `options` NULL or a valid struct, `report` NULL or
@@ -703,9 +718,11 @@ pub unsafe extern "C" fn dmaload_save(
         if data.is_null() && len > 0 {
             return Err(invalid(op, "data is NULL"));
         }
+        if len > isize::MAX as usize {
+            return Err(invalid(op, format!("{len} bytes cannot be in memory")));
+        }
         let defaults = dmaload_save_options_default();
-        // SAFETY: as in `arg`: NULL or a valid struct for the call.
-        let o = unsafe { options.as_ref() }.unwrap_or(&defaults);
+        let o = borrow(options).unwrap_or(&defaults);
         let options = SaveOptions {
             engine: engine(op, o.engine)?,
             mode: mode(op, o.mode)?,
@@ -743,6 +760,7 @@ pub unsafe extern "C" fn dmaload_save(
 }
 
 /// Frees a report from `dmaload_save`. NULL is a no-op. Call once.
+///
 /// # Safety
 /// `report` is NULL or a report from `dmaload_save` not freed before.
 #[no_mangle]
