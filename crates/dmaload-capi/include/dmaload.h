@@ -315,7 +315,8 @@ int dmaload_save(const char *path,
                  const struct dmaload_save_options *options,
                  struct dmaload_save_report **report);
 
-// Frees a report from `dmaload_save`. NULL is a no-op. Call once.
+// Frees a report from `dmaload_save`. NULL is a no-op. Call once, when no
+// thread reads the report.
 //
 // # Safety
 // `report` is NULL or a report from `dmaload_save` not freed before.
@@ -328,10 +329,10 @@ void dmaload_save_report_free(struct dmaload_save_report *report);
 const char *dmaload_last_error(void);
 
 // The errno the last failed call on this thread returned (0 when none
-// failed).
+// failed). Each thread has its own.
 int dmaload_last_errno(void);
 
-// The library's version, e.g. "0.1.0". Static; do not free.
+// The library's version, e.g. "0.1.0". Static (any thread; do not free).
 const char *dmaload_version(void);
 
 #ifdef __cplusplus

@@ -759,7 +759,8 @@ pub unsafe extern "C" fn dmaload_save(
     })
 }
 
-/// Frees a report from `dmaload_save`. NULL is a no-op. Call once.
+/// Frees a report from `dmaload_save`. NULL is a no-op. Call once, when no
+/// thread reads the report.
 ///
 /// # Safety
 /// `report` is NULL or a report from `dmaload_save` not freed before.
@@ -784,13 +785,13 @@ pub extern "C" fn dmaload_last_error() -> *const c_char {
 }
 
 /// The errno the last failed call on this thread returned (0 when none
-/// failed).
+/// failed). Each thread has its own.
 #[no_mangle]
 pub extern "C" fn dmaload_last_errno() -> c_int {
     accessor(0, || LAST_ERROR.with(|last| last.borrow().0))
 }
 
-/// The library's version, e.g. "0.1.0". Static; do not free.
+/// The library's version, e.g. "0.1.0". Static (any thread; do not free).
 #[no_mangle]
 pub extern "C" fn dmaload_version() -> *const c_char {
     const VERSION: &CStr =
