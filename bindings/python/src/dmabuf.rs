@@ -3,7 +3,7 @@
 
 use std::os::fd::{AsRawFd, IntoRawFd};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use dmaload::{Destination, LoadedDmaBuf};
 use pyo3::exceptions::PyValueError;
@@ -19,8 +19,12 @@ use crate::{detached, guard, os_error, report_object, run_cancellable, Opts};
 /// through a fresh mapping.
 #[pyclass(module = "dmaload._dmaload", name = "DmaBuf", frozen)]
 pub struct DmaBuf {
-    /// `None` once closed or detached.
-    inner: Mutex<Option<LoadedDmaBuf>>,
+    /// `None` once closed or detached. Locked only for a moment, never
+    /// across a release of the GIL (a thread waiting for the lock with the
+    /// GIL would deadlock with one waiting for the GIL with the lock): a
+    /// `tobytes()` reads through its own `Arc`, which keeps the fd open
+    /// until it is done, even past `close()`.
+    inner: Mutex<Option<Arc<LoadedDmaBuf>>>,
     size: u64,
     data_offset: u64,
     len: u64,
@@ -28,12 +32,12 @@ pub struct DmaBuf {
 }
 
 impl DmaBuf {
-    fn with_open<T>(&self, f: impl FnOnce(&LoadedDmaBuf) -> PyResult<T>) -> PyResult<T> {
-        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        match &*inner {
-            Some(loaded) => f(loaded),
-            None => Err(PyValueError::new_err("operation on a closed DmaBuf")),
-        }
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Arc<LoadedDmaBuf>>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn open(&self) -> PyResult<Arc<LoadedDmaBuf>> {
+        self.slot().clone().ok_or_else(|| PyValueError::new_err("operation on a closed DmaBuf"))
     }
 }
 
@@ -41,17 +45,20 @@ impl DmaBuf {
 impl DmaBuf {
     /// The dma-buf's fd, still owned by this object.
     fn fileno(&self) -> PyResult<i32> {
-        guard(|| self.with_open(|loaded| Ok(loaded.dmabuf.fd().as_raw_fd())))
+        guard(|| Ok(self.open()?.dmabuf.fd().as_raw_fd()))
     }
 
-    /// Gives up the fd: the caller owns it (and closes it) from now on.
+    /// Gives up the fd: the caller owns it (and closes it) from now on (a
+    /// duplicate of it while a `tobytes()` still reads through the original).
     fn detach(&self) -> PyResult<i32> {
         guard(|| {
-            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            match inner.take() {
-                Some(loaded) => Ok(loaded.dmabuf.into_fd().into_raw_fd()),
-                None => Err(PyValueError::new_err("operation on a closed DmaBuf")),
-            }
+            let taken = self.slot().take();
+            let loaded = taken.ok_or_else(|| PyValueError::new_err("operation on a closed DmaBuf"))?;
+            let fd = match Arc::try_unwrap(loaded) {
+                Ok(loaded) => loaded.dmabuf.into_fd(),
+                Err(shared) => shared.dmabuf.fd().try_clone_to_owned()?,
+            };
+            Ok(fd.into_raw_fd())
         })
     }
 
@@ -59,14 +66,14 @@ impl DmaBuf {
     /// process holds the dma-buf). Closing twice is allowed.
     fn close(&self) -> PyResult<()> {
         guard(|| {
-            drop(self.inner.lock().unwrap_or_else(|p| p.into_inner()).take());
+            drop(self.slot().take());
             Ok(())
         })
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.slot().is_none()
     }
 
     /// Bytes of the dma-buf (whole pages).
@@ -97,13 +104,11 @@ impl DmaBuf {
     /// inside a `DMA_BUF_IOCTL_SYNC` read bracket (GIL released).
     fn tobytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         guard(|| {
-            let bytes = self.with_open(|loaded| {
-                detached(py, || {
-                    let mut bytes = Vec::with_capacity(loaded.len as usize);
-                    loaded.read_each(|part| bytes.extend_from_slice(part)).map(|()| bytes)
-                })?
-                .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))
-            })?;
+            let loaded = self.open()?;
+            let bytes = detached(py, move || {
+                let mut bytes = Vec::with_capacity(loaded.len as usize);
+                loaded.read_each(|part| bytes.extend_from_slice(part)).map(|()| bytes)
+            })??;
             Ok(PyBytes::new(py, &bytes))
         })
     }
@@ -180,7 +185,7 @@ pub fn load_dmabuf(
             data_offset: loaded.data_offset,
             len: loaded.len,
             report: report_object(py, &report)?.unbind(),
-            inner: Mutex::new(Some(loaded)),
+            inner: Mutex::new(Some(Arc::new(loaded))),
         })
     })
 }
