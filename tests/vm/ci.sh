@@ -30,10 +30,14 @@ declare -A exe=()
 for t in "${tests[@]}"; do exe[${t%% *}]=${t#* }; done
 [[ -n ${exe[dmabuf]:-} && -n ${exe[transfer]:-} ]] || { say "test binaries not found"; exit 1; }
 cli=$TARGET_DIR/$TARGET/release/dmaload
-# The C example, linked statically against the C library (the guest has no libc).
+# The C example and the C test program, linked statically against the C
+# library (the guest has no libc).
 load_c=$TARGET_DIR/load-c
-cc -std=c11 -Wall -Wextra -Werror -static -o "$load_c" examples/c/load.c -I crates/dmaload-capi/include \
-    "$TARGET_DIR/$TARGET/release/libdmaload_capi.a" -lpthread -lm -ldl
+capi_test=$TARGET_DIR/capi-test
+for c in "examples/c/load.c $load_c" "crates/dmaload-capi/tests/c/capi_test.c $capi_test"; do
+    cc -std=c11 -Wall -Wextra -Werror -static -o "${c#* }" "${c%% *}" -I crates/dmaload-capi/include \
+        "$TARGET_DIR/$TARGET/release/libdmaload_capi.a" -lpthread -lm -ldl
+done
 
 # 1024 MiB so the matrix's 32 MiB pieces and the tests' loads fit; the
 # size-limit test reads the limit, so it still checks the refusal.
@@ -58,6 +62,9 @@ vm() {
 started=$(date +%s)
 vm "${exe[dmabuf]}" --test-threads=1 --nocapture
 vm "${exe[transfer]}" --test-threads=1 --nocapture dmabuf_kinds
+# The C library's checks, here with every dma-buf target present (a range
+# into each, hashed back through dmaload_dmabuf_xxh3_64).
+vm "$capi_test" /mnt/disk
 
 # The bench's dma-heap / udmabuf rows must really run in the guest.
 log=$(mktemp)
