@@ -68,7 +68,7 @@ vm "$capi_test" /mnt/disk
 
 # The bench's dma-heap / udmabuf rows must really run in the guest.
 log=$(mktemp)
-trap 'rm -f "$log" "$log.txt"' EXIT
+trap 'rm -f "$log" "$log.txt" "$log.host"' EXIT
 DMALOAD_VM_LOG=$log vm "$cli" bench matrix --size 8M --piece 4M --repeat 1 --dir /mnt/disk
 # Cleaned into a file and grepped there: `tr | grep -q` under pipefail fails
 # at random when grep exits early and tr dies of SIGPIPE.
@@ -118,4 +118,15 @@ for target in dma-heap:system udmabuf dmabuf; do
         say "$name into $target: xxh3 $got as on the host"
     done
 done
+# `dmabuf` where udmabuf cannot hold the file (size_limit_mb=1) falls back
+# to the system heap, says why, and still holds the file.
+DMALOAD_VM_KERNEL_ARGS=udmabuf.size_limit_mb=1 DMALOAD_VM_LOG=$log vm "$cli" load --hash --to dmabuf /test/dmaload
+tr -d '\r' <"$log" >"$log.txt"
+expected=$("$cli" load --hash "$cli" >"$log.host" && hash_of "$log.host")
+if ! grep -q "fallback udmabuf -> dma-heap:system: .*size_limit_mb (1 MiB)" "$log.txt" ||
+    [[ $(hash_of "$log.txt") != "$expected" ]]; then
+    say "dmabuf past udmabuf's size limit did not fall back to the system heap with the file's bytes"
+    exit 1
+fi
+say "dmabuf past udmabuf's size limit: dma-heap:system, xxh3 as on the host"
 say "all VM tests passed in $(($(date +%s) - started)) s"
