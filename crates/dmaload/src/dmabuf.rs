@@ -92,9 +92,12 @@ pub fn load_dmabuf(
     let page = sys::mem::page_size() as u64;
     let pages_len = (offset % page + len).div_ceil(page) * page;
     let (producer, why) = choose(path, &options.to, pages_len)?;
-    let (loaded, mut report) = match &producer {
-        Producer::Udmabuf => load_udmabuf(&file, offset, len, options)?,
-        Producer::Heap(name) => load_heap(&file, name, offset, len, options)?,
+    let (loaded, mut report) = match (&producer, &why) {
+        (Producer::Udmabuf, _) => load_udmabuf(&file, offset, len, options)?,
+        // Where neither exists, the error names both.
+        (Producer::Heap(name), Choice::FellBack(udmabuf)) => load_heap(&file, name, offset, len, options)
+            .map_err(|err| err.with_note(&format!(" (and not udmabuf: {})", udmabuf.reason)))?,
+        (Producer::Heap(name), _) => load_heap(&file, name, offset, len, options)?,
     };
     match why {
         Choice::Asked => {}

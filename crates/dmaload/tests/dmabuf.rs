@@ -248,6 +248,7 @@ fn dmabuf_says_which_producer_it_used_and_why() {
             let err = outcome.unwrap_err();
             assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
             assert!(err.to_string().contains("/dev/dma_heap/system"), "{err}");
+            assert!(err.to_string().contains("and not udmabuf: /dev/udmabuf does not exist"), "{err}");
             skip("dmabuf_says_which_producer_it_used_and_why", "neither udmabuf nor a dma-heap here");
         }
     }
