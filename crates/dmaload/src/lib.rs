@@ -18,6 +18,7 @@ pub mod engine;
 pub mod error;
 pub mod format;
 pub mod heap;
+mod into;
 pub mod iops;
 pub mod load;
 pub mod many;
@@ -27,6 +28,7 @@ mod pipeline;
 mod plan;
 mod report;
 pub mod save;
+pub mod share;
 pub mod sink;
 pub mod source;
 #[allow(unsafe_code)]
@@ -41,6 +43,7 @@ pub use dmabuf::{load_dmabuf, LoadedDmaBuf};
 pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
+pub use into::{load_into, load_open_into};
 pub use load::{
     load, load_fd, load_from, load_open_to_sink, load_range, load_to_sink, Destination, Fallback, IoMode,
     LoadOptions, LoadReport,

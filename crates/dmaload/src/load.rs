@@ -136,13 +136,13 @@ pub(crate) fn check_memory(path: &Path, len: u64) -> Result<()> {
 
 /// A file range checked and ready to read: what every destination's load
 /// starts from.
-struct Opened<'p> {
+pub(crate) struct Opened<'p> {
     source: &'p Source,
     path: &'p Path,
     offset: u64,
     len: u64,
-    setup: ReadSetup,
-    fallbacks: Vec<Fallback>,
+    pub setup: ReadSetup,
+    pub fallbacks: Vec<Fallback>,
     started: Instant,
     cpu_before: (std::time::Duration, std::time::Duration),
 }
@@ -150,7 +150,7 @@ struct Opened<'p> {
 /// Checks the range against the open file (and, when the destination is
 /// fresh host memory, against the memory that is available) and chooses
 /// the read setup.
-fn open_range<'p>(
+pub(crate) fn open_range<'p>(
     source: &'p Source,
     path: &'p Path,
     offset: u64,
@@ -175,7 +175,7 @@ impl Opened<'_> {
     /// (some devices reject the reported alignment), with the pread pool
     /// after io_uring cancelled a read for want of worker threads
     /// (RLIMIT_NPROC, cgroup pids.max). A truncation names the new size.
-    fn read<T>(
+    pub(crate) fn read<T>(
         &mut self,
         options: &LoadOptions,
         plan_for: impl Fn(usize) -> Plan,
@@ -232,7 +232,7 @@ impl Opened<'_> {
 
     /// The report of a finished load into `memory`; the caller fills in the
     /// destination's own times.
-    fn report(
+    pub(crate) fn report(
         self,
         plan: &Plan,
         run: EngineRun,
@@ -348,7 +348,7 @@ pub const CACHED_SHARE: f64 = 0.5;
 /// every CPU beats direct I/O re-reading the disk (on the H100 machine: 4.1
 /// GiB/s from a warm cache against 1.1-1.8 for O_DIRECT loaders). Returns
 /// the options for that, and the note the report carries.
-fn cached_source_options(
+pub(crate) fn cached_source_options(
     file: &OpenFile,
     offset: u64,
     len: Option<u64>,

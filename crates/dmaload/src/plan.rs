@@ -73,9 +73,13 @@ impl Plan {
     /// Plans reading `len` bytes at `offset` with reads aligned to `align`.
     pub fn new(offset: u64, len: u64, align: usize, chunk: usize, gather: usize, page: usize) -> Plan {
         let align_u = align as u64;
-        let file_start = offset / align_u * align_u;
         let data_end = offset + len;
-        let read_end = data_end.div_ceil(align_u) * align_u;
+        // An empty range reads nothing, wherever it starts: no block around
+        // it, so no gather that no byte would ever complete.
+        let (file_start, read_end) = match len {
+            0 => (offset, offset),
+            _ => (offset / align_u * align_u, data_end.div_ceil(align_u) * align_u),
+        };
         let span = (read_end - file_start) as usize;
         let mapping_len = span.div_ceil(page) * page;
         // A chunk is whole pages (so every chunk starts page-aligned in memory)
@@ -251,6 +255,14 @@ mod tests {
         assert_eq!(plan.mapping_len, 12_288);
         assert_eq!(plan.chunk_count(), 1);
         assert_eq!(plan.chunk_request(0), Request { start: 4608, end: 15_360, need: 10_392 });
+    }
+
+    #[test]
+    fn an_empty_range_plans_nothing_to_read() {
+        for plan in [Plan::new(10_000, 0, 512, 1 << 20, 1 << 20, P), Plan::staged(10_000, 0, 512, P, P, P)] {
+            assert_eq!((plan.mapping_len, plan.chunk_count(), plan.gather_count()), (0, 0, 0));
+            assert_eq!(plan.data_range(), 0..0);
+        }
     }
 
     #[test]

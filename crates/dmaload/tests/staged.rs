@@ -335,3 +335,17 @@ fn a_file_rewritten_during_a_staged_load_is_an_error() {
     assert!(rewritten.load(Ordering::SeqCst));
     assert_eq!(err.kind(), ErrorKind::Changed, "{err}");
 }
+
+#[test]
+fn an_empty_range_anywhere_is_delivered_at_once() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_cold(&path, 10_000);
+    for offset in [0, 1, 4096, 9_999, 10_000] {
+        let mut ring = StagingRing::new(2, M, M).unwrap();
+        let (bytes, report) = load_staged(&path, offset, 0, &mut ring, &options(Engine::UringFixed, M))
+            .unwrap_or_else(|e| panic!("offset {offset}: {e}"));
+        assert!(bytes.is_empty());
+        assert_eq!(report.bytes, 0);
+    }
+}

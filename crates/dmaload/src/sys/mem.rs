@@ -140,7 +140,14 @@ unsafe impl Send for MappingWriter<'_> {}
 // SAFETY: see above.
 unsafe impl Sync for MappingWriter<'_> {}
 
-impl MappingWriter<'_> {
+impl<'m> MappingWriter<'m> {
+    /// Write access to memory the caller owns, which the writer borrows
+    /// mutably for its whole life, as it borrows a [`Mapping`]'s.
+    pub fn over(dst: &'m mut [u8]) -> MappingWriter<'m> {
+        // A slice's pointer is never null (dangling but non-null when empty).
+        MappingWriter { ptr: NonNull::from(&mut *dst).cast(), len: dst.len(), _borrow: PhantomData }
+    }
+
     /// Panics if `range` is not inside the mapping: callers compute ranges
     /// from the plan, so an out-of-range request is a bug, not bad input.
     pub(super) fn raw_range(&self, range: &Range<usize>) -> (*mut u8, usize) {

@@ -22,12 +22,16 @@
 //! * ioctl argument structs ([`dmabuf`]) are `#[repr(C)]` copies of the
 //!   kernel uAPI, live across the call, and new fds returned by the kernel
 //!   are wrapped in `OwnedFd` at once.
+//! * Descriptors received over a socket ([`socket`]) are wrapped in
+//!   `OwnedFd` before any check of the message, so a refused message
+//!   closes them.
 
 pub mod cuda;
 pub mod dmabuf;
 pub mod file;
 pub mod mem;
 pub mod process;
+pub mod socket;
 pub mod uring;
 pub mod vm;
 

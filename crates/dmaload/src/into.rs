@@ -1,0 +1,147 @@
+//! `load_into`: a file's bytes into memory the caller already has (an
+//! existing allocation, a tensor, a C program's buffer).
+//!
+//! Where the memory lines up with the file, the engine reads straight into
+//! it: the caller's pages are populated and registered gather by gather,
+//! exactly as a fresh buffer's are, and only the edges (the bytes before
+//! the first page boundary of the memory and after the last) go through a
+//! two-page staging ring. "Lines up" means that the file offset of the
+//! first whole page of memory is a multiple of the read alignment: always
+//! for buffered reads, and for direct I/O when memory address and file
+//! offset agree modulo the alignment (page-aligned memory and an aligned
+//! offset, say). Anything else goes through a staging ring and
+//! [`HostSink`], one copy.
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::load::{cached_source_options, load_open_to_sink, open_range, LoadReport};
+use crate::options::{validate, Fallback, IoMode, LoadOptions};
+use crate::pipeline::fill_mapping;
+use crate::plan::Plan;
+use crate::sink::{HostSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
+use crate::source::OpenFile;
+use crate::sys;
+use crate::sys::mem::MappingWriter;
+
+/// Loads `dst.len()` bytes of the file at `path`, from byte `offset`, into
+/// `dst`. `options.to` plays no part: `dst` is the destination. On error
+/// `dst` holds an unspecified mix of old and new bytes and must not be
+/// used as loaded.
+pub fn load_into(
+    path: impl AsRef<Path>,
+    offset: u64,
+    dst: &mut [u8],
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    let file = OpenFile::open(path.as_ref())?;
+    load_open_into(&file, offset, dst, options)
+}
+
+/// [`load_into`] from a file opened beforehand: the same open file is read,
+/// and a change to it since it was opened is an error.
+pub fn load_open_into(
+    file: &OpenFile,
+    offset: u64,
+    dst: &mut [u8],
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    let path = file.path();
+    validate(path, options)?;
+    let len = dst.len() as u64;
+    let page = sys::mem::page_size();
+    let address = dst.as_ptr() as usize;
+    let head = (address.next_multiple_of(page) - address).min(dst.len());
+    let body = (dst.len() - head) / page * page;
+    let warm = cached_source_options(file, offset, Some(len), options)?;
+    let (options, cached) = match &warm {
+        Some((warm, why)) => (warm, Some(why)),
+        None => (options, None),
+    };
+    let mut opened = open_range(file.source(), path, offset, Some(len), options, false)?;
+    opened.fallbacks.extend(cached.cloned());
+    let body_offset = offset + head as u64;
+    if body == 0 || !opened.setup.align.is_power_of_two() || body_offset % opened.setup.align as u64 != 0 {
+        drop(opened);
+        return staged(file, offset, dst, options, None);
+    }
+    let plan_for =
+        |align| Plan::new(body_offset, body as u64, align, options.chunk_size, options.gather_size, page);
+    let in_place = opened.read(options, plan_for, |setup, plan, options| {
+        let (head_bytes, rest) = dst.split_at_mut(head);
+        let (body_bytes, tail_bytes) = rest.split_at_mut(body);
+        let filled = fill_mapping(path, setup, plan, body as u64, options, MappingWriter::over(body_bytes))?;
+        read_edge(file, offset, head_bytes, options)?;
+        read_edge(file, body_offset + body as u64, tail_bytes, options)?;
+        Ok(filled)
+    });
+    let ((run, times), plan) = match in_place {
+        Ok(done) => done,
+        // Memory that direct I/O cannot reach (a device's mapping, such as a
+        // dma-buf's, gives EFAULT) is still reachable by a copy.
+        Err(err) if err.raw_os_error() == Some(libc::EFAULT) && options.mode != IoMode::Buffered => {
+            let why = format!("the memory refused direct I/O into it ({err})");
+            return staged(file, offset, dst, options, Some(Fallback::new("in place", "staging ring", why)));
+        }
+        Err(err) => return Err(err),
+    };
+    let waited = run.waited_for_memory;
+    let mut report = opened.report(&plan, run, options, Default::default())?;
+    report.destination = "caller memory (in place)".into();
+    report.register_seconds = times.register.as_secs_f64();
+    report.alloc_seconds = times.all.as_secs_f64();
+    report.first_gather_seconds = times.first.as_secs_f64();
+    report.io_seconds = (report.total_seconds - waited.as_secs_f64()).max(0.0);
+    Ok(report)
+}
+
+/// Reads file bytes `offset..offset + dst.len()` (a few, around a page
+/// boundary) into `dst` through a two-page staging ring: the same pipeline,
+/// whatever the alignment of either end.
+fn read_edge(file: &OpenFile, offset: u64, dst: &mut [u8], options: &LoadOptions) -> Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let page = sys::mem::page_size();
+    let mut ring =
+        StagingRing::new(2, page, page).map_err(|e| Error::io("allocate staging ring", file.path(), e))?;
+    let quiet = LoadOptions { progress: None, ..options.clone() };
+    load_open_to_sink(
+        file,
+        offset,
+        Some(dst.len() as u64),
+        &mut ring,
+        &mut HostSink::new(dst, offset),
+        &quiet,
+    )?;
+    Ok(())
+}
+
+/// The whole range through a staging ring sized for it (at most the
+/// default ring), copied into `dst`.
+fn staged(
+    file: &OpenFile,
+    offset: u64,
+    dst: &mut [u8],
+    options: &LoadOptions,
+    fallback: Option<Fallback>,
+) -> Result<LoadReport> {
+    let page = sys::mem::page_size();
+    let chunk = Plan::chunk_len(options.chunk_size.min(DEFAULT_SLOT_SIZE), page);
+    let slots = dst.len().div_ceil(DEFAULT_SLOT_SIZE).clamp(2, DEFAULT_SLOTS);
+    let slot_size = DEFAULT_SLOT_SIZE.min(dst.len().next_multiple_of(chunk).max(chunk));
+    let mut ring = StagingRing::new(slots, slot_size, chunk)
+        .map_err(|e| Error::io("allocate staging ring", file.path(), e))?;
+    let mut report = load_open_to_sink(
+        file,
+        offset,
+        Some(dst.len() as u64),
+        &mut ring,
+        &mut HostSink::new(dst, offset),
+        options,
+    )?;
+    report.fallbacks.extend(fallback);
+    report.destination =
+        format!("caller memory (staged through {} x {} bytes)", ring.slots(), ring.slot_len());
+    Ok(report)
+}

@@ -1,0 +1,10 @@
+//! Handing memory to other processes: Unix sockets whose messages keep
+//! their boundaries and carry file descriptors (memfds, dma-bufs, eventfds),
+//! with the peer's kernel-recorded credentials to decide whom to serve.
+//!
+//! The model-cache service and block queues are built on these; a memfd
+//! sent here reaches the other process as the same memory, not a copy.
+
+pub use crate::sys::socket::{
+    PeerCredentials, SeqpacketConn as Connection, SeqpacketListener as Listener, MAX_FDS_PER_MESSAGE,
+};

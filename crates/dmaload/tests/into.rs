@@ -1,0 +1,104 @@
+//! `load_into`: memory the caller owns, filled in place where it lines up
+//! with the file (the edges through a small ring), through a staging ring
+//! where it does not; exact bytes either way, for every engine, any
+//! offset, any address, and the errors of a load.
+
+mod common;
+
+use common::{assert_pattern, scratch_dir, write_pattern_file};
+use dmaload::{Engine, ErrorKind, IoMode, LoadOptions};
+
+const M: usize = 1 << 20;
+const PAGE: usize = 4096;
+
+fn write_cold(path: &std::path::Path, size: u64) {
+    write_pattern_file(path, size);
+    dmaload::pagecache::evict(path).unwrap();
+}
+
+fn options(engine: Engine, mode: IoMode) -> LoadOptions {
+    LoadOptions { engine, mode, chunk_size: 256 << 10, queue_depth: 4, threads: 3, ..LoadOptions::default() }
+}
+
+/// `len` bytes of zeroed memory starting `misalign` bytes past a page
+/// boundary, inside a larger vector (kept alive by the caller).
+fn memory_at(storage: &mut Vec<u8>, misalign: usize, len: usize) -> &mut [u8] {
+    *storage = vec![0u8; len + 2 * PAGE];
+    let start = (storage.as_ptr() as usize).next_multiple_of(PAGE) - storage.as_ptr() as usize + misalign;
+    &mut storage[start..start + len]
+}
+
+#[test]
+fn aligned_memory_is_filled_in_place_by_every_engine() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    let size = 3 * M + 777;
+    write_cold(&path, size as u64);
+    for engine in Engine::ALL {
+        // (address past a page boundary, file offset, length): address and
+        // offset agree modulo the page, so direct I/O can read in place.
+        for (misalign, offset, len) in
+            [(0, 0, size), (0, PAGE, size - PAGE), (100, 100, size - 100), (0, 8192, 5), (7, 7, 2 * M + 3)]
+        {
+            let mut storage = Vec::new();
+            let dst = memory_at(&mut storage, misalign, len);
+            let report = dmaload::load_into(&path, offset as u64, dst, &options(engine, IoMode::Auto))
+                .unwrap_or_else(|e| panic!("{engine:?} {misalign}/{offset}/{len}: {e}"));
+            assert_pattern(dst, offset as u64);
+            assert_eq!((report.bytes, report.offset), (len as u64, offset as u64));
+            let whole_page = len >= PAGE + (PAGE - misalign) % PAGE;
+            assert_eq!(
+                report.destination.contains("in place"),
+                whole_page,
+                "{engine:?} {misalign}/{offset}/{len}: {}",
+                report.destination
+            );
+        }
+    }
+}
+
+#[test]
+fn memory_out_of_line_with_direct_io_goes_through_a_ring_and_buffered_reads_stay_in_place() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_cold(&path, (2 * M + 5) as u64);
+    let mut storage = Vec::new();
+    let dst = memory_at(&mut storage, 1, 2 * M);
+    let report = dmaload::load_into(&path, 0, dst, &options(Engine::UringFixed, IoMode::Auto)).unwrap();
+    assert_pattern(dst, 0);
+    if report.cache == dmaload::CachePolicy::Bypass {
+        assert!(report.destination.starts_with("caller memory (staged through"), "{}", report.destination);
+    }
+    dst.fill(0);
+    let report = dmaload::load_into(&path, 0, dst, &options(Engine::UringFixed, IoMode::Buffered)).unwrap();
+    assert_pattern(dst, 0);
+    assert_eq!(report.destination, "caller memory (in place)");
+}
+
+#[test]
+fn a_range_past_the_end_is_refused_and_an_empty_one_is_fine() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_cold(&path, 10_000);
+    let mut storage = Vec::new();
+    let dst = memory_at(&mut storage, 0, 3 * PAGE);
+    let err = dmaload::load_into(&path, 0, dst, &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Truncated, "{err}");
+    assert!(err.to_string().contains(&path.display().to_string()), "{err}");
+    let report = dmaload::load_into(&path, 10_000, &mut [], &LoadOptions::default()).unwrap();
+    assert_eq!(report.bytes, 0);
+}
+
+#[test]
+fn a_warm_file_is_copied_from_the_page_cache_in_place() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_pattern_file(&path, (4 * M) as u64);
+    std::fs::read(&path).unwrap();
+    let mut storage = Vec::new();
+    let dst = memory_at(&mut storage, 3, 4 * M - 3);
+    let report = dmaload::load_into(&path, 3, dst, &options(Engine::UringFixed, IoMode::Auto)).unwrap();
+    assert_pattern(dst, 3);
+    assert_eq!(report.destination, "caller memory (in place)");
+    assert!(report.fallbacks.iter().any(|f| f.to == "page cache"), "{:?}", report.fallbacks);
+}
