@@ -12,11 +12,13 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// The directory cargo built the libraries into: this test's profile
-/// directory (the test itself runs from its `deps`).
+/// The directory cargo built the libraries into: the test's own `deps`
+/// (a `cargo test` alone does not copy them up to the profile directory).
 fn built_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    exe.parent().and_then(Path::parent).unwrap().to_owned()
+    let deps = exe.parent().unwrap().to_owned();
+    assert!(deps.join("libdmaload_capi.a").exists(), "libdmaload_capi.a is not in {}", deps.display());
+    deps
 }
 
 fn run(cmd: &mut Command) -> Output {
