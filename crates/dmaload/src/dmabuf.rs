@@ -118,7 +118,8 @@ enum Choice {
 }
 
 /// The producer for `to`, checked before any byte is read: udmabuf's
-/// presence and size limit, the heap's presence.
+/// presence and size limit (a heap's presence is checked by opening it,
+/// also before the first read).
 fn choose(path: &Path, to: &Destination, pages_len: u64) -> Result<(Producer, Choice)> {
     let udmabuf = || -> std::result::Result<u64, String> {
         heap::udmabuf_probe()?;
