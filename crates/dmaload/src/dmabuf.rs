@@ -20,11 +20,19 @@ use crate::sink::{DmaHeapSink, StagingRing};
 use crate::source::OpenFile;
 use crate::sys;
 
-/// Staging slots of a dma-heap load at most, and their size: 128 MiB of
-/// ring whatever the file (less for a smaller one), enough to keep reading
-/// while the heap allocates and to keep the disk busy after.
-pub const HEAP_RING_SLOTS: usize = 16;
-pub const HEAP_RING_SLOT_SIZE: usize = 8 << 20;
+/// The staging ring of a dma-heap load: a quarter of the range, at most
+/// 128 MiB (16 slots of 8 MiB), in 8 slots or more where the range allows,
+/// so a small file neither populates a ring as large as itself nor reads
+/// with fewer than 8 requests in flight. Returns (slots, slot size).
+pub fn heap_ring_geometry(len: u64) -> (usize, usize) {
+    let page = sys::mem::page_size();
+    let ring = usize::try_from(len / 4).unwrap_or(usize::MAX).clamp(2 * page, HEAP_RING_BYTES);
+    let slot_size = ring.div_ceil(8).div_ceil(page) * page;
+    let slot_size = slot_size.clamp(page, HEAP_RING_SLOT_SIZE);
+    (ring.div_ceil(slot_size).clamp(2, HEAP_RING_BYTES / HEAP_RING_SLOT_SIZE), slot_size)
+}
+const HEAP_RING_BYTES: usize = 128 << 20;
+const HEAP_RING_SLOT_SIZE: usize = 8 << 20;
 
 /// A dma-buf holding a range of a file.
 #[derive(Debug)]
@@ -193,7 +201,7 @@ fn load_udmabuf(
 }
 
 /// A dma-buf from the heap `name`, allocated beside the reads and filled
-/// from a staging ring sized to the file.
+/// from a staging ring sized to the file ([`heap_ring_geometry`]).
 fn load_heap(
     file: &OpenFile,
     name: &str,
@@ -207,10 +215,7 @@ fn load_heap(
     check_memory(path, len)?;
     // Allocation starts first, so the ring's populating overlaps it too.
     let mut sink = DmaHeapSink::allocate(heap, offset, len)?;
-    let page = sys::mem::page_size();
-    let slot_size = HEAP_RING_SLOT_SIZE.min((len as usize).div_ceil(page) * page);
-    let slots =
-        usize::try_from(len.div_ceil(slot_size as u64)).unwrap_or(usize::MAX).clamp(2, HEAP_RING_SLOTS);
+    let (slots, slot_size) = heap_ring_geometry(len);
     let chunk = options.chunk_size.min(slot_size);
     let mut ring = StagingRing::new(slots, slot_size, chunk)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
@@ -229,4 +234,22 @@ fn load_heap(
     report.gib_per_second = len as f64 / (1u64 << 30) as f64 / report.total_seconds.max(1e-9);
     report.destination = format!("dma-heap:{name} via {}", report.destination);
     Ok((LoadedDmaBuf { dmabuf, data_offset: 0, len }, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_heap_ring_is_a_quarter_of_the_file_in_8_slots_at_most_128_mib() {
+        assert_eq!(sys::mem::page_size(), 4096);
+        let mib = 1 << 20;
+        assert_eq!(heap_ring_geometry(100), (2, 4096));
+        assert_eq!(heap_ring_geometry(512 << 10), (8, 16 << 10));
+        assert_eq!(heap_ring_geometry(8 * mib as u64), (8, 256 << 10));
+        assert_eq!(heap_ring_geometry(64 * mib as u64), (8, 2 * mib));
+        assert_eq!(heap_ring_geometry(1 << 30), (16, 8 * mib));
+        assert_eq!(heap_ring_geometry(3 << 30), (16, 8 * mib));
+        assert_eq!(heap_ring_geometry(u64::MAX), (16, 8 * mib));
+    }
 }
