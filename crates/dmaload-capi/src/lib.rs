@@ -316,13 +316,22 @@ fn destination(op: &str, to: *const c_char) -> Result<Option<Destination>, Failu
 }
 
 /// The core's options from the C struct (the defaults when NULL).
-fn load_options(op: &str, options: *const dmaload_load_options) -> Result<LoadOptions, Failure> {
+/// `to` is the destination, or `None` to take the struct's `to`.
+fn load_options(
+    op: &str,
+    options: *const dmaload_load_options,
+    to: Option<Destination>,
+) -> Result<LoadOptions, Failure> {
     let defaults = dmaload_load_options_default();
     let o = borrow(options).unwrap_or(&defaults);
+    let to = match to {
+        Some(to) => to,
+        None => destination(op, o.to)?.unwrap_or_default(),
+    };
     Ok(LoadOptions {
         engine: engine(op, o.engine)?,
         mode: mode(op, o.mode)?,
-        to: destination(op, o.to)?.unwrap_or_default(),
+        to,
         gather_size: size(op, "gather size", o.gather_size)?,
         chunk_size: size(op, "chunk size", o.chunk_size)?,
         queue_depth: o.queue_depth as usize,
@@ -386,7 +395,7 @@ fn load_impl(
             return Err(invalid(op, "out is NULL"));
         }
         let path = path_arg(op, path)?;
-        let options = load_options(op, options)?;
+        let options = load_options(op, options, None)?;
         let (buffer, loaded) = match range {
             Some((offset, len)) => dmaload::load_range(path, offset, len, &options)?,
             None => dmaload::load(path, &options)?,
@@ -529,8 +538,8 @@ fn load_dmabuf_impl(
             return Err(invalid(op, "out is NULL"));
         }
         let path = path_arg(op, path)?;
-        let mut options = load_options(op, options)?;
-        options.to = destination(op, target)?.unwrap_or(Destination::Dmabuf);
+        let to = destination(op, target)?.unwrap_or(Destination::Dmabuf);
+        let options = load_options(op, options, Some(to))?;
         if !options.to.is_dmabuf() {
             return Err(invalid(
                 op,

@@ -171,6 +171,11 @@ int main(int argc, char **argv)
 	check_error(dmaload_load_dmabuf(file, "memfd", NULL, &dmabuf), EINVAL, "not a dma-buf",
 		    "a host target for a dma-buf load");
 	check_error(dmaload_load_dmabuf(file, "dmabuf", NULL, NULL), EINVAL, "out is NULL", "NULL dma-buf out");
+	bad = options;
+	bad.to = "vram";
+	bad.chunk_size = 0;
+	check_error(dmaload_load_dmabuf(file, "dma-heap:no-such-heap", &bad, &dmabuf), EINVAL, "chunk size 0",
+		    "a dma-buf load ignores the options' to, not the rest");
 	check_error(dmaload_load_dmabuf(missing, "dmabuf", NULL, &dmabuf), ENOENT, missing,
 		    "a missing file for a dma-buf");
 	check_error(dmaload_dmabuf_xxh3_64(NULL, NULL), EINVAL, "dmabuf is NULL", "hashing a NULL dma-buf");
