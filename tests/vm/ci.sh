@@ -17,7 +17,7 @@ export RUSTFLAGS="-C target-feature=+crt-static"
 say() { printf 'vm-ci: %s\n' "$*" >&2; }
 
 say "building static test binaries and the CLI ($TARGET, $TARGET_DIR)"
-cargo build --release --quiet --target "$TARGET" --target-dir "$TARGET_DIR" -p dmaload-cli
+cargo build --release --quiet --target "$TARGET" --target-dir "$TARGET_DIR" -p dmaload-cli -p dmaload-capi
 # The test executables' paths, from cargo's JSON messages.
 mapfile -t tests < <(cargo test --release --no-run --quiet --target "$TARGET" --target-dir "$TARGET_DIR" \
     -p dmaload --test dmabuf --test transfer --message-format=json |
@@ -30,6 +30,14 @@ declare -A exe=()
 for t in "${tests[@]}"; do exe[${t%% *}]=${t#* }; done
 [[ -n ${exe[dmabuf]:-} && -n ${exe[transfer]:-} ]] || { say "test binaries not found"; exit 1; }
 cli=$TARGET_DIR/$TARGET/release/dmaload
+# The C example and the C test program, linked statically against the C
+# library (the guest has no libc).
+load_c=$TARGET_DIR/load-c
+capi_test=$TARGET_DIR/capi-test
+for c in "examples/c/load.c $load_c" "crates/dmaload-capi/tests/c/capi_test.c $capi_test"; do
+    cc -std=c11 -Wall -Wextra -Werror -static -o "${c#* }" "${c%% *}" -I crates/dmaload-capi/include \
+        "$TARGET_DIR/$TARGET/release/libdmaload_capi.a" -lpthread -lm -ldl
+done
 
 # 1024 MiB so the matrix's 32 MiB pieces and the tests' loads fit; the
 # size-limit test reads the limit, so it still checks the refusal.
@@ -54,10 +62,13 @@ vm() {
 started=$(date +%s)
 vm "${exe[dmabuf]}" --test-threads=1 --nocapture
 vm "${exe[transfer]}" --test-threads=1 --nocapture dmabuf_kinds
+# The C library's checks, here with every dma-buf target present (a range
+# into each, hashed back through dmaload_dmabuf_xxh3_64).
+vm "$capi_test" /mnt/disk
 
 # The bench's dma-heap / udmabuf rows must really run in the guest.
 log=$(mktemp)
-trap 'rm -f "$log" "$log.txt"' EXIT
+trap 'rm -f "$log" "$log.txt" "$log.host"' EXIT
 DMALOAD_VM_LOG=$log vm "$cli" bench matrix --size 8M --piece 4M --repeat 1 --dir /mnt/disk
 # Cleaned into a file and grepped there: `tr | grep -q` under pipefail fails
 # at random when grep exits early and tr dies of SIGPIPE.
@@ -69,4 +80,53 @@ fi
 for row in "u+memfd direct uring-fixed" "udmabuf buffer R/W" "dma-heap buffer R/W"; do
     grep -q "| $row | [0-9]" "$log.txt" || { say "bench matrix row '$row' did not run"; exit 1; }
 done
+
+# Seed 000's table with the dma-buf rows: each must run (and verify its
+# bytes) in the guest. Under TCG the times say nothing about speed.
+DMALOAD_VM_LOG=$log vm "$cli" bench sizes --sizes 512K,8M --repeat 1 --dir /mnt/disk
+tr -d '\r' <"$log" >"$log.txt"
+for row in "normal: dma-heap alloc" "udmabuf, buffered" "udmabuf, direct" "alloc-and-read → udmabuf" \
+    "alloc-and-read → dma-heap"; do
+    grep -q "^| $row.* | [0-9].* | [0-9]" "$log.txt" || { say "bench sizes row '$row' did not run"; exit 1; }
+done
+
+# The dma-buf targets of `dmaload load --to` and of the C library's
+# dmaload_load_dmabuf: each hashes the file (the program's own binary, in the
+# guest's initramfs) back through a fresh, SYNC-bracketed mapping of the
+# dma-buf it got; the host computes the expected hash with a plain load.
+hash_of() { sed -n 's/^xxh3-64 *\([0-9a-f]\{16\}\).*/\1/p; s/^\([0-9a-f]\{16\}\)$/\1/p' "$1" | tail -n 1; }
+for target in dma-heap:system udmabuf dmabuf; do
+    for program in "$cli" "$load_c"; do
+        name=$(basename "$program")
+        host=$(mktemp)
+        if [[ $program == "$cli" ]]; then
+            "$cli" load --hash "$cli" >"$host"
+            args=(load --hash --to "$target" "/test/$name")
+        else
+            "$load_c" "$load_c" >"$host"
+            args=("/test/$name" "$target")
+        fi
+        expected=$(hash_of "$host")
+        rm -f "$host"
+        DMALOAD_VM_LOG=$log vm "$program" "${args[@]}"
+        tr -d '\r' <"$log" >"$log.txt"
+        got=$(hash_of "$log.txt")
+        if [[ -z $expected || $got != "$expected" ]]; then
+            say "$name into $target: xxh3 '$got' in the guest, '$expected' on the host"
+            exit 1
+        fi
+        say "$name into $target: xxh3 $got as on the host"
+    done
+done
+# `dmabuf` where udmabuf cannot hold the file (size_limit_mb=1) falls back
+# to the system heap, says why, and still holds the file.
+DMALOAD_VM_KERNEL_ARGS=udmabuf.size_limit_mb=1 DMALOAD_VM_LOG=$log vm "$cli" load --hash --to dmabuf /test/dmaload
+tr -d '\r' <"$log" >"$log.txt"
+expected=$("$cli" load --hash "$cli" >"$log.host" && hash_of "$log.host")
+if ! grep -q "fallback udmabuf -> dma-heap:system: .*size_limit_mb (1 MiB)" "$log.txt" ||
+    [[ $(hash_of "$log.txt") != "$expected" ]]; then
+    say "dmabuf past udmabuf's size limit did not fall back to the system heap with the file's bytes"
+    exit 1
+fi
+say "dmabuf past udmabuf's size limit: dma-heap:system, xxh3 as on the host"
 say "all VM tests passed in $(($(date +%s) - started)) s"

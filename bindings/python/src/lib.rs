@@ -9,6 +9,7 @@
 //! function that fills a `Py_buffer`, all in [`Buffer`]'s methods.
 #![deny(unsafe_code)]
 
+mod dmabuf;
 mod staged;
 
 use std::any::Any;
@@ -986,6 +987,8 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_HEADER_LEN", st::MAX_HEADER_LEN)?;
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
     m.add_class::<Buffer>()?;
+    m.add_class::<dmabuf::DmaBuf>()?;
+    m.add_function(wrap_pyfunction!(dmabuf::load_dmabuf, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(load_into, m)?)?;
     m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;

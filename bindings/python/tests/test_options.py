@@ -16,7 +16,7 @@ import pytest
 
 import dmaload
 from dmaload import _dmaload, _options
-from dmaload._options import DEVICE_DESTINATIONS, Destination, Engine, LoadOptions, Mode
+from dmaload._options import DEVICE_DESTINATIONS, DMABUF_DESTINATIONS, Destination, Engine, LoadOptions, Mode
 
 
 def test_enumerated_options_take_the_cores_values_in_its_order() -> None:
@@ -24,8 +24,8 @@ def test_enumerated_options_take_the_cores_values_in_its_order() -> None:
     assert set(choices) == {"engine", "mode", "to"}
     assert list(get_args(Engine)) == choices["engine"]
     assert list(get_args(Mode)) == choices["mode"]
-    # Host memory kinds first, then the device forms, which dmaload.load refuses.
-    assert [*get_args(Destination), *DEVICE_DESTINATIONS] == choices["to"]
+    # Host memory kinds first, then the dma-buf and device forms, which dmaload.load refuses.
+    assert [*get_args(Destination), *DMABUF_DESTINATIONS, *DEVICE_DESTINATIONS] == choices["to"]
 
 
 def test_option_names_and_defaults_are_the_cores() -> None:

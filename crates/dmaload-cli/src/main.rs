@@ -8,6 +8,7 @@ mod bench_save;
 mod bench_sizes;
 mod benchkit;
 mod demo;
+mod dmabuf_cmd;
 mod gpu;
 mod output;
 mod plot;
@@ -99,8 +100,11 @@ pub struct LoadArgs {
     #[arg(long, conflicts_with = "mode")]
     direct: bool,
     /// Where the bytes go: memfd (host memory, shareable by fd),
-    /// anonymous-thp (host memory, transparent huge pages) or cuda:N (CUDA
-    /// device N's memory through a pinned staging ring; `load` only).
+    /// anonymous-thp (host memory, transparent huge pages), a dma-buf
+    /// (`load` only: udmabuf, a memfd exported without copy; dma-heap:NAME,
+    /// from /dev/dma_heap/NAME through a staging ring; dmabuf, udmabuf
+    /// where it can, else dma-heap:system) or cuda:N (CUDA device N's
+    /// memory through a pinned staging ring; `load` only).
     #[arg(long, value_name = "DEST", default_value_t = Destination::default())]
     to: Destination,
     /// Bytes populated and registered as one unit.
@@ -125,7 +129,7 @@ impl LoadArgs {
         LoadOptions {
             engine: self.engine,
             mode: if self.direct { IoMode::Direct } else { self.mode },
-            to: self.to,
+            to: self.to.clone(),
             gather_size: usize::try_from(self.gather_size.0).unwrap_or(usize::MAX),
             chunk_size: usize::try_from(self.chunk_size.0).unwrap_or(usize::MAX),
             queue_depth: self.queue_depth,
@@ -173,6 +177,9 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let result = match options.to {
         Destination::Cuda(device) => {
             gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash)
+        }
+        Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf => {
+            dmabuf_cmd::load(&cmd.file, cmd.offset, cmd.length, &options, cmd.hash)
         }
         Destination::Memfd | Destination::AnonymousThp => {
             let loaded = match cmd.length {

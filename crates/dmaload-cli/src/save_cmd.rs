@@ -156,7 +156,7 @@ pub fn copy(cmd: &CopyCommand) -> Result<(), String> {
         let host: Vec<_> = dmaload::MemoryKind::ALL.iter().map(|k| k.name()).collect();
         return Err(format!(
             "copy loads SRC into host memory to save it: --to takes {} here, not {to} \
-             (a device is loaded with `dmaload load --to {to}`)",
+             (a device or a dma-buf is loaded with `dmaload load --to {to}`)",
             host.join(" or "),
             to = options.to
         ));

@@ -227,7 +227,13 @@ fn to_names_the_destination_and_its_defaults_are_the_cores() {
     let out = dmaload().args(["load", "--to", "vram"]).arg(&path).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("memfd, anonymous-thp, cuda:N"), "{stderr}");
+    assert!(stderr.contains(&dmaload::Destination::forms().join(", ")), "{stderr}");
+    // An unknown heap is refused before reading, naming its path.
+    let out =
+        dmaload().args(["load", "--hash", "--to", "dma-heap:no-such-heap"]).arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("/dev/dma_heap/no-such-heap"), "{stderr}");
     let out = dmaload().args(["load", "--memory", "memfd"]).arg(&path).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     // copy saves from host memory: a device destination is refused, saying where it belongs.

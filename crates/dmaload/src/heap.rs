@@ -144,6 +144,17 @@ impl DmaBuf {
         self.fd
     }
 
+    /// A dma-buf received as an fd (from a driver, another process,
+    /// [`DmaBuf::into_fd`]); its size is the fd's (`lseek(SEEK_END)`, then
+    /// back to 0). An fd that is not a dma-buf fails here or at [`DmaBuf::map`].
+    pub fn from_fd(fd: OwnedFd) -> io::Result<DmaBuf> {
+        use std::io::Seek;
+        let mut file = File::from(fd);
+        let len = file.seek(io::SeekFrom::End(0))?;
+        file.rewind()?;
+        Ok(DmaBuf { fd: file.into(), len })
+    }
+
     /// Call before the CPU reads or writes the buffer's mmap
     /// (`DMA_BUF_IOCTL_SYNC` start): on devices that are not cache-coherent
     /// the exporter invalidates or flushes CPU caches here.
@@ -245,11 +256,60 @@ pub fn udmabuf_size_limit() -> Option<u64> {
 /// Allocates `len` bytes from the system dma-heap (`DMA_HEAP_IOCTL_ALLOC`,
 /// Linux 5.6). The pages are zeroed and allocated at once.
 pub fn dma_heap_alloc(len: u64) -> Result<DmaBuf> {
-    let path = Path::new(SYSTEM_HEAP);
-    let heap = probe_device(SYSTEM_HEAP, "CONFIG_DMABUF_HEAPS_SYSTEM")
-        .map_err(|why| Error::new(ErrorKind::InvalidInput, "open", path, why))?;
-    let fd = dmabuf::dma_heap_alloc(heap.as_fd(), len).map_err(|e| Error::io("dma-heap alloc", path, e))?;
-    Ok(DmaBuf { fd, len })
+    DmaHeap::open(crate::options::DEFAULT_DMA_HEAP)?.alloc(len)
+}
+
+/// The directory of the dma-heaps (Linux 5.6): one character device per heap.
+pub const DMA_HEAP_DIR: &str = "/dev/dma_heap";
+
+/// An open dma-heap, `/dev/dma_heap/NAME`: allocates dma-bufs.
+#[derive(Debug)]
+pub struct DmaHeap {
+    file: File,
+    path: std::path::PathBuf,
+}
+
+impl DmaHeap {
+    /// Opens the heap `name` (`system`, `linux,cma`, ...). A heap that does
+    /// not exist is an [`ErrorKind::InvalidInput`] error naming its path and
+    /// the heaps there are.
+    pub fn open(name: &str) -> Result<DmaHeap> {
+        let path = Path::new(DMA_HEAP_DIR).join(name);
+        let config = if name == crate::options::DEFAULT_DMA_HEAP {
+            "CONFIG_DMABUF_HEAPS_SYSTEM"
+        } else {
+            "a heap of that name"
+        };
+        let file = probe_device(&path.to_string_lossy(), config).map_err(|why| {
+            let heaps = match std::fs::read_dir(DMA_HEAP_DIR) {
+                Ok(dir) => {
+                    let mut names: Vec<String> = dir
+                        .filter_map(|e| e.ok())
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect();
+                    names.sort();
+                    format!("heaps here: {}", if names.is_empty() { "none".into() } else { names.join(", ") })
+                }
+                Err(_) => format!("{DMA_HEAP_DIR} does not exist: no dma-heaps on this kernel"),
+            };
+            Error::new(ErrorKind::InvalidInput, "open dma-heap", &path, format!("{why}; {heaps}"))
+        })?;
+        Ok(DmaHeap { file, path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A new dma-buf of `len` bytes rounded up to whole pages
+    /// (`DMA_HEAP_IOCTL_ALLOC`): allocated and zeroed by the kernel before
+    /// this returns.
+    pub fn alloc(&self, len: u64) -> Result<DmaBuf> {
+        let len = len.div_ceil(mem::page_size() as u64) * mem::page_size() as u64;
+        let fd = dmabuf::dma_heap_alloc(self.file.as_fd(), len)
+            .map_err(|e| Error::io("dma-heap alloc", &self.path, e))?;
+        Ok(DmaBuf { fd, len })
+    }
 }
 
 /// Exports ranges of memfds (sealed `F_SEAL_SHRINK`, offsets and sizes

@@ -13,6 +13,7 @@
 pub mod buffer;
 pub mod cancel;
 pub mod cuda;
+pub mod dmabuf;
 pub mod engine;
 pub mod error;
 pub mod format;
@@ -38,6 +39,7 @@ pub mod vm;
 
 pub use buffer::{Buffer, Segment};
 pub use cancel::CancelToken;
+pub use dmabuf::{load_dmabuf, LoadedDmaBuf};
 pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
@@ -48,5 +50,5 @@ pub use load::{
 };
 pub use many::{load_many, load_many_safetensors};
 pub use save::{save, SaveOptions, SaveReport};
-pub use sink::{HostSink, Sink, SlotData, StagingRing};
+pub use sink::{DmaHeapSink, HostSink, Sink, SlotData, StagingRing};
 pub use source::OpenFile;

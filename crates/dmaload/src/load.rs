@@ -75,7 +75,7 @@ pub fn load_fd(
     validate(Path::new("fd"), options)?;
     let memory = host_memory(Path::new("fd"), options)?;
     let (source, path) = Source::from_fd(fd)?;
-    load_source(source, &path, offset, len, options, memory)
+    load_source(&source, &path, offset, len, options, memory)
 }
 
 fn load_impl(
@@ -86,7 +86,52 @@ fn load_impl(
 ) -> Result<(Buffer, LoadReport)> {
     validate(path, options)?;
     let memory = host_memory(path, options)?;
-    load_source(Source::open(path)?, path, offset, len, options, memory)
+    load_source(&Source::open(path)?, path, offset, len, options, memory)
+}
+
+/// The length of the range `offset..offset + len` (to the end of the file
+/// when `len` is `None`), checked against the open file.
+pub(crate) fn range_len(source: &Source, path: &Path, offset: u64, len: Option<u64>) -> Result<u64> {
+    let size = source.size;
+    if offset > size {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "load",
+            path,
+            format!("offset {offset} is past the end of the file ({size} bytes)"),
+        )
+        .at(offset));
+    }
+    let len = len.unwrap_or(size - offset);
+    offset.checked_add(len).filter(|&end| end <= size).ok_or_else(|| {
+        Error::new(
+            ErrorKind::Truncated,
+            "load",
+            path,
+            format!("range {offset}+{len} extends past the end of the file ({size} bytes)"),
+        )
+        .at(size)
+    })?;
+    Ok(len)
+}
+
+/// Whether `len` bytes of fresh memory are available: an
+/// [`ErrorKind::OutOfMemory`] error before allocating, not the OOM killer
+/// after.
+pub(crate) fn check_memory(path: &Path, len: u64) -> Result<()> {
+    let budget = system::memory_budget().map_err(|e| Error::io("read /proc/meminfo", path, e))?;
+    if len > budget.available {
+        return Err(Error::new(
+            ErrorKind::OutOfMemory,
+            "load",
+            path,
+            format!(
+                "needs {len} bytes of memory but only {} are available ({}); load a range instead",
+                budget.available, budget.limited_by
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A file range checked and ready to read: what every destination's load
@@ -115,39 +160,9 @@ pub(crate) fn open_range<'p>(
 ) -> Result<Opened<'p>> {
     let started = Instant::now();
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-    let size = source.size;
-    if offset > size {
-        return Err(Error::new(
-            ErrorKind::InvalidInput,
-            "load",
-            path,
-            format!("offset {offset} is past the end of the file ({size} bytes)"),
-        )
-        .at(offset));
-    }
-    let len = len.unwrap_or(size - offset);
-    offset.checked_add(len).filter(|&end| end <= size).ok_or_else(|| {
-        Error::new(
-            ErrorKind::Truncated,
-            "load",
-            path,
-            format!("range {offset}+{len} extends past the end of the file ({size} bytes)"),
-        )
-        .at(size)
-    })?;
+    let len = range_len(source, path, offset, len)?;
     if memory_needed {
-        let budget = system::memory_budget().map_err(|e| Error::io("read /proc/meminfo", path, e))?;
-        if len > budget.available {
-            return Err(Error::new(
-                ErrorKind::OutOfMemory,
-                "load",
-                path,
-                format!(
-                    "needs {len} bytes of memory but only {} are available ({}); load a range instead",
-                    budget.available, budget.limited_by
-                ),
-            ));
-        }
+        check_memory(path, len)?;
     }
     let mut fallbacks = Vec::new();
     let setup = choose_read_setup(path, &source.file, source, options.mode, &mut fallbacks)?;
@@ -267,15 +282,16 @@ impl Opened<'_> {
     }
 }
 
-fn load_source(
-    source: Source,
+/// Loads from the open `source` into a new host [`Buffer`] of `memory`.
+pub(crate) fn load_source(
+    source: &Source,
     path: &Path,
     offset: u64,
     len: Option<u64>,
     options: &LoadOptions,
     memory: MemoryKind,
 ) -> Result<(Buffer, LoadReport)> {
-    let mut opened = open_range(&source, path, offset, len, options, true)?;
+    let mut opened = open_range(source, path, offset, len, options, true)?;
     let (offset, len) = (opened.offset, opened.len);
     let page = sys::mem::page_size();
     let plan_for = |align| Plan::new(offset, len, align, options.chunk_size, options.gather_size, page);

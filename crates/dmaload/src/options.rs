@@ -80,42 +80,67 @@ impl FromStr for IoMode {
     }
 }
 
-/// Where a load's bytes go: `memfd`, `anonymous-thp` (host memory, a
-/// [`crate::Buffer`] of that [`MemoryKind`]) or `cuda:N` (the memory of
-/// CUDA device N, through a staging ring and [`crate::sink::CudaSink`]).
-/// Parsed from and shown as those names (`cuda` alone is `cuda:0`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// Where a load's bytes go: host memory (`memfd`, `anonymous-thp`: a
+/// [`crate::Buffer`] of that [`MemoryKind`]), a dma-buf (`udmabuf`,
+/// `dma-heap:NAME`, `dmabuf`: an fd the caller owns, from
+/// [`crate::load_dmabuf`]) or `cuda:N` (the memory of CUDA device N,
+/// through a staging ring and [`crate::sink::CudaSink`]). Parsed from and
+/// shown as those names (`cuda` alone is `cuda:0`, `dma-heap` alone
+/// `dma-heap:system`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub enum Destination {
     /// A memfd, shareable by fd and exportable with udmabuf.
     #[default]
     Memfd,
     /// Private anonymous memory with transparent huge pages.
     AnonymousThp,
+    /// A dma-buf over a memfd loaded in place (direct I/O where the
+    /// filesystem allows), exported with udmabuf: no copy.
+    Udmabuf,
+    /// A dma-buf allocated from the dma-heap `/dev/dma_heap/NAME`, filled
+    /// through a staging ring ([`crate::sink::DmaHeapSink`]).
+    DmaHeap(String),
+    /// `udmabuf` where it exists and can hold the range, else
+    /// `dma-heap:system`; the report says which, and why.
+    Dmabuf,
     /// The memory of CUDA device N.
     Cuda(usize),
 }
 
+/// The heap `dma-heap` alone names.
+pub const DEFAULT_DMA_HEAP: &str = "system";
+
 impl Destination {
-    /// Every form a destination is written in, `N` standing for a device
-    /// number: the host memory kinds, then `cuda:N`. Help texts and the
-    /// Python binding's option types are checked against this list.
+    /// Every form a destination is written in, `NAME` standing for a heap
+    /// and `N` for a device number: the host memory kinds, then the
+    /// dma-bufs, then `cuda:N`. Help texts and the Python binding's option
+    /// types are checked against this list.
     pub fn forms() -> Vec<String> {
-        MemoryKind::ALL.iter().map(|k| k.name().to_owned()).chain(["cuda:N".to_owned()]).collect()
+        let others = ["udmabuf", "dmabuf", "dma-heap:NAME", "cuda:N"];
+        MemoryKind::ALL.iter().map(|k| k.name()).chain(others).map(str::to_owned).collect()
     }
 
-    /// The name the destination is given by (`memfd`, `anonymous-thp`,
-    /// `cuda:N`).
-    pub fn name(self) -> String {
+    /// The name the destination is given by (`memfd`, `dma-heap:system`,
+    /// `cuda:N`, ...).
+    pub fn name(&self) -> String {
         self.to_string()
     }
 
-    /// The memory kind of a host destination; `None` for a device.
-    pub fn host_memory(self) -> Option<MemoryKind> {
+    /// The memory kind of a host destination; `None` for a device or a
+    /// dma-buf.
+    pub fn host_memory(&self) -> Option<MemoryKind> {
         match self {
             Destination::Memfd => Some(MemoryKind::Memfd),
             Destination::AnonymousThp => Some(MemoryKind::AnonymousThp),
-            Destination::Cuda(_) => None,
+            Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf | Destination::Cuda(_) => {
+                None
+            }
         }
+    }
+
+    /// Whether the destination is a dma-buf ([`crate::load_dmabuf`]).
+    pub fn is_dmabuf(&self) -> bool {
+        matches!(self, Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf)
     }
 }
 
@@ -133,9 +158,22 @@ impl fmt::Display for Destination {
         match self {
             Destination::Memfd => f.write_str(MemoryKind::Memfd.name()),
             Destination::AnonymousThp => f.write_str(MemoryKind::AnonymousThp.name()),
+            Destination::Udmabuf => f.write_str("udmabuf"),
+            Destination::DmaHeap(heap) => write!(f, "dma-heap:{heap}"),
+            Destination::Dmabuf => f.write_str("dmabuf"),
             Destination::Cuda(n) => write!(f, "cuda:{n}"),
         }
     }
+}
+
+/// Whether `name` can name a heap: a single path component under
+/// `/dev/dma_heap` (kernel heap names such as `system`, `linux,cma`).
+fn valid_heap_name(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && name.len() <= 255
+        && !name.bytes().any(|b| b == b'/' || b == 0 || b.is_ascii_whitespace())
 }
 
 impl FromStr for Destination {
@@ -143,6 +181,21 @@ impl FromStr for Destination {
     fn from_str(s: &str) -> Result<Self, String> {
         if let Some(kind) = MemoryKind::ALL.into_iter().find(|k| k.name() == s) {
             return Ok(kind.into());
+        }
+        match s {
+            "udmabuf" => return Ok(Destination::Udmabuf),
+            "dmabuf" => return Ok(Destination::Dmabuf),
+            "dma-heap" => return Ok(Destination::DmaHeap(DEFAULT_DMA_HEAP.to_owned())),
+            _ => {}
+        }
+        if let Some(heap) = s.strip_prefix("dma-heap:") {
+            return if valid_heap_name(heap) {
+                Ok(Destination::DmaHeap(heap.to_owned()))
+            } else {
+                Err(format!(
+                    "invalid heap {s:?} (expected dma-heap:NAME, NAME a file in /dev/dma_heap such as system)"
+                ))
+            };
         }
         match s.strip_prefix("cuda") {
             Some("") => Ok(Destination::Cuda(0)),
@@ -262,15 +315,23 @@ impl fmt::Display for Fallback {
 /// options' destination, which must be host memory.
 pub(crate) fn host_memory(path: &Path, o: &LoadOptions) -> Result<MemoryKind> {
     o.to.host_memory().ok_or_else(|| {
+        let why = if o.to.is_dmabuf() {
+            format!(
+                "a dma-buf ({to}) is an fd the caller owns, not a host Buffer: load it with load_dmabuf",
+                to = o.to
+            )
+        } else {
+            format!(
+                "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and the \
+                 CUDA sink (load_to_sink with sink::CudaSink)",
+                to = o.to
+            )
+        };
         Error::new(
             ErrorKind::InvalidInput,
             "load",
             path,
-            format!(
-                "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and \
-                 the CUDA sink (load_to_sink with sink::CudaSink), or run `dmaload load --to {to}`",
-                to = o.to
-            ),
+            format!("{why}, or run `dmaload load --to {}`", o.to),
         )
     })
 }
@@ -318,29 +379,57 @@ mod tests {
         for n in [0, 1, 17] {
             let to = Destination::Cuda(n);
             assert_eq!(to.name(), format!("cuda:{n}"));
-            assert_eq!(to.name().parse::<Destination>(), Ok(to));
+            assert_eq!(to.name().parse::<Destination>(), Ok(to.clone()));
             assert_eq!(to.host_memory(), None);
         }
         assert_eq!("cuda".parse::<Destination>(), Ok(Destination::Cuda(0)));
+        for to in [Destination::Udmabuf, Destination::Dmabuf, Destination::DmaHeap("linux,cma".into())] {
+            assert_eq!(to.name().parse::<Destination>(), Ok(to.clone()));
+            assert!(to.is_dmabuf() && to.host_memory().is_none(), "{to}");
+        }
+        assert_eq!("dma-heap".parse::<Destination>(), Ok(Destination::DmaHeap("system".into())));
         assert_eq!(Engine::default().to_string(), "uring-fixed");
         assert_eq!(LoadOptions::default().to, Destination::Memfd);
     }
 
     #[test]
-    fn destination_forms_are_the_memory_kinds_then_cuda() {
-        assert_eq!(Destination::forms(), ["memfd", "anonymous-thp", "cuda:N"]);
+    fn destination_forms_are_the_memory_kinds_then_dmabufs_then_cuda() {
+        assert_eq!(
+            Destination::forms(),
+            ["memfd", "anonymous-thp", "udmabuf", "dmabuf", "dma-heap:NAME", "cuda:N"]
+        );
         for form in Destination::forms() {
-            assert!(form.replace('N', "3").parse::<Destination>().is_ok(), "{form}");
+            let example = form.replace("NAME", "system").replace('N', "3");
+            assert!(example.parse::<Destination>().is_ok(), "{form}");
         }
     }
 
     #[test]
     fn bad_names_are_refused_with_the_choices() {
-        for bad in ["", "thp", "vram", "cuda:", "cuda:x", "cuda:+1", "cuda:-1", "cuda0", "CUDA:0", "memfd "] {
+        for bad in [
+            "",
+            "thp",
+            "vram",
+            "cuda:",
+            "cuda:x",
+            "cuda:+1",
+            "cuda:-1",
+            "cuda0",
+            "CUDA:0",
+            "memfd ",
+            "dma-heap:",
+            "dma-heap:..",
+            "dma-heap:a/b",
+            "dma-heap:../system",
+            "dma-heap:a b",
+            "dma-heap:a\0",
+            "dmaheap:system",
+        ] {
             let err = bad.parse::<Destination>().unwrap_err();
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
-        assert!("vram".parse::<Destination>().unwrap_err().contains("memfd, anonymous-thp, cuda:N"));
+        let err = "vram".parse::<Destination>().unwrap_err();
+        assert!(err.contains("memfd, anonymous-thp, udmabuf, dmabuf, dma-heap:NAME, cuda:N"), "{err}");
         assert!("warp".parse::<Engine>().unwrap_err().contains("uring-fixed, uring, pread-pool, read"));
         assert!("fast".parse::<IoMode>().unwrap_err().contains("auto, direct, buffered, dontcache"));
         assert!("huge".parse::<MemoryKind>().unwrap_err().contains("memfd, anonymous-thp"));
@@ -348,8 +437,12 @@ mod tests {
 
     #[test]
     fn destinations_serialize_as_their_names() {
-        let json =
-            serde_json::to_string(&[Destination::Memfd, Destination::AnonymousThp, Destination::Cuda(2)]);
-        assert_eq!(json.unwrap(), r#"["memfd","anonymous-thp","cuda:2"]"#);
+        let json = serde_json::to_string(&[
+            Destination::Memfd,
+            Destination::AnonymousThp,
+            Destination::DmaHeap("system".into()),
+            Destination::Cuda(2),
+        ]);
+        assert_eq!(json.unwrap(), r#"["memfd","anonymous-thp","dma-heap:system","cuda:2"]"#);
     }
 }

@@ -134,3 +134,152 @@ fn a_loaded_memfd_is_sealed_against_writes_from_whoever_receives_it() {
     assert!(err.to_string().contains("export before sharing the fd"), "{err}");
     assert_pattern(&buffer, 0);
 }
+
+/// The range's bytes read back through a fresh mapping of the dma-buf
+/// (`DMA_BUF_IOCTL_SYNC` read bracket), as `read_each` hands them out.
+fn read_back(loaded: &dmaload::LoadedDmaBuf) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    loaded.read_each(|part| bytes.extend_from_slice(part)).unwrap();
+    assert_eq!(bytes.len() as u64, loaded.len);
+    bytes
+}
+
+fn to(destination: &str) -> LoadOptions {
+    LoadOptions { to: destination.parse().unwrap(), ..LoadOptions::default() }
+}
+
+#[test]
+fn load_dmabuf_from_a_dma_heap_holds_the_file_and_nothing_else() {
+    if !available("load_dmabuf_from_a_dma_heap_holds_the_file_and_nothing_else", heap::dma_heap_probe()) {
+        return;
+    }
+    let dir = scratch_dir();
+    let path = dir.path().join("model");
+    // Past one 8 MiB slot, not a whole page.
+    let len = (19 << 20) + 123;
+    write_pattern_file(&path, len);
+    let (loaded, report) = dmaload::load_dmabuf(&path, 0, None, &to("dma-heap:system")).unwrap();
+    eprintln!("{} via {} ({:?}): {}", report.bytes, report.engine.name(), report.cache, report.destination);
+    assert!(report.destination.starts_with("dma-heap:system via staging ring"), "{}", report.destination);
+    assert_eq!((loaded.data_offset, loaded.len, loaded.dmabuf.len()), (0, len, len.div_ceil(4096) * 4096));
+    assert_pattern(&read_back(&loaded), 0);
+    // The page's tail past the file is the heap's zeroes.
+    let map = loaded.dmabuf.map(CpuAccess::Read).unwrap();
+    assert!(read_all(&map)[len as usize..].iter().all(|&b| b == 0));
+    // A range from an unaligned offset lands at the dma-buf's start.
+    let (ranged, _) = dmaload::load_dmabuf(&path, 5000, Some(3 << 20), &to("dma-heap")).unwrap();
+    assert_eq!(ranged.data_offset, 0);
+    assert_pattern(&read_back(&ranged), 5000);
+    // A file smaller than a page: one page of dma-buf, a ring of two small slots.
+    let tiny = dir.path().join("tiny");
+    write_pattern_file(&tiny, 100);
+    let (loaded, _) = dmaload::load_dmabuf(&tiny, 0, None, &to("dma-heap:system")).unwrap();
+    assert_eq!((loaded.len, loaded.dmabuf.len()), (100, 4096));
+    assert_pattern(&read_back(&loaded), 0);
+}
+
+#[test]
+fn the_dma_heap_sink_fills_through_a_ring_that_wraps() {
+    if !available("the_dma_heap_sink_fills_through_a_ring_that_wraps", heap::dma_heap_probe()) {
+        return;
+    }
+    let dir = scratch_dir();
+    let path = dir.path().join("model");
+    write_pattern_file(&path, (2 << 20) + 777);
+    // Two 64 KiB slots for a megabyte: the ring wraps eight times over.
+    let mut ring = dmaload::StagingRing::new(2, 64 << 10, 64 << 10).unwrap();
+    let (offset, len) = (4097, 1 << 20);
+    let heap = heap::DmaHeap::open("system").unwrap();
+    let mut sink = dmaload::DmaHeapSink::allocate(heap, offset, len).unwrap();
+    let opts = LoadOptions { chunk_size: 64 << 10, ..LoadOptions::default() };
+    dmaload::load_to_sink(&path, offset, Some(len), &mut ring, &mut sink, &opts).unwrap();
+    let dmabuf = sink.into_dmabuf().unwrap();
+    let map = dmabuf.map(CpuAccess::Read).unwrap();
+    assert_pattern(&read_all(&map)[..len as usize], offset);
+}
+
+#[test]
+fn load_dmabuf_through_udmabuf_is_the_memfd_itself() {
+    if !available("load_dmabuf_through_udmabuf_is_the_memfd_itself", heap::udmabuf_probe()) {
+        return;
+    }
+    let dir = scratch_dir();
+    let path = dir.path().join("model");
+    write_pattern_file(&path, (6 << 20) + 5);
+    let (loaded, report) = dmaload::load_dmabuf(&path, 0, None, &to("udmabuf")).unwrap();
+    assert_eq!(report.destination, "udmabuf (memfd exported, no copy)");
+    assert_eq!(loaded.dmabuf.len(), (6 << 20) + 4096);
+    assert_pattern(&read_back(&loaded), 0);
+    // An unaligned range: the dma-buf covers whole pages, the bytes start inside.
+    let (ranged, _) = dmaload::load_dmabuf(&path, 5000, Some(70_000), &to("udmabuf")).unwrap();
+    // Direct I/O aligned the offset down to the device's block, udmabuf to the page.
+    assert!(ranged.data_offset <= 5000 % 4096, "{}", ranged.data_offset);
+    assert_pattern(&read_back(&ranged), 5000);
+    let tiny = dir.path().join("tiny");
+    write_pattern_file(&tiny, 100);
+    let (loaded, _) = dmaload::load_dmabuf(&tiny, 0, None, &to("udmabuf")).unwrap();
+    assert_eq!((loaded.len, loaded.dmabuf.len()), (100, 4096));
+    assert_pattern(&read_back(&loaded), 0);
+}
+
+#[test]
+fn dmabuf_says_which_producer_it_used_and_why() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model");
+    write_pattern_file(&path, 3 << 20);
+    let outcome = dmaload::load_dmabuf(&path, 0, None, &to("dmabuf"));
+    match (heap::udmabuf_probe(), heap::dma_heap_probe()) {
+        (Ok(()), _) => {
+            let (loaded, report) = outcome.unwrap();
+            assert!(report
+                .destination
+                .starts_with("udmabuf (memfd exported, no copy) (dmabuf: /dev/udmabuf exists"));
+            assert_pattern(&read_back(&loaded), 0);
+        }
+        (Err(why), Ok(())) => {
+            let (loaded, report) = outcome.unwrap();
+            assert!(report.destination.starts_with("dma-heap:system"), "{}", report.destination);
+            let fallback = &report.fallbacks[0];
+            assert_eq!((fallback.from.as_str(), fallback.to.as_str()), ("udmabuf", "dma-heap:system"));
+            assert_eq!(fallback.reason, why);
+            assert_pattern(&read_back(&loaded), 0);
+        }
+        (Err(_), Err(_)) => {
+            let err = outcome.unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+            assert!(err.to_string().contains("/dev/dma_heap/system"), "{err}");
+            assert!(err.to_string().contains("and not udmabuf: /dev/udmabuf does not exist"), "{err}");
+            skip("dmabuf_says_which_producer_it_used_and_why", "neither udmabuf nor a dma-heap here");
+        }
+    }
+}
+
+#[test]
+fn dma_buf_loads_refuse_what_they_cannot_do_before_reading() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model");
+    write_pattern_file(&path, 1 << 20);
+    // An unknown heap names its path (and whatever heaps exist).
+    let err = dmaload::load_dmabuf(&path, 0, None, &to("dma-heap:no-such-heap")).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("/dev/dma_heap/no-such-heap"), "{err}");
+    assert!(err.to_string().contains("heaps here:") || err.to_string().contains("no dma-heaps"), "{err}");
+    // Nothing to put in a dma-buf.
+    std::fs::write(dir.path().join("empty"), b"").unwrap();
+    let err = dmaload::load_dmabuf(dir.path().join("empty"), 0, None, &to("dmabuf")).unwrap_err();
+    assert!(err.to_string().contains("empty range"), "{err}");
+    // A range past the end, a missing file, a host destination.
+    let err = dmaload::load_dmabuf(&path, 0, Some(2 << 20), &to("dmabuf")).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Truncated, "{err}");
+    let err = dmaload::load_dmabuf(dir.path().join("missing"), 0, None, &to("dmabuf")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
+    let err = dmaload::load_dmabuf(&path, 0, None, &to("memfd")).unwrap_err();
+    assert!(err.to_string().contains("not a dma-buf destination"), "{err}");
+    // udmabuf where the kernel has none says so; load() points at load_dmabuf.
+    if let Err(why) = heap::udmabuf_probe() {
+        let err = dmaload::load_dmabuf(&path, 0, None, &to("udmabuf")).unwrap_err();
+        assert!(err.to_string().contains(&why), "{err}");
+    }
+    let err = dmaload::load(&path, &to("udmabuf")).unwrap_err();
+    assert!(err.to_string().contains("load it with load_dmabuf"), "{err}");
+}

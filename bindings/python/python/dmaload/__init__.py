@@ -13,13 +13,14 @@ NumPy arrays or PyTorch tensors that are views of one buffer per file.
 from __future__ import annotations
 
 from . import safetensors
-from ._dmaload import Buffer, SafetensorError, __version__
-from ._load import load, load_into, load_range
+from ._dmaload import Buffer, DmaBuf, SafetensorError, __version__
+from ._load import load, load_dmabuf, load_into, load_range
 from ._options import LoadOptions
 from ._report import Fallback, LoadReport, PageCacheResidency
 
 __all__ = [
     "Buffer",
+    "DmaBuf",
     "Fallback",
     "LoadOptions",
     "LoadReport",
@@ -27,6 +28,7 @@ __all__ = [
     "SafetensorError",
     "__version__",
     "load",
+    "load_dmabuf",
     "load_into",
     "load_range",
     "safetensors",

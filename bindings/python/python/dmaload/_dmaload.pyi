@@ -9,10 +9,12 @@ from ._report import LoadReport
 
 __all__ = [
     "Buffer",
+    "DmaBuf",
     "MAX_HEADER_LEN",
     "SafetensorError",
     "SafetensorsFile",
     "load",
+    "load_dmabuf",
     "load_into",
     "load_safetensors",
     "open_safetensors",
@@ -164,6 +166,43 @@ def _load_staged(
     returns; or, when ``device`` is -1, writable C-contiguous buffers
     (``tensor.numpy()``, ``bytearray``) of exactly ``file.data_len`` bytes."""
 
+@final
+class DmaBuf:
+    """A dma-buf holding a range of a file, owning its fd until ``close()``
+    or ``detach()``; ``tobytes()`` copies the bytes out through a fresh,
+    SYNC-bracketed mapping."""
+
+    def fileno(self) -> int: ...
+    def detach(self) -> int: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def data_offset(self) -> int: ...
+    def __len__(self) -> int: ...
+    @property
+    def report(self) -> LoadReport: ...
+    def tobytes(self) -> bytes: ...
+    def __enter__(self) -> DmaBuf: ...
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None: ...
+
+def load_dmabuf(
+    path: str | os.PathLike[str],
+    offset: int | None = None,
+    length: int | None = None,
+    *,
+    to: str | None = None,
+    engine: str | None = None,
+    mode: str | None = None,
+    gather_size: int | None = None,
+    chunk_size: int | None = None,
+    queue_depth: int | None = None,
+    threads: int | None = None,
+    populate_threads: int | None = None,
+    measure_page_cache: bool | None = None,
+) -> DmaBuf: ...
 def read_safetensors_header(path: str | os.PathLike[str]) -> Header: ...
 def parse_safetensors_header(data: bytes, file_len: int | None = None) -> Header: ...
 def safetensors_dtypes() -> list[tuple[str, int]]: ...

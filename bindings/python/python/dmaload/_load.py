@@ -1,4 +1,4 @@
-"""``dmaload.load``, ``dmaload.load_range`` and ``dmaload.load_into``."""
+"""``dmaload.load``, ``load_range``, ``load_into`` and ``load_dmabuf``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 from typing import Any, Union, Unpack
 
 from . import _dmaload
-from ._dmaload import Buffer
-from ._options import LoadOptions, native_kwargs
+from ._dmaload import Buffer, DmaBuf
+from ._options import DmabufLoadOptions, LoadOptions, native_kwargs
 from ._progress import Progress, resolve
 from ._report import LoadReport
 
@@ -86,3 +86,27 @@ def load_into(
             return _dmaload.load_into(path, raw, offset, progress=callback, **native)
     finally:
         finish()
+
+
+def load_dmabuf(
+    path: StrPath,
+    offset: int = 0,
+    length: int | None = None,
+    *,
+    to: str = "dmabuf",
+    **options: Unpack[DmabufLoadOptions],
+) -> DmaBuf:
+    """Loads ``length`` bytes of ``path`` from ``offset`` (the whole file by
+    default) into a new dma-buf, seed 000's alloc-and-read: ``to`` is
+    ``"udmabuf"`` (a memfd loaded in place, exported without copy),
+    ``"dma-heap:NAME"`` (allocated from ``/dev/dma_heap/NAME`` beside the
+    reads, filled through a staging ring) or ``"dmabuf"`` (udmabuf where it
+    exists and can hold the range, else ``dma-heap:system``;
+    ``report.destination`` and ``report.fallbacks`` say which and why).
+
+    The :class:`DmaBuf` owns the fd (``fileno()``) until ``close()`` or
+    ``detach()``. Errors are ``OSError`` as for :func:`load`: an unknown heap
+    or a kernel without udmabuf is EINVAL naming the device's path."""
+    if offset < 0 or (length is not None and length < 0):
+        raise ValueError("offset and length must be non-negative")
+    return _dmaload.load_dmabuf(path, offset, length, to=to, **native_kwargs(dict(options)))

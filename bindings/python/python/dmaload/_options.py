@@ -14,6 +14,10 @@ Engine: TypeAlias = Literal["uring-fixed", "uring", "pread-pool", "read"]
 Mode: TypeAlias = Literal["auto", "direct", "buffered", "dontcache"]
 Destination: TypeAlias = Literal["memfd", "anonymous-thp"]
 """Where a host load's bytes go (``to=``): the host memory kinds."""
+DMABUF_DESTINATIONS = ("udmabuf", "dmabuf", "dma-heap:NAME")
+"""The dma-buf forms ``to`` takes in the core, ``NAME`` a heap in
+``/dev/dma_heap``: ``dmaload.load_dmabuf`` loads them (a :class:`dmaload.DmaBuf`
+owning an fd); ``dmaload.load`` refuses them (``OSError`` EINVAL)."""
 DEVICE_DESTINATIONS = ("cuda:N",)
 """The other forms ``to`` takes in the core, ``N`` a device number. A
 :class:`dmaload.Buffer` cannot live on a device, so ``dmaload.load`` refuses
@@ -71,6 +75,20 @@ def parse_size(value: Size) -> int:
     if not m:
         raise ValueError(f"invalid size {value!r} (expected bytes, or a number with K, M, G or T)")
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+class DmabufLoadOptions(TypedDict, total=False):
+    """Keyword options of ``dmaload.load_dmabuf``: those of :class:`LoadOptions`
+    but ``to`` (its own argument) and the staging ring's."""
+
+    engine: Engine
+    mode: Mode
+    gather_size: Size
+    chunk_size: Size
+    queue_depth: int
+    threads: int
+    populate_threads: int
+    measure_page_cache: bool
 
 
 _STAGING = {"staging_slots": "slots", "staging_slot_size": "slot_size"}

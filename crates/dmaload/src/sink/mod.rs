@@ -12,12 +12,14 @@ use std::io;
 use std::ops::Range;
 
 mod cuda;
+mod dma_heap;
 pub use cuda::CudaSink;
+pub use dma_heap::DmaHeapSink;
 
 use crate::cuda::{Context, PinnedStaging};
 use crate::plan::Plan;
 use crate::sys;
-use crate::sys::mem::{Mapping, MappingWriter};
+use crate::sys::mem::{Mapping, MappingWriter, SharedMapping};
 
 /// Staging slots by default: deep enough to keep a fast disk busy (the
 /// engine reads into every free slot at once) while a GPU copy drains one.
@@ -58,6 +60,14 @@ impl<'a> SlotData<'a> {
     pub fn copy_to(&self, part: Range<usize>, dst: &mut [u8]) {
         assert!(part.end <= self.len(), "part {part:?} outside a slot of {} bytes", self.len());
         self.memory.copy_out(self.range.start + part.start..self.range.start + part.end, dst);
+    }
+
+    /// Copies bytes `part` of the slot (relative to its start) into `dst`
+    /// at byte `at`: a mapping another process or a device may share, so
+    /// no slice of it is formed.
+    pub fn copy_to_mapping(&self, part: Range<usize>, dst: &mut SharedMapping, at: usize) -> io::Result<()> {
+        assert!(part.end <= self.len(), "part {part:?} outside a slot of {} bytes", self.len());
+        dst.write_from(at, self.memory, self.range.start + part.start..self.range.start + part.end)
     }
 
     /// The staging memory and the slot's range in it, for sinks that hand

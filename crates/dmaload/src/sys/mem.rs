@@ -422,6 +422,25 @@ impl SharedMapping {
         Ok(())
     }
 
+    /// Copies `range` of the staging memory `src` into the mapping at
+    /// `offset`, pointer to pointer: neither side is ever a Rust slice.
+    pub fn write_from(
+        &mut self,
+        offset: usize,
+        src: MappingWriter<'_>,
+        range: Range<usize>,
+    ) -> io::Result<()> {
+        let (from, len) = src.raw_range(&range);
+        let dst = self.check(offset, len)?;
+        // SAFETY: `from..from + len` is inside `src`'s live mapping and
+        // `dst..dst + len` inside this one (both checked); they are distinct
+        // mappings (this one is a dma-buf or file, `src` staging memory), so
+        // the regions cannot overlap. No reference to either is formed, so a
+        // concurrent writer could only make the copy see old or new bytes.
+        unsafe { std::ptr::copy_nonoverlapping(from.cast_const(), dst, len) };
+        Ok(())
+    }
+
     /// The bytes as a slice.
     ///
     /// # Safety
