@@ -67,6 +67,16 @@ pub fn set_nonblocking(fd: BorrowedFd<'_>, nonblocking: bool) -> io::Result<()> 
     check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags) }).map(drop)
 }
 
+/// Whether an open file description may be read: opened `O_RDONLY` or
+/// `O_RDWR`, and not an `O_PATH` descriptor, which grants no access to the
+/// file's bytes (`fcntl(F_GETFL)`).
+pub fn readable(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    // SAFETY: F_GETFL takes no pointers.
+    let flags = check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) })?;
+    let access = flags & libc::O_ACCMODE;
+    Ok(flags & libc::O_PATH == 0 && (access == libc::O_RDONLY || access == libc::O_RDWR))
+}
+
 /// The filesystem magic number of `fd` (`fstatfs(2)` `f_type`).
 pub fn filesystem_magic(fd: BorrowedFd<'_>) -> io::Result<i64> {
     let mut st = MaybeUninit::<libc::statfs>::zeroed();
