@@ -45,6 +45,52 @@ pub fn socket_from_env() -> Option<PathBuf> {
     }
 }
 
+/// A [`Connection`] over a duplicate of descriptor number `fd`, a
+/// connected `SOCK_SEQPACKET` Unix socket that someone else owns (a
+/// Python socket's `fileno()`); anything else is refused.
+pub fn connection_from_raw_fd(fd: std::os::fd::RawFd) -> io::Result<Connection> {
+    Connection::from_fd(sys::file::dup_raw(fd)?)
+}
+
+/// A report for a buffer that arrived by handoff rather than a load: the
+/// bytes, the time from asking to mapping, where it came from
+/// (`destination`); nothing was read, allocated or registered here.
+pub fn handoff_report(
+    path: &Path,
+    bytes: u64,
+    seconds: f64,
+    destination: String,
+    options: &LoadOptions,
+) -> LoadReport {
+    LoadReport {
+        path: path.to_owned(),
+        offset: 0,
+        bytes,
+        engine: options.engine,
+        cache: CachePolicy::Bypass,
+        memory: crate::heap::MemoryKind::Memfd,
+        huge_pages: false,
+        destination,
+        filesystem: "unknown",
+        alignment: 1,
+        chunk_size: options.chunk_size,
+        gather_size: options.gather_size,
+        queue_depth: options.queue_depth,
+        fallbacks: Vec::new(),
+        alloc_seconds: 0.0,
+        register_seconds: 0.0,
+        first_gather_seconds: 0.0,
+        deliver_seconds: 0.0,
+        io_seconds: 0.0,
+        waited_for_memory_seconds: 0.0,
+        total_seconds: seconds,
+        gib_per_second: bytes as f64 / (1u64 << 30) as f64 / seconds.max(1e-9),
+        cpu_user_seconds: 0.0,
+        cpu_system_seconds: 0.0,
+        page_cache: None,
+    }
+}
+
 /// A connection to a cache service.
 pub struct Client {
     conn: Connection,
@@ -184,35 +230,16 @@ pub fn load_cached(
         Err(err) => return Err(err),
     };
     let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-    let filesystem = sys::file::filesystem_magic(file.as_fd()).map_or("unknown", system::filesystem_name);
-    let bytes = fetched.buffer.len() as u64;
-    let report = LoadReport {
-        path: path.to_owned(),
-        offset: 0,
-        bytes,
-        engine: options.engine,
-        cache: CachePolicy::Bypass,
-        memory: fetched.buffer.memory_kind(),
-        huge_pages: false,
-        destination: format!("cache-service ({})", fetched.served.name()),
-        filesystem,
-        alignment: 1,
-        chunk_size: options.chunk_size,
-        gather_size: options.gather_size,
-        queue_depth: options.queue_depth,
-        fallbacks: Vec::new(),
-        alloc_seconds: 0.0,
-        register_seconds: 0.0,
-        first_gather_seconds: 0.0,
-        deliver_seconds: 0.0,
-        io_seconds: 0.0,
-        waited_for_memory_seconds: 0.0,
-        total_seconds: fetched.seconds,
-        gib_per_second: bytes as f64 / (1u64 << 30) as f64 / fetched.seconds.max(1e-9),
-        cpu_user_seconds: (cpu_after.0 - cpu_before.0).as_secs_f64(),
-        cpu_system_seconds: (cpu_after.1 - cpu_before.1).as_secs_f64(),
-        page_cache: None,
-    };
+    let mut report = handoff_report(
+        path,
+        fetched.buffer.len() as u64,
+        fetched.seconds,
+        format!("cache-service ({})", fetched.served.name()),
+        options,
+    );
+    report.filesystem = sys::file::filesystem_magic(file.as_fd()).map_or("unknown", system::filesystem_name);
+    report.cpu_user_seconds = (cpu_after.0 - cpu_before.0).as_secs_f64();
+    report.cpu_system_seconds = (cpu_after.1 - cpu_before.1).as_secs_f64();
     Ok((fetched.buffer, report, CacheOutcome::Service { served: fetched.served, note: fetched.note }))
 }
 

@@ -12,6 +12,9 @@ pub mod service;
 pub use crate::sys::socket::{
     PeerCredentials, SeqpacketConn as Connection, SeqpacketListener as Listener, MAX_FDS_PER_MESSAGE,
 };
-pub use client::{default_socket, load_cached, socket_from_env, CacheOutcome, Client, Fetched, CACHE_ENV};
+pub use client::{
+    connection_from_raw_fd, default_socket, handoff_report, load_cached, socket_from_env, CacheOutcome,
+    Client, Fetched, CACHE_ENV,
+};
 pub use protocol::{CachedFile, Served, Status};
 pub use service::{Service, ServiceConfig, StopSignals};

@@ -673,36 +673,12 @@ fn reply_error(state: &State, conn: &Connection, who: &str, err: &Error) -> bool
     protocol::retry(|| conn.send(&reply, &[])).is_ok()
 }
 
-/// The memory limit `spec` names: bytes with an optional K/M/G/T suffix
-/// (powers of 1024), or a percentage of the memory available now
-/// (`MemAvailable`, or the memory cgroup's headroom when smaller).
-pub fn parse_memory_limit(spec: &str) -> std::result::Result<u64, String> {
-    let spec = spec.trim();
-    if let Some(percent) = spec.strip_suffix('%') {
-        let percent: f64 = percent.trim().parse().map_err(|_| format!("bad percentage {spec:?}"))?;
-        if !(percent > 0.0 && percent <= 100.0) {
-            return Err(format!("percentage {spec:?} must be in (0, 100]"));
-        }
-        let budget = crate::system::memory_budget().map_err(|e| format!("read /proc/meminfo: {e}"))?;
-        return Ok((budget.available as f64 * percent / 100.0) as u64);
+/// `percent` of the memory available now (`MemAvailable`, or the memory
+/// cgroup's headroom when smaller), as a memory limit.
+pub fn memory_limit_percent(percent: f64) -> std::result::Result<u64, String> {
+    if !(percent > 0.0 && percent <= 100.0) {
+        return Err(format!("a memory limit of {percent}% is not in (0, 100]"));
     }
-    let (digits, unit) = match spec.find(|c: char| !c.is_ascii_digit()) {
-        Some(i) => spec.split_at(i),
-        None => (spec, ""),
-    };
-    let value: u64 = digits.parse().map_err(|_| format!("bad size {spec:?}"))?;
-    let shift = match unit.trim().to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
-        "" => 0,
-        "K" => 10,
-        "M" => 20,
-        "G" => 30,
-        "T" => 40,
-        _ => return Err(format!("bad size unit in {spec:?} (K, M, G, T, or a percentage)")),
-    };
-    value.checked_mul(1 << shift).ok_or_else(|| format!("size {spec:?} is too large"))
-}
-
-/// The default memory limit: half the memory available at start.
-pub fn default_memory_limit() -> u64 {
-    crate::system::memory_budget().map_or(1 << 30, |b| b.available / 2)
+    let budget = crate::system::memory_budget().map_err(|e| format!("read /proc/meminfo: {e}"))?;
+    Ok((budget.available as f64 * percent / 100.0) as u64)
 }
