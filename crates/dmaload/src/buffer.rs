@@ -178,9 +178,11 @@ impl Buffer {
         let seals = sys::mem::seals(memfd.as_fd())
             .map_err(|e| refused(format!("the descriptor received is not a sealable memfd ({e})")))?;
         if !seals.contains(SHARING_SEALS) {
-            return Err(refused(format!(
-                "the memfd received is not sealed against resizing and writing (seals {seals:?})"
-            )));
+            return Err(refused(
+                "the memfd received is not sealed against resizing and writing (it needs \
+                 F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE and F_SEAL_SEAL)"
+                    .into(),
+            ));
         }
         let size = std::fs::File::from(memfd.try_clone().map_err(|e| Error::io("dup", socket, e))?)
             .metadata()

@@ -152,6 +152,13 @@ impl ServiceProcess {
         Client::connect(&self.socket).unwrap().status().unwrap()
     }
 
+    /// Bytes the service has read from storage (`read_bytes` of
+    /// `/proc/PID/io`: every thread's block I/O, direct reads included).
+    fn storage_reads(&self) -> u64 {
+        let io = std::fs::read_to_string(format!("/proc/{}/io", self.pid())).unwrap();
+        io.lines().find_map(|l| l.strip_prefix("read_bytes: ")).unwrap().trim().parse().unwrap()
+    }
+
     /// The memfds the service holds open.
     fn memfds(&self) -> usize {
         std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
@@ -245,10 +252,17 @@ fn the_service_hits_reloads_changed_files_and_keeps_clients_apart() {
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "the socket is private to its user");
 
-    // Two fresh processes: the first loads, the second is served from memory.
+    // Two fresh processes: the first loads, the second is served from
+    // memory, reading nothing from the disk (the file is evicted first).
     let hash = file_hash(&path);
+    dmaload::pagecache::evict(&path).unwrap();
+    let before = service.storage_reads();
     assert_eq!(run_client("get", &socket, &path), format!("served=miss hash={hash}"));
+    let loaded = service.storage_reads();
+    assert!(loaded - before >= 16 << 20, "the miss read the file ({} bytes)", loaded - before);
+    dmaload::pagecache::evict(&path).unwrap();
     assert_eq!(run_client("get", &socket, &path), format!("served=hit hash={hash}"));
+    assert_eq!(service.storage_reads(), loaded, "a hit reads nothing");
     let status = service.status();
     assert_eq!((status.misses, status.hits, status.files_cached), (1, 1, 1), "{status:?}");
     assert_eq!(status.files[0].bytes, (16 << 20) + 4096);

@@ -584,8 +584,8 @@ fn serve_client(state: &State, conn: Connection) {
             peer.uid, peer.gid, state.own_uid
         ));
     }
-    if state.clients.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
-        state.clients.fetch_sub(1, Ordering::AcqRel);
+    let _counted = ClientCount::enter(&state.clients);
+    if state.clients.load(Ordering::Acquire) > MAX_CLIENTS {
         return refuse(format!("{MAX_CLIENTS} clients are connected already"));
     }
     let mut buf = vec![0u8; MAX_REQUEST_BYTES];
@@ -641,7 +641,12 @@ fn serve_client(state: &State, conn: Connection) {
             }
             (Ok(Request::Status), 0) => {
                 state.log(&format!("{who}: status"));
-                let reply = protocol::encode(&Reply::Status(state.status()));
+                let mut status = state.status();
+                let mut reply = protocol::encode(&Reply::Status(status.clone()));
+                // Long paths could make the list outgrow what a client takes.
+                while reply.len() > protocol::MAX_REPLY_BYTES && status.files.pop().is_some() {
+                    reply = protocol::encode(&Reply::Status(status.clone()));
+                }
                 protocol::retry(|| conn.send(&reply, &[])).is_ok()
             }
             (Ok(request), count) => reply_error(
@@ -662,7 +667,23 @@ fn serve_client(state: &State, conn: Connection) {
             break;
         }
     }
-    state.clients.fetch_sub(1, Ordering::AcqRel);
+}
+
+/// Counts a connected client for as long as it lives, even if serving it
+/// panics.
+struct ClientCount<'a>(&'a AtomicUsize);
+
+impl<'a> ClientCount<'a> {
+    fn enter(clients: &'a AtomicUsize) -> ClientCount<'a> {
+        clients.fetch_add(1, Ordering::AcqRel);
+        ClientCount(clients)
+    }
+}
+
+impl Drop for ClientCount<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Sends `err` to the client and logs it; false when the client is gone.
