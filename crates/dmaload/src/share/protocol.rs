@@ -368,4 +368,40 @@ mod tests {
         let outside = br#"{"version": 1, "body": {"op": "get"}, "path": "/etc/shadow"}"#;
         assert!(decode_request(outside).is_err());
     }
+
+    /// Mutated valid messages (the fuzz target `share_message` does this
+    /// at scale): decoding returns, whatever the bytes.
+    #[test]
+    fn mutated_messages_never_panic() {
+        let seeds = [
+            encode_request(Request::Get),
+            encode(&Reply::Buffer(BufferInfo { offset: 1, len: 2, served: Some(Served::Hit), note: None })),
+            encode(&Reply::Error(WireError::from_error(
+                &Error::new(ErrorKind::Changed, "load", Path::new("/m"), "moved").at(7),
+            ))),
+        ];
+        const ALPHABET: &[u8] = b"{}[]\":,0-9e";
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for round in 0..20_000 {
+            let mut bytes = seeds[round % seeds.len()].clone();
+            for _ in 0..1 + next() % 4 {
+                let at = (next() % bytes.len() as u64) as usize;
+                match next() % 3 {
+                    0 => bytes[at] = next() as u8,
+                    1 => drop(bytes.remove(at)),
+                    _ => bytes.insert(at, ALPHABET[(next() % ALPHABET.len() as u64) as usize]),
+                }
+            }
+            let _ = decode_request(&bytes);
+            if let Ok(Reply::Error(err)) = decode::<Reply>(&bytes) {
+                let _ = err.into_error(None).to_string();
+            }
+        }
+    }
 }
