@@ -25,6 +25,7 @@ const ROLE: &str = "DMALOAD_SHARE_CACHE_ROLE";
 const SOCKET: &str = "DMALOAD_SHARE_CACHE_SOCKET";
 const FILE: &str = "DMALOAD_SHARE_CACHE_FILE";
 const LIMIT: &str = "DMALOAD_SHARE_CACHE_LIMIT";
+const ALLOW_UID: &str = "DMALOAD_SHARE_CACHE_ALLOW_UID";
 
 fn xxh3(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
@@ -47,7 +48,7 @@ fn process_role() {
             let service = Service::bind(ServiceConfig {
                 socket,
                 memory_limit: limit,
-                allow_uids: Vec::new(),
+                allow_uids: std::env::var(ALLOW_UID).into_iter().map(|uid| uid.parse().unwrap()).collect(),
                 allow_gids: Vec::new(),
                 load_options: LoadOptions::default(),
                 log: Arc::new(|line| eprintln!("service: {line}")),
@@ -134,8 +135,11 @@ struct ServiceProcess {
 
 impl ServiceProcess {
     fn start(socket: &Path, limit: u64) -> ServiceProcess {
-        let child =
-            role("service", socket).env(LIMIT, limit.to_string()).stdin(Stdio::piped()).spawn().unwrap();
+        Self::start_with(role("service", socket).env(LIMIT, limit.to_string()), socket)
+    }
+
+    fn start_with(cmd: &mut Command, socket: &Path) -> ServiceProcess {
+        let child = cmd.stdin(Stdio::piped()).spawn().unwrap();
         let started = Instant::now();
         while Connection::connect(socket).is_err() {
             assert!(started.elapsed() < Duration::from_secs(60), "the service did not start");
@@ -421,23 +425,33 @@ fn another_user_is_refused() {
     // SO_PEERCRED check, not the file mode, is what refuses it.
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(&exe)
-        .args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
-        .env(ROLE, "load-cached")
-        .env(SOCKET, &socket)
-        .env(FILE, &path)
-        .output()
-        .unwrap();
-    let stdout = role_output(&String::from_utf8_lossy(&out.stdout));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let as_nobody = |socket: &Path| {
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
+            .env(ROLE, "load-cached")
+            .env(SOCKET, socket)
+            .env(FILE, &path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        role_output(&String::from_utf8_lossy(&out.stdout))
+    };
     // Refused, and the client loaded the file itself, saying why.
+    let stdout = as_nobody(&socket);
     assert!(stdout.starts_with(&format!("direct {} (", file_hash(&path))), "{stdout}");
     assert!(stdout.contains("uid 65534 (gid 65534) is not served"), "{stdout}");
     let status = service.status();
     assert_eq!((status.refused, status.misses), (1, 0));
+
+    // --allow-uid 65534: served, from the descriptor it sent.
+    let allowing = dir.path().join("allowing.sock");
+    let cmd = &mut role("service", &allowing);
+    let service = ServiceProcess::start_with(cmd.env(LIMIT, "1000000000").env(ALLOW_UID, "65534"), &allowing);
+    std::fs::set_permissions(&allowing, std::fs::Permissions::from_mode(0o666)).unwrap();
+    assert_eq!(as_nobody(&allowing), format!("service miss {}", file_hash(&path)));
+    assert_eq!(service.status().refused, 0);
 }
 
 /// Whether this process is root and `setpriv` runs (the test binary must
