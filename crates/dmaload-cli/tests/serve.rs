@@ -148,3 +148,28 @@ fn sigint_stops_the_service_and_a_range_is_not_cached() {
     let log = stop(service, "-INT");
     assert!(log.contains("stopped by signal 2"), "{log}");
 }
+
+#[test]
+fn bench_cache_runs_its_rows_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.bin");
+    write_file(&file, 4 << 20);
+    let out = dmaload()
+        .args(["bench", "cache", "--repeat", "1", "--json", "--python", "/nonexistent/python"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = table["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 7);
+    for row in &rows[..3] {
+        assert!(row["skipped"].is_null(), "{row}");
+        assert!(row["median_seconds"].as_f64().unwrap() > 0.0, "{row}");
+    }
+    // No such Python: its rows say so instead of failing the run.
+    for row in &rows[3..] {
+        assert!(row["skipped"].as_str().is_some_and(|why| why.contains("nonexistent")), "{row}");
+    }
+    assert!(table["cold_over_hit"].as_f64().unwrap() > 0.0);
+}
