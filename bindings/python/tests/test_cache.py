@@ -164,6 +164,13 @@ def test_cache_serves_fresh_processes_the_same_bytes(service: Service, data_file
     status = service.status()
     assert (status["misses"], status["hits"], status["files_cached"]) == (1, 2, 1)
 
+    # A file that fails to load: the same error as a direct load, no fallback.
+    with pytest.raises(OSError) as direct:
+        dmaload.load("/proc/self/status")
+    with pytest.raises(OSError) as served:
+        dmaload.load("/proc/self/status", cache=service.socket)
+    assert (served.value.errno, str(served.value)) == (direct.value.errno, str(direct.value))
+
     # Two views in this process: one written, the other unchanged.
     one = dmaload.load(path, cache=service.socket)
     two = dmaload.load(path, cache=True if os.environ.get("DMALOAD_CACHE") else service.socket)

@@ -161,6 +161,14 @@ enum Slot {
     Loading(Arc<Pending>),
 }
 
+/// What a request for a file that is not ready does.
+enum Next {
+    /// Another request is loading it: wait for that load's outcome.
+    Wait(Arc<Pending>),
+    /// Load it, the pending entry in place for others to wait on.
+    Load(Arc<Pending>),
+}
+
 #[derive(Default)]
 struct Counters {
     hits: u64,
@@ -391,7 +399,7 @@ impl State {
         }
         let key = Key::of(&meta);
         let bytes = key.size.div_ceil(page_size() as u64) * page_size() as u64;
-        let pending = {
+        let next = {
             let mut cache = lock(&self.cache);
             cache.clock += 1;
             let now = cache.clock;
@@ -404,7 +412,7 @@ impl State {
                     cache.counters.hits += 1;
                     return Ok((loaded, Served::Hit, None));
                 }
-                Some(Slot::Loading(pending)) => Err(Arc::clone(pending)),
+                Some(Slot::Loading(pending)) => Next::Wait(Arc::clone(pending)),
                 None => {
                     if bytes > self.config.memory_limit
                         || !make_room(&mut cache, bytes, self.config.memory_limit, &*self.config.log)
@@ -424,13 +432,12 @@ impl State {
                     let pending = Arc::new(Pending { outcome: Mutex::new(None), done: Condvar::new() });
                     cache.files.insert(key, Slot::Loading(Arc::clone(&pending)));
                     cache.used += bytes;
-                    Ok(pending)
+                    Next::Load(pending)
                 }
             }
         };
-        match pending {
-            // Another request is loading this file: wait for its outcome.
-            Err(pending) => {
+        match next {
+            Next::Wait(pending) => {
                 let loaded = pending.wait().map_err(|e| e.into_error(None))?;
                 let mut cache = lock(&self.cache);
                 cache.clock += 1;
@@ -443,7 +450,7 @@ impl State {
                 cache.counters.hits += 1;
                 Ok((loaded, Served::Hit, None))
             }
-            Ok(pending) => {
+            Next::Load(pending) => {
                 // Completes the waiters even if the load panics.
                 let mut finish = Finish { state: self, key, bytes, pending, outcome: None };
                 let loaded = self.load(&file, key).map(Arc::new);
@@ -566,19 +573,19 @@ fn serve_client(state: &State, conn: Connection) {
     };
     let who = format!("pid {} uid {}", peer.pid, peer.uid);
     let _ = conn.set_timeouts(Some(CLIENT_TIMEOUT));
+    // A refusal answers the client's first request: closing with that
+    // request unread would reset the connection, and the client would
+    // never learn why.
     let refuse = |message: String| {
         state.log(&format!("{who}: refused: {message}"));
+        let _ = conn.set_timeouts(Some(Duration::from_secs(5)));
+        drop(protocol::retry(|| conn.recv(&mut [0u8; MAX_REQUEST_BYTES])));
         let err = Error::new(ErrorKind::InvalidInput, "connect", &state.config.socket, message);
         let reply = protocol::encode(&Reply::Error(WireError::from_error(&err)));
         let _ = protocol::retry(|| conn.send(&reply, &[]));
     };
     if !state.allowed(&peer) {
         lock(&state.cache).counters.refused += 1;
-        // The refusal answers the client's first request: closing with
-        // that request unread would reset the connection, and the client
-        // would never learn why.
-        let _ = conn.set_timeouts(Some(Duration::from_secs(5)));
-        drop(protocol::retry(|| conn.recv(&mut [0u8; MAX_REQUEST_BYTES])));
         return refuse(format!(
             "uid {} (gid {}) is not served: only uid {} and root, and those --allow-uid/--allow-gid name",
             peer.uid, peer.gid, state.own_uid
