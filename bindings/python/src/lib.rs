@@ -240,6 +240,41 @@ impl Buffer {
         })
     }
 
+    /// Sends the buffer to the process at the other end of `socket` (a
+    /// connected `AF_UNIX`, `SOCK_SEQPACKET` socket, or its fd), which
+    /// takes it with `Buffer.receive`: the memfd, sealed first, crosses
+    /// with where the bytes are in it; no byte is copied. From now on this
+    /// buffer's own writes stay private to this process, as the
+    /// receiver's do.
+    fn send(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> PyResult<()> {
+        let conn = connection(socket)?;
+        guard(|| {
+            let buffer = self.open()?;
+            detached(py, || buffer.send(&conn))?.map_err(|e| os_error(&e))
+        })
+    }
+
+    /// Receives a buffer another process sent with `Buffer.send` over
+    /// `socket`: the memfd's seals and size are checked, then it is mapped
+    /// private copy-on-write (writes stay in this process). Blocks until
+    /// a message arrives (or the socket's timeout passes).
+    #[staticmethod]
+    fn receive(py: Python<'_>, socket: &Bound<'_, PyAny>) -> PyResult<Buffer> {
+        let conn = connection(socket)?;
+        guard(|| {
+            let started = Instant::now();
+            let buffer = detached(py, || dmaload::Buffer::receive(&conn))?.map_err(|e| os_error(&e))?;
+            let report = dmaload::share::handoff_report(
+                std::path::Path::new("socket"),
+                buffer.len() as u64,
+                started.elapsed().as_secs_f64(),
+                "received".into(),
+                &LoadOptions::default(),
+            );
+            Ok(Buffer::new(buffer, report))
+        })
+    }
+
     /// Offset of the first byte in the memfd (non-zero for a range whose
     /// start direct I/O had to align down).
     #[getter]
@@ -426,6 +461,17 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     };
     kw.set_item("page_cache", page_cache)?;
     module.getattr("LoadReport")?.call((), Some(&kw))
+}
+
+/// A connection over a duplicate of `socket`'s descriptor (a socket
+/// object's `fileno()`, or an int).
+fn connection(socket: &Bound<'_, PyAny>) -> PyResult<dmaload::share::Connection> {
+    let fd: i32 = match socket.extract::<i32>() {
+        Ok(fd) => fd,
+        Err(_) => socket.call_method0("fileno")?.extract()?,
+    };
+    dmaload::share::connection_from_raw_fd(fd)
+        .map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(libc::EINVAL), format!("socket: {e}"))))
 }
 
 fn no_memfd(buffer: &dmaload::Buffer) -> PyErr {
@@ -779,6 +825,60 @@ fn load_into<'py>(
     })
 }
 
+/// Loads a whole file through the cache service at `socket`, or directly
+/// when no service serves it. Returns the buffer, how the service served
+/// it ("hit", "miss", "uncached") or None for a direct load, and what to
+/// tell the user (why it was loaded directly, or why not cached) or None.
+#[pyfunction]
+#[pyo3(signature = (path, socket, *, engine=None, mode=None, to=None,
+                    gather_size=None, chunk_size=None, queue_depth=None, threads=None,
+                    populate_threads=None, measure_page_cache=None))]
+#[allow(clippy::too_many_arguments)]
+fn load_cached(
+    py: Python<'_>,
+    path: PathBuf,
+    socket: PathBuf,
+    engine: Option<String>,
+    mode: Option<String>,
+    to: Option<String>,
+    gather_size: Option<usize>,
+    chunk_size: Option<usize>,
+    queue_depth: Option<usize>,
+    threads: Option<usize>,
+    populate_threads: Option<usize>,
+    measure_page_cache: Option<bool>,
+) -> PyResult<(Buffer, Option<&'static str>, Option<String>)> {
+    guard(move || {
+        let opts = Opts {
+            engine,
+            mode,
+            to,
+            gather_size,
+            chunk_size,
+            queue_depth,
+            threads,
+            populate_threads,
+            measure_page_cache,
+        };
+        let options = opts.to_options()?;
+        let (buffer, report, outcome) =
+            detached(py, || dmaload::share::load_cached(&path, &socket, &options))?
+                .map_err(|e| os_error(&e))?;
+        let (served, message) = match outcome {
+            dmaload::share::CacheOutcome::Service { served, note } => (Some(served.name()), note),
+            dmaload::share::CacheOutcome::Direct { reason } => (None, Some(reason)),
+        };
+        Ok((Buffer::new(buffer, report), served, message))
+    })
+}
+
+/// The cache service's default socket: `$XDG_RUNTIME_DIR/dmaload.sock`,
+/// else `/run/user/UID/dmaload.sock`.
+#[pyfunction]
+fn default_cache_socket() -> PathBuf {
+    dmaload::share::default_socket()
+}
+
 /// The core's header as a `dmaload._header.Header`, its tensors
 /// `dmaload._header.TensorInfo` records, built field by field. The
 /// destructurings name every field, so a field the core adds to its
@@ -992,6 +1092,8 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(load_into, m)?)?;
     m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(load_cached, m)?)?;
+    m.add_function(wrap_pyfunction!(default_cache_socket, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_dtypes, m)?)?;

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_bind;
+mod bench_cache;
 mod bench_matrix;
 mod bench_qd;
 mod bench_save;
@@ -14,6 +15,7 @@ mod output;
 mod plot;
 mod sample;
 mod save_cmd;
+mod serve;
 mod units;
 
 use std::path::PathBuf;
@@ -56,6 +58,9 @@ enum Command {
     Save(save_cmd::SaveCommand),
     /// Load SRC into shareable memory and save it to DST; reports both halves.
     Copy(save_cmd::CopyCommand),
+    /// Serve loaded files to other processes from memory (a model cache):
+    /// clients send an open file, get its bytes as a sealed memfd.
+    Serve(serve::ServeArgs),
     /// Benchmarks, with baselines run side by side in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -84,6 +89,12 @@ struct LoadCommand {
     /// load): the report's `page_cache` is then null.
     #[arg(long)]
     no_page_cache: bool,
+    /// Get the whole file from the cache service (`dmaload serve`) at
+    /// SOCKET (default: $DMALOAD_CACHE when it names a socket, else the
+    /// service's default socket); without a service, load directly and say
+    /// why. DMALOAD_CACHE=1 or a socket path in the environment does the same.
+    #[arg(long, value_name = "SOCKET", num_args = 0..=1)]
+    cache: Option<Option<PathBuf>>,
 }
 
 /// The knobs of a load, shared by `load`, `demo` and `bench`.
@@ -167,8 +178,50 @@ pub fn progress_bar(label: &str) -> (ProgressBar, Arc<dmaload::engine::ProgressF
     (bar, Arc::new(callback))
 }
 
+/// The cache service socket `load` uses: `--cache [SOCKET]`, else
+/// `DMALOAD_CACHE`; `None` for a direct load.
+fn cache_socket(cmd: &LoadCommand) -> Option<PathBuf> {
+    match &cmd.cache {
+        Some(Some(socket)) => Some(socket.clone()),
+        Some(None) => Some(dmaload::share::socket_from_env().unwrap_or_else(dmaload::share::default_socket)),
+        None => dmaload::share::socket_from_env(),
+    }
+}
+
 fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let mut options = cmd.options.to_options();
+    let whole_host_file =
+        cmd.offset == 0 && cmd.length.is_none() && !matches!(options.to, Destination::Cuda(_));
+    if let Some(socket) = cache_socket(cmd) {
+        if !whole_host_file {
+            return Err(dmaload::Error::new(
+                dmaload::ErrorKind::InvalidInput,
+                "load",
+                &cmd.file,
+                "the cache service serves whole files to host memory: drop --cache (and DMALOAD_CACHE) \
+                 for a range or a device",
+            ));
+        }
+        let (buffer, report, outcome) = dmaload::share::load_cached(&cmd.file, &socket, &options)?;
+        match outcome {
+            dmaload::share::CacheOutcome::Service { served, note } => {
+                eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
+                if let Some(note) = note {
+                    eprintln!("dmaload: cache service: {note}");
+                }
+            }
+            dmaload::share::CacheOutcome::Direct { reason } => {
+                eprintln!("dmaload: {reason}; loaded directly");
+            }
+        }
+        let hash = cmd.hash.then(|| output::hash_timed(&buffer));
+        if cmd.json {
+            println!("{}", output::load_json(&report, hash.as_ref()));
+        } else {
+            print!("{}", output::load_text(&report, hash.as_ref()));
+        }
+        return Ok(());
+    }
     // The report this command prints shows the page cache: measured unless
     // --no-page-cache (the library measures only when asked).
     options.measure_page_cache = !cmd.no_page_cache;
@@ -213,6 +266,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args),
         Command::Save(cmd) => save_cmd::save(cmd),
         Command::Copy(cmd) => save_cmd::copy(cmd),
+        Command::Serve(args) => serve::run(args),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -75,6 +75,25 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
         r.path.display(),
         r.offset
     );
+    // A handoff from the cache service read nothing: say where it came from.
+    if r.destination.starts_with("cache-service") {
+        let _ = writeln!(
+            s,
+            "source    {} | {} memory, private copy-on-write mapping",
+            r.destination,
+            r.memory.name()
+        );
+        let _ = writeln!(
+            s,
+            "time      total {:.3} s | CPU {:.3} s",
+            r.total_seconds,
+            r.cpu_user_seconds + r.cpu_system_seconds
+        );
+        if let Some(hash) = hash {
+            let _ = writeln!(s, "xxh3-64   {} ({:.3} s)", hash.xxh3_64, hash.seconds);
+        }
+        return s;
+    }
     // A host buffer names its memory and pages; a sink, where the bytes went.
     let destination = if r.deliver_seconds > 0.0 || r.destination.contains("staging ring") {
         r.destination.clone()

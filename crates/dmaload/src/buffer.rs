@@ -4,11 +4,24 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut, Range};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::heap::{self, Allocation, DmaBuf, MemoryKind};
+use crate::share::protocol;
+use crate::share::Connection;
 use crate::sys;
 use crate::sys::mem::{page_size, Mapping, Seals};
+
+/// The seals a memfd carries before it leaves the process, and that a
+/// receiver checks: no shrinking or growing, no new writable shared mapping
+/// and no `write(2)` (`F_SEAL_FUTURE_WRITE`, which udmabuf still accepts,
+/// unlike `F_SEAL_WRITE`), and no further seals.
+pub(crate) const SHARING_SEALS: Seals =
+    Seals::SHRINK.union(Seals::GROW).union(Seals::FUTURE_WRITE).union(Seals::SEAL);
+
+/// The name errors give the socket a buffer crosses.
+const SOCKET: &str = "socket";
 
 /// A contiguous piece of a buffer that was populated and filled as one unit
 /// (one "gather" of the pipelined load).
@@ -31,6 +44,10 @@ pub struct Buffer {
     kind: MemoryKind,
     data: Range<usize>,
     segments: Vec<Segment>,
+    /// Held while the memfd is sealed for sharing and the mapping made
+    /// private, so two threads never remap one after the other (the second
+    /// would drop the first's private writes).
+    sharing: Mutex<()>,
 }
 
 impl Buffer {
@@ -45,7 +62,28 @@ impl Buffer {
                 (start < end).then(|| Segment { offset: start - data.start, len: end - start })
             })
             .collect();
-        Buffer { mapping: alloc.mapping, memfd: alloc.memfd, kind: alloc.kind, data, segments }
+        Buffer {
+            mapping: alloc.mapping,
+            memfd: alloc.memfd,
+            kind: alloc.kind,
+            data,
+            segments,
+            sharing: Mutex::new(()),
+        }
+    }
+
+    /// A buffer over `data` of a memfd another process sealed for sharing,
+    /// mapped privately (`mapping` is [`Mapping::private`] of `memfd`).
+    pub(crate) fn received(mapping: Mapping, memfd: OwnedFd, data: Range<usize>) -> Buffer {
+        let segments = vec![Segment { offset: 0, len: data.len() }];
+        Buffer {
+            mapping,
+            memfd: Some(memfd),
+            kind: MemoryKind::Memfd,
+            data,
+            segments,
+            sharing: Mutex::new(()),
+        }
     }
 
     /// The pieces the buffer was filled in, in order, covering it exactly.
@@ -59,19 +97,104 @@ impl Buffer {
 
     /// The memfd holding the bytes, for passing to another process;
     /// `None` for anonymous memory. Before handing it out this seals it
-    /// against writes (`F_SEAL_FUTURE_WRITE`, Linux 5.1; a load already
-    /// sealed its size): whoever receives it can map it read-only, or
-    /// privately (copy-on-write), but cannot change the bytes this buffer
-    /// dereferences to. udmabuf refuses memfds with that seal (Linux
+    /// (no resizing, no new writable shared mapping or
+    /// `write(2)`, no further seals; `F_SEAL_FUTURE_WRITE` needs Linux 5.1)
+    /// and turns this buffer's own mapping private copy-on-write, so that
+    /// nothing writes the shared pages any more: whoever receives the fd
+    /// sees the bytes as they are now, and writes through this buffer stay
+    /// in this process. udmabuf refuses memfds with that seal (Linux
     /// 6.12+), so export with [`Buffer::into_dmabuf`] before, not after,
     /// handing the fd out. (A udmabuf made elsewhere from an unsealed copy
     /// lets devices write the pages, as `/proc/self/mem` lets a debugger:
-    /// outside what a seal can stop.)
+    /// outside what a seal can stop.) On a kernel without the seal the fd
+    /// is still returned, sealed against resizing only.
     pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
         let fd = self.memfd.as_ref()?.as_fd();
-        // Kernels before 5.1 have no such seal (EINVAL): the size seals stay.
-        let _ = sys::mem::add_seals(fd, Seals::FUTURE_WRITE);
+        let _ = self.seal_for_sharing(fd);
         Some(fd)
+    }
+
+    /// Seals `fd` (this buffer's memfd) with `SHARING_SEALS`, making the
+    /// mapping private first; done once.
+    fn seal_for_sharing(&self, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+        let _once = self.sharing.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if sys::mem::seals(fd)?.contains(Seals::FUTURE_WRITE) {
+            return Ok(());
+        }
+        // The mapping is Allocation::new's shared mapping of this memfd from
+        // offset 0: the one make_private accepts.
+        self.mapping.make_private(fd)?;
+        sys::mem::add_seals(fd, SHARING_SEALS)
+    }
+
+    /// Sends this buffer over `conn` to the process at the other end, which
+    /// takes it with [`Buffer::receive`]: the memfd (sealed first, see
+    /// [`Buffer::memfd`]) and where the bytes are in it, in one message.
+    /// No byte is copied; the receiver maps the same pages privately. Needs
+    /// memfd memory and Linux 5.1 (`F_SEAL_FUTURE_WRITE`).
+    pub fn send(&self, conn: &Connection) -> Result<()> {
+        let socket = std::path::Path::new(SOCKET);
+        let Some(fd) = self.memfd.as_ref().map(|fd| fd.as_fd()) else {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "send buffer",
+                socket,
+                "anonymous memory has no memfd to send: load with memory memfd",
+            ));
+        };
+        self.seal_for_sharing(fd).map_err(|e| Error::io("seal memfd", socket, e))?;
+        let message = protocol::encode(&protocol::Reply::Buffer(protocol::BufferInfo {
+            offset: self.data.start as u64,
+            len: self.data.len() as u64,
+            served: None,
+            note: None,
+        }));
+        protocol::retry(|| conn.send(&message, &[fd])).map_err(|e| Error::io("send buffer", socket, e))
+    }
+
+    /// Receives a buffer that the process at the other end of `conn` sent
+    /// with [`Buffer::send`] (or the cache service handed out). The message
+    /// is untrusted: it must carry exactly one memfd sealed as
+    /// [`Buffer::memfd`] seals it, whose size covers the byte range it names, else it
+    /// is refused and the descriptor closed. The memfd is mapped private
+    /// copy-on-write: writes to the buffer stay in this process.
+    ///
+    /// The seals stop new writers; a sender that kept a writable shared
+    /// mapping from before sealing could still change the pages (dmaload
+    /// never does: it makes its own mapping private first). Only receive
+    /// from peers you would trust with your memory anyway (the socket's
+    /// [`Connection::peer_credentials`] says who they are).
+    pub fn receive(conn: &Connection) -> Result<Buffer> {
+        let (info, memfd) = protocol::receive_buffer(conn)?;
+        Buffer::from_sealed_memfd(memfd, info.offset, info.len)
+    }
+
+    /// Maps `len` bytes at `offset` of a memfd received from another
+    /// process, after checking its seals and size.
+    pub(crate) fn from_sealed_memfd(memfd: OwnedFd, offset: u64, len: u64) -> Result<Buffer> {
+        let socket = std::path::Path::new(SOCKET);
+        let refused =
+            |message: String| Error::new(ErrorKind::InvalidInput, "receive buffer", socket, message);
+        let seals = sys::mem::seals(memfd.as_fd())
+            .map_err(|e| refused(format!("the descriptor received is not a sealable memfd ({e})")))?;
+        if !seals.contains(SHARING_SEALS) {
+            return Err(refused(
+                "the memfd received is not sealed against resizing and writing (it needs \
+                 F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE and F_SEAL_SEAL)"
+                    .into(),
+            ));
+        }
+        let size = std::fs::File::from(memfd.try_clone().map_err(|e| Error::io("dup", socket, e))?)
+            .metadata()
+            .map_err(|e| Error::io("fstat", socket, e))?
+            .len();
+        let end = offset.checked_add(len).filter(|&end| end <= size).ok_or_else(|| {
+            refused(format!("bytes {offset}+{len} run past the end of the {size}-byte memfd received"))
+        })?;
+        let (start, end) = (offset as usize, end as usize);
+        let mapping = Mapping::private(memfd.as_fd(), end.div_ceil(page_size()) * page_size())
+            .map_err(|e| Error::io("mmap", socket, e))?;
+        Ok(Buffer::received(mapping, memfd, start..end))
     }
 
     /// Where the buffer's first byte sits in the memfd (non-zero when a
@@ -119,6 +242,22 @@ impl Buffer {
         let start = self.data.start / page * page;
         let end = self.data.end.div_ceil(page) * page;
         Ok((memfd, start as u64, (end - start) as u64))
+    }
+
+    /// Gives up the mapping and returns the memfd sealed for sharing (as
+    /// [`Buffer::memfd`] seals it) and where the bytes are in it: what the
+    /// cache service keeps of a load.
+    pub(crate) fn into_sealed_memfd(self) -> std::io::Result<(OwnedFd, Range<usize>)> {
+        let Buffer { mapping, memfd, data, .. } = self;
+        // Unmapped first: no writable shared mapping outlives the seals.
+        drop(mapping);
+        let memfd = memfd.ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "anonymous memory has no memfd to share")
+        })?;
+        if !sys::mem::seals(memfd.as_fd())?.contains(Seals::FUTURE_WRITE) {
+            sys::mem::add_seals(memfd.as_fd(), SHARING_SEALS)?;
+        }
+        Ok((memfd, data))
     }
 
     /// Gives up the mapping and returns the memfd, which keeps the bytes.

@@ -59,6 +59,13 @@ impl Error {
         self
     }
 
+    /// The same error, of `kind` (an OS error that stands for one, as
+    /// crossing a socket needs).
+    pub(crate) fn with_kind(mut self, kind: ErrorKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
     /// The same error with `note` added to its message (errors without an
     /// OS error only: the OS error's number would be lost).
     pub(crate) fn with_note(mut self, note: &str) -> Self {

@@ -2,10 +2,16 @@
 
 import os
 from collections.abc import Callable
-from typing import Any, Final, NoReturn, final
+from typing import Any, Final, NoReturn, Protocol, TypeAlias, final
 
 from ._header import Header
 from ._report import LoadReport
+
+class _HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+# A connected AF_UNIX SOCK_SEQPACKET socket, or its file descriptor.
+_SocketLike: TypeAlias = _HasFileno | int
 
 __all__ = [
     "Buffer",
@@ -13,7 +19,9 @@ __all__ = [
     "MAX_HEADER_LEN",
     "SafetensorError",
     "SafetensorsFile",
+    "default_cache_socket",
     "load",
+    "load_cached",
     "load_dmabuf",
     "load_into",
     "load_safetensors",
@@ -62,6 +70,9 @@ class Buffer:
     def __exit__(self, *_args: object) -> bool: ...
     def fileno(self) -> int: ...
     def dup_memfd(self) -> int: ...
+    def send(self, socket: _SocketLike) -> None: ...
+    @staticmethod
+    def receive(socket: _SocketLike) -> Buffer: ...
     @property
     def memfd_offset(self) -> int: ...
     @property
@@ -117,6 +128,21 @@ def load_into(
     measure_page_cache: bool | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> LoadReport: ...
+def load_cached(
+    path: str | os.PathLike[str],
+    socket: str | os.PathLike[str],
+    *,
+    engine: str | None = None,
+    mode: str | None = None,
+    to: str | None = None,
+    gather_size: int | None = None,
+    chunk_size: int | None = None,
+    queue_depth: int | None = None,
+    threads: int | None = None,
+    populate_threads: int | None = None,
+    measure_page_cache: bool | None = None,
+) -> tuple[Buffer, str | None, str | None]: ...
+def default_cache_socket() -> str: ...
 def load_safetensors(
     paths: list[str] | list[os.PathLike[str]],
     *,

@@ -6,6 +6,7 @@ import os
 from typing import Any, Union, Unpack
 
 from . import _dmaload
+from ._cache import Cache, load_cached, socket_for
 from ._dmaload import Buffer, DmaBuf
 from ._options import DmabufLoadOptions, LoadOptions, native_kwargs
 from ._progress import Progress, resolve
@@ -14,7 +15,9 @@ from ._report import LoadReport
 StrPath = Union[str, "os.PathLike[str]"]
 
 
-def load(path: StrPath, *, progress: Progress = None, **options: Unpack[LoadOptions]) -> Buffer:
+def load(
+    path: StrPath, *, progress: Progress = None, cache: Cache = None, **options: Unpack[LoadOptions]
+) -> Buffer:
     """Loads the whole file at ``path`` into a new :class:`Buffer`.
 
     The GIL is released while the file is read. Errors are ``OSError`` with
@@ -25,7 +28,18 @@ def load(path: StrPath, *, progress: Progress = None, **options: Unpack[LoadOpti
     buffer lives in (``"memfd"``, ``"anonymous-thp"``); a device
     (``"cuda:N"``) is refused with ``OSError`` EINVAL, as a Buffer cannot
     live there: ``dmaload.safetensors`` loads onto a GPU with ``device=``.
+
+    ``cache=True`` (or a socket path; ``DMALOAD_CACHE=1`` or a socket path
+    in the environment does the same) gets the file from the model-cache
+    service (``dmaload serve``): the same bytes, as a private copy-on-write
+    mapping of the service's memory, without reading the disk when the
+    service holds the file. Without a service it loads directly and says
+    so once (``RuntimeWarning``); ``progress`` is not called for a file
+    the service serves.
     """
+    socket = socket_for(cache)
+    if socket is not None:
+        return load_cached(path, socket, native_kwargs(dict(options)))
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
     try:
         return _dmaload.load(path, progress=callback, **native_kwargs(dict(options)))

@@ -5,6 +5,16 @@
 //! The model-cache service and block queues are built on these; a memfd
 //! sent here reaches the other process as the same memory, not a copy.
 
+pub mod client;
+pub mod protocol;
+pub mod service;
+
 pub use crate::sys::socket::{
     PeerCredentials, SeqpacketConn as Connection, SeqpacketListener as Listener, MAX_FDS_PER_MESSAGE,
 };
+pub use client::{
+    connection_from_raw_fd, default_socket, handoff_report, load_cached, socket_from_env, CacheOutcome,
+    Client, Fetched, CACHE_ENV,
+};
+pub use protocol::{CachedFile, Served, Status};
+pub use service::{Service, ServiceConfig, StopSignals};

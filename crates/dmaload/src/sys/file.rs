@@ -67,6 +67,28 @@ pub fn set_nonblocking(fd: BorrowedFd<'_>, nonblocking: bool) -> io::Result<()> 
     check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags) }).map(drop)
 }
 
+/// A new descriptor (close-on-exec) for the open file at descriptor number
+/// `fd`, which someone else owns (a Python object's `fileno()`):
+/// `fcntl(F_DUPFD_CLOEXEC)`. Duplicating only reads the descriptor table,
+/// so a wrong number gives `EBADF` or another file, never unsoundness.
+pub fn dup_raw(fd: std::os::fd::RawFd) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: F_DUPFD_CLOEXEC takes an integer argument and no pointers.
+    let new = check(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) })?;
+    // SAFETY: `new` was just created by fcntl and nothing else owns it.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(new) })
+}
+
+/// Whether an open file description may be read: opened `O_RDONLY` or
+/// `O_RDWR`, and not an `O_PATH` descriptor, which grants no access to the
+/// file's bytes (`fcntl(F_GETFL)`).
+pub fn readable(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    // SAFETY: F_GETFL takes no pointers.
+    let flags = check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) })?;
+    let access = flags & libc::O_ACCMODE;
+    Ok(flags & libc::O_PATH == 0 && (access == libc::O_RDONLY || access == libc::O_RDWR))
+}
+
 /// The filesystem magic number of `fd` (`fstatfs(2)` `f_type`).
 pub fn filesystem_magic(fd: BorrowedFd<'_>) -> io::Result<i64> {
     let mut st = MaybeUninit::<libc::statfs>::zeroed();

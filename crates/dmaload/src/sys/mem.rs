@@ -59,6 +59,45 @@ impl Mapping {
         }
     }
 
+    /// `mmap(MAP_PRIVATE)` of `len` bytes of `fd` from offset 0,
+    /// read-write: the file's pages until this process writes one, then a
+    /// private copy of that page (copy-on-write). Works on a memfd sealed
+    /// with `F_SEAL_FUTURE_WRITE`, which refuses only shared writable maps.
+    pub fn private(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        Self::map(len, libc::MAP_PRIVATE, fd.as_raw_fd())
+    }
+
+    /// Turns this mapping, which must be a `MAP_SHARED` mapping of `fd`
+    /// from offset 0 (as [`Mapping::memfd`] makes), into a private
+    /// copy-on-write one at the same address (`MAP_FIXED` replaces it in
+    /// one step): the bytes read stay the same pages, while this process's
+    /// later writes go to private copies instead of the file, which others
+    /// may map. Slices of the mapping stay valid: their bytes do not change.
+    pub fn make_private(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the range is exactly the mapping this value owns, and (the
+        // caller's promise above) it maps `fd` from offset 0, so the new
+        // mapping shows the same bytes at the same addresses: references to
+        // them stay valid. MAP_FIXED swaps the mappings under the mmap lock,
+        // so no access sees a hole.
+        let ptr = unsafe {
+            libc::mmap(
+                self.ptr.as_ptr().cast(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Private anonymous memory, optionally asking for transparent huge pages
     /// (`MADV_HUGEPAGE`, Linux 2.6.38).
     pub fn anonymous(len: usize, huge_pages: bool) -> io::Result<Mapping> {
@@ -335,6 +374,8 @@ impl Seals {
     /// mappings made before stay writable, private mappings are
     /// copy-on-write, and udmabuf still accepts the memfd.
     pub const FUTURE_WRITE: Seals = Seals(libc::F_SEAL_FUTURE_WRITE);
+    /// No more seals may be added or removed (`F_SEAL_SEAL`).
+    pub const SEAL: Seals = Seals(libc::F_SEAL_SEAL);
 }
 
 impl std::ops::BitOr for Seals {
@@ -345,6 +386,11 @@ impl std::ops::BitOr for Seals {
 }
 
 impl Seals {
+    /// Both sets of seals (`|`, usable in constants).
+    pub const fn union(self, other: Seals) -> Seals {
+        Seals(self.0 | other.0)
+    }
+
     /// Whether every seal of `other` is in `self`.
     pub fn contains(self, other: Seals) -> bool {
         self.0 & other.0 == other.0

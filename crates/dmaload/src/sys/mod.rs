@@ -31,6 +31,7 @@ pub mod dmabuf;
 pub mod file;
 pub mod mem;
 pub mod process;
+pub mod signal;
 pub mod socket;
 pub mod uring;
 pub mod vm;

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeAlias, Union, Unpack, get_args
 
 from .. import _dmaload
+from .._cache import Cache, load_cached, socket_for
 from .._dmaload import Buffer, SafetensorError
 from .._header import Header, TensorInfo
 from .._options import Destination, LoadOptions, native_kwargs
@@ -342,6 +343,19 @@ def _load_files(
     return [_File(buffer, header) for buffer, header in loaded]
 
 
+def _load_files_cached(paths: list[Path], socket: str, options: dict[str, Any]) -> list[_File]:
+    """Each file whole from the cache service at ``socket`` (or loaded
+    directly without one); its header parsed from the bytes received."""
+    files = []
+    for path in paths:
+        buffer = load_cached(os.fspath(path), socket, native_kwargs(options))
+        with memoryview(buffer) as view:
+            n = int.from_bytes(view[:8], "little") if len(view) >= 8 else 0
+            head = bytes(view[: 8 + min(n, _dmaload.MAX_HEADER_LEN)])
+        files.append(_File(buffer, _dmaload.parse_safetensors_header(head, len(buffer))))
+    return files
+
+
 class SafeOpen:
     """A loaded safetensors file (or sharded model), like ``safetensors.safe_open``.
 
@@ -359,14 +373,22 @@ class SafeOpen:
         *,
         progress: Progress = None,
         concurrency: int = DEFAULT_CONCURRENCY,
+        cache: Cache = None,
         **options: Unpack[LoadOptions],
     ) -> None:
         self._framework = _framework(framework)
         _check_device(self._framework, device, dict(options))
         self._device = device
         paths, weight_map = shard_paths(path)
-        if self._framework == "pt" and _device.is_device(device):
+        on_device = self._framework == "pt" and _device.is_device(device)
+        if on_device and cache not in (None, False):
+            raise ValueError("cache= serves host memory: load with device='cpu', or drop cache=")
+        # DMALOAD_CACHE (cache=None) applies to host loads only.
+        socket = None if on_device else socket_for(cache)
+        if on_device:
             self._files = _device.load_files(paths, device, progress, dict(options))
+        elif socket is not None:
+            self._files = _load_files_cached(paths, socket, dict(options))
         else:
             self._files = _load_files(paths, progress, concurrency, dict(options))
         self._index: dict[str, _File] = {}
@@ -480,10 +502,11 @@ def safe_open(
     *,
     progress: Progress = None,
     concurrency: int = DEFAULT_CONCURRENCY,
+    cache: Cache = None,
     **options: Unpack[LoadOptions],
 ) -> SafeOpen:
     """Opens (loads) a safetensors file or sharded model; see :class:`SafeOpen`."""
-    return SafeOpen(path, framework, device, progress=progress, concurrency=concurrency, **options)
+    return SafeOpen(path, framework, device, progress=progress, concurrency=concurrency, cache=cache, **options)
 
 
 def load_file(
@@ -493,6 +516,7 @@ def load_file(
     *,
     progress: Progress = None,
     concurrency: int = DEFAULT_CONCURRENCY,
+    cache: Cache = None,
     **options: Unpack[LoadOptions],
 ) -> dict[str, Any]:
     """All tensors of a safetensors file (or sharded model) as a dict, like
@@ -503,7 +527,16 @@ def load_file(
     staging ring straight into one device allocation per file, never holding
     the model in host memory (see ``dmaload.safetensors._device``). See the
     module doc for dtypes and lifetimes.
+
+    ``cache=True`` (or a socket path; ``DMALOAD_CACHE`` in the environment
+    does the same for CPU loads) takes each file from the model-cache
+    service (``dmaload serve``): the same tensors, views of a private
+    copy-on-write mapping of the service's memory, so writing to them
+    changes nothing another process sees. Without a service the files load
+    directly and a ``RuntimeWarning`` says why, once.
     """
-    with safe_open(path, framework, device, progress=progress, concurrency=concurrency, **options) as f:
+    with safe_open(
+        path, framework, device, progress=progress, concurrency=concurrency, cache=cache, **options
+    ) as f:
         return f.get_tensors()
 

@@ -1,0 +1,60 @@
+"""``cache=``: get whole files from the model-cache service (``dmaload serve``).
+
+The service keeps loaded files in sealed memfds; a client sends it an open
+file descriptor (never a path) and receives the file's bytes as a private
+copy-on-write mapping of the service's memory: the same :class:`Buffer` a
+direct load returns, in milliseconds, and writes to it stay in this
+process. Without a service the file is loaded directly and the reason is
+said once (a ``RuntimeWarning``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, TypeAlias, Union
+
+from . import _dmaload
+from ._dmaload import Buffer
+
+Cache: TypeAlias = Union[bool, str, "os.PathLike[str]", None]
+"""``True`` (the default socket, or the one ``DMALOAD_CACHE`` names), a
+socket path, ``False`` (never), or ``None`` (what ``DMALOAD_CACHE`` says:
+``1`` for the default socket, a socket path, or unset/``0`` for none)."""
+
+CACHE_ENV = "DMALOAD_CACHE"
+
+_said: set[str] = set()
+
+
+def socket_for(cache: Cache) -> str | None:
+    """The socket ``cache`` names, or None for a direct load."""
+    env = os.environ.get(CACHE_ENV, "")
+    if cache is None:
+        if env in ("", "0"):
+            return None
+        cache = True
+    if isinstance(cache, bool):
+        if not cache:
+            return None
+        return env if env not in ("", "0", "1") else os.fspath(_dmaload.default_cache_socket())
+    return os.fspath(cache)
+
+
+def _say_once(message: str) -> None:
+    # The message without its details: one warning per kind of reason.
+    key = message.split(":", 1)[0]
+    if key not in _said:
+        _said.add(key)
+        warnings.warn(f"dmaload: {message}", RuntimeWarning, stacklevel=4)
+
+
+def load_cached(path: Any, socket: str, options: dict[str, Any]) -> Buffer:
+    """The whole file at ``path`` from the service at ``socket``, else a
+    direct load with ``options`` (the reason said once)."""
+    buffer, served, message = _dmaload.load_cached(path, socket, **options)
+    if served is None and message is not None:
+        _say_once(f"{message}; loaded directly")
+    elif message is not None:
+        _say_once(f"cache service: {message}")
+    return buffer

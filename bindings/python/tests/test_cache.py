@@ -1,0 +1,243 @@
+"""Sharing loaded files between processes: ``Buffer.send``/``receive`` and
+``cache=`` through the model-cache service (the native ``dmaload serve``),
+with real processes on real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dmaload
+import dmaload.safetensors as dst
+from dmaload.__main__ import native_cli
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _cli() -> str | None:
+    built = REPO / "target" / "release" / "dmaload"
+    return str(built) if built.is_file() else native_cli()
+
+
+class Service:
+    """``dmaload serve`` on a socket of its own, killed at the end."""
+
+    def __init__(self, socket_path: Path, *args: str) -> None:
+        cli = _cli()
+        if cli is None:
+            pytest.skip("SKIP cache service: the native dmaload CLI is not built (cargo build --release)")
+        self.socket = socket_path
+        self.proc = subprocess.Popen(
+            [cli, "serve", "--socket", str(socket_path), *args], stderr=subprocess.PIPE, text=True
+        )
+        deadline = time.monotonic() + 60
+        while not self._answers():
+            assert self.proc.poll() is None, self.proc.stderr.read() if self.proc.stderr else ""
+            assert time.monotonic() < deadline, "the service did not start"
+            time.sleep(0.01)
+
+    def _answers(self) -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.connect(str(self.socket))
+            return True
+        except OSError:
+            return False
+
+    def status(self) -> dict[str, object]:
+        cli = _cli()
+        assert cli is not None
+        out = subprocess.run(
+            [cli, "serve", "--status", "--json", "--socket", str(self.socket)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        result: dict[str, object] = json.loads(out.stdout)
+        return result
+
+    def memfds(self) -> int:
+        fds = Path(f"/proc/{self.proc.pid}/fd")
+        return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("/memfd:"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    s = Service(tmp_path / "cache.sock")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _fresh(code: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """Runs ``code`` in a fresh Python process; its stdout."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_buffer_crosses_to_another_process_bit_exact_and_private(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    buf = dmaload.load(path)
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    code = (
+        "import hashlib, os, socket, sys, dmaload\n"
+        "s = socket.socket(fileno=int(sys.argv[1]))\n"
+        "b = dmaload.Buffer.receive(s)\n"
+        "print(hashlib.sha256(memoryview(b)).hexdigest(), b.report.destination)\n"
+        "memoryview(b)[:4096] = bytes(4096)\n"  # private: the sender must not see it
+        "s.send(b'written')\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(child.fileno())], pass_fds=[child.fileno()], stdout=subprocess.PIPE, text=True
+    )
+    child.close()
+    buf.send(parent)
+    assert parent.recv(16) == b"written"
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    import hashlib
+
+    assert out.split() == [hashlib.sha256(data).hexdigest(), "received"]
+    assert bytes(buf) == data
+    # The sender's writes are private too once the memfd is shared.
+    memoryview(buf)[0] ^= 0xFF
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    buf.send(a.fileno())
+    assert bytes(dmaload.Buffer.receive(b)) == data
+    with pytest.raises(OSError, match="not a Unix SOCK_SEQPACKET socket"):
+        buf.send(socket.socketpair()[0])
+
+
+def test_forged_handoffs_are_refused(tmp_path: Path) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    message = json.dumps({"version": 1, "body": {"reply": "buffer", "offset": 0, "len": 10}}).encode()
+    with open(tmp_path / "f", "wb+") as f:
+        f.write(bytes(8192))
+        f.flush()
+        socket.send_fds(a, [message], [f.fileno()])
+    with pytest.raises(OSError, match="not a sealable memfd"):
+        dmaload.Buffer.receive(b)
+    unsealed = os.memfd_create("forged", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, 8192)
+    socket.send_fds(a, [message], [unsealed])
+    with pytest.raises(OSError, match="not sealed"):
+        dmaload.Buffer.receive(b)
+
+
+def test_cache_serves_fresh_processes_the_same_bytes(service: Service, data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    code = (
+        "import hashlib, sys, dmaload\n"
+        "b = dmaload.load(sys.argv[1], cache=sys.argv[2])\n"
+        "print(hashlib.sha256(memoryview(b)).hexdigest(), b.report.destination)\n"
+    )
+    import hashlib
+
+    digest = hashlib.sha256(data).hexdigest()
+    assert _fresh(code, str(path), str(service.socket)) == f"{digest} cache-service (miss)"
+    assert _fresh(code, str(path), str(service.socket)) == f"{digest} cache-service (hit)"
+    # DMALOAD_CACHE names the socket for code that does not pass cache=.
+    env = dict(os.environ, DMALOAD_CACHE=str(service.socket))
+    plain = "import hashlib, sys, dmaload\nb = dmaload.load(sys.argv[1])\nprint(b.report.destination)\n"
+    assert _fresh(plain, str(path), env=env) == "cache-service (hit)"
+    status = service.status()
+    assert (status["misses"], status["hits"], status["files_cached"]) == (1, 2, 1)
+
+    # A file that fails to load: the same error as a direct load, no fallback.
+    with pytest.raises(OSError) as direct:
+        dmaload.load("/proc/self/status")
+    with pytest.raises(OSError) as served:
+        dmaload.load("/proc/self/status", cache=service.socket)
+    assert (served.value.errno, str(served.value)) == (direct.value.errno, str(direct.value))
+
+    # Two views in this process: one written, the other unchanged.
+    one = dmaload.load(path, cache=service.socket)
+    two = dmaload.load(path, cache=True if os.environ.get("DMALOAD_CACHE") else service.socket)
+    np.frombuffer(memoryview(one), dtype=np.uint8)[:] = 7
+    assert bytes(two) == data
+    assert service.memfds() == 1
+
+
+def test_safetensors_from_the_cache_match_a_direct_load(service: Service, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors import numpy as st_numpy
+
+    path = tmp_path / "model.safetensors"
+    rng = np.random.default_rng(3)
+    st_numpy.save_file(
+        {
+            "a": rng.standard_normal((300, 77)).astype(np.float32),
+            "b": rng.integers(0, 100, (1000,), dtype=np.int64),
+            "c": rng.standard_normal((5,)).astype(np.float16),
+        },
+        path,
+    )
+    direct = dst.load_file(path)
+    cached = dst.load_file(path, cache=service.socket)
+    assert direct.keys() == cached.keys()
+    for name in direct:
+        assert cached[name].dtype == direct[name].dtype
+        np.testing.assert_array_equal(cached[name], direct[name])
+    # Writes to one client's tensors stay in it.
+    pt = dst.load_file(path, framework="pt", cache=service.socket)
+    pt["a"].fill_(0)
+    again = dst.load_file(path, framework="pt", cache=service.socket)
+    assert torch.equal(again["a"], torch.from_numpy(direct["a"]))
+    status = service.status()
+    assert (status["misses"], status["hits"]) == (1, 2)
+    with pytest.raises(ValueError, match="host memory"):
+        dst.load_file(path, framework="pt", device="cuda:0", cache=True)
+
+
+def test_without_a_service_it_loads_directly_and_says_so_once(
+    tmp_path: Path, data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, data = data_file
+    monkeypatch.setattr("dmaload._cache._said", set())
+    absent = tmp_path / "absent.sock"
+    with pytest.warns(RuntimeWarning, match="no cache service.*loaded directly"):
+        buf = dmaload.load(path, cache=absent)
+    assert bytes(buf) == data and buf.report.destination == "memfd"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bytes(dmaload.load(path, cache=absent)) == data
+        # cache=False, and no DMALOAD_CACHE: no service is asked.
+        monkeypatch.delenv("DMALOAD_CACHE", raising=False)
+        assert bytes(dmaload.load(path, cache=False)) == data
+
+
+def test_a_killed_service_leaves_clients_their_bytes_and_a_fallback(
+    tmp_path: Path, data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, data = data_file
+    monkeypatch.setattr("dmaload._cache._said", set())
+    svc = Service(tmp_path / "cache.sock", "--memory-limit", "64M")
+    held = dmaload.load(path, cache=svc.socket)
+    assert svc.memfds() == 1
+    svc.proc.kill()
+    svc.proc.wait(timeout=60)
+    assert bytes(held) == data  # the pages outlive the service
+    with pytest.warns(RuntimeWarning, match="no cache service"):
+        again = dmaload.load(path, cache=svc.socket)
+    assert bytes(again) == data

@@ -1,0 +1,315 @@
+//! `dmaload bench cache`: what the model-cache service buys a fresh
+//! process, against loading the file itself, in one run. Each round, every
+//! load runs in a fresh process:
+//!
+//! 1. cold direct: `dmaload load FILE`, the file evicted first;
+//! 2. a fresh `dmaload serve`, the file evicted: `dmaload load --cache`
+//!    (a miss: the service reads the disk and hands the memfd over), then
+//!    again (a hit: no disk read);
+//! 3. Python, service warm: `dmaload.safetensors.load_file(FILE, cache=)`
+//!    for NumPy and PyTorch;
+//! 4. Python, the file read into the page cache first:
+//!    `safetensors.numpy.load_file` and `safetensors.torch.load_file`.
+//!
+//! Times are those each child measures around its load call; the Python
+//! children also touch one byte per page of every tensor afterwards
+//! (reported apart: a mapping handed over is faulted in on first touch).
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::benchkit::{evict, Spread};
+use crate::units::{human_bytes, Size};
+
+#[derive(Args)]
+pub struct CacheArgs {
+    /// A safetensors file (default: a generated sample model of --size).
+    file: Option<PathBuf>,
+    /// Size of the generated sample model when no FILE is given.
+    #[arg(long, default_value = "2G")]
+    size: Size,
+    /// Rounds (each with a fresh service).
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// The Python that runs the safetensors rows (needs dmaload, numpy,
+    /// torch and safetensors importable; rows it cannot run are skipped).
+    #[arg(long, default_value = "python3")]
+    python: PathBuf,
+    /// Print one JSON object instead of a Markdown table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The Python child: loads with one method, prints its times as JSON.
+const PYTHON_CHILD: &str = r#"
+import json, sys, time
+method, path, sock = sys.argv[1], sys.argv[2], sys.argv[3]
+if method.endswith("pt"):
+    import torch
+else:
+    import numpy as np
+if method.startswith("dmaload"):
+    import dmaload.safetensors as dst
+    framework = method.split("-")[1]
+    start = time.perf_counter()
+    tensors = dst.load_file(path, framework=framework, cache=sock)
+else:
+    import safetensors.numpy as stn, safetensors.torch as stt
+    start = time.perf_counter()
+    tensors = (stt if method.endswith("pt") else stn).load_file(path)
+seconds = time.perf_counter() - start
+start = time.perf_counter()
+total = 0
+for t in tensors.values():
+    flat = t.reshape(-1).view(torch.uint8) if method.endswith("pt") else t.reshape(-1).view(np.uint8)
+    total += int(flat[::4096].sum())
+touch = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "touch_seconds": touch, "tensors": len(tensors)}))
+"#;
+
+#[derive(Debug, Serialize)]
+struct Row {
+    method: String,
+    /// The child's time for the load call, per round.
+    seconds: Vec<f64>,
+    /// The Python children's time to touch every page afterwards.
+    touch_seconds: Vec<f64>,
+    median_seconds: f64,
+    median_gib_per_second: f64,
+    /// Median cold direct time over this row's median.
+    speedup_over_cold_direct: f64,
+    skipped: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Table {
+    file: String,
+    bytes: u64,
+    repeat: usize,
+    rows: Vec<Row>,
+    /// cold direct / cached hit (dmaload load --cache), target >= 20.
+    cold_over_hit: f64,
+    /// safetensors numpy warm / dmaload numpy from the service, target >= 10.
+    safetensors_numpy_over_cached: Option<f64>,
+    /// safetensors torch warm / dmaload torch from the service, target >= 10.
+    safetensors_torch_over_cached: Option<f64>,
+}
+
+const METHODS: [&str; 7] = [
+    "dmaload load, cold (direct)",
+    "dmaload load --cache, service cold (miss)",
+    "dmaload load --cache, service warm (hit)",
+    "dmaload.safetensors np, cache= (hit)",
+    "dmaload.safetensors pt, cache= (hit)",
+    "safetensors.numpy, warm page cache",
+    "safetensors.torch, warm page cache",
+];
+
+pub fn run(args: &CacheArgs) -> Result<(), String> {
+    let file = match &args.file {
+        Some(file) => file.clone(),
+        None => {
+            let dir = crate::benchkit::default_dir();
+            crate::sample::cached_model(&dir, args.size.0).map_err(|e| format!("sample model: {e}"))?.0
+        }
+    };
+    let bytes = std::fs::metadata(&file).map_err(|e| format!("stat {}: {e}", file.display()))?.len();
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let scratch = tempfile_dir()?;
+    let socket = scratch.join("cache.sock");
+    let mut samples: Vec<(Vec<f64>, Vec<f64>, Option<String>)> = vec![(Vec::new(), Vec::new(), None); 7];
+    for round in 0..args.repeat.max(1) {
+        eprintln!("bench cache: round {} of {}", round + 1, args.repeat.max(1));
+        evict(&file)?;
+        samples[0].0.push(cli_load(&exe, &file, None)?);
+        let service = start_service(&exe, &socket)?;
+        evict(&file)?;
+        samples[1].0.push(cli_load(&exe, &file, Some(&socket))?);
+        samples[2].0.push(cli_load(&exe, &file, Some(&socket))?);
+        for (i, method) in [(3, "dmaload-np"), (4, "dmaload-pt")] {
+            record(&mut samples[i], python_load(&args.python, method, &file, &socket));
+        }
+        stop_service(service)?;
+        warm(&file)?;
+        for (i, method) in [(5, "safetensors-np"), (6, "safetensors-pt")] {
+            record(&mut samples[i], python_load(&args.python, method, &file, &socket));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    let cold = Spread::of(&samples[0].0).median;
+    let rows: Vec<Row> = samples
+        .into_iter()
+        .zip(METHODS)
+        .map(|((seconds, touch_seconds, skipped), method)| {
+            let median = Spread::of(&seconds).median;
+            Row {
+                method: method.to_owned(),
+                median_gib_per_second: if median > 0.0 {
+                    bytes as f64 / (1u64 << 30) as f64 / median
+                } else {
+                    0.0
+                },
+                speedup_over_cold_direct: if median > 0.0 { cold / median } else { 0.0 },
+                median_seconds: median,
+                seconds,
+                touch_seconds,
+                skipped,
+            }
+        })
+        .collect();
+    let ratio = |slow: usize, fast: usize| {
+        (rows[slow].median_seconds > 0.0 && rows[fast].median_seconds > 0.0)
+            .then(|| rows[slow].median_seconds / rows[fast].median_seconds)
+    };
+    let table = Table {
+        file: file.display().to_string(),
+        bytes,
+        repeat: args.repeat.max(1),
+        cold_over_hit: ratio(0, 2).unwrap_or(0.0),
+        safetensors_numpy_over_cached: ratio(5, 3),
+        safetensors_torch_over_cached: ratio(6, 4),
+        rows,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&table).map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", markdown(&table));
+    }
+    Ok(())
+}
+
+fn record(sample: &mut (Vec<f64>, Vec<f64>, Option<String>), result: Result<(f64, f64), String>) {
+    match result {
+        Ok((seconds, touch)) => {
+            sample.0.push(seconds);
+            sample.1.push(touch);
+        }
+        Err(why) => sample.2 = Some(why),
+    }
+}
+
+fn markdown(t: &Table) -> String {
+    let mut s = format!(
+        "File {} ({}), {} rounds; each load in a fresh process; times are medians (min–max) of the \
+         load call, \"touch\" the Python child's pass over one byte per page afterwards.\n\n\
+         | method | load s | GiB/s | touch s | cold direct / this |\n|---|---|---|---|---|\n",
+        t.file,
+        human_bytes(t.bytes),
+        t.repeat
+    );
+    for row in &t.rows {
+        if let Some(why) = &row.skipped {
+            s += &format!("| {} | skipped: {why} | | | |\n", row.method);
+            continue;
+        }
+        let touch =
+            if row.touch_seconds.is_empty() { "–".into() } else { Spread::of(&row.touch_seconds).show(3) };
+        s += &format!(
+            "| {} | {} | {:.2} | {} | {:.1}× |\n",
+            row.method,
+            Spread::of(&row.seconds).show(3),
+            row.median_gib_per_second,
+            touch,
+            row.speedup_over_cold_direct
+        );
+    }
+    s += &format!("\ncold direct / service hit: {:.1}× (target ≥ 20×)\n", t.cold_over_hit);
+    for (name, ratio) in
+        [("numpy", t.safetensors_numpy_over_cached), ("torch", t.safetensors_torch_over_cached)]
+    {
+        if let Some(ratio) = ratio {
+            s += &format!("safetensors.{name} warm / dmaload cache= {name}: {ratio:.1}× (target ≥ 10×)\n");
+        }
+    }
+    s
+}
+
+fn tempfile_dir() -> Result<PathBuf, String> {
+    let dir = std::env::temp_dir().join(format!("dmaload-bench-cache-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+/// `dmaload load FILE --json` (with `--cache SOCKET`) in a fresh process:
+/// the load time it reports.
+fn cli_load(exe: &Path, file: &Path, socket: Option<&Path>) -> Result<f64, String> {
+    let mut cmd = Command::new(exe);
+    cmd.args(["load", "--json", "--no-page-cache"]).arg(file).env_remove("DMALOAD_CACHE");
+    if let Some(socket) = socket {
+        cmd.arg("--cache").arg(socket);
+    }
+    let out = cmd.output().map_err(|e| format!("run {}: {e}", exe.display()))?;
+    if !out.status.success() {
+        return Err(format!("dmaload load failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    if socket.is_some() && !String::from_utf8_lossy(&out.stderr).contains("from the cache service") {
+        return Err(format!("not served by the cache service: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let report: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("load --json: {e}"))?;
+    report["total_seconds"].as_f64().ok_or_else(|| "load --json has no total_seconds".into())
+}
+
+fn python_load(python: &Path, method: &str, file: &Path, socket: &Path) -> Result<(f64, f64), String> {
+    let out = Command::new(python)
+        .arg("-c")
+        .arg(PYTHON_CHILD)
+        .arg(method)
+        .arg(file)
+        .arg(socket)
+        .env_remove("DMALOAD_CACHE")
+        .output()
+        .map_err(|e| format!("{}: {e}", python.display()))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        return Err(stderr.lines().last().unwrap_or("failed").to_owned());
+    }
+    if method.starts_with("dmaload") && String::from_utf8_lossy(&out.stderr).contains("loaded directly") {
+        return Err("the service did not serve it".into());
+    }
+    let result: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("{method}: {e}"))?;
+    Ok((result["seconds"].as_f64().unwrap_or(0.0), result["touch_seconds"].as_f64().unwrap_or(0.0)))
+}
+
+fn start_service(exe: &Path, socket: &Path) -> Result<Child, String> {
+    let child = Command::new(exe)
+        .args(["serve", "--socket"])
+        .arg(socket)
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("dmaload serve: {e}"))?;
+    let started = Instant::now();
+    while dmaload::share::Connection::connect(socket).is_err() {
+        if started.elapsed() > Duration::from_secs(60) {
+            return Err("dmaload serve did not start".into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(child)
+}
+
+fn stop_service(mut child: Child) -> Result<(), String> {
+    let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+    let status = child.wait().map_err(|e| e.to_string())?;
+    if !status.success() {
+        let mut log = String::new();
+        if let Some(mut stderr) = child.stderr.take() {
+            let _ = stderr.read_to_string(&mut log);
+        }
+        return Err(format!("dmaload serve failed: {log}"));
+    }
+    Ok(())
+}
+
+/// Reads the file once through the page cache.
+fn warm(file: &Path) -> Result<(), String> {
+    let mut f = std::fs::File::open(file).map_err(|e| format!("open {}: {e}", file.display()))?;
+    let mut block = vec![0u8; 8 << 20];
+    while f.read(&mut block).map_err(|e| format!("read {}: {e}", file.display()))? > 0 {}
+    Ok(())
+}

@@ -1,0 +1,250 @@
+//! The cache service's client: asks for a file by sending its open
+//! descriptor and receives the file's bytes as a private copy-on-write
+//! mapping of the service's sealed memfd. [`load_cached`] falls back to a
+//! direct load when no service answers.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::buffer::Buffer;
+use crate::engine::CachePolicy;
+use crate::error::{Error, ErrorKind, Result};
+use crate::load::{load, LoadOptions, LoadReport};
+use crate::share::protocol::{self, Reply, Request, Served, Status};
+use crate::share::Connection;
+use crate::{source, sys, system};
+
+/// The environment variable that turns caching on for Python's loaders
+/// and `dmaload load`: `1` for the default socket, or a socket path.
+pub const CACHE_ENV: &str = "DMALOAD_CACHE";
+
+/// How long a client waits for a reply: a cold load of a large file
+/// through the service takes as long as the disk needs.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// The default socket: `$XDG_RUNTIME_DIR/dmaload.sock`, else
+/// `/run/user/UID/dmaload.sock`.
+pub fn default_socket() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR").filter(|dir| !dir.is_empty()) {
+        Some(dir) => PathBuf::from(dir).join("dmaload.sock"),
+        None => PathBuf::from(format!("/run/user/{}/dmaload.sock", sys::process::effective_uid())),
+    }
+}
+
+/// The socket [`CACHE_ENV`] names: `None` when unset, empty or `0`; the
+/// default socket for `1`; else the path it holds.
+pub fn socket_from_env() -> Option<PathBuf> {
+    let value = std::env::var_os(CACHE_ENV)?;
+    match value.to_str() {
+        Some("" | "0") => None,
+        Some("1") => Some(default_socket()),
+        _ => Some(PathBuf::from(value)),
+    }
+}
+
+/// A [`Connection`] over a duplicate of descriptor number `fd`, a
+/// connected `SOCK_SEQPACKET` Unix socket that someone else owns (a
+/// Python socket's `fileno()`); anything else is refused.
+pub fn connection_from_raw_fd(fd: std::os::fd::RawFd) -> io::Result<Connection> {
+    Connection::from_fd(sys::file::dup_raw(fd)?)
+}
+
+/// A report for a buffer that arrived by handoff rather than a load: the
+/// bytes, the time from asking to mapping, where it came from
+/// (`destination`); nothing was read, allocated or registered here.
+pub fn handoff_report(
+    path: &Path,
+    bytes: u64,
+    seconds: f64,
+    destination: String,
+    options: &LoadOptions,
+) -> LoadReport {
+    LoadReport {
+        path: path.to_owned(),
+        offset: 0,
+        bytes,
+        engine: options.engine,
+        cache: CachePolicy::Bypass,
+        memory: crate::heap::MemoryKind::Memfd,
+        huge_pages: false,
+        destination,
+        filesystem: "unknown",
+        alignment: 1,
+        chunk_size: options.chunk_size,
+        gather_size: options.gather_size,
+        queue_depth: options.queue_depth,
+        fallbacks: Vec::new(),
+        alloc_seconds: 0.0,
+        register_seconds: 0.0,
+        first_gather_seconds: 0.0,
+        deliver_seconds: 0.0,
+        io_seconds: 0.0,
+        waited_for_memory_seconds: 0.0,
+        total_seconds: seconds,
+        gib_per_second: bytes as f64 / (1u64 << 30) as f64 / seconds.max(1e-9),
+        cpu_user_seconds: 0.0,
+        cpu_system_seconds: 0.0,
+        page_cache: None,
+    }
+}
+
+/// A connection to a cache service.
+pub struct Client {
+    conn: Connection,
+    socket: PathBuf,
+}
+
+/// A file's bytes from the service.
+#[derive(Debug)]
+pub struct Fetched {
+    pub buffer: Buffer,
+    pub served: Served,
+    /// What the service said about the request (why it was not cached).
+    pub note: Option<String>,
+    /// From sending the request to mapping the reply.
+    pub seconds: f64,
+}
+
+impl Client {
+    /// Connects to the service at `socket`. The service must run as this
+    /// user or as root (its `SO_PEERCRED`): a socket anyone else serves is
+    /// refused, as its memory could change under the mappings it hands out.
+    pub fn connect(socket: impl AsRef<Path>) -> Result<Client> {
+        let socket = socket.as_ref();
+        let conn = Connection::connect(socket).map_err(|e| Error::io("connect", socket, e))?;
+        let peer = conn.peer_credentials().map_err(|e| Error::io("SO_PEERCRED", socket, e))?;
+        let own = sys::process::effective_uid();
+        if peer.uid != own && peer.uid != 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "connect",
+                socket,
+                format!("the service there runs as uid {}, neither this user ({own}) nor root", peer.uid),
+            ));
+        }
+        conn.set_timeouts(Some(REPLY_TIMEOUT)).map_err(|e| Error::io("setsockopt", socket, e))?;
+        Ok(Client { conn, socket: socket.to_owned() })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The bytes of the file at `path`: opened here (as a direct load opens
+    /// it), its descriptor sent to the service.
+    pub fn get(&self, path: impl AsRef<Path>) -> Result<Fetched> {
+        let path = path.as_ref();
+        let file = source::open_for_reading(path)?;
+        self.get_file(&file, path)
+    }
+
+    /// The bytes of the open `file` (`path` names it in errors). The
+    /// service refuses anything but a regular file open for reading.
+    pub fn get_file(&self, file: &File, path: &Path) -> Result<Fetched> {
+        let started = Instant::now();
+        let request = protocol::encode_request(Request::Get);
+        protocol::retry(|| self.conn.send(&request, &[file.as_fd()]))
+            .map_err(|e| Error::io("send request", &self.socket, e))?;
+        let (info, memfd) = protocol::receive_buffer(&self.conn).map_err(|err| match err.op() {
+            // Errors of the socket and of the service name the socket; a
+            // failed load names the file as this client knows it.
+            "receive buffer" | "connect" | "request" => err,
+            _ => protocol::WireError::from_error(&err).into_error(Some(path)),
+        })?;
+        let buffer = Buffer::from_sealed_memfd(memfd, info.offset, info.len)?;
+        let served = info.served.ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidInput,
+                "receive buffer",
+                &self.socket,
+                "the reply says not how it was served",
+            )
+        })?;
+        Ok(Fetched { buffer, served, note: info.note, seconds: started.elapsed().as_secs_f64() })
+    }
+
+    /// What the service holds and has done.
+    pub fn status(&self) -> Result<Status> {
+        let request = protocol::encode_request(Request::Status);
+        protocol::retry(|| self.conn.send(&request, &[]))
+            .map_err(|e| Error::io("send request", &self.socket, e))?;
+        match protocol::receive_reply(&self.conn).map_err(|e| Error::io("receive status", &self.socket, e))? {
+            Some((Reply::Status(status), _)) => Ok(status),
+            Some((Reply::Error(err), _)) => Err(err.into_error(None)),
+            Some(_) => {
+                Err(Error::new(ErrorKind::InvalidInput, "receive status", &self.socket, "not a status reply"))
+            }
+            None => Err(Error::io(
+                "receive status",
+                &self.socket,
+                io::Error::new(io::ErrorKind::UnexpectedEof, "the service closed the connection"),
+            )),
+        }
+    }
+}
+
+/// Where a [`load_cached`] buffer came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheOutcome {
+    /// From the service, and how it served it.
+    Service { served: Served, note: Option<String> },
+    /// Loaded directly: why the service was not used.
+    Direct { reason: String },
+}
+
+/// Loads `path` through the cache service at `socket`, or directly (with
+/// `options`) when the service cannot be reached, refuses this client,
+/// breaks off, or the path is not a regular file; [`CacheOutcome`] says
+/// which and why. An error about the file itself (it fails to load) is
+/// returned as a direct load would return it, not retried.
+///
+/// A buffer from the service is a private copy-on-write mapping of the
+/// service's memfd; its report's `destination` is `cache-service`, its
+/// times those of the handoff.
+pub fn load_cached(
+    path: impl AsRef<Path>,
+    socket: &Path,
+    options: &LoadOptions,
+) -> Result<(Buffer, LoadReport, CacheOutcome)> {
+    let path = path.as_ref();
+    let direct = |reason: String| -> Result<(Buffer, LoadReport, CacheOutcome)> {
+        let (buffer, report) = load(path, options)?;
+        Ok((buffer, report, CacheOutcome::Direct { reason }))
+    };
+    let file = source::open_for_reading(path)?;
+    let meta = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
+    if !meta.file_type().is_file() {
+        return direct(format!("a {} is not cached, only regular files", source::type_name(&meta)));
+    }
+    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let client = match Client::connect(socket) {
+        Ok(client) => client,
+        Err(err) => return direct(format!("no cache service: {err}")),
+    };
+    let fetched = match client.get_file(&file, path) {
+        Ok(fetched) => fetched,
+        Err(err) if service_unusable(&err) => return direct(format!("the cache service failed: {err}")),
+        Err(err) => return Err(err),
+    };
+    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let mut report = handoff_report(
+        path,
+        fetched.buffer.len() as u64,
+        fetched.seconds,
+        format!("cache-service ({})", fetched.served.name()),
+        options,
+    );
+    report.filesystem = sys::file::filesystem_magic(file.as_fd()).map_or("unknown", system::filesystem_name);
+    report.cpu_user_seconds = (cpu_after.0 - cpu_before.0).as_secs_f64();
+    report.cpu_system_seconds = (cpu_after.1 - cpu_before.1).as_secs_f64();
+    Ok((fetched.buffer, report, CacheOutcome::Service { served: fetched.served, note: fetched.note }))
+}
+
+/// Whether `err` says the service could not serve (gone, refused this
+/// client, spoke nonsense) rather than that the file failed to load.
+fn service_unusable(err: &Error) -> bool {
+    matches!(err.op(), "send request" | "receive buffer" | "connect")
+}

@@ -1,0 +1,407 @@
+//! The messages that cross a `share` socket: one JSON object per
+//! `SOCK_SEQPACKET` message, `{"version": 1, "body": ...}`, plus the
+//! descriptors the message carries. Everything received is untrusted: a
+//! message longer than its limit is refused whole (the socket layer closes
+//! its descriptors), a version other than [`VERSION`] is refused by name,
+//! and a request with unknown fields is refused.
+//!
+//! Requests (client → service): `{"op": "get"}` with one descriptor, the
+//! client's open file (read access proven by the descriptor, never a
+//! path); `{"op": "status"}` with none. Replies: a buffer (its memfd
+//! attached), the status, or an error with the same detail as a direct
+//! load's (kind, operation, path, offset, errno, message).
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::share::Connection;
+
+/// The protocol version this build speaks.
+pub const VERSION: u32 = 1;
+/// Longest request a service accepts.
+pub const MAX_REQUEST_BYTES: usize = 1024;
+/// Longest reply a client accepts (a status lists at most
+/// [`MAX_STATUS_ENTRIES`] files, well under this).
+pub const MAX_REPLY_BYTES: usize = 128 * 1024;
+/// Files a status reply lists at most (most recently used first).
+pub const MAX_STATUS_ENTRIES: usize = 100;
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Envelope<T> {
+    version: u32,
+    body: T,
+}
+
+/// Just the version, read first so that another version is named in the
+/// error rather than failing on its fields.
+#[derive(Deserialize)]
+struct VersionOnly {
+    version: u32,
+}
+
+/// What a client asks the service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Request {
+    /// The bytes of the file whose open descriptor comes with the request.
+    Get,
+    /// What the service holds.
+    Status,
+}
+
+/// A request as it crosses the socket: `{"op": "get"}`, nothing more.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RequestBody {
+    op: Request,
+}
+
+/// `request` as bytes to send.
+pub fn encode_request(request: Request) -> Vec<u8> {
+    encode(&RequestBody { op: request })
+}
+
+/// A received request, checked as untrusted input.
+pub fn decode_request(bytes: &[u8]) -> io::Result<Request> {
+    decode::<RequestBody>(bytes).map(|body| body.op)
+}
+
+/// How the service produced a buffer it hands out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Served {
+    /// From the cache: no disk read.
+    Hit,
+    /// Loaded now, and kept for the next request.
+    Miss,
+    /// Loaded now for this request only (larger than the memory limit).
+    Uncached,
+}
+
+impl Served {
+    pub fn name(self) -> &'static str {
+        match self {
+            Served::Hit => "hit",
+            Served::Miss => "miss",
+            Served::Uncached => "uncached",
+        }
+    }
+}
+
+/// A buffer's place in the memfd sent with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferInfo {
+    /// Offset of the first byte in the memfd.
+    pub offset: u64,
+    pub len: u64,
+    /// Set by the cache service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served: Option<Served>,
+    /// Something the receiver should be told (why it was not cached).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// One cached file in a status reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachedFile {
+    #[serde(serialize_with = "crate::error::serialize_path")]
+    pub path: PathBuf,
+    /// Bytes of memory the file holds in the cache.
+    pub bytes: u64,
+    /// Requests answered from the cache.
+    pub hits: u64,
+    /// Times the memfd was handed to a client (the load included).
+    pub handoffs: u64,
+}
+
+/// What the service holds and has done since it started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub pid: u32,
+    #[serde(serialize_with = "crate::error::serialize_path")]
+    pub socket: PathBuf,
+    pub memory_limit: u64,
+    /// Memory the cached files hold.
+    pub memory_used: u64,
+    /// Files cached (the list below may be cut at [`MAX_STATUS_ENTRIES`]).
+    pub files_cached: u64,
+    pub hits: u64,
+    pub misses: u64,
+    /// Files loaded for one client and not kept (over the limit).
+    pub uncached: u64,
+    /// Files dropped to make room.
+    pub evictions: u64,
+    /// Requests that failed (the error went back to the client).
+    pub errors: u64,
+    /// Connections refused by the credentials check.
+    pub refused: u64,
+    /// Clients connected now.
+    pub clients: u64,
+    /// The cached files, most recently used first.
+    pub files: Vec<CachedFile>,
+}
+
+/// An error as it crosses the socket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireError {
+    pub kind: String,
+    pub op: String,
+    pub path: String,
+    #[serde(default)]
+    pub offset: Option<u64>,
+    /// The OS error number, when a system call failed.
+    #[serde(default)]
+    pub errno: Option<i32>,
+    /// The cause, as the error prints it after the path.
+    pub message: String,
+}
+
+/// A reply from the service (and the message of [`crate::Buffer::send`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "kebab-case")]
+pub enum Reply {
+    Buffer(BufferInfo),
+    Status(Status),
+    Error(WireError),
+}
+
+/// `body` in an envelope, as bytes to send.
+pub fn encode<T: Serialize>(body: &T) -> Vec<u8> {
+    // Serializing these plain structs cannot fail.
+    serde_json::to_vec(&Envelope { version: VERSION, body }).unwrap_or_default()
+}
+
+/// The body of one received message, checked against [`VERSION`].
+pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> io::Result<T> {
+    let invalid = |message: String| io::Error::new(io::ErrorKind::InvalidData, message);
+    let version: VersionOnly =
+        serde_json::from_slice(bytes).map_err(|e| invalid(format!("malformed message: {e}")))?;
+    if version.version != VERSION {
+        return Err(invalid(format!(
+            "protocol version {} (this side speaks version {VERSION}): use the same dmaload on both sides",
+            version.version
+        )));
+    }
+    let envelope: Envelope<T> =
+        serde_json::from_slice(bytes).map_err(|e| invalid(format!("malformed message: {e}")))?;
+    Ok(envelope.body)
+}
+
+/// Runs a socket call again while it is interrupted (`EINTR`): a timed
+/// socket wait is not restarted by the kernel, and io_uring's task work
+/// interrupts the thread that used a ring.
+pub fn retry<T>(mut call: impl FnMut() -> io::Result<T>) -> io::Result<T> {
+    loop {
+        match call() {
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            other => return other,
+        }
+    }
+}
+
+/// Receives one reply of at most [`MAX_REPLY_BYTES`]: `Ok(None)` when the
+/// peer closed the connection instead.
+pub fn receive_reply(conn: &Connection) -> io::Result<Option<(Reply, Vec<OwnedFd>)>> {
+    let mut buf = vec![0u8; MAX_REPLY_BYTES];
+    let (len, fds) = retry(|| conn.recv(&mut buf))?;
+    if len == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some((decode(&buf[..len])?, fds)))
+}
+
+/// Receives the message of a buffer handoff: its description and the one
+/// memfd it carries. An error reply becomes that error; anything else is
+/// refused (its descriptors closed).
+pub fn receive_buffer(conn: &Connection) -> Result<(BufferInfo, OwnedFd)> {
+    let socket = Path::new("socket");
+    let refused = |message: String| Error::new(ErrorKind::InvalidInput, "receive buffer", socket, message);
+    let (reply, fds) =
+        receive_reply(conn).map_err(|e| Error::io("receive buffer", socket, e))?.ok_or_else(|| {
+            Error::io(
+                "receive buffer",
+                socket,
+                io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection"),
+            )
+        })?;
+    match reply {
+        Reply::Buffer(info) => {
+            let count = fds.len();
+            let [memfd]: [OwnedFd; 1] = fds
+                .try_into()
+                .map_err(|_| refused(format!("a buffer message carried {count} descriptors, not one")))?;
+            Ok((info, memfd))
+        }
+        Reply::Error(err) => Err(err.into_error(None)),
+        Reply::Status(_) => Err(refused("a status reply where a buffer was expected".into())),
+    }
+}
+
+const KINDS: [(ErrorKind, &str); 7] = [
+    (ErrorKind::Io, "io"),
+    (ErrorKind::Truncated, "truncated"),
+    (ErrorKind::OutOfMemory, "out-of-memory"),
+    (ErrorKind::DirectIoUnavailable, "direct-io-unavailable"),
+    (ErrorKind::InvalidInput, "invalid-input"),
+    (ErrorKind::Changed, "changed"),
+    (ErrorKind::Cancelled, "cancelled"),
+];
+
+/// The operations a load names in its errors: an error from the service
+/// keeps its operation when it is one of these (an `Error`'s operation is
+/// a `&'static str`), else it is named "load" with the operation in the
+/// message.
+const KNOWN_OPS: [&str; 33] = [
+    "load",
+    "connect",
+    "request",
+    "send request",
+    "open",
+    "read",
+    "stat",
+    "fstat",
+    "fstatfs",
+    "reopen",
+    "readlink",
+    "dup",
+    "fcntl",
+    "fcntl(O_DIRECT)",
+    "fcntl(O_DIRECT off)",
+    "open O_DIRECT",
+    "seek",
+    "lseek",
+    "mmap",
+    "mincore",
+    "memfd_create",
+    "ftruncate",
+    "allocate memory",
+    "populate memory",
+    "register buffer",
+    "register buffers",
+    "io_uring_setup",
+    "io_uring_enter",
+    "getrusage",
+    "read /proc/meminfo",
+    "posix_fadvise(DONTNEED)",
+    "seal memfd",
+    "cache",
+];
+
+impl WireError {
+    pub fn from_error(err: &Error) -> WireError {
+        let kind = KINDS.iter().find(|(k, _)| *k == err.kind()).map_or("io", |(_, name)| name);
+        WireError {
+            kind: kind.to_owned(),
+            op: err.op().to_owned(),
+            path: err.path().to_string_lossy().into_owned(),
+            offset: err.offset(),
+            errno: err.raw_os_error(),
+            message: err.io_error().to_string(),
+        }
+    }
+
+    /// The error as a direct load would have returned it; `path` replaces
+    /// the service's name for the file (the client knows the path it
+    /// asked for).
+    pub fn into_error(self, path: Option<&Path>) -> Error {
+        let kind = KINDS.iter().find(|(_, name)| *name == self.kind).map_or(ErrorKind::Io, |(k, _)| *k);
+        let (op, message) = match KNOWN_OPS.iter().find(|&&op| op == self.op) {
+            Some(&op) => (op, self.message),
+            None => ("load", format!("{}: {}", self.op, self.message)),
+        };
+        let path = path.map_or_else(|| PathBuf::from(&self.path), Path::to_path_buf);
+        let err = match self.errno {
+            Some(errno) => Error::io(op, &path, io::Error::from_raw_os_error(errno)).with_kind(kind),
+            None => Error::new(kind, op, &path, message),
+        };
+        match self.offset {
+            Some(offset) => err.at(offset),
+            None => err,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_cross_with_their_detail() {
+        let path = Path::new("/models/a.bin");
+        let direct = Error::new(ErrorKind::Truncated, "load", path, "the file was cut").at(4096);
+        let back = WireError::from_error(&direct).into_error(None);
+        assert_eq!(back.to_string(), direct.to_string());
+        assert_eq!(
+            (back.kind(), back.errno(), back.offset()),
+            (ErrorKind::Truncated, libc::ENODATA, Some(4096))
+        );
+
+        let os = Error::io("read", path, io::Error::from_raw_os_error(libc::EIO)).at(8192);
+        let back = WireError::from_error(&os).into_error(Some(Path::new("a.bin")));
+        assert_eq!(back.to_string(), "read a.bin at offset 8192: Input/output error (os error 5)");
+        assert_eq!(back.raw_os_error(), Some(libc::EIO));
+
+        let odd = WireError { op: "frobnicate".into(), ..WireError::from_error(&direct) };
+        assert!(odd
+            .into_error(None)
+            .to_string()
+            .starts_with("load /models/a.bin at offset 4096: frobnicate: "));
+    }
+
+    #[test]
+    fn untrusted_messages_are_refused_by_name() {
+        assert_eq!(decode_request(&encode_request(Request::Get)).unwrap(), Request::Get);
+        assert_eq!(decode_request(br#"{"version": 1, "body": {"op": "status"}}"#).unwrap(), Request::Status);
+        let other = br#"{"version": 2, "body": {"op": "get"}}"#;
+        assert!(decode_request(other).unwrap_err().to_string().contains("protocol version 2"));
+        for bad in [&b"not json"[..], br#"{"version": 1}"#, br#"{"version": 1, "body": {"op": "rm"}}"#] {
+            assert_eq!(decode_request(bad).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        }
+        let extra = br#"{"version": 1, "body": {"op": "get", "path": "/etc/shadow"}}"#;
+        assert!(decode_request(extra).is_err(), "a request names no path");
+        let outside = br#"{"version": 1, "body": {"op": "get"}, "path": "/etc/shadow"}"#;
+        assert!(decode_request(outside).is_err());
+    }
+
+    /// Mutated valid messages (the fuzz target `share_message` does this
+    /// at scale): decoding returns, whatever the bytes.
+    #[test]
+    fn mutated_messages_never_panic() {
+        let seeds = [
+            encode_request(Request::Get),
+            encode(&Reply::Buffer(BufferInfo { offset: 1, len: 2, served: Some(Served::Hit), note: None })),
+            encode(&Reply::Error(WireError::from_error(
+                &Error::new(ErrorKind::Changed, "load", Path::new("/m"), "moved").at(7),
+            ))),
+        ];
+        const ALPHABET: &[u8] = b"{}[]\":,0-9e";
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for round in 0..20_000 {
+            let mut bytes = seeds[round % seeds.len()].clone();
+            for _ in 0..1 + next() % 4 {
+                let at = (next() % bytes.len() as u64) as usize;
+                match next() % 3 {
+                    0 => bytes[at] = next() as u8,
+                    1 => drop(bytes.remove(at)),
+                    _ => bytes.insert(at, ALPHABET[(next() % ALPHABET.len() as u64) as usize]),
+                }
+            }
+            let _ = decode_request(&bytes);
+            if let Ok(Reply::Error(err)) = decode::<Reply>(&bytes) {
+                let _ = err.into_error(None).to_string();
+            }
+        }
+    }
+}

@@ -1,0 +1,712 @@
+//! The model-cache service: loads files on request with the ordinary
+//! loader, keeps each in a sealed memfd, and hands it to clients over a
+//! Unix socket. A second process gets a file's bytes by mapping pages that
+//! are already in memory, in milliseconds, instead of reading the disk.
+//!
+//! Security: a client proves it may read a file by sending an open
+//! descriptor of it (never a path: the service opens nothing by name on a
+//! client's behalf); the descriptor must be a regular file open for
+//! reading. The cache key is `(st_dev, st_ino, size, mtime, ctime)` of
+//! that descriptor, so a file rewritten or replaced is loaded again, never
+//! served stale. Only the service's own uid and root are served unless
+//! `allow_uids`/`allow_gids` widen it (`SO_PEERCRED`, the peer's primary
+//! gid). Requests are length-limited and parsed as untrusted input.
+//!
+//! Memory: files are dropped least recently used first when a new load
+//! would pass the limit (clients that map a dropped file keep their pages
+//! until they unmap); a file larger than the limit is loaded for its client
+//! and not kept. Concurrent requests for one file load it once.
+//!
+//! Robustness: each client has its own thread; a client that dies, sends
+//! garbage or asks for a file that fails to load gets (or misses) an error
+//! reply, and the service goes on. Descriptors are owned values: a memfd
+//! is closed when it leaves the cache and no handoff is sending it.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::load::{load_fd, Destination, LoadOptions};
+use crate::share::protocol::{
+    self, BufferInfo, CachedFile, Reply, Request, Served, Status, WireError, MAX_REQUEST_BYTES,
+    MAX_STATUS_ENTRIES,
+};
+use crate::share::{Connection, Listener, PeerCredentials};
+use crate::sys;
+use crate::sys::mem::page_size;
+
+/// Clients served at once; more are refused with an error.
+const MAX_CLIENTS: usize = 256;
+/// A client silent this long is disconnected; a client that does not take
+/// a reply this long is dropped.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// SIGINT and SIGTERM as a readable descriptor (`signalfd(2)`), for
+/// [`Service::run`] to stop on. Creating it blocks both signals in the
+/// calling thread and the threads it starts later: create it first thing
+/// in `main`.
+#[derive(Debug)]
+pub struct StopSignals(sys::signal::SignalFd);
+
+impl StopSignals {
+    pub fn new() -> io::Result<StopSignals> {
+        sys::signal::SignalFd::new(&[libc::SIGINT, libc::SIGTERM]).map(StopSignals)
+    }
+
+    /// The signal that arrived, if one did (consuming it).
+    pub fn take(&self) -> io::Result<Option<u32>> {
+        self.0.take()
+    }
+}
+
+impl AsFd for StopSignals {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+/// How a service is set up.
+#[derive(Clone)]
+pub struct ServiceConfig {
+    /// Where the socket is bound (see [`crate::share::default_socket`]).
+    pub socket: PathBuf,
+    /// Bytes of memory the cached files may hold together.
+    pub memory_limit: u64,
+    /// Users served besides the service's own and root.
+    pub allow_uids: Vec<u32>,
+    /// Groups (the client's primary gid) whose users are served.
+    pub allow_gids: Vec<u32>,
+    /// How files are loaded; the memory is always memfd, which is what
+    /// can be handed out.
+    pub load_options: LoadOptions,
+    /// Receives one line per request and per event.
+    pub log: Arc<dyn Fn(&str) + Send + Sync>,
+}
+
+/// A bound, listening cache service; [`Service::run`] serves until stopped.
+pub struct Service {
+    listener: Listener,
+    /// The socket file this service created (device, inode), removed at
+    /// the end only if it is still that file.
+    socket_id: (u64, u64),
+    state: Arc<State>,
+}
+
+/// A cache entry: the file's id and the loaded bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Key {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Key {
+    fn of(meta: &std::fs::Metadata) -> Key {
+        Key {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            size: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+}
+
+/// A loaded file, sealed: what every client of it gets a descriptor of.
+struct Loaded {
+    memfd: OwnedFd,
+    offset: u64,
+    len: u64,
+    /// Memory it holds (whole pages).
+    bytes: u64,
+    path: PathBuf,
+}
+
+struct Ready {
+    loaded: Arc<Loaded>,
+    hits: u64,
+    handoffs: u64,
+    last_used: u64,
+}
+
+/// A load in progress, which other requests for the same file wait for.
+struct Pending {
+    outcome: Mutex<Option<std::result::Result<Arc<Loaded>, WireError>>>,
+    done: Condvar,
+}
+
+impl Pending {
+    fn wait(&self) -> std::result::Result<Arc<Loaded>, WireError> {
+        let mut outcome = lock(&self.outcome);
+        loop {
+            if let Some(outcome) = outcome.as_ref() {
+                return outcome.clone();
+            }
+            outcome = self.done.wait(outcome).unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+}
+
+enum Slot {
+    Ready(Ready),
+    Loading(Arc<Pending>),
+}
+
+/// What a request for a file that is not ready does.
+enum Next {
+    /// Another request is loading it: wait for that load's outcome.
+    Wait(Arc<Pending>),
+    /// Load it, the pending entry in place for others to wait on.
+    Load(Arc<Pending>),
+}
+
+#[derive(Default)]
+struct Counters {
+    hits: u64,
+    misses: u64,
+    uncached: u64,
+    evictions: u64,
+    errors: u64,
+    refused: u64,
+}
+
+struct Cache {
+    files: HashMap<Key, Slot>,
+    /// Bytes the ready files hold plus those reserved by loads in flight.
+    used: u64,
+    clock: u64,
+    counters: Counters,
+}
+
+struct State {
+    config: ServiceConfig,
+    own_uid: u32,
+    cache: Mutex<Cache>,
+    clients: AtomicUsize,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while the lock was held leaves counters, never a broken
+    // invariant of memory: carry on.
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Service {
+    /// Binds the socket (mode 0600; its directory is created 0700 when
+    /// missing). A socket file left by a service that is gone is replaced;
+    /// one that answers is an error, as is any other file at the path.
+    pub fn bind(config: ServiceConfig) -> Result<Service> {
+        let path = config.socket.clone();
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| Error::io("create socket directory", dir, e))?;
+        }
+        match std::fs::symlink_metadata(&path) {
+            Ok(meta) if meta.file_type().is_socket() => match Connection::connect(&path) {
+                Ok(_) => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidInput,
+                        "bind",
+                        &path,
+                        "a cache service is already listening there (dmaload serve --status)",
+                    ))
+                }
+                Err(err) if err.raw_os_error() == Some(libc::ECONNREFUSED) => {
+                    std::fs::remove_file(&path).map_err(|e| Error::io("remove stale socket", &path, e))?;
+                }
+                Err(err) => return Err(Error::io("connect", &path, err)),
+            },
+            Ok(_) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    "bind",
+                    &path,
+                    "the path exists and is not a socket: choose another --socket",
+                ))
+            }
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+            Err(err) => return Err(Error::io("stat", &path, err)),
+        }
+        let listener = Listener::bind(&path, 128).map_err(|e| Error::io("bind", &path, e))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| Error::io("chmod", &path, e))?;
+        let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
+        let mut config = config;
+        config.load_options.to = Destination::Memfd;
+        config.load_options.progress = None;
+        let state = State {
+            config,
+            own_uid: sys::process::effective_uid(),
+            cache: Mutex::new(Cache {
+                files: HashMap::new(),
+                used: 0,
+                clock: 0,
+                counters: Counters::default(),
+            }),
+            clients: AtomicUsize::new(0),
+        };
+        Ok(Service { listener, socket_id: (meta.dev(), meta.ino()), state: Arc::new(state) })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.state.config.socket
+    }
+
+    /// Serves clients, each on its own thread, until `stop` becomes
+    /// readable (a [`crate::share::StopSignals`], or any fd), then removes
+    /// the socket. Cached memory is released when the service is dropped;
+    /// clients keep what they mapped.
+    pub fn run(&self, stop: BorrowedFd<'_>) -> Result<()> {
+        let socket = self.socket().to_path_buf();
+        let result = loop {
+            let ready = match sys::signal::poll_readable(&[self.listener.as_fd(), stop], None) {
+                Ok(ready) => ready,
+                Err(err) => break Err(Error::io("poll", &socket, err)),
+            };
+            if ready[1] {
+                break Ok(());
+            }
+            if !ready[0] {
+                continue;
+            }
+            match self.listener.accept() {
+                Ok(conn) => {
+                    let state = Arc::clone(&self.state);
+                    let spawned = std::thread::Builder::new()
+                        .name("dmaload-client".into())
+                        .spawn(move || serve_client(&state, conn));
+                    if let Err(err) = spawned {
+                        self.log(&format!("cannot start a client thread: {err}"));
+                    }
+                }
+                // The client hung up before being accepted, or a limit
+                // (descriptors, memory) was hit: log it, wait a moment.
+                Err(err) => {
+                    self.log(&format!("accept: {err}"));
+                    if err.raw_os_error() != Some(libc::ECONNABORTED) {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            }
+        };
+        let status = self.status();
+        self.log(&format!(
+            "stopping: {} files cached ({} bytes) released, {} hits, {} misses",
+            status.files_cached, status.memory_used, status.hits, status.misses
+        ));
+        if std::fs::symlink_metadata(&socket).is_ok_and(|m| (m.dev(), m.ino()) == self.socket_id) {
+            let _ = std::fs::remove_file(&socket);
+        }
+        result
+    }
+
+    /// What the service holds now.
+    pub fn status(&self) -> Status {
+        self.state.status()
+    }
+
+    fn log(&self, line: &str) {
+        (self.state.config.log)(line);
+    }
+}
+
+impl State {
+    fn log(&self, line: &str) {
+        (self.config.log)(line);
+    }
+
+    fn allowed(&self, peer: &PeerCredentials) -> bool {
+        peer.uid == self.own_uid
+            || peer.uid == 0
+            || self.config.allow_uids.contains(&peer.uid)
+            || self.config.allow_gids.contains(&peer.gid)
+    }
+
+    fn status(&self) -> Status {
+        let cache = lock(&self.cache);
+        let mut ready: Vec<&Ready> = cache
+            .files
+            .values()
+            .filter_map(|slot| match slot {
+                Slot::Ready(ready) => Some(ready),
+                Slot::Loading(_) => None,
+            })
+            .collect();
+        ready.sort_by_key(|r| std::cmp::Reverse(r.last_used));
+        let memory_used = ready.iter().map(|r| r.loaded.bytes).sum();
+        let c = &cache.counters;
+        Status {
+            pid: std::process::id(),
+            socket: self.config.socket.clone(),
+            memory_limit: self.config.memory_limit,
+            memory_used,
+            files_cached: ready.len() as u64,
+            hits: c.hits,
+            misses: c.misses,
+            uncached: c.uncached,
+            evictions: c.evictions,
+            errors: c.errors,
+            refused: c.refused,
+            clients: self.clients.load(Ordering::Relaxed) as u64,
+            files: ready
+                .iter()
+                .take(MAX_STATUS_ENTRIES)
+                .map(|r| CachedFile {
+                    path: r.loaded.path.clone(),
+                    bytes: r.loaded.bytes,
+                    hits: r.hits,
+                    handoffs: r.handoffs,
+                })
+                .collect(),
+        }
+    }
+
+    /// The bytes of the file `fd` is open on: from the cache, or loaded now.
+    fn get(&self, fd: OwnedFd) -> std::result::Result<(Arc<Loaded>, Served, Option<String>), Error> {
+        let fd_path = Path::new("fd");
+        let file = File::from(fd);
+        let meta = file.metadata().map_err(|e| Error::io("fstat", fd_path, e))?;
+        if !meta.file_type().is_file() {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "cache",
+                fd_path,
+                format!(
+                    "the descriptor sent is a {}, not a regular file: only regular files are cached",
+                    crate::source::type_name(&meta)
+                ),
+            ));
+        }
+        if !sys::file::readable(file.as_fd()).map_err(|e| Error::io("fcntl", fd_path, e))? {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "cache",
+                fd_path,
+                "the descriptor sent is not open for reading (O_WRONLY or O_PATH): it proves no \
+                 right to read the file",
+            ));
+        }
+        let key = Key::of(&meta);
+        let bytes = key.size.div_ceil(page_size() as u64) * page_size() as u64;
+        let next = {
+            let mut cache = lock(&self.cache);
+            cache.clock += 1;
+            let now = cache.clock;
+            match cache.files.get_mut(&key) {
+                Some(Slot::Ready(ready)) => {
+                    ready.hits += 1;
+                    ready.handoffs += 1;
+                    ready.last_used = now;
+                    let loaded = Arc::clone(&ready.loaded);
+                    cache.counters.hits += 1;
+                    return Ok((loaded, Served::Hit, None));
+                }
+                Some(Slot::Loading(pending)) => Next::Wait(Arc::clone(pending)),
+                None => {
+                    if bytes > self.config.memory_limit
+                        || !make_room(&mut cache, bytes, self.config.memory_limit, &*self.config.log)
+                    {
+                        cache.counters.uncached += 1;
+                        drop(cache);
+                        let note = format!(
+                            "{bytes} bytes do not fit in the service's memory limit ({} bytes, {} in use \
+                             or being loaded): loaded for this request, not cached",
+                            self.config.memory_limit,
+                            lock(&self.cache).used
+                        );
+                        return self
+                            .load(&file, key)
+                            .map(|loaded| (Arc::new(loaded), Served::Uncached, Some(note)));
+                    }
+                    let pending = Arc::new(Pending { outcome: Mutex::new(None), done: Condvar::new() });
+                    cache.files.insert(key, Slot::Loading(Arc::clone(&pending)));
+                    cache.used += bytes;
+                    Next::Load(pending)
+                }
+            }
+        };
+        match next {
+            Next::Wait(pending) => {
+                let loaded = pending.wait().map_err(|e| e.into_error(None))?;
+                let mut cache = lock(&self.cache);
+                cache.clock += 1;
+                let now = cache.clock;
+                if let Some(Slot::Ready(ready)) = cache.files.get_mut(&key) {
+                    ready.hits += 1;
+                    ready.handoffs += 1;
+                    ready.last_used = now;
+                }
+                cache.counters.hits += 1;
+                Ok((loaded, Served::Hit, None))
+            }
+            Next::Load(pending) => {
+                // Completes the waiters even if the load panics.
+                let mut finish = Finish { state: self, key, bytes, pending, outcome: None };
+                let loaded = self.load(&file, key).map(Arc::new);
+                finish.outcome = Some(match &loaded {
+                    Ok(loaded) => Ok(Arc::clone(loaded)),
+                    Err(err) => Err(WireError::from_error(err)),
+                });
+                drop(finish);
+                loaded.map(|loaded| (loaded, Served::Miss, None))
+            }
+        }
+    }
+
+    /// Loads the file with the ordinary loader, from the descriptor the
+    /// client sent, then seals the memfd. The file's id must be the same
+    /// after the load as when the request came: else the bytes might not
+    /// be those of the key they would be cached under.
+    fn load(&self, file: &File, key: Key) -> Result<Loaded> {
+        let (buffer, report) = load_fd(file.as_fd(), 0, None, &self.config.load_options)?;
+        let after = file.metadata().map_err(|e| Error::io("fstat", &report.path, e))?;
+        if Key::of(&after) != key {
+            return Err(Error::new(
+                ErrorKind::Changed,
+                "load",
+                &report.path,
+                "the file was written while the service loaded it: ask again once the writer is done",
+            ));
+        }
+        let (memfd, range) =
+            buffer.into_sealed_memfd().map_err(|e| Error::io("seal memfd", &report.path, e))?;
+        let bytes = (range.end as u64).div_ceil(page_size() as u64) * page_size() as u64;
+        Ok(Loaded { memfd, offset: range.start as u64, len: range.len() as u64, bytes, path: report.path })
+    }
+}
+
+/// Drops least-recently-used ready files until `bytes` more fit under
+/// `limit`; false when they cannot fit even with every ready file gone
+/// (loads in flight hold the rest), and then nothing is dropped.
+fn make_room(cache: &mut Cache, bytes: u64, limit: u64, log: &(dyn Fn(&str) + Send + Sync)) -> bool {
+    let ready_bytes: u64 = cache
+        .files
+        .values()
+        .map(|slot| match slot {
+            Slot::Ready(ready) => ready.loaded.bytes,
+            Slot::Loading(_) => 0,
+        })
+        .sum();
+    if (cache.used - ready_bytes).saturating_add(bytes) > limit {
+        return false;
+    }
+    while cache.used.saturating_add(bytes) > limit {
+        let oldest = cache.files.iter().filter_map(|(key, slot)| match slot {
+            Slot::Ready(ready) => Some((ready.last_used, *key)),
+            Slot::Loading(_) => None,
+        });
+        let Some((_, key)) = oldest.min() else { return false };
+        if let Some(Slot::Ready(ready)) = cache.files.remove(&key) {
+            cache.used -= ready.loaded.bytes;
+            cache.counters.evictions += 1;
+            log(&format!(
+                "evicted {} ({} bytes, {} hits) to make room for {bytes} bytes",
+                ready.loaded.path.display(),
+                ready.loaded.bytes,
+                ready.hits
+            ));
+        }
+    }
+    true
+}
+
+/// Publishes a load's outcome to the requests waiting for it and to the
+/// cache, on every path out of the load (a panic included).
+struct Finish<'s> {
+    state: &'s State,
+    key: Key,
+    bytes: u64,
+    pending: Arc<Pending>,
+    outcome: Option<std::result::Result<Arc<Loaded>, WireError>>,
+}
+
+impl Drop for Finish<'_> {
+    fn drop(&mut self) {
+        let outcome = self.outcome.take().unwrap_or_else(|| {
+            Err(WireError::from_error(&Error::new(
+                ErrorKind::Io,
+                "load",
+                Path::new("fd"),
+                "the service's load failed unexpectedly",
+            )))
+        });
+        {
+            let mut cache = lock(&self.state.cache);
+            cache.clock += 1;
+            let now = cache.clock;
+            match &outcome {
+                Ok(loaded) => {
+                    cache.counters.misses += 1;
+                    // The reservation becomes the entry's (pages, as reserved).
+                    cache.used = cache.used - self.bytes + loaded.bytes;
+                    let ready = Ready { loaded: Arc::clone(loaded), hits: 0, handoffs: 1, last_used: now };
+                    cache.files.insert(self.key, Slot::Ready(ready));
+                }
+                Err(_) => {
+                    cache.used -= self.bytes;
+                    cache.files.remove(&self.key);
+                }
+            }
+        }
+        *lock(&self.pending.outcome) = Some(outcome);
+        self.pending.done.notify_all();
+    }
+}
+
+/// One client's connection: the credentials check, then requests until it
+/// hangs up, goes silent or breaks the protocol.
+fn serve_client(state: &State, conn: Connection) {
+    let peer = match conn.peer_credentials() {
+        Ok(peer) => peer,
+        Err(err) => return state.log(&format!("client without credentials: {err}")),
+    };
+    let who = format!("pid {} uid {}", peer.pid, peer.uid);
+    let _ = conn.set_timeouts(Some(CLIENT_TIMEOUT));
+    // A refusal answers the client's first request: closing with that
+    // request unread would reset the connection, and the client would
+    // never learn why.
+    let refuse = |message: String| {
+        state.log(&format!("{who}: refused: {message}"));
+        let _ = conn.set_timeouts(Some(Duration::from_secs(5)));
+        drop(protocol::retry(|| conn.recv(&mut [0u8; MAX_REQUEST_BYTES])));
+        let err = Error::new(ErrorKind::InvalidInput, "connect", &state.config.socket, message);
+        let reply = protocol::encode(&Reply::Error(WireError::from_error(&err)));
+        let _ = protocol::retry(|| conn.send(&reply, &[]));
+    };
+    if !state.allowed(&peer) {
+        lock(&state.cache).counters.refused += 1;
+        return refuse(format!(
+            "uid {} (gid {}) is not served: only uid {} and root, and those --allow-uid/--allow-gid name",
+            peer.uid, peer.gid, state.own_uid
+        ));
+    }
+    let _counted = ClientCount::enter(&state.clients);
+    if state.clients.load(Ordering::Acquire) > MAX_CLIENTS {
+        return refuse(format!("{MAX_CLIENTS} clients are connected already"));
+    }
+    let mut buf = vec![0u8; MAX_REQUEST_BYTES];
+    loop {
+        let (len, mut fds) = match protocol::retry(|| conn.recv(&mut buf)) {
+            Ok((0, fds)) if fds.is_empty() => break,
+            Ok(message) => message,
+            Err(err) if err.kind() == io::ErrorKind::InvalidData => {
+                // Too long, or too many descriptors: refused whole.
+                if !reply_error(state, &conn, &who, &Error::io("request", Path::new("socket"), err)) {
+                    break;
+                }
+                continue;
+            }
+            Err(err) => {
+                if err.kind() != io::ErrorKind::WouldBlock {
+                    state.log(&format!("{who}: connection lost: {err}"));
+                }
+                break;
+            }
+        };
+        let started = Instant::now();
+        let request = protocol::decode_request(&buf[..len]);
+        let sent = match (request, fds.len()) {
+            (Ok(Request::Get), 1) => {
+                let fd = fds.remove(0);
+                match state.get(fd) {
+                    Ok((loaded, served, note)) => {
+                        let info = BufferInfo {
+                            offset: loaded.offset,
+                            len: loaded.len,
+                            served: Some(served),
+                            note: note.clone(),
+                        };
+                        let reply = protocol::encode(&Reply::Buffer(info));
+                        let sent = protocol::retry(|| conn.send(&reply, &[loaded.memfd.as_fd()]));
+                        state.log(&format!(
+                            "{who}: get {} ({} bytes): {} in {:.1} ms{}{}",
+                            loaded.path.display(),
+                            loaded.len,
+                            served.name(),
+                            started.elapsed().as_secs_f64() * 1e3,
+                            note.map(|n| format!(" ({n})")).unwrap_or_default(),
+                            match &sent {
+                                Ok(()) => String::new(),
+                                Err(err) => format!("; the client is gone: {err}"),
+                            }
+                        ));
+                        sent.is_ok()
+                    }
+                    Err(err) => reply_error(state, &conn, &who, &err),
+                }
+            }
+            (Ok(Request::Status), 0) => {
+                state.log(&format!("{who}: status"));
+                let mut status = state.status();
+                let mut reply = protocol::encode(&Reply::Status(status.clone()));
+                // Long paths could make the list outgrow what a client takes.
+                while reply.len() > protocol::MAX_REPLY_BYTES && status.files.pop().is_some() {
+                    reply = protocol::encode(&Reply::Status(status.clone()));
+                }
+                protocol::retry(|| conn.send(&reply, &[])).is_ok()
+            }
+            (Ok(request), count) => reply_error(
+                state,
+                &conn,
+                &who,
+                &Error::new(
+                    ErrorKind::InvalidInput,
+                    "request",
+                    Path::new("socket"),
+                    format!("{request:?} carried {count} descriptors (get: 1, status: 0)"),
+                ),
+            ),
+            (Err(err), _) => reply_error(state, &conn, &who, &Error::io("request", Path::new("socket"), err)),
+        };
+        drop(fds);
+        if !sent {
+            break;
+        }
+    }
+}
+
+/// Counts a connected client for as long as it lives, even if serving it
+/// panics.
+struct ClientCount<'a>(&'a AtomicUsize);
+
+impl<'a> ClientCount<'a> {
+    fn enter(clients: &'a AtomicUsize) -> ClientCount<'a> {
+        clients.fetch_add(1, Ordering::AcqRel);
+        ClientCount(clients)
+    }
+}
+
+impl Drop for ClientCount<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Sends `err` to the client and logs it; false when the client is gone.
+fn reply_error(state: &State, conn: &Connection, who: &str, err: &Error) -> bool {
+    lock(&state.cache).counters.errors += 1;
+    state.log(&format!("{who}: error: {err}"));
+    let reply = protocol::encode(&Reply::Error(WireError::from_error(err)));
+    protocol::retry(|| conn.send(&reply, &[])).is_ok()
+}
+
+/// `percent` of the memory available now (`MemAvailable`, or the memory
+/// cgroup's headroom when smaller), as a memory limit.
+pub fn memory_limit_percent(percent: f64) -> std::result::Result<u64, String> {
+    if !(percent > 0.0 && percent <= 100.0) {
+        return Err(format!("a memory limit of {percent}% is not in (0, 100]"));
+    }
+    let budget = crate::system::memory_budget().map_err(|e| format!("read /proc/meminfo: {e}"))?;
+    Ok((budget.available as f64 * percent / 100.0) as u64)
+}

@@ -1,0 +1,526 @@
+//! Sharing what was loaded, between real processes over a real socket:
+//! `Buffer::send`/`receive`, and the cache service with its clients. The
+//! service and most clients are this test binary run again in a role (see
+//! `process_role`), so memfds, credentials and deaths are real.
+
+mod common;
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsFd;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{assert_pattern, file_hash, scratch_dir, write_pattern_file};
+use dmaload::share::protocol::{self, Reply, Request};
+use dmaload::share::{
+    load_cached, CacheOutcome, Client, Connection, Listener, Served, Service, ServiceConfig,
+};
+use dmaload::{Buffer, ErrorKind, LoadOptions};
+
+const ROLE: &str = "DMALOAD_SHARE_CACHE_ROLE";
+const SOCKET: &str = "DMALOAD_SHARE_CACHE_SOCKET";
+const FILE: &str = "DMALOAD_SHARE_CACHE_FILE";
+const LIMIT: &str = "DMALOAD_SHARE_CACHE_LIMIT";
+const ALLOW_UID: &str = "DMALOAD_SHARE_CACHE_ALLOW_UID";
+
+fn xxh3(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+/// Not a test of its own: what this binary does when run again with
+/// `ROLE` set: `service` (serves until its stdin closes), `receive` (takes
+/// a buffer from the listener at `SOCKET`), `get` (asks the service for
+/// `FILE` and prints how it was served and the bytes' hash), `hang` (sends
+/// a request and never reads the reply), `load-cached` (prints where
+/// `load_cached` got `FILE` from).
+#[test]
+fn process_role() {
+    let Ok(role) = std::env::var(ROLE) else { return };
+    let socket = PathBuf::from(std::env::var(SOCKET).unwrap());
+    let file = std::env::var(FILE).map(PathBuf::from);
+    match role.as_str() {
+        "service" => {
+            let limit = std::env::var(LIMIT).unwrap().parse().unwrap();
+            let service = Service::bind(ServiceConfig {
+                socket,
+                memory_limit: limit,
+                allow_uids: std::env::var(ALLOW_UID).into_iter().map(|uid| uid.parse().unwrap()).collect(),
+                allow_gids: Vec::new(),
+                load_options: LoadOptions::default(),
+                log: Arc::new(|line| eprintln!("service: {line}")),
+            })
+            .unwrap();
+            service.run(std::io::stdin().as_fd()).unwrap();
+        }
+        "receive" => {
+            let conn = Connection::connect(&socket).unwrap();
+            let mut buffer = Buffer::receive(&conn).unwrap();
+            println!("OUT hash={}", xxh3(&buffer));
+            // Private copy-on-write: the sender must not see this.
+            buffer.fill(0xA5);
+            conn.send(b"written", &[]).unwrap();
+        }
+        "get" => {
+            let client = Client::connect(&socket).unwrap();
+            let mut fetched = client.get(file.unwrap()).unwrap();
+            println!("OUT served={} hash={}", fetched.served.name(), xxh3(&fetched.buffer));
+            fetched.buffer.fill(0xA5);
+        }
+        "hang" => {
+            let conn = Connection::connect(&socket).unwrap();
+            let file = File::open(file.unwrap()).unwrap();
+            conn.send(&protocol::encode_request(Request::Get), &[file.as_fd()]).unwrap();
+            println!("OUT sent");
+            std::thread::sleep(Duration::from_secs(120));
+        }
+        "load-cached" => {
+            let (buffer, _, outcome) = load_cached(file.unwrap(), &socket, &LoadOptions::default()).unwrap();
+            match outcome {
+                CacheOutcome::Service { served, .. } => {
+                    println!("OUT service {} {}", served.name(), xxh3(&buffer))
+                }
+                CacheOutcome::Direct { reason } => println!("OUT direct {} ({reason})", xxh3(&buffer)),
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn role(role: &str, socket: &Path) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
+        .env(ROLE, role)
+        .env(SOCKET, socket);
+    cmd
+}
+
+/// Runs a client role to completion; its stdout's first line.
+fn run_client(role_name: &str, socket: &Path, file: &Path) -> String {
+    let out = role(role_name, socket).env(FILE, file).output().unwrap();
+    assert!(out.status.success(), "{role_name} failed: {}", String::from_utf8_lossy(&out.stderr));
+    role_output(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// What a role printed (its lines start with `OUT `; the rest is libtest's).
+fn role_output(stdout: &str) -> String {
+    stdout.lines().find_map(|line| line.strip_prefix("OUT ")).unwrap_or_default().to_owned()
+}
+
+/// The role's first line, read as soon as it is printed.
+fn read_role_line(child: &mut Child) -> String {
+    let mut reader = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).unwrap() == 0 {
+            return String::new();
+        }
+        if let Some(out) = line.trim_end().strip_prefix("OUT ") {
+            // Keep reading, so the role's later output never meets a closed pipe.
+            std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
+            return out.to_owned();
+        }
+    }
+}
+
+/// A service running in its own process, stopped (stdin closed) on drop.
+struct ServiceProcess {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl ServiceProcess {
+    fn start(socket: &Path, limit: u64) -> ServiceProcess {
+        Self::start_with(role("service", socket).env(LIMIT, limit.to_string()), socket)
+    }
+
+    fn start_with(cmd: &mut Command, socket: &Path) -> ServiceProcess {
+        let child = cmd.stdin(Stdio::piped()).spawn().unwrap();
+        let started = Instant::now();
+        while Connection::connect(socket).is_err() {
+            assert!(started.elapsed() < Duration::from_secs(60), "the service did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        ServiceProcess { child, socket: socket.to_owned() }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn status(&self) -> dmaload::share::Status {
+        Client::connect(&self.socket).unwrap().status().unwrap()
+    }
+
+    /// Bytes the service has read from storage (`read_bytes` of
+    /// `/proc/PID/io`: every thread's block I/O, direct reads included).
+    fn storage_reads(&self) -> u64 {
+        let io = std::fs::read_to_string(format!("/proc/{}/io", self.pid())).unwrap();
+        io.lines().find_map(|l| l.strip_prefix("read_bytes: ")).unwrap().trim().parse().unwrap()
+    }
+
+    /// The memfds the service holds open.
+    fn memfds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .unwrap()
+            .filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
+            .filter(|target| target.to_string_lossy().starts_with("/memfd:"))
+            .count()
+    }
+
+    fn stop(mut self) {
+        drop(self.child.stdin.take());
+        assert!(self.child.wait().unwrap().success(), "the service failed");
+    }
+}
+
+impl Drop for ServiceProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn a_buffer_crosses_to_another_process_bit_exact_and_private() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, (8 << 20) + 1234);
+    let (mut buffer, _) = dmaload::load(&path, &LoadOptions::default()).unwrap();
+    let socket = dir.path().join("s");
+    let listener = Listener::bind(&socket, 1).unwrap();
+    let mut child = role("receive", &socket).stdout(Stdio::piped()).spawn().unwrap();
+    let conn = listener.accept().unwrap();
+    conn.set_timeouts(Some(Duration::from_secs(60))).unwrap();
+    buffer.send(&conn).unwrap();
+    assert_eq!(read_role_line(&mut child), format!("hash={}", file_hash(&path)));
+    let mut buf = [0u8; 16];
+    let (len, _) = conn.recv(&mut buf).unwrap();
+    assert_eq!(&buf[..len], b"written");
+    assert!(child.wait().unwrap().success());
+    // The receiver wrote every byte of its mapping; the sender's are the file's.
+    assert_pattern(&buffer, 0);
+    // The sender's own writes stay private too now that the memfd is shared.
+    buffer[0] ^= 0xFF;
+    let (a, b) = Connection::pair().unwrap();
+    buffer.send(&a).unwrap();
+    let again = Buffer::receive(&b).unwrap();
+    assert_pattern(&again, 0);
+}
+
+#[test]
+fn forged_handoffs_are_refused() {
+    let dir = scratch_dir();
+    let (a, b) = Connection::pair().unwrap();
+    let message = |offset: u64, len: u64| {
+        protocol::encode(&Reply::Buffer(protocol::BufferInfo { offset, len, served: None, note: None }))
+    };
+    let file = File::create(dir.path().join("f")).unwrap();
+    file.set_len(8192).unwrap();
+    a.send(&message(0, 10), &[file.as_fd()]).unwrap();
+    let err = Buffer::receive(&b).unwrap_err();
+    assert!(err.to_string().contains("not a sealable memfd"), "{err}");
+
+    // A memfd nobody sealed: its owner could write it under the receiver.
+    let (loaded, _) = dmaload::load(dir.path().join("f"), &LoadOptions::default()).unwrap();
+    let unsealed = loaded.into_memfd().unwrap();
+    a.send(&message(0, 10), &[unsealed.as_fd()]).unwrap();
+    let err = Buffer::receive(&b).unwrap_err();
+    assert!(err.to_string().contains("not sealed"), "{err}");
+
+    // Sealed, but the range runs past its end; and two descriptors.
+    let (sealed, _) = dmaload::load(dir.path().join("f"), &LoadOptions::default()).unwrap();
+    let fd = sealed.memfd().unwrap();
+    a.send(&message(4096, 8192), &[fd]).unwrap();
+    let err = Buffer::receive(&b).unwrap_err();
+    assert!(err.to_string().contains("run past the end"), "{err}");
+    a.send(&message(0, 10), &[fd, fd]).unwrap();
+    assert!(Buffer::receive(&b).unwrap_err().to_string().contains("2 descriptors"));
+    a.send(b"{\"version\": 9}", &[fd]).unwrap();
+    assert!(Buffer::receive(&b).unwrap_err().to_string().contains("protocol version 9"));
+    a.send(&message(100, 10), &[fd]).unwrap();
+    assert_eq!(Buffer::receive(&b).unwrap().len(), 10);
+}
+
+#[test]
+fn the_service_hits_reloads_changed_files_and_keeps_clients_apart() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, (16 << 20) + 100);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "the socket is private to its user");
+
+    // Two fresh processes: the first loads, the second is served from
+    // memory, reading nothing from the disk (the file is evicted first).
+    let hash = file_hash(&path);
+    dmaload::pagecache::evict(&path).unwrap();
+    let before = service.storage_reads();
+    assert_eq!(run_client("get", &socket, &path), format!("served=miss hash={hash}"));
+    let loaded = service.storage_reads();
+    assert!(loaded - before >= 16 << 20, "the miss read the file ({} bytes)", loaded - before);
+    dmaload::pagecache::evict(&path).unwrap();
+    assert_eq!(run_client("get", &socket, &path), format!("served=hit hash={hash}"));
+    assert_eq!(service.storage_reads(), loaded, "a hit reads nothing");
+    let status = service.status();
+    assert_eq!((status.misses, status.hits, status.files_cached), (1, 1, 1), "{status:?}");
+    assert_eq!(status.files[0].bytes, (16 << 20) + 4096);
+    // Both clients wrote 0xA5 over all of their bytes before exiting, and
+    // a third still gets the file's: their writes were private.
+    let client = Client::connect(&socket).unwrap();
+    let mut first = client.get(&path).unwrap();
+    let second = client.get(&path).unwrap();
+    first.buffer[..4096].fill(0);
+    assert_eq!(xxh3(&second.buffer), hash);
+    assert_pattern(&second.buffer, 0);
+
+    // Rewritten in place (same size): loaded again, never served stale.
+    let mut file = File::options().write(true).open(&path).unwrap();
+    file.write_all(b"new bytes").unwrap();
+    drop(file);
+    let hash = file_hash(&path);
+    assert_eq!(run_client("get", &socket, &path), format!("served=miss hash={hash}"));
+    // ... and replaced by another file at the same path.
+    write_pattern_file(&dir.path().join("other"), 5000);
+    std::fs::rename(dir.path().join("other"), &path).unwrap();
+    assert_eq!(run_client("get", &socket, &path), format!("served=miss hash={}", file_hash(&path)));
+    assert_eq!(service.status().misses, 3);
+    assert!(service.memfds() >= 1);
+    service.stop();
+    assert!(!socket.exists(), "a clean stop removes the socket");
+}
+
+#[test]
+fn concurrent_requests_load_a_file_once() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 64 << 20);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    let hash = file_hash(&path);
+    let served: Vec<Served> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                scope.spawn(|| {
+                    let fetched = Client::connect(&socket).unwrap().get(&path).unwrap();
+                    assert_eq!(xxh3(&fetched.buffer), hash);
+                    fetched.served
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    assert_eq!(served.iter().filter(|&&s| s == Served::Miss).count(), 1, "{served:?}");
+    let status = service.status();
+    assert_eq!((status.misses, status.hits), (1, 3));
+    assert_eq!(service.memfds(), 1);
+}
+
+#[test]
+fn least_recently_used_files_are_dropped_under_the_limit() {
+    let dir = scratch_dir();
+    let mib = 1u64 << 20;
+    let files: Vec<PathBuf> = ["a", "b", "c", "big"]
+        .iter()
+        .zip([mib, mib, mib, 4 * mib])
+        .map(|(name, len)| {
+            let path = dir.path().join(name);
+            write_pattern_file(&path, len);
+            path
+        })
+        .collect();
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 5 * mib / 2);
+    let client = Client::connect(&socket).unwrap();
+    let served = |i: usize| client.get(&files[i]).unwrap().served;
+    assert_eq!(served(0), Served::Miss);
+    assert_eq!(served(1), Served::Miss);
+    assert_eq!(served(0), Served::Hit); // a is now more recent than b
+    let held = client.get(&files[2]).unwrap(); // c evicts b, the least recently used
+    assert_eq!(held.served, Served::Miss);
+    assert_eq!(served(0), Served::Hit);
+    let status = service.status();
+    let cached: Vec<_> = status.files.iter().map(|f| f.path.file_name().unwrap().to_owned()).collect();
+    assert_eq!(cached, ["a", "c"], "{status:?}");
+    assert_eq!(status.evictions, 1);
+    assert!(status.memory_used <= status.memory_limit);
+    // Larger than the limit: loaded for the client, not kept, and said so.
+    let big = client.get(&files[3]).unwrap();
+    assert_eq!(big.served, Served::Uncached);
+    assert!(big.note.as_deref().unwrap().contains("not cached"), "{:?}", big.note);
+    assert_pattern(&big.buffer, 0);
+    assert_eq!(served(1), Served::Miss); // b was dropped; c goes, the LRU
+    assert_eq!(service.status().files_cached, 2);
+    // Every memfd the service holds is a cached file's; dropped ones are
+    // closed although `held` (c) still maps its pages.
+    assert_eq!(service.memfds(), 2);
+    assert_pattern(&held.buffer, 0);
+}
+
+#[test]
+fn forged_requests_are_refused_and_the_service_goes_on() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 100_000);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    let conn = Connection::connect(&socket).unwrap();
+    conn.set_timeouts(Some(Duration::from_secs(60))).unwrap();
+    let ask = |bytes: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]| -> String {
+        conn.send(bytes, fds).unwrap();
+        match protocol::receive_reply(&conn).unwrap().unwrap().0 {
+            Reply::Error(err) => err.message,
+            other => panic!("{other:?} for a forged request"),
+        }
+    };
+    let get = protocol::encode_request(Request::Get);
+    let directory = File::open(dir.path()).unwrap();
+    let (sock_a, _sock_b) = Connection::pair().unwrap();
+    // A pipe: the read end of a child's stdout.
+    let mut sleeper = Command::new("sleep").arg("60").stdout(Stdio::piped()).spawn().unwrap();
+    let pipe_r = sleeper.stdout.take().unwrap();
+    let write_only = File::options().write(true).open(&path).unwrap();
+    let o_path = File::options().read(true).custom_flags(libc::O_PATH).open(&path).unwrap();
+    assert!(ask(&get, &[directory.as_fd()]).contains("directory, not a regular file"));
+    assert!(ask(&get, &[sock_a.as_fd()]).contains("socket, not a regular file"));
+    assert!(ask(&get, &[pipe_r.as_fd()]).contains("not a regular file"));
+    assert!(ask(&get, &[write_only.as_fd()]).contains("not open for reading"));
+    assert!(ask(&get, &[o_path.as_fd()]).contains("not open for reading"));
+    assert!(ask(&get, &[]).contains("0 descriptors"));
+    assert!(ask(b"{\"version\": 1, \"body\": {\"op\": \"get\", \"path\": \"/etc/shadow\"}}", &[])
+        .contains("malformed"));
+    assert!(ask(b"\xff\xfe", &[]).contains("malformed"));
+    assert!(ask(&vec![b' '; 100_000], &[]).contains("longer than"));
+    // A file that fails to load: the error the client gets is a direct load's.
+    let proc_file = Path::new("/proc/self/status");
+    let direct = dmaload::load(proc_file, &LoadOptions::default()).unwrap_err();
+    let served = Client::connect(&socket).unwrap().get(proc_file).unwrap_err();
+    assert_eq!((served.kind(), served.to_string()), (direct.kind(), direct.to_string()));
+    // None of it broke the service or its connection.
+    let fetched = Client::connect(&socket).unwrap().get(&path).unwrap();
+    assert_pattern(&fetched.buffer, 0);
+    assert!(ask(&get, &[directory.as_fd()]).contains("not a regular file"));
+    let status = service.status();
+    assert_eq!((status.errors, status.misses, status.files_cached), (11, 1, 1), "{status:?}");
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+}
+
+#[test]
+fn another_user_is_refused() {
+    if !can_become_nobody() {
+        return common::skip("another_user_is_refused", "needs root and setpriv (util-linux)");
+    }
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 100_000);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    // Let uid 65534 reach the socket and the file, so that the service's
+    // SO_PEERCRED check, not the file mode, is what refuses it.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let as_nobody = |socket: &Path| {
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
+            .env(ROLE, "load-cached")
+            .env(SOCKET, socket)
+            .env(FILE, &path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        role_output(&String::from_utf8_lossy(&out.stdout))
+    };
+    // Refused, and the client loaded the file itself, saying why.
+    let stdout = as_nobody(&socket);
+    assert!(stdout.starts_with(&format!("direct {} (", file_hash(&path))), "{stdout}");
+    assert!(stdout.contains("uid 65534 (gid 65534) is not served"), "{stdout}");
+    let status = service.status();
+    assert_eq!((status.refused, status.misses), (1, 0));
+
+    // --allow-uid 65534: served, from the descriptor it sent.
+    let allowing = dir.path().join("allowing.sock");
+    let cmd = &mut role("service", &allowing);
+    let service = ServiceProcess::start_with(cmd.env(LIMIT, "1000000000").env(ALLOW_UID, "65534"), &allowing);
+    std::fs::set_permissions(&allowing, std::fs::Permissions::from_mode(0o666)).unwrap();
+    assert_eq!(as_nobody(&allowing), format!("service miss {}", file_hash(&path)));
+    assert_eq!(service.status().refused, 0);
+}
+
+/// Whether this process is root and `setpriv` runs (the test binary must
+/// be readable by uid 65534 too, as it is under a world-readable target).
+fn can_become_nobody() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+        && Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "true"])
+            .status()
+            .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn killed_clients_and_a_killed_service_leak_nothing() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 64 << 20);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    // Clients killed while the service loads and sends: it goes on.
+    for _ in 0..3 {
+        let mut child = role("hang", &socket).env(FILE, &path).stdout(Stdio::piped()).spawn().unwrap();
+        assert_eq!(read_role_line(&mut child), "sent");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    let fetched = Client::connect(&socket).unwrap().get(&path).unwrap();
+    assert_pattern(&fetched.buffer, 0);
+    // One memfd, the cached file's, however many clients died holding one
+    // (the status request is a client itself).
+    let started = Instant::now();
+    while service.status().clients > 1 && started.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(service.memfds(), 1);
+    assert_eq!(service.status().files_cached, 1);
+
+    // The service killed: the memory it handed out stays valid, and the
+    // next client loads directly, saying why.
+    let mut service = service;
+    service.child.kill().unwrap();
+    service.child.wait().unwrap();
+    assert_pattern(&fetched.buffer, 0);
+    let line = run_client("load-cached", &socket, &path);
+    assert!(line.starts_with(&format!("direct {} (no cache service: connect ", file_hash(&path))), "{line}");
+    // A new service replaces the dead one's socket file.
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    assert!(run_client("load-cached", &socket, &path).starts_with("service miss "));
+    service.stop();
+}
+
+#[test]
+fn a_running_service_is_not_replaced() {
+    let dir = scratch_dir();
+    let socket = dir.path().join("cache.sock");
+    let _service = ServiceProcess::start(&socket, 1 << 20);
+    let config = ServiceConfig {
+        socket: socket.clone(),
+        memory_limit: 1 << 20,
+        allow_uids: Vec::new(),
+        allow_gids: Vec::new(),
+        load_options: LoadOptions::default(),
+        log: Arc::new(|_| {}),
+    };
+    let err = Service::bind(config.clone()).err().unwrap();
+    assert!(err.to_string().contains("already listening"), "{err}");
+    let not_socket = dir.path().join("file");
+    File::create(&not_socket).unwrap();
+    let err = Service::bind(ServiceConfig { socket: not_socket, ..config }).err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+}
