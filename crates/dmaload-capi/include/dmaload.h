@@ -184,6 +184,28 @@ int dmaload_load_range(const char *path,
                        const struct dmaload_load_options *options,
                        struct dmaload_buffer **out);
 
+// Fills `len` bytes of memory the caller owns at `dst` with the file's
+// bytes from `offset` (neither needs any alignment): read in place where
+// the memory lines up with the file (page-aligned memory and an aligned
+// offset, for instance), else through a small staging ring with one copy
+// (the report's `destination` says which). When `report` is not NULL,
+// `*report` receives the load's report, the caller's to free with
+// `dmaload_report_free` (untouched on failure). After a failure the memory
+// holds a mix of old and new bytes. Returns 0 or an errno as for
+// `dmaload_load` (ENODATA when the range passes the end of the file).
+// Thread-safe, as long as no other thread touches `dst` meanwhile.
+//
+// # Safety
+// `path` is NULL or a NUL-terminated string, `options` NULL or a valid
+// struct, `dst` NULL (only with `len` 0) or `len` writable bytes no one
+// else reads or writes during the call, `report` NULL or writable.
+int dmaload_load_into(const char *path,
+                      uint64_t offset,
+                      void *dst,
+                      size_t len,
+                      const struct dmaload_load_options *options,
+                      struct dmaload_report **report);
+
 // The buffer's bytes (`dmaload_buffer_len` of them), valid until
 // `dmaload_buffer_free`; NULL for a NULL buffer. The memory stays the
 // buffer's: do not free it. Any thread may read it.

@@ -447,6 +447,51 @@ pub unsafe extern "C" fn dmaload_load_range(
     load_impl("dmaload_load_range", path, Some((offset, len)), options, out)
 }
 
+/// Fills `len` bytes of memory the caller owns at `dst` with the file's
+/// bytes from `offset` (neither needs any alignment): read in place where
+/// the memory lines up with the file (page-aligned memory and an aligned
+/// offset, for instance), else through a small staging ring with one copy
+/// (the report's `destination` says which). When `report` is not NULL,
+/// `*report` receives the load's report, the caller's to free with
+/// `dmaload_report_free` (untouched on failure). After a failure the memory
+/// holds a mix of old and new bytes. Returns 0 or an errno as for
+/// `dmaload_load` (ENODATA when the range passes the end of the file).
+/// Thread-safe, as long as no other thread touches `dst` meanwhile.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string, `options` NULL or a valid
+/// struct, `dst` NULL (only with `len` 0) or `len` writable bytes no one
+/// else reads or writes during the call, `report` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dmaload_load_into(
+    path: *const c_char,
+    offset: u64,
+    dst: *mut c_void,
+    len: usize,
+    options: *const dmaload_load_options,
+    report: *mut *mut dmaload_report,
+) -> c_int {
+    let op = "dmaload_load_into";
+    entry(op, || {
+        let path = path_arg(op, path)?;
+        let options = load_options(op, options, None)?;
+        let dst: &mut [u8] = match (dst.is_null(), len) {
+            (_, 0) => &mut [],
+            (true, _) => return Err(invalid(op, "dst is NULL")),
+            // SAFETY: `dst` is non-NULL and points to `len` writable bytes
+            // that nothing else touches during the call (the contract).
+            (false, _) => unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) },
+        };
+        let loaded = dmaload::load_into(path, offset, dst, &options)?;
+        if !report.is_null() {
+            let handle = Box::into_raw(self::report(&loaded)).cast();
+            // SAFETY: `report` is non-NULL (checked) and writable (the contract).
+            unsafe { report.write(handle) };
+        }
+        Ok(())
+    })
+}
+
 /// The buffer's bytes (`dmaload_buffer_len` of them), valid until
 /// `dmaload_buffer_free`; NULL for a NULL buffer. The memory stays the
 /// buffer's: do not free it. Any thread may read it.

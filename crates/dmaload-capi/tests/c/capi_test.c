@@ -164,6 +164,26 @@ int main(int argc, char **argv)
 	      "dmaload_load_range loads an unaligned range");
 	dmaload_buffer_free(buffer);
 
+	/* Memory the caller owns: page-aligned (in place) and off by one (staged). */
+	{
+		uint8_t *memory = aligned_alloc(4096, 3 * 4096 + 70000);
+		dmaload_report *into = NULL;
+		check(memory != NULL, "aligned_alloc");
+		rc = dmaload_load_into(file, 4096, memory, 70000, NULL, &into);
+		check(rc == 0 && matches(memory, 70000, 4096) && into != NULL && into->bytes == 70000 &&
+			      strcmp(into->destination, "caller memory (in place)") == 0,
+		      "dmaload_load_into fills page-aligned memory in place");
+		dmaload_report_free(into);
+		rc = dmaload_load_into(file, 5000, memory + 1, 70000, NULL, NULL);
+		check(rc == 0 && matches(memory + 1, 70000, 5000), "dmaload_load_into fills unaligned memory");
+		check_error(dmaload_load_into(file, 0, NULL, 10, NULL, NULL), EINVAL, "dst is NULL",
+			    "dmaload_load_into refuses NULL memory");
+		check(dmaload_load_into(file, 0, NULL, 0, NULL, NULL) == 0, "dmaload_load_into of nothing");
+		check_error(dmaload_load_into(file, len - 10, memory, 20, NULL, NULL), ENODATA, file,
+			    "dmaload_load_into past the end names the file");
+		free(memory);
+	}
+
 	/* Dma-bufs: the arguments everywhere, the loads where the kernel has them. */
 	dmaload_dmabuf dmabuf;
 	check_error(dmaload_load_dmabuf(file, "dma-heap:no-such-heap", NULL, &dmabuf), EINVAL,
