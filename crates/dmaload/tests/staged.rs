@@ -176,6 +176,34 @@ fn truncation_mid_load_is_an_error_naming_the_offset() {
     }
 }
 
+/// A [`Recorder`] that holds its third delivery until the token is
+/// cancelled, so a load cannot finish before the progress thread (which
+/// may be starved of CPU on a busy machine) has had its say.
+struct AwaitCancel {
+    recorder: Recorder,
+    token: CancelToken,
+}
+
+impl Sink for AwaitCancel {
+    fn deliver(&mut self, slot: usize, data: SlotData<'_>) -> io::Result<()> {
+        if self.recorder.deliveries.len() == 2 {
+            let started = std::time::Instant::now();
+            while !self.token.is_cancelled() && started.elapsed() < std::time::Duration::from_secs(60) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        self.recorder.deliver(slot, data)
+    }
+
+    fn release(&mut self, slot: usize) -> io::Result<()> {
+        self.recorder.release(slot)
+    }
+
+    fn finish(&mut self) -> io::Result<()> {
+        self.recorder.finish()
+    }
+}
+
 #[test]
 fn cancelling_a_staged_load_stops_it_and_finishes_the_sink() {
     let dir = scratch_dir();
@@ -195,10 +223,18 @@ fn cancelling_a_staged_load_stops_it_and_finishes_the_sink() {
             ..options(engine, 64 << 10)
         };
         let mut ring = StagingRing::new(2, 64 << 10, 64 << 10).unwrap();
-        let mut sink =
-            Recorder { deliveries: Vec::new(), released: Vec::new(), fail_at: None, finished: false };
+        let mut sink = AwaitCancel {
+            recorder: Recorder {
+                deliveries: Vec::new(),
+                released: Vec::new(),
+                fail_at: None,
+                finished: false,
+            },
+            token: opts.cancel.clone(),
+        };
         let err = dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &opts).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Cancelled, "{engine:?}: {err}");
+        let sink = sink.recorder;
         assert!(sink.finished);
         assert!((sink.deliveries.len() as u64) < size / (64 << 10), "{engine:?}: every slot was delivered");
     }
