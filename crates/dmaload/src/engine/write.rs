@@ -6,7 +6,6 @@ use std::fs::File;
 use std::io;
 use std::ops::Range;
 use std::os::fd::AsFd;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -14,17 +13,20 @@ use std::sync::{Condvar, Mutex};
 use super::Engine;
 use crate::error::{Error, Result};
 use crate::load::Fallback;
+use crate::sys::shm::RawBytes;
 use crate::sys::uring::{Completion, SliceRegistrar, WriteRing, MAX_REGISTERED_BUFFERS};
 
 /// Bytes registered (pinned) as one io_uring buffer while writing: the
 /// write direction of a gather.
 const WINDOW: usize = 128 << 20;
 
-/// One write of `src` to `file` at `file_offset`.
+/// One write of `src` to `file` at `file_offset`. The source is raw bytes
+/// so that memory a peer process may write (a block queue's blocks) is
+/// written without a `&[u8]` of it.
 pub(crate) struct WriteJob<'a> {
     pub path: &'a Path,
     pub file: &'a File,
-    pub src: &'a [u8],
+    pub src: RawBytes<'a>,
     pub file_offset: u64,
     pub chunk: usize,
     pub queue_depth: usize,
@@ -75,7 +77,9 @@ impl WriteJob<'_> {
                 }
                 let range = self.request(i * self.chunk);
                 let start = range.start;
-                if let Err(err) = self.file.write_all_at(&self.src[range], self.file_offset + start as u64) {
+                if let Err(err) =
+                    self.src.range(range).write_all_at(self.file.as_fd(), self.file_offset + start as u64)
+                {
                     stop.store(true, Ordering::Relaxed);
                     failure.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(self.error(start, err));
                 }

@@ -102,6 +102,16 @@ impl SeqpacketListener {
         // SAFETY: `fd` was just returned by accept4 and nothing else owns it.
         Ok(SeqpacketConn { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
     }
+
+    /// [`Self::accept`] if a connection arrives within `timeout`, else
+    /// `None`: lets a caller check on the process it expects in between.
+    pub fn accept_timeout(&self, timeout: Duration) -> io::Result<Option<SeqpacketConn>> {
+        if super::eventfd::poll_readable(self.fd.as_fd(), timeout)? {
+            self.accept().map(Some)
+        } else {
+            Ok(None)
+        }
+    }
 }
 
 impl AsFd for SeqpacketListener {
