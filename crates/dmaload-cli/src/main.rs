@@ -7,6 +7,7 @@ mod bench_qd;
 mod bench_save;
 mod bench_sizes;
 mod benchkit;
+mod capture;
 mod demo;
 mod gpu;
 mod output;
@@ -55,6 +56,9 @@ enum Command {
     Save(save_cmd::SaveCommand),
     /// Load SRC into shareable memory and save it to DST; reports both halves.
     Copy(save_cmd::CopyCommand),
+    /// Stream blocks from a source to a file through a block queue between
+    /// two processes (the producer is this program run again).
+    Capture(capture::CaptureCommand),
     /// Benchmarks, with baselines run side by side in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -206,6 +210,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args),
         Command::Save(cmd) => save_cmd::save(cmd),
         Command::Copy(cmd) => save_cmd::copy(cmd),
+        Command::Capture(cmd) => capture::run(cmd),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {
