@@ -42,6 +42,8 @@ pub enum BenchCommand {
     Save(crate::bench_save::SaveBenchArgs),
     /// Seed 002's test: random page binds of 1–64 GiB tables, binary search vs linear walk.
     Bind(crate::bench_bind::BindArgs),
+    /// Seed 004's table: block passing (pipe read/write vs BlockQueue) per block size, capture vs fio.
+    Stream(crate::bench_stream::StreamArgs),
 }
 
 /// A method under test.
@@ -123,6 +125,7 @@ pub fn run(cmd: &BenchCommand) -> Result<(), String> {
         BenchCommand::Qd(args) => crate::bench_qd::run(args),
         BenchCommand::Save(args) => crate::bench_save::run(args),
         BenchCommand::Bind(args) => crate::bench_bind::run(args),
+        BenchCommand::Stream(args) => crate::bench_stream::run(args),
     }
 }
 

@@ -15,10 +15,12 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
+use dmaload::load::DEFAULT_QUEUE_DEPTH;
 use dmaload::share::{
     capture_to_file, process_cpu_seconds, BlockQueue, BlockQueueOptions, CaptureOptions, Connection,
     Listener, QueueMemory, Role,
 };
+use dmaload::Engine;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -73,6 +75,12 @@ pub struct CaptureCommand {
     /// What the blocks are made of: memfd, dma-heap or udmabuf.
     #[arg(long, default_value = "memfd")]
     memory: String,
+    /// Write engine: uring-fixed, uring, pread-pool or read.
+    #[arg(long, default_value_t = Engine::default())]
+    engine: Engine,
+    /// Writes in flight (io_uring engines).
+    #[arg(long, default_value_t = DEFAULT_QUEUE_DEPTH)]
+    queue_depth: usize,
     /// Skip the fsyncs (scratch captures).
     #[arg(long)]
     no_sync: bool,
@@ -140,6 +148,8 @@ struct Report {
     producer_cpu_seconds: Option<f64>,
     consumer_cpu_seconds: f64,
     direct_bytes: u64,
+    /// Engine calls, each writing a run of consecutive blocks.
+    runs: u64,
     engine: String,
     filesystem: &'static str,
 }
@@ -259,6 +269,8 @@ fn consume(cmd: &CaptureCommand) -> Result<(), String> {
     };
     let capture_options = CaptureOptions {
         sync: !cmd.no_sync,
+        engine: cmd.engine,
+        queue_depth: cmd.queue_depth,
         expected_bytes: cmd.size.map(|s| s.0.next_multiple_of(options.block_size as u64)),
         ..CaptureOptions::default()
     };
@@ -318,6 +330,7 @@ fn consume(cmd: &CaptureCommand) -> Result<(), String> {
         producer_cpu_seconds: producer.as_ref().map(|p| p.cpu_seconds),
         consumer_cpu_seconds: consumer_cpu,
         direct_bytes: report.direct_bytes,
+        runs: report.runs,
         engine: report.engine.name().to_owned(),
         filesystem: report.filesystem,
     };

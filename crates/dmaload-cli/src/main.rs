@@ -6,6 +6,7 @@ mod bench_matrix;
 mod bench_qd;
 mod bench_save;
 mod bench_sizes;
+mod bench_stream;
 mod benchkit;
 mod capture;
 mod demo;

@@ -220,6 +220,8 @@ pub struct BlockQueue {
     peer: u64,
     /// The producer has finished, or the consumer has seen the end.
     ended: bool,
+    /// Consumer: filled blocks a wait waits for (see [`Self::dequeue_run`]).
+    want: u64,
 }
 
 impl BlockQueue {
@@ -287,6 +289,7 @@ impl BlockQueue {
             own: 0,
             peer: 0,
             ended: false,
+            want: 1,
         })
     }
 
@@ -340,6 +343,7 @@ impl BlockQueue {
             own: 0,
             peer: 0,
             ended: false,
+            want: 1,
             conn,
         };
         queue.conn.send(ATTACHED, &[])?;
@@ -455,7 +459,7 @@ impl BlockQueue {
         let peer = self.refresh()?;
         Ok(match self.role {
             Role::Producer => self.own - peer < self.options.blocks as u64 || self.peer_state() != RUNNING,
-            Role::Consumer => peer > self.own || self.peer_state() != RUNNING,
+            Role::Consumer => peer - self.own >= self.want || self.peer_state() != RUNNING,
         })
     }
 
@@ -618,11 +622,29 @@ impl BlockQueue {
         max_blocks: usize,
         timeout: Option<Duration>,
     ) -> io::Result<Option<Filled<'_>>> {
+        self.dequeue_run(1, max_blocks, timeout)
+    }
+
+    /// [`Self::dequeue_filled`], waiting until `min_blocks` are filled
+    /// (fewer when the ring's end comes first, or the stream ends): a
+    /// writer that batches its blocks keeps its writes large while the
+    /// producer refills the rest of the ring.
+    pub fn dequeue_run(
+        &mut self,
+        min_blocks: usize,
+        max_blocks: usize,
+        timeout: Option<Duration>,
+    ) -> io::Result<Option<Filled<'_>>> {
         self.require(Role::Consumer, "dequeue_filled")?;
         if self.ended {
             return Ok(None);
         }
-        self.wait_ready(timeout)?;
+        let blocks = self.options.blocks;
+        let to_ring_end = blocks - (self.own % blocks as u64) as usize;
+        self.want = min_blocks.clamp(1, max_blocks.max(1)).min(to_ring_end) as u64;
+        let waited = self.wait_ready(timeout);
+        self.want = 1;
+        waited?;
         let available = self.peer - self.own;
         if available == 0 {
             return match self.peer_state() {

@@ -28,9 +28,13 @@ use super::{BlockQueue, Filled, Role};
 use crate::engine::write::WriteJob;
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
-use crate::load::{Fallback, IoMode, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use crate::load::{Fallback, IoMode, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use crate::save::{check_sticky, choose_direct, parent_dir, remove_stale_tmpfiles, resolve, TmpFile};
 use crate::{sys, system};
+
+/// Bytes per write request (or one block, if larger): enough requests in
+/// flight to keep the disk busy from a ring of a few dozen MiB.
+const WRITE_CHUNK: usize = 1 << 20;
 
 /// Options of [`capture_to_file`].
 #[derive(Debug, Clone)]
@@ -45,6 +49,10 @@ pub struct CaptureOptions {
     pub queue_depth: usize,
     /// The expected size, reserved with `fallocate` first when known.
     pub expected_bytes: Option<u64>,
+    /// Blocks gathered before a run is written (fewer at the ring's end
+    /// and the stream's): half the ring by default, so one half is written
+    /// while the producer fills the other.
+    pub min_run_blocks: Option<usize>,
     /// Most blocks written as one run.
     pub max_run_blocks: usize,
     /// How long to wait for the producer (`None`: as long as it lives).
@@ -59,6 +67,7 @@ impl Default for CaptureOptions {
             sync: true,
             queue_depth: DEFAULT_QUEUE_DEPTH,
             expected_bytes: None,
+            min_run_blocks: None,
             max_run_blocks: usize::MAX,
             timeout: None,
         }
@@ -155,8 +164,9 @@ pub fn capture_to_file(
         fallbacks: Vec::new(),
     };
     let (mut blocks, mut runs, mut stream_error) = (0u64, 0u64, None);
+    let min_run = options.min_run_blocks.unwrap_or(queue.blocks() / 2);
     loop {
-        match queue.dequeue_filled(options.max_run_blocks, options.timeout) {
+        match queue.dequeue_run(min_run, options.max_run_blocks, options.timeout) {
             Ok(Some(run)) => {
                 observe(&run);
                 writer.write(&run)?;
@@ -241,7 +251,7 @@ impl RunWriter<'_> {
             _ => 0,
         };
         let (target, file, options) = (self.target, self.file, self.options);
-        let chunk = DEFAULT_CHUNK_SIZE.max(self.block_size);
+        let chunk = WRITE_CHUNK.max(self.block_size);
         let job = |src, file_offset| WriteJob {
             path: target,
             file,
