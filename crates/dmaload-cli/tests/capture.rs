@@ -114,7 +114,7 @@ fn a_full_ring_waits_or_drops_and_counts() {
                     "--source",
                     "synthetic",
                     "--size",
-                    "64M",
+                    "16M",
                     "--block-size",
                     "4K",
                     "--blocks",
