@@ -158,6 +158,18 @@ impl SeqpacketConn {
         Ok(SeqpacketConn { fd })
     }
 
+    /// A duplicate (`fcntl(F_DUPFD_CLOEXEC)`) of descriptor number `fd`,
+    /// checked as [`Self::from_fd`] checks: for a socket a caller holds only
+    /// as a number (a Python `socket.socket`'s `fileno()`). The original
+    /// stays open and owned by whoever owns it.
+    pub fn duplicate(fd: RawFd) -> io::Result<SeqpacketConn> {
+        // SAFETY: F_DUPFD_CLOEXEC takes an integer argument; on an fd that
+        // is not open it fails with EBADF and creates nothing.
+        let dup = check(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) })?;
+        // SAFETY: `dup` was just created by fcntl and nothing else owns it.
+        Self::from_fd(unsafe { OwnedFd::from_raw_fd(dup) })
+    }
+
     /// The credentials of the process at the other end.
     pub fn peer_credentials(&self) -> io::Result<PeerCredentials> {
         let mut cred = MaybeUninit::<libc::ucred>::zeroed();
