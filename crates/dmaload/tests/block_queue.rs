@@ -99,6 +99,19 @@ fn peer_process_role() {
             queue.wait_drained(WAIT).unwrap();
             queue.connection().send(&dropped.to_le_bytes(), &[]).unwrap();
         }
+        "produce-dmabuf" => {
+            let mut queue = BlockQueue::attach(conn, WAIT).unwrap();
+            assert!(queue.memory() != QueueMemory::Memfd);
+            for seq in 0..200u64 {
+                let mut block = queue.dequeue_free(WAIT).unwrap();
+                block.write_at(0, &block_bytes(seq, 8192)).unwrap();
+                block.enqueue(8192, seq).unwrap();
+            }
+            queue.finish().unwrap();
+            queue.wait_drained(WAIT).unwrap();
+            // Start and end of a bracket per block.
+            assert_eq!(queue.cpu_syncs(), 400);
+        }
         "produce-then-die" => {
             let mut queue = BlockQueue::attach(conn, WAIT).unwrap();
             for seq in 0..50u64 {
@@ -163,6 +176,7 @@ fn ten_thousand_blocks_arrive_in_order_bit_exact() {
     }
     assert_eq!(seq, 10_000);
     assert_eq!(queue.count(), 10_000);
+    assert_eq!(queue.cpu_syncs(), 0, "memfd blocks need no dma-buf sync");
     assert!(child.wait().unwrap().success());
 }
 
@@ -385,4 +399,37 @@ fn a_timeout_bounds_every_wait() {
     drop(producer);
     let err = consumer.dequeue_filled(1, WAIT).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::BrokenPipe, "{err}");
+}
+
+/// Blocks in a dma-buf (system dma-heap, udmabuf): both processes map it
+/// and bracket every CPU access with DMA_BUF_IOCTL_SYNC (counted, and an
+/// ioctl the exporter refused would fail the stream). Runs in the VM of
+/// tests/vm, skips where the kernel has neither.
+#[test]
+fn dmabuf_blocks_cross_processes_with_cpu_sync() {
+    for memory in [QueueMemory::DmaHeap, QueueMemory::Udmabuf] {
+        let probe = match memory {
+            QueueMemory::DmaHeap => dmaload::heap::dma_heap_probe(),
+            _ => dmaload::heap::udmabuf_probe(),
+        };
+        if let Err(why) = probe {
+            common::skip(&format!("dmabuf_blocks_cross_processes_with_cpu_sync ({})", memory.name()), &why);
+            continue;
+        }
+        let (conn, mut child, _dir) = spawn_peer("produce-dmabuf");
+        let options = BlockQueueOptions { block_size: 8192, blocks: 8, memory };
+        let mut queue = BlockQueue::create(conn, Role::Consumer, &options, WAIT).unwrap();
+        let mut out = vec![0u8; 8192];
+        let mut seq = 0u64;
+        while let Some(run) = queue.dequeue_filled(1, WAIT).unwrap() {
+            run.read_at(0, 0, &mut out).unwrap();
+            assert!(out == block_bytes(seq, 8192), "{} block {seq} differs", memory.name());
+            seq += 1;
+            run.release().unwrap();
+        }
+        assert_eq!(seq, 200);
+        assert_eq!(queue.cpu_syncs(), 400, "{}", memory.name());
+        assert!(child.wait().unwrap().success(), "{}: the producer failed", memory.name());
+        eprintln!("{}: 200 blocks, 400 CPU-access syncs on each side", memory.name());
+    }
 }

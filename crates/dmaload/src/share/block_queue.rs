@@ -222,6 +222,8 @@ pub struct BlockQueue {
     ended: bool,
     /// Consumer: filled blocks a wait waits for (see [`Self::dequeue_run`]).
     want: u64,
+    /// `DMA_BUF_IOCTL_SYNC` calls made (dma-buf blocks only).
+    cpu_syncs: u64,
 }
 
 impl BlockQueue {
@@ -290,6 +292,7 @@ impl BlockQueue {
             peer: 0,
             ended: false,
             want: 1,
+            cpu_syncs: 0,
         })
     }
 
@@ -344,6 +347,7 @@ impl BlockQueue {
             peer: 0,
             ended: false,
             want: 1,
+            cpu_syncs: 0,
             conn,
         };
         queue.conn.send(ATTACHED, &[])?;
@@ -526,11 +530,21 @@ impl BlockQueue {
         io::Error::new(io::ErrorKind::BrokenPipe, format!("block queue: {what}"))
     }
 
-    fn sync(&self, access: SyncAccess, start: bool) -> io::Result<()> {
+    fn sync(&mut self, access: SyncAccess, start: bool) -> io::Result<()> {
         match &self.dmabuf {
-            Some(fd) => dmabuf::sync(fd.as_fd(), access, start),
+            Some(fd) => {
+                self.cpu_syncs += 1;
+                dmabuf::sync(fd.as_fd(), access, start)
+            }
             None => Ok(()),
         }
+    }
+
+    /// How many CPU-access brackets' ends (`DMA_BUF_IOCTL_SYNC` start or
+    /// end) this side has issued: two per block on dma-buf blocks, none on
+    /// a memfd.
+    pub fn cpu_syncs(&self) -> u64 {
+        self.cpu_syncs
     }
 
     /// Producer: the next free block, waiting up to `timeout` (`None`:
