@@ -56,6 +56,28 @@ fn a_synthetic_capture_verifies_block_by_block() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("block 3 at byte 196608: checksum mismatch"));
 }
 
+/// Runs are written several at once; rings too small to split still make
+/// progress, and the largest block size works.
+#[test]
+fn tiny_rings_and_huge_blocks_capture_whole() {
+    let dir = open_scratch("dmaload-capture-");
+    for (blocks, block, size) in
+        [("1", "64K", "4M"), ("3", "64K", "4M"), ("5", "4K", "4M"), ("2", "64M", "128M")]
+    {
+        let to = dir.path().join(format!("cap-{blocks}-{block}"));
+        let report = json_of(&output_or_hang(
+            dmaload()
+                .args(["capture", "--source", "synthetic", "--no-sync", "--json", "--size", size])
+                .args(["--blocks", blocks, "--block-size", block, "--to"])
+                .arg(&to),
+        ));
+        assert_eq!(report["complete"], true, "{blocks} × {block}");
+        let verdict = json_of(&verify(&to));
+        assert_eq!(verdict["ok"], true, "{blocks} × {block}");
+        std::fs::remove_file(&to).unwrap();
+    }
+}
+
 #[test]
 fn files_and_fifos_arrive_bit_exact_with_an_unaligned_tail() {
     let dir = open_scratch("dmaload-capture-");

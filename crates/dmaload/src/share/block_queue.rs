@@ -36,10 +36,12 @@
 //! to the protocol. On dma-buf blocks every CPU access between dequeue and
 //! enqueue/release is bracketed by `DMA_BUF_IOCTL_SYNC`.
 
+use std::collections::BTreeMap;
 use std::io;
 use std::ops::Range;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -48,7 +50,7 @@ use super::Connection;
 use crate::sys::dmabuf::{self, SyncAccess};
 use crate::sys::eventfd::{poll_two, EventFd, Readiness};
 use crate::sys::mem::{self, Seals};
-use crate::sys::shm::{PeerMapping, RawBytes, SharedBytes, SharedBytesMut};
+use crate::sys::shm::{PeerMapping, SharedBytes, SharedBytesMut};
 
 /// Smallest block: one page.
 pub const MIN_BLOCK_SIZE: usize = 4 << 10;
@@ -206,7 +208,8 @@ pub struct BlockQueue {
     role: Role,
     options: BlockQueueOptions,
     control: PeerMapping,
-    data: PeerMapping,
+    /// Shared with writers of [`HeldRun`]s ([`Self::ring`]).
+    data: Arc<PeerMapping>,
     /// The blocks' dma-buf, for the CPU-access brackets.
     dmabuf: Option<OwnedFd>,
     /// Signalled by the producer after an enqueue, waited on by the consumer.
@@ -222,6 +225,12 @@ pub struct BlockQueue {
     ended: bool,
     /// Consumer: filled blocks a wait waits for (see [`Self::dequeue_run`]).
     want: u64,
+    /// Consumer: blocks dequeued (given back or not); `own` counts those
+    /// given back, in order.
+    taken: u64,
+    /// Consumer: runs given back ahead of an earlier one still held
+    /// (sequence → blocks), given back for real once the gap closes.
+    done: BTreeMap<u64, u64>,
     /// `DMA_BUF_IOCTL_SYNC` calls made (dma-buf blocks only).
     cpu_syncs: u64,
 }
@@ -261,7 +270,8 @@ impl BlockQueue {
                 (fd.try_clone()?, Some(fd))
             }
         };
-        let data = PeerMapping::new(data_fd.as_fd(), data_len, options.memory == QueueMemory::Memfd)?;
+        let data =
+            Arc::new(PeerMapping::new(data_fd.as_fd(), data_len, options.memory == QueueMemory::Memfd)?);
         let (filled, freed) = (EventFd::new()?, EventFd::new()?);
         conn.set_timeouts(timeout)?;
         let header = encode_header(options, role);
@@ -292,6 +302,8 @@ impl BlockQueue {
             peer: 0,
             ended: false,
             want: 1,
+            taken: 0,
+            done: BTreeMap::new(),
             cpu_syncs: 0,
         })
     }
@@ -334,7 +346,7 @@ impl BlockQueue {
         if control.word(W_MAGIC).load(Acquire) != MAGIC {
             return Err(corrupt("the control page lacks its magic word".into()));
         }
-        let data = PeerMapping::new(data_fd.as_fd(), data_len, memory == QueueMemory::Memfd)?;
+        let data = Arc::new(PeerMapping::new(data_fd.as_fd(), data_len, memory == QueueMemory::Memfd)?);
         let queue = BlockQueue {
             role: creator.other(),
             options,
@@ -347,6 +359,8 @@ impl BlockQueue {
             peer: 0,
             ended: false,
             want: 1,
+            taken: 0,
+            done: BTreeMap::new(),
             cpu_syncs: 0,
             conn,
         };
@@ -463,7 +477,7 @@ impl BlockQueue {
         let peer = self.refresh()?;
         Ok(match self.role {
             Role::Producer => self.own - peer < self.options.blocks as u64 || self.peer_state() != RUNNING,
-            Role::Consumer => peer - self.own >= self.want || self.peer_state() != RUNNING,
+            Role::Consumer => peer - self.taken >= self.want || self.peer_state() != RUNNING,
         })
     }
 
@@ -654,12 +668,12 @@ impl BlockQueue {
             return Ok(None);
         }
         let blocks = self.options.blocks;
-        let to_ring_end = blocks - (self.own % blocks as u64) as usize;
+        let to_ring_end = blocks - (self.taken % blocks as u64) as usize;
         self.want = min_blocks.clamp(1, max_blocks.max(1)).min(to_ring_end) as u64;
         let waited = self.wait_ready(timeout);
         self.want = 1;
         waited?;
-        let available = self.peer - self.own;
+        let available = self.peer - self.taken;
         if available == 0 {
             return match self.peer_state() {
                 FINISHED => {
@@ -670,7 +684,7 @@ impl BlockQueue {
             };
         }
         let blocks = self.options.blocks;
-        let first = (self.own % blocks as u64) as usize;
+        let first = (self.taken % blocks as u64) as usize;
         let limit = (available as usize).min(max_blocks.max(1)).min(blocks - first);
         let mut lens = Vec::with_capacity(limit);
         let mut tags = Vec::with_capacity(limit);
@@ -681,7 +695,7 @@ impl BlockQueue {
             if len > self.options.block_size as u64 {
                 return Err(corrupt(format!(
                     "block {} has length {len}, more than the block size {}",
-                    self.own + (slot - first) as u64,
+                    self.taken + (slot - first) as u64,
                     self.options.block_size
                 )));
             }
@@ -692,7 +706,32 @@ impl BlockQueue {
             }
         }
         self.sync(SyncAccess::Read, true)?;
-        Ok(Some(Filled { queue: self, first, lens, tags, released: false }))
+        let sequence = self.taken;
+        self.taken += lens.len() as u64;
+        Ok(Some(Filled { queue: self, sequence, first, lens, tags, released: false }))
+    }
+
+    /// The blocks' mapping, for writing held runs from other threads (as
+    /// the kernel's to read: [`PeerMapping::raw_bytes`]).
+    pub(crate) fn ring(&self) -> Arc<PeerMapping> {
+        Arc::clone(&self.data)
+    }
+
+    /// Consumer: gives back a run that [`Filled::hold`] kept. Runs may come
+    /// back in any order; the producer gets blocks back in stream order,
+    /// once every earlier run is back too.
+    pub fn release_held(&mut self, run: HeldRun) -> io::Result<()> {
+        self.give_back(run.sequence, run.lens.len() as u64)
+    }
+
+    fn give_back(&mut self, sequence: u64, blocks: u64) -> io::Result<()> {
+        let synced = self.sync(SyncAccess::Read, false);
+        self.done.insert(sequence, blocks);
+        while let Some(blocks) = self.done.remove(&self.own) {
+            self.own += blocks;
+        }
+        self.control.word(W_CONSUMED).store(self.own, SeqCst);
+        self.wake_peer().and(synced)
     }
 
     /// Consumer: stops taking blocks; a producer waiting for a free block
@@ -846,6 +885,7 @@ impl Drop for FreeBlock<'_> {
 #[derive(Debug)]
 pub struct Filled<'q> {
     queue: &'q mut BlockQueue,
+    sequence: u64,
     first: usize,
     lens: Vec<usize>,
     tags: Vec<u64>,
@@ -860,7 +900,7 @@ impl Filled<'_> {
 
     /// The stream sequence of the run's first block.
     pub fn sequence(&self) -> u64 {
-        self.queue.own
+        self.sequence
     }
 
     /// The length and tag of block `i` of the run, as read once when it
@@ -901,13 +941,6 @@ impl Filled<'_> {
         self.queue.data.shared_bytes(start..start + self.lens[i])
     }
 
-    /// The whole run as bytes only the kernel reads (written to a file):
-    /// the peer can change what is written, nothing else.
-    pub(crate) fn raw_bytes(&self) -> RawBytes<'_> {
-        let start = self.first * self.queue.options.block_size;
-        self.queue.data.raw_bytes(start..start + self.len())
-    }
-
     /// Gives the blocks back to the producer.
     pub fn release(mut self) -> io::Result<()> {
         self.released = true;
@@ -915,11 +948,22 @@ impl Filled<'_> {
     }
 
     fn give_back(&mut self) -> io::Result<()> {
-        let queue = &mut *self.queue;
-        let synced = queue.sync(SyncAccess::Read, false);
-        queue.own += self.lens.len() as u64;
-        queue.control.word(W_CONSUMED).store(queue.own, SeqCst);
-        queue.wake_peer().and(synced)
+        self.queue.give_back(self.sequence, self.lens.len() as u64)
+    }
+
+    /// Keeps the run past the queue's borrow, so the next runs can be
+    /// dequeued while it is still in use (written to storage, say); give it
+    /// back with [`BlockQueue::release_held`]. Until then its blocks stay
+    /// out of the producer's reach.
+    pub fn hold(mut self) -> HeldRun {
+        self.released = true;
+        HeldRun {
+            sequence: self.sequence,
+            first: self.first,
+            block_size: self.queue.options.block_size,
+            lens: std::mem::take(&mut self.lens),
+            tags: std::mem::take(&mut self.tags),
+        }
     }
 }
 
@@ -930,5 +974,47 @@ impl Drop for Filled<'_> {
             // same; errors have nowhere to go and the blocks are done with.
             let _ = self.give_back();
         }
+    }
+}
+
+/// A run of filled blocks kept with [`Filled::hold`]: its metadata, while
+/// its blocks stay out of the producer's reach until
+/// [`BlockQueue::release_held`].
+#[derive(Debug)]
+pub struct HeldRun {
+    sequence: u64,
+    first: usize,
+    block_size: usize,
+    lens: Vec<usize>,
+    tags: Vec<u64>,
+}
+
+impl HeldRun {
+    pub fn blocks(&self) -> usize {
+        self.lens.len()
+    }
+
+    pub fn sequence(&self) -> u64 {
+        self.sequence
+    }
+
+    /// The length and tag of block `i` of the run.
+    pub fn block(&self, i: usize) -> (usize, u64) {
+        (self.lens[i], self.tags[i])
+    }
+
+    /// Bytes in the whole run.
+    pub fn len(&self) -> usize {
+        self.lens.iter().sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where the run's bytes are in the ring mapping ([`BlockQueue::ring`]).
+    pub(crate) fn byte_range(&self) -> Range<usize> {
+        let start = self.first * self.block_size;
+        start..start + self.len()
     }
 }

@@ -16,6 +16,7 @@
 //! leaves an unaligned tail, which is written through the page cache as
 //! `save` writes its tail, and so is everything after it.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
@@ -24,17 +25,21 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::{BlockQueue, Filled, Role};
-use crate::engine::write::WriteJob;
+use super::{BlockQueue, Filled, HeldRun, Role};
+use crate::engine::write::{WriteJob, WriteRun};
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Fallback, IoMode, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use crate::save::{check_sticky, choose_direct, parent_dir, remove_stale_tmpfiles, resolve, TmpFile};
+use crate::sys::shm::RawBytes;
 use crate::{sys, system};
 
 /// Bytes per write request (or one block, if larger): enough requests in
 /// flight to keep the disk busy from a ring of a few dozen MiB.
 const WRITE_CHUNK: usize = 1 << 20;
+
+/// Runs written at once, each on its own thread and io_uring.
+const RUNS_IN_FLIGHT: usize = 4;
 
 /// Options of [`capture_to_file`].
 #[derive(Debug, Clone)]
@@ -49,12 +54,10 @@ pub struct CaptureOptions {
     pub queue_depth: usize,
     /// The expected size, reserved with `fallocate` first when known.
     pub expected_bytes: Option<u64>,
-    /// Blocks gathered before a run is written (fewer at the ring's end
-    /// and the stream's): half the ring by default, so one half is written
-    /// while the producer fills the other.
-    pub min_run_blocks: Option<usize>,
-    /// Most blocks written as one run.
-    pub max_run_blocks: usize,
+    /// Blocks written as one run (fewer at the ring's end and the
+    /// stream's): a quarter of the ring by default, so up to three runs
+    /// are written at once while the producer fills the fourth.
+    pub run_blocks: Option<usize>,
     /// How long to wait for the producer (`None`: as long as it lives).
     pub timeout: Option<Duration>,
 }
@@ -67,8 +70,7 @@ impl Default for CaptureOptions {
             sync: true,
             queue_depth: DEFAULT_QUEUE_DEPTH,
             expected_bytes: None,
-            min_run_blocks: None,
-            max_run_blocks: usize::MAX,
+            run_blocks: None,
             timeout: None,
         }
     }
@@ -164,24 +166,70 @@ pub fn capture_to_file(
         fallbacks: Vec::new(),
     };
     let (mut blocks, mut runs, mut stream_error) = (0u64, 0u64, None);
-    let min_run = options.min_run_blocks.unwrap_or(queue.blocks() / 2);
-    loop {
-        match queue.dequeue_run(min_run, options.max_run_blocks, options.timeout) {
-            Ok(Some(run)) => {
-                observe(&run);
-                writer.write(&run)?;
-                blocks += run.blocks() as u64;
-                runs += 1;
-                run.release().map_err(|e| Error::io("give back blocks of", &target, e))?;
+    let run_blocks = options.run_blocks.unwrap_or(queue.blocks() / 4).clamp(1, queue.blocks());
+    // Dequeuing while `in_flight - 1` runs are held leaves at least one
+    // run's worth of blocks to the producer, so the wait always ends.
+    let in_flight = (queue.blocks() / run_blocks).clamp(1, RUNS_IN_FLIGHT);
+    let ring = queue.ring();
+    let written: Result<()> = std::thread::scope(|scope| {
+        let mut pending: VecDeque<(HeldRun, std::thread::ScopedJoinHandle<'_, Result<WriteRun>>)> =
+            VecDeque::new();
+        let mut open = true;
+        loop {
+            if open && pending.len() < in_flight {
+                let next = match queue.dequeue_run(run_blocks, run_blocks, options.timeout) {
+                    Ok(Some(run)) => {
+                        observe(&run);
+                        Some(run.hold())
+                    }
+                    Ok(None) => None,
+                    // The writer is sound: keep what was written, say why it stops.
+                    Err(e) => {
+                        stream_error = Some(e.to_string());
+                        None
+                    }
+                };
+                let Some(held) = next else {
+                    open = false;
+                    continue;
+                };
+                let bytes = ring.raw_bytes(held.byte_range());
+                writer.decide(bytes)?;
+                let offset = writer.offset;
+                writer.offset += bytes.len() as u64;
+                if writer.leaves_direct(bytes, offset) {
+                    // O_DIRECT is the file's flag: switch with nothing in flight.
+                    while let Some((earlier, handle)) = pending.pop_front() {
+                        writer.finish(handle)?;
+                        blocks += earlier.blocks() as u64;
+                        runs += 1;
+                        queue
+                            .release_held(earlier)
+                            .map_err(|e| Error::io("give back blocks of", &target, e))?;
+                    }
+                    writer.write_leaving_direct(bytes, offset)?;
+                    blocks += held.blocks() as u64;
+                    runs += 1;
+                    queue.release_held(held).map_err(|e| Error::io("give back blocks of", &target, e))?;
+                } else {
+                    let job = writer.job(bytes, offset);
+                    if writer.direct.is_some() {
+                        // Counted when queued: a failed write fails the capture.
+                        writer.direct_bytes += bytes.len() as u64;
+                    }
+                    let engine = options.engine;
+                    pending.push_back((held, scope.spawn(move || job.run(engine))));
+                }
+                continue;
             }
-            Ok(None) => break,
-            // The writer is sound: keep what was written, say why it stops.
-            Err(e) => {
-                stream_error = Some(e.to_string());
-                break;
-            }
+            let Some((held, handle)) = pending.pop_front() else { return Ok(()) };
+            writer.finish(handle)?;
+            blocks += held.blocks() as u64;
+            runs += 1;
+            queue.release_held(held).map_err(|e| Error::io("give back blocks of", &target, e))?;
         }
-    }
+    });
+    written?;
     let RunWriter { offset, direct, direct_bytes, engine, fallbacks, .. } = writer;
     // Sizes past a shorter last write, or a preallocation larger than what came.
     file.set_len(offset).map_err(|e| Error::io("ftruncate", &target, e))?;
@@ -212,7 +260,8 @@ pub fn capture_to_file(
     })
 }
 
-/// Appends runs to the capture file through the save path's write engine.
+/// Writes runs to the capture file through the save path's write engine,
+/// each at the offset it was given when dequeued.
 struct RunWriter<'a> {
     target: &'a Path,
     file: &'a File,
@@ -222,20 +271,18 @@ struct RunWriter<'a> {
     /// O_DIRECT with this alignment, while the offset stays aligned.
     direct: Option<usize>,
     decided: bool,
+    /// Bytes handed to writes so far: where the next run goes.
     offset: u64,
     direct_bytes: u64,
     engine: Engine,
     fallbacks: Vec<Fallback>,
 }
 
-impl RunWriter<'_> {
-    fn write(&mut self, run: &Filled<'_>) -> Result<()> {
-        let bytes = run.raw_bytes();
-        if bytes.is_empty() {
-            return Ok(());
-        }
-        if !self.decided {
-            // The ring is page-aligned: its first run decides for all.
+impl<'a> RunWriter<'a> {
+    /// Picks O_DIRECT or buffered once, on the first run (the ring is
+    /// page-aligned, so the first run decides for all).
+    fn decide(&mut self, bytes: RawBytes<'_>) -> Result<()> {
+        if !self.decided && !bytes.is_empty() {
             self.direct = choose_direct(
                 self.target,
                 self.file,
@@ -246,47 +293,61 @@ impl RunWriter<'_> {
             )?;
             self.decided = true;
         }
-        let aligned = match self.direct {
-            Some(align) if self.offset % align as u64 == 0 => bytes.len() / align * align,
-            _ => 0,
-        };
-        let (target, file, options) = (self.target, self.file, self.options);
-        let chunk = WRITE_CHUNK.max(self.block_size);
-        let job = |src, file_offset| WriteJob {
-            path: target,
-            file,
-            src,
-            file_offset,
-            chunk,
-            queue_depth: options.queue_depth,
-            threads: DEFAULT_POOL_THREADS,
-        };
-        if aligned > 0 {
-            let run = job(bytes.range(0..aligned), self.offset).run(options.engine)?;
-            self.note(run);
-            self.direct_bytes += aligned as u64;
-        }
-        if aligned < bytes.len() {
-            if self.direct.take().is_some() {
-                // An unaligned tail: buffered from here on, as save writes its tail.
-                sys::file::set_direct(self.file.as_fd(), false)
-                    .map_err(|e| Error::io("fcntl", self.target, e))?;
-            }
-            let run =
-                job(bytes.range(aligned..bytes.len()), self.offset + aligned as u64).run(options.engine)?;
-            self.note(run);
-        }
-        self.offset += bytes.len() as u64;
         Ok(())
     }
 
-    fn note(&mut self, mut run: crate::engine::write::WriteRun) {
+    /// Whether `bytes` at `offset` cannot go whole with O_DIRECT while the
+    /// file is in O_DIRECT mode (an unaligned offset or length).
+    fn leaves_direct(&self, bytes: RawBytes<'_>, offset: u64) -> bool {
+        self.direct.is_some_and(|align| offset % align as u64 != 0 || bytes.len() % align != 0)
+    }
+
+    fn job<'b>(&self, bytes: RawBytes<'b>, offset: u64) -> WriteJob<'b>
+    where
+        'a: 'b,
+    {
+        WriteJob {
+            path: self.target,
+            file: self.file,
+            src: bytes,
+            file_offset: offset,
+            chunk: WRITE_CHUNK.max(self.block_size),
+            queue_depth: self.options.queue_depth,
+            threads: DEFAULT_POOL_THREADS,
+        }
+    }
+
+    /// Waits for a run's write and keeps what its engine reported.
+    fn finish(&mut self, handle: std::thread::ScopedJoinHandle<'_, Result<WriteRun>>) -> Result<()> {
+        let mut run = handle.join().unwrap_or_else(|_| {
+            Err(Error::new(ErrorKind::Io, "write", self.target, "a writing thread panicked"))
+        })?;
         self.engine = run.engine;
         for fallback in run.fallbacks.drain(..) {
             if !self.fallbacks.iter().any(|f| f.from == fallback.from && f.to == fallback.to) {
                 self.fallbacks.push(fallback);
             }
         }
+        Ok(())
+    }
+
+    /// Writes a run that ends the O_DIRECT part (nothing else in flight):
+    /// its aligned part direct, the rest buffered, and buffered from then
+    /// on, as `save` writes its tail.
+    fn write_leaving_direct(&mut self, bytes: RawBytes<'_>, offset: u64) -> Result<()> {
+        let Some(align) = self.direct else { return Ok(()) };
+        let aligned = if offset % align as u64 == 0 { bytes.len() / align * align } else { 0 };
+        if aligned > 0 {
+            let run = self.job(bytes.range(0..aligned), offset).run(self.options.engine)?;
+            self.engine = run.engine;
+            self.direct_bytes += aligned as u64;
+        }
+        self.direct = None;
+        sys::file::set_direct(self.file.as_fd(), false).map_err(|e| Error::io("fcntl", self.target, e))?;
+        let run =
+            self.job(bytes.range(aligned..bytes.len()), offset + aligned as u64).run(self.options.engine)?;
+        self.engine = run.engine;
+        Ok(())
     }
 }
 

@@ -26,9 +26,15 @@ pub struct PeerMapping {
 }
 
 // SAFETY: the mapping is plain memory that lives as long as the value and
-// may move between threads. It is not `Sync`: raw copies from two threads at
-// once would race with each other.
+// may move between threads.
 unsafe impl Send for PeerMapping {}
+// SAFETY: shared references give out only atomics, raw copies and kernel
+// addresses. Writes into the bytes (`copy_in`, `read_from`,
+// `SharedBytesMut`) are made only through a block queue's free block, which
+// holds the queue's `&mut` borrow, so two threads of this process never
+// write the same bytes at once, nor read what one writes; what the peer
+// process does is outside this process's memory model either way.
+unsafe impl Sync for PeerMapping {}
 
 impl PeerMapping {
     /// Maps `len` bytes of `fd` from offset 0, read-write, shared; with
@@ -217,7 +223,7 @@ pub struct SharedBytes<'a> {
 pub struct SharedBytesMut<'a> {
     ptr: *mut u8,
     len: usize,
-    _borrow: PhantomData<&'a mut PeerMapping>,
+    _borrow: PhantomData<&'a PeerMapping>,
 }
 
 impl PeerMapping {
@@ -227,9 +233,10 @@ impl PeerMapping {
         SharedBytes { ptr, len: range.end - range.start, _borrow: PhantomData }
     }
 
-    /// `range` for writing. The `&mut` borrow keeps views of this mapping
-    /// from overlapping in this process.
-    pub fn shared_bytes_mut(&mut self, range: Range<usize>) -> SharedBytesMut<'_> {
+    /// `range` for writing. Copies through it are sound whatever else
+    /// touches the bytes; its `unsafe` slice needs the caller's promise
+    /// that nothing else (peer, device, other view) does.
+    pub fn shared_bytes_mut(&self, range: Range<usize>) -> SharedBytesMut<'_> {
         let ptr = self.raw_range(&range);
         SharedBytesMut { ptr, len: range.end - range.start, _borrow: PhantomData }
     }
