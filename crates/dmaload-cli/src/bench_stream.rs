@@ -9,8 +9,9 @@
 //! CPU seconds of both processes; runs interleaved.
 //!
 //! Then capture → storage (`dmaload capture --source synthetic`, 1 MiB
-//! blocks) against fio's O_DIRECT sequential write of the same size in the
-//! same directory.
+//! blocks, both processes, fsync and rename included) against fio's
+//! O_DIRECT sequential write of the same size in the same directory
+//! (`end_fsync` included), interleaved.
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -49,6 +50,10 @@ pub struct StreamArgs {
     /// Bytes captured to storage (0 skips those rows).
     #[arg(long, default_value = "1G")]
     capture_bytes: Size,
+    /// Blocks (1 MiB each) in the capture's ring: 128 lets up to 96 MiB of
+    /// writes be in flight, about fio's 16 × 4 MiB.
+    #[arg(long, default_value_t = 128)]
+    capture_blocks: usize,
     /// Skip fio even when it is installed.
     #[arg(long)]
     no_fio: bool,
@@ -94,6 +99,7 @@ struct Row {
 #[derive(Serialize)]
 struct CaptureRow {
     bytes: u64,
+    blocks_in_ring: usize,
     capture_mib_per_second: Vec<f64>,
     fio_mib_per_second: Vec<f64>,
     ratio_to_fio: Option<f64>,
@@ -182,7 +188,12 @@ fn print_table(table: &Table) {
     }
     if let Some(c) = &table.capture {
         let med = |v: &[f64]| if v.is_empty() { f64::NAN } else { Spread::of(v).median };
-        println!("\nCapture → storage, {} (1 MiB blocks; fio: {})\n", human_bytes(c.bytes), table.fio);
+        println!(
+            "\nCapture → storage, {} (1 MiB blocks, a ring of {}; interleaved with fio: {})\n",
+            human_bytes(c.bytes),
+            c.blocks_in_ring,
+            table.fio
+        );
         println!("| method | MiB/s median | × fio |");
         println!("|---|---|---|");
         println!(
@@ -361,7 +372,8 @@ fn capture_rows(args: &StreamArgs, repeat: usize, fio: bool) -> Result<CaptureRo
     let (mut capture, mut fio_runs, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..repeat {
         let out = Command::new(&exe)
-            .args(["capture", "--source", "synthetic", "--json", "--size", &size.to_string(), "--to"])
+            .args(["capture", "--source", "synthetic", "--json", "--size", &size.to_string()])
+            .args(["--blocks", &args.capture_blocks.to_string(), "--to"])
             .arg(&target)
             .output()
             .map_err(|e| e.to_string())?;
@@ -384,6 +396,7 @@ fn capture_rows(args: &StreamArgs, repeat: usize, fio: bool) -> Result<CaptureRo
     let ratio = (!fio_runs.is_empty()).then(|| Spread::of(&capture).median / Spread::of(&fio_runs).median);
     Ok(CaptureRow {
         bytes: size,
+        blocks_in_ring: args.capture_blocks,
         capture_mib_per_second: capture,
         fio_mib_per_second: fio_runs,
         ratio_to_fio: ratio,
