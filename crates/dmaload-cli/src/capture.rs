@@ -384,16 +384,22 @@ enum Source {
 /// The producer (the re-executed process).
 fn produce(cmd: &CaptureCommand, socket: &Path) -> Result<(), String> {
     let source_name = cmd.source.clone().ok_or("--source is required")?;
+    // Opened before connecting: a source that cannot be opened fails the
+    // capture before any file is created.
+    let file = match source_name.as_str() {
+        "synthetic" => None,
+        path => Some(File::open(path).map_err(|e| format!("open {path}: {e}"))?),
+    };
     let conn = Connection::connect(socket).map_err(|e| format!("connect {}: {e}", socket.display()))?;
     let mut queue = BlockQueue::attach(conn, Some(START_TIMEOUT)).map_err(|e| e.to_string())?;
     let block = queue.block_size();
-    let mut source = if source_name == "synthetic" {
+    let mut source = if let Some(file) = file {
+        Source::File(file)
+    } else {
         let block: Vec<u8> =
             (0..block).map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15 >> 7) as u8).collect();
         let payload_hash = xxh3_64(&block[STAMP_LEN..block.len() - TRAILER_LEN]);
         Source::Synthetic { block, payload_hash }
-    } else {
-        Source::File(File::open(&source_name).map_err(|e| format!("open {source_name}: {e}"))?)
     };
     let limit = cmd.size.map(|s| s.0);
     let started = Instant::now();

@@ -119,6 +119,21 @@ fn files_and_fifos_arrive_bit_exact_with_an_unaligned_tail() {
     writer.join().unwrap();
     assert_eq!(report["bytes"], len);
     assert_eq!(std::fs::read(&to).unwrap(), data);
+
+    // A character device, bounded by --size.
+    let to = dir.path().join("from-device");
+    let report = json_of(&output_or_hang(
+        dmaload().args(["capture", "--source", "/dev/zero", "--size", "1000000", "--json", "--to"]).arg(&to),
+    ));
+    assert_eq!(report["bytes"], 1_000_000);
+    assert!(std::fs::read(&to).unwrap().iter().all(|&b| b == 0));
+
+    // A source that cannot be opened fails before any file exists.
+    let to = dir.path().join("never");
+    let out = output_or_hang(dmaload().args(["capture", "--source", "/nonexistent/x", "--to"]).arg(&to));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("open /nonexistent/x"));
+    assert!(!to.exists());
 }
 
 /// A ring of two small blocks against storage with fsyncs: the producer

@@ -433,3 +433,36 @@ fn dmabuf_blocks_cross_processes_with_cpu_sync() {
         eprintln!("{}: 200 blocks, 400 CPU-access syncs on each side", memory.name());
     }
 }
+
+/// A peer that signals the eventfd without ever enqueueing cannot hold a
+/// waiter past its timeout.
+#[test]
+fn wake_ups_without_progress_still_time_out() {
+    let (a, b) = Connection::pair().unwrap();
+    let peer = std::thread::spawn(move || {
+        let mut header = [0u8; 64];
+        let (_, fds) = b.recv(&mut header).unwrap();
+        b.send(b"dmaload block queue attached", &[]).unwrap();
+        (b, fds)
+    });
+    let options = BlockQueueOptions { block_size: 4096, blocks: 4, memory: QueueMemory::Memfd };
+    let mut queue = BlockQueue::create(a, Role::Consumer, &options, WAIT).unwrap();
+    let (_b, mut fds) = peer.join().unwrap();
+    let filled = File::from(fds.remove(2));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let spammer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = (&filled).write_all_at(&1u64.to_le_bytes(), 0);
+            }
+        })
+    };
+    let started = Instant::now();
+    let err = queue.dequeue_filled(1, Some(Duration::from_millis(200))).unwrap_err();
+    let took = started.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    spammer.join().unwrap();
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}

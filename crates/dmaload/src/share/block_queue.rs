@@ -503,6 +503,13 @@ impl BlockQueue {
             let readiness = poll_two(self.wait_fd(), self.conn.as_fd(), left);
             self.control.word(self.waiting_word(self.role)).store(0, Relaxed);
             match readiness? {
+                // A peer that signals without making progress cannot keep
+                // this side past its deadline.
+                Readiness::Signalled if deadline.is_some_and(|at| Instant::now() >= at) => {
+                    if !self.ready()? {
+                        return Err(self.timed_out(timeout));
+                    }
+                }
                 Readiness::Signalled => {
                     match self.role {
                         Role::Producer => self.freed.drain()?,
@@ -514,21 +521,21 @@ impl BlockQueue {
                     return if self.ready()? { Ok(()) } else { Err(self.peer_gone()) };
                 }
                 Readiness::TimedOut => {
-                    return if self.ready()? {
-                        Ok(())
-                    } else {
-                        Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            format!(
-                                "block queue: the {:?} did nothing for {:?}",
-                                self.role.other(),
-                                timeout.unwrap_or_default()
-                            ),
-                        ))
-                    };
+                    return if self.ready()? { Ok(()) } else { Err(self.timed_out(timeout)) };
                 }
             }
         }
+    }
+
+    fn timed_out(&self, timeout: Option<Duration>) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "block queue: the {:?} did nothing for {:?}",
+                self.role.other(),
+                timeout.unwrap_or_default()
+            ),
+        )
     }
 
     fn peer_gone(&self) -> io::Error {
@@ -627,15 +634,18 @@ impl BlockQueue {
                 Readiness::Signalled => self.freed.drain()?,
                 Readiness::Peer if self.refresh()? == self.own => break,
                 Readiness::Peer => return Err(self.peer_gone()),
-                Readiness::TimedOut => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!(
-                            "block queue: the consumer took {} of {} blocks in time",
-                            self.peer, self.own
-                        ),
-                    ))
-                }
+                Readiness::TimedOut => {}
+            }
+            // Checked after every wake-up: a peer that signals without
+            // taking blocks cannot keep this side past its deadline.
+            if deadline.is_some_and(|at| Instant::now() >= at) && self.refresh()? < self.own {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "block queue: the consumer had taken {} of {} blocks when the wait timed out",
+                        self.peer, self.own
+                    ),
+                ));
             }
         }
         Ok(())
