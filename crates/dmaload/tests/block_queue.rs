@@ -454,7 +454,7 @@ fn wake_ups_without_progress_still_time_out() {
         let stop = stop.clone();
         std::thread::spawn(move || {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let _ = (&filled).write_all_at(&1u64.to_le_bytes(), 0);
+                let _ = filled.write_all_at(&1u64.to_le_bytes(), 0);
             }
         })
     };
