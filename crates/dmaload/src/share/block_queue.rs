@@ -989,8 +989,10 @@ impl Drop for Filled<'_> {
 
 /// A run of filled blocks kept with [`Filled::hold`]: its metadata, while
 /// its blocks stay out of the producer's reach until
-/// [`BlockQueue::release_held`].
+/// [`BlockQueue::release_held`]. Dropped without that, its blocks are never
+/// given back, and the stream stalls once the producer needs them.
 #[derive(Debug)]
+#[must_use = "a held run's blocks go back to the producer only through release_held"]
 pub struct HeldRun {
     sequence: u64,
     first: usize,
