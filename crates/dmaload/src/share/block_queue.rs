@@ -744,8 +744,10 @@ impl BlockQueue {
         self.wake_peer().and(synced)
     }
 
-    /// Consumer: stops taking blocks; a producer waiting for a free block
-    /// (or for the drain) fails with `BrokenPipe`.
+    /// Leaves the queue before the end: the peer's next wait fails with
+    /// `BrokenPipe` (a consumer still takes what was enqueued first).
+    /// Dropping the queue does the same, except for a producer that
+    /// finished.
     pub fn close(&mut self) -> io::Result<()> {
         self.control.word(Self::state_word(self.role)).store(GONE, SeqCst);
         self.wake_peer()

@@ -55,8 +55,9 @@ pub struct CaptureOptions {
     /// The expected size, reserved with `fallocate` first when known.
     pub expected_bytes: Option<u64>,
     /// Blocks written as one run (fewer at the ring's end and the
-    /// stream's): a quarter of the ring by default, so up to three runs
-    /// are written at once while the producer fills the fourth.
+    /// stream's): a quarter of the ring by default, so runs are written
+    /// (at most four at once) while the producer refills the other
+    /// quarters.
     pub run_blocks: Option<usize>,
     /// How long to wait for the producer (`None`: as long as it lives).
     pub timeout: Option<Duration>,
