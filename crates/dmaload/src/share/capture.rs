@@ -21,12 +21,13 @@ use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use super::{BlockQueue, Filled, HeldRun, Role};
-use crate::engine::write::{WriteJob, WriteRun};
+use crate::engine::write::{SharedWriteRing, WriteJob, WriteRun};
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Fallback, IoMode, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
@@ -38,7 +39,8 @@ use crate::{sys, system};
 /// flight to keep the disk busy from a ring of a few dozen MiB.
 const WRITE_CHUNK: usize = 1 << 20;
 
-/// Runs written at once, each on its own thread and io_uring.
+/// Runs written at once, each by a writer thread with its own io_uring
+/// (over the whole ring, registered once).
 const RUNS_IN_FLIGHT: usize = 4;
 
 /// Options of [`capture_to_file`].
@@ -172,11 +174,42 @@ pub fn capture_to_file(
     // run's worth of blocks to the producer, so the wait always ends.
     let in_flight = (queue.blocks() / run_blocks).clamp(1, RUNS_IN_FLIGHT);
     let ring = queue.ring();
+    let whole = ring.raw_bytes(0..queue.block_size() * queue.blocks());
     let written: Result<()> = std::thread::scope(|scope| {
-        let mut pending: VecDeque<(HeldRun, std::thread::ScopedJoinHandle<'_, Result<WriteRun>>)> =
-            VecDeque::new();
+        // One writer thread per run in flight, each with a ring over the
+        // whole block ring (registered once), fed runs in turn.
+        let mut writers = Vec::with_capacity(in_flight);
+        for _ in 0..in_flight {
+            let (jobs, job_queue) = mpsc::channel::<(WriteJob<'_>, usize)>();
+            let (done, results) = mpsc::channel::<Result<WriteRun>>();
+            let (engine, depth) = (options.engine, options.queue_depth);
+            let thread = scope.spawn(move || {
+                let mut shared = match engine {
+                    // Without io_uring here, each job falls back on its own.
+                    Engine::UringFixed | Engine::Uring => {
+                        SharedWriteRing::new(whole, depth, engine == Engine::UringFixed).ok()
+                    }
+                    Engine::PreadPool | Engine::Read => None,
+                };
+                for (job, base) in job_queue {
+                    let result = match shared.as_mut() {
+                        Some(ring) => job.run_on(ring, base),
+                        None => job.run(engine),
+                    };
+                    // A failed ring may still hold requests: stop using it
+                    // (dropping it waits for them).
+                    let failed = result.is_err();
+                    if done.send(result).is_err() || failed {
+                        break;
+                    }
+                }
+            });
+            writers.push((jobs, results, thread));
+        }
+        let mut pending: VecDeque<(HeldRun, usize)> = VecDeque::new();
+        let mut turn = 0;
         let mut open = true;
-        loop {
+        let outcome = loop {
             if open && pending.len() < in_flight {
                 let next = match queue.dequeue_run(run_blocks, run_blocks, options.timeout) {
                     Ok(Some(run)) => {
@@ -194,40 +227,66 @@ pub fn capture_to_file(
                     open = false;
                     continue;
                 };
-                let bytes = ring.raw_bytes(held.byte_range());
-                writer.decide(bytes)?;
+                let range = held.byte_range();
+                let bytes = ring.raw_bytes(range.clone());
+                if let Err(e) = writer.decide(bytes) {
+                    break Err(e);
+                }
                 let offset = writer.offset;
                 writer.offset += bytes.len() as u64;
                 if writer.leaves_direct(bytes, offset) {
                     // O_DIRECT is the file's flag: switch with nothing in flight.
-                    while let Some((earlier, handle)) = pending.pop_front() {
-                        writer.finish(handle)?;
+                    let mut drained = Ok(());
+                    while let Some((earlier, w)) = pending.pop_front() {
+                        drained = drained.and_then(|()| writer.finish(writers[w].1.recv().ok()));
                         blocks += earlier.blocks() as u64;
                         runs += 1;
-                        queue
-                            .release_held(earlier)
-                            .map_err(|e| Error::io("give back blocks of", &target, e))?;
+                        let _ = queue.release_held(earlier);
                     }
-                    writer.write_leaving_direct(bytes, offset)?;
+                    if let Err(e) = drained.and_then(|()| writer.write_leaving_direct(bytes, offset)) {
+                        break Err(e);
+                    }
                     blocks += held.blocks() as u64;
                     runs += 1;
-                    queue.release_held(held).map_err(|e| Error::io("give back blocks of", &target, e))?;
+                    if let Err(e) = queue.release_held(held) {
+                        break Err(Error::io("give back blocks of", &target, e));
+                    }
                 } else {
                     let job = writer.job(bytes, offset);
                     if writer.direct.is_some() {
                         // Counted when queued: a failed write fails the capture.
                         writer.direct_bytes += bytes.len() as u64;
                     }
-                    let engine = options.engine;
-                    pending.push_back((held, scope.spawn(move || job.run(engine))));
+                    if writers[turn].0.send((job, range.start)).is_err() {
+                        break Err(Error::new(ErrorKind::Io, "write", &target, "a writing thread stopped"));
+                    }
+                    pending.push_back((held, turn));
+                    turn = (turn + 1) % in_flight;
                 }
                 continue;
             }
-            let Some((held, handle)) = pending.pop_front() else { return Ok(()) };
-            writer.finish(handle)?;
+            let Some((held, w)) = pending.pop_front() else { break Ok(()) };
+            if let Err(e) = writer.finish(writers[w].1.recv().ok()) {
+                break Err(e);
+            }
             blocks += held.blocks() as u64;
             runs += 1;
-            queue.release_held(held).map_err(|e| Error::io("give back blocks of", &target, e))?;
+            if let Err(e) = queue.release_held(held) {
+                break Err(Error::io("give back blocks of", &target, e));
+            }
+        };
+        // Closing the job queues ends the threads; joined here, a panic in
+        // one is an error, not a panic of the capture.
+        let mut panicked = false;
+        for (jobs, _, thread) in writers {
+            drop(jobs);
+            panicked |= thread.join().is_err();
+        }
+        match outcome {
+            Ok(()) if panicked => {
+                Err(Error::new(ErrorKind::Io, "write", &target, "a writing thread panicked"))
+            }
+            other => other,
         }
     });
     written?;
@@ -318,10 +377,11 @@ impl<'a> RunWriter<'a> {
         }
     }
 
-    /// Waits for a run's write and keeps what its engine reported.
-    fn finish(&mut self, handle: std::thread::ScopedJoinHandle<'_, Result<WriteRun>>) -> Result<()> {
-        let mut run = handle.join().unwrap_or_else(|_| {
-            Err(Error::new(ErrorKind::Io, "write", self.target, "a writing thread panicked"))
+    /// Takes a run's write result (`None`: its thread stopped) and keeps
+    /// what its engine reported.
+    fn finish(&mut self, result: Option<Result<WriteRun>>) -> Result<()> {
+        let mut run = result.unwrap_or_else(|| {
+            Err(Error::new(ErrorKind::Io, "write", self.target, "a writing thread stopped"))
         })?;
         self.engine = run.engine;
         for fallback in run.fallbacks.drain(..) {
