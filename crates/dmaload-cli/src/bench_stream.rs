@@ -307,7 +307,9 @@ fn queue_run(block: usize, count: u64, blocks: usize) -> Result<Run, String> {
     let started = Instant::now();
     let mut stamp = [0u8; 8];
     let mut seq = 0u64;
-    while let Some(run) = queue.dequeue_filled(usize::MAX, WAIT).map_err(|e| e.to_string())? {
+    // Woken once per quarter of the ring, not per block.
+    let batch = (ring / 4).max(1);
+    while let Some(run) = queue.dequeue_run(batch, usize::MAX, WAIT).map_err(|e| e.to_string())? {
         for i in 0..run.blocks() {
             run.read_at(i, 0, &mut stamp).map_err(|e| e.to_string())?;
             if stamp != seq.to_le_bytes() {

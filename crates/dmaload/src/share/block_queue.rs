@@ -412,8 +412,19 @@ impl BlockQueue {
         if self.ready()? {
             return Ok(false);
         }
-        self.control.word(self.waiting_word(self.role)).store(1, SeqCst);
+        self.control.word(self.waiting_word(self.role)).store(self.wake_target() + 1, SeqCst);
         Ok(!self.ready()?)
+    }
+
+    /// The value of the peer's counter that gives this side something to
+    /// do: the consumer's wanted filled blocks, the producer's first free
+    /// one. Kept (plus one; 0 is "not waiting") in this side's `waiting`
+    /// word, so the peer wakes it only then, not at every block.
+    fn wake_target(&self) -> u64 {
+        match self.role {
+            Role::Consumer => self.taken + self.want,
+            Role::Producer => (self.own + 1).saturating_sub(self.options.blocks as u64),
+        }
     }
 
     fn waiting_word(&self, role: Role) -> usize {
@@ -481,8 +492,19 @@ impl BlockQueue {
         })
     }
 
-    /// Tells the peer (if it waits) that a counter or state moved.
+    /// Tells the peer (if it waits) that this side's counter moved: only
+    /// once the counter reaches what the peer waits for.
     fn wake_peer(&self) -> io::Result<()> {
+        let target = self.control.word(self.waiting_word(self.role.other())).load(SeqCst);
+        if target == 0 || self.own + 1 < target {
+            return Ok(());
+        }
+        self.wake_peer_now()
+    }
+
+    /// Tells the peer (if it waits) that something changed whatever it
+    /// waits for: a state, not a count.
+    fn wake_peer_now(&self) -> io::Result<()> {
         if self.control.word(self.waiting_word(self.role.other())).swap(0, SeqCst) != 0 {
             match self.role {
                 Role::Producer => self.filled.signal()?,
@@ -609,7 +631,7 @@ impl BlockQueue {
         if !self.ended {
             self.ended = true;
             self.control.word(W_PRODUCER_STATE).store(FINISHED, SeqCst);
-            self.wake_peer()?;
+            self.wake_peer_now()?;
         }
         Ok(())
     }
@@ -624,7 +646,8 @@ impl BlockQueue {
                 return Err(self.peer_gone());
             }
             let left = deadline.map(|at| at.saturating_duration_since(Instant::now()));
-            self.control.word(W_PRODUCER_WAITING).store(1, SeqCst);
+            // Woken when the consumer has given back everything.
+            self.control.word(W_PRODUCER_WAITING).store(self.own + 1, SeqCst);
             if self.refresh()? == self.own {
                 break;
             }
@@ -750,7 +773,7 @@ impl BlockQueue {
     /// finished.
     pub fn close(&mut self) -> io::Result<()> {
         self.control.word(Self::state_word(self.role)).store(GONE, SeqCst);
-        self.wake_peer()
+        self.wake_peer_now()
     }
 
     fn block_range(&self, slot: usize, range: Range<usize>) -> io::Result<Range<usize>> {
@@ -771,7 +794,7 @@ impl Drop for BlockQueue {
             state.store(GONE, SeqCst);
         }
         // Best effort: the socket's hang-up wakes the peer anyway.
-        let _ = self.wake_peer();
+        let _ = self.wake_peer_now();
     }
 }
 

@@ -1,7 +1,9 @@
 //! The consumer end of a [`BlockQueue`] as a destination: every run of
 //! filled blocks is written straight from the shared ring to a file by the
-//! save path's write engine (io_uring, registered buffers, O_DIRECT where
-//! the filesystem allows), then given back. No copy through this process.
+//! save path's write loop (io_uring, O_DIRECT where the filesystem allows),
+//! then given back. No copy through this process. Up to four runs are
+//! written at once, by writer threads whose rings each register the whole
+//! block ring once, so no write pins pages of its own.
 //!
 //! The file gets `save`'s crash safety: the bytes go to a temporary file in
 //! the target's directory (unnamed `O_TMPFILE` where possible), which is
