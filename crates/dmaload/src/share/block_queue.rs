@@ -423,7 +423,11 @@ impl BlockQueue {
     fn wake_target(&self) -> u64 {
         match self.role {
             Role::Consumer => self.taken + self.want,
-            Role::Producer => (self.own + 1).saturating_sub(self.options.blocks as u64),
+            // A quarter of the ring free: refilled in bursts, not block by block.
+            Role::Producer => {
+                let blocks = self.options.blocks as u64;
+                (self.own + (blocks / 4).max(1)).saturating_sub(blocks)
+            }
         }
     }
 
