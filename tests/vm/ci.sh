@@ -20,7 +20,7 @@ say "building static test binaries and the CLI ($TARGET, $TARGET_DIR)"
 cargo build --release --quiet --target "$TARGET" --target-dir "$TARGET_DIR" -p dmaload-cli -p dmaload-capi
 # The test executables' paths, from cargo's JSON messages.
 mapfile -t tests < <(cargo test --release --no-run --quiet --target "$TARGET" --target-dir "$TARGET_DIR" \
-    -p dmaload --test dmabuf --test transfer --message-format=json |
+    -p dmaload --test dmabuf --test transfer --test block_queue --message-format=json |
     python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
@@ -28,7 +28,10 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])')
 declare -A exe=()
 for t in "${tests[@]}"; do exe[${t%% *}]=${t#* }; done
-[[ -n ${exe[dmabuf]:-} && -n ${exe[transfer]:-} ]] || { say "test binaries not found"; exit 1; }
+[[ -n ${exe[dmabuf]:-} && -n ${exe[transfer]:-} && -n ${exe[block_queue]:-} ]] || {
+    say "test binaries not found"
+    exit 1
+}
 cli=$TARGET_DIR/$TARGET/release/dmaload
 # The C example and the C test program, linked statically against the C
 # library (the guest has no libc).
@@ -65,6 +68,9 @@ vm "${exe[transfer]}" --test-threads=1 --nocapture dmabuf_kinds
 # The C library's checks, here with every dma-buf target present (a range
 # into each, hashed back through dmaload_dmabuf_xxh3_64).
 vm "$capi_test" /mnt/disk
+# Block queues over dma-buf blocks between two processes (the test binary
+# re-executes itself for the peer), DMA_BUF_IOCTL_SYNC counted on both sides.
+vm "${exe[block_queue]}" --test-threads=1 --nocapture --exact dmabuf_blocks_cross_processes_with_cpu_sync
 
 # The bench's dma-heap / udmabuf rows must really run in the guest.
 log=$(mktemp)

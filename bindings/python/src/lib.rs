@@ -9,6 +9,7 @@
 //! function that fills a `Py_buffer`, all in [`Buffer`]'s methods.
 #![deny(unsafe_code)]
 
+mod block_queue;
 mod dmabuf;
 mod staged;
 
@@ -1097,6 +1098,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_dtypes, m)?)?;
+    m.add_class::<block_queue::BlockQueue>()?;
     m.add_class::<staged::SafetensorsFile>()?;
     m.add_function(wrap_pyfunction!(staged::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(staged::_load_staged, m)?)?;

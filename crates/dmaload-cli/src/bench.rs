@@ -44,6 +44,8 @@ pub enum BenchCommand {
     Bind(crate::bench_bind::BindArgs),
     /// A fresh process served by the cache service against loading the file itself.
     Cache(crate::bench_cache::CacheArgs),
+    /// Seed 004's table: block passing (pipe read/write vs BlockQueue) per block size, capture vs fio.
+    Stream(crate::bench_stream::StreamArgs),
 }
 
 /// A method under test.
@@ -126,6 +128,7 @@ pub fn run(cmd: &BenchCommand) -> Result<(), String> {
         BenchCommand::Save(args) => crate::bench_save::run(args),
         BenchCommand::Bind(args) => crate::bench_bind::run(args),
         BenchCommand::Cache(args) => crate::bench_cache::run(args),
+        BenchCommand::Stream(args) => crate::bench_stream::run(args),
     }
 }
 

@@ -67,14 +67,14 @@ struct Table {
     rows: Vec<Row>,
 }
 
-fn fio_available() -> Option<String> {
+pub(crate) fn fio_available() -> Option<String> {
     let out = Command::new("fio").arg("--version").output().ok()?;
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 /// One fio run: fio's own job runtime (its closing fsync included, its
 /// start-up and file layout not).
-fn fio_write(target: &Path, size: u64) -> Result<f64, String> {
+pub(crate) fn fio_write(target: &Path, size: u64) -> Result<f64, String> {
     let out = Command::new("fio")
         .args(["--name=save", "--rw=write", "--ioengine=io_uring", "--direct=1", "--iodepth=16"])
         // fio refuses a block larger than the file: tiny CI sizes use the size.

@@ -7,7 +7,9 @@ mod bench_matrix;
 mod bench_qd;
 mod bench_save;
 mod bench_sizes;
+mod bench_stream;
 mod benchkit;
+mod capture;
 mod demo;
 mod dmabuf_cmd;
 mod gpu;
@@ -61,6 +63,9 @@ enum Command {
     /// Serve loaded files to other processes from memory (a model cache):
     /// clients send an open file, get its bytes as a sealed memfd.
     Serve(serve::ServeArgs),
+    /// Stream blocks from a source to a file through a block queue between
+    /// two processes (the producer is this program run again).
+    Capture(capture::CaptureCommand),
     /// Benchmarks, with baselines run side by side in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -267,6 +272,7 @@ fn main() -> ExitCode {
         Command::Save(cmd) => save_cmd::save(cmd),
         Command::Copy(cmd) => save_cmd::copy(cmd),
         Command::Serve(args) => serve::run(args),
+        Command::Capture(cmd) => capture::run(cmd),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -66,6 +66,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Fallback, IoMode, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use crate::source::type_name;
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
+use crate::sys::shm::RawBytes;
 use crate::{sys, system};
 /// Options of [`save`]; `SaveOptions::default()` is what a user gets
 /// without flags.
@@ -150,9 +151,9 @@ pub struct SaveReport {
 
 /// The temporary file of a save. Until [`TmpFile::commit`] a named one is
 /// removed on drop; an unnamed one (O_TMPFILE) vanishes with its fd.
-struct TmpFile {
-    file: File,
-    name: Option<PathBuf>,
+pub(crate) struct TmpFile {
+    pub(crate) file: File,
+    pub(crate) name: Option<PathBuf>,
 }
 
 impl Drop for TmpFile {
@@ -208,7 +209,7 @@ fn tmp_name_pid(name: &[u8]) -> Option<u32> {
 /// Removes temporary files that killed saves left in `dir` (see the module
 /// doc) and returns their names. Best effort: what cannot be read, opened,
 /// locked or removed is left alone, and never fails the save.
-fn remove_stale_tmpfiles(dir: &Path) -> Vec<String> {
+pub(crate) fn remove_stale_tmpfiles(dir: &Path) -> Vec<String> {
     let Ok(entries) = fs::read_dir(dir) else { return Vec::new() };
     let mut removed = Vec::new();
     for entry in entries.flatten() {
@@ -234,7 +235,7 @@ impl TmpFile {
     /// An unnamed O_TMPFILE in `dir` (Linux 3.11, most local filesystems),
     /// else a named file created exclusively; either way locked (`flock`)
     /// before it has a name, so no cleanup takes it for a killed save's.
-    fn create(dir: &Path, name: &OsStr, mode: u32) -> Result<TmpFile> {
+    pub(crate) fn create(dir: &Path, name: &OsStr, mode: u32) -> Result<TmpFile> {
         let tmp = match sys::file::open_tmpfile(dir, mode) {
             Ok(file) => TmpFile { file, name: None },
             Err(e) if sys::file::tmpfile_unsupported(&e) => {
@@ -257,7 +258,7 @@ impl TmpFile {
 
     /// Puts the file in place of `target` atomically, unless something
     /// other than a regular file has appeared there since the save began.
-    fn commit(mut self, dir: &Path, target: &Path) -> Result<()> {
+    pub(crate) fn commit(mut self, dir: &Path, target: &Path) -> Result<()> {
         if self.name.is_none() {
             // linkat cannot replace a file: name it first, then rename.
             let name = tmp_name(dir, target.file_name().unwrap_or(OsStr::new("file")));
@@ -286,7 +287,7 @@ impl TmpFile {
 }
 
 /// The directory a path is in ("." for a bare name).
-fn parent_dir(path: &Path) -> &Path {
+pub(crate) fn parent_dir(path: &Path) -> &Path {
     match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),
@@ -298,7 +299,7 @@ const MAX_SYMLINKS: usize = 40;
 
 /// Follows the symbolic links `path` ends in: the final path and what is
 /// there (`None`: nothing yet).
-fn resolve(path: &Path) -> Result<(PathBuf, Option<Metadata>)> {
+pub(crate) fn resolve(path: &Path) -> Result<(PathBuf, Option<Metadata>)> {
     let mut current = path.to_owned();
     for _ in 0..=MAX_SYMLINKS {
         let bytes = current.as_os_str().as_bytes();
@@ -363,7 +364,7 @@ fn fs_sysctl(name: &str) -> u32 {
 /// (`fs.protected_fifos`) owned by neither the caller nor the directory's
 /// owner. Saving follows links and replaces files itself, so it checks the
 /// same rules itself.
-fn check_sticky(path: &Path, meta: &Metadata) -> Result<()> {
+pub(crate) fn check_sticky(path: &Path, meta: &Metadata) -> Result<()> {
     let kind = meta.file_type();
     let setting = if kind.is_symlink() {
         "protected_symlinks"
@@ -398,10 +399,10 @@ fn check_sticky(path: &Path, meta: &Metadata) -> Result<()> {
 
 /// How the aligned part is written: O_DIRECT with this offset alignment,
 /// or buffered (`None`).
-fn choose_direct(
+pub(crate) fn choose_direct(
     path: &Path,
     file: &File,
-    data: &[u8],
+    data: RawBytes<'_>,
     magic: Option<i64>,
     mode: IoMode,
     fallbacks: &mut Vec<Fallback>,
@@ -532,13 +533,13 @@ fn write_body(
     options: &SaveOptions,
     fallbacks: &mut Vec<Fallback>,
 ) -> Result<Body> {
-    let mut direct = choose_direct(target, file, data, magic, options.mode, fallbacks)?;
+    let mut direct = choose_direct(target, file, data.into(), magic, options.mode, fallbacks)?;
     // Requests are whole multiples of the alignment, so each direct write is aligned.
     let write = |part: &[u8], align: usize| {
         WriteJob {
             path: target,
             file,
-            src: part,
+            src: part.into(),
             file_offset: 0,
             chunk: options.chunk_size.div_ceil(align) * align,
             queue_depth: options.queue_depth,

@@ -568,7 +568,7 @@ fn write_from(
             let job = WriteJob {
                 path: &file.path,
                 file: &file.file,
-                src,
+                src: src.into(),
                 file_offset: offset,
                 chunk: options.chunk_size.div_ceil(file.align) * file.align,
                 queue_depth: options.queue_depth,

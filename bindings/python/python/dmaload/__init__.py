@@ -6,6 +6,9 @@
 ...     print(len(buf), buf.report.gib_per_second)
 ...     del arr                                       # views must go before close
 
+``dmaload.BlockQueue`` streams blocks between two processes through a ring
+of shared memory, passing blocks instead of copying them through a pipe.
+
 ``dmaload.safetensors`` loads safetensors files (or sharded models) into
 NumPy arrays or PyTorch tensors that are views of one buffer per file.
 """
@@ -13,12 +16,13 @@ NumPy arrays or PyTorch tensors that are views of one buffer per file.
 from __future__ import annotations
 
 from . import safetensors
-from ._dmaload import Buffer, DmaBuf, SafetensorError, __version__
+from ._dmaload import BlockQueue, Buffer, DmaBuf, SafetensorError, __version__
 from ._load import load, load_dmabuf, load_into, load_range
 from ._options import LoadOptions
 from ._report import Fallback, LoadReport, PageCacheResidency
 
 __all__ = [
+    "BlockQueue",
     "Buffer",
     "DmaBuf",
     "Fallback",

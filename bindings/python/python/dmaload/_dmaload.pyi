@@ -1,8 +1,9 @@
 """Type stubs of the native module (checked with ``python -m mypy.stubtest``)."""
 
 import os
+import socket
 from collections.abc import Callable
-from typing import Any, Final, NoReturn, Protocol, TypeAlias, final
+from typing import Any, Final, Literal, NoReturn, Protocol, TypeAlias, final
 
 from ._header import Header
 from ._report import LoadReport
@@ -14,6 +15,7 @@ class _HasFileno(Protocol):
 _SocketLike: TypeAlias = _HasFileno | int
 
 __all__ = [
+    "BlockQueue",
     "Buffer",
     "DmaBuf",
     "MAX_HEADER_LEN",
@@ -243,3 +245,48 @@ def _option_defaults() -> dict[str, str | int | bool]:
 
 def _test_panic(place: str) -> None:
     """For the tests: a deliberate panic ("gil", "detached" or "load"), raised as RuntimeError."""
+
+@final
+class BlockQueue:
+    """One end of a ring of blocks shared with another process.
+
+    One process creates it and sends it over a connected ``AF_UNIX``
+    ``SOCK_SEQPACKET`` socket; the other attaches and takes the other role.
+    Blocks cross into Python as copies (``bytes`` out, any bytes-like object
+    in): the peer may write a block at any moment if it breaks the protocol,
+    so no view of the shared ring is handed out. Waits release the GIL; a
+    timeout is TimeoutError, a peer that went away BrokenPipeError, a
+    corrupt control page OSError(EPROTO).
+    """
+
+    @staticmethod
+    def create(
+        sock: socket.socket | int,
+        role: Literal["producer", "consumer"] | str,
+        block_size: int = 1048576,
+        blocks: int = 32,
+        memory: Literal["memfd", "dma-heap", "udmabuf"] | str = "memfd",
+        timeout: float | None = None,
+    ) -> BlockQueue: ...
+    @staticmethod
+    def attach(sock: socket.socket | int, timeout: float | None = None) -> BlockQueue: ...
+    def put(self, data: bytes | bytearray | memoryview, tag: int = 0, timeout: float | None = None) -> int: ...
+    def try_put(self, data: bytes | bytearray | memoryview, tag: int = 0) -> bool: ...
+    def get(self, timeout: float | None = None) -> tuple[int, bytes] | None: ...
+    def finish(self) -> None: ...
+    def wait_drained(self, timeout: float | None = None) -> None: ...
+    def wait_fd(self) -> int: ...
+    def prepare_wait(self) -> bool: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> BlockQueue: ...
+    def __exit__(self, *_args: object) -> bool: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def memory(self) -> str: ...
+    @property
+    def count(self) -> int: ...

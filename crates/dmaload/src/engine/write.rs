@@ -6,7 +6,6 @@ use std::fs::File;
 use std::io;
 use std::ops::Range;
 use std::os::fd::AsFd;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -14,17 +13,20 @@ use std::sync::{Condvar, Mutex};
 use super::Engine;
 use crate::error::{Error, Result};
 use crate::load::Fallback;
+use crate::sys::shm::RawBytes;
 use crate::sys::uring::{Completion, SliceRegistrar, WriteRing, MAX_REGISTERED_BUFFERS};
 
 /// Bytes registered (pinned) as one io_uring buffer while writing: the
 /// write direction of a gather.
 const WINDOW: usize = 128 << 20;
 
-/// One write of `src` to `file` at `file_offset`.
+/// One write of `src` to `file` at `file_offset`. The source is raw bytes
+/// so that memory a peer process may write (a block queue's blocks) is
+/// written without a `&[u8]` of it.
 pub(crate) struct WriteJob<'a> {
     pub path: &'a Path,
     pub file: &'a File,
-    pub src: &'a [u8],
+    pub src: RawBytes<'a>,
     pub file_offset: u64,
     pub chunk: usize,
     pub queue_depth: usize,
@@ -75,7 +77,9 @@ impl WriteJob<'_> {
                 }
                 let range = self.request(i * self.chunk);
                 let start = range.start;
-                if let Err(err) = self.file.write_all_at(&self.src[range], self.file_offset + start as u64) {
+                if let Err(err) =
+                    self.src.range(range).write_all_at(self.file.as_fd(), self.file_offset + start as u64)
+                {
                     stop.store(true, Ordering::Relaxed);
                     failure.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(self.error(start, err));
                 }
@@ -177,7 +181,7 @@ impl WriteJob<'_> {
                     inline = Some(registrar);
                 }
             }
-            let result = self.uring_loop(&mut ring, window, &ahead, inline);
+            let result = self.uring_loop(&mut ring, window, &ahead, inline, Placement::default());
             ahead.finish();
             result
         });
@@ -215,6 +219,7 @@ impl WriteJob<'_> {
         window: usize,
         ahead: &Ahead,
         mut inline: Option<&SliceRegistrar<'_>>,
+        placement: Placement,
     ) -> Result<()> {
         let windows = ahead.registered.len();
         let mut unfinished: Vec<usize> =
@@ -224,10 +229,12 @@ impl WriteJob<'_> {
         let mut completions: Vec<Completion> = Vec::with_capacity(self.queue_depth);
         let queue = |ring: &mut WriteRing<'_>, start: usize| -> Result<()> {
             let w = start / window;
-            let slot = ahead.registered[w].load(Ordering::Acquire).then_some(w as u16);
+            let slot =
+                placement.slot.or_else(|| ahead.registered[w].load(Ordering::Acquire).then_some(w as u16));
+            let range = self.request(start);
             ring.queue_write(
                 self.file.as_fd(),
-                self.request(start),
+                placement.base + range.start..placement.base + range.end,
                 self.file_offset + start as u64,
                 slot,
                 start as u64,
@@ -274,6 +281,56 @@ impl WriteJob<'_> {
                 }
             }
         }
+    }
+}
+
+/// Where a job's source lies in its ring's source: at byte `base`, inside
+/// registered buffer `slot` (if any) for its whole length. A job's own ring
+/// has it at 0 and registers windows as it goes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Placement {
+    base: usize,
+    slot: Option<u16>,
+}
+
+/// A write ring over a whole source (a block queue's ring of blocks) that
+/// many jobs over parts of it reuse: registered once as buffer 0 (the
+/// `uring-fixed` engine), so each job's writes skip pinning without paying
+/// a registration of their own.
+pub(crate) struct SharedWriteRing<'s> {
+    ring: WriteRing<'s>,
+    src: RawBytes<'s>,
+    registered: bool,
+    /// Why the source is not registered, when `uring-fixed` was asked for.
+    pub refused: Option<Fallback>,
+}
+
+impl<'s> SharedWriteRing<'s> {
+    /// A ring of `queue_depth` entries over `src`; `register` asks for the
+    /// fixed buffer (refused: plain writes, with the reason kept).
+    pub fn new(src: RawBytes<'s>, queue_depth: usize, register: bool) -> io::Result<SharedWriteRing<'s>> {
+        let mut ring = WriteRing::new((queue_depth as u32).next_power_of_two(), src)?;
+        let mut refused = None;
+        if register {
+            let registered =
+                ring.register_slots(1).and_then(|()| ring.registrar()?.register(0, 0..src.len()));
+            if let Err(err) = registered {
+                refused = Some(Fallback::new("uring-fixed", "uring", super::uring::register_refusal(&err)));
+            }
+        }
+        Ok(SharedWriteRing { ring, src, registered: register && refused.is_none(), refused })
+    }
+}
+
+impl WriteJob<'_> {
+    /// Writes on `shared`, whose source holds this job's source at byte
+    /// `base` (checked: a job outside it panics, as slicing does).
+    pub fn run_on(&self, shared: &mut SharedWriteRing<'_>, base: usize) -> Result<WriteRun> {
+        let _ = shared.src.range(base..base + self.src.len());
+        let placement = Placement { base, slot: shared.registered.then_some(0) };
+        self.uring_loop(&mut shared.ring, self.src.len().max(1), &Ahead::new(1), None, placement)?;
+        let engine = if shared.registered { Engine::UringFixed } else { Engine::Uring };
+        Ok(WriteRun { engine, fallbacks: shared.refused.iter().cloned().collect() })
     }
 }
 

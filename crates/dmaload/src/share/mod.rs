@@ -5,13 +5,21 @@
 //! The model-cache service and block queues are built on these; a memfd
 //! sent here reaches the other process as the same memory, not a copy.
 
+mod block_queue;
+mod capture;
 pub mod client;
 pub mod protocol;
 pub mod service;
 
+pub use crate::sys::shm::{SharedBytes, SharedBytesMut};
 pub use crate::sys::socket::{
     PeerCredentials, SeqpacketConn as Connection, SeqpacketListener as Listener, MAX_FDS_PER_MESSAGE,
 };
+pub use block_queue::{
+    BlockQueue, BlockQueueOptions, Filled, FreeBlock, HeldRun, QueueMemory, Role, MAX_BLOCKS, MAX_BLOCK_SIZE,
+    MAX_RING_BYTES, MIN_BLOCK_SIZE,
+};
+pub use capture::{capture_to_file, process_cpu_seconds, CaptureOptions, CaptureReport};
 pub use client::{
     connection_from_raw_fd, default_socket, handoff_report, load_cached, socket_from_env, CacheOutcome,
     Client, Fetched, CACHE_ENV,

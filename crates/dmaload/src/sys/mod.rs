@@ -25,12 +25,17 @@
 //! * Descriptors received over a socket ([`socket`]) are wrapped in
 //!   `OwnedFd` before any check of the message, so a refused message
 //!   closes them.
+//! * Memory a peer process maps too ([`shm::PeerMapping`]) is reached only
+//!   through atomics, raw copies and kernel calls ([`shm::RawBytes`]); its
+//!   slices are `unsafe`, as the peer may write it at any time.
 
 pub mod cuda;
 pub mod dmabuf;
+pub mod eventfd;
 pub mod file;
 pub mod mem;
 pub mod process;
+pub mod shm;
 pub mod signal;
 pub mod socket;
 pub mod uring;

@@ -102,6 +102,16 @@ impl SeqpacketListener {
         // SAFETY: `fd` was just returned by accept4 and nothing else owns it.
         Ok(SeqpacketConn { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
     }
+
+    /// [`Self::accept`] if a connection arrives within `timeout`, else
+    /// `None`: lets a caller check on the process it expects in between.
+    pub fn accept_timeout(&self, timeout: Duration) -> io::Result<Option<SeqpacketConn>> {
+        if super::eventfd::poll_readable(self.fd.as_fd(), timeout)? {
+            self.accept().map(Some)
+        } else {
+            Ok(None)
+        }
+    }
 }
 
 impl AsFd for SeqpacketListener {
@@ -146,6 +156,18 @@ impl SeqpacketConn {
             return Err(refused());
         }
         Ok(SeqpacketConn { fd })
+    }
+
+    /// A duplicate (`fcntl(F_DUPFD_CLOEXEC)`) of descriptor number `fd`,
+    /// checked as [`Self::from_fd`] checks: for a socket a caller holds only
+    /// as a number (a Python `socket.socket`'s `fileno()`). The original
+    /// stays open and owned by whoever owns it.
+    pub fn duplicate(fd: RawFd) -> io::Result<SeqpacketConn> {
+        // SAFETY: F_DUPFD_CLOEXEC takes an integer argument; on an fd that
+        // is not open it fails with EBADF and creates nothing.
+        let dup = check(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) })?;
+        // SAFETY: `dup` was just created by fcntl and nothing else owns it.
+        Self::from_fd(unsafe { OwnedFd::from_raw_fd(dup) })
     }
 
     /// The credentials of the process at the other end.

@@ -9,6 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use io_uring::{opcode, register, squeue, types, IoUring};
 
 use super::mem::MappingWriter;
+use super::shm::RawBytes;
 
 /// One finished request: the caller's tag and the kernel's result (bytes
 /// transferred, or a negative errno).
@@ -262,17 +263,17 @@ impl Registrar<'_> {
     }
 }
 
-/// An io_uring instance whose writes all come from one borrowed byte slice
-/// (the write direction of [`Ring`]). The kernel only reads the slice,
-/// which the shared borrow keeps alive and unchanged.
+/// An io_uring instance whose writes all come from one borrowed range of
+/// bytes (the write direction of [`Ring`]). The kernel only reads them; the
+/// borrow keeps them mapped.
 pub struct WriteRing<'s> {
     core: Core,
-    src: &'s [u8],
+    src: RawBytes<'s>,
 }
 
 impl<'s> WriteRing<'s> {
     /// See [`Core::new`].
-    pub fn new(entries: u32, src: &'s [u8]) -> io::Result<Self> {
+    pub fn new(entries: u32, src: RawBytes<'s>) -> io::Result<Self> {
         Ok(WriteRing { core: Core::new(entries)?, src })
     }
 
@@ -303,7 +304,7 @@ impl<'s> WriteRing<'s> {
         tag: u64,
     ) -> io::Result<()> {
         // Ranges come from the caller's plan: out of range is a bug (panics).
-        let bytes = &self.src[range];
+        let bytes = self.src.range(range);
         let len = u32::try_from(bytes.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         let fd = types::Fd(fd.as_raw_fd());
         let entry = match slot {
@@ -311,8 +312,8 @@ impl<'s> WriteRing<'s> {
             None => opcode::Write::new(fd, bytes.as_ptr(), len).offset(offset).build(),
         }
         .user_data(tag);
-        // SAFETY: the source range is inside `src`, alive and unchanged for
-        // 's; the core drains before the borrow can end.
+        // SAFETY: the source range is inside `src`, mapped for 's; the core
+        // drains before the borrow can end.
         unsafe { self.core.push(entry) }
     }
 
@@ -336,13 +337,13 @@ impl<'s> WriteRing<'s> {
 /// any thread (`io_uring_register(2)` on a duplicate of the ring fd).
 pub struct SliceRegistrar<'s> {
     ring_fd: OwnedFd,
-    src: &'s [u8],
+    src: RawBytes<'s>,
 }
 
 impl SliceRegistrar<'_> {
     /// Registers `range` of the slice in `slot` (see [`register_buffer`]).
     pub fn register(&self, slot: u32, range: Range<usize>) -> io::Result<()> {
-        let bytes = &self.src[range];
+        let bytes = self.src.range(range);
         let iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
         // SAFETY: the iovec lies inside `src`, which outlives the ring; the
         // kernel only reads the pinned pages (WRITE_FIXED).

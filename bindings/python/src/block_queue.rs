@@ -1,0 +1,238 @@
+//! `dmaload.BlockQueue`: the core's `share::BlockQueue` for Python. Blocks
+//! cross into Python as copies (`bytes` out, any bytes-like object in): the
+//! peer process may write a block at any time if it breaks the protocol,
+//! so no view of the shared ring is handed out. Waits release the GIL.
+
+use std::io;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use dmaload::share::{self, BlockQueueOptions, Connection, QueueMemory, Role};
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::{detached, guard};
+
+/// An OSError whose errno picks the Python subclass: TimeoutError,
+/// BrokenPipeError, ...; bad arguments are ValueError.
+fn queue_error(err: io::Error) -> PyErr {
+    let errno = match err.kind() {
+        io::ErrorKind::InvalidInput => return PyValueError::new_err(err.to_string()),
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => libc::ETIMEDOUT,
+        io::ErrorKind::BrokenPipe => libc::EPIPE,
+        io::ErrorKind::InvalidData => libc::EPROTO,
+        _ => err.raw_os_error().unwrap_or(libc::EIO),
+    };
+    PyOSError::new_err((errno, err.to_string()))
+}
+
+fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    timeout
+        .map(|t| {
+            Duration::try_from_secs_f64(t).map_err(|e| PyValueError::new_err(format!("timeout {t}: {e}")))
+        })
+        .transpose()
+}
+
+/// The socket as a connection of its own (a duplicate of its descriptor).
+fn connection(sock: &Bound<'_, PyAny>) -> PyResult<Connection> {
+    let fd: i32 = match sock.extract::<i32>() {
+        Ok(fd) => fd,
+        Err(_) => sock.call_method0("fileno")?.extract()?,
+    };
+    Connection::duplicate(fd).map_err(queue_error)
+}
+
+/// One end of a block queue shared with another process.
+#[pyclass(module = "dmaload._dmaload", name = "BlockQueue")]
+pub struct BlockQueue {
+    inner: Mutex<Option<share::BlockQueue>>,
+}
+
+impl BlockQueue {
+    fn wrap(queue: share::BlockQueue) -> BlockQueue {
+        BlockQueue { inner: Mutex::new(Some(queue)) }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut share::BlockQueue) -> io::Result<T>) -> PyResult<T> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let queue =
+            inner.as_mut().ok_or_else(|| PyValueError::new_err("operation on a closed BlockQueue"))?;
+        f(queue).map_err(queue_error)
+    }
+}
+
+#[pymethods]
+impl BlockQueue {
+    /// Creates a queue of `blocks` blocks of `block_size` bytes, sends it
+    /// over `sock` (a connected AF_UNIX SOCK_SEQPACKET socket, or its fd)
+    /// and waits for the peer to attach.
+    #[staticmethod]
+    #[pyo3(signature = (sock, role, block_size = 1048576, blocks = 32, memory = "memfd", timeout = None))]
+    fn create(
+        py: Python<'_>,
+        sock: &Bound<'_, PyAny>,
+        role: &str,
+        block_size: usize,
+        blocks: usize,
+        memory: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<BlockQueue> {
+        guard(|| {
+            let role = match role {
+                "producer" => Role::Producer,
+                "consumer" => Role::Consumer,
+                other => return Err(PyValueError::new_err(format!("role {other:?}: producer or consumer"))),
+            };
+            let memory: QueueMemory = memory.parse().map_err(PyValueError::new_err)?;
+            let options = BlockQueueOptions { block_size, blocks, memory };
+            let conn = connection(sock)?;
+            let timeout = seconds(timeout)?;
+            let queue = detached(py, || share::BlockQueue::create(conn, role, &options, timeout))?;
+            queue.map(BlockQueue::wrap).map_err(queue_error)
+        })
+    }
+
+    /// Attaches to the queue the process at the other end of `sock`
+    /// created, taking the role it left.
+    #[staticmethod]
+    #[pyo3(signature = (sock, timeout = None))]
+    fn attach(py: Python<'_>, sock: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<BlockQueue> {
+        guard(|| {
+            let conn = connection(sock)?;
+            let timeout = seconds(timeout)?;
+            let queue = detached(py, || share::BlockQueue::attach(conn, timeout))?;
+            queue.map(BlockQueue::wrap).map_err(queue_error)
+        })
+    }
+
+    /// Producer: copies `data` into the next free block (waiting up to
+    /// `timeout` seconds for one) and enqueues it with `tag`; returns the
+    /// block's sequence number.
+    #[pyo3(signature = (data, tag = 0, timeout = None))]
+    fn put(&self, py: Python<'_>, data: &[u8], tag: u64, timeout: Option<f64>) -> PyResult<u64> {
+        let timeout = seconds(timeout)?;
+        detached(py, || {
+            self.with(|q| {
+                let mut block = q.dequeue_free(timeout)?;
+                let sequence = block.sequence();
+                block.write_at(0, data)?;
+                block.enqueue(data.len(), tag)?;
+                Ok(sequence)
+            })
+        })?
+    }
+
+    /// Producer: like `put` if a block is free now; False (nothing sent)
+    /// when every block is in use.
+    #[pyo3(signature = (data, tag = 0))]
+    fn try_put(&self, data: &[u8], tag: u64) -> PyResult<bool> {
+        guard(|| {
+            self.with(|q| match q.try_dequeue_free()? {
+                Some(mut block) => {
+                    block.write_at(0, data)?;
+                    block.enqueue(data.len(), tag).map(|()| true)
+                }
+                None => Ok(false),
+            })
+        })
+    }
+
+    /// Consumer: the next block as `(tag, bytes)` (a copy; the block goes
+    /// back to the producer at once), waiting up to `timeout` seconds;
+    /// None at the end of the stream.
+    #[pyo3(signature = (timeout = None))]
+    fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(u64, Py<PyBytes>)>> {
+        let timeout = seconds(timeout)?;
+        let block = detached(py, || {
+            self.with(|q| {
+                let Some(run) = q.dequeue_filled(1, timeout)? else { return Ok(None) };
+                let (len, tag) = run.block(0);
+                let mut bytes = vec![0u8; len];
+                run.read_at(0, 0, &mut bytes)?;
+                run.release()?;
+                Ok(Some((tag, bytes)))
+            })
+        })??;
+        Ok(block.map(|(tag, bytes)| (tag, PyBytes::new(py, &bytes).unbind())))
+    }
+
+    /// Producer: marks the end of the stream.
+    fn finish(&self) -> PyResult<()> {
+        guard(|| self.with(|q| q.finish()))
+    }
+
+    /// Producer, after `finish`: waits until the consumer took every block.
+    #[pyo3(signature = (timeout = None))]
+    fn wait_drained(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = seconds(timeout)?;
+        detached(py, || self.with(|q| q.wait_drained(timeout)))?
+    }
+
+    /// The descriptor this end waits on, for select/poll/asyncio: call
+    /// `prepare_wait()` first and wait only when it returns True.
+    fn wait_fd(&self) -> PyResult<i32> {
+        guard(|| self.with(|q| Ok(std::os::fd::AsRawFd::as_raw_fd(&q.wait_fd()))))
+    }
+
+    /// Asks the peer to signal `wait_fd()`; False when there is already
+    /// something to do (then do not wait).
+    fn prepare_wait(&self) -> PyResult<bool> {
+        guard(|| self.with(|q| q.prepare_wait()))
+    }
+
+    /// Leaves the queue: the peer's waits end with BrokenPipeError (a
+    /// producer's after `finish` end normally).
+    fn close(&self) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mut queue) = inner.take() {
+            if queue.role() == Role::Consumer {
+                let _ = queue.close();
+            }
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close();
+        false
+    }
+
+    #[getter]
+    fn role(&self) -> PyResult<&'static str> {
+        guard(|| {
+            self.with(|q| {
+                Ok(match q.role() {
+                    Role::Producer => "producer",
+                    Role::Consumer => "consumer",
+                })
+            })
+        })
+    }
+
+    #[getter]
+    fn block_size(&self) -> PyResult<usize> {
+        guard(|| self.with(|q| Ok(q.block_size())))
+    }
+
+    #[getter]
+    fn blocks(&self) -> PyResult<usize> {
+        guard(|| self.with(|q| Ok(q.blocks())))
+    }
+
+    #[getter]
+    fn memory(&self) -> PyResult<&'static str> {
+        guard(|| self.with(|q| Ok(q.memory().name())))
+    }
+
+    /// Blocks this end has enqueued (producer) or taken (consumer).
+    #[getter]
+    fn count(&self) -> PyResult<u64> {
+        guard(|| self.with(|q| Ok(q.count())))
+    }
+}

@@ -1,0 +1,302 @@
+//! `dmaload capture`: two real processes (the command re-executes itself
+//! for the producer) joined by a block queue, writing to a real file.
+//! Synthetic captures verify; a FIFO and a file arrive bit-exact; drops are
+//! counted the same by both ends; killing either process never hangs the
+//! other and never leaves a torn file.
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{dmaload, json_of, open_scratch, output_or_hang, sample};
+
+fn verify(path: &Path) -> std::process::Output {
+    output_or_hang(dmaload().args(["capture", "--json", "--verify"]).arg(path))
+}
+
+#[test]
+fn a_synthetic_capture_verifies_block_by_block() {
+    let dir = open_scratch("dmaload-capture-");
+    let to = dir.path().join("cap");
+    let report = json_of(&output_or_hang(
+        dmaload()
+            .args([
+                "capture",
+                "--source",
+                "synthetic",
+                "--size",
+                "40M",
+                "--block-size",
+                "64K",
+                "--blocks",
+                "8",
+                "--json",
+                "--to",
+            ])
+            .arg(&to),
+    ));
+    assert_eq!(report["complete"], true);
+    assert_eq!(report["blocks"], 640);
+    assert_eq!(report["bytes"], 40 << 20);
+    assert_eq!(report["dropped"], 0);
+    assert!(report["producer_cpu_seconds"].as_f64().unwrap() > 0.0);
+    assert!(report["consumer_cpu_seconds"].as_f64().unwrap() > 0.0);
+    let verdict = json_of(&verify(&to));
+    assert_eq!((verdict["ok"].as_bool(), verdict["blocks"].as_u64()), (Some(true), Some(640)));
+
+    // One flipped byte fails the check, naming the block.
+    let mut bytes = std::fs::read(&to).unwrap();
+    bytes[3 * 65536 + 1000] ^= 1;
+    std::fs::write(&to, &bytes).unwrap();
+    let out = verify(&to);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("block 3 at byte 196608: checksum mismatch"));
+}
+
+/// Runs are written several at once; rings too small to split still make
+/// progress, and the largest block size works.
+#[test]
+fn tiny_rings_and_huge_blocks_capture_whole() {
+    let dir = open_scratch("dmaload-capture-");
+    for (blocks, block, size) in
+        [("1", "64K", "4M"), ("3", "64K", "4M"), ("5", "4K", "4M"), ("2", "64M", "128M")]
+    {
+        let to = dir.path().join(format!("cap-{blocks}-{block}"));
+        let report = json_of(&output_or_hang(
+            dmaload()
+                .args(["capture", "--source", "synthetic", "--no-sync", "--json", "--size", size])
+                .args(["--blocks", blocks, "--block-size", block, "--to"])
+                .arg(&to),
+        ));
+        assert_eq!(report["complete"], true, "{blocks} × {block}");
+        let verdict = json_of(&verify(&to));
+        assert_eq!(verdict["ok"], true, "{blocks} × {block}");
+        std::fs::remove_file(&to).unwrap();
+    }
+}
+
+#[test]
+fn files_and_fifos_arrive_bit_exact_with_an_unaligned_tail() {
+    let dir = open_scratch("dmaload-capture-");
+    let len = (3 << 20) + 12345;
+    let src = sample(dir.path(), "src".as_ref(), len);
+    let to = dir.path().join("from-file");
+    let report = json_of(&output_or_hang(
+        dmaload()
+            .args(["capture", "--block-size", "256K", "--blocks", "4", "--json", "--source"])
+            .arg(&src)
+            .arg("--to")
+            .arg(&to),
+    ));
+    assert_eq!(report["bytes"], len);
+    assert_eq!(std::fs::read(&to).unwrap(), std::fs::read(&src).unwrap());
+
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let data = std::fs::read(&src).unwrap();
+    let writer = {
+        let fifo = fifo.clone();
+        let data = data.clone();
+        // Small writes: the producer must fill blocks across many reads.
+        std::thread::spawn(move || {
+            let mut f = std::fs::OpenOptions::new().write(true).open(fifo).unwrap();
+            for piece in data.chunks(10_000) {
+                f.write_all(piece).unwrap();
+            }
+        })
+    };
+    let to = dir.path().join("from-fifo");
+    let report = json_of(&output_or_hang(
+        dmaload()
+            .args(["capture", "--block-size", "64K", "--json", "--source"])
+            .arg(&fifo)
+            .arg("--to")
+            .arg(&to),
+    ));
+    writer.join().unwrap();
+    assert_eq!(report["bytes"], len);
+    assert_eq!(std::fs::read(&to).unwrap(), data);
+
+    // A character device, bounded by --size.
+    let to = dir.path().join("from-device");
+    let report = json_of(&output_or_hang(
+        dmaload().args(["capture", "--source", "/dev/zero", "--size", "1000000", "--json", "--to"]).arg(&to),
+    ));
+    assert_eq!(report["bytes"], 1_000_000);
+    assert!(std::fs::read(&to).unwrap().iter().all(|&b| b == 0));
+
+    // A source that cannot be opened fails before any file exists.
+    let to = dir.path().join("never");
+    let out = output_or_hang(dmaload().args(["capture", "--source", "/nonexistent/x", "--to"]).arg(&to));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("open /nonexistent/x"));
+    assert!(!to.exists());
+}
+
+/// A ring of two small blocks against storage with fsyncs: the producer
+/// outruns the consumer. Waiting loses nothing; dropping loses blocks that
+/// both ends count the same and the verifier finds missing.
+#[test]
+fn a_full_ring_waits_or_drops_and_counts() {
+    let dir = open_scratch("dmaload-capture-");
+    for policy in ["wait", "drop"] {
+        let to = dir.path().join(policy);
+        let out = output_or_hang(
+            dmaload()
+                .args([
+                    "capture",
+                    "--source",
+                    "synthetic",
+                    "--size",
+                    "16M",
+                    "--block-size",
+                    "4K",
+                    "--blocks",
+                    "2",
+                ])
+                .args(["--on-full", policy, "--json", "--to"])
+                .arg(&to),
+        );
+        let report = json_of(&out);
+        let (dropped, gaps) = (report["dropped"].as_u64().unwrap(), report["gaps_seen"].as_u64().unwrap());
+        assert_eq!(dropped, gaps, "{policy}: producer and consumer disagree");
+        assert_eq!(report["blocks"].as_u64().unwrap() + dropped, 4096, "{policy}");
+        let listed: u64 = report["dropped_ranges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r[1].as_u64().unwrap() - r[0].as_u64().unwrap() + 1)
+            .sum();
+        let verdict = verify(&to);
+        let verdict_json: serde_json::Value = serde_json::from_slice(&verdict.stdout).unwrap();
+        // The verifier sees the gaps before the last block captured.
+        assert!(verdict_json["missing"].as_u64().unwrap() <= dropped, "{policy}");
+        if policy == "wait" {
+            assert_eq!(dropped, 0);
+            assert!(verdict.status.success());
+        } else {
+            assert!(listed <= dropped);
+            assert_eq!(verdict.status.success(), verdict_json["missing"] == 0);
+            eprintln!("drop policy: {dropped} of 4096 blocks dropped");
+        }
+    }
+}
+
+/// The producer process of a running capture (the consumer's child).
+fn producer_of(consumer: &Child) -> u32 {
+    let started = Instant::now();
+    loop {
+        let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", consumer.id()))
+            .unwrap_or_default();
+        if let Some(pid) = children.split_whitespace().next() {
+            return pid.parse().unwrap();
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "no producer started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn kill(pid: u32) {
+    assert!(std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
+}
+
+fn wait_bounded(child: &mut Child) -> std::process::ExitStatus {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "hung after its peer was killed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn start_long_capture(to: &Path) -> Child {
+    dmaload()
+        .args([
+            "capture",
+            "--source",
+            "synthetic",
+            "--rate",
+            "40M/s",
+            "--duration",
+            "60s",
+            "--block-size",
+            "64K",
+            "--to",
+        ])
+        .arg(to)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn a_killed_consumer_stops_the_producer_and_leaves_the_old_file() {
+    let dir = open_scratch("dmaload-capture-");
+    let to = dir.path().join("cap");
+    std::fs::write(&to, b"the previous capture").unwrap();
+    let mut consumer = start_long_capture(&to);
+    let producer = producer_of(&consumer);
+    std::thread::sleep(Duration::from_millis(700));
+    consumer.kill().unwrap();
+    consumer.wait().unwrap();
+    // The producer is not our child: wait for its /proc entry to go.
+    let started = Instant::now();
+    while Path::new(&format!("/proc/{producer}/stat")).exists()
+        && !std::fs::read_to_string(format!("/proc/{producer}/stat")).unwrap_or_default().contains(") Z")
+    {
+        assert!(started.elapsed() < Duration::from_secs(30), "the producer hung after the consumer died");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(std::fs::read(&to).unwrap(), b"the previous capture");
+    let stray: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(stray.len(), 1, "{stray:?}");
+}
+
+#[test]
+fn a_killed_producer_leaves_every_block_it_delivered() {
+    let dir = open_scratch("dmaload-capture-");
+    let to = dir.path().join("cap");
+    let mut consumer = start_long_capture(&to);
+    let producer = producer_of(&consumer);
+    std::thread::sleep(Duration::from_millis(700));
+    kill(producer);
+    let status = wait_bounded(&mut consumer);
+    let out = consumer.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!status.success());
+    assert!(stderr.contains("the stream broke after") && stderr.contains("without finishing"), "{stderr}");
+    let verdict = json_of(&verify(&to));
+    assert!(verdict["blocks"].as_u64().unwrap() > 0);
+    assert_eq!(verdict["missing"], 0);
+    assert_eq!(verdict["ok"], true, "every block delivered before the kill is whole and in order");
+}
+
+/// `bench stream` runs every row with real producer processes (figures are
+/// not checked: timings belong to benchmarks, not tests).
+#[test]
+fn bench_stream_runs_every_row() {
+    let dir = open_scratch("dmaload-capture-");
+    let table = json_of(&output_or_hang(
+        dmaload()
+            .args(["bench", "stream", "--bytes", "2M", "--capture-bytes", "4M", "--capture-blocks", "8"])
+            .args(["--repeat", "1", "--no-fio", "--json", "--dir"])
+            .arg(dir.path()),
+    ));
+    let rows = table["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 7);
+    for row in rows {
+        for method in ["fileio", "queue"] {
+            let run = &row[method][0];
+            assert!(run["mib_per_second"].as_f64().unwrap() > 0.0, "{row}");
+            assert!(run["producer_cpu_seconds"].as_f64().unwrap() >= 0.0, "{row}");
+        }
+    }
+    assert_eq!(table["capture"]["capture_mib_per_second"].as_array().unwrap().len(), 1);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the bench leaves no file behind");
+}
