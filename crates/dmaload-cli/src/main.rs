@@ -47,6 +47,11 @@ enum Command {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// Populate a few hundred MiB of each memory kind, record what it
+        /// cost per GiB (in $XDG_CACHE_HOME/dmaload, else
+        /// ~/.cache/dmaload) and let `--to auto` choose by those figures.
+        #[arg(long)]
+        probe_memory: bool,
     },
     /// Generate a ~1 GiB sample model once, then load it with the default
     /// engine and with a plain buffered read, side by side.
@@ -98,8 +103,11 @@ pub struct LoadArgs {
     /// Require direct I/O: fail instead of falling back (same as --mode direct).
     #[arg(long, conflicts_with = "mode")]
     direct: bool,
-    /// Where the bytes go: memfd (host memory, shareable by fd),
-    /// anonymous-thp (host memory, transparent huge pages) or cuda:N (CUDA
+    /// Where the bytes go: auto (the cheapest host memory this kernel gives:
+    /// huge pages where it allows, see `dmaload info`), memfd (4 KiB pages,
+    /// shareable by fd), memfd-huge (memfd with 2 MiB pages: needs
+    /// shmem_enabled advise), hugetlb (memfd from the hugetlb pool),
+    /// anonymous-thp (no fd, transparent huge pages) or cuda:N (CUDA
     /// device N's memory through a pinned staging ring; `load` only).
     #[arg(long, value_name = "DEST", default_value_t = Destination::default())]
     to: Destination,
@@ -165,6 +173,9 @@ pub fn progress_bar(label: &str) -> (ProgressBar, Arc<dmaload::engine::ProgressF
 
 fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let mut options = cmd.options.to_options();
+    // The buffer is dropped once the report is out: no fd to share, so
+    // `auto` may choose anonymous memory.
+    options.needs_fd = false;
     // The report this command prints shows the page cache: measured unless
     // --no-page-cache (the library measures only when asked).
     options.measure_page_cache = !cmd.no_page_cache;
@@ -174,7 +185,7 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
         Destination::Cuda(device) => {
             gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash)
         }
-        Destination::Memfd | Destination::AnonymousThp => {
+        _ => {
             let loaded = match cmd.length {
                 Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
                 None => dmaload::load_from(&cmd.file, cmd.offset, &options),
@@ -202,7 +213,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Load(cmd) => run_load(cmd).map_err(|e| e.to_string()),
-        Command::Info { path, json } => output::info(path.as_deref(), *json),
+        Command::Info { path, json, probe_memory } => output::info(path.as_deref(), *json, *probe_memory),
         Command::Demo(args) => demo::run(args),
         Command::Save(cmd) => save_cmd::save(cmd),
         Command::Copy(cmd) => save_cmd::copy(cmd),

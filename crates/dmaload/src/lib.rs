@@ -20,6 +20,7 @@ pub mod heap;
 pub mod iops;
 pub mod load;
 pub mod many;
+pub mod memory;
 mod options;
 pub mod pagecache;
 mod pipeline;

@@ -80,42 +80,65 @@ impl FromStr for IoMode {
     }
 }
 
-/// Where a load's bytes go: `memfd`, `anonymous-thp` (host memory, a
-/// [`crate::Buffer`] of that [`MemoryKind`]) or `cuda:N` (the memory of
-/// CUDA device N, through a staging ring and [`crate::sink::CudaSink`]).
-/// Parsed from and shown as those names (`cuda` alone is `cuda:0`).
+/// Where a load's bytes go: `auto` (the cheapest host memory that can do
+/// what was asked, see [`crate::memory::MemoryFacts::choose`]), a host
+/// [`MemoryKind`] (`memfd`, `memfd-huge`, `hugetlb`, `anonymous-thp`: a
+/// [`crate::Buffer`] of that memory) or `cuda:N` (the memory of CUDA device
+/// N, through a staging ring and [`crate::sink::CudaSink`]). Parsed from
+/// and shown as those names (`cuda` alone is `cuda:0`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Destination {
-    /// A memfd, shareable by fd and exportable with udmabuf.
+    /// Host memory chosen per load: huge pages where the kernel gives
+    /// them, a memfd when the caller needs an fd.
     #[default]
+    Auto,
+    /// A memfd with 4 KiB pages, shareable by fd and exportable with udmabuf.
     Memfd,
+    /// A memfd asking for 2 MiB pages (shmem THP policy permitting).
+    MemfdHuge,
+    /// A memfd of hugetlb pages from the administrator's pool.
+    Hugetlb,
     /// Private anonymous memory with transparent huge pages.
     AnonymousThp,
     /// The memory of CUDA device N.
     Cuda(usize),
 }
 
+const AUTO: &str = "auto";
+
 impl Destination {
     /// Every form a destination is written in, `N` standing for a device
-    /// number: the host memory kinds, then `cuda:N`. Help texts and the
-    /// Python binding's option types are checked against this list.
+    /// number: `auto`, the host memory kinds, then `cuda:N`. Help texts and
+    /// the Python binding's option types are checked against this list.
     pub fn forms() -> Vec<String> {
-        MemoryKind::ALL.iter().map(|k| k.name().to_owned()).chain(["cuda:N".to_owned()]).collect()
+        std::iter::once(AUTO)
+            .chain(MemoryKind::ALL.iter().map(|k| k.name()))
+            .map(str::to_owned)
+            .chain(["cuda:N".to_owned()])
+            .collect()
     }
 
-    /// The name the destination is given by (`memfd`, `anonymous-thp`,
+    /// The name the destination is given by (`auto`, `memfd`, ...,
     /// `cuda:N`).
     pub fn name(self) -> String {
         self.to_string()
     }
 
-    /// The memory kind of a host destination; `None` for a device.
+    /// The memory kind a host destination names; `None` for `auto` (chosen
+    /// per load) and for a device.
     pub fn host_memory(self) -> Option<MemoryKind> {
         match self {
             Destination::Memfd => Some(MemoryKind::Memfd),
+            Destination::MemfdHuge => Some(MemoryKind::MemfdHuge),
+            Destination::Hugetlb => Some(MemoryKind::Hugetlb),
             Destination::AnonymousThp => Some(MemoryKind::AnonymousThp),
-            Destination::Cuda(_) => None,
+            Destination::Auto | Destination::Cuda(_) => None,
         }
+    }
+
+    /// Whether the bytes go to host memory (`auto` or a memory kind).
+    pub fn is_host(self) -> bool {
+        self == Destination::Auto || self.host_memory().is_some()
     }
 }
 
@@ -123,6 +146,8 @@ impl From<MemoryKind> for Destination {
     fn from(kind: MemoryKind) -> Self {
         match kind {
             MemoryKind::Memfd => Destination::Memfd,
+            MemoryKind::MemfdHuge => Destination::MemfdHuge,
+            MemoryKind::Hugetlb => Destination::Hugetlb,
             MemoryKind::AnonymousThp => Destination::AnonymousThp,
         }
     }
@@ -131,9 +156,9 @@ impl From<MemoryKind> for Destination {
 impl fmt::Display for Destination {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Destination::Memfd => f.write_str(MemoryKind::Memfd.name()),
-            Destination::AnonymousThp => f.write_str(MemoryKind::AnonymousThp.name()),
+            Destination::Auto => f.write_str(AUTO),
             Destination::Cuda(n) => write!(f, "cuda:{n}"),
+            host => f.write_str(host.host_memory().map_or("", MemoryKind::name)),
         }
     }
 }
@@ -141,6 +166,9 @@ impl fmt::Display for Destination {
 impl FromStr for Destination {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        if s == AUTO {
+            return Ok(Destination::Auto);
+        }
         if let Some(kind) = MemoryKind::ALL.into_iter().find(|k| k.name() == s) {
             return Ok(kind.into());
         }
@@ -176,6 +204,11 @@ pub struct LoadOptions {
     /// [`crate::Buffer`], so they take the host destinations only; a device
     /// is loaded through a sink ([`crate::load_to_sink`]).
     pub to: Destination,
+    /// Whether the caller may want the buffer's memfd ([`crate::Buffer::memfd`],
+    /// udmabuf export, passing it to another process). With `to: auto` and
+    /// `needs_fd: false` a load may choose anonymous memory, which has no
+    /// fd. An explicit memory kind is used as named either way.
+    pub needs_fd: bool,
     /// Bytes populated (and registered) as one unit.
     pub gather_size: usize,
     /// Bytes per read request (rounded up to whole pages).
@@ -208,6 +241,7 @@ impl Default for LoadOptions {
             engine: Engine::default(),
             mode: IoMode::default(),
             to: Destination::default(),
+            needs_fd: true,
             gather_size: DEFAULT_GATHER_SIZE,
             chunk_size: DEFAULT_CHUNK_SIZE,
             queue_depth: DEFAULT_QUEUE_DEPTH,
@@ -226,6 +260,7 @@ impl fmt::Debug for LoadOptions {
             .field("engine", &self.engine)
             .field("mode", &self.mode)
             .field("to", &self.to)
+            .field("needs_fd", &self.needs_fd)
             .field("gather_size", &self.gather_size)
             .field("chunk_size", &self.chunk_size)
             .field("queue_depth", &self.queue_depth)
@@ -258,20 +293,37 @@ impl fmt::Display for Fallback {
     }
 }
 
-/// The memory kind a load into a host [`crate::Buffer`] allocates: the
-/// options' destination, which must be host memory.
-pub(crate) fn host_memory(path: &Path, o: &LoadOptions) -> Result<MemoryKind> {
-    o.to.host_memory().ok_or_else(|| {
-        Error::new(
-            ErrorKind::InvalidInput,
-            "load",
-            path,
-            format!(
-                "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and \
-                 the CUDA sink (load_to_sink with sink::CudaSink), or run `dmaload load --to {to}`",
-                to = o.to
-            ),
-        )
+/// Fails unless the options' destination is host memory: a load into a
+/// host [`crate::Buffer`] checks this before it opens the file.
+pub(crate) fn check_host(path: &Path, o: &LoadOptions) -> Result<()> {
+    if o.to.is_host() {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::InvalidInput,
+        "load",
+        path,
+        format!(
+            "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and \
+             the CUDA sink (load_to_sink with sink::CudaSink), or run `dmaload load --to {to}`",
+            to = o.to
+        ),
+    ))
+}
+
+/// The memory kind a load of `len` bytes into a host [`crate::Buffer`]
+/// allocates, and why: the one the destination names, or `auto`'s choice
+/// (the facts come from the caller, who allocates against the same ones).
+pub(crate) fn host_memory(
+    path: &Path,
+    o: &LoadOptions,
+    len: u64,
+    facts: &crate::memory::MemoryFacts,
+) -> Result<crate::memory::MemoryChoice> {
+    check_host(path, o)?;
+    Ok(match o.to.host_memory() {
+        Some(kind) => crate::memory::MemoryChoice { kind, reason: format!("asked for ({kind})") },
+        None => facts.choose(len, o.needs_fd),
     })
 }
 
@@ -323,12 +375,18 @@ mod tests {
         }
         assert_eq!("cuda".parse::<Destination>(), Ok(Destination::Cuda(0)));
         assert_eq!(Engine::default().to_string(), "uring-fixed");
-        assert_eq!(LoadOptions::default().to, Destination::Memfd);
+        assert_eq!(LoadOptions::default().to, Destination::Auto);
+        assert_eq!("auto".parse::<Destination>(), Ok(Destination::Auto));
+        assert_eq!((Destination::Auto.host_memory(), Destination::Auto.is_host()), (None, true));
+        assert!(!Destination::Cuda(0).is_host());
     }
 
     #[test]
-    fn destination_forms_are_the_memory_kinds_then_cuda() {
-        assert_eq!(Destination::forms(), ["memfd", "anonymous-thp", "cuda:N"]);
+    fn destination_forms_are_auto_the_memory_kinds_then_cuda() {
+        assert_eq!(
+            Destination::forms(),
+            ["auto", "memfd", "memfd-huge", "hugetlb", "anonymous-thp", "cuda:N"]
+        );
         for form in Destination::forms() {
             assert!(form.replace('N', "3").parse::<Destination>().is_ok(), "{form}");
         }
@@ -340,16 +398,27 @@ mod tests {
             let err = bad.parse::<Destination>().unwrap_err();
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
-        assert!("vram".parse::<Destination>().unwrap_err().contains("memfd, anonymous-thp, cuda:N"));
+        assert!("vram"
+            .parse::<Destination>()
+            .unwrap_err()
+            .contains("auto, memfd, memfd-huge, hugetlb, anonymous-thp, cuda:N"));
         assert!("warp".parse::<Engine>().unwrap_err().contains("uring-fixed, uring, pread-pool, read"));
         assert!("fast".parse::<IoMode>().unwrap_err().contains("auto, direct, buffered, dontcache"));
-        assert!("huge".parse::<MemoryKind>().unwrap_err().contains("memfd, anonymous-thp"));
+        assert!("huge"
+            .parse::<MemoryKind>()
+            .unwrap_err()
+            .contains("memfd, memfd-huge, hugetlb, anonymous-thp"));
     }
 
     #[test]
     fn destinations_serialize_as_their_names() {
-        let json =
-            serde_json::to_string(&[Destination::Memfd, Destination::AnonymousThp, Destination::Cuda(2)]);
-        assert_eq!(json.unwrap(), r#"["memfd","anonymous-thp","cuda:2"]"#);
+        let json = serde_json::to_string(&[
+            Destination::Auto,
+            Destination::Memfd,
+            Destination::Hugetlb,
+            Destination::AnonymousThp,
+            Destination::Cuda(2),
+        ]);
+        assert_eq!(json.unwrap(), r#"["auto","memfd","hugetlb","anonymous-thp","cuda:2"]"#);
     }
 }

@@ -183,9 +183,10 @@ pub(crate) fn fill(
     len: u64,
     options: &LoadOptions,
     memory: MemoryKind,
+    facts: &crate::memory::MemoryFacts,
 ) -> Result<Filled> {
-    let mut alloc =
-        Allocation::new(memory, plan.mapping_len).map_err(|e| Error::io("allocate memory", path, e))?;
+    let mut alloc = Allocation::with_facts(memory, plan.mapping_len, facts)
+        .map_err(|e| Error::io("allocate memory", path, e))?;
     let started = Instant::now();
     let (run, times) = fill_mapping(path, setup, plan, len, options, alloc.mapping.writer())?;
     Ok(Filled { alloc, run, times, engine_wall: started.elapsed() })
