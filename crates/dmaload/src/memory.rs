@@ -35,6 +35,10 @@ pub struct MemoryFacts {
     /// Free pages of the pool that no one has reserved
     /// (`HugePages_Free - HugePages_Rsvd`).
     pub hugetlb_free_pages: u64,
+    /// Whether a virtio balloon reports free memory to its host (see
+    /// [`crate::system::free_page_reporting`]): then huge pages are slow
+    /// to populate cold, and only measurement can tell whether they pay.
+    pub free_page_reporting: bool,
     /// The running kernel, to match recorded probe figures against.
     pub kernel: String,
     /// The figures `dmaload info --probe-memory` recorded, if any.
@@ -60,6 +64,7 @@ impl MemoryFacts {
             hugetlb_page_size: count("Hugepagesize:") * 1024,
             hugetlb_total_pages: count("HugePages_Total:"),
             hugetlb_free_pages: count("HugePages_Free:").saturating_sub(count("HugePages_Rsvd:")),
+            free_page_reporting: crate::system::free_page_reporting().is_some(),
             kernel: sys::process::kernel_release().unwrap_or_default(),
             probe: probe_path().and_then(|path| MemoryProbe::load(&path).ok().flatten()),
         }
@@ -120,7 +125,10 @@ impl MemoryFacts {
     /// one the recorded probe measured, where it matches this machine;
     /// else by rule: a memfd with huge pages when the shmem policy allows,
     /// a hugetlb memfd when the pool has room, anonymous THP when no fd is
-    /// needed and THP is on, else a 4 KiB memfd.
+    /// needed and THP is on, else a 4 KiB memfd. Under free page reporting
+    /// the rule leaves out transparent huge pages (cold ones cost several
+    /// times what 4 KiB pages do there) until a probe measures them; the
+    /// hugetlb pool is never reported, so it stays.
     pub fn choose(&self, len: u64, needs_fd: bool) -> MemoryChoice {
         let usable = |kind: MemoryKind| (kind.has_fd() || !needs_fd) && self.can_give(kind, len).is_ok();
         let mut stale = String::new();
@@ -151,7 +159,17 @@ impl MemoryFacts {
             }
         }
         let shmem = self.thp_shmem.as_deref().unwrap_or("absent");
-        let (kind, reason) = if usable(MemoryKind::MemfdHuge) {
+        // Transparent huge pages the rule would take, and whether free page
+        // reporting makes it leave them out.
+        let thp = [MemoryKind::MemfdHuge, MemoryKind::AnonymousThp]
+            .map(|kind| usable(kind) && self.huge_pages(kind) && (kind.has_fd() || !needs_fd));
+        if self.free_page_reporting && thp.contains(&true) {
+            stale += " (transparent huge pages left out: free page reporting is on, where cold huge pages \
+                      cost more than 4 KiB ones; `dmaload info --probe-memory` measures which pays here)";
+        }
+        let thp_usable =
+            |kind| !self.free_page_reporting && thp[usize::from(kind == MemoryKind::AnonymousThp)];
+        let (kind, reason) = if thp_usable(MemoryKind::MemfdHuge) {
             (MemoryKind::MemfdHuge, format!("shmem_enabled is {shmem}: a memfd that asks gets 2 MiB pages"))
         } else if usable(MemoryKind::Hugetlb) {
             (
@@ -162,7 +180,7 @@ impl MemoryFacts {
                     self.hugetlb_page_size >> 20
                 ),
             )
-        } else if !needs_fd && self.huge_pages(MemoryKind::AnonymousThp) {
+        } else if thp_usable(MemoryKind::AnonymousThp) {
             (
                 MemoryKind::AnonymousThp,
                 format!(
@@ -222,6 +240,11 @@ pub struct KindProbe {
     pub error: Option<String>,
 }
 
+/// How long the probe lets free page reporting hand freed memory back to
+/// the host before a sample: the balloon reports free blocks about 2 s after
+/// they are freed.
+pub const REPORTING_SETTLE: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// Where the probe's figures are kept: `$XDG_CACHE_HOME/dmaload`, else
 /// `~/.cache/dmaload`.
 pub fn probe_path() -> Option<PathBuf> {
@@ -235,8 +258,10 @@ pub fn probe_path() -> Option<PathBuf> {
 impl MemoryProbe {
     /// Populates `bytes` of each memory kind `rounds` times (kinds
     /// interleaved, so none always runs on memory another just freed) and
-    /// records the medians. A kind this machine cannot give is recorded
-    /// with its reason.
+    /// records the medians. Under free page reporting each sample first
+    /// waits [`REPORTING_SETTLE`], so it meets memory as a large load does:
+    /// handed back to the host, not just freed by the sample before. A kind
+    /// this machine cannot give is recorded with its reason.
     pub fn run(bytes: u64, rounds: usize) -> MemoryProbe {
         let facts = MemoryFacts::read();
         let len = usize::try_from(bytes).unwrap_or(usize::MAX).next_multiple_of(sys::mem::page_size());
@@ -247,6 +272,9 @@ impl MemoryProbe {
             for (i, kind) in MemoryKind::ALL.into_iter().enumerate() {
                 if errors[i].is_some() {
                     continue;
+                }
+                if facts.free_page_reporting {
+                    std::thread::sleep(REPORTING_SETTLE);
                 }
                 match populate_once(kind, len, &facts) {
                     Ok((populate, unmap, huge)) => samples[i].push((populate / gib, unmap / gib, huge)),
@@ -385,6 +413,7 @@ mod tests {
             hugetlb_page_size: 2 << 20,
             hugetlb_total_pages: free_pages + 3,
             hugetlb_free_pages: free_pages,
+            free_page_reporting: false,
             kernel: "6.18.0".into(),
             probe: None,
         }
@@ -415,6 +444,28 @@ mod tests {
         }
         let none = MemoryFacts::default().choose(GIB, false);
         assert_eq!(none.kind, MemoryKind::Memfd, "{}", none.reason);
+    }
+
+    #[test]
+    fn under_free_page_reporting_the_rule_leaves_out_transparent_huge_pages() {
+        for (shmem, free, needs_fd, want) in [
+            ("advise", 0, true, MemoryKind::Memfd),
+            ("advise", 0, false, MemoryKind::Memfd),
+            ("never", 0, false, MemoryKind::Memfd),
+            // The hugetlb pool is never reported: it stays.
+            ("advise", 512, true, MemoryKind::Hugetlb),
+        ] {
+            let f = MemoryFacts { free_page_reporting: true, ..facts("madvise", shmem, free) };
+            let choice = f.choose(GIB, needs_fd);
+            assert_eq!(choice.kind, want, "{shmem} {free} {needs_fd}: {}", choice.reason);
+            if want == MemoryKind::Memfd {
+                assert!(choice.reason.contains("free page reporting is on"), "{}", choice.reason);
+            }
+        }
+        // Measured figures decide, reporting or not.
+        let mut f = MemoryFacts { free_page_reporting: true, ..facts("madvise", "advise", 0) };
+        f.probe = Some(probe_of(&f, &[(MemoryKind::Memfd, Some(0.5)), (MemoryKind::MemfdHuge, Some(0.2))]));
+        assert_eq!(f.choose(GIB, true).kind, MemoryKind::MemfdHuge);
     }
 
     #[test]
