@@ -103,18 +103,9 @@ impl Allocation {
         if let Err(why) = facts.can_give(kind, len as u64) {
             return Err(io::Error::new(io::ErrorKind::Unsupported, format!("{kind} memory: {why}")));
         }
+        // (`can_give` checked RLIMIT_FSIZE: a memfd is a file, and sizing it
+        // past the limit would kill the process with SIGXFSZ.)
         let memfd = |pages, len: usize| -> io::Result<OwnedFd> {
-            // A memfd is a file: sizing it past RLIMIT_FSIZE would kill the
-            // process with SIGXFSZ instead of failing.
-            if let Some(limit) = sys::process::file_size_limit()?.filter(|&l| l < len as u64) {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!(
-                        "{kind} memory of {len} bytes is past RLIMIT_FSIZE ({limit} bytes), which limits \
-                         memfds like files: raise it (ulimit -f) or use anonymous-thp memory"
-                    ),
-                ));
-            }
             let memfd = mem::memfd_create(c"dmaload", pages)?;
             mem::set_len(memfd.as_fd(), len as u64)?;
             Ok(memfd)
@@ -129,6 +120,9 @@ impl Allocation {
             MemoryKind::MemfdHuge => shmem(HugePageAdvice::Huge),
             MemoryKind::Hugetlb => {
                 let len = len.next_multiple_of(facts.hugetlb_page_size.max(1) as usize);
+                facts
+                    .can_give(kind, len as u64)
+                    .map_err(|why| io::Error::new(io::ErrorKind::Unsupported, why))?;
                 let memfd = memfd(MemfdPages::Hugetlb, len)?;
                 // A shared hugetlb mapping reserves its pages now: ENOMEM
                 // here means the pool ran short since the facts were read.

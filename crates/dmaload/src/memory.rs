@@ -35,6 +35,9 @@ pub struct MemoryFacts {
     /// Free pages of the pool that no one has reserved
     /// (`HugePages_Free - HugePages_Rsvd`).
     pub hugetlb_free_pages: u64,
+    /// The soft RLIMIT_FSIZE in bytes (`None`: unlimited): a memfd is a
+    /// file, and cannot be sized past it.
+    pub file_size_limit: Option<u64>,
     /// Whether a virtio balloon reports free memory to its host (see
     /// [`crate::system::free_page_reporting`]): then huge pages are slow
     /// to populate cold, and only measurement can tell whether they pay.
@@ -65,6 +68,7 @@ impl MemoryFacts {
             hugetlb_total_pages: count("HugePages_Total:"),
             hugetlb_free_pages: count("HugePages_Free:").saturating_sub(count("HugePages_Rsvd:")),
             free_page_reporting: crate::system::free_page_reporting().is_some(),
+            file_size_limit: sys::process::file_size_limit().ok().flatten(),
             kernel: sys::process::kernel_release().unwrap_or_default(),
             probe: probe_path().and_then(|path| MemoryProbe::load(&path).ok().flatten()),
         }
@@ -86,6 +90,12 @@ impl MemoryFacts {
     /// Whether `len` bytes of `kind` memory can be had now, and if not why
     /// and what would change it.
     pub fn can_give(&self, kind: MemoryKind, len: u64) -> Result<(), String> {
+        if let Some(limit) = self.file_size_limit.filter(|&limit| kind.has_fd() && len > limit) {
+            return Err(format!(
+                "{len} bytes are past RLIMIT_FSIZE ({limit} bytes), which limits memfds like files: raise it \
+                 (ulimit -f) or use anonymous-thp memory"
+            ));
+        }
         match kind {
             MemoryKind::Memfd | MemoryKind::AnonymousThp => Ok(()),
             MemoryKind::MemfdHuge if self.huge_pages(kind) => Ok(()),
@@ -189,6 +199,9 @@ impl MemoryFacts {
                     self.thp_anonymous.as_deref().unwrap_or("absent")
                 ),
             )
+        } else if !needs_fd && !usable(MemoryKind::Memfd) {
+            let why = self.can_give(MemoryKind::Memfd, len).err().unwrap_or_default();
+            (MemoryKind::AnonymousThp, format!("no fd needed, and no memfd possible: {why}"))
         } else {
             (
                 MemoryKind::Memfd,
@@ -414,6 +427,7 @@ mod tests {
             hugetlb_total_pages: free_pages + 3,
             hugetlb_free_pages: free_pages,
             free_page_reporting: false,
+            file_size_limit: None,
             kernel: "6.18.0".into(),
             probe: None,
         }
@@ -444,6 +458,20 @@ mod tests {
         }
         let none = MemoryFacts::default().choose(GIB, false);
         assert_eq!(none.kind, MemoryKind::Memfd, "{}", none.reason);
+    }
+
+    #[test]
+    fn a_file_size_limit_below_the_load_rules_out_memfds() {
+        let f = MemoryFacts { file_size_limit: Some(GIB - 1), ..facts("never", "advise", 1024) };
+        for kind in [MemoryKind::Memfd, MemoryKind::MemfdHuge, MemoryKind::Hugetlb] {
+            assert!(f.can_give(kind, GIB).unwrap_err().contains("RLIMIT_FSIZE"), "{kind}");
+            assert!(f.can_give(kind, GIB - 1).is_ok(), "{kind}");
+        }
+        let choice = f.choose(GIB, false);
+        assert_eq!(choice.kind, MemoryKind::AnonymousThp, "{}", choice.reason);
+        assert!(choice.reason.contains("RLIMIT_FSIZE"), "{}", choice.reason);
+        // Needing an fd, the load gets a memfd and its clear error.
+        assert_eq!(f.choose(GIB, true).kind, MemoryKind::Memfd);
     }
 
     #[test]
