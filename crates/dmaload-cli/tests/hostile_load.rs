@@ -137,7 +137,7 @@ fn too_few_file_descriptors_for_a_ring_fall_back_to_the_pread_pool() {
         Command::new("prlimit")
             .arg("--nofile=6")
             .arg(env!("CARGO_BIN_EXE_dmaload"))
-            .args(["load", "--json", "--hash"])
+            .args(["load", "--json", "--hash", "--to", "memfd"])
             .arg(&path),
     );
     let report = json_of(&out);

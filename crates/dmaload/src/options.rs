@@ -23,10 +23,14 @@ pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
 pub const DEFAULT_QUEUE_DEPTH: usize = 32;
 /// Threads of the pread-pool engine.
 pub const DEFAULT_POOL_THREADS: usize = 8;
-/// Threads populating each gather: one per CPU, at most 4, beyond which
-/// memory bandwidth, not CPU, limits page zeroing. The I/O needs little CPU
-/// of its own: on 2 vCPUs, 2 populating threads populated 2 GiB in 0.6-0.8 s
-/// against 0.9-2.5 s for one, and the reads never waited for memory.
+/// Threads populating each gather: one per CPU, at most 4. Enough threads
+/// populate (4 KiB pages cost 0.6-0.8 CPU s/GiB) as fast as the disk reads
+/// (1.4-1.8 GiB/s on the 16-vCPU machine: 1.1-1.5 threads' worth, 4 with
+/// room to spare); huge pages need a quarter of that. On 2 vCPUs, cold 2 GiB
+/// loads with 1, 2, 3 and 4 threads gave medians of 0.91, 1.00, 0.96 and
+/// 1.06 GiB/s, ranges overlapping (docs/benchmarks.md): past the CPUs there
+/// is nothing to gain, and no machine of more than 2 vCPUs without a GPU
+/// task was at hand to measure where more than 4 stops helping.
 pub fn default_populate_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
 }

@@ -73,6 +73,7 @@ fn a_huge_memfd_gets_huge_pages_where_the_shmem_policy_allows() {
         }
         Err(err) => {
             assert!(["never", "deny", "absent"].contains(&policy.as_str()), "{policy}: {err}");
+            assert_eq!(err.kind(), dmaload::ErrorKind::InvalidInput);
             let message = err.to_string();
             assert!(
                 message.contains("memfd-huge")
@@ -113,6 +114,7 @@ fn a_hugetlb_memfd_uses_the_pool_or_says_how_to_grow_it() {
         }
         Err(err) => {
             assert!(free < needed, "{free} free pages of {needed}: {err}");
+            assert_eq!(err.kind(), dmaload::ErrorKind::InvalidInput);
             let message = err.to_string();
             assert!(message.contains("/proc/sys/vm/nr_hugepages") && message.contains("free"), "{message}");
             skip(

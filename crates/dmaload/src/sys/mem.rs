@@ -181,9 +181,10 @@ impl Drop for Mapping {
 }
 
 /// Mappings at least this large are unmapped on a background thread: giving
-/// back 2 GiB of 4 KiB pages takes the dropping thread 0.1-0.5 s here (2 s
-/// for 13 GiB on the 16-vCPU machine), which a caller dropping a buffer
-/// should not wait for. Smaller ones are unmapped at once.
+/// back 2 GiB of 4 KiB pages takes the dropping thread 0.5-0.8 s on the
+/// 2-vCPU VM (2 s for 13 GiB on the 16-vCPU machine), which a caller
+/// dropping a buffer should not wait for (2 MiB pages take milliseconds).
+/// Smaller ones are unmapped at once.
 pub const BACKGROUND_UNMAP_MIN: usize = 64 << 20;
 
 /// A region whose owner has gone: nothing in the process refers to it.
