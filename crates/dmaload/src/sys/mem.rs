@@ -204,6 +204,10 @@ fn unmap(region: Unmap) {
 
 /// The background unmapping thread, and the bytes it has still to unmap.
 struct Unmapper {
+    /// The process that started the thread: a child of `fork` has no such
+    /// thread (only the forking thread survives a fork), so it unmaps in
+    /// place.
+    pid: u32,
     queue: std::sync::mpsc::Sender<Unmap>,
     pending: std::sync::Mutex<usize>,
     done: std::sync::Condvar,
@@ -230,11 +234,19 @@ impl Unmapper {
 }
 
 /// The process's unmapping thread, started on first use; `None` where no
-/// thread can be started (RLIMIT_NPROC): then drops unmap in place.
+/// thread can be started (RLIMIT_NPROC) and in a child of `fork`: then
+/// drops unmap in place.
 fn unmapper() -> Option<&'static Unmapper> {
     static UNMAPPER: std::sync::OnceLock<Option<Unmapper>> = std::sync::OnceLock::new();
     UNMAPPER
         .get_or_init(|| {
+            // A fork copies every mapping still queued into the child, where
+            // no thread would ever unmap it: finish them before forking.
+            // SAFETY: `finish_unmaps_before_fork` is a plain `extern "C"`
+            // function that does not unwind; no child or parent handler.
+            if unsafe { libc::pthread_atfork(Some(finish_unmaps_before_fork), None, None) } != 0 {
+                return None;
+            }
             let (queue, regions) = std::sync::mpsc::channel::<Unmap>();
             std::thread::Builder::new()
                 .name("dmaload-unmap".into())
@@ -248,9 +260,20 @@ fn unmapper() -> Option<&'static Unmapper> {
                     }
                 })
                 .ok()?;
-            Some(Unmapper { queue, pending: std::sync::Mutex::new(0), done: std::sync::Condvar::new() })
+            Some(Unmapper {
+                pid: std::process::id(),
+                queue,
+                pending: std::sync::Mutex::new(0),
+                done: std::sync::Condvar::new(),
+            })
         })
         .as_ref()
+        .filter(|unmapper| unmapper.pid == std::process::id())
+}
+
+/// The `pthread_atfork` prepare handler: waits for queued unmaps.
+extern "C" fn finish_unmaps_before_fork() {
+    wait_for_unmaps();
 }
 
 /// Bytes of dropped mappings the background thread has not unmapped yet.
