@@ -206,8 +206,19 @@ impl MemoryFacts {
             (
                 MemoryKind::Memfd,
                 format!(
-                    "no huge pages for {} memory here (shmem_enabled is {shmem}, hugetlb pool too small): 4 KiB memfd",
-                    if needs_fd { "shareable" } else { "any" }
+                    "4 KiB memfd: {}{}{}",
+                    if needs_fd { "an fd is needed, and " } else { "" },
+                    if self.huge_pages(MemoryKind::MemfdHuge) {
+                        "the hugetlb pool is too small".to_owned()
+                    } else {
+                        format!("no huge pages for a memfd here (shmem_enabled is {shmem}, hugetlb pool too small)")
+                    },
+                    match self.thp_anonymous.as_deref() {
+                        Some(anon) if !needs_fd && !self.huge_pages(MemoryKind::AnonymousThp) => {
+                            format!(" nor for anonymous memory (THP enabled is {anon})")
+                        }
+                        _ => String::new(),
+                    }
                 ),
             )
         };

@@ -33,7 +33,8 @@ pub struct LoadReport {
     /// [`crate::memory::MemoryFacts::huge_pages`]).
     pub huge_pages: bool,
     /// Where the bytes went: the [`crate::Destination`] of a host buffer
-    /// (`memfd`, `anonymous-thp`), or the staging ring a sink was fed from.
+    /// (the memory kind's name: `memfd`, `memfd-huge`, `hugetlb`,
+    /// `anonymous-thp`), or the staging ring a sink was fed from.
     pub destination: String,
     /// The filesystem the file is on ("ext4", "tmpfs", ...), or
     /// "block-device".
