@@ -283,7 +283,7 @@ impl Buffer {
         guard(|| Ok(self.open()?.memfd_offset()))
     }
 
-    /// "memfd" or "anonymous-thp".
+    /// The memory kind: "memfd", "memfd-huge", "hugetlb" or "anonymous-thp".
     #[getter]
     fn memory(&self) -> PyResult<&'static str> {
         guard(|| Ok(self.open()?.memory_kind().name()))
@@ -399,6 +399,7 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
         engine,
         cache,
         memory,
+        memory_reason,
         huge_pages,
         destination,
         filesystem,
@@ -438,6 +439,7 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     kw.set_item("engine", engine.name())?;
     kw.set_item("cache", cache_name(*cache))?;
     kw.set_item("memory", memory.name())?;
+    kw.set_item("memory_reason", memory_reason)?;
     kw.set_item("huge_pages", huge_pages)?;
     kw.set_item("destination", destination)?;
     kw.set_item("filesystem", filesystem)?;
@@ -967,6 +969,9 @@ fn load_safetensors(
             measure_page_cache,
         };
         let mut options = opts.to_options()?;
+        // The tensors never expose the memfd: `to="auto"` may pick
+        // anonymous huge pages.
+        options.needs_fd = false;
         if concurrency == 0 {
             return Err(PyValueError::new_err("concurrency must be at least 1"));
         }
@@ -1033,8 +1038,10 @@ enum DefaultValue {
 /// Every load option the binding takes, with the core's default: the
 /// fields of [`LoadOptions`] (all named, so a field the core adds is a
 /// compile error here until it crosses) less the callback and the
-/// cancellation token, which Python passes in its own way, and the
-/// staging ring of device loads.
+/// cancellation token, which Python passes in its own way, `needs_fd`,
+/// which each entry point sets (`load` keeps a memfd for `Buffer.fileno`,
+/// the safetensors loaders need none), and the staging ring of device
+/// loads.
 #[pyfunction]
 fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
     guard(|| {
@@ -1048,6 +1055,7 @@ fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
             threads,
             populate_threads,
             measure_page_cache,
+            needs_fd: _,
             progress: _,
             cancel: _,
         } = LoadOptions::default();

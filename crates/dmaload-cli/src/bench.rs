@@ -9,6 +9,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use clap::Subcommand;
+use dmaload::memory::MemoryFacts;
 use dmaload::transfer::{MemoryType, TransferBuffer};
 use dmaload::{Engine, HostSink, IoMode, LoadOptions, MemoryKind, StagingRing};
 use serde::Serialize;
@@ -64,6 +65,11 @@ enum Method {
     Fio {
         block_size: &'static str,
         iodepth: u32,
+        /// fio's buffers in hugetlb pages (`--iomem=shmhuge`) instead of
+        /// 4 KiB ones: with 254 segments per request at most (virtio-blk
+        /// here), a 4 MiB read into 4 KiB pages goes out as several
+        /// requests, into 2 MiB pages as one; the ceiling for huge-page rows.
+        huge: bool,
     },
 }
 
@@ -71,8 +77,9 @@ impl Method {
     fn name(&self) -> String {
         match self {
             Method::Dmaload { name, .. } | Method::Staged { name, .. } => name.clone(),
-            Method::Fio { block_size, iodepth } => {
-                format!("fio io_uring direct bs={block_size} qd={iodepth}")
+            Method::Fio { block_size, iodepth, huge } => {
+                let buffers = if *huge { ", hugetlb buffers" } else { "" };
+                format!("fio io_uring direct bs={block_size} qd={iodepth}{buffers}")
             }
         }
     }
@@ -83,6 +90,14 @@ struct Sample {
     gib_per_second: f64,
     cpu_seconds_per_gib: f64,
     page_cache_residue: f64,
+    /// Dropping the buffer, from the drop to its return (host loads).
+    drop_seconds: Option<f64>,
+    /// From the drop until the background thread had unmapped the memory:
+    /// what a drop cost the caller before unmapping moved off its thread.
+    freed_seconds: Option<f64>,
+    /// Share of the buffer the kernel backed with huge pages
+    /// (/proc/self/smaps, first round).
+    huge_page_share: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -95,6 +110,9 @@ struct Row {
     min_gib_per_second: f64,
     max_gib_per_second: f64,
     median_cpu_seconds_per_gib: f64,
+    median_drop_seconds: Option<f64>,
+    median_freed_seconds: Option<f64>,
+    huge_page_share: Option<f64>,
     max_page_cache_residue: f64,
     ratio_to_fio_best: Option<f64>,
     ratio_to_buffered: f64,
@@ -108,8 +126,11 @@ struct Table {
     bytes: u64,
     repeat: usize,
     fio: String,
-    /// Which page size each memory kind gets here.
+    /// Which page size each memory kind gets here, and the kinds left out.
     memory: String,
+    /// What `auto` chose for the engine rows (a memfd: they keep the fd)
+    /// and for a CLI load (no fd), and why.
+    auto: String,
     /// See `dmaload::system::free_page_reporting`.
     free_page_reporting: Option<u64>,
     /// The staged row's ring and destination.
@@ -163,7 +184,7 @@ fn residue(report: &dmaload::LoadReport) -> Result<f64, String> {
         .ok_or_else(|| format!("{}: the load did not measure the page cache", report.path.display()))
 }
 
-fn methods(with_fio: bool) -> Vec<Method> {
+fn methods(with_fio: bool, facts: &MemoryFacts, bytes: u64) -> Vec<Method> {
     let mut methods: Vec<Method> = Engine::ALL
         .into_iter()
         .map(|engine| Method::Dmaload {
@@ -171,12 +192,17 @@ fn methods(with_fio: bool) -> Vec<Method> {
             options: LoadOptions { engine, ..measured() },
         })
         .collect();
-    // The default engine again in the other memory kind: where the THP
-    // policy gives memfd 4 KiB pages, this row shows what 2 MiB pages save.
-    let memory = MemoryKind::AnonymousThp;
+    // The default engine again in every memory kind this machine can give
+    // a file of `bytes` now, and as `dmaload load` runs it (auto, no fd).
+    for kind in MemoryKind::ALL.into_iter().filter(|&kind| facts.can_give(kind, bytes).is_ok()) {
+        methods.push(Method::Dmaload {
+            name: format!("dmaload {} {}", Engine::default().name(), kind.name()),
+            options: LoadOptions { to: kind.into(), ..measured() },
+        });
+    }
     methods.push(Method::Dmaload {
-        name: format!("dmaload {} {}", Engine::default().name(), memory.name()),
-        options: LoadOptions { to: memory.into(), ..measured() },
+        name: format!("dmaload {} auto, no fd (dmaload load)", Engine::default().name()),
+        options: LoadOptions { needs_fd: false, ..measured() },
     });
     methods.push(Method::Staged {
         name: format!("dmaload {} staging ring → host buffer", Engine::default().name()),
@@ -188,7 +214,11 @@ fn methods(with_fio: bool) -> Vec<Method> {
     });
     if with_fio {
         for (block_size, iodepth) in [("1M", 16), ("4M", 8), ("4M", 16), ("4M", 32)] {
-            methods.push(Method::Fio { block_size, iodepth });
+            methods.push(Method::Fio { block_size, iodepth, huge: false });
+        }
+        // fio's best setting with huge-page buffers, where the pool holds them.
+        if facts.can_give(MemoryKind::Hugetlb, 32 * (4 << 20)).is_ok() {
+            methods.push(Method::Fio { block_size: "4M", iodepth: 32, huge: true });
         }
     }
     methods
@@ -216,7 +246,9 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
         (None, true) => "skipped (--no-fio)".into(),
         (None, false) => "not installed (apt-get install fio): no ceiling row".into(),
     };
-    let methods = methods(fio.is_some());
+    let facts = MemoryFacts::read();
+    let methods = methods(fio.is_some(), &facts, bytes);
+    let settle = facts.free_page_reporting;
     // Populated once and reused by every staged run, as a ring is meant to
     // be; each run allocates its own destination.
     let mut ring = staging_ring()?;
@@ -236,6 +268,12 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             let method = &methods[i];
             eprintln!("bench: round {}/{repeat}: {}", round + 1, method.name());
             dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
+            if settle {
+                // Memory as a load after idle meets it: handed back to the
+                // host, not warm from the run before (which would favour
+                // whichever row follows a large free).
+                std::thread::sleep(dmaload::memory::REPORTING_SETTLE);
+            }
             // Every method must return the same bytes.
             let mut check = |name: &str, digest: u64| {
                 if *reference_hash.get_or_insert(digest) != digest {
@@ -246,14 +284,24 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             let sample = match method {
                 Method::Dmaload { name, options } => {
                     let (buffer, report) = dmaload::load(file, options).map_err(|e| e.to_string())?;
+                    let mut huge_page_share = None;
                     if round == 0 {
                         check(name, xxhash_rust::xxh3::xxh3_64(&buffer))?;
+                        let huge = buffer.huge_page_bytes().map_err(|e| format!("smaps: {e}"))?;
+                        huge_page_share = Some(huge as f64 / buffer.len().max(1) as f64);
                     }
                     let cpu = report.cpu_user_seconds + report.cpu_system_seconds;
+                    let dropped = Instant::now();
+                    drop(buffer);
+                    let drop_seconds = dropped.elapsed().as_secs_f64();
+                    dmaload::heap::wait_for_freed_memory();
                     Sample {
                         gib_per_second: report.gib_per_second,
                         cpu_seconds_per_gib: cpu / gib.max(1e-12),
                         page_cache_residue: residue(&report)?,
+                        drop_seconds: Some(drop_seconds),
+                        freed_seconds: Some(dropped.elapsed().as_secs_f64()),
+                        huge_page_share,
                     }
                 }
                 Method::Staged { name, options } => {
@@ -263,7 +311,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
                     }
                     sample
                 }
-                Method::Fio { block_size, iodepth } => run_fio(file, block_size, *iodepth, gib)?,
+                Method::Fio { block_size, iodepth, huge } => run_fio(file, block_size, *iodepth, *huge, gib)?,
             };
             samples[i].push(sample);
         }
@@ -296,6 +344,13 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             min_gib_per_second: spread(&samples, |x| x.gib_per_second).min,
             max_gib_per_second: spread(&samples, |x| x.gib_per_second).max,
             median_cpu_seconds_per_gib: median(&samples, |x| x.cpu_seconds_per_gib),
+            median_drop_seconds: samples[0]
+                .drop_seconds
+                .map(|_| median(&samples, |x| x.drop_seconds.unwrap_or(0.0))),
+            median_freed_seconds: samples[0]
+                .freed_seconds
+                .map(|_| median(&samples, |x| x.freed_seconds.unwrap_or(0.0))),
+            huge_page_share: samples.iter().find_map(|x| x.huge_page_share),
             max_page_cache_residue: samples.iter().map(|s| s.page_cache_residue).fold(0.0, f64::max),
             ratio_to_fio_best: fio_best.map(|best| med / best),
             ratio_to_buffered: med / buffered,
@@ -303,13 +358,18 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             samples,
         })
         .collect();
-    let pages = |kind| crate::output::page_size_label(dmaload::system::huge_pages_allowed(kind));
-    let memory = format!(
-        "{} memory (the default) gets {} pages, {} gets {} pages (THP policy)",
-        MemoryKind::Memfd.name(),
-        pages(MemoryKind::Memfd),
-        MemoryKind::AnonymousThp.name(),
-        pages(MemoryKind::AnonymousThp)
+    let memory = MemoryKind::ALL
+        .into_iter()
+        .map(|kind| match facts.can_give(kind, bytes) {
+            Ok(()) => format!("{kind} {} pages", crate::output::page_size_label(facts.huge_pages(kind))),
+            Err(why) => format!("{kind} left out ({why})"),
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    let auto = format!(
+        "engine rows (fd kept): {}; dmaload load (no fd): {}",
+        facts.choose(bytes, true).kind,
+        facts.choose(bytes, false).kind
     );
     let table = Table {
         file: file.display().to_string(),
@@ -317,6 +377,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
         repeat,
         fio: fio_note,
         memory,
+        auto,
         free_page_reporting: dmaload::system::free_page_reporting(),
         staging,
         rows,
@@ -331,30 +392,40 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
 
 fn print_table(t: &Table) {
     println!(
-        "Cold load of {} ({}), {} run(s) per method, interleaved in rotating order, page cache evicted before each; fio: {}\n",
+        "Cold load of {} ({}), {} run(s) per method, interleaved in rotating order, page cache evicted before each{}; fio: {}\n",
         t.file,
         human_bytes(t.bytes),
         t.repeat,
+        if t.free_page_reporting.is_some() {
+            format!(" and {} s for free page reporting to take freed memory back", dmaload::memory::REPORTING_SETTLE.as_secs())
+        } else {
+            String::new()
+        },
         t.fio
     );
     println!("Memory: {}.\n", t.memory);
+    println!("Auto chose: {}.\n", t.auto);
     if let Some(block) = t.free_page_reporting {
         println!("Free page reporting {}.\n", crate::output::free_page_reporting_note(block));
     }
     println!("Staging ring → host buffer: {}.\n", t.staging);
     println!(
-        "| method | GiB/s (median) | min–max | CPU s/GiB | page-cache residue | × fio best | × buffered | × in-place default |"
+        "| method | GiB/s (median) | min–max | CPU s/GiB | huge pages | drop s | freed after s | page-cache residue | × fio best | × buffered | × in-place default |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let dash = || "–".to_owned();
     for r in &t.rows {
-        let fio = r.ratio_to_fio_best.map_or("–".into(), |x| format!("{x:.2}"));
+        let fio = r.ratio_to_fio_best.map_or_else(dash, |x| format!("{x:.2}"));
         println!(
-            "| {} | {:.2} | {:.2}–{:.2} | {:.3} | {:.1}% | {} | {:.2} | {:.2} |",
+            "| {} | {:.2} | {:.2}–{:.2} | {:.3} | {} | {} | {} | {:.1}% | {} | {:.2} | {:.2} |",
             r.method,
             r.median_gib_per_second,
             r.min_gib_per_second,
             r.max_gib_per_second,
             r.median_cpu_seconds_per_gib,
+            r.huge_page_share.map_or_else(dash, |x| format!("{:.0}%", x * 100.0)),
+            r.median_drop_seconds.map_or_else(dash, |x| format!("{x:.3}")),
+            r.median_freed_seconds.map_or_else(dash, |x| format!("{x:.3}")),
             r.max_page_cache_residue * 100.0,
             fio,
             r.ratio_to_buffered,
@@ -398,6 +469,9 @@ fn run_staged(
         gib_per_second: gib / seconds.max(1e-9),
         cpu_seconds_per_gib: cpu / gib.max(1e-12),
         page_cache_residue: residue(&report)?,
+        drop_seconds: None,
+        freed_seconds: None,
+        huge_page_share: None,
     };
     Ok((sample, digest))
 }
@@ -421,7 +495,7 @@ fn process_cpu_seconds() -> Result<f64, String> {
 /// One fio run: sequential O_DIRECT io_uring reads of the whole file with
 /// registered buffers and files, the same kind of I/O as the default engine
 /// but into one small reused buffer (so it pays no allocation).
-fn run_fio(file: &Path, block_size: &str, iodepth: u32, gib: f64) -> Result<Sample, String> {
+fn run_fio(file: &Path, block_size: &str, iodepth: u32, huge: bool, gib: f64) -> Result<Sample, String> {
     let out = Command::new("fio")
         .args([
             "--name=ceiling",
@@ -434,6 +508,7 @@ fn run_fio(file: &Path, block_size: &str, iodepth: u32, gib: f64) -> Result<Samp
         .arg(format!("--filename={}", file.display()))
         .arg(format!("--bs={block_size}"))
         .arg(format!("--iodepth={iodepth}"))
+        .arg(format!("--iomem={}", if huge { "shmhuge" } else { "malloc" }))
         .arg("--output-format=json")
         .output()
         .map_err(|e| format!("running fio: {e}"))?;
@@ -452,5 +527,8 @@ fn run_fio(file: &Path, block_size: &str, iodepth: u32, gib: f64) -> Result<Samp
         gib_per_second: read_gib / runtime_s.max(1e-9),
         cpu_seconds_per_gib: cpu_percent / 100.0 * runtime_s / gib.max(1e-12),
         page_cache_residue: residue,
+        drop_seconds: None,
+        freed_seconds: None,
+        huge_page_share: None,
     })
 }

@@ -52,6 +52,11 @@ enum Command {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
+        /// Populate a few hundred MiB of each memory kind, record what it
+        /// cost per GiB (in $XDG_CACHE_HOME/dmaload, else
+        /// ~/.cache/dmaload) and let `--to auto` choose by those figures.
+        #[arg(long)]
+        probe_memory: bool,
     },
     /// Generate a ~1 GiB sample model once, then load it with the default
     /// engine and with a plain buffered read, side by side.
@@ -115,12 +120,15 @@ pub struct LoadArgs {
     /// Require direct I/O: fail instead of falling back (same as --mode direct).
     #[arg(long, conflicts_with = "mode")]
     direct: bool,
-    /// Where the bytes go: memfd (host memory, shareable by fd),
-    /// anonymous-thp (host memory, transparent huge pages), a dma-buf
-    /// (`load` only: udmabuf, a memfd exported without copy; dma-heap:NAME,
-    /// from /dev/dma_heap/NAME through a staging ring; dmabuf, udmabuf
-    /// where it can, else dma-heap:system) or cuda:N (CUDA device N's
-    /// memory through a pinned staging ring; `load` only).
+    /// Where the bytes go: auto (the cheapest host memory this kernel gives:
+    /// huge pages where it allows, see `dmaload info`), memfd (4 KiB pages,
+    /// shareable by fd), memfd-huge (memfd with 2 MiB pages: needs
+    /// shmem_enabled advise), hugetlb (memfd from the hugetlb pool),
+    /// anonymous-thp (no fd, transparent huge pages), a dma-buf (`load`
+    /// only: udmabuf, a memfd exported without copy; dma-heap:NAME, from
+    /// /dev/dma_heap/NAME through a staging ring; dmabuf, udmabuf where it
+    /// can, else dma-heap:system) or cuda:N (CUDA device N's memory through
+    /// a pinned staging ring; `load` only).
     #[arg(long, value_name = "DEST", default_value_t = Destination::default())]
     to: Destination,
     /// Bytes populated and registered as one unit.
@@ -195,8 +203,10 @@ fn cache_socket(cmd: &LoadCommand) -> Option<PathBuf> {
 
 fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let mut options = cmd.options.to_options();
-    let whole_host_file =
-        cmd.offset == 0 && cmd.length.is_none() && !matches!(options.to, Destination::Cuda(_));
+    // The buffer is dropped once the report is out: no fd to share, so
+    // `auto` may choose anonymous memory.
+    options.needs_fd = false;
+    let whole_host_file = cmd.offset == 0 && cmd.length.is_none() && options.to.is_host();
     if let Some(socket) = cache_socket(cmd) {
         if !whole_host_file {
             return Err(dmaload::Error::new(
@@ -232,14 +242,14 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     options.measure_page_cache = !cmd.no_page_cache;
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
-    let result = match options.to {
+    let result = match options.to.clone() {
         Destination::Cuda(device) => {
             gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash)
         }
         Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf => {
             dmabuf_cmd::load(&cmd.file, cmd.offset, cmd.length, &options, cmd.hash)
         }
-        Destination::Memfd | Destination::AnonymousThp => {
+        _ => {
             let loaded = match cmd.length {
                 Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
                 None => dmaload::load_from(&cmd.file, cmd.offset, &options),
@@ -267,7 +277,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Load(cmd) => run_load(cmd).map_err(|e| e.to_string()),
-        Command::Info { path, json } => output::info(path.as_deref(), *json),
+        Command::Info { path, json, probe_memory } => output::info(path.as_deref(), *json, *probe_memory),
         Command::Demo(args) => demo::run(args),
         Command::Save(cmd) => save_cmd::save(cmd),
         Command::Copy(cmd) => save_cmd::copy(cmd),

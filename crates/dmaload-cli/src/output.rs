@@ -112,6 +112,9 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
         human_bytes(r.gather_size as u64),
         r.queue_depth
     );
+    if r.deliver_seconds == 0.0 && !r.destination.contains("staging ring") {
+        let _ = writeln!(s, "memory    {}: {}", r.memory.name(), r.memory_reason);
+    }
     for fallback in &r.fallbacks {
         let _ = writeln!(s, "fallback  {fallback}");
     }
@@ -150,7 +153,10 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
     s
 }
 
-pub fn info(path: Option<&Path>, json: bool) -> Result<(), String> {
+pub fn info(path: Option<&Path>, json: bool, probe_memory: bool) -> Result<(), String> {
+    if probe_memory {
+        run_memory_probe(json)?;
+    }
     let info = system::info(path).map_err(|e| match path {
         Some(p) => format!("info {}: {e}", p.display()),
         None => format!("info: {e}"),
@@ -188,9 +194,42 @@ pub fn info(path: Option<&Path>, json: bool) -> Result<(), String> {
     let thp = |v: &Option<String>| v.clone().unwrap_or_else(|| "unknown".into());
     println!("THP anonymous     {}", thp(&info.thp_anonymous));
     println!(
-        "THP shmem         {} (memfd buffers use huge pages only with always/within_size/advise)",
+        "THP shmem         {} (memfds get 2 MiB pages, memfd-huge, only with always/within_size/advise/force)",
         thp(&info.thp_shmem)
     );
+    let page = |bytes: u64| human_bytes(bytes);
+    println!(
+        "hugetlb pool      {} free pages of {} (/proc/sys/vm/nr_hugepages)",
+        info.hugetlb_free_pages,
+        page(info.hugetlb_page_size)
+    );
+    println!("auto memory       {}: {}", info.auto_shareable.kind, info.auto_shareable.reason);
+    println!("auto, no fd       {}: {}", info.auto_private.kind, info.auto_private.reason);
+    if let Some(hint) = info.huge_pages_hint {
+        println!("huge pages hint   as root, `{hint}` gives memfd buffers 2 MiB pages");
+    }
+    match (&info.memory_probe, &info.memory_probe_path) {
+        (Some(probe), Some(path)) => {
+            let figures: Vec<String> = probe
+                .kinds
+                .iter()
+                .map(|k| match (k.populate_seconds_per_gib, &k.error) {
+                    (Some(s), _) => format!(
+                        "{} {s:.3} s/GiB ({:.0}% huge)",
+                        k.kind,
+                        k.huge_page_share.unwrap_or(0.0) * 100.0
+                    ),
+                    (None, Some(why)) => format!("{} unavailable ({why})", k.kind),
+                    (None, None) => format!("{} unmeasured", k.kind),
+                })
+                .collect();
+            println!("memory probe      {path}: {}", figures.join("; "));
+        }
+        (None, Some(path)) => {
+            println!("memory probe      none recorded ({path}): `dmaload info --probe-memory` records one")
+        }
+        (_, None) => println!("memory probe      no cache directory ($XDG_CACHE_HOME and $HOME unset)"),
+    }
     if let Some(bytes) = info.memory_available {
         println!("MemAvailable      {}", human_bytes(bytes));
     }
@@ -231,6 +270,30 @@ pub fn info(path: Option<&Path>, json: bool) -> Result<(), String> {
             }
             None => {}
         }
+    }
+    Ok(())
+}
+
+/// Bytes of each memory kind `info --probe-memory` populates per round.
+const PROBE_BYTES: u64 = 256 << 20;
+/// Rounds per kind (interleaved); the medians are recorded.
+const PROBE_ROUNDS: usize = 3;
+
+/// `info --probe-memory`: measures each memory kind and records the figures
+/// where `auto` finds them.
+fn run_memory_probe(json: bool) -> Result<(), String> {
+    let path = dmaload::memory::probe_path()
+        .ok_or("info --probe-memory: no cache directory ($XDG_CACHE_HOME and $HOME unset)")?;
+    if !json {
+        eprintln!(
+            "probing: populating {} of each memory kind, {PROBE_ROUNDS} rounds",
+            human_bytes(PROBE_BYTES)
+        );
+    }
+    let probe = dmaload::memory::MemoryProbe::run(PROBE_BYTES, PROBE_ROUNDS);
+    probe.save(&path).map_err(|e| format!("info --probe-memory: write {}: {e}", path.display()))?;
+    if !json {
+        eprintln!("recorded in {}", path.display());
     }
     Ok(())
 }

@@ -152,8 +152,9 @@ pub fn save(cmd: &SaveCommand) -> Result<(), String> {
 
 pub fn copy(cmd: &CopyCommand) -> Result<(), String> {
     let mut options = cmd.load.to_options();
-    if options.to.host_memory().is_none() {
-        let host: Vec<_> = dmaload::MemoryKind::ALL.iter().map(|k| k.name()).collect();
+    if !options.to.is_host() {
+        let host: Vec<_> =
+            std::iter::once("auto").chain(dmaload::MemoryKind::ALL.iter().map(|k| k.name())).collect();
         return Err(format!(
             "copy loads SRC into host memory to save it: --to takes {} here, not {to} \
              (a device or a dma-buf is loaded with `dmaload load --to {to}`)",
@@ -161,6 +162,8 @@ pub fn copy(cmd: &CopyCommand) -> Result<(), String> {
             to = options.to
         ));
     }
+    // The buffer only goes to the save: no fd to share.
+    options.needs_fd = false;
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
     let loaded = dmaload::load(&cmd.src, &options);

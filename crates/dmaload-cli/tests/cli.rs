@@ -211,13 +211,23 @@ fn to_names_the_destination_and_its_defaults_are_the_cores() {
         (report["memory"].as_str(), report["destination"].as_str()),
         (Some("anonymous-thp"), Some("anonymous-thp"))
     );
-    let report = json_of(&dmaload().args(["load", "--json"]).arg(&path).output().unwrap());
-    assert_eq!((report["memory"].as_str(), report["destination"].as_str()), (Some("memfd"), Some("memfd")));
+    // The default is auto, and a CLI load shares nothing: the kind the rule
+    // (or a recorded probe) gives a load that needs no fd, with its reason.
+    let cache = scratch();
+    let report = json_of(
+        &dmaload().args(["load", "--json"]).arg(&path).env("XDG_CACHE_HOME", cache.path()).output().unwrap(),
+    );
+    let mut facts = dmaload::memory::MemoryFacts::read();
+    facts.probe = None;
+    let auto = facts.choose(100_000, false);
+    assert_eq!(
+        (report["memory"].as_str(), report["destination"].as_str()),
+        (Some(auto.kind.name()), Some(auto.kind.name()))
+    );
+    assert_eq!(report["memory_reason"].as_str(), Some(auto.reason.as_str()));
     assert_eq!(report["queue_depth"], dmaload::load::DEFAULT_QUEUE_DEPTH);
     let help = String::from_utf8(dmaload().args(["load", "--help"]).output().unwrap().stdout).unwrap();
-    for default in
-        ["[default: uring-fixed]", "[default: auto]", "[default: memfd]", "[default: 128M]", "[default: 4M]"]
-    {
+    for default in ["[default: uring-fixed]", "[default: auto]", "[default: 128M]", "[default: 4M]"] {
         assert!(help.contains(default), "{default} missing from:\n{help}");
     }
     for form in dmaload::Destination::forms() {
@@ -317,6 +327,9 @@ fn info_reports_kernel_io_uring_and_path_facts() {
         "RLIMIT_MEMLOCK",
         "THP anonymous",
         "THP shmem",
+        "hugetlb pool",
+        "auto memory",
+        "memory probe",
         "page reporting",
         "dma-heap",
         "udmabuf",
@@ -324,6 +337,49 @@ fn info_reports_kernel_io_uring_and_path_facts() {
     ] {
         assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
     }
+}
+
+#[test]
+fn probe_memory_records_figures_that_auto_then_goes_by() {
+    let cache = scratch();
+    let run =
+        |args: &[&str]| json_of(&dmaload().args(args).env("XDG_CACHE_HOME", cache.path()).output().unwrap());
+    let before = run(&["info", "--json"]);
+    assert!(before["memory_probe"].is_null(), "{before}");
+    let info = run(&["info", "--json", "--probe-memory"]);
+    let file = cache.path().join("dmaload").join("memory-probe.json");
+    assert_eq!(info["memory_probe_path"].as_str(), Some(file.to_str().unwrap()));
+    let probe = dmaload::memory::MemoryProbe::load(&file).unwrap().expect("the probe recorded its figures");
+    assert_eq!(serde_json::to_value(&probe).unwrap(), info["memory_probe"]);
+    for kind in &probe.kinds {
+        match (kind.populate_seconds_per_gib, &kind.error) {
+            (Some(cost), None) => assert!(cost > 0.0, "{kind:?}"),
+            // memfd-huge and hugetlb where the kernel cannot give them.
+            (None, Some(why)) => {
+                assert!(kind.kind.has_fd() && kind.kind != dmaload::MemoryKind::Memfd, "{kind:?}");
+                skip("probe_memory_records_figures_that_auto_then_goes_by", &format!("{}: {why}", kind.kind));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // auto now says it chose by the measured figures.
+    for (field, needs_fd) in [("auto_shareable", true), ("auto_private", false)] {
+        let reason = info[field]["reason"].as_str().unwrap();
+        assert!(reason.contains("--probe-memory` measured here"), "{field}: {reason}");
+        let cheapest = probe
+            .kinds
+            .iter()
+            .filter(|k| (needs_fd <= k.kind.has_fd()) && k.populate_seconds_per_gib.is_some())
+            .min_by(|a, b| {
+                a.populate_seconds_per_gib.unwrap().total_cmp(&b.populate_seconds_per_gib.unwrap())
+            })
+            .unwrap();
+        assert_eq!(info[field]["kind"].as_str(), Some(cheapest.kind.name()), "{info}");
+    }
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 100_000);
+    let report = run(&["load", "--json", path.to_str().unwrap()]);
+    assert!(report["memory_reason"].as_str().unwrap().contains("--probe-memory"), "{report}");
 }
 
 #[test]

@@ -96,11 +96,22 @@ fn a_tiny_file_size_limit_is_an_error_not_sigxfsz() {
     let path = sample(dir.path(), OsStr::new("f.bin"), 1 << 20);
     // A memfd is a file: sizing it past RLIMIT_FSIZE would raise SIGXFSZ.
     let out = output_or_hang(
-        Command::new("prlimit").arg("--fsize=4096").arg(env!("CARGO_BIN_EXE_dmaload")).arg("load").arg(&path),
+        Command::new("prlimit")
+            .arg("--fsize=4096")
+            .arg(env!("CARGO_BIN_EXE_dmaload"))
+            .args(["load", "--to", "memfd"])
+            .arg(&path),
     );
     assert_eq!(out.status.code(), Some(1), "killed or succeeded: {:?}", out.status);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("RLIMIT_FSIZE"), "{stderr}");
+    // auto, needing no fd, takes anonymous memory instead and says why.
+    let out = output_or_hang(
+        Command::new("prlimit").arg("--fsize=4096").arg(env!("CARGO_BIN_EXE_dmaload")).arg("load").arg(&path),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("memory    anonymous-thp: no fd needed, and no memfd possible"), "{stdout}");
     // anonymous memory is not a file, and loads.
     let out = output_or_hang(
         Command::new("prlimit")
@@ -126,7 +137,7 @@ fn too_few_file_descriptors_for_a_ring_fall_back_to_the_pread_pool() {
         Command::new("prlimit")
             .arg("--nofile=6")
             .arg(env!("CARGO_BIN_EXE_dmaload"))
-            .args(["load", "--json", "--hash"])
+            .args(["load", "--json", "--hash", "--to", "memfd"])
             .arg(&path),
     );
     let report = json_of(&out);

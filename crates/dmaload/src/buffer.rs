@@ -95,6 +95,17 @@ impl Buffer {
         self.kind
     }
 
+    /// Bytes of the buffer's memory the kernel backs with huge pages now
+    /// (2 MiB THP or hugetlb pages), read from `/proc/self/smaps`: what the
+    /// kernel really gave, whatever its policy promised. Reading smaps walks
+    /// every mapping of the process, so this is for checks and benchmarks.
+    pub fn huge_page_bytes(&self) -> std::io::Result<u64> {
+        if self.mapping.len() == 0 {
+            return Ok(0);
+        }
+        crate::memory::huge_page_bytes(self.mapping.address())
+    }
+
     /// The memfd holding the bytes, for passing to another process;
     /// `None` for anonymous memory. Before handing it out this seals it
     /// (no resizing, no new writable shared mapping or

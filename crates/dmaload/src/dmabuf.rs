@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::heap::{self, CpuAccess, DmaBuf, DmaHeap, MemoryKind};
+use crate::heap::{self, CpuAccess, DmaBuf, DmaHeap};
 use crate::load::{check_memory, load_open_to_sink, load_source, range_len};
 use crate::options::{validate, Destination, Fallback, LoadOptions, DEFAULT_DMA_HEAP};
 use crate::report::LoadReport;
@@ -187,8 +187,9 @@ fn load_udmabuf(
     len: u64,
     options: &LoadOptions,
 ) -> Result<(LoadedDmaBuf, LoadReport)> {
-    let (buffer, mut report) =
-        load_source(file.source(), file.path(), offset, Some(len), options, MemoryKind::Memfd)?;
+    // udmabuf exports a memfd of 4 KiB pages, whatever `auto` would choose.
+    let memfd = LoadOptions { to: Destination::Memfd, ..options.clone() };
+    let (buffer, mut report) = load_source(file.source(), file.path(), offset, Some(len), &memfd)?;
     let data_offset = (buffer.memfd_offset() % sys::mem::page_size()) as u64;
     let started = Instant::now();
     let dmabuf = buffer.into_dmabuf().map_err(|refused| refused.0)?;

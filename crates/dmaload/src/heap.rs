@@ -8,36 +8,59 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::buffer::Buffer;
 use crate::error::{Error, ErrorKind, Result};
+use crate::memory::MemoryFacts;
 use crate::sys;
 use crate::sys::dmabuf;
 pub use crate::sys::mem::SharedMapping;
-use crate::sys::mem::{self, Mapping};
+use crate::sys::mem::{self, HugePageAdvice, Mapping, MemfdPages};
 
 /// The kind of memory a buffer lives in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum MemoryKind {
-    /// A memfd (`memfd_create`, Linux 3.17) mapped shared: can be passed to
-    /// other processes by fd and exported as a dma-buf with udmabuf.
+    /// A memfd (`memfd_create`, Linux 3.17) mapped shared with 4 KiB pages
+    /// (`MADV_NOHUGEPAGE`): can be passed to other processes by fd and
+    /// exported as a dma-buf with udmabuf. Works everywhere.
     #[default]
     Memfd,
-    /// Private anonymous memory with `MADV_HUGEPAGE`: often faster to
-    /// populate, but cannot be shared by fd.
+    /// A memfd whose mapping asks for 2 MiB pages (`MADV_HUGEPAGE`), which
+    /// shmem gives when `/sys/kernel/mm/transparent_hugepage/shmem_enabled`
+    /// is `always`, `within_size`, `advise` or `force`; shareable and
+    /// exportable like `memfd`. An error where that policy is `never` or
+    /// `deny` (most distributions' default).
+    MemfdHuge,
+    /// A hugetlb memfd (`MFD_HUGETLB`, Linux 4.14): pages of the
+    /// administrator's hugetlb pool (`/proc/sys/vm/nr_hugepages`), reserved
+    /// at allocation, in the default huge page size; shareable and
+    /// exportable like `memfd`. An error when the pool lacks free pages.
+    Hugetlb,
+    /// Private anonymous memory with `MADV_HUGEPAGE`: 2 MiB pages where
+    /// `transparent_hugepage/enabled` is `always` or `madvise`, but no fd
+    /// to share.
     AnonymousThp,
 }
 
 impl MemoryKind {
-    pub const ALL: [MemoryKind; 2] = [MemoryKind::Memfd, MemoryKind::AnonymousThp];
+    pub const ALL: [MemoryKind; 4] =
+        [MemoryKind::Memfd, MemoryKind::MemfdHuge, MemoryKind::Hugetlb, MemoryKind::AnonymousThp];
 
     pub fn name(self) -> &'static str {
         match self {
             MemoryKind::Memfd => "memfd",
+            MemoryKind::MemfdHuge => "memfd-huge",
+            MemoryKind::Hugetlb => "hugetlb",
             MemoryKind::AnonymousThp => "anonymous-thp",
         }
+    }
+
+    /// Whether the memory is a memfd, which can be shared by fd and
+    /// exported with udmabuf.
+    pub fn has_fd(self) -> bool {
+        self != MemoryKind::AnonymousThp
     }
 }
 
@@ -67,24 +90,49 @@ pub struct Allocation {
 }
 
 impl Allocation {
-    /// Reserves `len` bytes (a multiple of the page size) of `kind` memory.
+    /// Reserves `len` bytes (a multiple of the page size) of `kind` memory
+    /// (hugetlb memory: `len` rounded up to whole huge pages). A kind this
+    /// kernel cannot give now is an [`io::ErrorKind::Unsupported`] error
+    /// that says why and what would change it.
     pub fn new(kind: MemoryKind, len: usize) -> io::Result<Allocation> {
+        Self::with_facts(kind, len, &MemoryFacts::read())
+    }
+
+    /// [`Allocation::new`] against facts read beforehand.
+    pub(crate) fn with_facts(kind: MemoryKind, len: usize, facts: &MemoryFacts) -> io::Result<Allocation> {
+        if let Err(why) = facts.can_give(kind, len as u64) {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, format!("{kind} memory: {why}")));
+        }
+        // (`can_give` checked RLIMIT_FSIZE: a memfd is a file, and sizing it
+        // past the limit would kill the process with SIGXFSZ.)
+        let memfd = |pages, len: usize| -> io::Result<OwnedFd> {
+            let memfd = mem::memfd_create(c"dmaload", pages)?;
+            mem::set_len(memfd.as_fd(), len as u64)?;
+            Ok(memfd)
+        };
+        let shmem = |advice| -> io::Result<Allocation> {
+            let memfd = memfd(MemfdPages::Shmem, len)?;
+            let mapping = Mapping::memfd(memfd.as_fd(), len, advice)?;
+            Ok(Allocation { mapping, memfd: Some(memfd), kind })
+        };
         match kind {
-            MemoryKind::Memfd => {
-                // A memfd is a file: sizing it past RLIMIT_FSIZE would kill
-                // the process with SIGXFSZ instead of failing.
-                if let Some(limit) = sys::process::file_size_limit()?.filter(|&l| l < len as u64) {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        format!(
-                            "memfd memory of {len} bytes is past RLIMIT_FSIZE ({limit} bytes), which \
-                             limits memfds like files: raise it (ulimit -f) or use anonymous-thp memory"
-                        ),
-                    ));
-                }
-                let memfd = mem::memfd_create(c"dmaload")?;
-                mem::set_len(memfd.as_fd(), len as u64)?;
-                let mapping = Mapping::memfd(memfd.as_fd(), len)?;
+            MemoryKind::Memfd => shmem(HugePageAdvice::Small),
+            MemoryKind::MemfdHuge => shmem(HugePageAdvice::Huge),
+            MemoryKind::Hugetlb => {
+                let len = len.next_multiple_of(facts.hugetlb_page_size.max(1) as usize);
+                facts
+                    .can_give(kind, len as u64)
+                    .map_err(|why| io::Error::new(io::ErrorKind::Unsupported, why))?;
+                let memfd = memfd(MemfdPages::Hugetlb, len)?;
+                // A shared hugetlb mapping reserves its pages now: ENOMEM
+                // here means the pool ran short since the facts were read.
+                let mapping = Mapping::shared(memfd.as_fd(), len).map_err(|e| match e.raw_os_error() {
+                    Some(libc::ENOMEM) => io::Error::new(
+                        io::ErrorKind::OutOfMemory,
+                        format!("hugetlb memory of {len} bytes: the pool has too few free pages ({e})"),
+                    ),
+                    _ => e,
+                })?;
                 Ok(Allocation { mapping, memfd: Some(memfd), kind })
             }
             MemoryKind::AnonymousThp => {
@@ -93,6 +141,19 @@ impl Allocation {
             }
         }
     }
+}
+
+/// Bytes of dropped buffers (and other mappings of 64 MiB or more) that a
+/// background thread is still unmapping: dropping a large [`Buffer`]
+/// returns at once, and the pages go back to the system a moment later.
+pub fn bytes_being_freed() -> usize {
+    mem::unmap_pending()
+}
+
+/// Waits until every dropped buffer's memory has gone back to the system
+/// (a load that needs more memory than is available waits so by itself).
+pub fn wait_for_freed_memory() {
+    mem::wait_for_unmaps()
 }
 
 /// The system dma-heap: page-backed memory any device driver can import.

@@ -15,7 +15,9 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::heap::MemoryKind;
 use crate::load::{cached_source_options, load_open_to_sink, open_range, LoadReport};
+use crate::memory::{MemoryChoice, MemoryFacts};
 use crate::options::{validate, Fallback, IoMode, LoadOptions};
 use crate::pipeline::fill_mapping;
 use crate::plan::Plan;
@@ -86,7 +88,8 @@ pub fn load_open_into(
         Err(err) => return Err(err),
     };
     let waited = run.waited_for_memory;
-    let mut report = opened.report(&plan, run, options, Default::default())?;
+    let memory = MemoryChoice { kind: MemoryKind::default(), reason: "the caller's memory".into() };
+    let mut report = opened.report(&plan, run, options, memory, &MemoryFacts::read())?;
     report.destination = "caller memory (in place)".into();
     report.register_seconds = times.register.as_secs_f64();
     report.alloc_seconds = times.all.as_secs_f64();

@@ -22,6 +22,7 @@ mod into;
 pub mod iops;
 pub mod load;
 pub mod many;
+pub mod memory;
 mod options;
 pub mod pagecache;
 mod pipeline;

@@ -18,12 +18,12 @@ use crate::buffer::Buffer;
 use crate::engine::EngineRun;
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
-use crate::heap::MemoryKind;
+use crate::memory::{MemoryChoice, MemoryFacts};
+use crate::options::{check_host, host_memory, validate};
 pub use crate::options::{
     default_populate_threads, Destination, Fallback, IoMode, LoadOptions, DEFAULT_CHUNK_SIZE,
     DEFAULT_GATHER_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
 };
-use crate::options::{host_memory, validate};
 use crate::pagecache;
 use crate::pipeline::{fill, fill_staged, Filled};
 use crate::plan::Plan;
@@ -73,9 +73,9 @@ pub fn load_fd(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     validate(Path::new("fd"), options)?;
-    let memory = host_memory(Path::new("fd"), options)?;
+    check_host(Path::new("fd"), options)?;
     let (source, path) = Source::from_fd(fd)?;
-    load_source(&source, &path, offset, len, options, memory)
+    load_source(&source, &path, offset, len, options)
 }
 
 fn load_impl(
@@ -85,8 +85,8 @@ fn load_impl(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     validate(path, options)?;
-    let memory = host_memory(path, options)?;
-    load_source(&Source::open(path)?, path, offset, len, options, memory)
+    check_host(path, options)?;
+    load_source(&Source::open(path)?, path, offset, len, options)
 }
 
 /// The length of the range `offset..offset + len` (to the end of the file
@@ -119,7 +119,7 @@ pub(crate) fn range_len(source: &Source, path: &Path, offset: u64, len: Option<u
 /// [`ErrorKind::OutOfMemory`] error before allocating, not the OOM killer
 /// after.
 pub(crate) fn check_memory(path: &Path, len: u64) -> Result<()> {
-    let budget = system::memory_budget().map_err(|e| Error::io("read /proc/meminfo", path, e))?;
+    let budget = system::memory_budget_for(len).map_err(|e| Error::io("read /proc/meminfo", path, e))?;
     if len > budget.available {
         return Err(Error::new(
             ErrorKind::OutOfMemory,
@@ -237,7 +237,8 @@ impl Opened<'_> {
         plan: &Plan,
         run: EngineRun,
         options: &LoadOptions,
-        memory: MemoryKind,
+        memory: MemoryChoice,
+        facts: &MemoryFacts,
     ) -> Result<LoadReport> {
         let path = self.path;
         let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
@@ -258,9 +259,10 @@ impl Opened<'_> {
             bytes: self.len,
             engine: run.engine,
             cache: self.setup.cache,
-            memory,
-            huge_pages: crate::system::huge_pages_allowed(memory),
-            destination: Destination::from(memory).name(),
+            memory: memory.kind,
+            huge_pages: facts.huge_pages(memory.kind),
+            destination: Destination::from(memory.kind).name(),
+            memory_reason: memory.reason,
             filesystem: self.source.storage,
             alignment: self.setup.align,
             chunk_size: plan.chunk,
@@ -289,14 +291,17 @@ pub(crate) fn load_source(
     offset: u64,
     len: Option<u64>,
     options: &LoadOptions,
-    memory: MemoryKind,
 ) -> Result<(Buffer, LoadReport)> {
     let mut opened = open_range(source, path, offset, len, options, true)?;
     let (offset, len) = (opened.offset, opened.len);
+    let facts = MemoryFacts::read();
+    let memory = host_memory(path, options, len, &facts)?;
+    let kind = memory.kind;
     let page = sys::mem::page_size();
     let plan_for = |align| Plan::new(offset, len, align, options.chunk_size, options.gather_size, page);
-    let (filled, plan) = opened
-        .read(options, plan_for, |setup, plan, options| fill(path, setup, plan, len, options, memory))?;
+    let (filled, plan) = opened.read(options, plan_for, |setup, plan, options| {
+        fill(path, setup, plan, len, options, kind, &facts)
+    })?;
     let Filled { mut alloc, run, times, engine_wall } = filled;
     // Direct I/O read whole aligned blocks around the range: the bytes
     // outside it are not the caller's to see, nor to share through the memfd.
@@ -313,7 +318,7 @@ pub(crate) fn load_source(
     let buffer = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges());
     debug_assert_eq!(len, buffer.len() as u64);
     let waited = run.waited_for_memory;
-    let mut report = opened.report(&plan, run, options, memory)?;
+    let mut report = opened.report(&plan, run, options, memory, &facts)?;
     report.alloc_seconds = times.all.as_secs_f64();
     report.register_seconds = times.register.as_secs_f64();
     report.first_gather_seconds = times.first.as_secs_f64();
@@ -427,8 +432,11 @@ pub fn load_open_to_sink(
     let waited = run.waited_for_memory;
     // No Buffer is allocated: `memory` is what a host load with these options
     // would use; `destination` names the ring (and the caller, the sink).
-    let memory = options.to.host_memory().unwrap_or_default();
-    let mut report = opened.report(&plan, run, options, memory)?;
+    let memory = MemoryChoice {
+        kind: options.to.host_memory().unwrap_or_default(),
+        reason: "a staged load allocates no host buffer".into(),
+    };
+    let mut report = opened.report(&plan, run, options, memory, &MemoryFacts::read())?;
     report.destination = format!("staging ring ({} x {} bytes)", ring.slots(), ring.slot_len());
     report.register_seconds = times.register.as_secs_f64();
     report.deliver_seconds = times.deliver.as_secs_f64();

@@ -59,7 +59,8 @@ fn run_many<T: Send, E: From<Error> + Send>(
         .collect::<Result<Vec<u64>>>()?;
     let total: u64 = sizes.iter().sum();
     if paths.len() > 1 {
-        let budget = system::memory_budget().map_err(|e| Error::io("read /proc/meminfo", first, e))?;
+        let budget =
+            system::memory_budget_for(total).map_err(|e| Error::io("read /proc/meminfo", first, e))?;
         if total > budget.available {
             return Err(Error::new(
                 ErrorKind::OutOfMemory,

@@ -23,10 +23,14 @@ pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
 pub const DEFAULT_QUEUE_DEPTH: usize = 32;
 /// Threads of the pread-pool engine.
 pub const DEFAULT_POOL_THREADS: usize = 8;
-/// Threads populating each gather: one per CPU, at most 4, beyond which
-/// memory bandwidth, not CPU, limits page zeroing. The I/O needs little CPU
-/// of its own: on 2 vCPUs, 2 populating threads populated 2 GiB in 0.6-0.8 s
-/// against 0.9-2.5 s for one, and the reads never waited for memory.
+/// Threads populating each gather: one per CPU, at most 4. Enough threads
+/// populate (4 KiB pages cost 0.6-0.8 CPU s/GiB) as fast as the disk reads
+/// (1.4-1.8 GiB/s on the 16-vCPU machine: 1.1-1.5 threads' worth, 4 with
+/// room to spare); huge pages need a quarter of that. On 2 vCPUs, cold 2 GiB
+/// loads with 1, 2, 3 and 4 threads gave medians of 0.91, 1.00, 0.96 and
+/// 1.06 GiB/s, ranges overlapping (docs/benchmarks.md): past the CPUs there
+/// is nothing to gain, and no machine of more than 2 vCPUs without a GPU
+/// task was at hand to measure where more than 4 stops helping.
 pub fn default_populate_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
 }
@@ -80,8 +84,10 @@ impl FromStr for IoMode {
     }
 }
 
-/// Where a load's bytes go: host memory (`memfd`, `anonymous-thp`: a
-/// [`crate::Buffer`] of that [`MemoryKind`]), a dma-buf (`udmabuf`,
+/// Where a load's bytes go: `auto` (the cheapest host memory that can do
+/// what was asked, see [`crate::memory::MemoryFacts::choose`]), a host
+/// [`MemoryKind`] (`memfd`, `memfd-huge`, `hugetlb`, `anonymous-thp`: a
+/// [`crate::Buffer`] of that memory), a dma-buf (`udmabuf`,
 /// `dma-heap:NAME`, `dmabuf`: an fd the caller owns, from
 /// [`crate::load_dmabuf`]) or `cuda:N` (the memory of CUDA device N,
 /// through a staging ring and [`crate::sink::CudaSink`]). Parsed from and
@@ -89,9 +95,16 @@ impl FromStr for IoMode {
 /// `dma-heap:system`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub enum Destination {
-    /// A memfd, shareable by fd and exportable with udmabuf.
+    /// Host memory chosen per load: huge pages where the kernel gives
+    /// them, a memfd when the caller needs an fd.
     #[default]
+    Auto,
+    /// A memfd with 4 KiB pages, shareable by fd and exportable with udmabuf.
     Memfd,
+    /// A memfd asking for 2 MiB pages (shmem THP policy permitting).
+    MemfdHuge,
+    /// A memfd of hugetlb pages from the administrator's pool.
+    Hugetlb,
     /// Private anonymous memory with transparent huge pages.
     AnonymousThp,
     /// A dma-buf over a memfd loaded in place (direct I/O where the
@@ -107,34 +120,44 @@ pub enum Destination {
     Cuda(usize),
 }
 
+const AUTO: &str = "auto";
+
 /// The heap `dma-heap` alone names.
 pub const DEFAULT_DMA_HEAP: &str = "system";
 
 impl Destination {
     /// Every form a destination is written in, `NAME` standing for a heap
-    /// and `N` for a device number: the host memory kinds, then the
+    /// and `N` for a device number: `auto`, the host memory kinds, the
     /// dma-bufs, then `cuda:N`. Help texts and the Python binding's option
     /// types are checked against this list.
     pub fn forms() -> Vec<String> {
         let others = ["udmabuf", "dmabuf", "dma-heap:NAME", "cuda:N"];
-        MemoryKind::ALL.iter().map(|k| k.name()).chain(others).map(str::to_owned).collect()
+        std::iter::once(AUTO)
+            .chain(MemoryKind::ALL.iter().map(|k| k.name()))
+            .chain(others)
+            .map(str::to_owned)
+            .collect()
     }
 
-    /// The name the destination is given by (`memfd`, `dma-heap:system`,
-    /// `cuda:N`, ...).
+    /// The name the destination is given by (`auto`, `memfd`,
+    /// `dma-heap:system`, `cuda:N`, ...).
     pub fn name(&self) -> String {
         self.to_string()
     }
 
-    /// The memory kind of a host destination; `None` for a device or a
-    /// dma-buf.
+    /// The memory kind a host destination names; `None` for `auto` (chosen
+    /// per load), a dma-buf and a device.
     pub fn host_memory(&self) -> Option<MemoryKind> {
         match self {
             Destination::Memfd => Some(MemoryKind::Memfd),
+            Destination::MemfdHuge => Some(MemoryKind::MemfdHuge),
+            Destination::Hugetlb => Some(MemoryKind::Hugetlb),
             Destination::AnonymousThp => Some(MemoryKind::AnonymousThp),
-            Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf | Destination::Cuda(_) => {
-                None
-            }
+            Destination::Auto
+            | Destination::Udmabuf
+            | Destination::DmaHeap(_)
+            | Destination::Dmabuf
+            | Destination::Cuda(_) => None,
         }
     }
 
@@ -142,12 +165,19 @@ impl Destination {
     pub fn is_dmabuf(&self) -> bool {
         matches!(self, Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf)
     }
+
+    /// Whether the bytes go to host memory (`auto` or a memory kind).
+    pub fn is_host(&self) -> bool {
+        *self == Destination::Auto || self.host_memory().is_some()
+    }
 }
 
 impl From<MemoryKind> for Destination {
     fn from(kind: MemoryKind) -> Self {
         match kind {
             MemoryKind::Memfd => Destination::Memfd,
+            MemoryKind::MemfdHuge => Destination::MemfdHuge,
+            MemoryKind::Hugetlb => Destination::Hugetlb,
             MemoryKind::AnonymousThp => Destination::AnonymousThp,
         }
     }
@@ -156,12 +186,12 @@ impl From<MemoryKind> for Destination {
 impl fmt::Display for Destination {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Destination::Memfd => f.write_str(MemoryKind::Memfd.name()),
-            Destination::AnonymousThp => f.write_str(MemoryKind::AnonymousThp.name()),
+            Destination::Auto => f.write_str(AUTO),
             Destination::Udmabuf => f.write_str("udmabuf"),
             Destination::DmaHeap(heap) => write!(f, "dma-heap:{heap}"),
             Destination::Dmabuf => f.write_str("dmabuf"),
             Destination::Cuda(n) => write!(f, "cuda:{n}"),
+            host => f.write_str(host.host_memory().map_or("", MemoryKind::name)),
         }
     }
 }
@@ -179,6 +209,9 @@ fn valid_heap_name(name: &str) -> bool {
 impl FromStr for Destination {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        if s == AUTO {
+            return Ok(Destination::Auto);
+        }
         if let Some(kind) = MemoryKind::ALL.into_iter().find(|k| k.name() == s) {
             return Ok(kind.into());
         }
@@ -229,6 +262,11 @@ pub struct LoadOptions {
     /// [`crate::Buffer`], so they take the host destinations only; a device
     /// is loaded through a sink ([`crate::load_to_sink`]).
     pub to: Destination,
+    /// Whether the caller may want the buffer's memfd ([`crate::Buffer::memfd`],
+    /// udmabuf export, passing it to another process). With `to: auto` and
+    /// `needs_fd: false` a load may choose anonymous memory, which has no
+    /// fd. An explicit memory kind is used as named either way.
+    pub needs_fd: bool,
     /// Bytes populated (and registered) as one unit.
     pub gather_size: usize,
     /// Bytes per read request (rounded up to whole pages).
@@ -261,6 +299,7 @@ impl Default for LoadOptions {
             engine: Engine::default(),
             mode: IoMode::default(),
             to: Destination::default(),
+            needs_fd: true,
             gather_size: DEFAULT_GATHER_SIZE,
             chunk_size: DEFAULT_CHUNK_SIZE,
             queue_depth: DEFAULT_QUEUE_DEPTH,
@@ -279,6 +318,7 @@ impl fmt::Debug for LoadOptions {
             .field("engine", &self.engine)
             .field("mode", &self.mode)
             .field("to", &self.to)
+            .field("needs_fd", &self.needs_fd)
             .field("gather_size", &self.gather_size)
             .field("chunk_size", &self.chunk_size)
             .field("queue_depth", &self.queue_depth)
@@ -311,28 +351,45 @@ impl fmt::Display for Fallback {
     }
 }
 
-/// The memory kind a load into a host [`crate::Buffer`] allocates: the
-/// options' destination, which must be host memory.
-pub(crate) fn host_memory(path: &Path, o: &LoadOptions) -> Result<MemoryKind> {
-    o.to.host_memory().ok_or_else(|| {
-        let why = if o.to.is_dmabuf() {
-            format!(
-                "a dma-buf ({to}) is an fd the caller owns, not a host Buffer: load it with load_dmabuf",
-                to = o.to
-            )
-        } else {
-            format!(
-                "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and the \
-                 CUDA sink (load_to_sink with sink::CudaSink)",
-                to = o.to
-            )
-        };
-        Error::new(
-            ErrorKind::InvalidInput,
-            "load",
-            path,
-            format!("{why}, or run `dmaload load --to {}`", o.to),
+/// Fails unless the options' destination is host memory: a load into a
+/// host [`crate::Buffer`] checks this before it opens the file.
+pub(crate) fn check_host(path: &Path, o: &LoadOptions) -> Result<()> {
+    if o.to.is_host() {
+        return Ok(());
+    }
+    let why = if o.to.is_dmabuf() {
+        format!(
+            "a dma-buf ({to}) is an fd the caller owns, not a host Buffer: load it with load_dmabuf",
+            to = o.to
         )
+    } else {
+        format!(
+            "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and the \
+             CUDA sink (load_to_sink with sink::CudaSink)",
+            to = o.to
+        )
+    };
+    Err(Error::new(
+        ErrorKind::InvalidInput,
+        "load",
+        path,
+        format!("{why}, or run `dmaload load --to {}`", o.to),
+    ))
+}
+
+/// The memory kind a load of `len` bytes into a host [`crate::Buffer`]
+/// allocates, and why: the one the destination names, or `auto`'s choice
+/// (the facts come from the caller, who allocates against the same ones).
+pub(crate) fn host_memory(
+    path: &Path,
+    o: &LoadOptions,
+    len: u64,
+    facts: &crate::memory::MemoryFacts,
+) -> Result<crate::memory::MemoryChoice> {
+    check_host(path, o)?;
+    Ok(match o.to.host_memory() {
+        Some(kind) => crate::memory::MemoryChoice { kind, reason: format!("asked for ({kind})") },
+        None => facts.choose(len, o.needs_fd),
     })
 }
 
@@ -389,14 +446,27 @@ mod tests {
         }
         assert_eq!("dma-heap".parse::<Destination>(), Ok(Destination::DmaHeap("system".into())));
         assert_eq!(Engine::default().to_string(), "uring-fixed");
-        assert_eq!(LoadOptions::default().to, Destination::Memfd);
+        assert_eq!(LoadOptions::default().to, Destination::Auto);
+        assert_eq!("auto".parse::<Destination>(), Ok(Destination::Auto));
+        assert_eq!((Destination::Auto.host_memory(), Destination::Auto.is_host()), (None, true));
+        assert!(!Destination::Cuda(0).is_host());
     }
 
     #[test]
-    fn destination_forms_are_the_memory_kinds_then_dmabufs_then_cuda() {
+    fn destination_forms_are_auto_the_memory_kinds_the_dmabufs_then_cuda() {
         assert_eq!(
             Destination::forms(),
-            ["memfd", "anonymous-thp", "udmabuf", "dmabuf", "dma-heap:NAME", "cuda:N"]
+            [
+                "auto",
+                "memfd",
+                "memfd-huge",
+                "hugetlb",
+                "anonymous-thp",
+                "udmabuf",
+                "dmabuf",
+                "dma-heap:NAME",
+                "cuda:N"
+            ]
         );
         for form in Destination::forms() {
             let example = form.replace("NAME", "system").replace('N', "3");
@@ -429,20 +499,30 @@ mod tests {
             assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
         let err = "vram".parse::<Destination>().unwrap_err();
-        assert!(err.contains("memfd, anonymous-thp, udmabuf, dmabuf, dma-heap:NAME, cuda:N"), "{err}");
+        assert!(
+            err.contains(
+                "auto, memfd, memfd-huge, hugetlb, anonymous-thp, udmabuf, dmabuf, dma-heap:NAME, cuda:N"
+            ),
+            "{err}"
+        );
         assert!("warp".parse::<Engine>().unwrap_err().contains("uring-fixed, uring, pread-pool, read"));
         assert!("fast".parse::<IoMode>().unwrap_err().contains("auto, direct, buffered, dontcache"));
-        assert!("huge".parse::<MemoryKind>().unwrap_err().contains("memfd, anonymous-thp"));
+        assert!("huge"
+            .parse::<MemoryKind>()
+            .unwrap_err()
+            .contains("memfd, memfd-huge, hugetlb, anonymous-thp"));
     }
 
     #[test]
     fn destinations_serialize_as_their_names() {
         let json = serde_json::to_string(&[
+            Destination::Auto,
             Destination::Memfd,
+            Destination::Hugetlb,
             Destination::AnonymousThp,
             Destination::DmaHeap("system".into()),
             Destination::Cuda(2),
         ]);
-        assert_eq!(json.unwrap(), r#"["memfd","anonymous-thp","dma-heap:system","cuda:2"]"#);
+        assert_eq!(json.unwrap(), r#"["auto","memfd","hugetlb","anonymous-thp","dma-heap:system","cuda:2"]"#);
     }
 }

@@ -183,9 +183,20 @@ pub(crate) fn fill(
     len: u64,
     options: &LoadOptions,
     memory: MemoryKind,
+    facts: &crate::memory::MemoryFacts,
 ) -> Result<Filled> {
-    let mut alloc =
-        Allocation::new(memory, plan.mapping_len).map_err(|e| Error::io("allocate memory", path, e))?;
+    let mut alloc = Allocation::with_facts(memory, plan.mapping_len, facts).map_err(|e| {
+        // A kind this machine cannot give is the options' error (EINVAL);
+        // a hugetlb pool that ran short, the memory's (ENOMEM).
+        let op = "allocate memory";
+        match e.kind() {
+            std::io::ErrorKind::Unsupported => Error::new(ErrorKind::InvalidInput, op, path, e.to_string()),
+            std::io::ErrorKind::OutOfMemory if e.raw_os_error().is_none() => {
+                Error::new(ErrorKind::OutOfMemory, op, path, e.to_string())
+            }
+            _ => Error::io(op, path, e),
+        }
+    })?;
     let started = Instant::now();
     let (run, times) = fill_mapping(path, setup, plan, len, options, alloc.mapping.writer())?;
     Ok(Filled { alloc, run, times, engine_wall: started.elapsed() })

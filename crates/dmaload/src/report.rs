@@ -25,11 +25,16 @@ pub struct LoadReport {
     /// The memory kind of a host buffer (of a staged load, the kind its
     /// options name, though it allocates no buffer).
     pub memory: MemoryKind,
-    /// Whether the kernel's THP policy let the memory use 2 MiB pages (see
-    /// [`crate::system::huge_pages_allowed`]).
+    /// Why the load has this memory: "asked for" an explicit kind, or why
+    /// `auto` chose it (the THP policies, the hugetlb pool, recorded probe
+    /// figures).
+    pub memory_reason: String,
+    /// Whether the kernel's policy gives the memory 2 MiB pages (see
+    /// [`crate::memory::MemoryFacts::huge_pages`]).
     pub huge_pages: bool,
     /// Where the bytes went: the [`crate::Destination`] of a host buffer
-    /// (`memfd`, `anonymous-thp`), or the staging ring a sink was fed from.
+    /// (the memory kind's name: `memfd`, `memfd-huge`, `hugetlb`,
+    /// `anonymous-thp`), or the staging ring a sink was fed from.
     pub destination: String,
     /// The filesystem the file is on ("ext4", "tmpfs", ...), or
     /// "block-device".

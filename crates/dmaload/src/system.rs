@@ -9,6 +9,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::heap::MemoryKind;
+use crate::memory::{MemoryChoice, MemoryFacts, MemoryProbe};
 use crate::sys;
 
 /// Bytes this process can allocate without swapping or meeting its memory
@@ -36,6 +37,19 @@ pub fn memory_budget() -> io::Result<MemoryBudget> {
         Some(cgroup) if cgroup.available < system.available => cgroup,
         _ => system,
     })
+}
+
+/// [`memory_budget`] for a load that needs `needed` bytes: when that is
+/// more than is available and buffers dropped a moment ago are still being
+/// unmapped in the background, waits for them first, so memory a caller
+/// has just freed counts as free.
+pub fn memory_budget_for(needed: u64) -> io::Result<MemoryBudget> {
+    let budget = memory_budget()?;
+    if needed <= budget.available || sys::mem::unmap_pending() == 0 {
+        return Ok(budget);
+    }
+    sys::mem::wait_for_unmaps();
+    memory_budget()
 }
 
 /// The memory this process's cgroup (v2 `memory.max`, or v1
@@ -124,30 +138,20 @@ fn meminfo_field(meminfo: &str, name: &str) -> Option<u64> {
     Some(kib * 1024)
 }
 
-const THP_ANONYMOUS: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
-const THP_SHMEM: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+pub(crate) const THP_ANONYMOUS: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+pub(crate) const THP_SHMEM: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
 
-/// Whether the kernel's THP policy lets `kind` memory get 2 MiB pages when
-/// dmaload asks for them (`MADV_HUGEPAGE`). Warm huge pages cost a third of
-/// the CPU of 4 KiB pages to populate; see docs/benchmarks.md for a VM where
-/// cold ones cost far more.
+/// Whether `kind` memory gets 2 MiB pages here (the kernel's THP policies;
+/// hugetlb pages always are huge). Warm huge pages cost a third of the CPU
+/// of 4 KiB pages to populate; see docs/benchmarks.md for a VM where cold
+/// ones cost far more.
 pub fn huge_pages_allowed(kind: MemoryKind) -> bool {
-    match kind {
-        MemoryKind::AnonymousThp => {
-            matches!(bracketed_choice(THP_ANONYMOUS).as_deref(), Some("always" | "madvise"))
-        }
-        MemoryKind::Memfd => {
-            matches!(
-                bracketed_choice(THP_SHMEM).as_deref(),
-                Some("always" | "within_size" | "advise" | "force")
-            )
-        }
-    }
+    MemoryFacts::read().huge_pages(kind)
 }
 
 /// The selected value of a THP setting file such as
 /// /sys/kernel/mm/transparent_hugepage/enabled ("always [madvise] never").
-fn bracketed_choice(path: &str) -> Option<String> {
+pub(crate) fn bracketed_choice(path: &str) -> Option<String> {
     let text = fs::read_to_string(path).ok()?;
     let start = text.find('[')? + 1;
     let end = text[start..].find(']')? + start;
@@ -212,6 +216,20 @@ pub struct SystemInfo {
     pub memlock_exempt: bool,
     pub thp_anonymous: Option<String>,
     pub thp_shmem: Option<String>,
+    /// The default huge page size and the hugetlb pool's unreserved free
+    /// pages.
+    pub hugetlb_page_size: u64,
+    pub hugetlb_free_pages: u64,
+    /// What `to: auto` gives a 1 GiB load that needs an fd (the default),
+    /// and one that does not (`needs_fd: false`, a CLI load).
+    pub auto_shareable: MemoryChoice,
+    pub auto_private: MemoryChoice,
+    /// The sysfs line an administrator could run so memfds get huge pages;
+    /// `None` where they already do.
+    pub huge_pages_hint: Option<&'static str>,
+    /// Where `dmaload info --probe-memory` keeps its figures, and them.
+    pub memory_probe_path: Option<String>,
+    pub memory_probe: Option<MemoryProbe>,
     pub memory_available: Option<u64>,
     pub dma_heaps: Vec<String>,
     pub udmabuf: bool,
@@ -310,6 +328,8 @@ pub fn info(path: Option<&Path>) -> io::Result<SystemInfo> {
     let udmabuf_size_limit_mb = fs::read_to_string("/sys/module/udmabuf/parameters/size_limit_mb")
         .ok()
         .and_then(|s| s.trim().parse().ok());
+    let facts = MemoryFacts::read();
+    const GIB: u64 = 1 << 30;
     Ok(SystemInfo {
         kernel: sys::process::kernel_release()?,
         io_uring: sys::uring::probe().map_err(|e| e.to_string()),
@@ -317,6 +337,13 @@ pub fn info(path: Option<&Path>) -> io::Result<SystemInfo> {
         memlock_exempt: memlock_exempt(),
         thp_anonymous: bracketed_choice(THP_ANONYMOUS),
         thp_shmem: bracketed_choice(THP_SHMEM),
+        hugetlb_page_size: facts.hugetlb_page_size,
+        hugetlb_free_pages: facts.hugetlb_free_pages,
+        auto_shareable: facts.choose(GIB, true),
+        auto_private: facts.choose(GIB, false),
+        huge_pages_hint: facts.huge_pages_hint(),
+        memory_probe_path: crate::memory::probe_path().map(|p| p.display().to_string()),
+        memory_probe: facts.probe.clone(),
         memory_available: memory_available().ok(),
         dma_heaps,
         udmabuf: Path::new("/dev/udmabuf").exists(),

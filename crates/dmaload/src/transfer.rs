@@ -174,13 +174,15 @@ impl TransferBuffer {
         let size = len.div_ceil(page).max(1) * page;
         let memfd_path = Path::new("memfd");
         let memfd = || -> Result<OwnedFd> {
-            let fd = sys::mem::memfd_create(c"dmaload-transfer")
+            let fd = sys::mem::memfd_create(c"dmaload-transfer", sys::mem::MemfdPages::Shmem)
                 .map_err(|e| Error::io("memfd_create", memfd_path, e))?;
             sys::mem::set_len(fd.as_fd(), size as u64).map_err(|e| Error::io("ftruncate", memfd_path, e))?;
             Ok(fd)
         };
-        let map_memfd =
-            |fd: &OwnedFd| Mapping::memfd(fd.as_fd(), size).map_err(|e| Error::io("mmap", memfd_path, e));
+        let map_memfd = |fd: &OwnedFd| {
+            Mapping::memfd(fd.as_fd(), size, sys::mem::HugePageAdvice::Huge)
+                .map_err(|e| Error::io("mmap", memfd_path, e))
+        };
         let map_dmabuf = |fd: &OwnedFd, path: &str| {
             Mapping::shared(fd.as_fd(), size).map_err(|e| Error::io("mmap", Path::new(path), e))
         };

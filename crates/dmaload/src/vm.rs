@@ -67,7 +67,7 @@ fn invalid(op: &'static str, what: &str, message: String) -> Error {
 /// when first written, so a huge table can be built and bound over it at
 /// no memory cost (the bind benchmark does).
 pub fn sparse_memfd(len: u64) -> Result<File> {
-    let fd = crate::sys::mem::memfd_create(c"dmaload-vm")
+    let fd = crate::sys::mem::memfd_create(c"dmaload-vm", crate::sys::mem::MemfdPages::Shmem)
         .map_err(|e| Error::io("memfd_create", Path::new(TABLE), e))?;
     crate::sys::mem::set_len(fd.as_fd(), len).map_err(|e| Error::io("ftruncate", Path::new(TABLE), e))?;
     Ok(File::from(fd))

@@ -19,7 +19,9 @@ fn options(engine: Engine) -> LoadOptions {
 /// Reads the THP policy files directly, independently of the library.
 fn thp_policy_allows_huge_pages(memory: MemoryKind) -> bool {
     let (file, allowing): (&str, &[&str]) = match memory {
-        MemoryKind::Memfd => ("shmem_enabled", &["always", "within_size", "advise", "force"]),
+        MemoryKind::Memfd => return false,
+        MemoryKind::Hugetlb => return true,
+        MemoryKind::MemfdHuge => ("shmem_enabled", &["always", "within_size", "advise", "force"]),
         MemoryKind::AnonymousThp => ("enabled", &["always", "madvise"]),
     };
     let text =

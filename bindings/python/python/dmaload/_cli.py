@@ -64,6 +64,7 @@ def _load_text(r: LoadReport) -> str:
     lines = [
         f"loaded   {r.bytes} bytes ({_gib(r.bytes)}) of {r.path} from offset {r.offset}",
         f"engine   {r.engine}, cache {r.cache}, memory {r.memory}, filesystem {r.filesystem}",
+        f"memory   {r.memory}: {r.memory_reason}",
         f"time     {r.total_seconds:.3f} s ({r.gib_per_second:.2f} GiB/s): alloc {r.alloc_seconds:.3f} s, "
         f"I/O {r.io_seconds:.3f} s, waited for memory {r.waited_for_memory_seconds:.3f} s",
         f"cpu      user {r.cpu_user_seconds:.3f} s, system {r.cpu_system_seconds:.3f} s",

@@ -12,8 +12,8 @@ from typing import Any, Literal, TypeAlias, TypedDict, Union
 
 Engine: TypeAlias = Literal["uring-fixed", "uring", "pread-pool", "read"]
 Mode: TypeAlias = Literal["auto", "direct", "buffered", "dontcache"]
-Destination: TypeAlias = Literal["memfd", "anonymous-thp"]
-"""Where a host load's bytes go (``to=``): the host memory kinds."""
+Destination: TypeAlias = Literal["auto", "memfd", "memfd-huge", "hugetlb", "anonymous-thp"]
+"""Where a host load's bytes go (``to=``): ``auto`` or a host memory kind."""
 DMABUF_DESTINATIONS = ("udmabuf", "dmabuf", "dma-heap:NAME")
 """The dma-buf forms ``to`` takes in the core, ``NAME`` a heap in
 ``/dev/dma_heap``: ``dmaload.load_dmabuf`` loads them (a :class:`dmaload.DmaBuf`
@@ -34,9 +34,16 @@ class LoadOptions(TypedDict, total=False):
     mode: ``"auto"`` (direct I/O, else buffered without page-cache residue;
         the default), ``"direct"`` (or an error), ``"buffered"`` or
         ``"dontcache"``.
-    to: where the bytes go: ``"memfd"`` (shareable by fd, the default) or
-        ``"anonymous-thp"``. (The safetensors loaders choose a device with
-        ``device=`` instead; ``to`` picks the host memory of a cpu load.)
+    to: where the bytes go: ``"auto"`` (the default: the cheapest memory
+        this kernel gives, huge pages where it allows; a memfd for
+        ``dmaload.load``, possibly anonymous memory for the safetensors
+        loaders; ``report.memory_reason`` says why), ``"memfd"`` (4 KiB
+        pages, shareable by fd), ``"memfd-huge"`` (a memfd with 2 MiB pages,
+        where shmem_enabled allows), ``"hugetlb"`` (a memfd from the hugetlb
+        pool) or ``"anonymous-thp"`` (no fd). A kind the kernel cannot give
+        is an ``OSError`` saying why. (The safetensors loaders choose a
+        device with ``device=`` instead; ``to`` picks the host memory of a
+        cpu load.)
     gather_size, chunk_size: bytes (an int, or a string such as ``"128M"``;
         default 128 MiB and 4 MiB).
     queue_depth: requests in flight (io_uring engines; default 32).

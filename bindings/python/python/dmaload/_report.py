@@ -43,6 +43,7 @@ class LoadReport:
     engine: str = ""
     cache: str = ""
     memory: str = ""
+    memory_reason: str = ""
     huge_pages: bool = False
     destination: str = ""
     filesystem: str = ""

@@ -246,14 +246,14 @@ impl BlockQueue {
     ) -> io::Result<BlockQueue> {
         options.validate()?;
         let data_len = options.block_size * options.blocks;
-        let control_fd = mem::memfd_create(c"dmaload-queue-control")?;
+        let control_fd = mem::memfd_create(c"dmaload-queue-control", mem::MemfdPages::Shmem)?;
         mem::set_len(control_fd.as_fd(), control_len(options.blocks) as u64)?;
         mem::add_seals(control_fd.as_fd(), Seals::SHRINK | Seals::GROW)?;
         let control = PeerMapping::new(control_fd.as_fd(), control_len(options.blocks), false)?;
         control.word(W_MAGIC).store(MAGIC, Release);
         let (data_fd, dmabuf) = match options.memory {
             QueueMemory::Memfd => {
-                let fd = mem::memfd_create(c"dmaload-queue-blocks")?;
+                let fd = mem::memfd_create(c"dmaload-queue-blocks", mem::MemfdPages::Shmem)?;
                 mem::set_len(fd.as_fd(), data_len as u64)?;
                 mem::add_seals(fd.as_fd(), Seals::SHRINK | Seals::GROW)?;
                 (fd, None)
@@ -263,7 +263,7 @@ impl BlockQueue {
                 (fd.try_clone()?, Some(fd))
             }
             QueueMemory::Udmabuf => {
-                let memfd = mem::memfd_create(c"dmaload-queue-blocks")?;
+                let memfd = mem::memfd_create(c"dmaload-queue-blocks", mem::MemfdPages::Shmem)?;
                 mem::set_len(memfd.as_fd(), data_len as u64)?;
                 mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)?;
                 let fd = crate::heap::udmabuf_export(&[(memfd.as_fd(), 0, data_len as u64)])?.into_fd();

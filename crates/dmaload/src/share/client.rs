@@ -71,6 +71,7 @@ pub fn handoff_report(
         memory: crate::heap::MemoryKind::Memfd,
         huge_pages: false,
         destination,
+        memory_reason: "a sealed memfd handed over by another process".into(),
         filesystem: "unknown",
         alignment: 1,
         chunk_size: options.chunk_size,

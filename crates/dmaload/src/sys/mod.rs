@@ -6,8 +6,9 @@
 //! raw syscalls behind safe signatures. The invariants this perimeter keeps:
 //!
 //! * A [`mem::Mapping`] owns its pages for its whole life and unmaps them on
-//!   drop. Rust references to its bytes exist only through `&Mapping` or
-//!   `&mut Mapping` (slices).
+//!   drop (or, 64 MiB and more, hands the region to the unmapping thread,
+//!   which nothing else can reach it through any more). Rust references to
+//!   its bytes exist only through `&Mapping` or `&mut Mapping` (slices).
 //! * The kernel writes into a mapping only through a [`mem::MappingWriter`],
 //!   which mutably borrows the mapping. While a writer (or anything holding
 //!   one, such as a [`uring::Ring`]) lives, no slice of the mapping can exist,
