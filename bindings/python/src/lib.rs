@@ -582,6 +582,21 @@ impl Progress {
     fn take_error(&self) -> Option<PyErr> {
         self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
+
+    /// The callback's exception, if it raised one: it outranks the load's
+    /// own outcome (the cancellation it caused).
+    fn raised(relay: Option<&Arc<Progress>>) -> PyResult<()> {
+        relay.and_then(|relay| relay.take_error()).map_or(Ok(()), Err)
+    }
+
+    /// After a successful load: one last call with the final figures, and
+    /// its exception if it raised one.
+    fn finish(relay: Option<&Arc<Progress>>) -> PyResult<()> {
+        if let Some(relay) = relay {
+            relay.maybe_call(true);
+        }
+        Progress::raised(relay)
+    }
 }
 
 /// How often a thread waiting for a load looks for a pending signal
@@ -751,18 +766,9 @@ fn load(
             (offset, None) => dmaload::load_from(&path, offset.unwrap_or(0), &options),
             (offset, Some(length)) => dmaload::load_range(&path, offset.unwrap_or(0), length, &options),
         })?;
-        if let Some(relay) = &relay {
-            if let Some(err) = relay.take_error() {
-                return Err(err);
-            }
-        }
+        Progress::raised(relay.as_ref())?;
         let (buffer, report) = result.map_err(|e| os_error(&e))?;
-        if let Some(relay) = &relay {
-            relay.maybe_call(true);
-            if let Some(err) = relay.take_error() {
-                return Err(err);
-            }
-        }
+        Progress::finish(relay.as_ref())?;
         Ok(Buffer::new(buffer, report))
     })
 }
@@ -814,16 +820,9 @@ fn load_into<'py>(
         });
         let dst = staged::writable_bytes(&mut export);
         let result = run_cancellable(py, &cancel, || dmaload::load_into(&path, offset, dst, &options))?;
-        if let Some(err) = relay.as_ref().and_then(|relay| relay.take_error()) {
-            return Err(err);
-        }
+        Progress::raised(relay.as_ref())?;
         let report = result.map_err(|e| os_error(&e))?;
-        if let Some(relay) = &relay {
-            relay.maybe_call(true);
-            if let Some(err) = relay.take_error() {
-                return Err(err);
-            }
-        }
+        Progress::finish(relay.as_ref())?;
         report_object(py, &report)
     })
 }
@@ -988,20 +987,13 @@ fn load_safetensors(
         let loaded =
             run_cancellable(py, &cancel, || dmaload::load_many_safetensors(&paths, &options, concurrency))?;
         options.progress = None;
-        if let Some(err) = relay.as_ref().and_then(|relay| relay.take_error()) {
-            return Err(err);
-        }
+        Progress::raised(relay.as_ref())?;
         let out = loaded
             .map_err(|err| format_error(&err))?
             .into_iter()
             .map(|loaded| Ok((Buffer::new(loaded.buffer, loaded.report), header_object(py, loaded.header)?)))
             .collect::<PyResult<Vec<_>>>()?;
-        if let Some(relay) = &relay {
-            relay.maybe_call(true);
-            if let Some(err) = relay.take_error() {
-                return Err(err);
-            }
-        }
+        Progress::finish(relay.as_ref())?;
         Ok(out)
     })
 }

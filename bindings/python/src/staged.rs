@@ -247,15 +247,8 @@ pub fn _load_staged(
         }
         Ok(reports)
     })?;
-    if let Some(err) = relay.as_ref().and_then(|r| r.take_error()) {
-        return Err(err);
-    }
+    Progress::raised(relay.as_ref())?;
     let reports = outcome?;
-    if let Some(relay) = &relay {
-        relay.maybe_call(true);
-        if let Some(err) = relay.take_error() {
-            return Err(err);
-        }
-    }
+    Progress::finish(relay.as_ref())?;
     guard(|| reports.iter().map(|r| report_object(py, r).map(Bound::unbind)).collect())
 }
