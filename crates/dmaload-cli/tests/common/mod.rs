@@ -91,3 +91,36 @@ pub fn as_nobody_with(test: &str, limits: &[&str]) -> Option<Command> {
         .arg(env!("CARGO_BIN_EXE_dmaload"));
     Some(cmd)
 }
+
+/// `dmaload` run under RLIMIT_MEMLOCK `limit` bytes and without
+/// CAP_IPC_LOCK (which exempts root from it); `None`, after printing why the
+/// test skips, where that cannot be arranged: no prlimit/setpriv, or a hard
+/// limit below `limit` that this process may not raise (no CAP_SYS_RESOURCE).
+pub fn under_memlock(test: &str, limit: u64) -> Option<Command> {
+    if !have("prlimit") || (is_root() && !have("setpriv")) {
+        skip(test, "prlimit/setpriv (util-linux) not installed");
+        return None;
+    }
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
+    let hard = limits
+        .lines()
+        .find(|l| l.starts_with("Max locked memory"))
+        .and_then(|l| l.split_whitespace().nth(4).map(|hard| hard.parse::<u64>().unwrap_or(u64::MAX)));
+    const CAP_SYS_RESOURCE: u32 = 24;
+    let may_raise = std::fs::read_to_string("/proc/self/status").unwrap().lines().any(|l| {
+        l.strip_prefix("CapEff:")
+            .and_then(|caps| u64::from_str_radix(caps.trim(), 16).ok())
+            .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
+    });
+    if hard.is_some_and(|hard| hard < limit) && !may_raise {
+        skip(test, &format!("RLIMIT_MEMLOCK's hard limit is below {limit} bytes and may not be raised"));
+        return None;
+    }
+    let mut cmd = Command::new("prlimit");
+    cmd.arg(format!("--memlock={limit}:{limit}"));
+    if is_root() {
+        cmd.args(["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "--"]);
+    }
+    cmd.arg(env!("CARGO_BIN_EXE_dmaload"));
+    Some(cmd)
+}
