@@ -129,7 +129,7 @@ const SLOT_RETIRED: u8 = 2;
 /// Units (gathers, windows) registered at most this far ahead of the one the
 /// engine has reached, so pinned memory (RLIMIT_MEMLOCK) stays at a few
 /// units whatever the size of the file.
-pub(crate) const REGISTER_AHEAD: usize = 2;
+const REGISTER_AHEAD: usize = 2;
 
 struct GateState {
     ready: usize,
