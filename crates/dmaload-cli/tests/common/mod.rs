@@ -101,18 +101,13 @@ pub fn under_memlock(test: &str, limit: u64) -> Option<Command> {
         skip(test, "prlimit/setpriv (util-linux) not installed");
         return None;
     }
-    let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
-    let hard = limits
-        .lines()
-        .find(|l| l.starts_with("Max locked memory"))
-        .and_then(|l| l.split_whitespace().nth(4).map(|hard| hard.parse::<u64>().unwrap_or(u64::MAX)));
     const CAP_SYS_RESOURCE: u32 = 24;
     let may_raise = std::fs::read_to_string("/proc/self/status").unwrap().lines().any(|l| {
         l.strip_prefix("CapEff:")
             .and_then(|caps| u64::from_str_radix(caps.trim(), 16).ok())
             .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
     });
-    if hard.is_some_and(|hard| hard < limit) && !may_raise {
+    if memlock_hard_limit() < limit && !may_raise {
         skip(test, &format!("RLIMIT_MEMLOCK's hard limit is below {limit} bytes and may not be raised"));
         return None;
     }
@@ -123,4 +118,12 @@ pub fn under_memlock(test: &str, limit: u64) -> Option<Command> {
     }
     cmd.arg(env!("CARGO_BIN_EXE_dmaload"));
     Some(cmd)
+}
+
+/// This process's hard RLIMIT_MEMLOCK in bytes (`u64::MAX`: unlimited),
+/// which a process without CAP_SYS_RESOURCE may lower but not raise.
+pub fn memlock_hard_limit() -> u64 {
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max locked memory")).unwrap();
+    line.split_whitespace().nth(4).unwrap().parse().unwrap_or(u64::MAX)
 }
