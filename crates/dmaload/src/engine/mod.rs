@@ -614,3 +614,48 @@ pub(crate) fn uring_unavailable_reason(err: &io::Error) -> String {
         format!("io_uring is unavailable ({err}): old kernel, kernel.io_uring_disabled, or a seccomp filter")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::mem::MappingWriter;
+    use crate::sys::uring::Ring;
+
+    #[test]
+    fn units_are_registered_only_near_the_engine_and_unregistered_exactly_once() {
+        const UNIT: usize = 4096;
+        let mut memory = vec![0u8; 8 * UNIT + UNIT];
+        let start = (memory.as_ptr() as usize).next_multiple_of(UNIT) - memory.as_ptr() as usize;
+        let mem = MappingWriter::over(&mut memory[start..start + 8 * UNIT]);
+        let mut ring = match Ring::new(4, mem) {
+            Ok(ring) => ring,
+            Err(err) => return eprintln!("SKIP units_are_registered_only_near_the_engine: io_uring: {err}"),
+        };
+        if let Err(err) = ring.register_slots(8) {
+            return eprintln!("SKIP units_are_registered_only_near_the_engine: sparse table: {err}");
+        }
+        let registrar = ring.registrar().unwrap();
+        let gate = Gate::new(CancelToken::new(), 8);
+        let range_of = |u: usize| u * UNIT..(u + 1) * UNIT;
+        let mut ahead = RegisterAhead::new(&gate, &registrar, 8, &range_of);
+        let registered = || (0..8).filter(|&u| gate.is_registered(u)).collect::<Vec<_>>();
+
+        ahead.register_due(8);
+        assert_eq!(registered(), [0, 1, 2], "two ahead of unit 0");
+        gate.reach(1);
+        ahead.register_due(3);
+        assert_eq!(registered(), [0, 1, 2], "not past the units ready so far");
+        // Unit 3 finished before its turn came: it is never pinned.
+        assert!(!gate.retire(3));
+        gate.reach(2);
+        ahead.register_due(8);
+        assert_eq!(registered(), [0, 1, 2, 4], "a retired unit is skipped");
+        assert!(gate.retire(0), "the engine unregisters a unit that held a buffer");
+        assert!(!gate.retire(0), "and only once");
+        assert!(!gate.mark_registered(0), "a registration racing a retirement is undone by its thread");
+        gate.reach(5);
+        ahead.register_rest();
+        assert_eq!(registered(), [1, 2, 4, 5, 6, 7]);
+        assert!(gate.registration_refused().is_none());
+    }
+}
