@@ -162,8 +162,10 @@ impl Mapping {
         self.len
     }
 
-    /// Unmaps the memory now, on this thread, leaving an empty mapping: to
-    /// time the unmapping a drop would hand to the background thread.
+    /// Unmaps the memory now, on this thread, leaving an empty mapping:
+    /// where the unmapping must be over before going on (the pages are
+    /// about to be sealed and shared), or to time what a drop would hand
+    /// to the background thread.
     pub fn unmap_now(&mut self) {
         unmap(Unmap { addr: self.ptr.as_ptr() as usize, len: self.len });
         self.ptr = NonNull::dangling();
