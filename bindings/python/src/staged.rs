@@ -11,6 +11,7 @@ use dmaload::{OpenFile, StagingRing};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::{
     detached, format_error, guard, header_object, os_error, report_object, run_cancellable, Opts, Progress,
@@ -143,40 +144,33 @@ fn host_target(buffer: &mut PyBuffer<u8>) -> Target<'_> {
 }
 
 /// Loads the data sections of `files` (one after another, through one
-/// staging ring of `slots` × `slot_size` bytes) into `targets`: device
+/// staging ring of `staging_slots` × `staging_slot_size` bytes, from
+/// `options`) into `targets`: device
 /// pointers (ints) on CUDA device `device`, or, when `device` is -1,
 /// writable buffer-protocol objects in host memory. Each destination holds
 /// `file.data_len` bytes. Returns the reports.
 #[pyfunction]
-#[pyo3(signature = (files, targets, device, *, slots=None, slot_size=None, engine=None, mode=None,
-                    chunk_size=None, queue_depth=None, threads=None, measure_page_cache=None,
-                    progress=None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (files, targets, device, *, options=None, progress=None))]
 pub fn _load_staged(
     py: Python<'_>,
     files: Vec<Py<SafetensorsFile>>,
     targets: Vec<Bound<'_, PyAny>>,
     device: i64,
-    slots: Option<usize>,
-    slot_size: Option<usize>,
-    engine: Option<String>,
-    mode: Option<String>,
-    chunk_size: Option<usize>,
-    queue_depth: Option<usize>,
-    threads: Option<usize>,
-    measure_page_cache: Option<bool>,
+    options: Option<Bound<'_, PyDict>>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Vec<Py<PyAny>>> {
     if files.len() != targets.len() {
         return Err(PyValueError::new_err("one destination per file is needed"));
     }
-    let slots = slots.unwrap_or(DEFAULT_SLOTS);
-    let slot_size = slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
-    let opts = Opts { engine, mode, chunk_size, queue_depth, threads, measure_page_cache, ..Opts::default() };
+    // The host memory's options do not apply: the ring is the memory.
+    let opts =
+        Opts { to: None, gather_size: None, populate_threads: None, ..Opts::from_dict(options.as_ref())? };
+    let slots = opts.staging_slots.unwrap_or(DEFAULT_SLOTS);
+    let slot_size = opts.staging_slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
     let mut options = opts.to_options()?;
     // One read per slot and every slot in flight, unless asked otherwise.
-    options.chunk_size = chunk_size.unwrap_or(slot_size);
-    options.queue_depth = queue_depth.unwrap_or(slots);
+    options.chunk_size = opts.chunk_size.unwrap_or(slot_size);
+    options.queue_depth = opts.queue_depth.unwrap_or(slots);
     let files: Vec<&SafetensorsFile> = files.iter().map(|f| f.get()).collect();
     let lens = files
         .iter()

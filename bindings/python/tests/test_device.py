@@ -146,7 +146,9 @@ def test_truncated_file_raises_and_returns_nothing(model: tuple[Path, dict[str, 
     with open(cut, "r+b") as f:
         f.truncate(len(data) - 100_000)  # after the header was read: mid-stream
     with pytest.raises(OSError) as info:
-        dmaload._dmaload._load_staged([file], [base.numpy()], -1, slots=2, slot_size=65536, chunk_size=16384)
+        dmaload._dmaload._load_staged(
+            [file], [base.numpy()], -1, options={"staging_slots": 2, "staging_slot_size": 65536, "chunk_size": 16384}
+        )
     assert str(cut) in str(info.value) and "offset" in str(info.value)
     # A header that promises more than the file holds is refused before reading.
     with pytest.raises(dmaload.SafetensorError):

@@ -14,6 +14,11 @@ class _HasFileno(Protocol):
 # A connected AF_UNIX SOCK_SEQPACKET socket, or its file descriptor.
 _SocketLike: TypeAlias = _HasFileno | int
 
+# The load options of every entry point as one dict, built by
+# ``dmaload._options.native_options``: the names of ``LoadOptions``, sizes in
+# bytes; an unknown name or a wrong type is a TypeError naming it.
+_Options: TypeAlias = dict[str, str | int | bool | None]
+
 __all__ = [
     "BlockQueue",
     "Buffer",
@@ -104,15 +109,7 @@ def load(
     offset: int | None = None,
     length: int | None = None,
     *,
-    engine: str | None = None,
-    mode: str | None = None,
-    to: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> Buffer: ...
 def load_into(
@@ -120,44 +117,21 @@ def load_into(
     target: Buffer | bytearray | memoryview | Any,
     offset: int = 0,
     *,
-    engine: str | None = None,
-    mode: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> LoadReport: ...
 def load_cached(
     path: str | os.PathLike[str],
     socket: str | os.PathLike[str],
     *,
-    engine: str | None = None,
-    mode: str | None = None,
-    to: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
 ) -> tuple[Buffer, str | None, str | None]: ...
 def default_cache_socket() -> str: ...
 def load_safetensors(
     paths: list[str] | list[os.PathLike[str]],
     *,
     concurrency: int = 4,
-    engine: str | None = None,
-    mode: str | None = None,
-    to: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[tuple[Buffer, Header]]: ...
 @final
@@ -178,14 +152,7 @@ def _load_staged(
     targets: list[Any],
     device: int,
     *,
-    slots: int | None = None,
-    slot_size: int | None = None,
-    engine: str | None = None,
-    mode: str | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[LoadReport]:
     """Loads each file's data section through a staging ring into ``targets``:
@@ -221,15 +188,7 @@ def load_dmabuf(
     offset: int | None = None,
     length: int | None = None,
     *,
-    to: str | None = None,
-    engine: str | None = None,
-    mode: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
 ) -> DmaBuf: ...
 def read_safetensors_header(path: str | os.PathLike[str]) -> Header: ...
 def parse_safetensors_header(data: bytes, file_len: int | None = None) -> Header: ...

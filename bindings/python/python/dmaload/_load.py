@@ -8,7 +8,7 @@ from typing import Any, Union, Unpack
 from . import _dmaload
 from ._cache import Cache, load_cached, socket_for
 from ._dmaload import Buffer, DmaBuf
-from ._options import DmabufLoadOptions, LoadOptions, native_kwargs
+from ._options import DmabufLoadOptions, LoadOptions, native_options
 from ._progress import Progress, resolve
 from ._report import LoadReport
 
@@ -39,10 +39,10 @@ def load(
     """
     socket = socket_for(cache)
     if socket is not None:
-        return load_cached(path, socket, native_kwargs(dict(options)))
+        return load_cached(path, socket, native_options(options))
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
     try:
-        return _dmaload.load(path, progress=callback, **native_kwargs(dict(options)))
+        return _dmaload.load(path, options=native_options(options), progress=callback)
     finally:
         finish()
 
@@ -62,7 +62,7 @@ def load_range(
         raise ValueError("offset and length must be non-negative")
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
     try:
-        return _dmaload.load(path, offset, length, progress=callback, **native_kwargs(dict(options)))
+        return _dmaload.load(path, offset, length, options=native_options(options), progress=callback)
     finally:
         finish()
 
@@ -90,14 +90,12 @@ def load_into(
     """
     if offset < 0:
         raise ValueError("offset must be non-negative")
-    if "to" in options:
-        raise TypeError("load_into() takes no 'to': the target is the destination")
-    native = native_kwargs(dict(options))
+    native = native_options(options)
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
     # Bytes of any element type: a C-contiguous view casts to unsigned bytes.
     try:
         with memoryview(target) as view, view.cast("B") as raw:
-            return _dmaload.load_into(path, raw, offset, progress=callback, **native)
+            return _dmaload.load_into(path, raw, offset, options=native, progress=callback)
     finally:
         finish()
 
@@ -123,4 +121,4 @@ def load_dmabuf(
     or a kernel without udmabuf is EINVAL naming the device's path."""
     if offset < 0 or (length is not None and length < 0):
         raise ValueError("offset and length must be non-negative")
-    return _dmaload.load_dmabuf(path, offset, length, to=to, **native_kwargs(dict(options)))
+    return _dmaload.load_dmabuf(path, offset, length, options={**native_options(options), "to": to})
