@@ -46,6 +46,9 @@ pub struct MemoryFacts {
     pub kernel: String,
     /// The figures `dmaload info --probe-memory` recorded, if any.
     pub probe: Option<MemoryProbe>,
+    /// Why recorded figures exist but could not be read (`auto` then goes
+    /// by rule, and says so).
+    pub probe_error: Option<String>,
 }
 
 /// The kind `auto` chose, and why, in words for a report.
@@ -61,6 +64,11 @@ impl MemoryFacts {
     pub fn read() -> MemoryFacts {
         let meminfo = fs::read_to_string("/proc/meminfo").unwrap_or_default();
         let count = |name: &str| meminfo_number(&meminfo, name).unwrap_or(0);
+        let recorded = probe_path().map(|path| MemoryProbe::load(&path)).transpose();
+        let (probe, probe_error) = match recorded {
+            Ok(probe) => (probe.flatten(), None),
+            Err(err) => (None, Some(err.to_string())),
+        };
         MemoryFacts {
             thp_anonymous: bracketed_choice(THP_ANONYMOUS),
             thp_shmem: bracketed_choice(THP_SHMEM),
@@ -70,7 +78,8 @@ impl MemoryFacts {
             free_page_reporting: crate::system::free_page_reporting().is_some(),
             file_size_limit: sys::process::file_size_limit().ok().flatten(),
             kernel: sys::process::kernel_release().unwrap_or_default(),
-            probe: probe_path().and_then(|path| MemoryProbe::load(&path).ok().flatten()),
+            probe,
+            probe_error,
         }
     }
 
@@ -141,7 +150,12 @@ impl MemoryFacts {
     /// hugetlb pool is never reported, so it stays.
     pub fn choose(&self, len: u64, needs_fd: bool) -> MemoryChoice {
         let usable = |kind: MemoryKind| (kind.has_fd() || !needs_fd) && self.can_give(kind, len).is_ok();
-        let mut stale = String::new();
+        let mut stale = match &self.probe_error {
+            Some(err) => format!(
+                " (recorded probe figures unreadable: {err}; `dmaload info --probe-memory` records them anew)"
+            ),
+            None => String::new(),
+        };
         if let Some(probe) = &self.probe {
             match probe.matches(self) {
                 Ok(()) => {
@@ -473,6 +487,7 @@ mod tests {
             file_size_limit: None,
             kernel: "6.18.0".into(),
             probe: None,
+            probe_error: None,
         }
     }
 
@@ -521,6 +536,17 @@ mod tests {
                 assert!(choice.reason.contains(SHMEM_HUGE_PAGES_HINT), "{}", choice.reason);
             }
         }
+    }
+
+    #[test]
+    fn unreadable_probe_figures_are_said_not_ignored() {
+        let f = MemoryFacts {
+            probe_error: Some("probe.json: expected value".into()),
+            ..facts("never", "never", 0)
+        };
+        let choice = f.choose(GIB, true);
+        assert_eq!(choice.kind, MemoryKind::Memfd);
+        assert!(choice.reason.contains("unreadable: probe.json: expected value"), "{}", choice.reason);
     }
 
     #[test]
