@@ -1054,6 +1054,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<staged::SafetensorsFile>()?;
     m.add_function(wrap_pyfunction!(staged::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(staged::_load_staged, m)?)?;
+    m.add_function(wrap_pyfunction!(staged::release_staging, m)?)?;
     m.add_function(wrap_pyfunction!(_option_choices, m)?)?;
     m.add_function(wrap_pyfunction!(_option_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(_test_panic, m)?)?;

@@ -35,6 +35,7 @@ __all__ = [
     "open_safetensors",
     "parse_safetensors_header",
     "read_safetensors_header",
+    "release_staging",
     "safetensors_dtypes",
     "__version__",
     "_load_staged",
@@ -160,6 +161,10 @@ def _load_staged(
     bytes of device memory alive and unused by anything else until the call
     returns; or, when ``device`` is -1, writable C-contiguous buffers
     (``tensor.numpy()``, ``bytearray``) of exactly ``file.data_len`` bytes."""
+
+def release_staging() -> int:
+    """Frees the staging rings kept for later device loads (one per device,
+    pinned); returns their bytes."""
 
 @final
 class DmaBuf:

@@ -155,6 +155,13 @@ impl StagingRing {
         self.slots
     }
 
+    /// Whether this ring is what [`StagingRing::new`] or
+    /// [`StagingRing::pinned`] would make of these arguments, so a ring
+    /// kept from an earlier load can serve a new one.
+    pub fn has_geometry(&self, slots: usize, slot_size: usize, chunk: usize) -> bool {
+        Self::size(slots, slot_size, chunk).is_ok_and(|(slot_len, _)| (slots, slot_len) == (self.slots, self.slot_len))
+    }
+
     /// Bytes per slot (whole chunks).
     pub fn slot_len(&self) -> usize {
         self.slot_len

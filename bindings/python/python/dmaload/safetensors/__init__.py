@@ -62,7 +62,24 @@ from .._progress import Progress, resolve
 from .._report import LoadReport
 from . import _device
 
-__all__ = ["Header", "SafeOpen", "SafetensorError", "TensorInfo", "load_file", "safe_open", "shard_paths"]
+__all__ = [
+    "Header",
+    "SafeOpen",
+    "SafetensorError",
+    "TensorInfo",
+    "load_file",
+    "release_staging",
+    "safe_open",
+    "shard_paths",
+]
+
+
+def release_staging() -> int:
+    """Frees the pinned staging rings that device loads (``device="cuda:N"``)
+    keep for the next load in this process, one per device, so that a model
+    loaded file by file pins its ring once; returns the bytes freed. Loads
+    after it pin a new ring."""
+    return _dmaload.release_staging()
 
 Framework: TypeAlias = Literal["np", "numpy", "pt", "torch"]
 StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
