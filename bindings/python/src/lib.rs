@@ -4,9 +4,11 @@
 //! module holds what must be native: the [`Buffer`] type with the buffer
 //! protocol, and loads that run with the GIL released.
 //!
-//! The only `unsafe` code is the buffer protocol (`__getbuffer__` and
-//! `__releasebuffer__`, which PyO3 requires to be `unsafe fn`) and the
-//! function that fills a `Py_buffer`, all in [`Buffer`]'s methods.
+//! `unsafe` code is allowed item by item, each with its SAFETY contract:
+//! the buffer protocol (`__getbuffer__` and `__releasebuffer__`, which PyO3
+//! requires to be `unsafe fn`, and the function that fills a `Py_buffer`),
+//! a caller's descriptor number borrowed for one call ([`FileArg`]), and in
+//! `staged.rs` the bytes of a buffer export and device pointers.
 #![deny(unsafe_code)]
 
 mod block_queue;
@@ -740,6 +742,38 @@ impl Opts {
     }
 }
 
+/// The file a load reads: a path, or a descriptor number the caller holds
+/// open (an int: `os.open`'s, or a file object's `fileno()`).
+#[derive(FromPyObject)]
+enum FileArg {
+    Fd(std::os::fd::RawFd),
+    Path(PathBuf),
+}
+
+impl FileArg {
+    /// Opens the file once; a descriptor is reopened through
+    /// `/proc/self/fd` (see [`dmaload::OpenFile::from_fd`]), never changed.
+    fn open(&self) -> Result<dmaload::OpenFile, dmaload::Error> {
+        match self {
+            FileArg::Path(path) => dmaload::OpenFile::open(path),
+            FileArg::Fd(fd) if *fd < 0 => Err(dmaload::Error::io(
+                "open",
+                std::path::Path::new(&format!("fd {fd}")),
+                std::io::Error::from_raw_os_error(libc::EBADF),
+            )),
+            // SAFETY: a descriptor number the Python caller passed as open,
+            // as `os.fstat(fd)` takes one; it is only borrowed within this
+            // call, to duplicate it and reopen its file, never closed. Another
+            // thread closing it meanwhile gives EBADF, or another file whose
+            // identity `from_fd` checks against the reopened one.
+            #[allow(unsafe_code)]
+            FileArg::Fd(fd) => {
+                dmaload::OpenFile::from_fd(unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) })
+            }
+        }
+    }
+}
+
 fn file_len(path: &std::path::Path) -> Result<u64, dmaload::Error> {
     std::fs::metadata(path).map(|m| m.len()).map_err(|e| dmaload::Error::io("stat", path, e))
 }
@@ -747,10 +781,10 @@ fn file_len(path: &std::path::Path) -> Result<u64, dmaload::Error> {
 /// Loads a file, or `length` bytes of it from `offset`, with the GIL
 /// released. See `dmaload.load` for the options.
 #[pyfunction]
-#[pyo3(signature = (path, offset=None, length=None, *, options=None, progress=None))]
+#[pyo3(signature = (file, offset=None, length=None, *, options=None, progress=None))]
 fn load(
     py: Python<'_>,
-    path: PathBuf,
+    file: FileArg,
     offset: Option<u64>,
     length: Option<u64>,
     options: Option<Bound<'_, PyDict>>,
@@ -760,25 +794,15 @@ fn load(
         let mut options = Opts::from_dict(options.as_ref())?.to_options()?;
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
-        let relay = match progress {
-            Some(callback) => {
-                let total = match length {
-                    Some(len) => len,
-                    None => detached(py, || file_len(&path))?
-                        .map_err(|e| os_error(&e))?
-                        .saturating_sub(offset.unwrap_or(0)),
-                };
-                let relay = Progress::new(callback, total, cancel.clone());
-                options.progress = Some(relay.for_load());
-                Some(relay)
-            }
-            None => None,
-        };
-        let result = run_cancellable(py, &cancel, || match (offset, length) {
-            (None, None) => dmaload::load(&path, &options),
-            (offset, None) => dmaload::load_from(&path, offset.unwrap_or(0), &options),
-            (offset, Some(length)) => dmaload::load_range(&path, offset.unwrap_or(0), length, &options),
-        })?;
+        let offset = offset.unwrap_or(0);
+        let file = detached(py, || file.open())?.map_err(|e| os_error(&e))?;
+        let relay = progress.map(|callback| {
+            let total = length.unwrap_or_else(|| file.len().saturating_sub(offset));
+            let relay = Progress::new(callback, total, cancel.clone());
+            options.progress = Some(relay.for_load());
+            relay
+        });
+        let result = run_cancellable(py, &cancel, || dmaload::load_open(&file, offset, length, &options))?;
         Progress::raised(relay.as_ref())?;
         let (buffer, report) = result.map_err(|e| os_error(&e))?;
         Progress::finish(relay.as_ref())?;

@@ -46,7 +46,8 @@ pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
 pub use into::{load_into, load_open_into};
 pub use load::{
-    load, load_fd, load_from, load_open_to_sink, load_range, load_to_sink, Destination, Fallback, IoMode,
+    load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to_sink, Destination, Fallback,
+    IoMode,
     LoadOptions, LoadReport,
 };
 pub use many::{load_many, load_many_safetensors};

@@ -106,7 +106,7 @@ class Buffer:
         """Raises TypeError: a Buffer cannot be pickled or copied."""
 
 def load(
-    path: str | os.PathLike[str],
+    file: str | os.PathLike[str] | int,
     offset: int | None = None,
     length: int | None = None,
     *,
