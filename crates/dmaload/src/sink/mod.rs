@@ -295,10 +295,11 @@ impl Sink for HostSink<'_> {
                     break;
                 }
             }
+            // Whatever the deliveries' outcome, a panic included: the threads
+            // stop, and the scope waits for them, before the memory is the
+            // caller's again.
+            let _stop = StopOnDrop(&ahead);
             deliveries(&mut sink);
-            // Whatever the deliveries' outcome: the threads stop, and the
-            // scope waits for them, before the memory is the caller's again.
-            ahead.stop();
             fallbacks
         })
     }
@@ -374,5 +375,14 @@ impl<'a> Ahead<'a> {
     fn stop(&self) {
         self.state.lock().unwrap_or_else(PoisonError::into_inner).stopped = true;
         self.moved.notify_all();
+    }
+}
+
+/// Stops the populating threads when dropped.
+struct StopOnDrop<'s, 'a>(&'s Ahead<'a>);
+
+impl Drop for StopOnDrop<'_, '_> {
+    fn drop(&mut self) {
+        self.0.stop();
     }
 }
