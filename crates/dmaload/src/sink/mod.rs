@@ -386,3 +386,19 @@ impl Drop for StopOnDrop<'_, '_> {
         self.0.stop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_in_the_deliveries_stops_the_populating_threads() {
+        // Past the window, so the threads would wait for a delivery forever.
+        let mut dst = vec![0u8; POPULATE_AHEAD + (16 << 20)];
+        let mut sink = HostSink::new(&mut dst, 0);
+        let fed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            sink.feed(2, &mut |_| panic!("a delivery panicked"))
+        }));
+        assert!(fed.is_err());
+    }
+}
