@@ -271,7 +271,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
     let mut ring = staging_ring()?;
     let staging = format!(
         "ring of {} slots x {} populated once before the runs; each run allocates a fresh {} memfd \
-         destination, populated slot by slot as the sink delivers (timed)",
+         destination, populated by the sink's threads ahead of its deliveries (timed)",
         ring.slots(),
         human_bytes(ring.slot_len() as u64),
         human_bytes(bytes),
@@ -453,9 +453,9 @@ fn print_table(t: &Table) {
 }
 
 /// One staged run: a fresh memfd destination of the file's size (the
-/// in-place default's memory kind), not populated: the `HostSink`
-/// populates each slot's part of it as it delivers, beside the reads, as
-/// the in-place load populates beside its reads. Timed from before the
+/// in-place default's memory kind), not populated: the `HostSink`'s
+/// threads populate it ahead of the deliveries, beside the reads, as the
+/// in-place load populates beside its reads. Timed from before the
 /// allocation to the last byte delivered, as an in-place load's report
 /// times its allocation and reads. With `hash`, also the xxh3 of the
 /// destination.
