@@ -281,6 +281,10 @@ impl Sink for HostSink<'_> {
         let ahead = Ahead::new(pages);
         let mut sink = HostSink { dst, first_offset: self.first_offset, ahead: Some(&ahead) };
         std::thread::scope(|scope| {
+            // Whatever the deliveries' outcome, a panic included: the threads
+            // stop, and the scope waits for them, before the memory is the
+            // caller's again.
+            let _stop = StopOnDrop(&ahead);
             let mut fallbacks = Vec::new();
             for started in 0..threads {
                 let spawned = std::thread::Builder::new()
@@ -295,10 +299,6 @@ impl Sink for HostSink<'_> {
                     break;
                 }
             }
-            // Whatever the deliveries' outcome, a panic included: the threads
-            // stop, and the scope waits for them, before the memory is the
-            // caller's again.
-            let _stop = StopOnDrop(&ahead);
             deliveries(&mut sink);
             fallbacks
         })
