@@ -32,6 +32,10 @@ pub enum BenchCommand {
         /// Skip fio even when it is installed.
         #[arg(long)]
         no_fio: bool,
+        /// Only the staged row and the in-place default it is held
+        /// against (no baseline, other engines or fio).
+        #[arg(long)]
+        staged_only: bool,
     },
     /// Seed 001's table: memory type × method × buffered/direct, both directions.
     Matrix(crate::bench_matrix::MatrixArgs),
@@ -98,6 +102,8 @@ struct Sample {
     /// Share of the buffer the kernel backed with huge pages
     /// (/proc/self/smaps, first round).
     huge_page_share: Option<f64>,
+    /// Time the delivery thread spent in the sink (staged loads).
+    deliver_seconds: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -115,7 +121,8 @@ struct Row {
     huge_page_share: Option<f64>,
     max_page_cache_residue: f64,
     ratio_to_fio_best: Option<f64>,
-    ratio_to_buffered: f64,
+    /// `None` without a baseline row (`--staged-only`).
+    ratio_to_buffered: Option<f64>,
     /// Median over the median of the default engine's in-place row.
     ratio_to_in_place_default: f64,
 }
@@ -140,8 +147,8 @@ struct Table {
 
 pub fn run(cmd: &BenchCommand) -> Result<(), String> {
     match cmd {
-        BenchCommand::Load { file, repeat, json, no_fio } => {
-            bench_load(file, (*repeat).max(1), *json, *no_fio)
+        BenchCommand::Load { file, repeat, json, no_fio, staged_only } => {
+            bench_load(file, (*repeat).max(1), *json, *no_fio, *staged_only)
         }
         BenchCommand::Matrix(args) => crate::bench_matrix::run(args),
         BenchCommand::Sizes(args) => crate::bench_sizes::run(args),
@@ -184,6 +191,18 @@ fn residue(report: &dmaload::LoadReport) -> Result<f64, String> {
         .ok_or_else(|| format!("{}: the load did not measure the page cache", report.path.display()))
 }
 
+/// The staged row and the in-place default row it is held against.
+fn staged_methods() -> Vec<Method> {
+    vec![Method::Dmaload { name: in_place_default(), options: measured() }, staged_method()]
+}
+
+fn staged_method() -> Method {
+    Method::Staged {
+        name: format!("dmaload {} staging ring → host buffer", Engine::default().name()),
+        options: measured(),
+    }
+}
+
 fn methods(with_fio: bool, facts: &MemoryFacts, bytes: u64) -> Vec<Method> {
     let mut methods: Vec<Method> = Engine::ALL
         .into_iter()
@@ -204,10 +223,7 @@ fn methods(with_fio: bool, facts: &MemoryFacts, bytes: u64) -> Vec<Method> {
         name: format!("dmaload {} auto, no fd (dmaload load)", Engine::default().name()),
         options: LoadOptions { needs_fd: false, ..measured() },
     });
-    methods.push(Method::Staged {
-        name: format!("dmaload {} staging ring → host buffer", Engine::default().name()),
-        options: measured(),
-    });
+    methods.push(staged_method());
     methods.push(Method::Dmaload {
         name: BASELINE.into(),
         options: LoadOptions { engine: Engine::Read, mode: IoMode::Buffered, ..measured() },
@@ -229,7 +245,7 @@ fn fio_version() -> Option<String> {
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
-fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<(), String> {
+fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only: bool) -> Result<(), String> {
     // The same checks as a load (no FIFO, device or pseudo-file), before any run.
     let opened = dmaload::source::open_for_reading(file).map_err(|e| e.to_string())?;
     let bytes = opened.metadata().map_err(|e| format!("stat {}: {e}", file.display()))?.len();
@@ -240,21 +256,22 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
         ));
     }
     let gib = bytes as f64 / (1u64 << 30) as f64;
-    let fio = if no_fio { None } else { fio_version() };
+    let fio = if no_fio || staged_only { None } else { fio_version() };
     let fio_note = match (&fio, no_fio) {
         (Some(v), _) => v.clone(),
         (None, true) => "skipped (--no-fio)".into(),
+        (None, false) if staged_only => "skipped (--staged-only)".into(),
         (None, false) => "not installed (apt-get install fio): no ceiling row".into(),
     };
     let facts = MemoryFacts::read();
-    let methods = methods(fio.is_some(), &facts, bytes);
+    let methods = if staged_only { staged_methods() } else { methods(fio.is_some(), &facts, bytes) };
     let settle = facts.free_page_reporting;
     // Populated once and reused by every staged run, as a ring is meant to
     // be; each run allocates its own destination.
     let mut ring = staging_ring()?;
     let staging = format!(
         "ring of {} slots x {} populated once before the runs; each run allocates a fresh {} memfd \
-         destination, populated slot by slot as the sink delivers (timed)",
+         destination, populated by the sink's threads ahead of its deliveries (timed)",
         ring.slots(),
         human_bytes(ring.slot_len() as u64),
         human_bytes(bytes),
@@ -302,6 +319,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
                         drop_seconds: Some(drop_seconds),
                         freed_seconds: Some(dropped.elapsed().as_secs_f64()),
                         huge_page_share,
+                        deliver_seconds: None,
                     }
                 }
                 Method::Staged { name, options } => {
@@ -327,8 +345,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
         .filter(|(m, _)| matches!(m, Method::Fio { .. }))
         .map(|(_, &v)| v)
         .fold(None, |best: Option<f64>, v| Some(best.map_or(v, |b| b.max(v))));
-    let baseline_index = methods.iter().position(|m| m.name() == BASELINE).expect("baseline row");
-    let buffered = medians[baseline_index];
+    let buffered = methods.iter().position(|m| m.name() == BASELINE).map(|i| medians[i]);
     let default_index =
         methods.iter().position(|m| m.name() == in_place_default()).expect("in-place default row");
     let in_place = medians[default_index];
@@ -353,7 +370,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             huge_page_share: samples.iter().find_map(|x| x.huge_page_share),
             max_page_cache_residue: samples.iter().map(|s| s.page_cache_residue).fold(0.0, f64::max),
             ratio_to_fio_best: fio_best.map(|best| med / best),
-            ratio_to_buffered: med / buffered,
+            ratio_to_buffered: buffered.map(|buffered| med / buffered),
             ratio_to_in_place_default: med / in_place,
             samples,
         })
@@ -416,8 +433,9 @@ fn print_table(t: &Table) {
     let dash = || "–".to_owned();
     for r in &t.rows {
         let fio = r.ratio_to_fio_best.map_or_else(dash, |x| format!("{x:.2}"));
+        let buffered = r.ratio_to_buffered.map_or_else(dash, |x| format!("{x:.2}"));
         println!(
-            "| {} | {:.2} | {:.2}–{:.2} | {:.3} | {} | {} | {} | {:.1}% | {} | {:.2} | {:.2} |",
+            "| {} | {:.2} | {:.2}–{:.2} | {:.3} | {} | {} | {} | {:.1}% | {} | {} | {:.2} |",
             r.method,
             r.median_gib_per_second,
             r.min_gib_per_second,
@@ -428,16 +446,16 @@ fn print_table(t: &Table) {
             r.median_freed_seconds.map_or_else(dash, |x| format!("{x:.3}")),
             r.max_page_cache_residue * 100.0,
             fio,
-            r.ratio_to_buffered,
+            buffered,
             r.ratio_to_in_place_default
         );
     }
 }
 
 /// One staged run: a fresh memfd destination of the file's size (the
-/// in-place default's memory kind), not populated: the `HostSink`
-/// populates each slot's part of it as it delivers, beside the reads, as
-/// the in-place load populates beside its reads. Timed from before the
+/// in-place default's memory kind), not populated: the `HostSink`'s
+/// threads populate it ahead of the deliveries, beside the reads, as the
+/// in-place load populates beside its reads. Timed from before the
 /// allocation to the last byte delivered, as an in-place load's report
 /// times its allocation and reads. With `hash`, also the xxh3 of the
 /// destination.
@@ -472,6 +490,7 @@ fn run_staged(
         drop_seconds: None,
         freed_seconds: None,
         huge_page_share: None,
+        deliver_seconds: Some(report.deliver_seconds),
     };
     Ok((sample, digest))
 }
@@ -530,5 +549,6 @@ fn run_fio(file: &Path, block_size: &str, iodepth: u32, huge: bool, gib: f64) ->
         drop_seconds: None,
         freed_seconds: None,
         huge_page_share: None,
+        deliver_seconds: None,
     })
 }

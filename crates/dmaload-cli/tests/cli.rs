@@ -429,3 +429,26 @@ fn bench_load_emits_a_table_with_every_engine_and_the_baseline() {
     assert!(markdown.contains("| method |") && markdown.contains("× buffered"), "{markdown}");
     assert!(markdown.contains("× in-place default") && markdown.contains("staging ring → host buffer"));
 }
+
+#[test]
+fn bench_load_staged_only_runs_the_staged_row_and_its_in_place_default() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", (4 << 20) + 1);
+    let out = dmaload()
+        .args(["bench", "load", "--repeat", "1", "--json", "--staged-only"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let table = json_of(&out);
+    let rows = table["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
+    assert_eq!(names, ["dmaload uring-fixed", "dmaload uring-fixed staging ring → host buffer"]);
+    assert!(table["fio"].as_str().unwrap().contains("--staged-only"), "{table}");
+    for row in rows {
+        assert!(row["ratio_to_buffered"].is_null(), "no baseline row: {row}");
+        assert_eq!(row["samples"].as_array().unwrap().len(), 1);
+    }
+    // The delivery thread's time, for the staged row only.
+    assert!(rows[1]["samples"][0]["deliver_seconds"].as_f64().unwrap() > 0.0);
+    assert!(rows[0]["samples"][0]["deliver_seconds"].is_null());
+}
