@@ -19,7 +19,6 @@ pub mod error;
 pub mod format;
 pub mod heap;
 mod into;
-pub mod iops;
 pub mod load;
 pub mod many;
 pub mod memory;
@@ -35,7 +34,6 @@ pub mod source;
 #[allow(unsafe_code)]
 mod sys;
 pub mod system;
-pub mod transfer;
 pub mod vm;
 
 pub use buffer::{Buffer, Segment};
