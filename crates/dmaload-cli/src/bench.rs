@@ -47,6 +47,21 @@ pub enum BenchCommand {
     Cache(crate::bench_cache::CacheArgs),
     /// Seed 004's table: block passing (pipe read/write vs BlockQueue) per block size, capture vs fio.
     Stream(crate::bench_stream::StreamArgs),
+    /// fio's sequential O_DIRECT io_uring read of FILE (the ceiling `bench
+    /// load` compares with), cache evicted before each run: for scripts
+    /// (bench/peers.py) that need the same ceiling.
+    Fio {
+        file: PathBuf,
+        /// Bytes per request.
+        #[arg(long, value_parser = parse_size, default_value = "4M")]
+        block_size: u64,
+        /// Requests in flight; repeat the option for several runs.
+        #[arg(long = "iodepth", default_values_t = [16u32])]
+        iodepths: Vec<u32>,
+        /// Print one JSON object per run, one per line.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// A method under test.
@@ -150,6 +165,9 @@ pub fn run(cmd: &BenchCommand) -> Result<(), String> {
         BenchCommand::Bind(args) => crate::bench_bind::run(args),
         BenchCommand::Cache(args) => crate::bench_cache::run(args),
         BenchCommand::Stream(args) => crate::bench_stream::run(args),
+        BenchCommand::Fio { file, block_size, iodepths, json } => {
+            bench_fio(file, *block_size, iodepths, *json)
+        }
     }
 }
 
@@ -262,7 +280,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
         for i in (0..methods.len()).map(|k| (k + round) % methods.len()) {
             let method = &methods[i];
             eprintln!("bench: round {}/{repeat}: {}", round + 1, method.name());
-            dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
+            crate::benchkit::evict(file)?;
             if settle {
                 // Memory as a load after idle meets it: handed back to the
                 // host, not warm from the run before (which would favour
@@ -311,7 +329,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             samples[i].push(sample);
         }
     }
-    dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
+    crate::benchkit::evict(file)?;
 
     let spread = |v: &[Sample], f: fn(&Sample) -> f64| Spread::of(&v.iter().map(f).collect::<Vec<_>>());
     let median = |v: &[Sample], f: fn(&Sample) -> f64| spread(v, f).median;
@@ -469,6 +487,36 @@ fn run_staged(
         huge_page_share: None,
     };
     Ok((sample, digest))
+}
+
+/// `dmaload bench fio`: one cold fio read per queue depth.
+fn bench_fio(file: &Path, block_size: u64, iodepths: &[u32], json: bool) -> Result<(), String> {
+    fio::available().ok_or("fio is not installed (apt-get install fio)")?;
+    for &iodepth in iodepths {
+        crate::benchkit::evict(file)?;
+        let job = fio::Job { rw: fio::Rw::Read, file, block_size, iodepth, size: None, huge_buffers: false };
+        let done = fio::run(&job)?;
+        let gib_per_second = done.bytes as f64 / (1u64 << 30) as f64 / done.io_seconds.max(1e-9);
+        if json {
+            let row = serde_json::json!({
+                "block_size": block_size,
+                "iodepth": iodepth,
+                "bytes": done.bytes,
+                "seconds": done.io_seconds,
+                "cpu_percent": done.cpu_percent,
+                "gib_per_second": gib_per_second,
+            });
+            println!("{row}");
+        } else {
+            println!(
+                "fio io_uring direct bs={} qd={iodepth}: {gib_per_second:.2} GiB/s, {:.3} s, CPU {:.0}%",
+                human_bytes(block_size),
+                done.io_seconds,
+                done.cpu_percent
+            );
+        }
+    }
+    crate::benchkit::evict(file)
 }
 
 /// One fio run: sequential O_DIRECT io_uring reads of the whole file with
