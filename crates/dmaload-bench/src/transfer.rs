@@ -481,7 +481,9 @@ fn uring_read(
     let len = buf.len;
     let report = dmaload::load_open_into(source, offset, &mut buf.memory.bytes_mut()[..len], &load_options)?;
     // Memory that refuses direct I/O into it (a dma-buf's mmap) was read by
-    // copying through a staging ring: not what the method names.
+    // copying through a staging ring, which load_into records as a fallback
+    // from "in place": not what the method names. (A range too short to
+    // hold a whole page is staged without one, as any load_into's edges are.)
     if report.fallbacks.iter().any(|f| f.from == "in place") {
         return Err(file.error("io_uring read in place", offset, Errno::FAULT));
     }
