@@ -872,6 +872,14 @@ fn load_cached(
     })
 }
 
+/// Drops the file at `path` from the page cache (fdatasync, then
+/// `POSIX_FADV_DONTNEED`; no root needed), so that its next read comes from
+/// the device: the core's `pagecache::evict`, the one the CLI uses.
+#[pyfunction]
+fn evict(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    detached(py, || dmaload::pagecache::evict(&path))?.map_err(|e| os_error(&e))
+}
+
 /// The cache service's default socket: `$XDG_RUNTIME_DIR/dmaload.sock`,
 /// else `/run/user/UID/dmaload.sock`.
 #[pyfunction]
@@ -1071,6 +1079,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(load_cached, m)?)?;
     m.add_function(wrap_pyfunction!(default_cache_socket, m)?)?;
+    m.add_function(wrap_pyfunction!(evict, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_dtypes, m)?)?;

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import evict, write_random
+from conftest import write_random
 
 import dmaload
+from dmaload import evict
 
 
 def test_load_whole_file_bit_exact(data_file: tuple[Path, bytes]) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 import dmaload
 import dmaload.safetensors as dst
-from conftest import evict
+from dmaload import evict
 from dmaload.safetensors import _device
 
 torch = pytest.importorskip("torch")

@@ -5,18 +5,18 @@
 //! in-place load.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 use clap::Subcommand;
 use dmaload::memory::MemoryFacts;
-use dmaload::transfer::{MemoryType, TransferBuffer};
+use dmaload::share::process_cpu_seconds;
 use dmaload::{Engine, HostSink, IoMode, LoadOptions, MemoryKind, StagingRing};
+use dmaload_bench::fio;
+use dmaload_bench::transfer::{MemoryType, TransferBuffer};
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::benchkit::Spread;
-use crate::units::human_bytes;
+use crate::units::{human_bytes, parse_size};
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
@@ -51,6 +51,21 @@ pub enum BenchCommand {
     Cache(crate::bench_cache::CacheArgs),
     /// Seed 004's table: block passing (pipe read/write vs BlockQueue) per block size, capture vs fio.
     Stream(crate::bench_stream::StreamArgs),
+    /// fio's sequential O_DIRECT io_uring read of FILE (the ceiling `bench
+    /// load` compares with), cache evicted before each run: for scripts
+    /// (bench/peers.py) that need the same ceiling.
+    Fio {
+        file: PathBuf,
+        /// Bytes per request.
+        #[arg(long, value_parser = parse_size, default_value = "4M")]
+        block_size: u64,
+        /// Requests in flight; repeat the option for several runs.
+        #[arg(long = "iodepth", default_values_t = [16u32])]
+        iodepths: Vec<u32>,
+        /// Print one JSON object per run, one per line.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// A method under test.
@@ -157,6 +172,9 @@ pub fn run(cmd: &BenchCommand) -> Result<(), String> {
         BenchCommand::Bind(args) => crate::bench_bind::run(args),
         BenchCommand::Cache(args) => crate::bench_cache::run(args),
         BenchCommand::Stream(args) => crate::bench_stream::run(args),
+        BenchCommand::Fio { file, block_size, iodepths, json } => {
+            bench_fio(file, *block_size, iodepths, *json)
+        }
     }
 }
 
@@ -240,11 +258,6 @@ fn methods(with_fio: bool, facts: &MemoryFacts, bytes: u64) -> Vec<Method> {
     methods
 }
 
-fn fio_version() -> Option<String> {
-    let out = Command::new("fio").arg("--version").output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
-
 fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only: bool) -> Result<(), String> {
     // The same checks as a load (no FIFO, device or pseudo-file), before any run.
     let opened = dmaload::source::open_for_reading(file).map_err(|e| e.to_string())?;
@@ -256,7 +269,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
         ));
     }
     let gib = bytes as f64 / (1u64 << 30) as f64;
-    let fio = if no_fio || staged_only { None } else { fio_version() };
+    let fio = if no_fio || staged_only { None } else { fio::available() };
     let fio_note = match (&fio, no_fio) {
         (Some(v), _) => v.clone(),
         (None, true) => "skipped (--no-fio)".into(),
@@ -284,7 +297,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
         for i in (0..methods.len()).map(|k| (k + round) % methods.len()) {
             let method = &methods[i];
             eprintln!("bench: round {}/{repeat}: {}", round + 1, method.name());
-            dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
+            crate::benchkit::evict(file)?;
             if settle {
                 // Memory as a load after idle meets it: handed back to the
                 // host, not warm from the run before (which would favour
@@ -334,7 +347,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
             samples[i].push(sample);
         }
     }
-    dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
+    crate::benchkit::evict(file)?;
 
     let spread = |v: &[Sample], f: fn(&Sample) -> f64| Spread::of(&v.iter().map(f).collect::<Vec<_>>());
     let median = |v: &[Sample], f: fn(&Sample) -> f64| spread(v, f).median;
@@ -467,7 +480,7 @@ fn run_staged(
     hash: bool,
 ) -> Result<(Sample, Option<u64>), String> {
     let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes do not fit in memory"))?;
-    let cpu_before = process_cpu_seconds()?;
+    let cpu_before = process_cpu_seconds().map_err(|e| e.to_string())?;
     let started = Instant::now();
     let mut dst = TransferBuffer::new(MemoryType::Memfd, len).map_err(|e| e.to_string())?;
     let report = dst
@@ -476,7 +489,7 @@ fn run_staged(
         .map_err(|e| e.to_string())?;
     let seconds = started.elapsed().as_secs_f64();
     // The populating threads' CPU too, which the load's report leaves out.
-    let cpu = process_cpu_seconds()? - cpu_before;
+    let cpu = process_cpu_seconds().map_err(|e| e.to_string())? - cpu_before;
     let digest = if hash {
         Some(dst.with_bytes(xxhash_rust::xxh3::xxh3_64).map_err(|e| e.to_string())?)
     } else {
@@ -495,56 +508,54 @@ fn run_staged(
     Ok((sample, digest))
 }
 
-/// User + system CPU seconds of this process so far, every thread's
-/// (joined ones included): `/proc/self/stat` fields 14 and 15, in the
-/// kernel's fixed USER_HZ of 100 ticks per second.
-fn process_cpu_seconds() -> Result<f64, String> {
-    let stat =
-        std::fs::read_to_string("/proc/self/stat").map_err(|e| format!("read /proc/self/stat: {e}"))?;
-    // Fields after the command name, which may hold spaces: state is field 3.
-    let fields: Vec<&str> =
-        stat.rsplit_once(')').map_or(vec![], |(_, rest)| rest.split_whitespace().collect());
-    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
-    match (field(14), field(15)) {
-        (Some(user), Some(system)) => Ok((user + system) as f64 / 100.0),
-        _ => Err(format!("unexpected /proc/self/stat: {stat}")),
+/// `dmaload bench fio`: one cold fio read per queue depth.
+fn bench_fio(file: &Path, block_size: u64, iodepths: &[u32], json: bool) -> Result<(), String> {
+    fio::available().ok_or("fio is not installed (apt-get install fio)")?;
+    for &iodepth in iodepths {
+        crate::benchkit::evict(file)?;
+        let job = fio::Job { rw: fio::Rw::Read, file, block_size, iodepth, size: None, huge_buffers: false };
+        let done = fio::run(&job)?;
+        let gib_per_second = done.bytes as f64 / (1u64 << 30) as f64 / done.io_seconds.max(1e-9);
+        if json {
+            let row = serde_json::json!({
+                "block_size": block_size,
+                "iodepth": iodepth,
+                "bytes": done.bytes,
+                "seconds": done.io_seconds,
+                "cpu_percent": done.cpu_percent,
+                "gib_per_second": gib_per_second,
+            });
+            println!("{row}");
+        } else {
+            println!(
+                "fio io_uring direct bs={} qd={iodepth}: {gib_per_second:.2} GiB/s, {:.3} s, CPU {:.0}%",
+                human_bytes(block_size),
+                done.io_seconds,
+                done.cpu_percent
+            );
+        }
     }
+    crate::benchkit::evict(file)
 }
 
 /// One fio run: sequential O_DIRECT io_uring reads of the whole file with
 /// registered buffers and files, the same kind of I/O as the default engine
 /// but into one small reused buffer (so it pays no allocation).
 fn run_fio(file: &Path, block_size: &str, iodepth: u32, huge: bool, gib: f64) -> Result<Sample, String> {
-    let out = Command::new("fio")
-        .args([
-            "--name=ceiling",
-            "--rw=read",
-            "--ioengine=io_uring",
-            "--direct=1",
-            "--fixedbufs",
-            "--registerfiles",
-        ])
-        .arg(format!("--filename={}", file.display()))
-        .arg(format!("--bs={block_size}"))
-        .arg(format!("--iodepth={iodepth}"))
-        .arg(format!("--iomem={}", if huge { "shmhuge" } else { "malloc" }))
-        .arg("--output-format=json")
-        .output()
-        .map_err(|e| format!("running fio: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("fio failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
-    }
-    let report: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("parsing fio JSON: {e}"))?;
-    let job = &report["jobs"][0];
-    let field = |v: &Value| v.as_f64().ok_or_else(|| format!("fio JSON lacks a field: {job}"));
-    let read_bytes = field(&job["read"]["io_bytes"])?;
-    let runtime_s = field(&job["read"]["runtime"])? / 1000.0;
-    let cpu_percent = field(&job["usr_cpu"])? + field(&job["sys_cpu"])?;
+    let job = fio::Job {
+        rw: fio::Rw::Read,
+        file,
+        block_size: parse_size(block_size)?,
+        iodepth,
+        size: None,
+        huge_buffers: huge,
+    };
+    let done = fio::run(&job)?;
     let residue = dmaload::pagecache::residency(file).map_err(|e| e.to_string())?.fraction;
-    let read_gib = read_bytes / (1u64 << 30) as f64;
+    let read_gib = done.bytes as f64 / (1u64 << 30) as f64;
     Ok(Sample {
-        gib_per_second: read_gib / runtime_s.max(1e-9),
-        cpu_seconds_per_gib: cpu_percent / 100.0 * runtime_s / gib.max(1e-12),
+        gib_per_second: read_gib / done.io_seconds.max(1e-9),
+        cpu_seconds_per_gib: done.cpu_percent / 100.0 * done.io_seconds / gib.max(1e-12),
         page_cache_residue: residue,
         drop_seconds: None,
         freed_seconds: None,

@@ -27,6 +27,7 @@ __all__ = [
     "SafetensorError",
     "SafetensorsFile",
     "default_cache_socket",
+    "evict",
     "load",
     "load_cached",
     "load_dmabuf",
@@ -128,6 +129,7 @@ def load_cached(
     options: _Options | None = None,
 ) -> tuple[Buffer, str | None, str | None]: ...
 def default_cache_socket() -> str: ...
+def evict(path: str | os.PathLike[str]) -> None: ...
 def load_safetensors(
     paths: list[str] | list[os.PathLike[str]],
     *,

@@ -186,7 +186,8 @@ impl StagingRing {
     /// [`StagingRing::pinned`] would make of these arguments, so a ring
     /// kept from an earlier load can serve a new one.
     pub fn has_geometry(&self, slots: usize, slot_size: usize, chunk: usize) -> bool {
-        Self::size(slots, slot_size, chunk).is_ok_and(|(slot_len, _)| (slots, slot_len) == (self.slots, self.slot_len))
+        Self::size(slots, slot_size, chunk)
+            .is_ok_and(|(slot_len, _)| (slots, slot_len) == (self.slots, self.slot_len))
     }
 
     /// Bytes per slot (whole chunks).
