@@ -22,7 +22,7 @@ by round, from a cold and from a warm page cache:
   H2D                    1 GiB host->device copies, pinned and pageable,
                          best of 5: the bus ceiling (no cache state)
 
-Cold: before the child starts the file is evicted (fdatasync +
+Cold: before the child starts the file is evicted (dmaload.evict: fdatasync +
 POSIX_FADV_DONTNEED; also ``echo 1 > /proc/sys/vm/drop_caches`` when root).
 Warm: the file is read once through the page cache before the child.
 The "cached before" column (mincore) says what the child really found.
@@ -249,13 +249,11 @@ def resident_bytes(path: Path) -> int:
 
 
 def evict(path: Path) -> None:
-    """Drops the file from the page cache (and, as root, all clean caches)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Drops the file from the page cache (dmaload.evict, the core's) and, as
+    root, all clean caches."""
+    import dmaload
+
+    dmaload.evict(path)
     if os.geteuid() == 0:
         try:
             with open("/proc/sys/vm/drop_caches", "w") as f:

@@ -6,8 +6,8 @@
 #
 # Each round runs `dmaload load FILE --json LOAD_ARGS...` once with each
 # binary, the order swapped every round (old first, then new first), each
-# run after evicting FILE from the page cache (fdatasync +
-# POSIX_FADV_DONTNEED through python3; no root needed). Prints every run,
+# run after evicting FILE from the page cache (`NEW_DMALOAD evict`: fdatasync
+# + POSIX_FADV_DONTNEED; no root needed). Prints every run,
 # then per binary the median (min-max) of the GiB/s the load reports
 # (allocation and reads, from the open to the last byte) and of the wall
 # clock of the whole process (exit, and so the unmap, included), and
@@ -26,17 +26,7 @@ for b in "$old" "$new"; do [[ -x $b ]] || { echo "not an executable: $b" >&2; ex
 [[ -f $file ]] || { echo "not a file: $file" >&2; exit 2; }
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a positive integer, got '$rounds'" >&2; exit 2; }
 
-evict() {
-    python3 - "$1" <<'EOF'
-import os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
-try:
-    os.fdatasync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-finally:
-    os.close(fd)
-EOF
-}
+evict() { "$new" evict "$1"; }
 
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT

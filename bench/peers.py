@@ -4,7 +4,7 @@
 Generates one LLM-shaped safetensors model (embeddings, per-layer attention
 and MLP projections in F16, norms in F32), then loads it to CPU memory with
 every peer, each run in a fresh process with the file evicted from the page
-cache first (fdatasync + POSIX_FADV_DONTNEED; no root needed), the peers
+cache first (dmaload.evict: fdatasync + POSIX_FADV_DONTNEED; no root needed), the peers
 interleaved round by round. Every run ends by touching one byte per page of
 every tensor, so a loader that only maps the file pays for the reads too.
 
@@ -14,9 +14,11 @@ Peers (those whose package is missing are skipped and listed):
   safetensors (np|pt)    safetensors.numpy / safetensors.torch.load_file
   fastsafetensors        fastsafe_open(device="cpu", nogds=True)
   runai-model-streamer   SafetensorsStreamer().stream_file + get_tensors
-  fio (ceiling)          fio O_DIRECT io_uring sequential read of the file,
-                         4 MiB at QD16 and QD64 (the better one), into one
-                         small buffer: no allocation
+  fio (ceiling)          `dmaload bench fio` (the native CLI's fio runner,
+                         the ceiling of `dmaload bench load`): O_DIRECT
+                         io_uring sequential read of the file with registered
+                         buffers and files, 4 MiB at QD16 and QD64 (the
+                         better one), into one small buffer: no allocation
 
 Reported per peer: median GiB/s (min-max), CPU seconds (user+system, all
 threads), peak RSS added by the load (VmHWM after clear_refs minus the RSS
@@ -48,6 +50,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from dmaload import evict
+from dmaload.__main__ import native_cli
 
 GIB = 1 << 30
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -114,15 +119,6 @@ def write_model(path: Path, size: int) -> int:
 
 # --------------------------------------------------------------------------
 # Page cache
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -271,20 +267,20 @@ def child(peer: str, path: str) -> None:
 
 def run_fio(path: Path) -> dict[str, Any]:
     """The best of fio's O_DIRECT io_uring sequential reads at QD16 and QD64
-    (4 MiB requests, one small buffer), each from a cold cache."""
-    size = path.stat().st_size
+    (4 MiB requests, one small buffer), each from a cold cache: the native
+    CLI's one fio runner (``dmaload bench fio``), which evicts before each."""
+    cli = native_cli()
+    assert cli is not None
+    out = subprocess.run(
+        [cli, "bench", "fio", str(path), "--block-size", "4M", "--iodepth", "16", "--iodepth", "64", "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
     best: dict[str, Any] | None = None
-    for depth in (16, 64):
-        evict(path)
-        out = subprocess.run(
-            ["fio", "--name=ceiling", f"--filename={path}", "--rw=read", "--bs=4M", "--direct=1",
-             "--ioengine=io_uring", f"--iodepth={depth}", f"--size={size}", "--output-format=json"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        job = json.loads(out.stdout)["jobs"][0]
-        runtime = max(job["read"]["runtime"] / 1000, 1e-9)
-        cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * runtime
-        run = {"seconds": runtime, "cpu": cpu, "peak_rss": 0, "tensors": 0, "iodepth": depth}
+    for line in out.stdout.splitlines():
+        job = json.loads(line)
+        runtime = max(job["seconds"], 1e-9)
+        cpu = job["cpu_percent"] / 100 * runtime
+        run = {"seconds": runtime, "cpu": cpu, "peak_rss": 0, "tensors": 0, "iodepth": job["iodepth"]}
         if best is None or run["seconds"] < best["seconds"]:
             best = run
     assert best is not None
@@ -305,7 +301,7 @@ def run_peer(peer: str, path: Path) -> dict[str, Any]:
 
 def available(peer: str) -> bool:
     if peer == "fio":
-        return shutil.which("fio") is not None
+        return shutil.which("fio") is not None and native_cli() is not None
     import importlib.util
 
     return importlib.util.find_spec(PEERS[peer][2]) is not None

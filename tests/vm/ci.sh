@@ -20,7 +20,7 @@ say "building static test binaries and the CLI ($TARGET, $TARGET_DIR)"
 cargo build --release --quiet --target "$TARGET" --target-dir "$TARGET_DIR" -p dmaload-cli -p dmaload-capi
 # The test executables' paths, from cargo's JSON messages.
 mapfile -t tests < <(cargo test --release --no-run --quiet --target "$TARGET" --target-dir "$TARGET_DIR" \
-    -p dmaload --test dmabuf --test transfer --test block_queue --message-format=json |
+    -p dmaload -p dmaload-bench --test dmabuf --test transfer --test block_queue --message-format=json |
     python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
@@ -64,7 +64,8 @@ vm() {
 
 started=$(date +%s)
 vm "${exe[dmabuf]}" --test-threads=1 --nocapture
-vm "${exe[transfer]}" --test-threads=1 --nocapture dmabuf_kinds
+# The bench crate's transfer methods into dma-buf memory, and udmabuf's size limit.
+vm "${exe[transfer]}" --test-threads=1 --nocapture dmabuf_kinds udmabuf_beyond_its_size_limit
 # The C library's checks, here with every dma-buf target present (a range
 # into each, hashed back through dmaload_dmabuf_xxh3_64).
 vm "$capi_test" /mnt/disk

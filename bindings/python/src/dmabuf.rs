@@ -9,6 +9,7 @@ use dmaload::{Destination, LoadedDmaBuf};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use pyo3::types::PyDict;
 
 use crate::{detached, guard, os_error, report_object, run_cancellable, Opts};
 
@@ -135,38 +136,17 @@ impl DmaBuf {
 /// Loads a file, or `length` bytes of it from `offset`, into a new dma-buf
 /// (`to`: "udmabuf", "dma-heap:NAME" or "dmabuf"), with the GIL released.
 #[pyfunction]
-#[pyo3(signature = (path, offset=None, length=None, *, to=None, engine=None, mode=None,
-                    gather_size=None, chunk_size=None, queue_depth=None, threads=None,
-                    populate_threads=None, measure_page_cache=None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (path, offset=None, length=None, *, options=None))]
 pub fn load_dmabuf(
     py: Python<'_>,
     path: PathBuf,
     offset: Option<u64>,
     length: Option<u64>,
-    to: Option<String>,
-    engine: Option<String>,
-    mode: Option<String>,
-    gather_size: Option<usize>,
-    chunk_size: Option<usize>,
-    queue_depth: Option<usize>,
-    threads: Option<usize>,
-    populate_threads: Option<usize>,
-    measure_page_cache: Option<bool>,
+    options: Option<Bound<'_, PyDict>>,
 ) -> PyResult<DmaBuf> {
     guard(move || {
-        let to = to.unwrap_or_else(|| Destination::Dmabuf.name());
-        let opts = Opts {
-            engine,
-            mode,
-            to: Some(to),
-            gather_size,
-            chunk_size,
-            queue_depth,
-            threads,
-            populate_threads,
-            measure_page_cache,
-        };
+        let mut opts = Opts::from_dict(options.as_ref())?;
+        opts.to.get_or_insert_with(|| Destination::Dmabuf.name());
         let mut options = opts.to_options()?;
         if !options.to.is_dmabuf() {
             return Err(PyValueError::new_err(format!(

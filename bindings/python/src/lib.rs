@@ -4,9 +4,11 @@
 //! module holds what must be native: the [`Buffer`] type with the buffer
 //! protocol, and loads that run with the GIL released.
 //!
-//! The only `unsafe` code is the buffer protocol (`__getbuffer__` and
-//! `__releasebuffer__`, which PyO3 requires to be `unsafe fn`) and the
-//! function that fills a `Py_buffer`, all in [`Buffer`]'s methods.
+//! `unsafe` code is allowed item by item, each with its SAFETY contract:
+//! the buffer protocol (`__getbuffer__` and `__releasebuffer__`, which PyO3
+//! requires to be `unsafe fn`, and the function that fills a `Py_buffer`),
+//! a caller's descriptor number borrowed for one call ([`FileArg`]), and in
+//! `staged.rs` the bytes of a buffer export and device pointers.
 #![deny(unsafe_code)]
 
 mod block_queue;
@@ -668,10 +670,16 @@ fn run_cancellable<T: Send>(
     result.map_err(panic_error)
 }
 
-/// The keyword options every load accepts: the core's [`LoadOptions`],
-/// names and values as the core spells them (see [`_option_defaults`]).
+/// The load options of every native entry point, passed as one dict
+/// (`dmaload._options.native_options` builds it): the core's
+/// [`LoadOptions`], names and values as the core spells them (see
+/// [`_option_defaults`]), sizes in bytes, plus the staging ring of device
+/// loads. A name not listed here is a TypeError, so an option one side
+/// lacks cannot pass unnoticed. Each entry point uses the options that
+/// apply to it: a host load ignores the staging ring, a staged load the
+/// host memory's (`to`, `gather_size`, `populate_threads`).
 #[derive(Default)]
-struct Opts {
+pub(crate) struct Opts {
     engine: Option<String>,
     mode: Option<String>,
     to: Option<String>,
@@ -681,10 +689,39 @@ struct Opts {
     threads: Option<usize>,
     populate_threads: Option<usize>,
     measure_page_cache: Option<bool>,
+    staging_slots: Option<usize>,
+    staging_slot_size: Option<usize>,
 }
 
 impl Opts {
-    fn to_options(&self) -> PyResult<LoadOptions> {
+    /// Reads `options` (None: every default); a value of None is the default.
+    pub(crate) fn from_dict(options: Option<&Bound<'_, PyDict>>) -> PyResult<Opts> {
+        let mut o = Opts::default();
+        for (name, value) in options.into_iter().flat_map(|dict| dict.iter()) {
+            let name: String = name.extract()?;
+            if value.is_none() {
+                continue;
+            }
+            let typed = |e: PyErr| PyTypeError::new_err(format!("load option {name}: {e}"));
+            match name.as_str() {
+                "engine" => o.engine = Some(value.extract().map_err(typed)?),
+                "mode" => o.mode = Some(value.extract().map_err(typed)?),
+                "to" => o.to = Some(value.extract().map_err(typed)?),
+                "gather_size" => o.gather_size = Some(value.extract().map_err(typed)?),
+                "chunk_size" => o.chunk_size = Some(value.extract().map_err(typed)?),
+                "queue_depth" => o.queue_depth = Some(value.extract().map_err(typed)?),
+                "threads" => o.threads = Some(value.extract().map_err(typed)?),
+                "populate_threads" => o.populate_threads = Some(value.extract().map_err(typed)?),
+                "measure_page_cache" => o.measure_page_cache = Some(value.extract().map_err(typed)?),
+                "staging_slots" => o.staging_slots = Some(value.extract().map_err(typed)?),
+                "staging_slot_size" => o.staging_slot_size = Some(value.extract().map_err(typed)?),
+                _ => return Err(PyTypeError::new_err(format!("unknown load option {name:?}"))),
+            }
+        }
+        Ok(o)
+    }
+
+    pub(crate) fn to_options(&self) -> PyResult<LoadOptions> {
         let mut o = LoadOptions::default();
         if let Some(engine) = &self.engine {
             o.engine = engine.parse::<Engine>().map_err(PyValueError::new_err)?;
@@ -705,6 +742,38 @@ impl Opts {
     }
 }
 
+/// The file a load reads: a path, or a descriptor number the caller holds
+/// open (an int: `os.open`'s, or a file object's `fileno()`).
+#[derive(FromPyObject)]
+enum FileArg {
+    Fd(std::os::fd::RawFd),
+    Path(PathBuf),
+}
+
+impl FileArg {
+    /// Opens the file once; a descriptor is reopened through
+    /// `/proc/self/fd` (see [`dmaload::OpenFile::from_fd`]), never changed.
+    fn open(&self) -> Result<dmaload::OpenFile, dmaload::Error> {
+        match self {
+            FileArg::Path(path) => dmaload::OpenFile::open(path),
+            FileArg::Fd(fd) if *fd < 0 => Err(dmaload::Error::io(
+                "open",
+                std::path::Path::new(&format!("fd {fd}")),
+                std::io::Error::from_raw_os_error(libc::EBADF),
+            )),
+            // SAFETY: a descriptor number the Python caller passed as open,
+            // as `os.fstat(fd)` takes one; it is only borrowed within this
+            // call, to duplicate it and reopen its file, never closed. Another
+            // thread closing it meanwhile gives EBADF, or another file whose
+            // identity `from_fd` checks against the reopened one.
+            #[allow(unsafe_code)]
+            FileArg::Fd(fd) => {
+                dmaload::OpenFile::from_fd(unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) })
+            }
+        }
+    }
+}
+
 fn file_len(path: &std::path::Path) -> Result<u64, dmaload::Error> {
     std::fs::metadata(path).map(|m| m.len()).map_err(|e| dmaload::Error::io("stat", path, e))
 }
@@ -712,60 +781,28 @@ fn file_len(path: &std::path::Path) -> Result<u64, dmaload::Error> {
 /// Loads a file, or `length` bytes of it from `offset`, with the GIL
 /// released. See `dmaload.load` for the options.
 #[pyfunction]
-#[pyo3(signature = (path, offset=None, length=None, *, engine=None, mode=None, to=None,
-                    gather_size=None, chunk_size=None, queue_depth=None, threads=None,
-                    populate_threads=None, measure_page_cache=None, progress=None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (file, offset=None, length=None, *, options=None, progress=None))]
 fn load(
     py: Python<'_>,
-    path: PathBuf,
+    file: FileArg,
     offset: Option<u64>,
     length: Option<u64>,
-    engine: Option<String>,
-    mode: Option<String>,
-    to: Option<String>,
-    gather_size: Option<usize>,
-    chunk_size: Option<usize>,
-    queue_depth: Option<usize>,
-    threads: Option<usize>,
-    populate_threads: Option<usize>,
-    measure_page_cache: Option<bool>,
+    options: Option<Bound<'_, PyDict>>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Buffer> {
     guard(move || {
-        let opts = Opts {
-            engine,
-            mode,
-            to,
-            gather_size,
-            chunk_size,
-            queue_depth,
-            threads,
-            populate_threads,
-            measure_page_cache,
-        };
-        let mut options = opts.to_options()?;
+        let mut options = Opts::from_dict(options.as_ref())?.to_options()?;
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
-        let relay = match progress {
-            Some(callback) => {
-                let total = match length {
-                    Some(len) => len,
-                    None => detached(py, || file_len(&path))?
-                        .map_err(|e| os_error(&e))?
-                        .saturating_sub(offset.unwrap_or(0)),
-                };
-                let relay = Progress::new(callback, total, cancel.clone());
-                options.progress = Some(relay.for_load());
-                Some(relay)
-            }
-            None => None,
-        };
-        let result = run_cancellable(py, &cancel, || match (offset, length) {
-            (None, None) => dmaload::load(&path, &options),
-            (offset, None) => dmaload::load_from(&path, offset.unwrap_or(0), &options),
-            (offset, Some(length)) => dmaload::load_range(&path, offset.unwrap_or(0), length, &options),
-        })?;
+        let offset = offset.unwrap_or(0);
+        let file = detached(py, || file.open())?.map_err(|e| os_error(&e))?;
+        let relay = progress.map(|callback| {
+            let total = length.unwrap_or_else(|| file.len().saturating_sub(offset));
+            let relay = Progress::new(callback, total, cancel.clone());
+            options.progress = Some(relay.for_load());
+            relay
+        });
+        let result = run_cancellable(py, &cancel, || dmaload::load_open(&file, offset, length, &options))?;
         Progress::raised(relay.as_ref())?;
         let (buffer, report) = result.map_err(|e| os_error(&e))?;
         Progress::finish(relay.as_ref())?;
@@ -778,37 +815,20 @@ fn load(
 /// the file from `offset`, the GIL released; returns the report. In place
 /// where the memory lines up with the file, else through a staging ring.
 #[pyfunction]
-#[pyo3(signature = (path, target, offset=0, *, engine=None, mode=None, gather_size=None,
-                    chunk_size=None, queue_depth=None, threads=None, populate_threads=None,
-                    measure_page_cache=None, progress=None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (path, target, offset=0, *, options=None, progress=None))]
 fn load_into<'py>(
     py: Python<'py>,
     path: PathBuf,
     target: &Bound<'py, PyAny>,
     offset: u64,
-    engine: Option<String>,
-    mode: Option<String>,
-    gather_size: Option<usize>,
-    chunk_size: Option<usize>,
-    queue_depth: Option<usize>,
-    threads: Option<usize>,
-    populate_threads: Option<usize>,
-    measure_page_cache: Option<bool>,
+    options: Option<Bound<'py, PyDict>>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     guard(move || {
-        let opts = Opts {
-            engine,
-            mode,
-            gather_size,
-            chunk_size,
-            queue_depth,
-            threads,
-            populate_threads,
-            measure_page_cache,
-            ..Opts::default()
-        };
+        let opts = Opts::from_dict(options.as_ref())?;
+        if opts.to.is_some() {
+            return Err(PyTypeError::new_err("load_into() takes no 'to': the target is the destination"));
+        }
         let mut options = opts.to_options()?;
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
@@ -832,37 +852,15 @@ fn load_into<'py>(
 /// it ("hit", "miss", "uncached") or None for a direct load, and what to
 /// tell the user (why it was loaded directly, or why not cached) or None.
 #[pyfunction]
-#[pyo3(signature = (path, socket, *, engine=None, mode=None, to=None,
-                    gather_size=None, chunk_size=None, queue_depth=None, threads=None,
-                    populate_threads=None, measure_page_cache=None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (path, socket, *, options=None))]
 fn load_cached(
     py: Python<'_>,
     path: PathBuf,
     socket: PathBuf,
-    engine: Option<String>,
-    mode: Option<String>,
-    to: Option<String>,
-    gather_size: Option<usize>,
-    chunk_size: Option<usize>,
-    queue_depth: Option<usize>,
-    threads: Option<usize>,
-    populate_threads: Option<usize>,
-    measure_page_cache: Option<bool>,
+    options: Option<Bound<'_, PyDict>>,
 ) -> PyResult<(Buffer, Option<&'static str>, Option<String>)> {
     guard(move || {
-        let opts = Opts {
-            engine,
-            mode,
-            to,
-            gather_size,
-            chunk_size,
-            queue_depth,
-            threads,
-            populate_threads,
-            measure_page_cache,
-        };
-        let options = opts.to_options()?;
+        let options = Opts::from_dict(options.as_ref())?.to_options()?;
         let (buffer, report, outcome) =
             detached(py, || dmaload::share::load_cached(&path, &socket, &options))?
                 .map_err(|e| os_error(&e))?;
@@ -872,6 +870,14 @@ fn load_cached(
         };
         Ok((Buffer::new(buffer, report), served, message))
     })
+}
+
+/// Drops the file at `path` from the page cache (fdatasync, then
+/// `POSIX_FADV_DONTNEED`; no root needed), so that its next read comes from
+/// the device: the core's `pagecache::evict`, the one the CLI uses.
+#[pyfunction]
+fn evict(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    detached(py, || dmaload::pagecache::evict(&path))?.map_err(|e| os_error(&e))
 }
 
 /// The cache service's default socket: `$XDG_RUNTIME_DIR/dmaload.sock`,
@@ -936,38 +942,16 @@ fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, 
 /// Loads safetensors files whole, `concurrency` at a time, with the GIL
 /// released; returns (buffer, `Header`) per file, in order.
 #[pyfunction]
-#[pyo3(signature = (paths, *, concurrency=4, engine=None, mode=None, to=None,
-                    gather_size=None, chunk_size=None, queue_depth=None, threads=None,
-                    populate_threads=None, measure_page_cache=None, progress=None))]
-#[allow(clippy::too_many_arguments)]
-fn load_safetensors(
-    py: Python<'_>,
+#[pyo3(signature = (paths, *, concurrency=4, options=None, progress=None))]
+fn load_safetensors<'py>(
+    py: Python<'py>,
     paths: Vec<PathBuf>,
     concurrency: usize,
-    engine: Option<String>,
-    mode: Option<String>,
-    to: Option<String>,
-    gather_size: Option<usize>,
-    chunk_size: Option<usize>,
-    queue_depth: Option<usize>,
-    threads: Option<usize>,
-    populate_threads: Option<usize>,
-    measure_page_cache: Option<bool>,
+    options: Option<Bound<'py, PyDict>>,
     progress: Option<Py<PyAny>>,
-) -> PyResult<Vec<(Buffer, Bound<'_, PyAny>)>> {
+) -> PyResult<Vec<(Buffer, Bound<'py, PyAny>)>> {
     guard(move || {
-        let opts = Opts {
-            engine,
-            mode,
-            to,
-            gather_size,
-            chunk_size,
-            queue_depth,
-            threads,
-            populate_threads,
-            measure_page_cache,
-        };
-        let mut options = opts.to_options()?;
+        let mut options = Opts::from_dict(options.as_ref())?.to_options()?;
         // The tensors never expose the memfd: `to="auto"` may pick
         // anonymous huge pages.
         options.needs_fd = false;
@@ -1095,6 +1079,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(load_cached, m)?)?;
     m.add_function(wrap_pyfunction!(default_cache_socket, m)?)?;
+    m.add_function(wrap_pyfunction!(evict, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_dtypes, m)?)?;
@@ -1102,6 +1087,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<staged::SafetensorsFile>()?;
     m.add_function(wrap_pyfunction!(staged::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(staged::_load_staged, m)?)?;
+    m.add_function(wrap_pyfunction!(staged::release_staging, m)?)?;
     m.add_function(wrap_pyfunction!(_option_choices, m)?)?;
     m.add_function(wrap_pyfunction!(_option_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(_test_panic, m)?)?;

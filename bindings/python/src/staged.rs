@@ -3,6 +3,7 @@
 //! PyTorch) or, for the tests that run without a GPU, host memory.
 
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
@@ -11,6 +12,7 @@ use dmaload::{OpenFile, StagingRing};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::{
     detached, format_error, guard, header_object, os_error, report_object, run_cancellable, Opts, Progress,
@@ -142,41 +144,89 @@ fn host_target(buffer: &mut PyBuffer<u8>) -> Target<'_> {
     Target::Host(writable_bytes(buffer))
 }
 
+/// Staging rings kept between loads, at most one per device (`None`: the
+/// plain ring of host destinations): a model loaded shard by shard
+/// (`safe_open` per file, as frameworks do) pins its ring once, not once
+/// per file. A load takes the ring out, so two loads at once on one device
+/// each have their own; [`release_staging`] frees them.
+static KEPT_RINGS: Mutex<Vec<(Option<usize>, StagingRing)>> = Mutex::new(Vec::new());
+
+fn kept_rings() -> std::sync::MutexGuard<'static, Vec<(Option<usize>, StagingRing)>> {
+    // A ring is moved in or out whole: a panic elsewhere cannot leave one torn.
+    KEPT_RINGS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The kept ring of `ordinal` when it has this geometry, else a new one.
+fn take_ring(
+    ordinal: Option<usize>,
+    context: Option<&Context>,
+    slots: usize,
+    slot_size: usize,
+    chunk: usize,
+) -> std::io::Result<StagingRing> {
+    let kept = {
+        let mut rings = kept_rings();
+        let at = rings
+            .iter()
+            .position(|(device, ring)| *device == ordinal && ring.has_geometry(slots, slot_size, chunk));
+        at.map(|at| rings.swap_remove(at).1)
+    };
+    match (kept, context) {
+        (Some(ring), _) => Ok(ring),
+        (None, Some(ctx)) => StagingRing::pinned(ctx, slots, slot_size, chunk),
+        (None, None) => StagingRing::new(slots, slot_size, chunk),
+    }
+}
+
+/// Keeps `ring` for the next load on `ordinal`, in place of any other.
+fn keep_ring(ordinal: Option<usize>, ring: StagingRing) {
+    let replaced = {
+        let mut rings = kept_rings();
+        let old = rings.iter().position(|(device, _)| *device == ordinal).map(|at| rings.swap_remove(at));
+        rings.push((ordinal, ring));
+        old
+    };
+    // Unpinned and unmapped outside the lock.
+    drop(replaced);
+}
+
+/// Frees the staging rings kept for later loads; returns their bytes.
+#[pyfunction]
+pub fn release_staging(py: Python<'_>) -> PyResult<usize> {
+    let rings = std::mem::take(&mut *kept_rings());
+    let bytes = rings.iter().map(|(_, ring)| ring.len()).sum();
+    detached(py, move || drop(rings))?;
+    Ok(bytes)
+}
+
 /// Loads the data sections of `files` (one after another, through one
-/// staging ring of `slots` × `slot_size` bytes) into `targets`: device
+/// staging ring of `staging_slots` × `staging_slot_size` bytes, from
+/// `options`) into `targets`: device
 /// pointers (ints) on CUDA device `device`, or, when `device` is -1,
 /// writable buffer-protocol objects in host memory. Each destination holds
 /// `file.data_len` bytes. Returns the reports.
 #[pyfunction]
-#[pyo3(signature = (files, targets, device, *, slots=None, slot_size=None, engine=None, mode=None,
-                    chunk_size=None, queue_depth=None, threads=None, measure_page_cache=None,
-                    progress=None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (files, targets, device, *, options=None, progress=None))]
 pub fn _load_staged(
     py: Python<'_>,
     files: Vec<Py<SafetensorsFile>>,
     targets: Vec<Bound<'_, PyAny>>,
     device: i64,
-    slots: Option<usize>,
-    slot_size: Option<usize>,
-    engine: Option<String>,
-    mode: Option<String>,
-    chunk_size: Option<usize>,
-    queue_depth: Option<usize>,
-    threads: Option<usize>,
-    measure_page_cache: Option<bool>,
+    options: Option<Bound<'_, PyDict>>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Vec<Py<PyAny>>> {
     if files.len() != targets.len() {
         return Err(PyValueError::new_err("one destination per file is needed"));
     }
-    let slots = slots.unwrap_or(DEFAULT_SLOTS);
-    let slot_size = slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
-    let opts = Opts { engine, mode, chunk_size, queue_depth, threads, measure_page_cache, ..Opts::default() };
+    // The host memory's options do not apply: the ring is the memory.
+    let opts =
+        Opts { to: None, gather_size: None, populate_threads: None, ..Opts::from_dict(options.as_ref())? };
+    let slots = opts.staging_slots.unwrap_or(DEFAULT_SLOTS);
+    let slot_size = opts.staging_slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
     let mut options = opts.to_options()?;
     // One read per slot and every slot in flight, unless asked otherwise.
-    options.chunk_size = chunk_size.unwrap_or(slot_size);
-    options.queue_depth = queue_depth.unwrap_or(slots);
+    options.chunk_size = opts.chunk_size.unwrap_or(slot_size);
+    options.queue_depth = opts.queue_depth.unwrap_or(slots);
     let files: Vec<&SafetensorsFile> = files.iter().map(|f| f.get()).collect();
     let lens = files
         .iter()
@@ -216,14 +266,11 @@ pub fn _load_staged(
             Some(ctx) => unsafe { device_targets(ctx, &addresses, &lens) }?,
             None => host.iter_mut().map(host_target).collect(),
         };
-        let ring = match &context {
-            Some(ctx) => StagingRing::pinned(ctx, slots, slot_size, options.chunk_size),
-            None => StagingRing::new(slots, slot_size, options.chunk_size),
-        };
-        let mut ring = ring.map_err(|e| {
-            let path = files.first().map(|f| f.file.path()).unwrap_or(std::path::Path::new(""));
-            os_error(&dmaload::Error::io("allocate the staging ring", path, e))
-        })?;
+        let mut ring =
+            take_ring(ordinal, context.as_ref(), slots, slot_size, options.chunk_size).map_err(|e| {
+                let path = files.first().map(|f| f.file.path()).unwrap_or(std::path::Path::new(""));
+                os_error(&dmaload::Error::io("allocate the staging ring", path, e))
+            })?;
         let mut reports = Vec::with_capacity(files.len());
         for (file, target) in files.iter().zip(targets) {
             let mut options = options.clone();
@@ -243,8 +290,17 @@ pub fn _load_staged(
                     dmaload::load_open_to_sink(&file.file, offset, len, &mut ring, &mut sink, &options)
                 }
             };
-            reports.push(report.map_err(|e| os_error(&e))?);
+            match report {
+                Ok(report) => reports.push(report),
+                Err(err) => {
+                    // Every sink finished before the error came back: the
+                    // ring is idle and can serve the next load.
+                    keep_ring(ordinal, ring);
+                    return Err(os_error(&err));
+                }
+            }
         }
+        keep_ring(ordinal, ring);
         Ok(reports)
     })?;
     Progress::raised(relay.as_ref())?;

@@ -8,16 +8,6 @@ from pathlib import Path
 import pytest
 
 
-def evict(path: os.PathLike[str] | str) -> None:
-    """Drops a file from the page cache (fdatasync + POSIX_FADV_DONTNEED)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def write_random(path: Path, size: int, seed: int = 1) -> bytes:
     data = (
         os.urandom(0)

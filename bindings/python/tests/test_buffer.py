@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import gc
 import os
@@ -13,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import evict, write_random
+from conftest import write_random
 
 import dmaload
+from dmaload import evict
 
 
 def test_load_whole_file_bit_exact(data_file: tuple[Path, bytes]) -> None:
@@ -44,6 +46,45 @@ def test_load_range_unaligned(data_file: tuple[Path, bytes]) -> None:
             assert buf.report.offset == offset
     with dmaload.load_range(path, 1000) as buf:
         assert bytes(memoryview(buf)) == data[1000:]
+
+
+def test_load_from_a_descriptor_or_an_open_file(data_file: tuple[Path, bytes], tmp_path: Path) -> None:
+    path, data = data_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.lseek(fd, 1000, os.SEEK_SET)
+        seen: list[tuple[int, int]] = []
+        with dmaload.load(fd, progress=lambda done, total: seen.append((done, total))) as buf:
+            assert bytes(memoryview(buf)) == data
+            assert buf.path == os.fspath(path)  # named by the file, not by the descriptor
+        assert seen and seen[-1] == (len(data), len(data))
+        with dmaload.load_range(fd, 5, 100) as buf:
+            assert bytes(memoryview(buf)) == data[5:105]
+        # The caller's descriptor is untouched: same offset, no O_DIRECT.
+        assert os.lseek(fd, 0, os.SEEK_CUR) == 1000
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT == 0
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f, dmaload.load(f) as buf:
+        assert bytes(memoryview(buf)) == data
+    with pytest.raises(OSError) as e:
+        dmaload.load(fd)  # closed now
+    assert e.value.errno == errno.EBADF
+    with pytest.raises(OSError) as e:
+        dmaload.load(-1)
+    assert e.value.errno == errno.EBADF
+    with pytest.raises(TypeError):
+        dmaload.load(True)  # type: ignore[arg-type]
+    # A descriptor of a FIFO gets the same refusal as its path.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with pytest.raises(OSError) as e:
+            dmaload.load(rfd)
+        assert e.value.errno == errno.EINVAL and "FIFO" in str(e.value).upper(), e.value
+    finally:
+        os.close(rfd)
 
 
 def test_empty_file(tmp_path: Path) -> None:

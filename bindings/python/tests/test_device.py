@@ -17,7 +17,7 @@ import pytest
 
 import dmaload
 import dmaload.safetensors as dst
-from conftest import evict
+from dmaload import evict
 from dmaload.safetensors import _device
 
 torch = pytest.importorskip("torch")
@@ -146,7 +146,9 @@ def test_truncated_file_raises_and_returns_nothing(model: tuple[Path, dict[str, 
     with open(cut, "r+b") as f:
         f.truncate(len(data) - 100_000)  # after the header was read: mid-stream
     with pytest.raises(OSError) as info:
-        dmaload._dmaload._load_staged([file], [base.numpy()], -1, slots=2, slot_size=65536, chunk_size=16384)
+        dmaload._dmaload._load_staged(
+            [file], [base.numpy()], -1, options={"staging_slots": 2, "staging_slot_size": 65536, "chunk_size": 16384}
+        )
     assert str(cut) in str(info.value) and "offset" in str(info.value)
     # A header that promises more than the file holds is refused before reading.
     with pytest.raises(dmaload.SafetensorError):
@@ -228,3 +230,41 @@ def test_cuda_out_of_range_device_and_too_large_model(model: tuple[Path, dict[st
     host = torch.empty(file.data_len, dtype=torch.uint8)
     with pytest.raises(OSError):
         dmaload._dmaload._load_staged([file], [host.data_ptr()], 0)
+
+
+def test_the_staging_ring_is_kept_for_the_next_load(model: tuple[Path, dict[str, Any]]) -> None:
+    import threading
+
+    from dmaload.safetensors import release_staging
+
+    path, expected = model
+    release_staging()
+    _device.load_files([path], "cpu", None, dict(TINY_RING))
+    # Two slots of 64 KiB were kept; a load with another geometry replaces them.
+    assert release_staging() == 2 * (64 << 10)
+    assert release_staging() == 0
+    _device.load_files([path], "cpu", None, dict(TINY_RING))
+    _device.load_files([path], "cpu", None, {**TINY_RING, "staging_slots": 3})
+    assert release_staging() == 3 * (64 << 10)
+    # Loads at once: each has a ring of its own, all bytes right, one ring kept.
+    results: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            (file,) = _device.load_files([path], "cpu", None, dict(TINY_RING))
+            results.append({name: file.torch(name) for name in expected})
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(results) == 3
+    for tensors in results:
+        for name, want in expected.items():
+            _same(tensors[name], want, "cpu")
+    assert release_staging() == 2 * (64 << 10)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import evict
 
 import dmaload
+from dmaload import evict
 
 
 def test_bytearray_and_numpy_get_the_exact_bytes(data_file: tuple[Path, bytes]) -> None:
@@ -70,3 +70,13 @@ def test_a_failing_progress_callback_stops_the_load(data_file: tuple[Path, bytes
 
     with pytest.raises(KeyError):
         dmaload.load_into(path, bytearray(len(data)), progress=explode)
+
+
+def test_evict_drops_a_file_and_names_a_missing_one(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 64)
+    evict(path)  # the core's pagecache::evict: fdatasync, then DONTNEED
+    assert path.read_bytes() == bytes(range(256)) * 64
+    with pytest.raises(FileNotFoundError) as err:
+        evict(tmp_path / "missing")
+    assert "missing" in str(err.value)

@@ -116,11 +116,22 @@ def test_safetensors_loaders_take_device_not_a_device_destination(tmp_path: Path
     assert tensors["w"].tolist() == list(range(6))
 
 
-def test_staged_loads_drop_only_host_options() -> None:
-    kwargs = _options.native_kwargs(
-        {"to": "memfd", "gather_size": "1M", "populate_threads": 2, "staging_slots": 4, "chunk_size": "1M"}, staged=True
-    )
-    assert kwargs == {"slots": 4, "chunk_size": 1 << 20}
+def test_native_options_are_one_checked_dict(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    native = _options.native_options({"gather_size": "1M", "staging_slot_size": "64K", "engine": "read"})
+    assert native == {"gather_size": 1 << 20, "staging_slot_size": 64 << 10, "engine": "read"}
+    with pytest.raises(TypeError, match="unknown load option"):
+        _options.native_options({"gather": 1})
+    # The native side checks the names and types again, naming the option.
+    with pytest.raises(TypeError, match="unknown load option \"gather\""):
+        _dmaload.load(path, options={"gather": 1})
+    with pytest.raises(TypeError, match="load option queue_depth"):
+        _dmaload.load(path, options={"queue_depth": "deep"})
+    with pytest.raises(TypeError, match="takes no 'to'"):
+        dmaload.load_into(path, bytearray(10), to="memfd")  # type: ignore[call-arg]
+    # None is the default, and a host load ignores the staging ring.
+    with _dmaload.load(path, options={"engine": None, "staging_slots": 2}) as buf:
+        assert bytes(memoryview(buf)) == data
 
 
 def _python_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -5,18 +5,18 @@
 //! in-place load.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 use clap::Subcommand;
 use dmaload::memory::MemoryFacts;
-use dmaload::transfer::{MemoryType, TransferBuffer};
+use dmaload::share::process_cpu_seconds;
 use dmaload::{Engine, HostSink, IoMode, LoadOptions, MemoryKind, StagingRing};
+use dmaload_bench::fio;
+use dmaload_bench::transfer::{MemoryType, TransferBuffer};
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::benchkit::Spread;
-use crate::units::human_bytes;
+use crate::units::{human_bytes, parse_size};
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
@@ -32,6 +32,10 @@ pub enum BenchCommand {
         /// Skip fio even when it is installed.
         #[arg(long)]
         no_fio: bool,
+        /// Only the staged row and the in-place default it is held
+        /// against (no baseline, other engines or fio).
+        #[arg(long)]
+        staged_only: bool,
     },
     /// Seed 001's table: memory type × method × buffered/direct, both directions.
     Matrix(crate::bench_matrix::MatrixArgs),
@@ -47,6 +51,21 @@ pub enum BenchCommand {
     Cache(crate::bench_cache::CacheArgs),
     /// Seed 004's table: block passing (pipe read/write vs BlockQueue) per block size, capture vs fio.
     Stream(crate::bench_stream::StreamArgs),
+    /// fio's sequential O_DIRECT io_uring read of FILE (the ceiling `bench
+    /// load` compares with), cache evicted before each run: for scripts
+    /// (bench/peers.py) that need the same ceiling.
+    Fio {
+        file: PathBuf,
+        /// Bytes per request.
+        #[arg(long, value_parser = parse_size, default_value = "4M")]
+        block_size: u64,
+        /// Requests in flight; repeat the option for several runs.
+        #[arg(long = "iodepth", default_values_t = [16u32])]
+        iodepths: Vec<u32>,
+        /// Print one JSON object per run, one per line.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// A method under test.
@@ -98,6 +117,8 @@ struct Sample {
     /// Share of the buffer the kernel backed with huge pages
     /// (/proc/self/smaps, first round).
     huge_page_share: Option<f64>,
+    /// Time the delivery thread spent in the sink (staged loads).
+    deliver_seconds: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -115,7 +136,8 @@ struct Row {
     huge_page_share: Option<f64>,
     max_page_cache_residue: f64,
     ratio_to_fio_best: Option<f64>,
-    ratio_to_buffered: f64,
+    /// `None` without a baseline row (`--staged-only`).
+    ratio_to_buffered: Option<f64>,
     /// Median over the median of the default engine's in-place row.
     ratio_to_in_place_default: f64,
 }
@@ -140,8 +162,8 @@ struct Table {
 
 pub fn run(cmd: &BenchCommand) -> Result<(), String> {
     match cmd {
-        BenchCommand::Load { file, repeat, json, no_fio } => {
-            bench_load(file, (*repeat).max(1), *json, *no_fio)
+        BenchCommand::Load { file, repeat, json, no_fio, staged_only } => {
+            bench_load(file, (*repeat).max(1), *json, *no_fio, *staged_only)
         }
         BenchCommand::Matrix(args) => crate::bench_matrix::run(args),
         BenchCommand::Sizes(args) => crate::bench_sizes::run(args),
@@ -150,6 +172,9 @@ pub fn run(cmd: &BenchCommand) -> Result<(), String> {
         BenchCommand::Bind(args) => crate::bench_bind::run(args),
         BenchCommand::Cache(args) => crate::bench_cache::run(args),
         BenchCommand::Stream(args) => crate::bench_stream::run(args),
+        BenchCommand::Fio { file, block_size, iodepths, json } => {
+            bench_fio(file, *block_size, iodepths, *json)
+        }
     }
 }
 
@@ -184,6 +209,18 @@ fn residue(report: &dmaload::LoadReport) -> Result<f64, String> {
         .ok_or_else(|| format!("{}: the load did not measure the page cache", report.path.display()))
 }
 
+/// The staged row and the in-place default row it is held against.
+fn staged_methods() -> Vec<Method> {
+    vec![Method::Dmaload { name: in_place_default(), options: measured() }, staged_method()]
+}
+
+fn staged_method() -> Method {
+    Method::Staged {
+        name: format!("dmaload {} staging ring → host buffer", Engine::default().name()),
+        options: measured(),
+    }
+}
+
 fn methods(with_fio: bool, facts: &MemoryFacts, bytes: u64) -> Vec<Method> {
     let mut methods: Vec<Method> = Engine::ALL
         .into_iter()
@@ -204,10 +241,7 @@ fn methods(with_fio: bool, facts: &MemoryFacts, bytes: u64) -> Vec<Method> {
         name: format!("dmaload {} auto, no fd (dmaload load)", Engine::default().name()),
         options: LoadOptions { needs_fd: false, ..measured() },
     });
-    methods.push(Method::Staged {
-        name: format!("dmaload {} staging ring → host buffer", Engine::default().name()),
-        options: measured(),
-    });
+    methods.push(staged_method());
     methods.push(Method::Dmaload {
         name: BASELINE.into(),
         options: LoadOptions { engine: Engine::Read, mode: IoMode::Buffered, ..measured() },
@@ -224,12 +258,7 @@ fn methods(with_fio: bool, facts: &MemoryFacts, bytes: u64) -> Vec<Method> {
     methods
 }
 
-fn fio_version() -> Option<String> {
-    let out = Command::new("fio").arg("--version").output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
-
-fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<(), String> {
+fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only: bool) -> Result<(), String> {
     // The same checks as a load (no FIFO, device or pseudo-file), before any run.
     let opened = dmaload::source::open_for_reading(file).map_err(|e| e.to_string())?;
     let bytes = opened.metadata().map_err(|e| format!("stat {}: {e}", file.display()))?.len();
@@ -240,21 +269,22 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
         ));
     }
     let gib = bytes as f64 / (1u64 << 30) as f64;
-    let fio = if no_fio { None } else { fio_version() };
+    let fio = if no_fio || staged_only { None } else { fio::available() };
     let fio_note = match (&fio, no_fio) {
         (Some(v), _) => v.clone(),
         (None, true) => "skipped (--no-fio)".into(),
+        (None, false) if staged_only => "skipped (--staged-only)".into(),
         (None, false) => "not installed (apt-get install fio): no ceiling row".into(),
     };
     let facts = MemoryFacts::read();
-    let methods = methods(fio.is_some(), &facts, bytes);
+    let methods = if staged_only { staged_methods() } else { methods(fio.is_some(), &facts, bytes) };
     let settle = facts.free_page_reporting;
     // Populated once and reused by every staged run, as a ring is meant to
     // be; each run allocates its own destination.
     let mut ring = staging_ring()?;
     let staging = format!(
         "ring of {} slots x {} populated once before the runs; each run allocates a fresh {} memfd \
-         destination, populated slot by slot as the sink delivers (timed)",
+         destination, populated by the sink's threads ahead of its deliveries (timed)",
         ring.slots(),
         human_bytes(ring.slot_len() as u64),
         human_bytes(bytes),
@@ -267,7 +297,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
         for i in (0..methods.len()).map(|k| (k + round) % methods.len()) {
             let method = &methods[i];
             eprintln!("bench: round {}/{repeat}: {}", round + 1, method.name());
-            dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
+            crate::benchkit::evict(file)?;
             if settle {
                 // Memory as a load after idle meets it: handed back to the
                 // host, not warm from the run before (which would favour
@@ -302,6 +332,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
                         drop_seconds: Some(drop_seconds),
                         freed_seconds: Some(dropped.elapsed().as_secs_f64()),
                         huge_page_share,
+                        deliver_seconds: None,
                     }
                 }
                 Method::Staged { name, options } => {
@@ -316,7 +347,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             samples[i].push(sample);
         }
     }
-    dmaload::pagecache::evict(file).map_err(|e| e.to_string())?;
+    crate::benchkit::evict(file)?;
 
     let spread = |v: &[Sample], f: fn(&Sample) -> f64| Spread::of(&v.iter().map(f).collect::<Vec<_>>());
     let median = |v: &[Sample], f: fn(&Sample) -> f64| spread(v, f).median;
@@ -327,8 +358,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
         .filter(|(m, _)| matches!(m, Method::Fio { .. }))
         .map(|(_, &v)| v)
         .fold(None, |best: Option<f64>, v| Some(best.map_or(v, |b| b.max(v))));
-    let baseline_index = methods.iter().position(|m| m.name() == BASELINE).expect("baseline row");
-    let buffered = medians[baseline_index];
+    let buffered = methods.iter().position(|m| m.name() == BASELINE).map(|i| medians[i]);
     let default_index =
         methods.iter().position(|m| m.name() == in_place_default()).expect("in-place default row");
     let in_place = medians[default_index];
@@ -353,7 +383,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool) -> Result<()
             huge_page_share: samples.iter().find_map(|x| x.huge_page_share),
             max_page_cache_residue: samples.iter().map(|s| s.page_cache_residue).fold(0.0, f64::max),
             ratio_to_fio_best: fio_best.map(|best| med / best),
-            ratio_to_buffered: med / buffered,
+            ratio_to_buffered: buffered.map(|buffered| med / buffered),
             ratio_to_in_place_default: med / in_place,
             samples,
         })
@@ -416,8 +446,9 @@ fn print_table(t: &Table) {
     let dash = || "–".to_owned();
     for r in &t.rows {
         let fio = r.ratio_to_fio_best.map_or_else(dash, |x| format!("{x:.2}"));
+        let buffered = r.ratio_to_buffered.map_or_else(dash, |x| format!("{x:.2}"));
         println!(
-            "| {} | {:.2} | {:.2}–{:.2} | {:.3} | {} | {} | {} | {:.1}% | {} | {:.2} | {:.2} |",
+            "| {} | {:.2} | {:.2}–{:.2} | {:.3} | {} | {} | {} | {:.1}% | {} | {} | {:.2} |",
             r.method,
             r.median_gib_per_second,
             r.min_gib_per_second,
@@ -428,16 +459,16 @@ fn print_table(t: &Table) {
             r.median_freed_seconds.map_or_else(dash, |x| format!("{x:.3}")),
             r.max_page_cache_residue * 100.0,
             fio,
-            r.ratio_to_buffered,
+            buffered,
             r.ratio_to_in_place_default
         );
     }
 }
 
 /// One staged run: a fresh memfd destination of the file's size (the
-/// in-place default's memory kind), not populated: the `HostSink`
-/// populates each slot's part of it as it delivers, beside the reads, as
-/// the in-place load populates beside its reads. Timed from before the
+/// in-place default's memory kind), not populated: the `HostSink`'s
+/// threads populate it ahead of the deliveries, beside the reads, as the
+/// in-place load populates beside its reads. Timed from before the
 /// allocation to the last byte delivered, as an in-place load's report
 /// times its allocation and reads. With `hash`, also the xxh3 of the
 /// destination.
@@ -449,7 +480,7 @@ fn run_staged(
     hash: bool,
 ) -> Result<(Sample, Option<u64>), String> {
     let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes do not fit in memory"))?;
-    let cpu_before = process_cpu_seconds()?;
+    let cpu_before = process_cpu_seconds().map_err(|e| e.to_string())?;
     let started = Instant::now();
     let mut dst = TransferBuffer::new(MemoryType::Memfd, len).map_err(|e| e.to_string())?;
     let report = dst
@@ -458,7 +489,7 @@ fn run_staged(
         .map_err(|e| e.to_string())?;
     let seconds = started.elapsed().as_secs_f64();
     // The populating threads' CPU too, which the load's report leaves out.
-    let cpu = process_cpu_seconds()? - cpu_before;
+    let cpu = process_cpu_seconds().map_err(|e| e.to_string())? - cpu_before;
     let digest = if hash {
         Some(dst.with_bytes(xxhash_rust::xxh3::xxh3_64).map_err(|e| e.to_string())?)
     } else {
@@ -472,63 +503,63 @@ fn run_staged(
         drop_seconds: None,
         freed_seconds: None,
         huge_page_share: None,
+        deliver_seconds: Some(report.deliver_seconds),
     };
     Ok((sample, digest))
 }
 
-/// User + system CPU seconds of this process so far, every thread's
-/// (joined ones included): `/proc/self/stat` fields 14 and 15, in the
-/// kernel's fixed USER_HZ of 100 ticks per second.
-fn process_cpu_seconds() -> Result<f64, String> {
-    let stat =
-        std::fs::read_to_string("/proc/self/stat").map_err(|e| format!("read /proc/self/stat: {e}"))?;
-    // Fields after the command name, which may hold spaces: state is field 3.
-    let fields: Vec<&str> =
-        stat.rsplit_once(')').map_or(vec![], |(_, rest)| rest.split_whitespace().collect());
-    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
-    match (field(14), field(15)) {
-        (Some(user), Some(system)) => Ok((user + system) as f64 / 100.0),
-        _ => Err(format!("unexpected /proc/self/stat: {stat}")),
+/// `dmaload bench fio`: one cold fio read per queue depth.
+fn bench_fio(file: &Path, block_size: u64, iodepths: &[u32], json: bool) -> Result<(), String> {
+    fio::available().ok_or("fio is not installed (apt-get install fio)")?;
+    for &iodepth in iodepths {
+        crate::benchkit::evict(file)?;
+        let job = fio::Job { rw: fio::Rw::Read, file, block_size, iodepth, size: None, huge_buffers: false };
+        let done = fio::run(&job)?;
+        let gib_per_second = done.bytes as f64 / (1u64 << 30) as f64 / done.io_seconds.max(1e-9);
+        if json {
+            let row = serde_json::json!({
+                "block_size": block_size,
+                "iodepth": iodepth,
+                "bytes": done.bytes,
+                "seconds": done.io_seconds,
+                "cpu_percent": done.cpu_percent,
+                "gib_per_second": gib_per_second,
+            });
+            println!("{row}");
+        } else {
+            println!(
+                "fio io_uring direct bs={} qd={iodepth}: {gib_per_second:.2} GiB/s, {:.3} s, CPU {:.0}%",
+                human_bytes(block_size),
+                done.io_seconds,
+                done.cpu_percent
+            );
+        }
     }
+    crate::benchkit::evict(file)
 }
 
 /// One fio run: sequential O_DIRECT io_uring reads of the whole file with
 /// registered buffers and files, the same kind of I/O as the default engine
 /// but into one small reused buffer (so it pays no allocation).
 fn run_fio(file: &Path, block_size: &str, iodepth: u32, huge: bool, gib: f64) -> Result<Sample, String> {
-    let out = Command::new("fio")
-        .args([
-            "--name=ceiling",
-            "--rw=read",
-            "--ioengine=io_uring",
-            "--direct=1",
-            "--fixedbufs",
-            "--registerfiles",
-        ])
-        .arg(format!("--filename={}", file.display()))
-        .arg(format!("--bs={block_size}"))
-        .arg(format!("--iodepth={iodepth}"))
-        .arg(format!("--iomem={}", if huge { "shmhuge" } else { "malloc" }))
-        .arg("--output-format=json")
-        .output()
-        .map_err(|e| format!("running fio: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("fio failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
-    }
-    let report: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("parsing fio JSON: {e}"))?;
-    let job = &report["jobs"][0];
-    let field = |v: &Value| v.as_f64().ok_or_else(|| format!("fio JSON lacks a field: {job}"));
-    let read_bytes = field(&job["read"]["io_bytes"])?;
-    let runtime_s = field(&job["read"]["runtime"])? / 1000.0;
-    let cpu_percent = field(&job["usr_cpu"])? + field(&job["sys_cpu"])?;
+    let job = fio::Job {
+        rw: fio::Rw::Read,
+        file,
+        block_size: parse_size(block_size)?,
+        iodepth,
+        size: None,
+        huge_buffers: huge,
+    };
+    let done = fio::run(&job)?;
     let residue = dmaload::pagecache::residency(file).map_err(|e| e.to_string())?.fraction;
-    let read_gib = read_bytes / (1u64 << 30) as f64;
+    let read_gib = done.bytes as f64 / (1u64 << 30) as f64;
     Ok(Sample {
-        gib_per_second: read_gib / runtime_s.max(1e-9),
-        cpu_seconds_per_gib: cpu_percent / 100.0 * runtime_s / gib.max(1e-12),
+        gib_per_second: read_gib / done.io_seconds.max(1e-9),
+        cpu_seconds_per_gib: done.cpu_percent / 100.0 * done.io_seconds / gib.max(1e-12),
         page_cache_residue: residue,
         drop_seconds: None,
         freed_seconds: None,
         huge_page_share: None,
+        deliver_seconds: None,
     })
 }

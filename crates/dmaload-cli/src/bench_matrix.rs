@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
-use dmaload::transfer::{
+use dmaload_bench::transfer::{
     transfer, Direction, MemoryType, Method, TransferBuffer, TransferFile, TransferOptions,
 };
 use serde::Serialize;

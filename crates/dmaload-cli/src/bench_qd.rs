@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use dmaload::iops::{random_reads, RandomReadOptions, RandomReadStats};
+use dmaload_bench::iops::{random_reads, RandomReadOptions, RandomReadStats};
 use serde::Serialize;
 
 use crate::benchkit::{self, Spread};

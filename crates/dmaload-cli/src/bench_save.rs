@@ -4,11 +4,11 @@
 //! size to the same directory with a closing fsync, interleaved.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use clap::Args;
-use dmaload::transfer::{MemoryType, TransferBuffer};
 use dmaload::{Engine, IoMode, SaveOptions};
+use dmaload_bench::fio;
+use dmaload_bench::transfer::{MemoryType, TransferBuffer};
 use serde::Serialize;
 
 use crate::benchkit::{self, Spread};
@@ -67,41 +67,26 @@ struct Table {
     rows: Vec<Row>,
 }
 
-pub(crate) fn fio_available() -> Option<String> {
-    let out = Command::new("fio").arg("--version").output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
-
 /// One fio run: fio's own job runtime (its closing fsync included, its
 /// start-up and file layout not).
 pub(crate) fn fio_write(target: &Path, size: u64) -> Result<f64, String> {
-    let out = Command::new("fio")
-        .args(["--name=save", "--rw=write", "--ioengine=io_uring", "--direct=1", "--iodepth=16"])
+    let job = fio::Job {
+        rw: fio::Rw::Write,
+        file: target,
         // fio refuses a block larger than the file: tiny CI sizes use the size.
-        .arg(format!("--bs={}", size.clamp(4096, 4 << 20) / 4096 * 4096))
-        .args(["--fixedbufs", "--registerfiles", "--end_fsync=1", "--output-format=json"])
-        .arg(format!("--size={size}"))
-        .arg(format!("--filename={}", target.display()))
-        .output()
-        .map_err(|e| format!("running fio: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("fio failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
-    }
-    let report: serde_json::Value =
-        serde_json::from_slice(&out.stdout).map_err(|e| format!("parsing fio JSON: {e}"))?;
-    let job = &report["jobs"][0];
-    let ms = job["job_runtime"].as_f64().ok_or_else(|| format!("fio JSON lacks job_runtime: {job}"))?;
-    if job["write"]["io_bytes"].as_u64() != Some(size) {
-        return Err(format!("fio wrote {} bytes, not {size}", job["write"]["io_bytes"]));
-    }
-    Ok(ms / 1e3)
+        block_size: size.clamp(4096, 4 << 20) / 4096 * 4096,
+        iodepth: 16,
+        size: Some(size),
+        huge_buffers: false,
+    };
+    Ok(fio::run(&job)?.job_seconds)
 }
 
 pub fn run(args: &SaveBenchArgs) -> Result<(), String> {
     let dir = args.dir.clone().unwrap_or_else(benchkit::default_dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
     let size = args.size;
-    let fio = if args.no_fio { None } else { fio_available() };
+    let fio = if args.no_fio { None } else { fio::available() };
     let mut ways = vec![
         Way::Save(
             "save, buffered write() (baseline)",

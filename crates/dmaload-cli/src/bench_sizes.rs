@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
-use dmaload::transfer::{
+use dmaload::LoadOptions;
+use dmaload_bench::transfer::{
     transfer, Direction, MemoryType, Method, TransferBuffer, TransferFile, TransferOptions,
 };
-use dmaload::LoadOptions;
 use serde::Serialize;
 
 use crate::benchkit::{self, Spread};

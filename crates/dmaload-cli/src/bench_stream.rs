@@ -24,7 +24,7 @@ use dmaload::share::{
 };
 use serde::Serialize;
 
-use crate::bench_save::{fio_available, fio_write};
+use crate::bench_save::fio_write;
 use crate::benchkit::Spread;
 use crate::plot;
 use crate::units::{human_bytes, Size};
@@ -144,7 +144,7 @@ pub fn run(args: &StreamArgs) -> Result<(), String> {
             speedup: queue_mib / fileio_mib.max(1e-9),
         });
     }
-    let fio = if args.no_fio { None } else { fio_available() };
+    let fio = if args.no_fio { None } else { dmaload_bench::fio::available() };
     let capture =
         if args.capture_bytes.0 > 0 { Some(capture_rows(args, repeat, fio.is_some())?) } else { None };
     let table = Table {

@@ -71,6 +71,12 @@ enum Command {
     /// Stream blocks from a source to a file through a block queue between
     /// two processes (the producer is this program run again).
     Capture(capture::CaptureCommand),
+    /// Drop files from the page cache (fdatasync, then POSIX_FADV_DONTNEED;
+    /// no root needed), so the next read of each comes from the device.
+    Evict {
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
     /// Benchmarks, with baselines run side by side in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -283,6 +289,7 @@ fn main() -> ExitCode {
         Command::Copy(cmd) => save_cmd::copy(cmd),
         Command::Serve(args) => serve::run(args),
         Command::Capture(cmd) => capture::run(cmd),
+        Command::Evict { files } => files.iter().try_for_each(|file| benchkit::evict(file)),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -6,8 +6,8 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use dmaload::transfer::{MemoryType, TransferBuffer};
 use dmaload::{Engine, IoMode, SaveOptions, SaveReport};
+use dmaload_bench::transfer::{MemoryType, TransferBuffer};
 use serde::Serialize;
 
 use crate::output::{cache_description, load_text};

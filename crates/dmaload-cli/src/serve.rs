@@ -73,11 +73,14 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
         log: Arc::new(|line| eprintln!("dmaload serve: {line}")),
     };
     let service = Service::bind(config).map_err(|e| e.to_string())?;
+    let status = service.status();
     eprintln!(
-        "dmaload serve: pid {} listening on {} (memory limit {}); Ctrl-C or SIGTERM stops",
+        "dmaload serve: pid {} listening on {} (memory limit {}, {} memory: {}); Ctrl-C or SIGTERM stops",
         std::process::id(),
         service.socket().display(),
-        human_bytes(args.memory_limit)
+        human_bytes(args.memory_limit),
+        status.memory_kind,
+        status.memory_reason
     );
     service.run(stop.as_fd()).map_err(|e| e.to_string())?;
     if let Ok(Some(signal)) = stop.take() {
@@ -91,10 +94,12 @@ fn status_text(s: &Status) -> String {
     let _ = writeln!(out, "service   pid {} on {}", s.pid, s.socket.display());
     let _ = writeln!(
         out,
-        "memory    {} of {} in {} files",
+        "memory    {} of {} in {} files, {} ({})",
         human_bytes(s.memory_used),
         human_bytes(s.memory_limit),
-        s.files_cached
+        s.files_cached,
+        s.memory_kind,
+        s.memory_reason
     );
     let _ = writeln!(
         out,

@@ -434,3 +434,77 @@ fn bench_load_emits_a_table_with_every_engine_and_the_baseline() {
     assert!(markdown.contains("| method |") && markdown.contains("× buffered"), "{markdown}");
     assert!(markdown.contains("× in-place default") && markdown.contains("staging ring → host buffer"));
 }
+
+#[test]
+fn bench_load_staged_only_runs_the_staged_row_and_its_in_place_default() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", (4 << 20) + 1);
+    let out = dmaload()
+        .args(["bench", "load", "--repeat", "1", "--json", "--staged-only"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let table = json_of(&out);
+    let rows = table["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
+    assert_eq!(names, ["dmaload uring-fixed", "dmaload uring-fixed staging ring → host buffer"]);
+    assert!(table["fio"].as_str().unwrap().contains("--staged-only"), "{table}");
+    for row in rows {
+        assert!(row["ratio_to_buffered"].is_null(), "no baseline row: {row}");
+        assert_eq!(row["samples"].as_array().unwrap().len(), 1);
+    }
+    // The delivery thread's time, for the staged row only.
+    assert!(rows[1]["samples"][0]["deliver_seconds"].as_f64().unwrap() > 0.0);
+    assert!(rows[0]["samples"][0]["deliver_seconds"].is_null());
+}
+
+#[test]
+fn evict_makes_the_next_load_read_the_device() {
+    let test = "evict_makes_the_next_load_read_the_device";
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 4 << 20);
+    // A direct load leaves the page cache as it found it, and reports how
+    // much of the file the cache holds afterwards.
+    let cached = |args: &[&str]| {
+        let report = json_of(&dmaload().arg("load").arg("--json").args(args).arg(&path).output().unwrap());
+        (report["cache"].as_str().unwrap().to_owned(), report["page_cache"]["fraction"].as_f64().unwrap())
+    };
+    assert_eq!(cached(&["--mode", "buffered"]).1, 1.0);
+    let (cache, fraction) = cached(&[]);
+    if cache != "bypass" {
+        return skip(test, &format!("no direct I/O here (cache {cache})"));
+    }
+    assert_eq!(fraction, 1.0, "a direct load does not evict");
+    let out = dmaload().arg("evict").arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(cached(&[]), ("bypass".to_owned(), 0.0));
+    let out = dmaload().arg("evict").arg(&path).arg(dir.path().join("missing")).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("missing"), "{out:?}");
+}
+
+#[test]
+fn bench_fio_reads_the_whole_file_once_per_depth() {
+    let test = "bench_fio_reads_the_whole_file_once_per_depth";
+    if !have("fio") {
+        return skip(test, "fio is not installed");
+    }
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 1 << 20);
+    let out = dmaload()
+        .args(["bench", "fio", "--block-size", "64K", "--iodepth", "2", "--iodepth", "4", "--json"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    if !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("direct") {
+        return skip(test, &format!("no O_DIRECT here: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.iter().map(|r| r["iodepth"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 4]);
+    for row in &rows {
+        assert_eq!(row["bytes"], 1 << 20, "{row}");
+        assert!(row["gib_per_second"].as_f64().unwrap() > 0.0, "{row}");
+    }
+}

@@ -259,9 +259,11 @@ impl Buffer {
     /// [`Buffer::memfd`] seals it) and where the bytes are in it: what the
     /// cache service keeps of a load.
     pub(crate) fn into_sealed_memfd(self) -> std::io::Result<(OwnedFd, Range<usize>)> {
-        let Buffer { mapping, memfd, data, .. } = self;
-        // Unmapped first: no writable shared mapping outlives the seals.
-        drop(mapping);
+        let Buffer { mut mapping, memfd, data, .. } = self;
+        // Unmapped first, here and not by the background thread: no
+        // writable shared mapping outlives the seals, and a client mapping
+        // the memfd right after does not wait for the unmapping of its pages.
+        mapping.unmap_now();
         let memfd = memfd.ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::InvalidInput, "anonymous memory has no memfd to share")
         })?;

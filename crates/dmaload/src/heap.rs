@@ -143,6 +143,16 @@ impl Allocation {
     }
 }
 
+/// Allocates every page under `bytes` now, content kept (`MADV_POPULATE_WRITE`
+/// on `threads` threads, each an equal share; pages only partly inside
+/// `bytes` are left alone), so that reading into them later never faults:
+/// what a load does to its buffer before its reads, for memory the caller
+/// brings (a load into it with [`crate::load_into`] populates it itself).
+pub fn populate(bytes: &mut [u8], threads: usize) -> io::Result<()> {
+    let len = bytes.len();
+    crate::pipeline::populate_range(mem::MappingWriter::over(bytes), 0..len, threads)
+}
+
 /// Bytes of dropped buffers (and other mappings of 64 MiB or more) that a
 /// background thread is still unmapping: dropping a large [`Buffer`]
 /// returns at once, and the pages go back to the system a moment later.
@@ -371,6 +381,24 @@ impl DmaHeap {
             .map_err(|e| Error::io("dma-heap alloc", &self.path, e))?;
         Ok(DmaBuf { fd, len })
     }
+}
+
+/// Exports `len` bytes of a memfd the caller made, from `offset` (both
+/// page-aligned; the memfd sealed `F_SEAL_SHRINK`), as a dma-buf with
+/// udmabuf, without copying; see [`udmabuf_export`] for the limits.
+/// Whatever imports the dma-buf may write the memfd's pages, so a memfd
+/// sealed against writes (`F_SEAL_FUTURE_WRITE`: the one behind a
+/// [`Buffer`] once [`Buffer::memfd`] handed it out, whose bytes the buffer
+/// lends as `&[u8]`) is refused: export a buffer with [`Buffer::into_dmabuf`].
+pub fn udmabuf_from_memfd(memfd: BorrowedFd<'_>, offset: u64, len: u64) -> Result<DmaBuf> {
+    let path = Path::new("memfd");
+    let seals = mem::seals(memfd).map_err(|e| Error::io("F_GET_SEALS", path, e))?;
+    if seals.contains(mem::Seals::FUTURE_WRITE) {
+        let why = "the memfd is sealed against writes (a buffer's shared memfd): export the buffer \
+                   itself with Buffer::into_dmabuf";
+        return Err(Error::new(ErrorKind::InvalidInput, "udmabuf create", path, why));
+    }
+    udmabuf_export(&[(memfd, offset, len)])
 }
 
 /// Exports ranges of memfds (sealed `F_SEAL_SHRINK`, offsets and sizes

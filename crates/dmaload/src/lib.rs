@@ -19,7 +19,6 @@ pub mod error;
 pub mod format;
 pub mod heap;
 mod into;
-pub mod iops;
 pub mod load;
 pub mod many;
 pub mod memory;
@@ -35,7 +34,6 @@ pub mod source;
 #[allow(unsafe_code)]
 mod sys;
 pub mod system;
-pub mod transfer;
 pub mod vm;
 
 pub use buffer::{Buffer, Segment};
@@ -46,8 +44,8 @@ pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
 pub use into::{load_into, load_open_into};
 pub use load::{
-    load, load_fd, load_from, load_open_to_sink, load_range, load_to_sink, Destination, Fallback, IoMode,
-    LoadOptions, LoadReport,
+    load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to_sink, Destination, Fallback,
+    IoMode, LoadOptions, LoadReport,
 };
 pub use many::{load_many, load_many_safetensors};
 pub use save::{save, SaveOptions, SaveReport};

@@ -74,8 +74,22 @@ pub fn load_fd(
 ) -> Result<(Buffer, LoadReport)> {
     validate(Path::new("fd"), options)?;
     check_host(Path::new("fd"), options)?;
-    let (source, path) = Source::from_fd(fd)?;
-    load_source(&source, &path, offset, len, options)
+    load_open(&OpenFile::from_fd(fd)?, offset, len, options)
+}
+
+/// Loads `len` bytes (to the end when `None`) from `offset` of a file
+/// already opened once with [`OpenFile`] (by path or from a caller's fd),
+/// for a caller that looked at the open file first (its length, a
+/// header): the bytes come from that same open file.
+pub fn load_open(
+    file: &OpenFile,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<(Buffer, LoadReport)> {
+    validate(file.path(), options)?;
+    check_host(file.path(), options)?;
+    load_source(file.source(), file.path(), offset, len, options)
 }
 
 fn load_impl(

@@ -46,6 +46,9 @@ pub struct MemoryFacts {
     pub kernel: String,
     /// The figures `dmaload info --probe-memory` recorded, if any.
     pub probe: Option<MemoryProbe>,
+    /// Why recorded figures exist but could not be read (`auto` then goes
+    /// by rule, and says so).
+    pub probe_error: Option<String>,
 }
 
 /// The kind `auto` chose, and why, in words for a report.
@@ -61,6 +64,11 @@ impl MemoryFacts {
     pub fn read() -> MemoryFacts {
         let meminfo = fs::read_to_string("/proc/meminfo").unwrap_or_default();
         let count = |name: &str| meminfo_number(&meminfo, name).unwrap_or(0);
+        let recorded = probe_path().map(|path| MemoryProbe::load(&path)).transpose();
+        let (probe, probe_error) = match recorded {
+            Ok(probe) => (probe.flatten(), None),
+            Err(err) => (None, Some(err.to_string())),
+        };
         MemoryFacts {
             thp_anonymous: bracketed_choice(THP_ANONYMOUS),
             thp_shmem: bracketed_choice(THP_SHMEM),
@@ -70,7 +78,8 @@ impl MemoryFacts {
             free_page_reporting: crate::system::free_page_reporting().is_some(),
             file_size_limit: sys::process::file_size_limit().ok().flatten(),
             kernel: sys::process::kernel_release().unwrap_or_default(),
-            probe: probe_path().and_then(|path| MemoryProbe::load(&path).ok().flatten()),
+            probe,
+            probe_error,
         }
     }
 
@@ -141,7 +150,12 @@ impl MemoryFacts {
     /// hugetlb pool is never reported, so it stays.
     pub fn choose(&self, len: u64, needs_fd: bool) -> MemoryChoice {
         let usable = |kind: MemoryKind| (kind.has_fd() || !needs_fd) && self.can_give(kind, len).is_ok();
-        let mut stale = String::new();
+        let mut stale = match &self.probe_error {
+            Some(err) => format!(
+                " (recorded probe figures unreadable: {err}; `dmaload info --probe-memory` records them anew)"
+            ),
+            None => String::new(),
+        };
         if let Some(probe) = &self.probe {
             match probe.matches(self) {
                 Ok(()) => {
@@ -223,6 +237,38 @@ impl MemoryFacts {
             )
         };
         MemoryChoice { kind, reason: reason + &stale }
+    }
+
+    /// The kind for memory filled once and then mapped by many processes
+    /// (the cache service's files): a memfd with 2 MiB pages whenever the
+    /// shmem THP policy gives them, else a 4 KiB memfd. Unlike
+    /// [`Self::choose`], the cost to populate does not decide (nor does
+    /// free page reporting): a page is populated once but faulted into
+    /// every client, and a client's first pass over 4 KiB pages costs about
+    /// 25 times what it costs over 2 MiB ones (110 against 4 ms per GiB on
+    /// the development VM). Never hugetlb: each client's private
+    /// copy-on-write mapping of a hugetlb memfd reserves the whole size in
+    /// the pool again, so a pool sized for the cache would refuse clients.
+    pub fn choose_shared(&self) -> MemoryChoice {
+        let shmem = self.thp_shmem.as_deref().unwrap_or("absent");
+        if self.huge_pages(MemoryKind::MemfdHuge) {
+            MemoryChoice {
+                kind: MemoryKind::MemfdHuge,
+                reason: format!(
+                    "shmem_enabled is {shmem}: cached files get 2 MiB pages, which each client maps with a \
+                     fault per 2 MiB"
+                ),
+            }
+        } else {
+            MemoryChoice {
+                kind: MemoryKind::Memfd,
+                reason: format!(
+                    "shmem_enabled is {shmem}, so cached files get 4 KiB pages, and each client's first pass \
+                     over a file faults every 16 pages (about 25 times the cost of 2 MiB pages); as root, \
+                     `{SHMEM_HUGE_PAGES_HINT}` gives them 2 MiB pages"
+                ),
+            }
+        }
     }
 }
 
@@ -441,6 +487,7 @@ mod tests {
             file_size_limit: None,
             kernel: "6.18.0".into(),
             probe: None,
+            probe_error: None,
         }
     }
 
@@ -469,6 +516,37 @@ mod tests {
         }
         let none = MemoryFacts::default().choose(GIB, false);
         assert_eq!(none.kind, MemoryKind::Memfd, "{}", none.reason);
+    }
+
+    #[test]
+    fn shared_memory_takes_huge_memfds_whenever_the_policy_allows_and_never_hugetlb() {
+        for (shmem, reporting, want) in [
+            ("advise", false, MemoryKind::MemfdHuge),
+            ("within_size", true, MemoryKind::MemfdHuge),
+            ("never", false, MemoryKind::Memfd),
+            ("deny", true, MemoryKind::Memfd),
+        ] {
+            let mut f = MemoryFacts { free_page_reporting: reporting, ..facts("madvise", shmem, 4096) };
+            // A probe saying 4 KiB pages populate faster does not decide here.
+            f.probe =
+                Some(probe_of(&f, &[(MemoryKind::Memfd, Some(0.1)), (MemoryKind::MemfdHuge, Some(0.9))]));
+            let choice = f.choose_shared();
+            assert_eq!(choice.kind, want, "{shmem} {reporting}: {}", choice.reason);
+            if want == MemoryKind::Memfd {
+                assert!(choice.reason.contains(SHMEM_HUGE_PAGES_HINT), "{}", choice.reason);
+            }
+        }
+    }
+
+    #[test]
+    fn unreadable_probe_figures_are_said_not_ignored() {
+        let f = MemoryFacts {
+            probe_error: Some("probe.json: expected value".into()),
+            ..facts("never", "never", 0)
+        };
+        let choice = f.choose(GIB, true);
+        assert_eq!(choice.kind, MemoryKind::Memfd);
+        assert!(choice.reason.contains("unreadable: probe.json: expected value"), "{}", choice.reason);
     }
 
     #[test]

@@ -276,7 +276,8 @@ pub struct LoadOptions {
     /// Threads of the pread-pool engine.
     pub threads: usize,
     /// Threads that populate (allocate and zero) each gather ahead of the
-    /// I/O; page zeroing is CPU-bound, so more threads hide more of it.
+    /// I/O, or a [`crate::HostSink`]'s destination ahead of its copies;
+    /// page zeroing is CPU-bound, so more threads hide more of it.
     pub populate_threads: usize,
     /// Measure, after the load, how much of the range is in the page cache
     /// ([`crate::LoadReport::page_cache`]): `mmap` of the whole range, then

@@ -229,6 +229,8 @@ pub(crate) struct DeliverTimes {
     pub register: Duration,
     /// Handing filled slots to the sink and waiting for it to release them.
     pub deliver: Duration,
+    /// What the sink could not do beside its deliveries as it meant to.
+    pub fallbacks: Vec<Fallback>,
 }
 
 /// Reads the plan's range through `ring`'s staging slots into `sink`: the
@@ -251,34 +253,40 @@ pub(crate) fn fill_staged(
     let sink = std::sync::Mutex::new(sink);
     let feed = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
         let mut sink = sink.lock().unwrap_or_else(|p| p.into_inner());
-        feed_sink(path, dst, registrar, plan, (ring_slots, slot_len), gate, &mut **sink)
+        let slots = (ring_slots, slot_len);
+        feed_sink(path, dst, registrar, plan, slots, options.populate_threads, gate, &mut **sink)
     };
     let (run, fed) = run_pipeline(path, setup, plan, len, options, dst, layout, feed);
     let finished = sink.into_inner().unwrap_or_else(|p| p.into_inner()).finish();
     // The sink's own error is the cause; the engine only saw it stop.
-    let times = match fed {
+    let mut times = match fed {
         Some(fed) => fed?,
         None => {
             run?;
             return Err(Error::new(ErrorKind::Io, "deliver", path, "the delivery thread stopped"));
         }
     };
-    let run = run?;
+    let mut run = run?;
     finished.map_err(|e| Error::io("finish delivery", path, e))?;
+    run.fallbacks.append(&mut times.fallbacks);
     Ok((run, times))
 }
 
 /// The helper thread of a staged load: registers the slots, lets the
-/// engine read into all of them, then hands each filled gather to the sink
-/// and the slot of the one before it back to the engine (one behind, so
-/// the sink's copy of a slot overlaps with waiting for the next). Fails
-/// only with the sink's own errors; it stops quietly when the engine does.
+/// engine read into all of them, then has the sink run (with up to
+/// `threads` threads of its own beside, see [`Sink::feed`]) the loop that
+/// hands it each filled gather and the slot of the one before it back to
+/// the engine (one behind, so the sink's copy of a slot overlaps with
+/// waiting for the next). Fails only with the sink's own errors; it stops
+/// quietly when the engine does.
+#[allow(clippy::too_many_arguments)]
 fn feed_sink(
     path: &Path,
     dst: MappingWriter<'_>,
     registrar: Option<Registrar<MappingWriter<'_>>>,
     plan: &Plan,
     (slots, slot_len): (usize, usize),
+    threads: usize,
     gate: &Gate,
     sink: &mut dyn Sink,
 ) -> Result<DeliverTimes> {
@@ -304,22 +312,32 @@ fn feed_sink(
         gate.cancel();
         Error::io(op, path, err).at(plan.gather_data(g).start)
     };
-    for g in 0..count {
-        if gate.wait_filled(g).is_err() {
-            break; // the engine failed or was cancelled: its error says why
-        }
-        let started = Instant::now();
-        let data = plan.gather_data(g);
-        let slot = g % slots;
-        let into = (data.start - plan.file_start) as usize - plan.gather_range(g).start;
-        let range = slot * slot_len + into..slot * slot_len + into + (data.end - data.start) as usize;
-        sink.deliver(slot, SlotData::new(dst, range, data.start)).map_err(|e| fail(e, "deliver", g))?;
-        if g >= 1 && g - 1 + slots < count {
-            sink.release((g - 1) % slots).map_err(|e| fail(e, "release staging slot", g - 1))?;
-            gate.publish(g + slots);
-        }
-        times.deliver += started.elapsed();
-    }
+    let mut delivered = Ok(());
+    let mut deliveries = |sink: &mut dyn Sink| {
+        delivered = (|| {
+            for g in 0..count {
+                if gate.wait_filled(g).is_err() {
+                    break; // the engine failed or was cancelled: its error says why
+                }
+                let started = Instant::now();
+                let data = plan.gather_data(g);
+                let slot = g % slots;
+                let into = (data.start - plan.file_start) as usize - plan.gather_range(g).start;
+                let range = slot * slot_len + into..slot * slot_len + into + (data.end - data.start) as usize;
+                sink.deliver(slot, SlotData::new(dst, range, data.start))
+                    .map_err(|e| fail(e, "deliver", g))?;
+                if g >= 1 && g - 1 + slots < count {
+                    sink.release((g - 1) % slots).map_err(|e| fail(e, "release staging slot", g - 1))?;
+                    gate.publish(g + slots);
+                }
+                times.deliver += started.elapsed();
+            }
+            Ok(())
+        })();
+    };
+    let fallbacks = sink.feed(threads, &mut deliveries);
+    delivered?;
+    times.fallbacks = fallbacks;
     Ok(times)
 }
 

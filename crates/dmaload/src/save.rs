@@ -463,6 +463,35 @@ fn validate(path: &Path, o: &SaveOptions) -> Result<()> {
     Ok(())
 }
 
+/// Writes all of `data` to the open `file` at `offset` with the engine,
+/// request size, queue depth and threads of `options` (`mode` and `sync`
+/// play no part: `file`'s own `O_DIRECT` flag decides, and nothing is
+/// synced), and returns the fallbacks taken (registration refused). None of
+/// [`save`]'s temporary file, rename or checks: the write half of a save,
+/// for callers that manage the file themselves (the benchmarks' transfer
+/// methods). With `O_DIRECT`, the address and length of `data`, `offset`
+/// and `chunk_size` must be multiples of the file's alignment
+/// ([`crate::source::direct_io_alignment`]), else the kernel's EINVAL.
+pub fn write_at(
+    file: &File,
+    path: &Path,
+    offset: u64,
+    data: &[u8],
+    options: &SaveOptions,
+) -> Result<Vec<Fallback>> {
+    validate(path, options)?;
+    let job = WriteJob {
+        path,
+        file,
+        src: data.into(),
+        file_offset: offset,
+        chunk: options.chunk_size,
+        queue_depth: options.queue_depth,
+        threads: options.threads,
+    };
+    Ok(job.run(options.engine)?.fallbacks)
+}
+
 /// Writes `data` to `path`: replaces a regular file atomically, writes a
 /// device or FIFO in place, follows symbolic links (see the module doc). A
 /// failed save leaves a previous regular file as it was and no temporary

@@ -334,16 +334,7 @@ pub(crate) fn choose_read_setup(
         fallbacks.push(Fallback::new("direct", "buffered", why));
         return buffered(path, file, CachePolicy::Keep);
     }
-    let align = match statx_dio_align(file.as_fd()) {
-        Ok(DioAlignQuery::Supported(a)) => Some(a.offset.max(1) as usize),
-        Ok(DioAlignQuery::Unsupported) => None,
-        // Older kernels: the filesystem block size is a multiple of the
-        // device's logical block size, so it is a safe alignment.
-        Ok(DioAlignQuery::Unknown) | Err(_) => {
-            let blksize = file.metadata().map(|m| m.blksize() as usize).unwrap_or(4096);
-            Some(if blksize.is_power_of_two() && blksize >= 512 { blksize } else { 4096 })
-        }
-    };
+    let align = direct_io_alignment(file);
     let mut unsupported = || {
         let why = format!(
             "{} does not support O_DIRECT on this file (statx STATX_DIOALIGN / open EINVAL)",
@@ -364,6 +355,23 @@ pub(crate) fn choose_read_setup(
         Ok(()) => Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align }),
         Err(err) if err.raw_os_error() == Some(libc::EINVAL) => unsupported(),
         Err(err) => Err(Error::io("fcntl(O_DIRECT)", path, err)),
+    }
+}
+
+/// The file offset and length alignment that `O_DIRECT` reads and writes
+/// of `file` need: statx's `STATX_DIOALIGN` (Linux 6.1), else the
+/// filesystem block size (a multiple of the device's logical block size),
+/// else 4096. `None` where the filesystem has no direct I/O for
+/// the file. The one alignment authority of loads and of anything else
+/// that reads a file with `O_DIRECT` (the benchmarks' transfer methods).
+pub fn direct_io_alignment(file: &File) -> Option<usize> {
+    match statx_dio_align(file.as_fd()) {
+        Ok(DioAlignQuery::Supported(a)) => Some(a.offset.max(1) as usize),
+        Ok(DioAlignQuery::Unsupported) => None,
+        Ok(DioAlignQuery::Unknown) | Err(_) => {
+            let blksize = file.metadata().map(|m| m.blksize() as usize).unwrap_or(4096);
+            Some(if blksize.is_power_of_two() && blksize >= 512 { blksize } else { 4096 })
+        }
     }
 }
 

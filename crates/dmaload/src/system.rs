@@ -12,6 +12,12 @@ use crate::heap::MemoryKind;
 use crate::memory::{MemoryChoice, MemoryFacts, MemoryProbe};
 use crate::sys;
 
+/// User and system CPU time of this process so far, every thread's
+/// (joined ones and io_uring workers included): `getrusage(RUSAGE_SELF)`.
+pub fn cpu_time() -> io::Result<(std::time::Duration, std::time::Duration)> {
+    sys::process::cpu_time()
+}
+
 /// Bytes this process can allocate without swapping or meeting its memory
 /// cgroup's limit: the smaller of `MemAvailable` in /proc/meminfo (Linux
 /// 3.14) and [`cgroup_memory_headroom`].

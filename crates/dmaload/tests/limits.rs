@@ -3,7 +3,9 @@
 //! no capabilities: RLIMIT_MEMLOCK 0 (nothing may be pinned, so no buffer
 //! is registered) falls back and still delivers every byte; RLIMIT_NPROC 1
 //! (no thread may be created) is a clear error for a staged load, whose
-//! sink must run beside the reads, and a fallback for an in-place one. The
+//! sink must run beside the reads, and a fallback for an in-place one;
+//! RLIMIT_NPROC 3 (a delivery thread, no populating threads beside it)
+//! still delivers every byte. The
 //! file is root's and read-only to the child, whose page-cache residency
 //! the kernel will not tell (mincore calls every page cached): the loads
 //! read the disk rather than trust it.
@@ -18,6 +20,10 @@ use common::{assert_pattern, skip, write_pattern_file};
 use dmaload::{HostSink, LoadOptions, StagingRing};
 
 const CHILD_FILE: &str = "DMALOAD_LIMITS_CHILD_FILE";
+const NOBODY: u32 = 65534;
+/// A user of its own (no account needed) for the test that counts threads:
+/// the other tests' children, run beside it as nobody, do not count.
+const THREAD_COUNTING_USER: u32 = 65533;
 const SIZE: usize = (5 << 20) + 11;
 
 /// Not a test of its own: the child of the tests below, run when they set
@@ -56,9 +62,10 @@ fn child_loads_under_the_limits_it_was_given() {
     }
 }
 
-/// Runs the child as nobody under `limits` (prlimit arguments); `None`
-/// (after a printed skip) where that cannot be arranged.
-fn child_output(test: &str, limits: &str) -> Option<String> {
+/// Runs the child as user `uid` (with no other processes, as RLIMIT_NPROC
+/// counts the user's) under `limits` (prlimit arguments); `None` (after a
+/// printed skip) where that cannot be arranged.
+fn child_output(test: &str, uid: u32, limits: &str) -> Option<String> {
     let have = |tool: &str| Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
     if !common::is_root() {
         skip(test, "needs root to drop to an unprivileged user");
@@ -79,7 +86,8 @@ fn child_output(test: &str, limits: &str) -> Option<String> {
     let exe = dir.path().join("limits-test");
     std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
     let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
+        .arg(format!("--reuid={uid}"))
+        .args(["--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
         .args(["prlimit", limits])
         .arg(&exe)
         .args(["--exact", "child_loads_under_the_limits_it_was_given", "--nocapture", "--test-threads=1"])
@@ -102,7 +110,8 @@ fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
 
 #[test]
 fn no_lockable_memory_falls_back_and_delivers_every_byte() {
-    let Some(out) = child_output("no_lockable_memory_falls_back_and_delivers_every_byte", "--memlock=0:0")
+    let Some(out) =
+        child_output("no_lockable_memory_falls_back_and_delivers_every_byte", NOBODY, "--memlock=0:0")
     else {
         return;
     };
@@ -116,10 +125,27 @@ fn no_lockable_memory_falls_back_and_delivers_every_byte() {
 
 #[test]
 fn no_threads_is_a_clear_error_staged_and_a_fallback_in_place() {
-    let Some(out) = child_output("no_threads_is_a_clear_error_staged_and_a_fallback_in_place", "--nproc=1:1")
+    let Some(out) =
+        child_output("no_threads_is_a_clear_error_staged_and_a_fallback_in_place", NOBODY, "--nproc=1:1")
     else {
         return;
     };
     assert!(line(&out, "staged error").contains("create the delivery thread"), "{out}");
     assert!(line(&out, "into ok").contains("cannot create a thread"), "{out}");
+}
+
+#[test]
+fn a_delivery_thread_but_none_to_populate_ahead_still_delivers_every_byte() {
+    // Three tasks: the child, the test harness's thread for the test (run
+    // on the main thread only when that thread is refused) and the staged
+    // load's delivery thread; the host sink's populating threads are refused.
+    let test = "a_delivery_thread_but_none_to_populate_ahead_still_delivers_every_byte";
+    let Some(out) = child_output(test, THREAD_COUNTING_USER, "--nproc=3:3") else {
+        return;
+    };
+    let staged = line(&out, "staged ok");
+    assert!(
+        staged.contains("populate the destination ahead") && staged.contains("cannot create a thread"),
+        "{out}"
+    );
 }

@@ -34,7 +34,9 @@ fn xxh3(bytes: &[u8]) -> u64 {
 /// Not a test of its own: what this binary does when run again with
 /// `ROLE` set: `service` (serves until its stdin closes), `receive` (takes
 /// a buffer from the listener at `SOCKET`), `get` (asks the service for
-/// `FILE` and prints how it was served and the bytes' hash), `hang` (sends
+/// `FILE` and prints how it was served and the bytes' hash), `get-touch`
+/// (gets `FILE`, reads a byte of every page, prints the bytes mapped with
+/// huge pages), `hang` (sends
 /// a request and never reads the reply), `load-cached` (prints where
 /// `load_cached` got `FILE` from).
 #[test]
@@ -69,6 +71,11 @@ fn process_role() {
             let mut fetched = client.get(file.unwrap()).unwrap();
             println!("OUT served={} hash={}", fetched.served.name(), xxh3(&fetched.buffer));
             fetched.buffer.fill(0xA5);
+        }
+        "get-touch" => {
+            let fetched = Client::connect(&socket).unwrap().get(file.unwrap()).unwrap();
+            let touched: u64 = fetched.buffer.iter().step_by(4096).map(|&b| u64::from(b)).sum();
+            println!("OUT huge={} touched={touched}", fetched.buffer.huge_page_bytes().unwrap());
         }
         "hang" => {
             let conn = Connection::connect(&socket).unwrap();
@@ -523,4 +530,29 @@ fn a_running_service_is_not_replaced() {
     File::create(&not_socket).unwrap();
     let err = Service::bind(ServiceConfig { socket: not_socket, ..config }).err().unwrap();
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
+}
+
+#[test]
+fn cached_files_get_huge_pages_where_the_shmem_policy_allows() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 16 << 20);
+    let socket = dir.path().join("s");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    let status = service.status();
+    let huge = run_client("get-touch", &socket, &path);
+    let huge_bytes: u64 =
+        huge.split_whitespace().next().unwrap().strip_prefix("huge=").unwrap().parse().unwrap();
+    let policy = dmaload::memory::MemoryFacts::read();
+    if policy.huge_pages(dmaload::MemoryKind::MemfdHuge) {
+        assert_eq!(status.memory_kind, "memfd-huge", "{}", status.memory_reason);
+        // A client's first pass maps the service's 2 MiB pages whole.
+        assert!(huge_bytes >= 8 << 20, "{huge_bytes} bytes of huge pages in the client: {huge}");
+    } else {
+        println!("SKIP huge pages in the client: shmem_enabled gives memfds none here");
+        assert_eq!(status.memory_kind, "memfd", "{}", status.memory_reason);
+        assert!(status.memory_reason.contains("shmem_enabled"), "{}", status.memory_reason);
+        assert_eq!(huge_bytes, 0);
+    }
+    service.stop();
 }

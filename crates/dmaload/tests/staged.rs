@@ -385,3 +385,29 @@ fn an_empty_range_anywhere_is_delivered_at_once() {
         assert_eq!(report.bytes, 0);
     }
 }
+
+#[test]
+fn a_host_sink_populating_ahead_fills_more_than_its_window_and_leaves_its_neighbours_alone() {
+    // Past the populating threads' window, through a two-slot ring whose
+    // deliveries they outrun (so they wait for the window to move), into a
+    // slice that starts and ends mid-page between bytes it must not change.
+    let size = dmaload::sink::POPULATE_AHEAD as u64 + (3 * M + 5) as u64;
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_cold(&path, size);
+    let (offset, end) = (4096 + 3, 4096 + 3 + size as usize - 7);
+    // Untouched (so the threads have pages to fault in) but for the bytes
+    // around the slice.
+    let mut memory = vec![0u8; end + 2 * 4096];
+    memory[..offset].fill(0xa5);
+    memory[end..].fill(0xa5);
+    let dst = &mut memory[offset..end];
+    let mut ring = StagingRing::new(2, M, M).unwrap();
+    let options = LoadOptions { populate_threads: 2, ..options(Engine::default(), M) };
+    let report =
+        dmaload::load_to_sink(&path, 7, None, &mut ring, &mut HostSink::new(dst, 7), &options).unwrap();
+    assert_eq!(report.bytes, size - 7);
+    assert!(report.fallbacks.iter().all(|f| !f.from.contains("populate")), "{:?}", report.fallbacks);
+    assert_pattern(&memory[offset..end], 7);
+    assert!(memory[..offset].iter().chain(&memory[end..]).all(|&b| b == 0xa5));
+}

@@ -16,7 +16,7 @@ NumPy arrays or PyTorch tensors that are views of one buffer per file.
 from __future__ import annotations
 
 from . import safetensors
-from ._dmaload import BlockQueue, Buffer, DmaBuf, SafetensorError, __version__
+from ._dmaload import BlockQueue, Buffer, DmaBuf, SafetensorError, __version__, evict
 from ._load import load, load_dmabuf, load_into, load_range
 from ._options import LoadOptions
 from ._report import Fallback, LoadReport, PageCacheResidency
@@ -31,6 +31,7 @@ __all__ = [
     "PageCacheResidency",
     "SafetensorError",
     "__version__",
+    "evict",
     "load",
     "load_dmabuf",
     "load_into",

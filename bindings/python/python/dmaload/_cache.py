@@ -52,7 +52,7 @@ def _say_once(message: str) -> None:
 def load_cached(path: Any, socket: str, options: dict[str, Any]) -> Buffer:
     """The whole file at ``path`` from the service at ``socket``, else a
     direct load with ``options`` (the reason said once)."""
-    buffer, served, message = _dmaload.load_cached(path, socket, **options)
+    buffer, served, message = _dmaload.load_cached(path, socket, options=options)
     if served is None and message is not None:
         _say_once(f"{message}; loaded directly")
     elif message is not None:

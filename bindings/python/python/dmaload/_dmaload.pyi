@@ -14,6 +14,11 @@ class _HasFileno(Protocol):
 # A connected AF_UNIX SOCK_SEQPACKET socket, or its file descriptor.
 _SocketLike: TypeAlias = _HasFileno | int
 
+# The load options of every entry point as one dict, built by
+# ``dmaload._options.native_options``: the names of ``LoadOptions``, sizes in
+# bytes; an unknown name or a wrong type is a TypeError naming it.
+_Options: TypeAlias = dict[str, str | int | bool | None]
+
 __all__ = [
     "BlockQueue",
     "Buffer",
@@ -22,6 +27,7 @@ __all__ = [
     "SafetensorError",
     "SafetensorsFile",
     "default_cache_socket",
+    "evict",
     "load",
     "load_cached",
     "load_dmabuf",
@@ -30,6 +36,7 @@ __all__ = [
     "open_safetensors",
     "parse_safetensors_header",
     "read_safetensors_header",
+    "release_staging",
     "safetensors_dtypes",
     "__version__",
     "_load_staged",
@@ -100,19 +107,11 @@ class Buffer:
         """Raises TypeError: a Buffer cannot be pickled or copied."""
 
 def load(
-    path: str | os.PathLike[str],
+    file: str | os.PathLike[str] | int,
     offset: int | None = None,
     length: int | None = None,
     *,
-    engine: str | None = None,
-    mode: str | None = None,
-    to: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> Buffer: ...
 def load_into(
@@ -120,44 +119,22 @@ def load_into(
     target: Buffer | bytearray | memoryview | Any,
     offset: int = 0,
     *,
-    engine: str | None = None,
-    mode: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> LoadReport: ...
 def load_cached(
     path: str | os.PathLike[str],
     socket: str | os.PathLike[str],
     *,
-    engine: str | None = None,
-    mode: str | None = None,
-    to: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
 ) -> tuple[Buffer, str | None, str | None]: ...
 def default_cache_socket() -> str: ...
+def evict(path: str | os.PathLike[str]) -> None: ...
 def load_safetensors(
     paths: list[str] | list[os.PathLike[str]],
     *,
     concurrency: int = 4,
-    engine: str | None = None,
-    mode: str | None = None,
-    to: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[tuple[Buffer, Header]]: ...
 @final
@@ -178,14 +155,7 @@ def _load_staged(
     targets: list[Any],
     device: int,
     *,
-    slots: int | None = None,
-    slot_size: int | None = None,
-    engine: str | None = None,
-    mode: str | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[LoadReport]:
     """Loads each file's data section through a staging ring into ``targets``:
@@ -193,6 +163,10 @@ def _load_staged(
     bytes of device memory alive and unused by anything else until the call
     returns; or, when ``device`` is -1, writable C-contiguous buffers
     (``tensor.numpy()``, ``bytearray``) of exactly ``file.data_len`` bytes."""
+
+def release_staging() -> int:
+    """Frees the staging rings kept for later device loads (one per device,
+    pinned); returns their bytes."""
 
 @final
 class DmaBuf:
@@ -221,15 +195,7 @@ def load_dmabuf(
     offset: int | None = None,
     length: int | None = None,
     *,
-    to: str | None = None,
-    engine: str | None = None,
-    mode: str | None = None,
-    gather_size: int | None = None,
-    chunk_size: int | None = None,
-    queue_depth: int | None = None,
-    threads: int | None = None,
-    populate_threads: int | None = None,
-    measure_page_cache: bool | None = None,
+    options: _Options | None = None,
 ) -> DmaBuf: ...
 def read_safetensors_header(path: str | os.PathLike[str]) -> Header: ...
 def parse_safetensors_header(data: bytes, file_len: int | None = None) -> Header: ...

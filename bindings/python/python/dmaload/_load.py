@@ -3,22 +3,50 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Union, Unpack
+from typing import Any, Protocol, Union, Unpack
 
 from . import _dmaload
 from ._cache import Cache, load_cached, socket_for
 from ._dmaload import Buffer, DmaBuf
-from ._options import DmabufLoadOptions, LoadOptions, native_kwargs
+from ._options import DmabufLoadOptions, LoadOptions, native_options
 from ._progress import Progress, resolve
 from ._report import LoadReport
 
 StrPath = Union[str, "os.PathLike[str]"]
 
 
+class HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+
+FileArg = Union[StrPath, int, HasFileno]
+"""A path, a descriptor open for reading (an int), or an open file object:
+the file is reopened through ``/proc/self/fd``, so the caller's descriptor
+and its offset are never changed."""
+
+
+def _file(file: FileArg) -> StrPath | int:
+    """The path or the descriptor number of ``file``."""
+    if isinstance(file, bool):
+        raise TypeError("a file must be a path, a descriptor (int) or an open file, not a bool")
+    if isinstance(file, (str, int, os.PathLike)):
+        return file
+    return file.fileno()
+
+
+def _name(file: StrPath | int) -> str:
+    """How progress bars name the file."""
+    return f"fd {file}" if isinstance(file, int) else os.path.basename(os.fspath(file))
+
+
 def load(
-    path: StrPath, *, progress: Progress = None, cache: Cache = None, **options: Unpack[LoadOptions]
+    path: FileArg, *, progress: Progress = None, cache: Cache = None, **options: Unpack[LoadOptions]
 ) -> Buffer:
     """Loads the whole file at ``path`` into a new :class:`Buffer`.
+
+    ``path`` may also be a descriptor open for reading (an int) or an open
+    file object: the file is opened once, through ``/proc/self/fd`` for a
+    descriptor, and the caller's descriptor and its offset stay as they were.
 
     The GIL is released while the file is read. Errors are ``OSError`` with
     ``errno`` and ``filename`` set (``FileNotFoundError`` and friends), the
@@ -37,18 +65,20 @@ def load(
     so once (``RuntimeWarning``); ``progress`` is not called for a file
     the service serves.
     """
+    file = _file(path)
     socket = socket_for(cache)
     if socket is not None:
-        return load_cached(path, socket, native_kwargs(dict(options)))
-    callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
+        # The client sends the service a descriptor of its own, opened from this.
+        return load_cached(f"/proc/self/fd/{file}" if isinstance(file, int) else file, socket, native_options(options))
+    callback, finish = resolve(progress, _name(file))
     try:
-        return _dmaload.load(path, progress=callback, **native_kwargs(dict(options)))
+        return _dmaload.load(file, options=native_options(options), progress=callback)
     finally:
         finish()
 
 
 def load_range(
-    path: StrPath,
+    path: FileArg,
     offset: int,
     length: int | None = None,
     *,
@@ -57,12 +87,14 @@ def load_range(
 ) -> Buffer:
     """Loads ``length`` bytes of ``path`` from byte ``offset`` (to the end of
     the file when ``length`` is None). Neither needs any alignment; a range
-    past the end of the file is an ``OSError`` (ENODATA)."""
+    past the end of the file is an ``OSError`` (ENODATA). ``path`` may be a
+    descriptor or an open file, as for :func:`load`."""
     if offset < 0 or (length is not None and length < 0):
         raise ValueError("offset and length must be non-negative")
-    callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
+    file = _file(path)
+    callback, finish = resolve(progress, _name(file))
     try:
-        return _dmaload.load(path, offset, length, progress=callback, **native_kwargs(dict(options)))
+        return _dmaload.load(file, offset, length, options=native_options(options), progress=callback)
     finally:
         finish()
 
@@ -90,14 +122,12 @@ def load_into(
     """
     if offset < 0:
         raise ValueError("offset must be non-negative")
-    if "to" in options:
-        raise TypeError("load_into() takes no 'to': the target is the destination")
-    native = native_kwargs(dict(options))
+    native = native_options(options)
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
     # Bytes of any element type: a C-contiguous view casts to unsigned bytes.
     try:
         with memoryview(target) as view, view.cast("B") as raw:
-            return _dmaload.load_into(path, raw, offset, progress=callback, **native)
+            return _dmaload.load_into(path, raw, offset, options=native, progress=callback)
     finally:
         finish()
 
@@ -123,4 +153,4 @@ def load_dmabuf(
     or a kernel without udmabuf is EINVAL naming the device's path."""
     if offset < 0 or (length is not None and length < 0):
         raise ValueError("offset and length must be non-negative")
-    return _dmaload.load_dmabuf(path, offset, length, to=to, **native_kwargs(dict(options)))
+    return _dmaload.load_dmabuf(path, offset, length, options={**native_options(options), "to": to})

@@ -8,7 +8,7 @@ check these types against the native module's ``_option_choices()`` and
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, TypeAlias, TypedDict, Union
+from typing import Any, Literal, Mapping, TypeAlias, TypedDict, Union
 
 Engine: TypeAlias = Literal["uring-fixed", "uring", "pread-pool", "read"]
 Mode: TypeAlias = Literal["auto", "direct", "buffered", "dontcache"]
@@ -98,14 +98,12 @@ class DmabufLoadOptions(TypedDict, total=False):
     measure_page_cache: bool
 
 
-_STAGING = {"staging_slots": "slots", "staging_slot_size": "slot_size"}
-_HOST_ONLY = ("to", "gather_size", "populate_threads")
-
-
-def native_kwargs(options: dict[str, Any], staged: bool = False) -> dict[str, Any]:
-    """Checks option names and converts sizes for the native module: a host
-    load's options, or (``staged``) a device load's, which has a staging
-    ring instead of host memory to populate."""
+def native_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``options`` dict the native entry points take: the names checked
+    against :class:`LoadOptions` and sizes in bytes. Each entry point uses
+    the options that apply to it (a host load ignores the staging ring; a
+    device load the host memory's ``to``, ``gather_size`` and
+    ``populate_threads``)."""
     allowed = LoadOptions.__annotations__.keys()
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -114,8 +112,4 @@ def native_kwargs(options: dict[str, Any], staged: bool = False) -> dict[str, An
     for key in ("gather_size", "chunk_size", "staging_slot_size"):
         if out.get(key) is not None:
             out[key] = parse_size(out[key])
-    if staged:
-        for key in _HOST_ONLY:
-            out.pop(key, None)
-        return {_STAGING.get(k, k): v for k, v in out.items()}
-    return {k: v for k, v in out.items() if k not in _STAGING}
+    return out

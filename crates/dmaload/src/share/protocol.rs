@@ -127,6 +127,10 @@ pub struct Status {
     #[serde(serialize_with = "crate::error::serialize_path")]
     pub socket: PathBuf,
     pub memory_limit: u64,
+    /// The memory kind cached files get (`memfd-huge` or `memfd`).
+    pub memory_kind: String,
+    /// Why that kind, and what would give huge pages where it is not.
+    pub memory_reason: String,
     /// Memory the cached files hold.
     pub memory_used: u64,
     /// Files cached (the list below may be cut at [`MAX_STATUS_ENTRIES`]).

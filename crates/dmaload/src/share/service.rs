@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{load_fd, Destination, LoadOptions};
+use crate::memory::{MemoryChoice, MemoryFacts};
 use crate::share::protocol::{
     self, BufferInfo, CachedFile, Reply, Request, Served, Status, WireError, MAX_REQUEST_BYTES,
     MAX_STATUS_ENTRIES,
@@ -83,8 +84,9 @@ pub struct ServiceConfig {
     pub allow_uids: Vec<u32>,
     /// Groups (the client's primary gid) whose users are served.
     pub allow_gids: Vec<u32>,
-    /// How files are loaded; the memory is always memfd, which is what
-    /// can be handed out.
+    /// How files are loaded; the memory is always a memfd (what can be
+    /// handed out), with 2 MiB pages where the kernel gives them
+    /// ([`crate::memory::MemoryFacts::choose_shared`]).
     pub load_options: LoadOptions,
     /// Receives one line per request and per event.
     pub log: Arc<dyn Fn(&str) + Send + Sync>,
@@ -189,6 +191,8 @@ struct Cache {
 
 struct State {
     config: ServiceConfig,
+    /// The memory kind cached files get, and why.
+    memory: MemoryChoice,
     own_uid: u32,
     cache: Mutex<Cache>,
     clients: AtomicUsize,
@@ -242,11 +246,13 @@ impl Service {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| Error::io("chmod", &path, e))?;
         let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
+        let memory = MemoryFacts::read().choose_shared();
         let mut config = config;
-        config.load_options.to = Destination::Memfd;
+        config.load_options.to = Destination::from(memory.kind);
         config.load_options.progress = None;
         let state = State {
             config,
+            memory,
             own_uid: sys::process::effective_uid(),
             cache: Mutex::new(Cache {
                 files: HashMap::new(),
@@ -350,6 +356,8 @@ impl State {
             pid: std::process::id(),
             socket: self.config.socket.clone(),
             memory_limit: self.config.memory_limit,
+            memory_kind: self.memory.kind.name().to_owned(),
+            memory_reason: self.memory.reason.clone(),
             memory_used,
             files_cached: ready.len() as u64,
             hits: c.hits,

@@ -16,10 +16,13 @@ mod dma_heap;
 pub use cuda::CudaSink;
 pub use dma_heap::DmaHeapSink;
 
+use std::sync::{Condvar, Mutex, PoisonError};
+
 use crate::cuda::{Context, PinnedStaging};
+use crate::options::Fallback;
 use crate::plan::Plan;
 use crate::sys;
-use crate::sys::mem::{Mapping, MappingWriter, SharedMapping};
+use crate::sys::mem::{Mapping, MappingWriter, Prefault, SharedMapping};
 
 /// Staging slots by default: deep enough to keep a fast disk busy (the
 /// engine reads into every free slot at once) while a GPU copy drains one.
@@ -80,7 +83,7 @@ impl<'a> SlotData<'a> {
 /// A destination fed from staging slots. Deliveries come in file order from
 /// one thread (not the I/O thread), and a slot is read into again only
 /// after [`Sink::release`] returned for it.
-pub trait Sink: Send {
+pub trait Sink: Send + dyn_sink::AsDynSink {
     /// Takes the bytes of a filled slot (`slot` is its index in the ring).
     /// A sink that copies synchronously is done with the slot on return; one
     /// that starts an asynchronous copy finishes it in [`Sink::release`].
@@ -96,6 +99,30 @@ pub trait Sink: Send {
     /// or freed.
     fn finish(&mut self) -> io::Result<()> {
         Ok(())
+    }
+
+    /// Runs `deliveries` (the pipeline's loop, which calls
+    /// [`Sink::deliver`] and [`Sink::release`] on the sink it is given)
+    /// against this sink, and returns what the sink could not do as it
+    /// meant to. A sink with work of its own to do beside its deliveries
+    /// (a [`HostSink`] faulting its destination in ahead of them) does it
+    /// here, on up to `threads` threads that end before this returns.
+    fn feed(&mut self, _threads: usize, deliveries: &mut dyn FnMut(&mut dyn Sink)) -> Vec<Fallback> {
+        deliveries(self.as_dyn());
+        Vec::new()
+    }
+}
+
+mod dyn_sink {
+    /// `&mut dyn Sink` from any sink, for [`super::Sink::feed`]'s default.
+    pub trait AsDynSink {
+        fn as_dyn(&mut self) -> &mut dyn super::Sink;
+    }
+
+    impl<S: super::Sink> AsDynSink for S {
+        fn as_dyn(&mut self) -> &mut dyn super::Sink {
+            self
+        }
     }
 }
 
@@ -155,6 +182,14 @@ impl StagingRing {
         self.slots
     }
 
+    /// Whether this ring is what [`StagingRing::new`] or
+    /// [`StagingRing::pinned`] would make of these arguments, so a ring
+    /// kept from an earlier load can serve a new one.
+    pub fn has_geometry(&self, slots: usize, slot_size: usize, chunk: usize) -> bool {
+        Self::size(slots, slot_size, chunk)
+            .is_ok_and(|(slot_len, _)| (slots, slot_len) == (self.slots, self.slot_len))
+    }
+
     /// Bytes per slot (whole chunks).
     pub fn slot_len(&self) -> usize {
         self.slot_len
@@ -183,29 +218,42 @@ impl StagingRing {
 }
 
 /// A sink into memory the caller already has: file byte `first_offset + i`
-/// lands in `dst[i]`. Each delivery first populates its part of `dst`
-/// (`MADV_POPULATE_WRITE`, beside the reads like the rest of the delivery),
-/// which costs a fraction of faulting each page in with the copy: memory the
-/// caller has not touched yet needs no populating pass of its own.
+/// lands in `dst[i]`, delivery by delivery. The destination's pages are
+/// faulted in (`MADV_POPULATE_WRITE`, content-preserving, a fraction of the
+/// cost of one fault per page in the copy) by threads of the sink's own
+/// that run ahead of the deliveries, at most [`POPULATE_AHEAD`] bytes, so
+/// the delivering thread mostly only copies; a part no thread reached yet
+/// it populates itself before copying. Memory the caller has not touched
+/// yet thus needs no populating pass of its own.
 pub struct HostSink<'a> {
     dst: &'a mut [u8],
     first_offset: u64,
+    /// The populating threads' progress, while [`Sink::feed`] runs them.
+    ahead: Option<&'a Ahead<'a>>,
 }
+
+/// How far ahead of the last delivery the populating threads of a
+/// [`HostSink`] may fault its destination in: enough to keep them busy
+/// through a slow stretch of copies, bounded so a load that fails early has
+/// not faulted in all of the caller's memory.
+pub const POPULATE_AHEAD: usize = 256 << 20;
+/// Bytes one populating thread takes at a time (aligned to this in the
+/// address space, so a huge page is faulted in by one call).
+const POPULATE_STEP: usize = 2 << 20;
 
 impl<'a> HostSink<'a> {
     /// File bytes `first_offset..first_offset + dst.len()` go into `dst`.
     pub fn new(dst: &'a mut [u8], first_offset: u64) -> Self {
-        HostSink { dst, first_offset }
+        HostSink { dst, first_offset, ahead: None }
     }
-}
 
-impl Sink for HostSink<'_> {
-    fn deliver(&mut self, _slot: usize, data: SlotData<'_>) -> io::Result<()> {
-        let start = data
-            .file_offset()
+    /// Where in `dst` the slot's bytes go.
+    fn place(&self, data: &SlotData<'_>) -> io::Result<Range<usize>> {
+        data.file_offset()
             .checked_sub(self.first_offset)
             .and_then(|at| usize::try_from(at).ok())
             .filter(|&at| at + data.len() <= self.dst.len())
+            .map(|at| at..at + data.len())
             .ok_or_else(|| {
                 io::Error::new(
                     io::ErrorKind::InvalidInput,
@@ -217,11 +265,148 @@ impl Sink for HostSink<'_> {
                         self.first_offset
                     ),
                 )
-            })?;
-        let dst = &mut self.dst[start..start + data.len()];
+            })
+    }
+}
+
+impl Sink for HostSink<'_> {
+    fn deliver(&mut self, _slot: usize, data: SlotData<'_>) -> io::Result<()> {
+        let place = self.place(&data)?;
+        let unclaimed = match self.ahead {
+            Some(ahead) => ahead.claim_delivered(place.clone()),
+            None => place.clone(),
+        };
         // Advice only: a page it could not populate is faulted in by the copy.
-        let _ = sys::mem::populate_bytes(dst);
-        data.copy_to(0..data.len(), dst);
+        let _ = sys::mem::populate_bytes(&mut self.dst[unclaimed]);
+        data.copy_to(0..data.len(), &mut self.dst[place]);
         Ok(())
+    }
+
+    fn feed(&mut self, threads: usize, deliveries: &mut dyn FnMut(&mut dyn Sink)) -> Vec<Fallback> {
+        let (dst, pages) = Prefault::split(&mut *self.dst);
+        // No thread for less than a step: the deliveries populate it as cheaply.
+        let threads = threads.min(dst.len() / POPULATE_STEP);
+        let ahead = Ahead::new(pages);
+        let mut sink = HostSink { dst, first_offset: self.first_offset, ahead: Some(&ahead) };
+        std::thread::scope(|scope| {
+            // Whatever the deliveries' outcome, a panic included: the threads
+            // stop, and the scope waits for them, before the memory is the
+            // caller's again.
+            let _stop = StopOnDrop(&ahead);
+            let mut fallbacks = Vec::new();
+            for started in 0..threads {
+                let spawned = std::thread::Builder::new()
+                    .name("dmaload-populate-ahead".into())
+                    .spawn_scoped(scope, || ahead.populate());
+                if let Err(err) = spawned {
+                    fallbacks.push(Fallback::new(
+                        &format!("populate the destination ahead of the deliveries on {threads} threads"),
+                        &format!("on {started} threads, the rest as each part is delivered"),
+                        format!("cannot create a thread: {err}"),
+                    ));
+                    break;
+                }
+            }
+            deliveries(&mut sink);
+            fallbacks
+        })
+    }
+}
+
+/// The destination of a [`HostSink`] as its populating threads share it:
+/// bytes below `claimed` are populated (or being populated) by a thread or
+/// were delivered; a thread claims the next [`POPULATE_STEP`] while that
+/// stays within [`POPULATE_AHEAD`] of the last delivery.
+struct Ahead<'a> {
+    pages: Prefault<'a>,
+    state: Mutex<AheadState>,
+    moved: Condvar,
+}
+
+#[derive(Default)]
+struct AheadState {
+    claimed: usize,
+    delivered: usize,
+    stopped: bool,
+}
+
+impl<'a> Ahead<'a> {
+    fn new(pages: Prefault<'a>) -> Self {
+        Ahead { pages, state: Mutex::new(AheadState::default()), moved: Condvar::new() }
+    }
+
+    /// One populating thread: claims and faults in step after step until
+    /// the destination is done or the feed stops. One that fails (a kernel
+    /// before 5.14, a memory limit) stops them all: the copy faults in
+    /// whatever they left, as it would have without them.
+    fn populate(&self) {
+        let len = self.pages.len();
+        let lock = || self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            let part = {
+                let mut state = lock();
+                while !state.stopped
+                    && state.claimed < len
+                    && state.claimed >= state.delivered + POPULATE_AHEAD
+                {
+                    state = self.moved.wait(state).unwrap_or_else(PoisonError::into_inner);
+                }
+                if state.stopped || state.claimed >= len {
+                    return;
+                }
+                let start = state.claimed;
+                let address = self.pages.address() + start;
+                let end = (start + (address / POPULATE_STEP + 1) * POPULATE_STEP - address).min(len);
+                state.claimed = end;
+                start..end
+            };
+            if self.pages.populate(part).is_err() {
+                self.stop();
+                return;
+            }
+        }
+    }
+
+    /// Records a delivery into `place` (which moves the populating threads'
+    /// bound on) and returns the part of it no thread claimed, which the
+    /// delivering thread populates itself.
+    fn claim_delivered(&self, place: Range<usize>) -> Range<usize> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let unclaimed = state.claimed.max(place.start)..place.end.max(state.claimed);
+        state.claimed = state.claimed.max(place.end);
+        state.delivered = place.end;
+        drop(state);
+        self.moved.notify_all();
+        unclaimed
+    }
+
+    fn stop(&self) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).stopped = true;
+        self.moved.notify_all();
+    }
+}
+
+/// Stops the populating threads when dropped.
+struct StopOnDrop<'s, 'a>(&'s Ahead<'a>);
+
+impl Drop for StopOnDrop<'_, '_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_in_the_deliveries_stops_the_populating_threads() {
+        // Past the window, so the threads would wait for a delivery forever.
+        let mut dst = vec![0u8; POPULATE_AHEAD + (16 << 20)];
+        let mut sink = HostSink::new(&mut dst, 0);
+        let fed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            sink.feed(2, &mut |_| panic!("a delivery panicked"))
+        }));
+        assert!(fed.is_err());
     }
 }

@@ -4,7 +4,7 @@
 use std::io;
 use std::mem::MaybeUninit;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 use super::check;
 use super::mem::MappingWriter;
@@ -135,94 +135,6 @@ pub fn supports_dontcache(fd: BorrowedFd<'_>) -> bool {
     // SAFETY: the iovec points at one writable byte on this stack frame.
     let ret = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, 0, libc::RWF_DONTCACHE) };
     ret >= 0
-}
-
-/// Turns an optional offset into the pointer sendfile/splice/copy_file_range
-/// take: NULL means "use and advance the fd's file position".
-fn offset_ptr(offset: Option<&mut i64>) -> *mut libc::loff_t {
-    offset.map_or(std::ptr::null_mut(), |o| o as *mut i64)
-}
-
-/// `sendfile(2)`: up to `count` bytes from `input` (at `*in_offset`, which
-/// advances, or its file position) to `output` at its file position. Since
-/// Linux 2.6.33 the output may be any file, not only a socket.
-pub fn sendfile(
-    output: BorrowedFd<'_>,
-    input: BorrowedFd<'_>,
-    in_offset: Option<&mut i64>,
-    count: usize,
-) -> io::Result<usize> {
-    // SAFETY: the offset pointer is NULL or a live i64 the kernel updates;
-    // no other memory is touched from userspace.
-    let ret = unsafe { libc::sendfile(output.as_raw_fd(), input.as_raw_fd(), offset_ptr(in_offset), count) };
-    super::check_size(ret)
-}
-
-/// `splice(2)` (Linux 2.6.17): moves up to `len` bytes between a pipe and
-/// a file (either side may be the pipe), at the given offsets (which
-/// advance) or the file position.
-pub fn splice(
-    input: BorrowedFd<'_>,
-    in_offset: Option<&mut i64>,
-    output: BorrowedFd<'_>,
-    out_offset: Option<&mut i64>,
-    len: usize,
-) -> io::Result<usize> {
-    // SAFETY: offset pointers are NULL or live i64s the kernel updates.
-    let ret = unsafe {
-        libc::splice(
-            input.as_raw_fd(),
-            offset_ptr(in_offset),
-            output.as_raw_fd(),
-            offset_ptr(out_offset),
-            len,
-            libc::SPLICE_F_MOVE,
-        )
-    };
-    super::check_size(ret)
-}
-
-/// `copy_file_range(2)` (Linux 4.5; cross-filesystem only between files of
-/// the same filesystem type that implement it, since 5.19): copies up to
-/// `len` bytes inside the kernel. EXDEV: the kernel refuses this pair.
-pub fn copy_file_range(
-    input: BorrowedFd<'_>,
-    in_offset: &mut i64,
-    output: BorrowedFd<'_>,
-    out_offset: &mut i64,
-    len: usize,
-) -> io::Result<usize> {
-    // SAFETY: both offsets are live i64s the kernel updates.
-    let ret = unsafe {
-        libc::copy_file_range(input.as_raw_fd(), in_offset, output.as_raw_fd(), out_offset, len, 0)
-    };
-    super::check_size(ret)
-}
-
-/// `pipe2(O_CLOEXEC)` resized with `F_SETPIPE_SZ` (Linux 2.6.35) to at most
-/// `want` bytes: unprivileged processes are capped by
-/// /proc/sys/fs/pipe-max-size, so on EPERM it halves down to the default.
-/// Returns (read end, write end, capacity).
-pub fn pipe_with_capacity(want: usize) -> io::Result<(OwnedFd, OwnedFd, usize)> {
-    let mut fds = [0 as libc::c_int; 2];
-    // SAFETY: `fds` has room for the two fds pipe2 writes.
-    check(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
-    // SAFETY: the fd was just created and is owned by nobody else.
-    let read = unsafe { OwnedFd::from_raw_fd(fds[0]) };
-    // SAFETY: as above.
-    let write = unsafe { OwnedFd::from_raw_fd(fds[1]) };
-    let mut size = want.max(4096);
-    loop {
-        // SAFETY: F_SETPIPE_SZ takes an integer argument.
-        let ret = unsafe { libc::fcntl(write.as_raw_fd(), libc::F_SETPIPE_SZ, size as libc::c_int) };
-        match check(ret) {
-            Ok(capacity) => return Ok((read, write, capacity as usize)),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::ENOMEM)) && size > 65536 => {
-                size /= 2
-            }
-            Err(e) => return Err(e),
-        }
-    }
 }
 
 /// Sets or clears `O_DIRECT` on an open file (`fcntl(F_SETFL)`); EINVAL

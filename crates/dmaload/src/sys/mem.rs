@@ -162,8 +162,10 @@ impl Mapping {
         self.len
     }
 
-    /// Unmaps the memory now, on this thread, leaving an empty mapping: to
-    /// time the unmapping a drop would hand to the background thread.
+    /// Unmaps the memory now, on this thread, leaving an empty mapping:
+    /// where the unmapping must be over before going on (the pages are
+    /// about to be sealed and shared), or to time what a drop would hand
+    /// to the background thread.
     pub fn unmap_now(&mut self) {
         unmap(Unmap { addr: self.ptr.as_ptr() as usize, len: self.len });
         self.ptr = NonNull::dangling();
@@ -442,6 +444,60 @@ pub fn populate_bytes(bytes: &mut [u8]) -> io::Result<()> {
     // pages in, it changes no byte.
     check(unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) })
         .map(drop)
+}
+
+/// The pages of a byte slice, for faulting them in from other threads
+/// while the slice's owner writes to it: `madvise(MADV_POPULATE_WRITE)`
+/// maps a page without changing a byte and forms no Rust reference, so it
+/// is no access to the bytes in Rust's sense, and it never falls back to
+/// touching them. The borrow keeps the memory mapped while a copy lives.
+#[derive(Debug, Clone, Copy)]
+pub struct Prefault<'a> {
+    start: usize,
+    len: usize,
+    _memory: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Prefault<'a> {
+    /// `bytes` back, for writing, and its pages, for faulting in beside.
+    pub fn split(bytes: &'a mut [u8]) -> (&'a mut [u8], Prefault<'a>) {
+        let pages = Prefault { start: bytes.as_ptr() as usize, len: bytes.len(), _memory: PhantomData };
+        (bytes, pages)
+    }
+
+    /// Address of the first byte, for aligning ranges to the pages.
+    pub fn address(&self) -> usize {
+        self.start
+    }
+
+    /// Bytes in the slice.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Faults in the whole pages inside bytes `range` (relative to the
+    /// slice); pages only partly inside are left to first touch. Fails
+    /// with EINVAL before Linux 5.14, where there is nothing this may do
+    /// instead (a populating write would race with the owner's writes).
+    /// Panics when `range` is outside the slice.
+    pub fn populate(&self, range: Range<usize>) -> io::Result<()> {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "range {range:?} outside {} bytes",
+            self.len
+        );
+        let page = page_size();
+        let start = (self.start + range.start).next_multiple_of(page);
+        let end = (self.start + range.end) / page * page;
+        if end <= start {
+            return Ok(());
+        }
+        // SAFETY: start..end lies inside the slice, which the borrow 'a
+        // keeps mapped; MADV_POPULATE_WRITE only faults pages in, it
+        // changes no byte and races with no write of the owner's.
+        check(unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) })
+            .map(drop)
+    }
 }
 
 /// How many pages of bytes `offset..offset + len` of `fd` are in the page

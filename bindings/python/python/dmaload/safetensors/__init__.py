@@ -57,12 +57,29 @@ from .. import _dmaload
 from .._cache import Cache, load_cached, socket_for
 from .._dmaload import Buffer, SafetensorError
 from .._header import Header, TensorInfo
-from .._options import Destination, LoadOptions, native_kwargs
+from .._options import Destination, LoadOptions, native_options
 from .._progress import Progress, resolve
 from .._report import LoadReport
 from . import _device
 
-__all__ = ["Header", "SafeOpen", "SafetensorError", "TensorInfo", "load_file", "safe_open", "shard_paths"]
+__all__ = [
+    "Header",
+    "SafeOpen",
+    "SafetensorError",
+    "TensorInfo",
+    "load_file",
+    "release_staging",
+    "safe_open",
+    "shard_paths",
+]
+
+
+def release_staging() -> int:
+    """Frees the pinned staging rings that device loads (``device="cuda:N"``)
+    keep for the next load in this process, one per device, so that a model
+    loaded file by file pins its ring once; returns the bytes freed. Loads
+    after it pin a new ring."""
+    return _dmaload.release_staging()
 
 Framework: TypeAlias = Literal["np", "numpy", "pt", "torch"]
 StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
@@ -335,8 +352,8 @@ def _load_files(
         loaded = _dmaload.load_safetensors(
             [os.fspath(p) for p in paths],
             concurrency=concurrency,
+            options=native_options(options),
             progress=callback,
-            **native_kwargs(options),
         )
     finally:
         finish()
@@ -348,7 +365,7 @@ def _load_files_cached(paths: list[Path], socket: str, options: dict[str, Any]) 
     directly without one); its header parsed from the bytes received."""
     files = []
     for path in paths:
-        buffer = load_cached(os.fspath(path), socket, native_kwargs(options))
+        buffer = load_cached(os.fspath(path), socket, native_options(options))
         with memoryview(buffer) as view:
             n = int.from_bytes(view[:8], "little") if len(view) >= 8 else 0
             head = bytes(view[: 8 + min(n, _dmaload.MAX_HEADER_LEN)])

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _dmaload
-from .._options import native_kwargs
+from .._options import native_options
 from .._progress import Progress, resolve
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def load_files(paths: list[Path], device: Any, progress: Progress, options: dict
 
     ordinal = _ordinal(torch, device)
     target = torch.device("cpu") if ordinal < 0 else torch.device("cuda", ordinal)
-    kwargs = native_kwargs(options, staged=True)
+    native = native_options(options)
     files = [_dmaload.open_safetensors(os.fspath(p)) for p in paths]
     need = sum(f.data_len for f in files)
     if ordinal >= 0:
@@ -81,7 +81,7 @@ def load_files(paths: list[Path], device: Any, progress: Progress, options: dict
         # Device memory goes as pointers (these tensors stay referenced
         # until the call returns); host memory as writable buffer exports.
         targets = [d.data_ptr() for d in data] if ordinal >= 0 else [d.numpy() for d in data]
-        reports = _dmaload._load_staged(files, targets, ordinal, progress=callback, **kwargs)
+        reports = _dmaload._load_staged(files, targets, ordinal, options=native, progress=callback)
     finally:
         finish()
     return [

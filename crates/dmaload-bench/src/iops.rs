@@ -1,20 +1,18 @@
 //! Random O_DIRECT reads at a fixed queue depth and block size, into
 //! registered or plain buffers: seed 003's IOPS / submission-latency / CPU
-//! table, measured with the same io_uring code the loader uses.
+//! table, with io_uring as the loader uses it (`READ_FIXED` from one
+//! registered buffer, or `READ` with pages pinned per I/O).
 
-use std::fs::OpenOptions;
+use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use dmaload::{Error, ErrorKind, Result};
 use serde::Serialize;
 
-use crate::error::{Error, ErrorKind, Result};
-use crate::heap::{Allocation, MemoryKind};
-use crate::sys;
-use crate::sys::uring::{Completion, Ring};
+use crate::sys::uring::{Completion, ReadRing};
 
 /// One cell of the table.
 #[derive(Debug, Clone, Copy)]
@@ -58,11 +56,8 @@ pub fn random_reads(path: impl AsRef<Path>, options: &RandomReadOptions) -> Resu
     let path = path.as_ref();
     let bs = options.block_size;
     let qd = options.queue_depth;
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(|e| Error::io("open O_DIRECT", path, e))?;
+    let file = dmaload::source::open_for_reading(path)?;
+    crate::transfer::set_direct(&file, true).map_err(|e| Error::io("fcntl(O_DIRECT)", path, e))?;
     let size = file.metadata().map_err(|e| Error::io("stat", path, e))?.len();
     let blocks = size / bs.max(1) as u64;
     if bs == 0 || bs % 512 != 0 || qd == 0 || qd > 4096 || blocks == 0 {
@@ -73,32 +68,32 @@ pub fn random_reads(path: impl AsRef<Path>, options: &RandomReadOptions) -> Resu
             format!("block size {bs} (a multiple of 512), queue depth {qd} (1-4096) and a file of at least one block ({size} bytes) are needed"),
         ));
     }
-    let mut alloc =
-        Allocation::new(MemoryKind::Memfd, bs * qd).map_err(|e| Error::io("allocate memory", path, e))?;
-    let writer = alloc.mapping.writer();
-    crate::pipeline::populate_range(writer, 0..bs * qd, 1)
-        .map_err(|e| Error::io("populate memory", path, e))?;
-    let mut ring = Ring::new((qd as u32).next_power_of_two(), writer)
-        .map_err(|e| Error::io("io_uring_setup", path, e))?;
-    if options.registered {
-        ring.register_slots(1).map_err(|e| Error::io("register buffers", path, e))?;
-        let registrar = ring.registrar().map_err(|e| Error::io("register buffers", path, e))?;
-        registrar.register(0, 0..bs * qd).map_err(|e| Error::io("register buffer", path, e))?;
-    }
-    let slot = options.registered.then_some(0u16);
+    let mut ring =
+        ReadRing::new(qd, bs, options.registered).map_err(|e| Error::io("io_uring setup", path, e))?;
+    run(&mut ring, &file, path, blocks, options)
+}
+
+fn run(
+    ring: &mut ReadRing,
+    file: &File,
+    path: &Path,
+    blocks: u64,
+    options: &RandomReadOptions,
+) -> Result<RandomReadStats> {
+    let bs = options.block_size;
     let mut state = options.seed | 1;
-    let mut free: Vec<usize> = (0..qd).collect();
-    let mut completions: Vec<Completion> = Vec::with_capacity(qd);
+    let mut free: Vec<usize> = (0..options.queue_depth).collect();
+    let mut completions: Vec<Completion> = Vec::with_capacity(options.queue_depth);
     let (mut ios, mut submitted, mut submit_time) = (0u64, 0u64, Duration::ZERO);
-    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let cpu_before = dmaload::system::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let started = Instant::now();
     loop {
         let running = started.elapsed() < options.duration;
         if running && !free.is_empty() {
             let queued = free.len();
-            for i in free.drain(..) {
+            for slot in free.drain(..) {
                 let offset = next_random(&mut state) % blocks * bs as u64;
-                ring.queue_read(file.as_fd(), i * bs..(i + 1) * bs, offset, slot, 0, i as u64)
+                ring.queue_read(file.as_fd(), slot, offset)
                     .map_err(|e| Error::io("read", path, e).at(offset))?;
             }
             let t = Instant::now();
@@ -122,11 +117,11 @@ pub fn random_reads(path: impl AsRef<Path>, options: &RandomReadOptions) -> Resu
                 return Err(Error::io("read", path, err));
             }
             ios += 1;
-            free.push(done.tag as usize);
+            free.push(done.slot);
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let cpu_after = dmaload::system::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let sys_cpu = cpu_after.1.saturating_sub(cpu_before.1).as_secs_f64();
     Ok(RandomReadStats {
         ios,

@@ -1,33 +1,38 @@
 //! Every way the kernel offers to move bytes between a file and shareable
 //! memory, in both directions: seed 001's method table (mmap + read/write,
 //! sendfile, splice through a pipe, copy_file_range, each buffered or
-//! direct) plus io_uring with and without registered buffers, into memfd
-//! memory, memfd exported through udmabuf, a udmabuf's own mapping, or a
-//! dma-heap buffer.
+//! direct) plus io_uring with and without registered buffers, into a memfd
+//! in 4 KiB pages (the seed's memfd), that memfd exported through udmabuf,
+//! a udmabuf's own mapping, or a dma-heap buffer.
+//!
+//! The io_uring methods are the library's own pipeline: reads go through
+//! [`dmaload::load_open_into`] (caller memory, filled in place), writes
+//! through [`dmaload::save::write_at`]. The other methods are the syscalls
+//! themselves (rustix).
 //!
 //! Nothing here hides a refusal: when the kernel rejects a combination
 //! (EXDEV for copy_file_range across filesystems, EINVAL for sendfile into
-//! a dma-buf, EFAULT for O_DIRECT into a dma-buf mmap) the error says so.
+//! a dma-buf, EFAULT for O_DIRECT into a dma-buf mmap) the error says so;
+//! an io_uring read that could only be done by copying through a staging
+//! ring is EFAULT too, not a staged row under an io_uring name.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use dmaload::heap::{self, CpuAccess, DmaBuf};
+use dmaload::load::{Fallback, IoMode, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
+use dmaload::save::SaveOptions;
+use dmaload::source::direct_io_alignment;
+use dmaload::{Engine, Error, ErrorKind, OpenFile, Result};
+use rustix::fs::OFlags;
+use rustix::io::Errno;
+use rustix::pipe::{PipeFlags, SpliceFlags};
 use serde::Serialize;
 
-use crate::engine::write::WriteJob;
-use crate::engine::{CachePolicy, Engine};
-use crate::error::{Error, ErrorKind, Result};
-use crate::heap::{self, CpuAccess, DmaBuf};
-use crate::options::{Fallback, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
-use crate::pipeline::fill_mapping;
-use crate::plan::Plan;
-use crate::source::ReadSetup;
-use crate::sys;
-use crate::sys::file::{statx_dio_align, DioAlignQuery};
-use crate::sys::mem::Mapping;
+use crate::sys::memory::Memory;
 
 /// How bytes move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -98,10 +103,11 @@ impl Direction {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum MemoryType {
-    /// A memfd; I/O through its fd and mapping.
+    /// A memfd in 4 KiB pages (`MADV_NOHUGEPAGE`, as the seed's memfd and
+    /// `--to memfd`); I/O through its fd and mapping.
     Memfd,
-    /// A memfd exported as a dma-buf with udmabuf; I/O through the memfd
-    /// (seed "u+mfd": the way to get direct I/O into a dma-buf).
+    /// The same memfd exported as a dma-buf with udmabuf; I/O through the
+    /// memfd (seed "u+mfd": the way to get direct I/O into a dma-buf).
     UdmabufMemfd,
     /// The same dma-buf, I/O through the dma-buf's own fd and mmap.
     Udmabuf,
@@ -153,13 +159,9 @@ impl Default for TransferOptions {
 }
 
 /// A piece of memory of one [`MemoryType`], created and dropped (closed)
-/// as a unit, so both can be timed.
+/// as a unit, so both can be timed. Its fds never leave it.
 pub struct TransferBuffer {
-    // Field order is drop order: unmap, then close the fds.
-    mapping: Mapping,
-    io: File,
-    dmabuf: Option<DmaBuf>,
-    _memfd: Option<OwnedFd>,
+    memory: Memory,
     kind: MemoryType,
     len: usize,
 }
@@ -169,60 +171,16 @@ impl TransferBuffer {
     /// dma-heap buffer and a udmabuf's memfd pages are allocated here,
     /// which is part of their cost).
     pub fn new(kind: MemoryType, len: usize) -> Result<TransferBuffer> {
-        let page = sys::mem::page_size();
+        let page = rustix::param::page_size();
         // dma-bufs cannot be empty; a page keeps zero-length transfers valid.
         let size = len.div_ceil(page).max(1) * page;
-        let memfd_path = Path::new("memfd");
-        let memfd = || -> Result<OwnedFd> {
-            let fd = sys::mem::memfd_create(c"dmaload-transfer", sys::mem::MemfdPages::Shmem)
-                .map_err(|e| Error::io("memfd_create", memfd_path, e))?;
-            sys::mem::set_len(fd.as_fd(), size as u64).map_err(|e| Error::io("ftruncate", memfd_path, e))?;
-            Ok(fd)
+        let memory = match kind {
+            MemoryType::Memfd => Memory::memfd(size)?,
+            MemoryType::UdmabufMemfd => Memory::udmabuf(size, false)?,
+            MemoryType::Udmabuf => Memory::udmabuf(size, true)?,
+            MemoryType::DmaHeap => Memory::dma_heap(size)?,
         };
-        let map_memfd = |fd: &OwnedFd| {
-            Mapping::memfd(fd.as_fd(), size, sys::mem::HugePageAdvice::Huge)
-                .map_err(|e| Error::io("mmap", memfd_path, e))
-        };
-        let map_dmabuf = |fd: &OwnedFd, path: &str| {
-            Mapping::shared(fd.as_fd(), size).map_err(|e| Error::io("mmap", Path::new(path), e))
-        };
-        let dup = |fd: &OwnedFd, path: &str| {
-            fd.try_clone().map(File::from).map_err(|e| Error::io("dup", Path::new(path), e))
-        };
-        let (mapping, io, dmabuf, memfd) = match kind {
-            MemoryType::Memfd => {
-                let fd = memfd()?;
-                (map_memfd(&fd)?, dup(&fd, "memfd")?, None, Some(fd))
-            }
-            MemoryType::UdmabufMemfd | MemoryType::Udmabuf => {
-                let fd = memfd()?;
-                // udmabuf requires the memfd's size to be fixed.
-                sys::mem::add_seals(fd.as_fd(), sys::mem::Seals::SHRINK)
-                    .map_err(|e| Error::io("seal memfd", memfd_path, e))?;
-                let dmabuf = heap::udmabuf_export(&[(fd.as_fd(), 0, size as u64)])?;
-                let dmabuf_fd =
-                    dmabuf.fd().try_clone_to_owned().map_err(|e| Error::io("dup", memfd_path, e))?;
-                if kind == MemoryType::UdmabufMemfd {
-                    (map_memfd(&fd)?, dup(&fd, "memfd")?, Some(dmabuf), Some(fd))
-                } else {
-                    (
-                        map_dmabuf(&dmabuf_fd, heap::UDMABUF_DEVICE)?,
-                        File::from(dmabuf_fd),
-                        Some(dmabuf),
-                        Some(fd),
-                    )
-                }
-            }
-            MemoryType::DmaHeap => {
-                let dmabuf = heap::dma_heap_alloc(size as u64)?;
-                let fd = dmabuf
-                    .fd()
-                    .try_clone_to_owned()
-                    .map_err(|e| Error::io("dup", Path::new(heap::SYSTEM_HEAP), e))?;
-                (map_dmabuf(&fd, heap::SYSTEM_HEAP)?, File::from(fd), Some(dmabuf), None)
-            }
-        };
-        Ok(TransferBuffer { mapping, io, dmabuf, _memfd: memfd, kind, len })
+        Ok(TransferBuffer { memory, kind, len })
     }
 
     pub fn len(&self) -> usize {
@@ -237,11 +195,6 @@ impl TransferBuffer {
         self.kind
     }
 
-    /// The dma-buf, for the types that have one.
-    pub fn dmabuf(&self) -> Option<&DmaBuf> {
-        self.dmabuf.as_ref()
-    }
-
     /// Allocates every page now (`MADV_POPULATE_WRITE` on `threads`
     /// threads) instead of on first touch: the "alloc" half of a synchronous
     /// alloc-then-read.
@@ -250,41 +203,34 @@ impl TransferBuffer {
             // A dma-buf's pages exist from its creation.
             return Ok(());
         }
-        let len = self.mapping.as_slice().len();
-        crate::pipeline::populate_range(self.mapping.writer(), 0..len, threads)
+        heap::populate(self.memory.bytes_mut(), threads)
             .map_err(|e| Error::io("populate memory", Path::new("memfd"), e))
     }
 
     /// Runs `f` on the bytes, inside a dma-buf CPU-access bracket where
     /// there is a dma-buf mapping.
     pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        self.cpu_access(CpuAccess::Read, || f(&self.mapping.as_slice()[..self.len]))
+        sync_cpu(self.cpu_bracket(), CpuAccess::Read, true)?;
+        let out = f(&self.memory.bytes()[..self.len]);
+        sync_cpu(self.cpu_bracket(), CpuAccess::Read, false)?;
+        Ok(out)
     }
 
     /// Runs `f` on the bytes, mutably, inside a CPU-access bracket.
     pub fn with_bytes_mut<R>(&mut self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        sync_cpu(self.cpu_bracket(), CpuAccess::Write, true)?;
         let len = self.len;
-        let bracket = cpu_bracket(self.kind, &self.dmabuf);
-        sync_cpu(bracket, CpuAccess::Write, true)?;
-        let out = f(&mut self.mapping.as_mut_slice()[..len]);
-        sync_cpu(bracket, CpuAccess::Write, false)?;
+        let out = f(&mut self.memory.bytes_mut()[..len]);
+        sync_cpu(self.cpu_bracket(), CpuAccess::Write, false)?;
         Ok(out)
     }
 
-    fn cpu_access<R>(&self, access: CpuAccess, f: impl FnOnce() -> R) -> Result<R> {
-        let bracket = cpu_bracket(self.kind, &self.dmabuf);
-        sync_cpu(bracket, access, true)?;
-        let out = f();
-        sync_cpu(bracket, access, false)?;
-        Ok(out)
-    }
-}
-
-/// The dma-buf whose mmap the CPU uses, if the mapping is one.
-fn cpu_bracket(kind: MemoryType, dmabuf: &Option<DmaBuf>) -> Option<&DmaBuf> {
-    match kind {
-        MemoryType::Udmabuf | MemoryType::DmaHeap => dmabuf.as_ref(),
-        MemoryType::Memfd | MemoryType::UdmabufMemfd => None,
+    /// The dma-buf whose mmap the CPU uses, if the mapping is one.
+    fn cpu_bracket(&self) -> Option<&DmaBuf> {
+        match self.kind {
+            MemoryType::Udmabuf | MemoryType::DmaHeap => self.memory.dmabuf(),
+            MemoryType::Memfd | MemoryType::UdmabufMemfd => None,
+        }
     }
 }
 
@@ -298,10 +244,36 @@ fn sync_cpu(dmabuf: Option<&DmaBuf>, access: CpuAccess, start: bool) -> Result<(
     }
 }
 
+/// Sets or clears `O_DIRECT` on an open file.
+pub(crate) fn set_direct(file: &File, direct: bool) -> io::Result<()> {
+    let mut flags = rustix::fs::fcntl_getfl(file)?;
+    flags.set(OFlags::DIRECT, direct);
+    Ok(rustix::fs::fcntl_setfl(file, flags)?)
+}
+
+/// `pipe2(O_CLOEXEC)` resized with `F_SETPIPE_SZ` to at most `want` bytes:
+/// unprivileged processes are capped by /proc/sys/fs/pipe-max-size, so on
+/// EPERM it halves down to the default. Returns (read end, write end,
+/// capacity).
+fn pipe_with_capacity(want: usize) -> io::Result<(OwnedFd, OwnedFd, usize)> {
+    let (read, write) = rustix::pipe::pipe_with(PipeFlags::CLOEXEC)?;
+    let mut size = want.max(4096);
+    loop {
+        match rustix::pipe::fcntl_setpipe_size(&write, size) {
+            Ok(capacity) => return Ok((read, write, capacity)),
+            Err(Errno::PERM | Errno::NOMEM) if size > 65536 => size /= 2,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// The file side of transfers: opened buffered or O_DIRECT, for reading or
 /// (created, truncated) for writing.
 pub struct TransferFile {
     file: File,
+    /// For reading: the file as the library's pipeline reads it (the same
+    /// inode, reopened through /proc/self/fd).
+    source: Option<OpenFile>,
     path: PathBuf,
     direct: bool,
     align: usize,
@@ -315,26 +287,28 @@ impl TransferFile {
             Direction::Read => options.read(true),
             Direction::Write => options.write(true).create(true).truncate(true),
         };
-        if direct {
-            options.custom_flags(libc::O_DIRECT);
-        }
-        let op = if direct { "open O_DIRECT" } else { "open" };
-        let file = options.open(path).map_err(|e| Error::io(op, path, e))?;
-        let page = sys::mem::page_size();
-        let align = match (direct, statx_dio_align(file.as_fd())) {
-            (false, _) => 1,
-            (true, Ok(DioAlignQuery::Supported(a))) => a.offset.max(1) as usize,
-            (true, _) => page,
+        let file = options.open(path).map_err(|e| Error::io("open", path, e))?;
+        let page = rustix::param::page_size();
+        let align = match direct {
+            false => 1,
+            true => {
+                set_direct(&file, true).map_err(|e| Error::io("open O_DIRECT", path, e))?;
+                direct_io_alignment(&file).unwrap_or(page)
+            }
         };
         if align > page {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
-                op,
+                "open O_DIRECT",
                 path,
                 format!("direct I/O alignment {align} exceeds the page size {page}"),
             ));
         }
-        Ok(TransferFile { file, path: path.to_owned(), direct, align })
+        let source = match direction {
+            Direction::Read => Some(OpenFile::from_fd(file.as_fd())?),
+            Direction::Write => None,
+        };
+        Ok(TransferFile { file, source, path: path.to_owned(), direct, align })
     }
 
     pub fn is_direct(&self) -> bool {
@@ -346,8 +320,8 @@ impl TransferFile {
         self.file.sync_data().map_err(|e| Error::io("fdatasync", &self.path, e))
     }
 
-    fn error(&self, op: &'static str, offset: u64, err: io::Error) -> Error {
-        Error::io(op, &self.path, err).at(offset)
+    fn error(&self, op: &'static str, offset: u64, err: impl Into<io::Error>) -> Error {
+        Error::io(op, &self.path, err.into()).at(offset)
     }
 
     fn eof(&self, at: u64, expected: u64) -> Error {
@@ -362,8 +336,8 @@ impl TransferFile {
 }
 
 /// Moves `buf.len()` bytes between `buf` and `file` at file `offset` with
-/// `method`, in `direction`. Returns the fallbacks taken (only the io_uring
-/// write path has any: registration refused). Writes are not synced; call
+/// `method`, in `direction`. Returns the fallbacks taken (the io_uring
+/// methods' only: registration refused). Writes are not synced; call
 /// [`TransferFile::sync`].
 pub fn transfer(
     buf: &mut TransferBuffer,
@@ -377,7 +351,7 @@ pub fn transfer(
     // Only R/W and io_uring touch the memory through the CPU mapping.
     let cpu = matches!(method, Method::ReadWrite | Method::Uring | Method::UringFixed);
     let sync = |buf: &TransferBuffer, start: bool| match cpu {
-        true => sync_cpu(cpu_bracket(buf.kind, &buf.dmabuf), access, start),
+        true => sync_cpu(buf.cpu_bracket(), access, start),
         false => Ok(()),
     };
     sync(buf, true)?;
@@ -404,10 +378,9 @@ fn read_into(
     }
     let want = need.div_ceil(file.align) * file.align;
     let fd = file.file.as_fd();
-    let io = buf.io.as_fd();
     let mut done = 0usize;
-    let mut file_pos = offset as i64;
-    let mut mem_pos = 0i64;
+    let mut file_pos = offset;
+    let mut mem_pos = 0u64;
     let advance = |done: &mut usize, got: usize| -> Result<bool> {
         if got == 0 {
             return Err(file.eof(offset + *done as u64, offset + need as u64));
@@ -417,9 +390,9 @@ fn read_into(
     };
     match method {
         Method::ReadWrite => {
-            let dst = buf.mapping.writer();
+            let dst = buf.memory.bytes_mut();
             loop {
-                let got = match sys::file::pread_into(fd, dst, done..want, offset + done as u64, 0) {
+                let got = match file.file.read_at(&mut dst[done..want], offset + done as u64) {
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     other => other.map_err(|e| file.error("read", offset + done as u64, e))?,
                 };
@@ -429,9 +402,10 @@ fn read_into(
             }
         }
         Method::Sendfile => {
-            (&buf.io).seek(SeekFrom::Start(0)).map_err(|e| file.error("lseek memory", 0, e))?;
+            let io = buf.memory.io();
+            (&*io).seek(SeekFrom::Start(0)).map_err(|e| file.error("lseek memory", 0, e))?;
             loop {
-                let got = sys::file::sendfile(io, fd, Some(&mut file_pos), want - done)
+                let got = rustix::fs::sendfile(io, fd, Some(&mut file_pos), want - done)
                     .map_err(|e| file.error("sendfile", offset + done as u64, e))?;
                 if advance(&mut done, got)? {
                     return Ok(Vec::new());
@@ -439,39 +413,44 @@ fn read_into(
             }
         }
         Method::Splice => {
-            let (pipe_r, pipe_w, capacity) = sys::file::pipe_with_capacity(options.pipe_size)
-                .map_err(|e| file.error("pipe", offset, e))?;
+            let io = buf.memory.io();
+            let (pipe_r, pipe_w, capacity) =
+                pipe_with_capacity(options.pipe_size).map_err(|e| file.error("pipe", offset, e))?;
             loop {
                 let len = (want - done).min(capacity);
-                let got = sys::file::splice(fd, Some(&mut file_pos), pipe_w.as_fd(), None, len)
-                    .map_err(|e| file.error("splice from file", offset + done as u64, e))?;
+                let got =
+                    rustix::pipe::splice(fd, Some(&mut file_pos), &pipe_w, None, len, SpliceFlags::MOVE)
+                        .map_err(|e| file.error("splice from file", offset + done as u64, e))?;
                 let mut left = got;
                 while left > 0 {
-                    left -= sys::file::splice(pipe_r.as_fd(), None, io, Some(&mut mem_pos), left)
-                        .map_err(|e| file.error("splice to memory", offset + done as u64, e))?;
+                    left -=
+                        rustix::pipe::splice(&pipe_r, None, io, Some(&mut mem_pos), left, SpliceFlags::MOVE)
+                            .map_err(|e| file.error("splice to memory", offset + done as u64, e))?;
                 }
                 if advance(&mut done, got)? {
                     return Ok(Vec::new());
                 }
             }
         }
-        Method::CopyFileRange => loop {
-            let got = sys::file::copy_file_range(fd, &mut file_pos, io, &mut mem_pos, want - done)
-                .map_err(|e| file.error("copy_file_range", offset + done as u64, e))?;
-            if advance(&mut done, got)? {
-                return Ok(Vec::new());
+        Method::CopyFileRange => {
+            let io = buf.memory.io();
+            loop {
+                let got =
+                    rustix::fs::copy_file_range(fd, Some(&mut file_pos), io, Some(&mut mem_pos), want - done)
+                        .map_err(|e| file.error("copy_file_range", offset + done as u64, e))?;
+                if advance(&mut done, got)? {
+                    return Ok(Vec::new());
+                }
             }
-        },
+        }
         Method::Uring => uring_read(buf, file, offset, Engine::Uring, options),
         Method::UringFixed => uring_read(buf, file, offset, Engine::UringFixed, options),
     }
 }
 
-/// io_uring reads through the load pipeline ([`crate::load`]): a helper
-/// thread populates each gather, and for `uring-fixed` registers it, ahead
-/// of the reads. (Registering each window on the submitting thread, where
-/// the pinning also faulted the pages in, ran at half the plain engine's
-/// speed.)
+/// io_uring reads through the library's pipeline into the buffer as
+/// caller memory ([`dmaload::load_open_into`]): a helper thread populates
+/// each gather, and for `uring-fixed` registers it, ahead of the reads.
 fn uring_read(
     buf: &mut TransferBuffer,
     file: &TransferFile,
@@ -479,26 +458,36 @@ fn uring_read(
     engine: Engine,
     options: &TransferOptions,
 ) -> Result<Vec<Fallback>> {
+    let Some(source) = &file.source else {
+        let why = "the file was opened for writing";
+        return Err(Error::new(ErrorKind::InvalidInput, "read", &file.path, why));
+    };
     if offset % file.align as u64 != 0 {
         let why = format!("direct io_uring reads must start at a multiple of {} bytes", file.align);
         return Err(Error::new(ErrorKind::InvalidInput, "read", &file.path, why).at(offset));
     }
+    let end = offset + buf.len as u64;
+    if end > source.len() {
+        return Err(file.eof(source.len().max(offset), end));
+    }
     let load_options = LoadOptions {
         engine,
+        mode: if file.direct { IoMode::Direct } else { IoMode::Buffered },
         chunk_size: options.chunk_size,
         queue_depth: options.queue_depth,
+        measure_page_cache: false,
         ..LoadOptions::default()
     };
-    let len = buf.len as u64;
-    let page = sys::mem::page_size();
-    let plan = Plan::new(offset, len, file.align, load_options.chunk_size, load_options.gather_size, page);
-    let setup = ReadSetup {
-        file: file.file.try_clone().map_err(|e| file.error("dup", offset, e))?,
-        cache: if file.direct { CachePolicy::Bypass } else { CachePolicy::Keep },
-        align: file.align,
-    };
-    let (run, _) = fill_mapping(&file.path, &setup, &plan, len, &load_options, buf.mapping.writer())?;
-    Ok(run.fallbacks)
+    let len = buf.len;
+    let report = dmaload::load_open_into(source, offset, &mut buf.memory.bytes_mut()[..len], &load_options)?;
+    // Memory that refuses direct I/O into it (a dma-buf's mmap) was read by
+    // copying through a staging ring, which load_into records as a fallback
+    // from "in place": not what the method names. (A range too short to
+    // hold a whole page is staged without one, as any load_into's edges are.)
+    if report.fallbacks.iter().any(|f| f.from == "in place") {
+        return Err(file.error("io_uring read in place", offset, Errno::FAULT));
+    }
+    Ok(report.fallbacks)
 }
 
 /// Memory → file. With O_DIRECT the aligned part goes direct and the
@@ -513,12 +502,10 @@ fn write_from(
     let len = buf.len;
     let aligned = len / file.align * file.align;
     let fd = file.file.as_fd();
-    let io = buf.io.as_fd();
-    let src = &buf.mapping.as_slice()[..aligned];
     let mut fallbacks = Vec::new();
     let mut done = 0usize;
-    let mut file_pos = offset as i64;
-    let mut mem_pos = 0i64;
+    let mut file_pos = offset;
+    let mut mem_pos = 0u64;
     let wrote = |n: usize, at: usize| -> Result<usize> {
         if n == 0 {
             Err(file.error("write", offset + at as u64, io::Error::from(io::ErrorKind::WriteZero)))
@@ -528,67 +515,71 @@ fn write_from(
     };
     match method {
         Method::ReadWrite => {
+            let src = &buf.memory.bytes()[..aligned];
             file.file.write_all_at(src, offset).map_err(|e| file.error("write", offset, e))?;
         }
         Method::Sendfile => {
+            let io = buf.memory.io();
             (&file.file).seek(SeekFrom::Start(offset)).map_err(|e| file.error("lseek", offset, e))?;
             while done < aligned {
-                let n = sys::file::sendfile(fd, io, Some(&mut mem_pos), aligned - done)
+                let n = rustix::fs::sendfile(fd, io, Some(&mut mem_pos), aligned - done)
                     .map_err(|e| file.error("sendfile", offset + done as u64, e))?;
                 done += wrote(n, done)?;
             }
         }
         Method::Splice => {
-            let (pipe_r, pipe_w, capacity) = sys::file::pipe_with_capacity(options.pipe_size)
-                .map_err(|e| file.error("pipe", offset, e))?;
+            let io = buf.memory.io();
+            let (pipe_r, pipe_w, capacity) =
+                pipe_with_capacity(options.pipe_size).map_err(|e| file.error("pipe", offset, e))?;
             while done < aligned {
-                let n = sys::file::splice(
-                    io,
-                    Some(&mut mem_pos),
-                    pipe_w.as_fd(),
-                    None,
-                    (aligned - done).min(capacity),
-                )
-                .map_err(|e| file.error("splice from memory", offset + done as u64, e))?;
+                let len = (aligned - done).min(capacity);
+                let n = rustix::pipe::splice(io, Some(&mut mem_pos), &pipe_w, None, len, SpliceFlags::MOVE)
+                    .map_err(|e| file.error("splice from memory", offset + done as u64, e))?;
                 let mut left = wrote(n, done)?;
                 while left > 0 {
-                    let out = sys::file::splice(pipe_r.as_fd(), None, fd, Some(&mut file_pos), left)
-                        .map_err(|e| file.error("splice to file", offset + done as u64, e))?;
+                    let out =
+                        rustix::pipe::splice(&pipe_r, None, fd, Some(&mut file_pos), left, SpliceFlags::MOVE)
+                            .map_err(|e| file.error("splice to file", offset + done as u64, e))?;
                     left -= wrote(out, done)?;
                 }
                 done += n;
             }
         }
         Method::CopyFileRange => {
+            let io = buf.memory.io();
             while done < aligned {
-                let n = sys::file::copy_file_range(io, &mut mem_pos, fd, &mut file_pos, aligned - done)
-                    .map_err(|e| file.error("copy_file_range", offset + done as u64, e))?;
+                let n = rustix::fs::copy_file_range(
+                    io,
+                    Some(&mut mem_pos),
+                    fd,
+                    Some(&mut file_pos),
+                    aligned - done,
+                )
+                .map_err(|e| file.error("copy_file_range", offset + done as u64, e))?;
                 done += wrote(n, done)?;
             }
         }
         Method::Uring | Method::UringFixed => {
-            let job = WriteJob {
-                path: &file.path,
-                file: &file.file,
-                src: src.into(),
-                file_offset: offset,
-                chunk: options.chunk_size.div_ceil(file.align) * file.align,
+            let save = SaveOptions {
+                engine: if method == Method::UringFixed { Engine::UringFixed } else { Engine::Uring },
+                chunk_size: options.chunk_size.div_ceil(file.align) * file.align,
                 queue_depth: options.queue_depth,
                 threads: 1,
+                ..SaveOptions::default()
             };
-            let engine = if method == Method::UringFixed { Engine::UringFixed } else { Engine::Uring };
-            fallbacks = job.run(engine)?.fallbacks;
+            let src = &buf.memory.bytes()[..aligned];
+            fallbacks = dmaload::save::write_at(&file.file, &file.path, offset, src, &save)?;
         }
     }
     if aligned < len {
-        let tail = &buf.mapping.as_slice()[aligned..len];
+        let tail = &buf.memory.bytes()[aligned..len];
         let at = offset + aligned as u64;
         if file.direct {
-            sys::file::set_direct(fd, false).map_err(|e| file.error("fcntl", at, e))?;
+            set_direct(&file.file, false).map_err(|e| file.error("fcntl", at, e))?;
         }
         let written = file.file.write_all_at(tail, at).map_err(|e| file.error("write", at, e));
         if file.direct {
-            sys::file::set_direct(fd, true).map_err(|e| file.error("fcntl", at, e))?;
+            set_direct(&file.file, true).map_err(|e| file.error("fcntl", at, e))?;
         }
         written?;
     }

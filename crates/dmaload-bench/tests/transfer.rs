@@ -3,10 +3,12 @@
 //! documented ones. dma-heap / udmabuf rows run where the kernel has them
 //! (the VM harness) and skip with the reason elsewhere.
 
+// The library's test helpers (pattern files, scratch directories, SKIP lines).
+#[path = "../../dmaload/tests/common/mod.rs"]
 mod common;
 
 use common::*;
-use dmaload::transfer::{
+use dmaload_bench::transfer::{
     transfer, Direction, MemoryType, Method, TransferBuffer, TransferFile, TransferOptions,
 };
 
@@ -171,4 +173,39 @@ fn direct_read_past_end_of_file_names_the_offset() {
             other => panic!("{} direct={direct}: expected truncation, got {other:?}", method.name()),
         }
     }
+}
+
+#[test]
+fn udmabuf_beyond_its_size_limit_says_which_limit() {
+    let test = "udmabuf_beyond_its_size_limit_says_which_limit";
+    if !check_kind(MemoryType::Udmabuf, test) {
+        return;
+    }
+    let Some(limit) = dmaload::heap::udmabuf_size_limit() else {
+        return skip(test, "size_limit_mb is not readable");
+    };
+    // A sparse memfd past the limit: udmabuf checks the size before it pins.
+    let err = TransferBuffer::new(MemoryType::Udmabuf, (limit + 4096) as usize).map(drop).unwrap_err();
+    eprintln!("over the limit: {err}");
+    assert_eq!(err.kind(), dmaload::ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("size_limit_mb"), "{err}");
+}
+
+#[test]
+fn memfd_memory_is_in_small_pages() {
+    // The matrix's memfd rows measure 4 KiB pages whatever shmem_enabled
+    // says: the mapping carries MADV_NOHUGEPAGE ("nh" in smaps' VmFlags).
+    let buf = TransferBuffer::new(MemoryType::Memfd, 8 << 20).unwrap();
+    let start = buf.with_bytes(|b| b.as_ptr() as usize).unwrap();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let lines: Vec<&str> = smaps.lines().collect();
+    let at = lines.iter().position(|l| l.starts_with(&format!("{start:x}-"))).expect("the mapping in smaps");
+    // The entry's fields ("Rss:", "VmFlags:", ...) up to the next mapping.
+    let flags = lines[at + 1..]
+        .iter()
+        .take_while(|l| l.split_whitespace().next().is_some_and(|w| w.ends_with(':')))
+        .find(|l| l.starts_with("VmFlags:"))
+        .expect("VmFlags in smaps");
+    assert!(flags.split_whitespace().any(|f| f == "nh"), "{flags}");
+    drop(buf);
 }
