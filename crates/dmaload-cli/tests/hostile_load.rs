@@ -100,7 +100,9 @@ fn without_a_helper_thread_the_engine_registers_each_gather_as_it_comes_near() {
     // before the reads and the engine registers the 256 KiB gathers itself,
     // a few ahead of its reads: about 1 MiB pinned at once, under 4 MiB.
     let limits = ["--nproc=1:1", &format!("--memlock={LIMIT}:{LIMIT}")];
-    let Some(mut cmd) = as_nobody_with(name, &limits) else { return };
+    // A user of its own: nobody's pinned pages, from tests beside this one,
+    // would count against the same limit.
+    let Some(mut cmd) = as_user_with(3_000_000 + std::process::id(), name, &limits) else { return };
     let args = ["load", "--json", "--hash", "--to", "memfd", "--gather-size", "256K", "--chunk-size", "64K"];
     let out = output_or_hang(cmd.args(args).args(["--queue-depth", "4"]).arg(&path));
     let report = json_of(&out);

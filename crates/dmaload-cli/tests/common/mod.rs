@@ -76,6 +76,14 @@ pub fn json_of(out: &Output) -> Value {
 /// CAP_IPC_LOCK nor CAP_DAC_OVERRIDE), under `limits` (prlimit arguments);
 /// `None`, after printing why the test skips, where that cannot be arranged.
 pub fn as_nobody_with(test: &str, limits: &[&str]) -> Option<Command> {
+    as_user_with(65534, test, limits)
+}
+
+/// [`as_nobody_with`] as user `uid`, which need not exist. The kernel counts
+/// pinned pages (RLIMIT_MEMLOCK) and processes (RLIMIT_NPROC) per user,
+/// across every process of it: a uid of its own keeps a test that measures
+/// them apart from other tests running as nobody.
+pub fn as_user_with(uid: u32, test: &str, limits: &[&str]) -> Option<Command> {
     if !is_root() {
         skip(test, "needs root to drop to an unprivileged user");
         return None;
@@ -85,7 +93,8 @@ pub fn as_nobody_with(test: &str, limits: &[&str]) -> Option<Command> {
         return None;
     }
     let mut cmd = Command::new("setpriv");
-    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
+    cmd.args([format!("--reuid={uid}"), "--regid=65534".into(), "--clear-groups".into()])
+        .args(["--inh-caps=-all", "--bounding-set=-all"])
         .arg("prlimit")
         .args(limits)
         .arg(env!("CARGO_BIN_EXE_dmaload"));
