@@ -9,6 +9,8 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
+mod common;
+
 fn dmaload() -> Command {
     Command::new(env!("CARGO_BIN_EXE_dmaload"))
 }
@@ -101,35 +103,38 @@ fn load_measures_the_page_cache_unless_told_not_to() {
 
 #[test]
 fn low_memlock_limit_falls_back_to_unregistered_io_uring() {
-    if !have("prlimit") {
-        return skip(
-            "low_memlock_limit_falls_back_to_unregistered_io_uring",
-            "prlimit (util-linux) not installed",
-        );
-    }
+    let name = "low_memlock_limit_falls_back_to_unregistered_io_uring";
     let dir = scratch();
     let path = sample_file(dir.path(), "f", 4 << 20);
-    // Root is exempt from RLIMIT_MEMLOCK through CAP_IPC_LOCK: drop it too.
-    let mut cmd = Command::new("prlimit");
-    cmd.arg("--memlock=65536:65536");
-    if is_root() {
-        if !have("setpriv") {
-            return skip("low_memlock_limit_falls_back_to_unregistered_io_uring", "setpriv not installed");
-        }
-        cmd.args(["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "--"]);
-    }
-    let out = cmd
-        .arg(env!("CARGO_BIN_EXE_dmaload"))
-        .args(["load", "--json", "--gather-size", "1M"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let Some(mut cmd) = common::under_memlock(name, 65536) else { return };
+    let out = cmd.args(["load", "--json", "--gather-size", "1M"]).arg(&path).output().unwrap();
     let report = json_of(&out);
     assert_eq!(report["engine"], "uring", "{report}");
     let reason = report["fallbacks"][0]["reason"].as_str().unwrap();
     assert!(reason.contains("RLIMIT_MEMLOCK") && reason.contains("64 KiB"), "{reason}");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("fallback uring-fixed -> uring"), "{stderr}");
+}
+
+#[test]
+fn registered_buffers_stay_a_few_gathers_ahead_under_a_memlock_limit_smaller_than_the_file() {
+    let name = "registered_buffers_stay_a_few_gathers_ahead_under_a_memlock_limit_smaller_than_the_file";
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 32 << 20);
+    // 256 KiB gathers of 4 KiB pages, 256 KiB in flight: registered ahead
+    // of the reads and unregistered behind them, about 1 MiB is pinned at
+    // once, well under 4 MiB; registering each gather as soon as it is
+    // populated (populating outruns the disk) would pin past it.
+    let Some(mut cmd) = common::under_memlock(name, 4 << 20) else { return };
+    let out = cmd
+        .args(["load", "--json", "--to", "memfd", "--gather-size", "256K", "--chunk-size", "64K"])
+        .args(["--queue-depth", "4"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let report = json_of(&out);
+    assert_eq!(report["engine"], "uring-fixed", "{report}");
+    assert_eq!(report["fallbacks"], serde_json::json!([]), "{report}");
 }
 
 /// Installs a seccomp filter that makes io_uring_setup fail with ENOSYS,

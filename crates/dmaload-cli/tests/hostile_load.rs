@@ -87,6 +87,37 @@ fn memlock_limit_of_zero_falls_back_to_the_pread_pool() {
 }
 
 #[test]
+fn without_a_helper_thread_the_engine_registers_each_gather_as_it_comes_near() {
+    let name = "without_a_helper_thread_the_engine_registers_each_gather_as_it_comes_near";
+    const LIMIT: u64 = 4 << 20;
+    if memlock_hard_limit() < LIMIT {
+        return skip(name, "RLIMIT_MEMLOCK's hard limit is below 4 MiB");
+    }
+    let dir = open_scratch("dmaload-hostile-");
+    let path = sample(dir.path(), OsStr::new("f.bin"), (32 << 20) + 11);
+    let expected = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap());
+    // One process allowed: no populate thread, so the memory is populated
+    // before the reads and the engine registers the 256 KiB gathers itself,
+    // a few ahead of its reads: about 1 MiB pinned at once, under 4 MiB.
+    let limits = ["--nproc=1:1", &format!("--memlock={LIMIT}:{LIMIT}")];
+    // A user of its own: nobody's pinned pages, from tests beside this one,
+    // would count against the same limit.
+    let Some(mut cmd) = as_user_with(3_000_000 + std::process::id(), name, &limits) else { return };
+    let args = ["load", "--json", "--hash", "--to", "memfd", "--gather-size", "256K", "--chunk-size", "64K"];
+    let out = output_or_hang(cmd.args(args).args(["--queue-depth", "4"]).arg(&path));
+    let report = json_of(&out);
+    assert_eq!(report["hash"]["xxh3_64"], format!("{expected:016x}"));
+    let fallbacks = report["fallbacks"].to_string();
+    assert!(fallbacks.contains("populate before the reads"), "{fallbacks}");
+    assert!(!fallbacks.contains("RLIMIT_MEMLOCK"), "{fallbacks}");
+    // io_uring may still cancel reads it has no worker thread for (the pool
+    // then reads): where it does not, the buffers stayed registered.
+    if report["engine"] != "pread-pool" {
+        assert_eq!(report["engine"], "uring-fixed", "{report}");
+    }
+}
+
+#[test]
 fn a_tiny_file_size_limit_is_an_error_not_sigxfsz() {
     let name = "a_tiny_file_size_limit_is_an_error_not_sigxfsz";
     if !have("prlimit") {

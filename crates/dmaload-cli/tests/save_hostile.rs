@@ -65,6 +65,23 @@ fn one_process_allowed_saves_and_copies_without_helper_threads() {
 }
 
 #[test]
+fn registered_windows_stay_a_few_ahead_under_a_memlock_limit_smaller_than_the_save() {
+    let name = "registered_windows_stay_a_few_ahead_under_a_memlock_limit_smaller_than_the_save";
+    let dir = open_scratch("dmaload-save-");
+    let dst = dir.path().join("out.bin");
+    // 8 windows of 128 MiB under a 640 MiB limit: registered a few ahead of
+    // the writes and unregistered behind them, no more than 4 are pinned.
+    let Some(mut cmd) = under_memlock(name, 640 << 20) else { return };
+    let out = output_or_hang(
+        cmd.args(["save", "--json", "--size", "1G", "--save-engine", "uring-fixed"]).arg(&dst),
+    );
+    let report = json_of(&out);
+    assert_eq!(report["bytes"], 1 << 30);
+    assert_eq!(report["engine"], "uring-fixed", "{report}");
+    assert_eq!(report["fallbacks"], serde_json::json!([]), "{report}");
+}
+
+#[test]
 fn save_size_beyond_available_memory_is_an_error_before_allocating() {
     let dir = open_scratch("dmaload-save-");
     let dst = dir.path().join("huge.bin");

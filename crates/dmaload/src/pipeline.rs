@@ -9,7 +9,7 @@ use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::engine::{self, Engine, EngineRun, Gate, Job, Layout, Progress};
+use crate::engine::{self, Engine, EngineRun, Gate, Job, Layout, Progress, RegisterAhead};
 use crate::error::{Error, ErrorKind, Result};
 use crate::heap::{Allocation, MemoryKind};
 use crate::options::{Fallback, LoadOptions};
@@ -67,24 +67,29 @@ pub(crate) fn populate_range(dst: MappingWriter<'_>, range: Range<usize>, thread
     })
 }
 
-/// Populates each gather in order, registers it with io_uring when a
-/// registrar is given, and opens the gate behind it.
+/// Populates each gather in order and opens the gate behind it; with a
+/// registrar, registers each gather with io_uring as the engine comes
+/// within reach of it ([`RegisterAhead`]): those due when their populating
+/// ends before they are opened, the rest once every gather is populated.
 fn populate_gathers(
     dst: MappingWriter<'_>,
-    mut registrar: Option<Registrar<'_>>,
+    registrar: Option<Registrar<MappingWriter<'_>>>,
     plan: &Plan,
     gate: &Gate,
     threads: usize,
 ) -> PopulateTimes {
     let mut times = PopulateTimes::default();
-    for g in 0..plan.gather_count() {
+    let count = plan.gather_count();
+    let range_of = |g| plan.gather_range(g);
+    let mut ahead = registrar.as_ref().map(|r| RegisterAhead::new(gate, r, count, &range_of));
+    for g in 0..count {
         if gate.is_cancelled() {
             break;
         }
         let started = Instant::now();
-        let range = plan.gather_range(g);
-        if let Err(err) = populate_range(dst, range.clone(), threads) {
+        if let Err(err) = populate_range(dst, plan.gather_range(g), threads) {
             gate.fail(&err);
+            ahead = None;
             break;
         }
         let took = started.elapsed();
@@ -92,18 +97,14 @@ fn populate_gathers(
         if g == 0 {
             times.first = took;
         }
-        if let Some(reg) = &registrar {
-            let started = Instant::now();
-            match reg.register(g as u32, range) {
-                Ok(()) => gate.publish_registered(g + 1),
-                Err(err) => {
-                    gate.refuse_registration(engine::uring::register_refusal(&err));
-                    registrar = None;
-                }
-            }
-            times.register += started.elapsed();
+        if let Some(ahead) = ahead.as_mut() {
+            ahead.register_due(g + 1);
         }
         gate.publish(g + 1);
+    }
+    if let Some(mut ahead) = ahead {
+        ahead.register_rest();
+        times.register = ahead.took;
     }
     times
 }
@@ -111,7 +112,7 @@ fn populate_gathers(
 /// An engine ready to run, chosen from the options and what the process
 /// may do.
 enum Prepared<'m> {
-    Uring(Box<Ring<'m>>),
+    Uring(Box<Ring<MappingWriter<'m>>>),
     Pool { threads: usize, engine: Engine },
 }
 
@@ -126,7 +127,7 @@ fn prepare_engine<'m>(
     dst: MappingWriter<'m>,
     options: &LoadOptions,
     fallbacks: &mut Vec<Fallback>,
-) -> Result<(Prepared<'m>, Option<Registrar<'m>>)> {
+) -> Result<(Prepared<'m>, Option<Registrar<MappingWriter<'m>>>)> {
     let pool = |engine: Engine| Prepared::Pool {
         threads: if engine == Engine::Read { 1 } else { options.threads },
         engine,
@@ -214,7 +215,7 @@ pub(crate) fn fill_mapping(
     options: &LoadOptions,
     dst: MappingWriter<'_>,
 ) -> Result<(EngineRun, PopulateTimes)> {
-    let populate = |registrar: Option<Registrar<'_>>, gate: &Gate| {
+    let populate = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
         populate_gathers(dst, registrar, plan, gate, options.populate_threads)
     };
     let (run, times) = run_pipeline(path, setup, plan, len, options, dst, Layout::InPlace, populate);
@@ -250,7 +251,7 @@ pub(crate) fn fill_staged(
     let layout = Layout::Staged { slots: ring_slots, slot_len };
     let dst = ring.writer();
     let sink = std::sync::Mutex::new(sink);
-    let feed = |registrar: Option<Registrar<'_>>, gate: &Gate| {
+    let feed = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
         let mut sink = sink.lock().unwrap_or_else(|p| p.into_inner());
         let slots = (ring_slots, slot_len);
         feed_sink(path, dst, registrar, plan, slots, options.populate_threads, gate, &mut **sink)
@@ -282,7 +283,7 @@ pub(crate) fn fill_staged(
 fn feed_sink(
     path: &Path,
     dst: MappingWriter<'_>,
-    registrar: Option<Registrar<'_>>,
+    registrar: Option<Registrar<MappingWriter<'_>>>,
     plan: &Plan,
     (slots, slot_len): (usize, usize),
     threads: usize,
@@ -293,11 +294,15 @@ fn feed_sink(
     let mut times = DeliverTimes::default();
     if let Some(reg) = registrar {
         let started = Instant::now();
-        let registered =
-            (0..slots.min(count)).try_for_each(|s| reg.register(s as u32, s * slot_len..(s + 1) * slot_len));
-        match registered {
-            Ok(()) => gate.publish_registered(usize::MAX),
-            Err(err) => gate.refuse_registration(engine::uring::register_refusal(&err)),
+        // Every slot at once, for the whole load: the slots are reused.
+        for s in 0..slots.min(count) {
+            match reg.register(s as u32, s * slot_len..(s + 1) * slot_len) {
+                Ok(()) => _ = gate.mark_registered(s),
+                Err(err) => {
+                    gate.refuse_registration(engine::uring::register_refusal(&err));
+                    break;
+                }
+            }
         }
         times.register = started.elapsed();
     }
@@ -349,9 +354,9 @@ fn run_pipeline<'m, T: Send>(
     options: &LoadOptions,
     dst: MappingWriter<'m>,
     layout: Layout,
-    helper: impl FnOnce(Option<Registrar<'m>>, &Gate) -> T + Send,
+    helper: impl FnOnce(Option<Registrar<MappingWriter<'m>>>, &Gate) -> T + Send,
 ) -> (Result<EngineRun>, Option<T>) {
-    let gate = Gate::new(options.cancel.clone());
+    let gate = Gate::new(options.cancel.clone(), layout.table_len(plan) as usize);
     let progress = Progress::new(len, options.progress.as_deref());
     let job = Job {
         path,
@@ -383,6 +388,8 @@ fn run_pipeline<'m, T: Send>(
         // Without a thread of its own (RLIMIT_NPROC, cgroup pids.max) the
         // memory is populated before the reads instead of beside them.
         let mut deliver_after = false;
+        // The registrar for the engine's own thread, when no helper can take it.
+        let mut inline = None;
         let (helper_thread, helped_first) = match helper_thread {
             Ok(handle) => (Some(handle), None),
             Err(err) if layout == Layout::InPlace => {
@@ -391,6 +398,11 @@ fn run_pipeline<'m, T: Send>(
                     "populate before the reads",
                     format!("cannot create a thread: {err}"),
                 ));
+                // Registering waits for the engine to come near each gather:
+                // the engine does it itself, between its reads.
+                if let Some((_, registrar)) = helper.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                    inline = registrar.take();
+                }
                 (None, help())
             }
             Err(err) if matches!(layout, Layout::Staged { slots, .. } if plan.gather_count() <= slots) => {
@@ -420,7 +432,7 @@ fn run_pipeline<'m, T: Send>(
             .name("dmaload-progress".into())
             .spawn_scoped(scope, || progress.report());
         let result = prepared.and_then(|prepared| match prepared {
-            Prepared::Uring(ring) => engine::uring::run(&job, *ring, fixed),
+            Prepared::Uring(ring) => engine::uring::run(&job, *ring, fixed, inline),
             Prepared::Pool { threads, engine } => engine::pool::run(&job, dst, threads, engine),
         });
         if result.is_err() {

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,7 @@ use crate::cancel::CancelToken;
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::{Plan, Request};
 use crate::sys;
+use crate::sys::uring::{Registrar, RingMemory};
 
 /// Which engine reads the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -98,21 +99,42 @@ impl CachePolicy {
 /// [`CancelToken`]: the bound on how late a cancellation is noticed there.
 const CANCEL_POLL: Duration = Duration::from_millis(20);
 
-/// Passes gathers between the engine and the helper thread beside it, both
-/// ways: the helper says how many gathers may be read into (populated and
-/// registered, or staging slots the destination has released), the engine
-/// says which gathers are filled (for a staged destination to take), and
-/// either side learns when the other failed or the caller cancelled.
+/// Passes units of memory (a load's gathers, a save's windows) between the
+/// engine and the helper thread beside it, both ways: the helper says how
+/// many gathers may be read into (populated, or staging slots the
+/// destination has released) and which registered-buffer slots hold a
+/// registered buffer; the engine says which unit it has reached (so the
+/// helper registers a few ahead of it, see [`RegisterAhead`]), which slots
+/// it is done with, and which gathers are filled (for a staged destination
+/// to take); either side learns when the other failed or the caller
+/// cancelled. The one coordinator of both directions: `save` runs its
+/// writes behind a gate of its own.
 pub(crate) struct Gate {
     state: Mutex<GateState>,
     changed: Condvar,
     cancelled: AtomicBool,
     token: CancelToken,
+    /// Each registered-buffer slot: [`SLOT_EMPTY`], [`SLOT_REGISTERED`] or
+    /// [`SLOT_RETIRED`].
+    slots: Vec<AtomicU8>,
 }
+
+/// A slot the helper has not registered (yet).
+const SLOT_EMPTY: u8 = 0;
+/// A slot holding a registered buffer that requests may use.
+const SLOT_REGISTERED: u8 = 1;
+/// A slot whose unit the engine has finished: never registered again.
+const SLOT_RETIRED: u8 = 2;
+
+/// Units (gathers, windows) registered at most this far ahead of the one the
+/// engine has reached, so pinned memory (RLIMIT_MEMLOCK) stays at a few
+/// units whatever the size of the file.
+const REGISTER_AHEAD: usize = 2;
 
 struct GateState {
     ready: usize,
-    registered: usize,
+    /// The unit the engine is queueing requests for.
+    reached: usize,
     registration_refused: Option<String>,
     failure: Option<(Option<i32>, String)>,
     /// Gathers whose every byte has arrived (staged loads only).
@@ -120,34 +142,68 @@ struct GateState {
 }
 
 impl Gate {
-    pub fn new(token: CancelToken) -> Gate {
+    /// A gate for an operation with `slots` registered-buffer slots.
+    pub fn new(token: CancelToken, slots: usize) -> Gate {
         Gate {
             token,
             state: Mutex::new(GateState {
                 ready: 0,
-                registered: 0,
+                reached: 0,
                 registration_refused: None,
                 failure: None,
                 filled: Vec::new(),
             }),
             changed: Condvar::new(),
             cancelled: AtomicBool::new(false),
+            slots: (0..slots).map(|_| AtomicU8::new(SLOT_EMPTY)).collect(),
         }
     }
 
-    /// Gathers `0..registered` hold a registered io_uring buffer (in the
-    /// slot of the same number).
-    pub fn publish_registered(&self, registered: usize) {
-        self.lock().registered = registered;
+    /// Slot `slot` now holds a registered buffer; false when the engine
+    /// retired it meanwhile, and the registration must be undone.
+    pub fn mark_registered(&self, slot: usize) -> bool {
+        self.slots[slot]
+            .compare_exchange(SLOT_EMPTY, SLOT_REGISTERED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
     }
 
-    /// Registering stopped: later gathers use plain addresses.
+    /// Whether requests may use slot `slot`'s registered buffer.
+    pub fn is_registered(&self, slot: usize) -> bool {
+        self.slots.get(slot).is_some_and(|s| s.load(Ordering::Acquire) == SLOT_REGISTERED)
+    }
+
+    /// The engine has finished the unit of slot `slot`: it is never
+    /// registered from now on. True when it held a buffer, which the caller
+    /// unregisters (unpinning early keeps RLIMIT_MEMLOCK use to a few units).
+    pub fn retire(&self, slot: usize) -> bool {
+        self.slots.get(slot).is_some_and(|s| s.swap(SLOT_RETIRED, Ordering::AcqRel) == SLOT_REGISTERED)
+    }
+
+    fn is_retired(&self, slot: usize) -> bool {
+        self.slots[slot].load(Ordering::Acquire) == SLOT_RETIRED
+    }
+
+    /// The engine is now queueing requests for unit `unit` (called when it
+    /// moves on, not per request).
+    pub fn reach(&self, unit: usize) {
+        self.lock().reached = unit;
+        self.changed.notify_all();
+    }
+
+    /// Whether unit `unit` is within [`REGISTER_AHEAD`] of the engine.
+    fn is_due(&self, unit: usize) -> bool {
+        unit <= self.lock().reached + REGISTER_AHEAD
+    }
+
+    /// Blocks until unit `unit` is due for registration; false when the
+    /// operation failed or was cancelled first.
+    fn wait_due(&self, unit: usize) -> bool {
+        self.wait_until(|state| (unit <= state.reached + REGISTER_AHEAD).then_some(Ok(()))).is_ok()
+    }
+
+    /// Registering stopped: later units use plain addresses.
     pub fn refuse_registration(&self, reason: String) {
         self.lock().registration_refused = Some(reason);
-    }
-
-    pub fn registered(&self) -> usize {
-        self.lock().registered
     }
 
     pub fn registration_refused(&self) -> Option<String> {
@@ -242,6 +298,74 @@ impl Gate {
                 .map(|(state, _)| state)
                 .unwrap_or_else(|poisoned| poisoned.into_inner().0);
         }
+    }
+}
+
+/// The registering side of the register-ahead coordination, the same in
+/// both directions: unit `u` (gather `u` of an in-place load, window `u` of
+/// a save) is registered in slot `u` once the engine has reached unit
+/// `u - REGISTER_AHEAD`, so pinning runs beside the I/O yet only a few units
+/// are pinned at a time (the engine unregisters each unit it finishes, see
+/// [`Gate::retire`]). Runs on the helper thread beside the engine or,
+/// without one, on the engine's own thread between its requests
+/// ([`RegisterAhead::register_due`] after each [`Gate::reach`]). The first
+/// refusal (RLIMIT_MEMLOCK) is kept on the gate and nothing more is
+/// registered: later units use plain addresses.
+pub(crate) struct RegisterAhead<'a, M: RingMemory> {
+    gate: &'a Gate,
+    registrar: Option<&'a Registrar<M>>,
+    /// The memory range of each unit.
+    range_of: &'a dyn Fn(usize) -> Range<usize>,
+    units: usize,
+    next: usize,
+    /// Time spent in registration calls.
+    pub took: Duration,
+}
+
+impl<'a, M: RingMemory> RegisterAhead<'a, M> {
+    pub fn new(
+        gate: &'a Gate,
+        registrar: &'a Registrar<M>,
+        units: usize,
+        range_of: &'a dyn Fn(usize) -> Range<usize>,
+    ) -> Self {
+        RegisterAhead { gate, registrar: Some(registrar), range_of, units, next: 0, took: Duration::ZERO }
+    }
+
+    /// Registers the units below `limit` that are due now, without waiting.
+    pub fn register_due(&mut self, limit: usize) {
+        while self.registrar.is_some() && self.next < limit.min(self.units) && self.gate.is_due(self.next) {
+            self.register_next();
+        }
+    }
+
+    /// Registers every remaining unit as it falls due; returns after the last
+    /// one, a refusal, or when the operation stops.
+    pub fn register_rest(&mut self) {
+        while self.registrar.is_some() && self.next < self.units && self.gate.wait_due(self.next) {
+            self.register_next();
+        }
+    }
+
+    fn register_next(&mut self) {
+        let unit = self.next;
+        self.next += 1;
+        let Some(registrar) = self.registrar else { return };
+        if self.gate.is_retired(unit) {
+            return; // the engine finished it unregistered: pinning it now is waste
+        }
+        let started = Instant::now();
+        match registrar.register(unit as u32, (self.range_of)(unit)) {
+            // Retired between the check and the registration: unpin at once (a
+            // failure only keeps the pages pinned until the ring closes).
+            Ok(()) if !self.gate.mark_registered(unit) => drop(registrar.unregister(unit as u32)),
+            Ok(()) => {}
+            Err(err) => {
+                self.gate.refuse_registration(uring::register_refusal(&err));
+                self.registrar = None;
+            }
+        }
+        self.took += started.elapsed();
     }
 }
 
@@ -488,5 +612,50 @@ pub(crate) fn uring_unavailable_reason(err: &io::Error) -> String {
         )
     } else {
         format!("io_uring is unavailable ({err}): old kernel, kernel.io_uring_disabled, or a seccomp filter")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::mem::MappingWriter;
+    use crate::sys::uring::Ring;
+
+    #[test]
+    fn units_are_registered_only_near_the_engine_and_unregistered_exactly_once() {
+        const UNIT: usize = 4096;
+        let mut memory = vec![0u8; 8 * UNIT + UNIT];
+        let start = (memory.as_ptr() as usize).next_multiple_of(UNIT) - memory.as_ptr() as usize;
+        let mem = MappingWriter::over(&mut memory[start..start + 8 * UNIT]);
+        let mut ring = match Ring::new(4, mem) {
+            Ok(ring) => ring,
+            Err(err) => return eprintln!("SKIP units_are_registered_only_near_the_engine: io_uring: {err}"),
+        };
+        if let Err(err) = ring.register_slots(8) {
+            return eprintln!("SKIP units_are_registered_only_near_the_engine: sparse table: {err}");
+        }
+        let registrar = ring.registrar().unwrap();
+        let gate = Gate::new(CancelToken::new(), 8);
+        let range_of = |u: usize| u * UNIT..(u + 1) * UNIT;
+        let mut ahead = RegisterAhead::new(&gate, &registrar, 8, &range_of);
+        let registered = || (0..8).filter(|&u| gate.is_registered(u)).collect::<Vec<_>>();
+
+        ahead.register_due(8);
+        assert_eq!(registered(), [0, 1, 2], "two ahead of unit 0");
+        gate.reach(1);
+        ahead.register_due(3);
+        assert_eq!(registered(), [0, 1, 2], "not past the units ready so far");
+        // Unit 3 finished before its turn came: it is never pinned.
+        assert!(!gate.retire(3));
+        gate.reach(2);
+        ahead.register_due(8);
+        assert_eq!(registered(), [0, 1, 2, 4], "a retired unit is skipped");
+        assert!(gate.retire(0), "the engine unregisters a unit that held a buffer");
+        assert!(!gate.retire(0), "and only once");
+        assert!(!gate.mark_registered(0), "a registration racing a retirement is undone by its thread");
+        gate.reach(5);
+        ahead.register_rest();
+        assert_eq!(registered(), [1, 2, 4, 5, 6, 7]);
+        assert!(gate.registration_refused().is_none());
     }
 }

@@ -1,24 +1,32 @@
 //! io_uring engine: keeps `queue_depth` chunk reads in flight from one
 //! thread. In place, with registered buffers, each gather is registered
-//! (pinned) once when populated and unregistered when its last chunk
-//! arrives, so pinned memory stays at a few gathers whatever the file size,
-//! and pinning runs beside the I/O instead of before it. Staged, the slots
-//! stay registered for the whole load and each filled gather is handed to
-//! the destination through the gate.
+//! (pinned) a little ahead of the reads ([`super::RegisterAhead`]) and
+//! unregistered when its last chunk arrives, so pinned memory stays at a few
+//! gathers whatever the file size, and pinning runs beside the I/O instead
+//! of before it. Staged, the slots stay registered for the whole load and
+//! each filled gather is handed to the destination through the gate.
 
 use std::io;
 
-use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout};
+use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout, RegisterAhead};
 use crate::error::Error;
 use crate::options::Fallback;
 use crate::plan::{ReadOutcome, Request};
-use crate::sys::uring::{Completion, Ring};
+use crate::sys::mem::MappingWriter;
+use crate::sys::uring::{Completion, Registrar, Ring};
 
-/// Runs the load on `ring`. With `fixed`, the populating thread registers
-/// each gather in the ring's sparse buffer table before opening it (see
-/// [`super::Gate::registered`]), and this thread unregisters each gather
-/// once its last chunk has arrived.
-pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResult {
+/// Runs the load on `ring`. With `fixed`, the gathers are registered in the
+/// ring's sparse buffer table a little ahead of the reads (see
+/// [`RegisterAhead`]): by the helper thread, or by this thread between its
+/// reads when a registrar is given as `inline` (no helper thread could be
+/// created); in place, this thread unregisters each gather once its last
+/// chunk has arrived.
+pub(crate) fn run(
+    job: &Job<'_>,
+    mut ring: Ring<MappingWriter<'_>>,
+    fixed: bool,
+    inline: Option<Registrar<MappingWriter<'_>>>,
+) -> EngineResult {
     let plan = job.plan;
     let mut run = EngineRun { engine: Engine::Uring, ..EngineRun::default() };
     let tally = GatherTally::new(plan);
@@ -26,12 +34,15 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResul
     let mut retries: Vec<Request> = Vec::new();
     let mut completions: Vec<Completion> = Vec::with_capacity(job.queue_depth);
     let rw_flags = job.cache.rw_flags();
-    // Gathers below this hold a registered buffer; refreshed from the gate.
-    let mut registered = 0usize;
+    let range_of = |g| plan.gather_range(g);
+    let mut inline = inline.as_ref().map(|r| RegisterAhead::new(job.gate, r, plan.gather_count(), &range_of));
+    // The gather the gate was last told the engine has reached.
+    let mut reached = None;
 
-    let queue = |ring: &mut Ring<'_>, req: &Request, registered: usize| -> io::Result<()> {
+    let queue = |ring: &mut Ring<MappingWriter<'_>>, req: &Request| -> io::Result<()> {
         let g = plan.gather_of(req.start);
-        let slot = (g < registered).then(|| job.layout.buffer_index(g));
+        let index = job.layout.buffer_index(g);
+        let slot = job.gate.is_registered(index.into()).then_some(index);
         ring.queue_read(job.file, job.layout.target(plan, req), req.start, slot, rw_flags, req.start)
     };
 
@@ -42,21 +53,25 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResul
             return Err(job.cancelled(next));
         }
         for req in retries.drain(..) {
-            queue(&mut ring, &req, registered).map_err(|e| job.read_error(req.start, e))?;
+            queue(&mut ring, &req).map_err(|e| job.read_error(req.start, e))?;
         }
         while ring.in_flight() < job.queue_depth && next_chunk < plan.chunk_count() {
             let req = plan.chunk_request(next_chunk);
             let g = plan.gather_of(req.start);
+            if fixed && reached != Some(g) {
+                reached = Some(g);
+                job.gate.reach(g);
+                if let Some(ahead) = inline.as_mut() {
+                    ahead.register_due(plan.gather_count());
+                }
+            }
             if !job.gate.is_ready(g) {
                 if ring.in_flight() > 0 {
                     break; // reap what is running while the gather populates
                 }
                 run.waited_for_memory += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
             }
-            if fixed && g >= registered {
-                registered = job.gate.registered();
-            }
-            queue(&mut ring, &req, registered).map_err(|e| job.read_error(req.start, e))?;
+            queue(&mut ring, &req).map_err(|e| job.read_error(req.start, e))?;
             next_chunk += 1;
         }
         if ring.in_flight() == 0 {
@@ -84,9 +99,9 @@ pub(crate) fn run(job: &Job<'_>, mut ring: Ring<'_>, fixed: bool) -> EngineResul
             let g = plan.gather_of(req.start);
             if tally.credit(g, credited) {
                 match job.layout {
-                    // Unpinning early keeps RLIMIT_MEMLOCK use to a few gathers; a
-                    // failure only means the pages stay pinned until the ring closes.
-                    Layout::InPlace if g < registered => drop(ring.unregister(g as u32)),
+                    // A failure to unpin early only means the pages stay pinned
+                    // until the ring closes.
+                    Layout::InPlace if job.gate.retire(g) => drop(ring.unregister(g as u32)),
                     Layout::InPlace => {}
                     Layout::Staged { .. } => job.gate.mark_filled(g),
                 }

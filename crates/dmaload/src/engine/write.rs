@@ -8,16 +8,18 @@ use std::ops::Range;
 use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
 
-use super::Engine;
+use super::{Engine, Gate, RegisterAhead};
+use crate::cancel::CancelToken;
 use crate::error::{Error, Result};
 use crate::load::Fallback;
 use crate::sys::shm::RawBytes;
-use crate::sys::uring::{Completion, SliceRegistrar, WriteRing, MAX_REGISTERED_BUFFERS};
+use crate::sys::uring::{Completion, Ring, MAX_REGISTERED_BUFFERS};
 
 /// Bytes registered (pinned) as one io_uring buffer while writing: the
-/// write direction of a gather.
+/// write direction of a gather, registered ahead of the writes by the same
+/// coordinator ([`Gate`], [`RegisterAhead`]) as a load's gathers.
 const WINDOW: usize = 128 << 20;
 
 /// One write of `src` to `file` at `file_offset`. The source is raw bytes
@@ -118,13 +120,13 @@ impl WriteJob<'_> {
 
     /// `queue_depth` writes in flight on one io_uring; with `fixed`, a
     /// helper thread registers each 128 MiB window of the source a little
-    /// ahead of the writes (pinning beside the I/O, not between it), and
-    /// each window is unregistered when its last write lands, so only a few
-    /// windows are pinned at a time.
+    /// ahead of the writes ([`RegisterAhead`]: pinning beside the I/O, not
+    /// between it), and each window is unregistered when its last write
+    /// lands, so only a few windows are pinned at a time.
     fn uring(&self, fixed: bool) -> Result<WriteRun> {
         let mut fallbacks = Vec::new();
         let entries = (self.queue_depth as u32).next_power_of_two();
-        let mut ring = match WriteRing::new(entries, self.src) {
+        let mut ring = match Ring::new(entries, self.src) {
             Ok(ring) => ring,
             Err(err) if super::io_uring_unavailable(&err) => {
                 let mut run = self.pool(self.threads, Engine::PreadPool)?;
@@ -153,36 +155,29 @@ impl WriteJob<'_> {
         } else {
             None
         };
-        let ahead = Ahead::new(windows);
+        // A save has no caller's token: the gate is cancelled when the writes end.
+        let gate = Gate::new(CancelToken::new(), windows);
+        let range_of = |w: usize| w * window..((w + 1) * window).min(self.src.len());
         let result = std::thread::scope(|scope| {
             let mut inline = None;
             if let Some(registrar) = &registrar {
-                let ahead = &ahead;
-                let helper = move || {
-                    for w in 0..windows {
-                        if !ahead.wait_turn(w) {
-                            break;
-                        }
-                        if !ahead.register(registrar, w, window, self.src.len()) {
-                            break;
-                        }
-                    }
-                };
+                let (gate, range_of) = (&gate, &range_of);
+                let helper = move || RegisterAhead::new(gate, registrar, windows, range_of).register_rest();
                 let spawned =
                     std::thread::Builder::new().name("dmaload-register".into()).spawn_scoped(scope, helper);
-                // Without a helper thread, each window is registered by the
-                // writing thread when it reaches it: pinning between the writes.
+                // Without a helper thread, the writing thread registers each
+                // window as it comes near it: pinning between the writes.
                 if let Err(err) = spawned {
                     fallbacks.push(Fallback::new(
                         "register beside the writes",
                         "register between the writes",
                         format!("cannot create a thread: {err}"),
                     ));
-                    inline = Some(registrar);
+                    inline = Some(RegisterAhead::new(gate, registrar, windows, range_of));
                 }
             }
-            let result = self.uring_loop(&mut ring, window, &ahead, inline, Placement::default());
-            ahead.finish();
+            let result = self.uring_loop(&mut ring, window, &gate, inline.as_mut(), Placement::default());
+            gate.cancel();
             result
         });
         match result {
@@ -204,33 +199,35 @@ impl WriteJob<'_> {
             }
             other => other?,
         }
-        if let Some(reason) = ahead.refused.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        if let Some(reason) = gate.registration_refused() {
             fallbacks.push(Fallback::new("uring-fixed", "uring", reason));
         }
         let engine = if fixed && fallbacks.is_empty() { Engine::UringFixed } else { Engine::Uring };
         Ok(WriteRun { engine, fallbacks })
     }
 
-    /// The submitting side of [`Self::uring`]: writes through a window's
-    /// registered buffer once the helper has registered it, plain before.
+    /// The submitting side of [`Self::uring`]: tells `gate` which window it
+    /// has reached (registering the due ones itself when given `inline`),
+    /// and writes through a window's registered buffer once it holds one,
+    /// plain before.
     fn uring_loop(
         &self,
-        ring: &mut WriteRing<'_>,
+        ring: &mut Ring<RawBytes<'_>>,
         window: usize,
-        ahead: &Ahead,
-        mut inline: Option<&SliceRegistrar<'_>>,
+        gate: &Gate,
+        mut inline: Option<&mut RegisterAhead<'_, RawBytes<'_>>>,
         placement: Placement,
     ) -> Result<()> {
-        let windows = ahead.registered.len();
+        let windows = self.src.len().div_ceil(window);
         let mut unfinished: Vec<usize> =
             (0..windows).map(|w| (self.src.len() - w * window).min(window)).collect();
         let mut retries: Vec<usize> = Vec::new();
         let mut next = 0usize;
+        let mut reached = None;
         let mut completions: Vec<Completion> = Vec::with_capacity(self.queue_depth);
-        let queue = |ring: &mut WriteRing<'_>, start: usize| -> Result<()> {
+        let queue = |ring: &mut Ring<RawBytes<'_>>, start: usize| -> Result<()> {
             let w = start / window;
-            let slot =
-                placement.slot.or_else(|| ahead.registered[w].load(Ordering::Acquire).then_some(w as u16));
+            let slot = placement.slot.or_else(|| gate.is_registered(w).then_some(w as u16));
             let range = self.request(start);
             ring.queue_write(
                 self.file.as_fd(),
@@ -246,10 +243,12 @@ impl WriteJob<'_> {
                 queue(ring, start)?;
             }
             while ring.in_flight() < self.queue_depth && next < self.src.len() {
-                ahead.advance(next / window);
-                if let Some(registrar) = inline.filter(|_| next % window == 0) {
-                    if !ahead.register(registrar, next / window, window, self.src.len()) {
-                        inline = None;
+                let w = next / window;
+                if reached != Some(w) {
+                    reached = Some(w);
+                    gate.reach(w);
+                    if let Some(ahead) = inline.as_deref_mut() {
+                        ahead.register_due(windows);
                     }
                 }
                 queue(ring, next)?;
@@ -275,7 +274,7 @@ impl WriteJob<'_> {
                 }
                 let w = range.start / window;
                 unfinished[w] -= wrote.min(range.len());
-                if unfinished[w] == 0 && ahead.registered[w].swap(false, Ordering::AcqRel) {
+                if unfinished[w] == 0 && gate.retire(w) {
                     // Unpin early; a failure only keeps pages pinned until the ring closes.
                     let _ = ring.unregister(w as u32);
                 }
@@ -298,7 +297,7 @@ struct Placement {
 /// `uring-fixed` engine), so each job's writes skip pinning without paying
 /// a registration of their own.
 pub(crate) struct SharedWriteRing<'s> {
-    ring: WriteRing<'s>,
+    ring: Ring<RawBytes<'s>>,
     src: RawBytes<'s>,
     registered: bool,
     /// Why the source is not registered, when `uring-fixed` was asked for.
@@ -309,7 +308,7 @@ impl<'s> SharedWriteRing<'s> {
     /// A ring of `queue_depth` entries over `src`; `register` asks for the
     /// fixed buffer (refused: plain writes, with the reason kept).
     pub fn new(src: RawBytes<'s>, queue_depth: usize, register: bool) -> io::Result<SharedWriteRing<'s>> {
-        let mut ring = WriteRing::new((queue_depth as u32).next_power_of_two(), src)?;
+        let mut ring = Ring::new((queue_depth as u32).next_power_of_two(), src)?;
         let mut refused = None;
         if register {
             let registered =
@@ -328,73 +327,10 @@ impl WriteJob<'_> {
     pub fn run_on(&self, shared: &mut SharedWriteRing<'_>, base: usize) -> Result<WriteRun> {
         let _ = shared.src.range(base..base + self.src.len());
         let placement = Placement { base, slot: shared.registered.then_some(0) };
-        self.uring_loop(&mut shared.ring, self.src.len().max(1), &Ahead::new(1), None, placement)?;
+        // The whole job is one window, in the placement's slot: no slots of its own.
+        let gate = Gate::new(CancelToken::new(), 0);
+        self.uring_loop(&mut shared.ring, self.src.len().max(1), &gate, None, placement)?;
         let engine = if shared.registered { Engine::UringFixed } else { Engine::Uring };
         Ok(WriteRun { engine, fallbacks: shared.refused.iter().cloned().collect() })
-    }
-}
-
-/// Windows registered at most this far ahead of the one being written, so
-/// pinned memory (RLIMIT_MEMLOCK) stays at a few windows.
-const REGISTER_AHEAD: usize = 2;
-
-/// Coordination between the writing thread and the registering helper.
-struct Ahead {
-    /// Window `w` is registered in slot `w`.
-    registered: Vec<AtomicBool>,
-    /// (window being written, writing finished)
-    state: Mutex<(usize, bool)>,
-    changed: Condvar,
-    refused: Mutex<Option<String>>,
-}
-
-impl Ahead {
-    fn new(windows: usize) -> Ahead {
-        Ahead {
-            registered: (0..windows).map(|_| AtomicBool::new(false)).collect(),
-            state: Mutex::new((0, false)),
-            changed: Condvar::new(),
-            refused: Mutex::new(None),
-        }
-    }
-
-    /// The writer reached window `w`.
-    fn advance(&self, w: usize) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.0 != w {
-            state.0 = w;
-            self.changed.notify_all();
-        }
-    }
-
-    /// Registers window `w` of a `len`-byte source; false (and the reason
-    /// kept) when the kernel refuses, after which no more are registered.
-    fn register(&self, registrar: &SliceRegistrar<'_>, w: usize, window: usize, len: usize) -> bool {
-        match registrar.register(w as u32, w * window..((w + 1) * window).min(len)) {
-            Ok(()) => {
-                self.registered[w].store(true, Ordering::Release);
-                true
-            }
-            Err(err) => {
-                *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(super::uring::register_refusal(&err));
-                false
-            }
-        }
-    }
-
-    fn finish(&self) {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
-        self.changed.notify_all();
-    }
-
-    /// Waits until window `w` is due for registration; false when it no
-    /// longer should be (writing finished, or already past it).
-    fn wait_turn(&self, w: usize) -> bool {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        while !state.1 && w > state.0 + REGISTER_AHEAD {
-            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
-        }
-        !state.1 && w >= state.0
     }
 }

@@ -13,13 +13,12 @@
 //!   which mutably borrows the mapping. While a writer (or anything holding
 //!   one, such as a [`uring::Ring`]) lives, no slice of the mapping can exist,
 //!   so asynchronous kernel writes never race with Rust reads.
-//! * A [`uring::Ring`] waits for all of its in-flight requests before it is
-//!   dropped, so no request outlives the writer it targets.
+//! * A [`uring::Ring`] holds the memory its requests use for its whole life
+//!   (a `MappingWriter` it reads into, or `RawBytes` it writes out, which
+//!   the kernel only reads) and waits for all of its in-flight requests
+//!   before it is dropped, so no request outlives the borrow of its memory.
 //! * Every raw pointer handed to the kernel is bounds-checked against the
 //!   mapping it points into.
-//! * A [`uring::WriteRing`] holds a shared borrow of the bytes it writes
-//!   out (the kernel only reads them) and, like a `Ring`, drains its
-//!   requests before it drops.
 //! * ioctl argument structs ([`dmabuf`]) are `#[repr(C)]` copies of the
 //!   kernel uAPI, live across the call, and new fds returned by the kernel
 //!   are wrapped in `OwnedFd` at once.

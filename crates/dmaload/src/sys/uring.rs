@@ -1,6 +1,6 @@
-//! io_uring (Linux 5.1): reads into a mapping and writes from a slice, with
-//! optional registered ("fixed") buffers in a sparse table (Linux 5.19),
-//! registered from a helper thread.
+//! io_uring (Linux 5.1): one ring type for both directions, reads into a
+//! mapping and writes from raw bytes, with optional registered ("fixed")
+//! buffers in a sparse table (Linux 5.19), registered from a helper thread.
 
 use std::io;
 use std::ops::Range;
@@ -171,20 +171,54 @@ unsafe fn register_buffer(ring_fd: BorrowedFd<'_>, slot: u32, iov: libc::iovec) 
     Ok(())
 }
 
-/// An io_uring instance whose reads all land in one mapping.
-///
-/// It borrows the mapping's writer for its whole life, and its [`Core`]
-/// drains every in-flight request before the borrow can end, so the kernel
-/// never writes into memory that has been unmapped or handed to Rust code.
-pub struct Ring<'m> {
-    core: Core,
-    dst: MappingWriter<'m>,
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::MappingWriter<'_> {}
+    impl Sealed for super::RawBytes<'_> {}
 }
 
-impl<'m> Ring<'m> {
+/// The memory a [`Ring`]'s requests use: a [`MappingWriter`] that the
+/// kernel writes into (reads from a file, [`Ring::queue_read`]) or
+/// [`RawBytes`] that it only reads (writes to a file, [`Ring::queue_write`]).
+/// Sealed: [`Ring`] and [`Registrar`] trust `iovec` to stay inside memory
+/// that is mapped for as long as the value's borrow lasts.
+pub trait RingMemory: sealed::Sealed + Copy + Send + Sync {
+    /// The address and length of `range`; panics when `range` is outside the
+    /// memory (ranges come from the caller's plan: that is a bug).
+    fn iovec(&self, range: Range<usize>) -> libc::iovec;
+}
+
+impl RingMemory for MappingWriter<'_> {
+    fn iovec(&self, range: Range<usize>) -> libc::iovec {
+        let (ptr, len) = self.raw_range(&range);
+        libc::iovec { iov_base: ptr.cast(), iov_len: len }
+    }
+}
+
+impl RingMemory for RawBytes<'_> {
+    fn iovec(&self, range: Range<usize>) -> libc::iovec {
+        let bytes = self.range(range);
+        libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() }
+    }
+}
+
+/// An io_uring instance whose requests all use one piece of memory `M`:
+/// reads land in a mapping ([`MappingWriter`]), writes come from bytes the
+/// kernel only reads ([`RawBytes`]).
+///
+/// It holds `M`, and so `M`'s borrow of the memory, for its whole life, and
+/// its [`Core`] drains every in-flight request before the borrow can end: the
+/// kernel never touches memory that has been unmapped, or (for reads) handed
+/// to Rust code as a slice.
+pub struct Ring<M: RingMemory> {
+    core: Core,
+    mem: M,
+}
+
+impl<M: RingMemory> Ring<M> {
     /// See [`Core::new`].
-    pub fn new(entries: u32, dst: MappingWriter<'m>) -> io::Result<Self> {
-        Ok(Ring { core: Core::new(entries)?, dst })
+    pub fn new(entries: u32, mem: M) -> io::Result<Self> {
+        Ok(Ring { core: Core::new(entries)?, mem })
     }
 
     /// See [`Core::register_slots`].
@@ -197,15 +231,52 @@ impl<'m> Ring<'m> {
         self.core.unregister(slot)
     }
 
-    /// A handle that registers ranges of the mapping from another thread,
-    /// so pinning runs beside the reads instead of between them.
-    pub fn registrar(&self) -> io::Result<Registrar<'m>> {
-        Ok(Registrar { ring_fd: self.core.dup_fd()?, dst: self.dst })
+    /// A handle that registers ranges of the memory from another thread,
+    /// so pinning runs beside the I/O instead of between it.
+    pub fn registrar(&self) -> io::Result<Registrar<M>> {
+        Ok(Registrar { ring_fd: self.core.dup_fd()?, mem: self.mem })
     }
 
+    /// Queues `opcode` on `range` of the memory: the fixed form (through
+    /// registered buffer `slot`, which must hold the whole range) when a
+    /// slot is given, the plain one otherwise.
+    fn queue(
+        &mut self,
+        range: Range<usize>,
+        slot: Option<u16>,
+        tag: u64,
+        entry: impl FnOnce(*mut u8, u32, Option<u16>) -> squeue::Entry,
+    ) -> io::Result<()> {
+        let iov = self.mem.iovec(range);
+        let len = u32::try_from(iov.iov_len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let entry = entry(iov.iov_base.cast(), len, slot).user_data(tag);
+        // SAFETY: the range lies inside `mem` (checked by `iovec`), which
+        // this ring holds, and so keeps mapped (and, for a writer, free of
+        // Rust references), for its whole life; the core drains every
+        // request before the ring drops. The kernel holds its own reference
+        // to the file from submission on.
+        unsafe { self.core.push(entry) }
+    }
+
+    /// Requests queued or running in the kernel.
+    pub fn in_flight(&self) -> usize {
+        self.core.in_flight
+    }
+
+    /// See [`Core::submit`].
+    pub fn submit(&mut self, want: usize) -> io::Result<()> {
+        self.core.submit(want)
+    }
+
+    /// See [`Core::reap`].
+    pub fn reap(&mut self, out: &mut Vec<Completion>) {
+        self.core.reap(out)
+    }
+}
+
+impl Ring<MappingWriter<'_>> {
     /// Queues a read of `range.len()` bytes at file `offset` into `range` of
-    /// the mapping, through registered buffer `slot` (which must hold the
-    /// whole range) when given.
+    /// the mapping, through registered buffer `slot` when given.
     pub fn queue_read(
         &mut self,
         fd: BorrowedFd<'_>,
@@ -215,86 +286,19 @@ impl<'m> Ring<'m> {
         rw_flags: i32,
         tag: u64,
     ) -> io::Result<()> {
-        let (ptr, len) = self.dst.raw_range(&range);
-        let len = u32::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         let fd = types::Fd(fd.as_raw_fd());
-        let entry = match slot {
+        self.queue(range, slot, tag, |ptr, len, slot| match slot {
             Some(index) => {
                 opcode::ReadFixed::new(fd, ptr, len, index).offset(offset).rw_flags(rw_flags).build()
             }
             None => opcode::Read::new(fd, ptr, len).offset(offset).rw_flags(rw_flags).build(),
-        }
-        .user_data(tag);
-        // SAFETY: the target range is inside the mapping, kept alive and free
-        // of Rust references for 'm; the core drains before the borrow ends.
-        // The kernel holds its own reference to the file from submission on.
-        unsafe { self.core.push(entry) }
-    }
-
-    /// Requests queued or running in the kernel.
-    pub fn in_flight(&self) -> usize {
-        self.core.in_flight
-    }
-
-    /// See [`Core::submit`].
-    pub fn submit(&mut self, want: usize) -> io::Result<()> {
-        self.core.submit(want)
-    }
-
-    /// See [`Core::reap`].
-    pub fn reap(&mut self, out: &mut Vec<Completion>) {
-        self.core.reap(out)
+        })
     }
 }
 
-/// Registers ranges of a [`Ring`]'s mapping as fixed buffers, from any
-/// thread (`io_uring_register(2)` on a duplicate of the ring fd).
-pub struct Registrar<'m> {
-    ring_fd: OwnedFd,
-    dst: MappingWriter<'m>,
-}
-
-impl Registrar<'_> {
-    /// Registers `range` of the mapping in `slot` (see [`register_buffer`]).
-    pub fn register(&self, slot: u32, range: Range<usize>) -> io::Result<()> {
-        // SAFETY: the iovec lies inside the mapping, which stays mapped for
-        // 'm, longer than the ring and so longer than any request using it.
-        unsafe { register_buffer(self.ring_fd.as_fd(), slot, self.dst.iovec(&range)) }
-    }
-}
-
-/// An io_uring instance whose writes all come from one borrowed range of
-/// bytes (the write direction of [`Ring`]). The kernel only reads them; the
-/// borrow keeps them mapped.
-pub struct WriteRing<'s> {
-    core: Core,
-    src: RawBytes<'s>,
-}
-
-impl<'s> WriteRing<'s> {
-    /// See [`Core::new`].
-    pub fn new(entries: u32, src: RawBytes<'s>) -> io::Result<Self> {
-        Ok(WriteRing { core: Core::new(entries)?, src })
-    }
-
-    /// See [`Core::register_slots`].
-    pub fn register_slots(&mut self, slots: u32) -> io::Result<()> {
-        self.core.register_slots(slots)
-    }
-
-    /// See [`Core::unregister`].
-    pub fn unregister(&mut self, slot: u32) -> io::Result<()> {
-        self.core.unregister(slot)
-    }
-
-    /// A handle that registers ranges of the slice from another thread, so
-    /// pinning runs beside the writes instead of between them.
-    pub fn registrar(&self) -> io::Result<SliceRegistrar<'s>> {
-        Ok(SliceRegistrar { ring_fd: self.core.dup_fd()?, src: self.src })
-    }
-
-    /// Queues a write of `range` of the slice at file `offset`, through
-    /// registered buffer `slot` (which must hold the whole range) when given.
+impl Ring<RawBytes<'_>> {
+    /// Queues a write of `range` of the bytes at file `offset`, through
+    /// registered buffer `slot` when given.
     pub fn queue_write(
         &mut self,
         fd: BorrowedFd<'_>,
@@ -303,51 +307,36 @@ impl<'s> WriteRing<'s> {
         slot: Option<u16>,
         tag: u64,
     ) -> io::Result<()> {
-        // Ranges come from the caller's plan: out of range is a bug (panics).
-        let bytes = self.src.range(range);
-        let len = u32::try_from(bytes.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         let fd = types::Fd(fd.as_raw_fd());
-        let entry = match slot {
-            Some(index) => opcode::WriteFixed::new(fd, bytes.as_ptr(), len, index).offset(offset).build(),
-            None => opcode::Write::new(fd, bytes.as_ptr(), len).offset(offset).build(),
-        }
-        .user_data(tag);
-        // SAFETY: the source range is inside `src`, mapped for 's; the core
-        // drains before the borrow can end.
-        unsafe { self.core.push(entry) }
-    }
-
-    /// Requests queued or running in the kernel.
-    pub fn in_flight(&self) -> usize {
-        self.core.in_flight
-    }
-
-    /// See [`Core::submit`].
-    pub fn submit(&mut self, want: usize) -> io::Result<()> {
-        self.core.submit(want)
-    }
-
-    /// See [`Core::reap`].
-    pub fn reap(&mut self, out: &mut Vec<Completion>) {
-        self.core.reap(out)
+        self.queue(range, slot, tag, |ptr, len, slot| match slot {
+            Some(index) => opcode::WriteFixed::new(fd, ptr, len, index).offset(offset).build(),
+            None => opcode::Write::new(fd, ptr, len).offset(offset).build(),
+        })
     }
 }
 
-/// Registers ranges of a [`WriteRing`]'s source slice as fixed buffers from
-/// any thread (`io_uring_register(2)` on a duplicate of the ring fd).
-pub struct SliceRegistrar<'s> {
+/// Registers ranges of a [`Ring`]'s memory as fixed buffers, from any
+/// thread (`io_uring_register(2)` on a duplicate of the ring fd).
+pub struct Registrar<M: RingMemory> {
     ring_fd: OwnedFd,
-    src: RawBytes<'s>,
+    mem: M,
 }
 
-impl SliceRegistrar<'_> {
-    /// Registers `range` of the slice in `slot` (see [`register_buffer`]).
+impl<M: RingMemory> Registrar<M> {
+    /// Registers `range` of the memory in `slot` (see [`register_buffer`]).
     pub fn register(&self, slot: u32, range: Range<usize>) -> io::Result<()> {
-        let bytes = self.src.range(range);
-        let iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
-        // SAFETY: the iovec lies inside `src`, which outlives the ring; the
-        // kernel only reads the pinned pages (WRITE_FIXED).
-        unsafe { register_buffer(self.ring_fd.as_fd(), slot, iov) }
+        // SAFETY: the iovec lies inside `mem` (checked by `iovec`), which
+        // stays mapped for its borrow, longer than the ring and so longer
+        // than any request using the slot.
+        unsafe { register_buffer(self.ring_fd.as_fd(), slot, self.mem.iovec(range)) }
+    }
+
+    /// Empties `slot`, for a registration that turned out not to be needed
+    /// (see [`Core::unregister`]).
+    pub fn unregister(&self, slot: u32) -> io::Result<()> {
+        let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+        // SAFETY: an empty iovec clears the slot; nothing is pinned.
+        unsafe { register_buffer(self.ring_fd.as_fd(), slot, empty) }
     }
 }
 
