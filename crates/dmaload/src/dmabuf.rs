@@ -189,7 +189,7 @@ fn load_udmabuf(
 ) -> Result<(LoadedDmaBuf, LoadReport)> {
     // udmabuf exports a memfd of 4 KiB pages, whatever `auto` would choose.
     let memfd = LoadOptions { to: Destination::Memfd, ..options.clone() };
-    let (buffer, mut report) = load_source(file.source(), file.path(), offset, Some(len), &memfd)?;
+    let (buffer, mut report) = load_source(file, offset, Some(len), &memfd)?;
     let data_offset = (buffer.memfd_offset() % sys::mem::page_size()) as u64;
     let started = Instant::now();
     let dmabuf = buffer.into_dmabuf().map_err(|refused| refused.0)?;

@@ -109,6 +109,20 @@ fn populate_gathers(
     times
 }
 
+/// A buffer allocation's failure as a load's error: a kind this machine
+/// cannot give is the options' error (EINVAL); a hugetlb pool that ran
+/// short, the memory's (ENOMEM).
+pub(crate) fn allocation_error(path: &Path, e: io::Error) -> Error {
+    let op = "allocate memory";
+    match e.kind() {
+        io::ErrorKind::Unsupported => Error::new(ErrorKind::InvalidInput, op, path, e.to_string()),
+        io::ErrorKind::OutOfMemory if e.raw_os_error().is_none() => {
+            Error::new(ErrorKind::OutOfMemory, op, path, e.to_string())
+        }
+        _ => Error::io(op, path, e),
+    }
+}
+
 /// An engine ready to run, chosen from the options and what the process
 /// may do.
 enum Prepared<'m> {
@@ -186,18 +200,8 @@ pub(crate) fn fill(
     memory: MemoryKind,
     facts: &crate::memory::MemoryFacts,
 ) -> Result<Filled> {
-    let mut alloc = Allocation::with_facts(memory, plan.mapping_len, facts).map_err(|e| {
-        // A kind this machine cannot give is the options' error (EINVAL);
-        // a hugetlb pool that ran short, the memory's (ENOMEM).
-        let op = "allocate memory";
-        match e.kind() {
-            std::io::ErrorKind::Unsupported => Error::new(ErrorKind::InvalidInput, op, path, e.to_string()),
-            std::io::ErrorKind::OutOfMemory if e.raw_os_error().is_none() => {
-                Error::new(ErrorKind::OutOfMemory, op, path, e.to_string())
-            }
-            _ => Error::io(op, path, e),
-        }
-    })?;
+    let mut alloc =
+        Allocation::with_facts(memory, plan.mapping_len, facts).map_err(|e| allocation_error(path, e))?;
     let started = Instant::now();
     let (run, times) = fill_mapping(path, setup, plan, len, options, alloc.mapping.writer())?;
     Ok(Filled { alloc, run, times, engine_wall: started.elapsed() })

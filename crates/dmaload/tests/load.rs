@@ -70,11 +70,17 @@ fn large_file_with_odd_tail_matches_its_hash_with_every_engine() {
         assert_eq!(buffer.len() as u64, size);
         assert_eq!(xxhash_rust::xxh3::xxh3_64(&buffer), expected, "{engine:?}");
         assert_eq!(report.cache, CachePolicy::Bypass);
-        // Gathers ramp up from one chunk: 4, 4, 8, ... 128 MiB, then the rest.
         let segments = buffer.segments();
-        assert_eq!(segments.len(), 8);
-        assert_eq!((segments[0].len, segments[7].offset), (4 << 20, 256 << 20));
+        if report.destination.contains("staging ring") {
+            // 4 KiB pages where THP is on: read through the ring, one piece.
+            assert_eq!(segments.len(), 1, "{}", report.destination);
+        } else {
+            // In place, gathers ramp up from one chunk: 4, 4, 8, ... 128 MiB, then the rest.
+            assert_eq!(segments.len(), 8);
+            assert_eq!((segments[0].len, segments[7].offset), (4 << 20, 256 << 20));
+        }
         assert!(segments.windows(2).all(|w| w[0].offset + w[0].len == w[1].offset));
+        assert_eq!(segments.iter().map(|s| s.len as u64).sum::<u64>(), size);
         let residency = report.page_cache.expect("measured when asked");
         assert!(residency.fraction < 0.01, "direct I/O left {residency:?} cached");
     }
@@ -328,4 +334,39 @@ fn block_device_loads_through_direct_io() {
     assert_eq!(report.cache, CachePolicy::Bypass);
     let (range, _) = dmaload::load_range(&device.0, 1001, 70_000, &options(Engine::Uring)).unwrap();
     assert_pattern(&range, 1001);
+}
+
+#[test]
+fn a_large_load_into_small_pages_reads_through_the_ring_with_the_same_bytes() {
+    let test = "a_large_load_into_small_pages_reads_through_the_ring_with_the_same_bytes";
+    let facts = dmaload::memory::MemoryFacts::read();
+    if !facts.huge_pages(MemoryKind::AnonymousThp) {
+        return skip(test, "transparent huge pages are off: the ring would have 4 KiB pages too");
+    }
+    let dir = scratch_dir();
+    let path = dir.path().join("big");
+    let size = (80 << 20) + 4321;
+    write_pattern_file(&path, size);
+    let expected = file_hash(&path);
+    let opts = LoadOptions { to: dmaload::Destination::Memfd, ..LoadOptions::default() };
+    dmaload::pagecache::evict(&path).unwrap();
+    let (buffer, report) = dmaload::load(&path, &opts).unwrap();
+    if report.cache != CachePolicy::Bypass {
+        return skip(test, "no direct I/O on the scratch filesystem: loads stay in place");
+    }
+    assert!(report.destination.contains("staging ring"), "{}", report.destination);
+    assert_eq!((report.memory, report.huge_pages), (MemoryKind::Memfd, false));
+    assert!(report.memory_reason.contains("4 KiB pages"), "{}", report.memory_reason);
+    assert_eq!(xxhash_rust::xxh3::xxh3_64(&buffer), expected);
+    // The memfd behind it is sized and sealed as an in-place load's.
+    let memfd = buffer.memfd().unwrap().try_clone_to_owned().unwrap();
+    assert!(std::fs::File::from(memfd).metadata().unwrap().len() >= size);
+    drop(buffer);
+    // An unaligned range, and a second load reusing the process's ring.
+    let (part, report) = dmaload::load_range(&path, 12_345, 70 << 20, &opts).unwrap();
+    assert!(report.destination.contains("staging ring"));
+    assert_pattern(&part, 12_345);
+    // Below the threshold the load stays in place.
+    let (_, small) = dmaload::load_range(&path, 0, 8 << 20, &opts).unwrap();
+    assert!(!small.destination.contains("staging ring"), "{}", small.destination);
 }
