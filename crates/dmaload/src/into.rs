@@ -16,12 +16,12 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::heap::MemoryKind;
-use crate::load::{cached_source_options, load_open_to_sink, open_range, LoadReport};
+use crate::load::{cached_source_options, load_open_to_sink, open_range, with_kept_ring, LoadReport};
 use crate::memory::{MemoryChoice, MemoryFacts};
 use crate::options::{validate, Fallback, IoMode, LoadOptions};
 use crate::pipeline::fill_mapping;
 use crate::plan::Plan;
-use crate::sink::{HostSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
+use crate::sink::{HostSink, StagingRing};
 use crate::source::OpenFile;
 use crate::sys;
 use crate::sys::mem::MappingWriter;
@@ -120,8 +120,8 @@ fn read_edge(file: &OpenFile, offset: u64, dst: &mut [u8], options: &LoadOptions
     Ok(())
 }
 
-/// The whole range through a staging ring sized for it (at most the
-/// default ring), copied into `dst`.
+/// The whole range through the process's kept staging ring (see
+/// [`crate::load::with_kept_ring`]), copied into `dst`.
 fn staged(
     file: &OpenFile,
     offset: u64,
@@ -129,22 +129,13 @@ fn staged(
     options: &LoadOptions,
     fallback: Option<Fallback>,
 ) -> Result<LoadReport> {
-    let page = sys::mem::page_size();
-    let chunk = Plan::chunk_len(options.chunk_size.min(DEFAULT_SLOT_SIZE), page);
-    let slots = dst.len().div_ceil(DEFAULT_SLOT_SIZE).clamp(2, DEFAULT_SLOTS);
-    let slot_size = DEFAULT_SLOT_SIZE.min(dst.len().next_multiple_of(chunk).max(chunk));
-    let mut ring = StagingRing::new(slots, slot_size, chunk)
-        .map_err(|e| Error::io("allocate staging ring", file.path(), e))?;
-    let mut report = load_open_to_sink(
-        file,
-        offset,
-        Some(dst.len() as u64),
-        &mut ring,
-        &mut HostSink::new(dst, offset),
-        options,
-    )?;
+    let len = dst.len() as u64;
+    let (mut report, geometry) = with_kept_ring(file.path(), options.chunk_size, |ring| {
+        let geometry = (ring.slots(), ring.slot_len());
+        let sink = &mut HostSink::new(dst, offset);
+        load_open_to_sink(file, offset, Some(len), ring, sink, options).map(|r| (r, geometry))
+    })?;
     report.fallbacks.extend(fallback);
-    report.destination =
-        format!("caller memory (staged through {} x {} bytes)", ring.slots(), ring.slot_len());
+    report.destination = format!("caller memory (staged through {} x {} bytes)", geometry.0, geometry.1);
     Ok(report)
 }

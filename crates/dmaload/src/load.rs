@@ -379,6 +379,27 @@ fn through_ring(kind: MemoryKind, len: u64, setup: &ReadSetup, facts: &MemoryFac
     })
 }
 
+/// Runs `load` with the process's kept host ring (made on first use, for
+/// reads of at most `chunk` bytes), and keeps it again afterwards: the
+/// sink has finished when a load returns, failed or not, so the ring is
+/// idle. A load running beside another makes a ring of its own.
+pub(crate) fn with_kept_ring<T>(
+    path: &Path,
+    chunk: usize,
+    load: impl FnOnce(&mut StagingRing) -> Result<T>,
+) -> Result<T> {
+    let chunk = Plan::chunk_len(chunk.min(HOST_RING_SLOT), sys::mem::page_size());
+    let kept = HOST_RING.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let mut ring = match kept.filter(|ring| ring.has_geometry(HOST_RING_SLOTS, HOST_RING_SLOT, chunk)) {
+        Some(ring) => ring,
+        None => StagingRing::new(HOST_RING_SLOTS, HOST_RING_SLOT, chunk)
+            .map_err(|e| Error::io("allocate the staging ring", path, e))?,
+    };
+    let loaded = load(&mut ring);
+    *HOST_RING.lock().unwrap_or_else(|p| p.into_inner()) = Some(ring);
+    loaded
+}
+
 /// A host buffer of `memory` filled from the process's kept staging ring by
 /// a [`HostSink`] (whose threads populate the buffer ahead of the copies).
 fn load_through_ring(
@@ -398,19 +419,10 @@ fn load_through_ring(
     let mut alloc = crate::heap::Allocation::with_facts(memory.kind, bytes.next_multiple_of(page), facts)
         .map_err(|e| crate::pipeline::allocation_error(path, e))?;
     let alloc_seconds = started.elapsed().as_secs_f64();
-    let chunk = Plan::chunk_len(options.chunk_size.min(HOST_RING_SLOT), page);
-    let kept = HOST_RING.lock().unwrap_or_else(|p| p.into_inner()).take();
-    let mut ring = match kept.filter(|ring| ring.has_geometry(HOST_RING_SLOTS, HOST_RING_SLOT, chunk)) {
-        Some(ring) => ring,
-        None => StagingRing::new(HOST_RING_SLOTS, HOST_RING_SLOT, chunk)
-            .map_err(|e| Error::io("allocate the staging ring", path, e))?,
-    };
     let dst = &mut alloc.mapping.as_mut_slice()[..bytes];
-    let loaded =
-        load_open_to_sink(file, offset, Some(len), &mut ring, &mut HostSink::new(dst, offset), options);
-    // The sink finished before the load returned, failed or not: the ring is idle.
-    *HOST_RING.lock().unwrap_or_else(|p| p.into_inner()) = Some(ring);
-    let mut report = loaded?;
+    let mut report = with_kept_ring(path, options.chunk_size, |ring| {
+        load_open_to_sink(file, offset, Some(len), ring, &mut HostSink::new(dst, offset), options)
+    })?;
     if let Some(memfd) = &alloc.memfd {
         sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)
             .map_err(|e| Error::io("seal memfd", path, e))?;
