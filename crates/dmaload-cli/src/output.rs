@@ -270,6 +270,17 @@ pub fn info(path: Option<&Path>, json: bool, probe_memory: bool) -> Result<(), S
             }
             None => {}
         }
+        if let Some(q) = &p.device_queue {
+            let read = 4 << 20;
+            println!(
+                "device queue      {}: {} entries and {} a request: a 4 MiB direct read is {} request(s) into 4 KiB pages, {} into 2 MiB pages",
+                q.device,
+                q.max_segments,
+                human_bytes(q.max_request_bytes),
+                q.requests(read, 4096),
+                q.requests(read, 2 << 20)
+            );
+        }
     }
     Ok(())
 }

@@ -34,6 +34,7 @@ use crate::source::{
     buffered, cache_name, choose_read_setup, no_residue_policy, OpenFile, ReadSetup, Source,
 };
 use crate::sys::mem::Seals;
+use crate::system::DeviceQueue;
 use crate::{sys, system};
 
 /// Loads the whole file at `path` into a host [`Buffer`] of the memory
@@ -314,7 +315,7 @@ pub(crate) fn load_source(
     let facts = MemoryFacts::read();
     let memory = host_memory(path, options, len, &facts)?;
     let kind = memory.kind;
-    if let Some(why) = through_ring(kind, len, &opened.setup, &facts) {
+    if let Some(why) = through_ring(kind, len, &opened.setup, &facts, options.chunk_size) {
         drop(opened);
         return load_through_ring(file, offset, len, memory, why, &facts, options);
     }
@@ -359,25 +360,57 @@ const HOST_RING_SLOT: usize = 4 << 20;
 static HOST_RING: std::sync::Mutex<Option<StagingRing>> = std::sync::Mutex::new(None);
 
 /// Why a load of `len` bytes into `kind` memory should read through the
-/// staging ring rather than in place, or `None`. Direct reads into 4 KiB
-/// pages leave the device a scatter list of a page per entry, which a
-/// virtio disk (254 segments a request) splits into several requests;
-/// into the ring's 2 MiB pages each 4 MiB read is one request. On the
-/// development VM, the same run: staged 2.30 GiB/s, in place 1.57, fio's
-/// best 2.10 (docs/benchmarks.md), for the same CPU (the copy costs about
-/// what the in-place registration of 4 KiB pages does).
-fn through_ring(kind: MemoryKind, len: u64, setup: &ReadSetup, facts: &MemoryFacts) -> Option<String> {
+/// staging ring rather than in place, or `None`. A direct read into 4 KiB
+/// pages hands the device a scatter list of a page per entry, which a
+/// device that takes few entries a request splits into several requests;
+/// into the ring's 2 MiB pages the same read is fewer. The ring is taken
+/// where that makes reads of the load's size at least
+/// [`RING_MIN_REQUEST_SAVING`] times fewer requests. On the development
+/// VM's virtio disk (254 entries, 4 MiB a request: a 4 MiB read is 5
+/// requests into 4 KiB pages, 1 into the ring), the same run: staged 2.30
+/// GiB/s, in place 1.57, fio's best 2.10 (docs/benchmarks.md), for the same
+/// CPU (the copy costs about what the in-place registration of 4 KiB pages
+/// does). Where the device's queue cannot be read, or requests are bounded
+/// by their bytes rather than their entries (NVMe with `max_sectors_kb`
+/// 128, say), the load stays in place and copies nothing.
+fn through_ring(
+    kind: MemoryKind,
+    len: u64,
+    setup: &ReadSetup,
+    facts: &MemoryFacts,
+    chunk: usize,
+) -> Option<String> {
     let small_pages = !facts.huge_pages(kind);
     let direct = setup.cache == CachePolicy::Bypass;
     let huge_ring = facts.huge_pages(MemoryKind::AnonymousThp);
-    (small_pages && direct && huge_ring && len >= THROUGH_RING_MIN).then(|| {
+    if !(small_pages && direct && huge_ring && len >= THROUGH_RING_MIN) {
+        return None;
+    }
+    let queue = DeviceQueue::of(&setup.file.metadata().ok()?)?;
+    let read = Plan::chunk_len(chunk.min(HOST_RING_SLOT), sys::mem::page_size()) as u64;
+    let in_place = queue.requests(read, sys::mem::page_size() as u64);
+    let ringed = queue.requests(read, RING_PAGE);
+    (in_place >= ringed.saturating_mul(RING_MIN_REQUEST_SAVING)).then(|| {
         format!(
-            "{kind} has 4 KiB pages, so direct reads go through a ring of {HOST_RING_SLOTS} x {} MiB in 2 MiB \
-             pages (one device request per read, where 4 KiB pages split each into several) and are copied",
+            "{kind} has 4 KiB pages, which {} ({} entries, {} KiB a request) splits each {} KiB direct read into \
+             {in_place} requests, so reads go through a ring of {HOST_RING_SLOTS} x {} MiB in 2 MiB pages \
+             ({ringed} a read) and are copied",
+            queue.device,
+            queue.max_segments,
+            queue.max_request_bytes >> 10,
+            read >> 10,
             HOST_RING_SLOT >> 20
         )
     })
 }
+
+/// The ring's pages: anonymous memory in transparent huge pages.
+const RING_PAGE: u64 = 2 << 20;
+
+/// How many times fewer requests the ring must make of each read before a
+/// load takes it: 5 on the one device measured (see [`through_ring`]);
+/// where the saving is smaller it is unmeasured, and in place copies nothing.
+const RING_MIN_REQUEST_SAVING: u64 = 4;
 
 /// Runs `load` with the process's kept host ring (made on first use, for
 /// reads of at most `chunk` bytes), and keeps it again afterwards: the

@@ -4,6 +4,7 @@
 use std::fs;
 use std::io;
 use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
 use serde::Serialize;
@@ -211,6 +212,52 @@ pub fn is_memory_filesystem(magic: i64) -> bool {
     matches!(filesystem_name(magic), "tmpfs" | "ramfs")
 }
 
+/// The request limits of the block device under a file, from its queue in
+/// sysfs: a direct read that needs more bytes, or more scatter-gather
+/// entries, than one request holds is split into several requests.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceQueue {
+    /// The device's name in sysfs (the whole disk's, for a partition).
+    pub device: String,
+    /// Scatter-gather entries one request holds (`queue/max_segments`).
+    pub max_segments: u64,
+    /// Bytes one request carries (`queue/max_sectors_kb`).
+    pub max_request_bytes: u64,
+    /// Bytes one entry covers (`queue/max_segment_size`).
+    pub max_segment_bytes: u64,
+}
+
+impl DeviceQueue {
+    /// The queue of the block device a file with these metadata lives on
+    /// (or is, for a device node); `None` where there is none to read, as
+    /// for a filesystem not on one block device (btrfs, overlayfs, NFS).
+    pub fn of(meta: &fs::Metadata) -> Option<DeviceQueue> {
+        let dev = if meta.file_type().is_block_device() { meta.rdev() } else { meta.dev() };
+        let (major, minor) = sys::file::device_numbers(dev);
+        let node = fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).ok()?;
+        // A partition has no queue of its own: its disk's applies.
+        let disk = if node.join("partition").exists() { node.parent()?.to_owned() } else { node };
+        let read = |name: &str| -> Option<u64> {
+            fs::read_to_string(disk.join("queue").join(name)).ok()?.trim().parse().ok()
+        };
+        Some(DeviceQueue {
+            device: disk.file_name()?.to_string_lossy().into_owned(),
+            max_segments: read("max_segments")?,
+            max_request_bytes: read("max_sectors_kb")?.checked_mul(1024)?,
+            max_segment_bytes: read("max_segment_size")?,
+        })
+    }
+
+    /// Requests the device needs for one direct read of `len` bytes into
+    /// pages of `page` bytes, none physically next to another (so each
+    /// takes an entry of its own, as freshly allocated pages may).
+    pub fn requests(&self, len: u64, page: u64) -> u64 {
+        let per_entry = page.min(self.max_segment_bytes).max(1);
+        let per_request = self.max_request_bytes.min(self.max_segments.saturating_mul(per_entry)).max(1);
+        len.div_ceil(per_request)
+    }
+}
+
 /// The capabilities report printed by `dmaload info`.
 #[derive(Debug, Serialize)]
 pub struct SystemInfo {
@@ -293,6 +340,8 @@ pub struct PathInfo {
     /// `statx(STATX_DIOALIGN)`: memory and offset alignment for O_DIRECT.
     pub direct_io: DirectIoInfo,
     pub rwf_dontcache: Option<bool>,
+    /// The request limits of the block device under it, where there is one.
+    pub device_queue: Option<DeviceQueue>,
 }
 
 #[derive(Debug, Serialize)]
@@ -379,14 +428,15 @@ fn path_info(path: &Path) -> io::Result<PathInfo> {
         }
         Err(e) => DirectIoInfo::Unknown { reason: format!("statx failed: {e}") },
     };
-    let rwf_dontcache =
-        if file.metadata()?.is_file() { Some(sys::file::supports_dontcache(file.as_fd())) } else { None };
+    let meta = file.metadata()?;
+    let rwf_dontcache = if meta.is_file() { Some(sys::file::supports_dontcache(file.as_fd())) } else { None };
     Ok(PathInfo {
         path: path.display().to_string(),
         filesystem: filesystem_name(magic).into(),
         filesystem_magic: format!("{magic:#x}"),
         direct_io,
         rwf_dontcache,
+        device_queue: DeviceQueue::of(&meta),
     })
 }
 
@@ -399,5 +449,45 @@ mod tests {
         let text = "MemTotal:       24000000 kB\nMemAvailable:    1024 kB\n";
         assert_eq!(meminfo_field(text, "MemAvailable:"), Some(1024 * 1024));
         assert_eq!(meminfo_field(text, "Missing:"), None);
+    }
+
+    fn queue(max_segments: u64, max_request_kib: u64, max_segment_bytes: u64) -> DeviceQueue {
+        DeviceQueue {
+            device: "test".into(),
+            max_segments,
+            max_request_bytes: max_request_kib << 10,
+            max_segment_bytes,
+        }
+    }
+
+    #[test]
+    fn a_read_is_split_by_whichever_request_limit_it_meets_first() {
+        const READ: u64 = 4 << 20;
+        let (small, huge) = (4096, 2 << 20);
+        // The development VM's virtio disk: entries bound 4 KiB pages, bytes bound huge ones.
+        let virtio = queue(254, 4096, u32::MAX.into());
+        assert_eq!((virtio.requests(READ, small), virtio.requests(READ, huge)), (5, 1));
+        // NVMe with a small transfer size: bytes bound both.
+        let nvme = queue(127, 128, u32::MAX.into());
+        assert_eq!((nvme.requests(READ, small), nvme.requests(READ, huge)), (32, 32));
+        // AHCI: 64 KiB entries, so a huge page takes 32 of them.
+        let ahci = queue(168, 1280, 64 << 10);
+        assert_eq!((ahci.requests(READ, small), ahci.requests(READ, huge)), (7, 4));
+        assert_eq!(virtio.requests(1, small), 1);
+        assert_eq!(queue(0, 0, 0).requests(READ, small), READ, "zeros read from sysfs never divide by zero");
+    }
+
+    #[test]
+    fn the_queue_is_read_for_a_file_on_a_disk_and_none_for_one_in_memory() {
+        let exe = fs::metadata("/proc/self/exe").unwrap();
+        match DeviceQueue::of(&exe) {
+            Some(q) => {
+                assert!(!q.device.is_empty() && q.max_segments >= 1, "{q:?}");
+                assert!(q.max_request_bytes >= 4096 && q.max_segment_bytes >= 4096, "{q:?}");
+            }
+            None => eprintln!("skipped: this test binary is not on a block device with a queue in sysfs"),
+        }
+        let shm = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
+        assert_eq!(DeviceQueue::of(&shm.as_file().metadata().unwrap()), None, "tmpfs has no device");
     }
 }

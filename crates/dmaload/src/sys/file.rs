@@ -89,6 +89,11 @@ pub fn readable(fd: BorrowedFd<'_>) -> io::Result<bool> {
     Ok(flags & libc::O_PATH == 0 && (access == libc::O_RDONLY || access == libc::O_RDWR))
 }
 
+/// The (major, minor) numbers of a device number (`st_dev`, `st_rdev`).
+pub fn device_numbers(dev: u64) -> (u32, u32) {
+    (libc::major(dev), libc::minor(dev))
+}
+
 /// The filesystem magic number of `fd` (`fstatfs(2)` `f_type`).
 pub fn filesystem_magic(fd: BorrowedFd<'_>) -> io::Result<i64> {
     let mut st = MaybeUninit::<libc::statfs>::zeroed();
