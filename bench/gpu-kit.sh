@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Everything a GPU machine without internet needs to check dmaload's CUDA
+# path, built here, then run there in one call.
+#
+#   bench/gpu-kit.sh build        here (network): builds into .dev/gpu-kit/
+#   bench/gpu-kit.sh check        there: the CUDA tests, the CLI's device load
+#   bench/gpu-kit.sh bench [ARGS] there: bench/gpu.py ARGS (default: 8 GiB,
+#                                 2 rounds, cold and warm)
+#
+# build: the CLI and the CUDA test programs (release, stripped), the Python
+# wheel, and the peer loaders' wheels with the test tools (pip download for
+# CPython 3.12 manylinux, no dependencies: the GPU machine has torch and
+# numpy). .dev/ is ignored by git (.git/info/exclude), so the device tool
+# carries it only when asked: carry [".dev/gpu-kit"] (under its 64 MiB).
+#
+# check and bench install the wheels into /tmp/gpu-kit-site and write what
+# they print, and bench/gpu.py's JSON, under $OUT when it is set (the device
+# tool returns that folder). check exits non-zero when any part fails; a
+# machine without a CUDA device fails it (the tests would only skip).
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+kit=$root/.dev/gpu-kit
+out=${OUT:-$kit/out}
+site=/tmp/gpu-kit-site
+# The peers bench/gpu.py runs, and what pytest needs.
+wheels=(safetensors fastsafetensors runai-model-streamer pytest pluggy iniconfig packaging)
+
+usage() { sed -n '2,20s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+
+build() {
+    rm -rf "$kit" && mkdir -p "$kit/wheels"
+    cd "$root"
+    cargo build --release -p dmaload-cli
+    strip -o "$kit/dmaload" target/release/dmaload
+    # The test programs' paths, from cargo's build messages.
+    cargo test --release -p dmaload --test cuda --test cuda_sink --no-run --message-format=json |
+        python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do strip -o "$kit/$name" "$exe"; done
+    (cd bindings/python && .venv/bin/maturin build --release --quiet --out "$kit/wheels")
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --implementation cp --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform any -d "$kit/wheels" "${wheels[@]}"
+    du -sh "$kit"
+    ls "$kit" "$kit/wheels"
+}
+
+install() {
+    [[ -d $kit/wheels ]] || { echo "no kit at $kit: run 'bench/gpu-kit.sh build' where there is network, and carry .dev/gpu-kit" >&2; exit 2; }
+    mkdir -p "$out"
+    # One at a time: a peer built for another Python is left out (bench/gpu.py
+    # lists it as missing), not the whole kit.
+    local wheel
+    for wheel in "$kit"/wheels/*.whl; do
+        python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$site" "$wheel" 2>/dev/null || echo "not installed (not for this Python): ${wheel##*/}" >&2
+    done
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# Runs one part, its output to the terminal and to $out/NAME.log; records a failure.
+failed=()
+part() {
+    local name=$1
+    shift
+    echo "== $name: $*"
+    if ! "$@" 2>&1 | tee "$out/$name.log"; then failed+=("$name"); fi
+}
+
+device_load() {
+    # The same file loaded into the device and into host memory: the hashes must match.
+    local file=$out/device-load.bin
+    head -c $((1 << 30)) /dev/urandom > "$file"
+    "$kit/dmaload" evict "$file"
+    local device host
+    device=$("$kit/dmaload" load "$file" --to cuda:0 --hash | tee /dev/stderr | grep -o 'xxh3-64 *[0-9a-f]*')
+    host=$("$kit/dmaload" load "$file" --hash | tee /dev/stderr | grep -o 'xxh3-64 *[0-9a-f]*')
+    rm -f "$file"
+    [[ -n $device && $device == "$host" ]] || { echo "device $device, host $host: they differ" >&2; return 1; }
+}
+
+check() {
+    install
+    part info "$kit/dmaload" info
+    python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA device")' ||
+        { echo "no CUDA device here: the tests would only skip" >&2; exit 1; }
+    part cuda-tests "$kit/cuda" --test-threads 1
+    part cuda-sink-tests "$kit/cuda_sink" --test-threads 1
+    part python-device-tests python3 -m pytest -q -p no:cacheprovider "$root/bindings/python/tests/test_device.py"
+    part device-load device_load
+    if ((${#failed[@]})); then
+        echo "failed: ${failed[*]}" >&2
+        exit 1
+    fi
+    echo "check: every part passed (logs in $out)"
+}
+
+bench() {
+    install
+    local args=("$@")
+    ((${#args[@]})) || args=(--size 8G --rounds 2 --cache cold,warm)
+    python3 "$root/bench/gpu.py" "${args[@]}" --json "$out/gpu.json" | tee "$out/gpu.md"
+}
+
+[[ $# -ge 1 ]] || usage
+command=$1
+shift
+case $command in
+    build) build ;;
+    check) check ;;
+    bench) bench "$@" ;;
+    *) usage ;;
+esac
