@@ -6,6 +6,10 @@
 #   bench/gpu-kit.sh check        there: the CUDA tests, the CLI's device load
 #   bench/gpu-kit.sh bench [ARGS] there: bench/gpu.py ARGS (default: 8 GiB,
 #                                 2 rounds, cold and warm)
+#   bench/gpu-kit.sh host [SIZE]  there: the host-memory figures a bigger
+#                                 machine gives (dmaload bench load, and
+#                                 populating threads 1 to 16) on a SIZE file
+#                                 (default 8G)
 #
 # build: the CLI and the CUDA test programs (release, stripped), the Python
 # wheel, and the peer loaders' wheels with the test tools (pip download for
@@ -26,7 +30,7 @@ site=/tmp/gpu-kit-site
 # The peers bench/gpu.py runs, and what pytest needs.
 wheels=(safetensors fastsafetensors runai-model-streamer pytest pluggy iniconfig packaging)
 
-usage() { sed -n '2,20s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,24s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 
 build() {
     rm -rf "$kit" && mkdir -p "$kit/wheels"
@@ -107,6 +111,27 @@ bench() {
     python3 "$root/bench/gpu.py" "${args[@]}" --json "$out/gpu.json" | tee "$out/gpu.md"
 }
 
+host() {
+    install
+    local size=${1:-8G} dir=$root/.dev/host-bench file threads
+    rm -rf "$dir" && mkdir -p "$dir"
+    # A generated LLM-shaped file, and the ceiling where fio is not
+    # installed: 16 threads of O_DIRECT reads into reused buffers.
+    python3 "$root/bench/gpu.py" --size "$size" --dir "$dir" --keep --loaders raw --cache cold --rounds 3 |
+        tee "$out/raw-ceiling.md"
+    file=$(find "$dir" -name '*.safetensors' | head -n 1)
+    "$kit/dmaload" info "$file" | tee "$out/host-info.txt"
+    "$kit/dmaload" bench load "$file" --repeat 3 | tee "$out/bench-load.md"
+    # Cold loads into 4 KiB memfd pages, the kind that needs the threads most.
+    for round in 1 2 3; do
+        for threads in 1 2 4 8 12 16; do
+            "$kit/dmaload" evict "$file"
+            echo "round $round threads $threads $("$kit/dmaload" load "$file" --to memfd --populate-threads "$threads" --json)"
+        done
+    done | tee "$out/populate-threads.txt"
+    rm -rf "$dir"
+}
+
 [[ $# -ge 1 ]] || usage
 command=$1
 shift
@@ -114,5 +139,6 @@ case $command in
     build) build ;;
     check) check ;;
     bench) bench "$@" ;;
+    host) host "$@" ;;
     *) usage ;;
 esac
