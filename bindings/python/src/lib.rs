@@ -745,7 +745,7 @@ impl Opts {
 /// The file a load reads: a path, or a descriptor number the caller holds
 /// open (an int: `os.open`'s, or a file object's `fileno()`).
 #[derive(FromPyObject)]
-enum FileArg {
+pub(crate) enum FileArg {
     Fd(std::os::fd::RawFd),
     Path(PathBuf),
 }
@@ -753,7 +753,7 @@ enum FileArg {
 impl FileArg {
     /// Opens the file once; a descriptor is reopened through
     /// `/proc/self/fd` (see [`dmaload::OpenFile::from_fd`]), never changed.
-    fn open(&self) -> Result<dmaload::OpenFile, dmaload::Error> {
+    pub(crate) fn open(&self) -> Result<dmaload::OpenFile, dmaload::Error> {
         match self {
             FileArg::Path(path) => dmaload::OpenFile::open(path),
             FileArg::Fd(fd) if *fd < 0 => Err(dmaload::Error::io(
@@ -848,19 +848,29 @@ fn load_into<'py>(
 }
 
 /// Loads a whole file through the cache service at `socket`, or directly
-/// when no service serves it. Returns the buffer, how the service served
-/// it ("hit", "miss", "uncached") or None for a direct load, and what to
-/// tell the user (why it was loaded directly, or why not cached) or None.
+/// when no service serves it (with `fallback=False`, no buffer instead).
+/// Returns the buffer or None, how the service served it ("hit", "miss",
+/// "uncached") or None when it did not, and what to tell the user (why not
+/// from the service, or why not cached) or None.
 #[pyfunction]
-#[pyo3(signature = (path, socket, *, options=None))]
+#[pyo3(signature = (path, socket, *, options=None, fallback=true))]
 fn load_cached(
     py: Python<'_>,
     path: PathBuf,
     socket: PathBuf,
     options: Option<Bound<'_, PyDict>>,
-) -> PyResult<(Buffer, Option<&'static str>, Option<String>)> {
+    fallback: bool,
+) -> PyResult<(Option<Buffer>, Option<&'static str>, Option<String>)> {
     guard(move || {
         let options = Opts::from_dict(options.as_ref())?.to_options()?;
+        if !fallback {
+            let served = detached(py, || dmaload::share::from_service(&path, &socket, &options))?
+                .map_err(|e| os_error(&e))?;
+            return Ok(match served {
+                Ok((buffer, report, served, note)) => (Some(Buffer::new(buffer, report)), Some(served.name()), note),
+                Err(reason) => (None, None, Some(reason)),
+            });
+        }
         let (buffer, report, outcome) =
             detached(py, || dmaload::share::load_cached(&path, &socket, &options))?
                 .map_err(|e| os_error(&e))?;
@@ -868,7 +878,7 @@ fn load_cached(
             dmaload::share::CacheOutcome::Service { served, note } => (Some(served.name()), note),
             dmaload::share::CacheOutcome::Direct { reason } => (None, Some(reason)),
         };
-        Ok((Buffer::new(buffer, report), served, message))
+        Ok((Some(Buffer::new(buffer, report)), served, message))
     })
 }
 

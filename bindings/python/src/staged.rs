@@ -2,13 +2,14 @@
 //! allocated: a CUDA device (the tensors' one allocation per file, from
 //! PyTorch) or, for the tests that run without a GPU, host memory.
 
-use std::path::PathBuf;
 use std::sync::Mutex;
 
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
 use dmaload::sink::{CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use dmaload::{OpenFile, StagingRing};
+
+use crate::FileArg;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -50,11 +51,17 @@ impl SafetensorsFile {
     }
 }
 
-/// Opens a safetensors file and validates its header.
+/// Opens a safetensors file (a path, or a descriptor the caller holds open:
+/// a cached file's memfd, say, of which `length` bytes are the file) and
+/// validates its header.
 #[pyfunction]
-pub fn open_safetensors(py: Python<'_>, path: PathBuf) -> PyResult<SafetensorsFile> {
+#[pyo3(signature = (file, length=None))]
+pub fn open_safetensors(py: Python<'_>, file: FileArg, length: Option<u64>) -> PyResult<SafetensorsFile> {
     let opened = detached(py, || -> Result<_, st::Error> {
-        let file = OpenFile::open(&path)?;
+        let file = match length {
+            Some(len) => file.open()?.first_bytes(len)?,
+            None => file.open()?,
+        };
         let (header, _) = st::read_header_of(&file)?;
         Ok((file, header))
     })?;

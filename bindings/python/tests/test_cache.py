@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -206,8 +207,67 @@ def test_safetensors_from_the_cache_match_a_direct_load(service: Service, tmp_pa
     assert torch.equal(again["a"], torch.from_numpy(direct["a"]))
     status = service.status()
     assert (status["misses"], status["hits"]) == (1, 2)
-    with pytest.raises(ValueError, match="host memory"):
-        dst.load_file(path, framework="pt", device="cuda:0", cache=True)
+
+
+def _model(path: Path) -> dict[str, Any]:
+    from safetensors import numpy as st_numpy
+
+    rng = np.random.default_rng(5)
+    tensors: dict[str, Any] = {
+        "a": rng.standard_normal((300, 77)).astype(np.float32),
+        "spans_slots": rng.integers(0, 255, (200_001,), dtype=np.uint8),
+        "c": rng.standard_normal((5,)).astype(np.float16),
+    }
+    st_numpy.save_file(tensors, path)
+    return tensors
+
+
+def test_device_loads_read_the_services_memory_not_the_disk(service: Service, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from dmaload.safetensors import _device
+
+    path = tmp_path / "model.safetensors"
+    expected = _model(path)
+    dmaload.load(path, cache=service.socket)  # the service holds it now
+    dmaload.evict(path)
+    ring = {"staging_slots": 2, "staging_slot_size": "64K", "chunk_size": "16K"}
+    # device="cpu" runs the device path (a staging ring into one allocation) without a GPU.
+    files = _device.load_files([path], "cpu", None, ring, str(service.socket))
+    report = files[0].report
+    assert report.filesystem == "tmpfs", report  # read from the service's memfd
+    assert files[0].path == str(path)
+    for name, t in expected.items():
+        np.testing.assert_array_equal(files[0].torch(name).numpy(), t)
+    status = service.status()
+    assert (status["misses"], status["hits"]) == (1, 1)
+
+
+def test_a_device_load_without_a_service_reads_the_file_and_says_so_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("torch")
+    from dmaload.safetensors import _device
+
+    path = tmp_path / "model.safetensors"
+    expected = _model(path)
+    monkeypatch.setattr("dmaload._cache._said", set())
+    with pytest.warns(RuntimeWarning, match="no cache service.*read from the file"):
+        files = _device.load_files([path], "cpu", None, {}, str(tmp_path / "absent.sock"))
+    assert files[0].report.filesystem != "tmpfs"
+    np.testing.assert_array_equal(files[0].torch("a").numpy(), expected["a"])
+
+
+def test_cuda_load_file_from_the_cache_is_bit_exact(service: Service, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("SKIP cuda: PyTorch sees no CUDA device")
+    path = tmp_path / "model.safetensors"
+    expected = _model(path)
+    out = dst.load_file(path, framework="pt", device="cuda:0", cache=service.socket)
+    assert service.status()["misses"] == 1
+    for name, t in expected.items():
+        assert out[name].device.type == "cuda"
+        assert torch.equal(out[name].cpu(), torch.from_numpy(t))
 
 
 def test_without_a_service_it_loads_directly_and_says_so_once(

@@ -137,6 +137,22 @@ impl OpenFile {
         Ok(OpenFile { source, path })
     }
 
+    /// This file's first `len` bytes as the whole of it: for a memfd that
+    /// holds another file's bytes in whole pages (a cache service's), whose
+    /// size is rounded up to the page. Fails when the file is shorter.
+    pub fn first_bytes(mut self, len: u64) -> Result<OpenFile> {
+        if len > self.source.size {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "open",
+                &self.path,
+                format!("{len} bytes asked of a file of {} bytes", self.source.size),
+            ));
+        }
+        self.source.size = len;
+        Ok(self)
+    }
+
     /// The length when opened (a block device's capacity).
     pub fn len(&self) -> u64 {
         self.source.size

@@ -284,6 +284,30 @@ fn auto_mode_copies_a_cached_file_from_the_page_cache_and_reads_a_cold_one_direc
 }
 
 #[test]
+fn a_file_limited_to_its_first_bytes_loads_only_those() {
+    // As a cache service's memfd: a file's bytes, then zeros to the page.
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_cold(&path, 3 * M as u64);
+    let whole = std::fs::read(&path).unwrap();
+    let len = 2 * M as u64 + 12_345;
+    let file = dmaload::OpenFile::open(&path).unwrap().first_bytes(len).unwrap();
+    assert_eq!(file.len(), len);
+    let mut ring = StagingRing::new(2, M, 256 << 10).unwrap();
+    let mut dst = vec![0u8; len as usize];
+    let opts = options(Engine::UringFixed, 256 << 10);
+    let report =
+        dmaload::load_open_to_sink(&file, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &opts)
+            .unwrap();
+    assert_eq!(report.bytes, len);
+    assert!(dst == whole[..len as usize]);
+    let Err(past) = dmaload::OpenFile::open(&path).unwrap().first_bytes(3 * M as u64 + 1) else {
+        panic!("more bytes than the file has were accepted");
+    };
+    assert_eq!(past.kind(), ErrorKind::InvalidInput, "{past}");
+}
+
+#[test]
 fn pool_workers_waiting_for_a_slot_are_woken_when_the_load_fails() {
     let dir = scratch_dir();
     let path = dir.path().join("f");

@@ -53,8 +53,22 @@ def load_cached(path: Any, socket: str, options: dict[str, Any]) -> Buffer:
     """The whole file at ``path`` from the service at ``socket``, else a
     direct load with ``options`` (the reason said once)."""
     buffer, served, message = _dmaload.load_cached(path, socket, options=options)
+    _say(served, message, "loaded directly")
+    assert buffer is not None, "load_cached falls back to a direct load"
+    return buffer
+
+
+def from_service(path: Any, socket: str, options: dict[str, Any]) -> Buffer | None:
+    """The whole file at ``path`` from the service at ``socket``, or None
+    where the service cannot serve it (the reason said once): for callers
+    that read the file themselves rather than load it into host memory."""
+    buffer, served, message = _dmaload.load_cached(path, socket, options=options, fallback=False)
+    _say(served, message, "read from the file")
+    return buffer
+
+
+def _say(served: str | None, message: str | None, instead: str) -> None:
     if served is None and message is not None:
-        _say_once(f"{message}; loaded directly")
+        _say_once(f"{message}; {instead}")
     elif message is not None:
         _say_once(f"cache service: {message}")
-    return buffer

@@ -211,23 +211,42 @@ pub fn load_cached(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport, CacheOutcome)> {
     let path = path.as_ref();
-    let direct = |reason: String| -> Result<(Buffer, LoadReport, CacheOutcome)> {
-        let (buffer, report) = load(path, options)?;
-        Ok((buffer, report, CacheOutcome::Direct { reason }))
-    };
+    match from_service(path, socket, options)? {
+        Ok((buffer, report, served, note)) => Ok((buffer, report, CacheOutcome::Service { served, note })),
+        Err(reason) => {
+            let (buffer, report) = load(path, options)?;
+            Ok((buffer, report, CacheOutcome::Direct { reason }))
+        }
+    }
+}
+
+/// What [`from_service`] returns when the service served the file: its
+/// bytes, the handoff's report, how it served them, and its note.
+pub type ServedFile = (Buffer, LoadReport, Served, Option<String>);
+
+/// The file at `path` from the cache service at `socket`, as
+/// [`load_cached`] gets it, or `Ok(Err(why))` where that would load
+/// directly instead: for a caller with a better fallback than a host
+/// buffer of the whole file (a device load reads the disk itself).
+pub fn from_service(
+    path: impl AsRef<Path>,
+    socket: &Path,
+    options: &LoadOptions,
+) -> Result<std::result::Result<ServedFile, String>> {
+    let path = path.as_ref();
     let file = source::open_for_reading(path)?;
     let meta = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
     if !meta.file_type().is_file() {
-        return direct(format!("a {} is not cached, only regular files", source::type_name(&meta)));
+        return Ok(Err(format!("a {} is not cached, only regular files", source::type_name(&meta))));
     }
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let client = match Client::connect(socket) {
         Ok(client) => client,
-        Err(err) => return direct(format!("no cache service: {err}")),
+        Err(err) => return Ok(Err(format!("no cache service: {err}"))),
     };
     let fetched = match client.get_file(&file, path) {
         Ok(fetched) => fetched,
-        Err(err) if service_unusable(&err) => return direct(format!("the cache service failed: {err}")),
+        Err(err) if service_unusable(&err) => return Ok(Err(format!("the cache service failed: {err}"))),
         Err(err) => return Err(err),
     };
     let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
@@ -241,7 +260,7 @@ pub fn load_cached(
     report.filesystem = sys::file::filesystem_magic(file.as_fd()).map_or("unknown", system::filesystem_name);
     report.cpu_user_seconds = (cpu_after.0 - cpu_before.0).as_secs_f64();
     report.cpu_system_seconds = (cpu_after.1 - cpu_before.1).as_secs_f64();
-    Ok((fetched.buffer, report, CacheOutcome::Service { served: fetched.served, note: fetched.note }))
+    Ok(Ok((fetched.buffer, report, fetched.served, fetched.note)))
 }
 
 /// Whether `err` says the service could not serve (gone, refused this

@@ -398,12 +398,9 @@ class SafeOpen:
         self._device = device
         paths, weight_map = shard_paths(path)
         on_device = self._framework == "pt" and _device.is_device(device)
-        if on_device and cache not in (None, False):
-            raise ValueError("cache= serves host memory: load with device='cpu', or drop cache=")
-        # DMALOAD_CACHE (cache=None) applies to host loads only.
-        socket = None if on_device else socket_for(cache)
+        socket = socket_for(cache)
         if on_device:
-            self._files = _device.load_files(paths, device, progress, dict(options))
+            self._files = _device.load_files(paths, device, progress, dict(options), socket)
         elif socket is not None:
             self._files = _load_files_cached(paths, socket, dict(options))
         else:

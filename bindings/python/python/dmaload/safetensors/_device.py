@@ -10,6 +10,12 @@ next slots fill. Host memory used: the ring and the headers, whatever the
 model size. A failed load raises and returns no tensors (the allocations
 are freed with the exception).
 
+With ``cache=`` (a socket), each file comes from the model-cache service
+instead of the disk: the service's sealed memfd of the file is the source
+the same staged path reads (copies from memory into the pinned ring, then
+to the device), so a model another process loaded reaches this device
+without a disk read.
+
 ``device="cpu"`` is accepted here too (the same staged path into a host
 tensor): the tests run every part of this code without a GPU that way.
 """
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import _dmaload
+from .._cache import from_service
 from .._options import native_options
 from .._progress import Progress, resolve
 
@@ -51,8 +58,28 @@ def _ordinal(torch: Any, device: Any) -> int:
     return int(index)
 
 
-def load_files(paths: list[Path], device: Any, progress: Progress, options: dict[str, Any]) -> list[_File]:
-    """Loads every tensor of ``paths`` onto ``device``; one ``_File`` per path."""
+def _open(path: Path, socket: str | None, native: dict[str, Any]) -> _dmaload.SafetensorsFile:
+    """``path`` opened for the staged load: the cache service's memfd of it
+    where ``socket`` names a service that has or loads the file, else the
+    file itself (``from_service`` says once why)."""
+    buffer = None if socket is None else from_service(os.fspath(path), socket, native)
+    if buffer is None:
+        return _dmaload.open_safetensors(os.fspath(path))
+    try:
+        # The service's memfd holds the file from offset 0, in whole pages;
+        # the opened file keeps its own reference when the mapping goes.
+        if buffer.memfd_offset != 0:
+            raise OSError(errno.EIO, "cache service: the memfd it sent does not start at the file", os.fspath(path))
+        return _dmaload.open_safetensors(buffer.fileno(), len(buffer))
+    finally:
+        buffer.close()
+
+
+def load_files(
+    paths: list[Path], device: Any, progress: Progress, options: dict[str, Any], socket: str | None = None
+) -> list[_File]:
+    """Loads every tensor of ``paths`` onto ``device``, from the cache
+    service at ``socket`` when given; one ``_File`` per path."""
     import torch
 
     from . import _File
@@ -60,7 +87,7 @@ def load_files(paths: list[Path], device: Any, progress: Progress, options: dict
     ordinal = _ordinal(torch, device)
     target = torch.device("cpu") if ordinal < 0 else torch.device("cuda", ordinal)
     native = native_options(options)
-    files = [_dmaload.open_safetensors(os.fspath(p)) for p in paths]
+    files = [_open(p, socket, native) for p in paths]
     need = sum(f.data_len for f in files)
     if ordinal >= 0:
         free, _total = torch.cuda.mem_get_info(ordinal)
@@ -85,6 +112,6 @@ def load_files(paths: list[Path], device: Any, progress: Progress, options: dict
     finally:
         finish()
     return [
-        _File(None, f.header, device_data=d, report=r, path=os.fsdecode(f.path))
-        for f, d, r in zip(files, data, reports)
+        _File(None, f.header, device_data=d, report=r, path=os.fspath(p))
+        for p, f, d, r in zip(paths, files, data, reports)
     ]
