@@ -507,16 +507,21 @@ pub(crate) fn cached_source_options(
     len: Option<u64>,
     options: &LoadOptions,
 ) -> Result<Option<(LoadOptions, Fallback)>> {
-    if options.mode != IoMode::Auto || file.source().in_memory {
+    if options.mode != IoMode::Auto {
         return Ok(None);
     }
     let len = len.unwrap_or(file.len().saturating_sub(offset));
-    // Unknown residency (mincore would call every page cached): read the disk.
-    let Some(residency) = pagecache::known_residency_of(&file.source().file, file.path(), offset, len)?
-    else {
-        return Ok(None);
+    // A file of tmpfs (a cache service's memfd, say) is all page cache.
+    let cached = if file.source().in_memory {
+        None
+    } else {
+        // Unknown residency (mincore would call every page cached): read the disk.
+        match pagecache::known_residency_of(&file.source().file, file.path(), offset, len)? {
+            Some(residency) => Some(residency.fraction),
+            None => return Ok(None),
+        }
     };
-    if len == 0 || residency.fraction < CACHED_SHARE {
+    if len == 0 || cached.is_some_and(|share| share < CACHED_SHARE) {
         return Ok(None);
     }
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -526,11 +531,15 @@ pub(crate) fn cached_source_options(
         threads: options.threads.max(cpus.min(MAX_CACHE_COPY_THREADS)),
         ..options.clone()
     };
-    let why = format!(
-        "{:.0}% of the range is in the page cache: copying it from there on {} threads beats reading the disk again",
-        residency.fraction * 100.0,
-        warm.threads
-    );
+    let threads = warm.threads;
+    let why = match cached {
+        Some(share) => format!(
+            "{:.0}% of the range is in the page cache: copying it from there on {threads} threads beats reading \
+             the disk again",
+            share * 100.0
+        ),
+        None => format!("the file lives in memory ({}): copied on {threads} threads", file.source().storage),
+    };
     Ok(Some((warm, Fallback::new("direct", "page cache", why))))
 }
 
