@@ -64,7 +64,7 @@ install() {
         python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target "$site" "$wheel" 2>/dev/null || echo "not installed (not for this Python): ${wheel##*/}" >&2
     done
-    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} DMALOAD_CLI=$kit/dmaload
 }
 
 # Runs one part, its output to the terminal and to $out/NAME.log; records a failure.
