@@ -543,10 +543,11 @@ def load_file(
     module doc for dtypes and lifetimes.
 
     ``cache=True`` (or a socket path; ``DMALOAD_CACHE`` in the environment
-    does the same for CPU loads) takes each file from the model-cache
-    service (``dmaload serve``): the same tensors, views of a private
-    copy-on-write mapping of the service's memory, so writing to them
-    changes nothing another process sees. Without a service the files load
+    does the same) takes each file from the model-cache service (``dmaload
+    serve``): on the CPU the same tensors, views of a private copy-on-write
+    mapping of the service's memory, so writing to them changes nothing
+    another process sees; on a device, the service's memory is read through
+    the staging ring instead of the disk. Without a service the files load
     directly and a ``RuntimeWarning`` says why, once.
     """
     with safe_open(
