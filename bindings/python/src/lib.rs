@@ -867,7 +867,9 @@ fn load_cached(
             let served = detached(py, || dmaload::share::from_service(&path, &socket, &options))?
                 .map_err(|e| os_error(&e))?;
             return Ok(match served {
-                Ok((buffer, report, served, note)) => (Some(Buffer::new(buffer, report)), Some(served.name()), note),
+                Ok((buffer, report, served, note)) => {
+                    (Some(Buffer::new(buffer, report)), Some(served.name()), note)
+                }
                 Err(reason) => (None, None, Some(reason)),
             });
         }
