@@ -2,6 +2,7 @@
 //! allocated: a CUDA device (the tensors' one allocation per file, from
 //! PyTorch) or, for the tests that run without a GPU, host memory.
 
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use dmaload::cuda::{Context, DeviceRange};
@@ -51,17 +52,25 @@ impl SafetensorsFile {
     }
 }
 
-/// Opens a safetensors file (a path, or a descriptor the caller holds open:
-/// a cached file's memfd, say, of which `length` bytes are the file) and
-/// validates its header.
+/// Opens a safetensors file and validates its header: a path, or a
+/// descriptor the caller holds open, such as a cached file's memfd, of
+/// which `length` bytes are the file and which messages call `name`.
 #[pyfunction]
-#[pyo3(signature = (file, length=None))]
-pub fn open_safetensors(py: Python<'_>, file: FileArg, length: Option<u64>) -> PyResult<SafetensorsFile> {
+#[pyo3(signature = (file, length=None, name=None))]
+pub fn open_safetensors(
+    py: Python<'_>,
+    file: FileArg,
+    length: Option<u64>,
+    name: Option<PathBuf>,
+) -> PyResult<SafetensorsFile> {
     let opened = detached(py, || -> Result<_, st::Error> {
-        let file = match length {
-            Some(len) => file.open()?.first_bytes(len)?,
-            None => file.open()?,
-        };
+        let mut file = file.open()?;
+        if let Some(name) = name {
+            file = file.named(name);
+        }
+        if let Some(len) = length {
+            file = file.first_bytes(len)?;
+        }
         let (header, _) = st::read_header_of(&file)?;
         Ok((file, header))
     })?;

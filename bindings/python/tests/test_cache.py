@@ -240,6 +240,11 @@ def test_device_loads_read_the_services_memory_not_the_disk(service: Service, tm
         np.testing.assert_array_equal(files[0].torch(name).numpy(), t)
     status = service.status()
     assert (status["misses"], status["hits"]) == (1, 1)
+    # A bad file served from the memfd is named as the file, not the memfd.
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(dst.SafetensorError, match=f"{cut}: invalid safetensors file: file is shorter"):
+        _device.load_files([cut], "cpu", None, ring, str(service.socket))
 
 
 def test_a_device_load_without_a_service_reads_the_file_and_says_so_once(

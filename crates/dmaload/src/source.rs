@@ -153,6 +153,13 @@ impl OpenFile {
         Ok(self)
     }
 
+    /// This file under another name in messages and reports: a memfd
+    /// standing for the file it holds is named as that file.
+    pub fn named(mut self, path: impl Into<PathBuf>) -> OpenFile {
+        self.path = path.into();
+        self
+    }
+
     /// The length when opened (a block device's capacity).
     pub fn len(&self) -> u64 {
         self.source.size

@@ -150,7 +150,9 @@ class SafetensorsFile:
     @property
     def data_len(self) -> int: ...
 
-def open_safetensors(file: str | os.PathLike[str] | int, length: int | None = None) -> SafetensorsFile: ...
+def open_safetensors(
+    file: str | os.PathLike[str] | int, length: int | None = None, name: str | os.PathLike[str] | None = None
+) -> SafetensorsFile: ...
 def _load_staged(
     files: list[SafetensorsFile],
     targets: list[Any],

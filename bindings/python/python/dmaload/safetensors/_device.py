@@ -70,7 +70,7 @@ def _open(path: Path, socket: str | None, native: dict[str, Any]) -> _dmaload.Sa
         # the opened file keeps its own reference when the mapping goes.
         if buffer.memfd_offset != 0:
             raise OSError(errno.EIO, "cache service: the memfd it sent does not start at the file", os.fspath(path))
-        return _dmaload.open_safetensors(buffer.fileno(), len(buffer))
+        return _dmaload.open_safetensors(buffer.fileno(), len(buffer), os.fspath(path))
     finally:
         buffer.close()
 
@@ -112,6 +112,6 @@ def load_files(
     finally:
         finish()
     return [
-        _File(None, f.header, device_data=d, report=r, path=os.fspath(p))
-        for p, f, d, r in zip(paths, files, data, reports)
+        _File(None, f.header, device_data=d, report=r, path=os.fsdecode(f.path))
+        for f, d, r in zip(files, data, reports)
     ]
