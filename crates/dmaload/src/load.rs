@@ -387,7 +387,7 @@ fn through_ring(
         return None;
     }
     let queue = DeviceQueue::of(&setup.file.metadata().ok()?)?;
-    let read = Plan::chunk_len(chunk.min(HOST_RING_SLOT), sys::mem::page_size()) as u64;
+    let read = ring_read_len(chunk) as u64;
     let in_place = queue.requests(read, sys::mem::page_size() as u64);
     let ringed = queue.requests(read, RING_PAGE);
     (in_place >= ringed.saturating_mul(RING_MIN_REQUEST_SAVING)).then(|| {
@@ -402,6 +402,12 @@ fn through_ring(
             HOST_RING_SLOT >> 20
         )
     })
+}
+
+/// Bytes of each read into the kept ring for a load of `chunk`-byte reads:
+/// at most one slot.
+fn ring_read_len(chunk: usize) -> usize {
+    Plan::chunk_len(chunk.min(HOST_RING_SLOT), sys::mem::page_size())
 }
 
 /// The ring's pages: anonymous memory in transparent huge pages.
@@ -421,7 +427,7 @@ pub(crate) fn with_kept_ring<T>(
     chunk: usize,
     load: impl FnOnce(&mut StagingRing) -> Result<T>,
 ) -> Result<T> {
-    let chunk = Plan::chunk_len(chunk.min(HOST_RING_SLOT), sys::mem::page_size());
+    let chunk = ring_read_len(chunk);
     let kept = HOST_RING.lock().unwrap_or_else(|p| p.into_inner()).take();
     let mut ring = match kept.filter(|ring| ring.has_geometry(HOST_RING_SLOTS, HOST_RING_SLOT, chunk)) {
         Some(ring) => ring,
