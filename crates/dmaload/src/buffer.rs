@@ -160,7 +160,7 @@ impl Buffer {
             served: None,
             note: None,
         }));
-        protocol::retry(|| conn.send(&message, &[fd])).map_err(|e| Error::io("send buffer", socket, e))
+        conn.send(&message, &[fd]).map_err(|e| Error::io("send buffer", socket, e))
     }
 
     /// Receives a buffer that the process at the other end of `conn` sent

@@ -147,8 +147,7 @@ impl Client {
     pub fn get_file(&self, file: &File, path: &Path) -> Result<Fetched> {
         let started = Instant::now();
         let request = protocol::encode_request(Request::Get);
-        protocol::retry(|| self.conn.send(&request, &[file.as_fd()]))
-            .map_err(|e| Error::io("send request", &self.socket, e))?;
+        self.conn.send(&request, &[file.as_fd()]).map_err(|e| Error::io("send request", &self.socket, e))?;
         let (info, memfd) = protocol::receive_buffer(&self.conn).map_err(|err| match err.op() {
             // Errors of the socket and of the service name the socket; a
             // failed load names the file as this client knows it.
@@ -170,8 +169,7 @@ impl Client {
     /// What the service holds and has done.
     pub fn status(&self) -> Result<Status> {
         let request = protocol::encode_request(Request::Status);
-        protocol::retry(|| self.conn.send(&request, &[]))
-            .map_err(|e| Error::io("send request", &self.socket, e))?;
+        self.conn.send(&request, &[]).map_err(|e| Error::io("send request", &self.socket, e))?;
         match protocol::receive_reply(&self.conn).map_err(|e| Error::io("receive status", &self.socket, e))? {
             Some((Reply::Status(status), _)) => Ok(status),
             Some((Reply::Error(err), _)) => Err(err.into_error(None)),

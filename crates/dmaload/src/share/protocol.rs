@@ -197,23 +197,11 @@ pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> io::Result<T> {
     Ok(envelope.body)
 }
 
-/// Runs a socket call again while it is interrupted (`EINTR`): a timed
-/// socket wait is not restarted by the kernel, and io_uring's task work
-/// interrupts the thread that used a ring.
-pub fn retry<T>(mut call: impl FnMut() -> io::Result<T>) -> io::Result<T> {
-    loop {
-        match call() {
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-            other => return other,
-        }
-    }
-}
-
 /// Receives one reply of at most [`MAX_REPLY_BYTES`]: `Ok(None)` when the
 /// peer closed the connection instead.
 pub fn receive_reply(conn: &Connection) -> io::Result<Option<(Reply, Vec<OwnedFd>)>> {
     let mut buf = vec![0u8; MAX_REPLY_BYTES];
-    let (len, fds) = retry(|| conn.recv(&mut buf))?;
+    let (len, fds) = conn.recv(&mut buf)?;
     if len == 0 && fds.is_empty() {
         return Ok(None);
     }

@@ -587,10 +587,10 @@ fn serve_client(state: &State, conn: Connection) {
     let refuse = |message: String| {
         state.log(&format!("{who}: refused: {message}"));
         let _ = conn.set_timeouts(Some(Duration::from_secs(5)));
-        drop(protocol::retry(|| conn.recv(&mut [0u8; MAX_REQUEST_BYTES])));
+        drop(conn.recv(&mut [0u8; MAX_REQUEST_BYTES]));
         let err = Error::new(ErrorKind::InvalidInput, "connect", &state.config.socket, message);
         let reply = protocol::encode(&Reply::Error(WireError::from_error(&err)));
-        let _ = protocol::retry(|| conn.send(&reply, &[]));
+        let _ = conn.send(&reply, &[]);
     };
     if !state.allowed(&peer) {
         lock(&state.cache).counters.refused += 1;
@@ -605,7 +605,7 @@ fn serve_client(state: &State, conn: Connection) {
     }
     let mut buf = vec![0u8; MAX_REQUEST_BYTES];
     loop {
-        let (len, mut fds) = match protocol::retry(|| conn.recv(&mut buf)) {
+        let (len, mut fds) = match conn.recv(&mut buf) {
             Ok((0, fds)) if fds.is_empty() => break,
             Ok(message) => message,
             Err(err) if err.kind() == io::ErrorKind::InvalidData => {
@@ -636,7 +636,7 @@ fn serve_client(state: &State, conn: Connection) {
                             note: note.clone(),
                         };
                         let reply = protocol::encode(&Reply::Buffer(info));
-                        let sent = protocol::retry(|| conn.send(&reply, &[loaded.memfd.as_fd()]));
+                        let sent = conn.send(&reply, &[loaded.memfd.as_fd()]);
                         state.log(&format!(
                             "{who}: get {} ({} bytes): {} in {:.1} ms{}{}",
                             loaded.path.display(),
@@ -662,7 +662,7 @@ fn serve_client(state: &State, conn: Connection) {
                 while reply.len() > protocol::MAX_REPLY_BYTES && status.files.pop().is_some() {
                     reply = protocol::encode(&Reply::Status(status.clone()));
                 }
-                protocol::retry(|| conn.send(&reply, &[])).is_ok()
+                conn.send(&reply, &[]).is_ok()
             }
             (Ok(request), count) => reply_error(
                 state,
@@ -706,7 +706,7 @@ fn reply_error(state: &State, conn: &Connection, who: &str, err: &Error) -> bool
     lock(&state.cache).counters.errors += 1;
     state.log(&format!("{who}: error: {err}"));
     let reply = protocol::encode(&Reply::Error(WireError::from_error(err)));
-    protocol::retry(|| conn.send(&reply, &[])).is_ok()
+    conn.send(&reply, &[]).is_ok()
 }
 
 /// `percent` of the memory available now (`MemAvailable`, or the memory

@@ -17,6 +17,19 @@ use std::time::Duration;
 
 use super::{check, check_size};
 
+/// Runs a socket call again while it is interrupted (`EINTR`). A blocking
+/// socket call with a timeout (`SO_RCVTIMEO`/`SO_SNDTIMEO`) is not restarted
+/// by the kernel, and io_uring's task work interrupts whichever thread used
+/// a ring, so without this a later `recv` on that thread fails at random.
+fn restarting<T>(mut call: impl FnMut() -> io::Result<T>) -> io::Result<T> {
+    loop {
+        match call() {
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            other => return other,
+        }
+    }
+}
+
 /// Most descriptors one message carries; a message with more is refused on
 /// send, and on receipt the extra descriptors are closed and the message
 /// refused.
@@ -94,10 +107,17 @@ impl SeqpacketListener {
     /// Waits for the next connection (blocking unless the listener was made
     /// non-blocking with [`super::file::set_nonblocking`]).
     pub fn accept(&self) -> io::Result<SeqpacketConn> {
-        // SAFETY: null address pointers ask accept4 not to report the peer's
-        // address; the new fd is owned at once.
-        let fd = check(unsafe {
-            libc::accept4(self.fd.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC)
+        let fd = restarting(|| {
+            // SAFETY: null address pointers ask accept4 not to report the peer's
+            // address; the new fd is owned at once.
+            check(unsafe {
+                libc::accept4(
+                    self.fd.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_CLOEXEC,
+                )
+            })
         })?;
         // SAFETY: `fd` was just returned by accept4 and nothing else owns it.
         Ok(SeqpacketConn { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
@@ -258,9 +278,11 @@ impl SeqpacketConn {
             // bytes needs no alignment.
             unsafe { std::ptr::copy_nonoverlapping(raw.as_ptr().cast::<u8>(), data, payload) };
         }
-        // SAFETY: `msg` points to `iov` (over `bytes`) and `control`, all
-        // alive across the call; the kernel only reads them.
-        let sent = check_size(unsafe { libc::sendmsg(self.fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) })?;
+        let sent = restarting(|| {
+            // SAFETY: `msg` points to `iov` (over `bytes`) and `control`, all
+            // alive across the call; the kernel only reads them.
+            check_size(unsafe { libc::sendmsg(self.fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) })
+        })?;
         if sent != bytes.len() {
             return Err(io::Error::new(io::ErrorKind::WriteZero, "message sent in part"));
         }
@@ -285,10 +307,11 @@ impl SeqpacketConn {
         // SAFETY: CMSG_SPACE only computes a size.
         msg.msg_controllen =
             unsafe { libc::CMSG_SPACE((MAX_FDS_PER_MESSAGE * size_of::<RawFd>()) as u32) } as usize;
-        // SAFETY: `msg` points to `iov` (over `buf`) and `control`, both
-        // writable and alive across the call.
-        let len =
-            check_size(unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) })?;
+        let len = restarting(|| {
+            // SAFETY: `msg` points to `iov` (over `buf`) and `control`, both
+            // writable and alive across the call.
+            check_size(unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) })
+        })?;
         // Own every descriptor first, so each refusal below closes them.
         let mut fds = Vec::new();
         // SAFETY: `msg` was filled by a successful recvmsg; CMSG_FIRSTHDR
@@ -375,5 +398,41 @@ const _: () = assert!(size_of::<libc::cmsghdr>() + MAX_FDS_PER_MESSAGE * size_of
 impl ControlBuffer {
     fn new() -> ControlBuffer {
         ControlBuffer { bytes: [0; 128] }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::thread::JoinHandleExt;
+
+    extern "C" fn ignore(_: libc::c_int) {}
+
+    #[test]
+    fn signals_during_a_timed_wait_do_not_fail_it() {
+        // A handler installed without SA_RESTART makes a blocked socket
+        // call return EINTR, as io_uring task work does; SIGURG's default
+        // is to ignore it, so no other test notices the handler.
+        // SAFETY: sigaction is plain data; all zeroes is a valid value.
+        let mut action: libc::sigaction = unsafe { MaybeUninit::zeroed().assume_init() };
+        action.sa_sigaction = ignore as *const () as libc::sighandler_t;
+        // SAFETY: `action` is valid and `ignore` is async-signal-safe (it
+        // does nothing); a null old action is allowed.
+        check(unsafe { libc::sigaction(libc::SIGURG, &action, std::ptr::null_mut()) }).unwrap();
+        let (a, b) = SeqpacketConn::pair().unwrap();
+        b.set_timeouts(Some(Duration::from_secs(30))).unwrap();
+        let receiver = std::thread::spawn(move || {
+            let mut buf = [0u8; 8];
+            b.recv(&mut buf).map(|(len, _)| buf[..len].to_vec())
+        });
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(10));
+            // SAFETY: the receiver thread is joined only below, so its
+            // pthread_t is still valid.
+            let sent = unsafe { libc::pthread_kill(receiver.as_pthread_t(), libc::SIGURG) };
+            assert_eq!(sent, 0);
+        }
+        a.send(b"late", &[]).unwrap();
+        assert_eq!(receiver.join().unwrap().unwrap(), b"late");
     }
 }
