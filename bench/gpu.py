@@ -79,6 +79,7 @@ import json
 import mmap
 import os
 import platform
+import random
 import re
 import shutil
 import statistics
@@ -1044,7 +1045,10 @@ def main() -> int:
                         f"{res['pinned']['best']:.2f} GiB/s, pageable best {res['pageable']['best']:.2f} GiB/s")  # fmt: skip
                 else:
                     log(f"[round {rnd + 1}/{args.rounds}] H2D FAILED: {res.get('error')}")
-            order = main_loaders[rnd % max(1, len(main_loaders)) :] + main_loaders[: rnd % max(1, len(main_loaders))]
+            # A different order each round (the same in every run), so no
+            # loader always follows the same one and inherits its effects.
+            order = list(main_loaders)
+            random.Random(rnd).shuffle(order)
             for cache in caches:
                 for n in order:
                     if n in gone:

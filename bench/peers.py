@@ -41,6 +41,7 @@ import ctypes.util
 import json
 import mmap
 import os
+import random
 import re
 import shutil
 import statistics
@@ -350,7 +351,10 @@ def main() -> int:
 
     results: dict[str, list[dict[str, Any]]] = {p: [] for p in peers}
     for r in range(args.runs):
-        order = peers[r % len(peers) :] + peers[: r % len(peers)]
+        # A different order each round (the same in every run), so no peer
+        # always follows the same one and inherits its effects.
+        order = list(peers)
+        random.Random(r).shuffle(order)
         for peer in order:
             evict(path)
             time.sleep(0.3)

@@ -292,9 +292,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); methods.len()];
     let mut reference_hash: Option<u64> = None;
     for round in 0..repeat {
-        // Each round starts one method later, so no method always runs
-        // first (right after a fio run, say) and inherits a position effect.
-        for i in (0..methods.len()).map(|k| (k + round) % methods.len()) {
+        for i in crate::benchkit::round_order(methods.len(), round) {
             let method = &methods[i];
             eprintln!("bench: round {}/{repeat}: {}", round + 1, method.name());
             crate::benchkit::evict(file)?;
@@ -422,7 +420,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
 
 fn print_table(t: &Table) {
     println!(
-        "Cold load of {} ({}), {} run(s) per method, interleaved in rotating order, page cache evicted before each{}; fio: {}\n",
+        "Cold load of {} ({}), {} run(s) per method, interleaved in a different order each round, page cache evicted before each{}; fio: {}\n",
         t.file,
         human_bytes(t.bytes),
         t.repeat,

@@ -212,7 +212,8 @@ pub fn run(args: &MatrixArgs) -> Result<(), String> {
     let mut fallbacks: Vec<Vec<String>> = vec![Vec::new(); layout.len()];
     let repeat = args.repeat.max(1);
     for round in 0..repeat {
-        for (i, &row) in layout.iter().enumerate() {
+        for i in benchkit::round_order(layout.len(), round) {
+            let row = layout[i];
             if status[i] != "ok" {
                 continue;
             }

@@ -74,7 +74,8 @@ pub fn run(args: &QdArgs) -> Result<(), String> {
     let repeat = args.repeat.max(1);
     let mut samples: Vec<Vec<RandomReadStats>> = vec![Vec::new(); layout.len()];
     for round in 0..repeat {
-        for (i, &(queue_depth, block_size, registered)) in layout.iter().enumerate() {
+        for i in crate::benchkit::round_order(layout.len(), round) {
+            let (queue_depth, block_size, registered) = layout[i];
             eprintln!(
                 "bench qd: round {}/{repeat}: qd {queue_depth} {} {}",
                 round + 1,

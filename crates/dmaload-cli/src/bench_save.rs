@@ -112,7 +112,8 @@ pub fn run(args: &SaveBenchArgs) -> Result<(), String> {
     let gib = size as f64 / (1u64 << 30) as f64;
     let mut samples = vec![Vec::new(); ways.len()];
     for round in 0..repeat {
-        for (i, way) in ways.iter().enumerate() {
+        for i in benchkit::round_order(ways.len(), round) {
+            let way = &ways[i];
             eprintln!("bench save: round {}/{repeat}: {}", round + 1, way.name());
             let _ = std::fs::remove_file(&target);
             let seconds = match way {

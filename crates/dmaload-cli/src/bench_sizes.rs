@@ -208,7 +208,8 @@ pub fn run(args: &SizesArgs) -> Result<(), String> {
         let path = benchkit::bench_file(&dir, size)?;
         let expected = benchkit::file_hash(&path)?;
         for round in 0..repeat {
-            for (i, &scheme) in Scheme::ALL.iter().enumerate() {
+            for i in benchkit::round_order(Scheme::ALL.len(), round) {
+                let scheme = Scheme::ALL[i];
                 if not_run[i][j].is_some() {
                     continue;
                 }

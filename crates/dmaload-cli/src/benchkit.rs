@@ -35,6 +35,27 @@ impl Spread {
     }
 }
 
+/// The order in which `round` runs its `methods` rows: a shuffle that
+/// differs from round to round (and is the same in every run of the
+/// bench), so no row always follows the same row and inherits its effects
+/// (memory it freed, a cache it warmed), as a fixed or rotating order does.
+pub fn round_order(methods: usize, round: usize) -> Vec<usize> {
+    // splitmix64, seeded by the round: enough to decorrelate neighbours.
+    let mut state = (round as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut order: Vec<usize> = (0..methods).collect();
+    for i in (1..methods).rev() {
+        order.swap(i, (next() % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
 /// Fills `buf` with the bench pattern as it sits at byte `offset` of a
 /// generated file (`offset` a multiple of 8).
 pub fn fill_pattern(buf: &mut [u8], offset: u64) {
@@ -121,4 +142,27 @@ pub fn file_hash(path: &Path) -> Result<u64, String> {
     }
     evict(path)?;
     Ok(hasher.digest())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_round_runs_every_row_once_and_neighbours_change() {
+        let orders: Vec<Vec<usize>> = (0..6).map(|round| round_order(9, round)).collect();
+        for order in &orders {
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..9).collect::<Vec<_>>());
+        }
+        // Row 0's predecessor is not the same row in every round.
+        let before_first: Vec<Option<usize>> = orders
+            .iter()
+            .map(|o| o.iter().position(|&m| m == 0).and_then(|at| at.checked_sub(1).map(|p| o[p])))
+            .collect();
+        assert!(before_first.iter().any(|p| *p != before_first[0]), "{orders:?}");
+        assert_eq!(round_order(9, 3), orders[3], "the same order in every run");
+        assert!(round_order(0, 0).is_empty() && round_order(1, 5) == [0]);
+    }
 }
