@@ -285,7 +285,8 @@ impl Buffer {
         guard(|| Ok(self.open()?.memfd_offset()))
     }
 
-    /// The memory kind: "memfd", "memfd-huge", "hugetlb" or "anonymous-thp".
+    /// The memory kind: "memfd", "memfd-huge", "hugetlb", "anonymous-thp" or
+    /// "anonymous".
     #[getter]
     fn memory(&self) -> PyResult<&'static str> {
         guard(|| Ok(self.open()?.memory_kind().name()))

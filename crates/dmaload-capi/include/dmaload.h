@@ -53,8 +53,9 @@ typedef struct dmaload_load_options {
   // `DMALOAD_MODE_*`.
   uint32_t mode;
   // Where `dmaload_load` puts the bytes, as the CLI's `--to` names it:
-  // "memfd" (the default when NULL) or "anonymous-thp". Borrowed for the
-  // call only. `dmaload_load_dmabuf` takes its target separately.
+  // "auto" (also when NULL: the cheapest memory that keeps an fd),
+  // "memfd", "memfd-huge", "hugetlb", "anonymous-thp" or "anonymous".
+  // Borrowed for the call only. `dmaload_load_dmabuf` takes its target separately.
   const char *to;
   // Bytes populated (and registered) as one unit.
   uint64_t gather_size;

@@ -56,8 +56,9 @@ pub struct dmaload_load_options {
     /// `DMALOAD_MODE_*`.
     pub mode: u32,
     /// Where `dmaload_load` puts the bytes, as the CLI's `--to` names it:
-    /// "memfd" (the default when NULL) or "anonymous-thp". Borrowed for the
-    /// call only. `dmaload_load_dmabuf` takes its target separately.
+    /// "auto" (also when NULL: the cheapest memory that keeps an fd),
+    /// "memfd", "memfd-huge", "hugetlb", "anonymous-thp" or "anonymous".
+    /// Borrowed for the call only. `dmaload_load_dmabuf` takes its target separately.
     pub to: *const c_char,
     /// Bytes populated (and registered) as one unit.
     pub gather_size: u64,

@@ -130,7 +130,8 @@ pub struct LoadArgs {
     /// huge pages where it allows, see `dmaload info`), memfd (4 KiB pages,
     /// shareable by fd), memfd-huge (memfd with 2 MiB pages: needs
     /// shmem_enabled advise), hugetlb (memfd from the hugetlb pool),
-    /// anonymous-thp (no fd, transparent huge pages), a dma-buf (`load`
+    /// anonymous-thp (no fd, transparent huge pages), anonymous (no fd, 4 KiB
+    /// pages), a dma-buf (`load`
     /// only: udmabuf, a memfd exported without copy; dma-heap:NAME, from
     /// /dev/dma_heap/NAME through a staging ring; dmabuf, udmabuf where it
     /// can, else dma-heap:system) or cuda:N (CUDA device N's memory through

@@ -103,7 +103,7 @@ impl Buffer {
         if self.mapping.len() == 0 {
             return Ok(0);
         }
-        crate::memory::huge_page_bytes(self.mapping.address())
+        crate::memory::huge_page_bytes(self.mapping.address(), self.mapping.len())
     }
 
     /// The memfd holding the bytes, for passing to another process;
@@ -150,7 +150,7 @@ impl Buffer {
                 ErrorKind::InvalidInput,
                 "send buffer",
                 socket,
-                "anonymous memory has no memfd to send: load with memory memfd",
+                "anonymous memory has no memfd to send: load into a memfd (`to` memfd, or auto with an fd needed)",
             ));
         };
         self.seal_for_sharing(fd).map_err(|e| Error::io("seal memfd", socket, e))?;
@@ -237,7 +237,7 @@ impl Buffer {
                 ErrorKind::InvalidInput,
                 "export",
                 std::path::Path::new(heap::UDMABUF_DEVICE),
-                "anonymous memory has no memfd to export: load with memory memfd",
+                "anonymous memory has no memfd to export: load into a memfd (`to` memfd, or auto with an fd needed)",
             ));
         };
         if sys::mem::seals(memfd).is_ok_and(|seals| seals.contains(Seals::FUTURE_WRITE)) {

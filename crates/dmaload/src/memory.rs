@@ -87,7 +87,7 @@ impl MemoryFacts {
     /// policies.
     pub fn huge_pages(&self, kind: MemoryKind) -> bool {
         match kind {
-            MemoryKind::Memfd => false,
+            MemoryKind::Memfd | MemoryKind::Anonymous => false,
             MemoryKind::MemfdHuge => {
                 matches!(self.thp_shmem.as_deref(), Some("always" | "within_size" | "advise" | "force"))
             }
@@ -106,7 +106,7 @@ impl MemoryFacts {
             ));
         }
         match kind {
-            MemoryKind::Memfd | MemoryKind::AnonymousThp => Ok(()),
+            MemoryKind::Memfd | MemoryKind::AnonymousThp | MemoryKind::Anonymous => Ok(()),
             MemoryKind::MemfdHuge if self.huge_pages(kind) => Ok(()),
             MemoryKind::MemfdHuge => Err(format!(
                 "the shmem THP policy ({THP_SHMEM}) is {}, so memfd pages stay 4 KiB; as root, `{}` allows \
@@ -144,7 +144,8 @@ impl MemoryFacts {
     /// one the recorded probe measured, where it matches this machine;
     /// else by rule: a memfd with huge pages when the shmem policy allows,
     /// a hugetlb memfd when the pool has room, anonymous THP when no fd is
-    /// needed and THP is on, else a 4 KiB memfd. Under free page reporting
+    /// needed and THP is on, else 4 KiB pages: anonymous ones when no fd is
+    /// needed (cheaper to populate than a memfd's), else a memfd. Under free page reporting
     /// the rule leaves out transparent huge pages (cold ones cost several
     /// times what 4 KiB pages do there) until a probe measures them; the
     /// hugetlb pool is never reported, so it stays.
@@ -213,28 +214,31 @@ impl MemoryFacts {
                     self.thp_anonymous.as_deref().unwrap_or("absent")
                 ),
             )
-        } else if !needs_fd && !usable(MemoryKind::Memfd) {
-            let why = self.can_give(MemoryKind::Memfd, len).err().unwrap_or_default();
-            (MemoryKind::AnonymousThp, format!("no fd needed, and no memfd possible: {why}"))
         } else {
-            (
-                MemoryKind::Memfd,
-                format!(
-                    "4 KiB memfd: {}{}{}",
-                    if needs_fd { "an fd is needed, and " } else { "" },
-                    if self.huge_pages(MemoryKind::MemfdHuge) {
-                        "the hugetlb pool is too small".to_owned()
-                    } else {
-                        format!("no huge pages for a memfd here (shmem_enabled is {shmem}, hugetlb pool too small)")
-                    },
-                    match self.thp_anonymous.as_deref() {
-                        Some(anon) if !needs_fd && !self.huge_pages(MemoryKind::AnonymousThp) => {
-                            format!(" nor for anonymous memory (THP enabled is {anon})")
+            let no_huge_memfd = if let Err(why) = self.can_give(MemoryKind::Memfd, len) {
+                format!("no memfd possible: {why}")
+            } else if self.huge_pages(MemoryKind::MemfdHuge) {
+                "the hugetlb pool is too small".to_owned()
+            } else {
+                format!("no huge pages for a memfd here (shmem_enabled is {shmem}, hugetlb pool too small)")
+            };
+            if needs_fd {
+                (MemoryKind::Memfd, format!("4 KiB memfd: an fd is needed, and {no_huge_memfd}"))
+            } else {
+                (
+                    MemoryKind::Anonymous,
+                    format!(
+                        "4 KiB anonymous pages: no fd needed, and {no_huge_memfd}{}; anonymous 4 KiB pages cost \
+                         less to populate than a memfd's",
+                        match self.thp_anonymous.as_deref() {
+                            Some(anon) if !self.huge_pages(MemoryKind::AnonymousThp) => {
+                                format!(" nor for anonymous memory (THP enabled is {anon})")
+                            }
+                            _ => String::new(),
                         }
-                        _ => String::new(),
-                    }
-                ),
-            )
+                    ),
+                )
+            }
         };
         MemoryChoice { kind, reason: reason + &stale }
     }
@@ -400,6 +404,14 @@ impl MemoryProbe {
         if self.thp_anonymous != facts.thp_anonymous {
             return Err(changed("THP enabled", &self.thp_anonymous, &facts.thp_anonymous));
         }
+        if let Some(kind) =
+            MemoryKind::ALL.into_iter().find(|&kind| !self.kinds.iter().any(|k| k.kind == kind))
+        {
+            return Err(format!(
+                "recorded without {kind} memory, which this version can choose: run `dmaload info \
+                 --probe-memory` again"
+            ));
+        }
         Ok(())
     }
 
@@ -437,38 +449,51 @@ fn populate_once(kind: MemoryKind, len: usize, facts: &MemoryFacts) -> io::Resul
     let len = alloc.mapping.len();
     alloc.mapping.writer().populate(0..len)?;
     let populate = started.elapsed().as_secs_f64();
-    let huge = huge_page_bytes(alloc.mapping.address())? as f64 / alloc.mapping.len().max(1) as f64;
+    let huge = huge_page_bytes(alloc.mapping.address(), len)? as f64 / len.max(1) as f64;
     let started = Instant::now();
     alloc.mapping.unmap_now();
     Ok((populate, started.elapsed().as_secs_f64(), huge))
 }
 
-/// Bytes of the mapping that starts at `address` backed by huge pages now,
+/// Bytes of the `len` bytes mapped at `address` backed by huge pages now,
 /// from /proc/self/smaps: `AnonHugePages` (anonymous THP), `ShmemPmdMapped`
 /// and `FilePmdMapped` (shmem THP) and `*_Hugetlb` (hugetlb), whatever the
 /// policy promised. Reading smaps walks the page tables of every mapping of
 /// the process: for tests, benchmarks and the probe, not for loads.
-pub fn huge_page_bytes(address: usize) -> io::Result<u64> {
+pub fn huge_page_bytes(address: usize, len: usize) -> io::Result<u64> {
     let smaps = fs::read_to_string("/proc/self/smaps")?;
-    huge_page_bytes_in(&smaps, address).ok_or_else(|| {
+    huge_page_bytes_in(&smaps, address..address.saturating_add(len)).ok_or_else(|| {
         io::Error::new(io::ErrorKind::NotFound, format!("no mapping at {address:#x} in /proc/self/smaps"))
     })
 }
 
-fn huge_page_bytes_in(smaps: &str, address: usize) -> Option<u64> {
+/// The huge-page bytes smaps reports for the areas overlapping `range`,
+/// each at most its overlap. The kernel merges an anonymous mapping with a
+/// neighbour of the same flags into one area, whose figures then cover
+/// both; as they share the flags, they share the page size too.
+fn huge_page_bytes_in(smaps: &str, range: std::ops::Range<usize>) -> Option<u64> {
     const HUGE_FIELDS: [&str; 5] =
         ["AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:", "Shared_Hugetlb:", "Private_Hugetlb:"];
-    let start = format!("{address:x}-");
-    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
-    lines.next()?;
-    let mut bytes = 0;
-    // Field lines ("Name:   N kB") up to the next mapping's header.
-    for line in lines.take_while(|l| l.split_whitespace().next().is_some_and(|w| w.ends_with(':'))) {
-        if let Some(field) = HUGE_FIELDS.iter().find(|f| line.starts_with(**f)) {
-            bytes += meminfo_number(line, field).unwrap_or(0) * 1024;
+    // An area's header: "start-end perms ..." in hex.
+    let area = |line: &str| {
+        let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+        Some(usize::from_str_radix(start, 16).ok()?..usize::from_str_radix(end, 16).ok()?)
+    };
+    let mut total = None;
+    let mut overlap = 0;
+    for line in smaps.lines() {
+        if let Some(found) = area(line) {
+            overlap = range.end.min(found.end).saturating_sub(range.start.max(found.start));
+            if overlap > 0 {
+                total = Some(total.unwrap_or(0));
+            }
+        } else if let Some(field) = HUGE_FIELDS.iter().find(|f| line.starts_with(**f)).filter(|_| overlap > 0)
+        {
+            let bytes = meminfo_number(line, field).unwrap_or(0) * 1024;
+            total = total.map(|t: u64| t + bytes.min(overlap as u64));
         }
     }
-    Some(bytes)
+    total
 }
 
 #[cfg(test)]
@@ -494,7 +519,7 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     #[test]
-    fn auto_prefers_huge_memfds_then_hugetlb_then_anonymous_thp_then_memfd() {
+    fn auto_prefers_huge_memfds_then_hugetlb_then_anonymous_thp_then_4_kib_pages() {
         let cases = [
             // anon, shmem, free 2 MiB pages, needs_fd => kind
             ("madvise", "advise", 0, true, MemoryKind::MemfdHuge),
@@ -506,7 +531,7 @@ mod tests {
             ("madvise", "never", 511, true, MemoryKind::Memfd),
             ("madvise", "never", 511, false, MemoryKind::AnonymousThp),
             ("always", "never", 0, false, MemoryKind::AnonymousThp),
-            ("never", "never", 0, false, MemoryKind::Memfd),
+            ("never", "never", 0, false, MemoryKind::Anonymous),
             ("madvise", "never", 0, true, MemoryKind::Memfd),
         ];
         for (anon, shmem, free, needs_fd, want) in cases {
@@ -515,7 +540,8 @@ mod tests {
             assert!(!choice.reason.is_empty());
         }
         let none = MemoryFacts::default().choose(GIB, false);
-        assert_eq!(none.kind, MemoryKind::Memfd, "{}", none.reason);
+        assert_eq!(none.kind, MemoryKind::Anonymous, "{}", none.reason);
+        assert_eq!(MemoryFacts::default().choose(GIB, true).kind, MemoryKind::Memfd);
     }
 
     #[test]
@@ -557,7 +583,7 @@ mod tests {
             assert!(f.can_give(kind, GIB - 1).is_ok(), "{kind}");
         }
         let choice = f.choose(GIB, false);
-        assert_eq!(choice.kind, MemoryKind::AnonymousThp, "{}", choice.reason);
+        assert_eq!(choice.kind, MemoryKind::Anonymous, "{}", choice.reason);
         assert!(choice.reason.contains("RLIMIT_FSIZE"), "{}", choice.reason);
         // Needing an fd, the load gets a memfd and its clear error.
         assert_eq!(f.choose(GIB, true).kind, MemoryKind::Memfd);
@@ -567,15 +593,15 @@ mod tests {
     fn under_free_page_reporting_the_rule_leaves_out_transparent_huge_pages() {
         for (shmem, free, needs_fd, want) in [
             ("advise", 0, true, MemoryKind::Memfd),
-            ("advise", 0, false, MemoryKind::Memfd),
-            ("never", 0, false, MemoryKind::Memfd),
+            ("advise", 0, false, MemoryKind::Anonymous),
+            ("never", 0, false, MemoryKind::Anonymous),
             // The hugetlb pool is never reported: it stays.
             ("advise", 512, true, MemoryKind::Hugetlb),
         ] {
             let f = MemoryFacts { free_page_reporting: true, ..facts("madvise", shmem, free) };
             let choice = f.choose(GIB, needs_fd);
             assert_eq!(choice.kind, want, "{shmem} {free} {needs_fd}: {}", choice.reason);
-            if want == MemoryKind::Memfd {
+            if want != MemoryKind::Hugetlb {
                 assert!(choice.reason.contains("free page reporting is on"), "{}", choice.reason);
             }
         }
@@ -603,7 +629,12 @@ mod tests {
         assert_eq!(facts("madvise", "advise", 0).huge_pages_hint(), None);
     }
 
+    /// A probe with `costs` (`None`: the kind could not be measured) and
+    /// every other kind unmeasurable.
     fn probe_of(f: &MemoryFacts, costs: &[(MemoryKind, Option<f64>)]) -> MemoryProbe {
+        let unmeasured = MemoryKind::ALL.into_iter().filter(|&k| !costs.iter().any(|c| c.0 == k));
+        let costs: Vec<(MemoryKind, Option<f64>)> =
+            costs.iter().copied().chain(unmeasured.map(|k| (k, None))).collect();
         MemoryProbe {
             kernel: f.kernel.clone(),
             thp_anonymous: f.thp_anonymous.clone(),
@@ -652,6 +683,14 @@ mod tests {
         let choice = f.choose(GIB, true);
         assert_eq!(choice.kind, MemoryKind::MemfdHuge);
         assert!(choice.reason.contains("recorded with shmem_enabled never, now advise"), "{}", choice.reason);
+        // Figures recorded before a kind existed cannot rank it: ignored.
+        let mut f = facts("madvise", "never", 0);
+        let mut probe = probe_of(&f, &[(MemoryKind::Memfd, Some(0.1))]);
+        probe.kinds.retain(|k| k.kind != MemoryKind::Anonymous);
+        f.probe = Some(probe);
+        let choice = f.choose(GIB, false);
+        assert_eq!(choice.kind, MemoryKind::AnonymousThp, "the rule's choice, not the figures'");
+        assert!(choice.reason.contains("recorded without anonymous memory"), "{}", choice.reason);
     }
 
     #[test]
@@ -682,8 +721,15 @@ VmFlags: rd wr sh mr mw me ms sd hg
 7f0040000000-7f0040200000 rw-p 00000000 00:00 0
 AnonHugePages:      2048 kB
 ";
-        assert_eq!(huge_page_bytes_in(smaps, 0x7f00_0000_0000), Some(1044480 * 1024));
-        assert_eq!(huge_page_bytes_in(smaps, 0x7f00_4000_0000), Some(2048 * 1024));
-        assert_eq!(huge_page_bytes_in(smaps, 0x1000), None);
+        assert_eq!(huge_page_bytes_in(smaps, 0x7f00_0000_0000..0x7f00_4000_0000), Some(1044480 * 1024));
+        assert_eq!(huge_page_bytes_in(smaps, 0x7f00_4000_0000..0x7f00_4020_0000), Some(2048 * 1024));
+        assert_eq!(huge_page_bytes_in(smaps, 0x1000..0x2000), None);
+        // A buffer inside an area merged with its neighbour: at most its own bytes.
+        assert_eq!(huge_page_bytes_in(smaps, 0x7f00_0010_0000..0x7f00_0030_0000), Some(2 << 20));
+        // One spanning both areas: each area's figure.
+        assert_eq!(
+            huge_page_bytes_in(smaps, 0x7f00_0000_0000..0x7f00_4020_0000),
+            Some((1044480 + 2048) * 1024)
+        );
     }
 }

@@ -86,7 +86,8 @@ impl FromStr for IoMode {
 
 /// Where a load's bytes go: `auto` (the cheapest host memory that can do
 /// what was asked, see [`crate::memory::MemoryFacts::choose`]), a host
-/// [`MemoryKind`] (`memfd`, `memfd-huge`, `hugetlb`, `anonymous-thp`: a
+/// [`MemoryKind`] (`memfd`, `memfd-huge`, `hugetlb`, `anonymous-thp`,
+/// `anonymous`: a
 /// [`crate::Buffer`] of that memory), a dma-buf (`udmabuf`,
 /// `dma-heap:NAME`, `dmabuf`: an fd the caller owns, from
 /// [`crate::load_dmabuf`]) or `cuda:N` (the memory of CUDA device N,
@@ -107,6 +108,8 @@ pub enum Destination {
     Hugetlb,
     /// Private anonymous memory with transparent huge pages.
     AnonymousThp,
+    /// Private anonymous memory in 4 KiB pages.
+    Anonymous,
     /// A dma-buf over a memfd loaded in place (direct I/O where the
     /// filesystem allows), exported with udmabuf: no copy.
     Udmabuf,
@@ -153,6 +156,7 @@ impl Destination {
             Destination::MemfdHuge => Some(MemoryKind::MemfdHuge),
             Destination::Hugetlb => Some(MemoryKind::Hugetlb),
             Destination::AnonymousThp => Some(MemoryKind::AnonymousThp),
+            Destination::Anonymous => Some(MemoryKind::Anonymous),
             Destination::Auto
             | Destination::Udmabuf
             | Destination::DmaHeap(_)
@@ -179,6 +183,7 @@ impl From<MemoryKind> for Destination {
             MemoryKind::MemfdHuge => Destination::MemfdHuge,
             MemoryKind::Hugetlb => Destination::Hugetlb,
             MemoryKind::AnonymousThp => Destination::AnonymousThp,
+            MemoryKind::Anonymous => Destination::Anonymous,
         }
     }
 }
@@ -463,6 +468,7 @@ mod tests {
                 "memfd-huge",
                 "hugetlb",
                 "anonymous-thp",
+                "anonymous",
                 "udmabuf",
                 "dmabuf",
                 "dma-heap:NAME",
@@ -502,7 +508,8 @@ mod tests {
         let err = "vram".parse::<Destination>().unwrap_err();
         assert!(
             err.contains(
-                "auto, memfd, memfd-huge, hugetlb, anonymous-thp, udmabuf, dmabuf, dma-heap:NAME, cuda:N"
+                "auto, memfd, memfd-huge, hugetlb, anonymous-thp, anonymous, udmabuf, dmabuf, dma-heap:NAME, \
+                 cuda:N"
             ),
             "{err}"
         );
@@ -511,7 +518,7 @@ mod tests {
         assert!("huge"
             .parse::<MemoryKind>()
             .unwrap_err()
-            .contains("memfd, memfd-huge, hugetlb, anonymous-thp"));
+            .contains("memfd, memfd-huge, hugetlb, anonymous-thp, anonymous"));
     }
 
     #[test]
@@ -521,9 +528,13 @@ mod tests {
             Destination::Memfd,
             Destination::Hugetlb,
             Destination::AnonymousThp,
+            Destination::Anonymous,
             Destination::DmaHeap("system".into()),
             Destination::Cuda(2),
         ]);
-        assert_eq!(json.unwrap(), r#"["auto","memfd","hugetlb","anonymous-thp","dma-heap:system","cuda:2"]"#);
+        assert_eq!(
+            json.unwrap(),
+            r#"["auto","memfd","hugetlb","anonymous-thp","anonymous","dma-heap:system","cuda:2"]"#
+        );
     }
 }

@@ -19,7 +19,7 @@ fn options(engine: Engine) -> LoadOptions {
 /// Reads the THP policy files directly, independently of the library.
 fn thp_policy_allows_huge_pages(memory: MemoryKind) -> bool {
     let (file, allowing): (&str, &[&str]) = match memory {
-        MemoryKind::Memfd => return false,
+        MemoryKind::Memfd | MemoryKind::Anonymous => return false,
         MemoryKind::Hugetlb => return true,
         MemoryKind::MemfdHuge => ("shmem_enabled", &["always", "within_size", "advise", "force"]),
         MemoryKind::AnonymousThp => ("enabled", &["always", "madvise"]),
@@ -39,7 +39,7 @@ fn every_engine_loads_every_small_size_exactly() {
         let path = dir.path().join(format!("f{size}"));
         write_pattern_file(&path, size);
         for engine in Engine::ALL {
-            for memory in [MemoryKind::Memfd, MemoryKind::AnonymousThp] {
+            for memory in [MemoryKind::Memfd, MemoryKind::AnonymousThp, MemoryKind::Anonymous] {
                 let opts = LoadOptions { to: memory.into(), ..options(engine) };
                 let (buffer, report) = dmaload::load(&path, &opts).unwrap();
                 assert_eq!(buffer.len() as u64, size, "{engine:?} {size}");

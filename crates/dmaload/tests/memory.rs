@@ -140,6 +140,20 @@ fn anonymous_thp_has_no_fd() {
 }
 
 #[test]
+fn anonymous_memory_has_no_fd_and_4_kib_pages_whatever_the_policy() {
+    let dir = scratch_dir();
+    let path = pattern_file(&dir, 8 * MIB + 1);
+    let (buffer, report) = load_as(&path, MemoryKind::Anonymous).unwrap();
+    assert_pattern(&buffer, 0);
+    assert!(buffer.memfd().is_none());
+    assert!(!report.huge_pages);
+    assert_eq!(buffer.huge_page_bytes().unwrap(), 0, "MADV_NOHUGEPAGE, even where THP is always");
+    let (a, _b) = dmaload::share::Connection::pair().unwrap();
+    let err = buffer.send(&a).unwrap_err();
+    assert!(err.to_string().contains("anonymous memory has no memfd to send"), "{err}");
+}
+
+#[test]
 fn auto_gives_the_kind_the_rule_chooses_and_says_why() {
     let dir = scratch_dir();
     let len = 8 * MIB + 1;

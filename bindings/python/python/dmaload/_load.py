@@ -53,7 +53,7 @@ def load(
     message naming the operation and, where known, the file offset.
     ``progress`` is a callable ``(bytes_done, bytes_total)`` or ``True`` for
     a tqdm bar (when tqdm is installed). ``to`` is the host memory the
-    buffer lives in (``"memfd"``, ``"anonymous-thp"``); a device
+    buffer lives in (``"memfd"``, ``"anonymous"``, ...); a device
     (``"cuda:N"``) is refused with ``OSError`` EINVAL, as a Buffer cannot
     live there: ``dmaload.safetensors`` loads onto a GPU with ``device=``.
 

@@ -12,7 +12,7 @@ from typing import Any, Literal, Mapping, TypeAlias, TypedDict, Union
 
 Engine: TypeAlias = Literal["uring-fixed", "uring", "pread-pool", "read"]
 Mode: TypeAlias = Literal["auto", "direct", "buffered", "dontcache"]
-Destination: TypeAlias = Literal["auto", "memfd", "memfd-huge", "hugetlb", "anonymous-thp"]
+Destination: TypeAlias = Literal["auto", "memfd", "memfd-huge", "hugetlb", "anonymous-thp", "anonymous"]
 """Where a host load's bytes go (``to=``): ``auto`` or a host memory kind."""
 DMABUF_DESTINATIONS = ("udmabuf", "dmabuf", "dma-heap:NAME")
 """The dma-buf forms ``to`` takes in the core, ``NAME`` a heap in
@@ -40,7 +40,8 @@ class LoadOptions(TypedDict, total=False):
         loaders; ``report.memory_reason`` says why), ``"memfd"`` (4 KiB
         pages, shareable by fd), ``"memfd-huge"`` (a memfd with 2 MiB pages,
         where shmem_enabled allows), ``"hugetlb"`` (a memfd from the hugetlb
-        pool) or ``"anonymous-thp"`` (no fd). A kind the kernel cannot give
+        pool), ``"anonymous-thp"`` (no fd, transparent huge pages) or
+        ``"anonymous"`` (no fd, 4 KiB pages: the cheapest to populate). A kind the kernel cannot give
         is an ``OSError`` saying why. (The safetensors loaders choose a
         device with ``device=`` instead; ``to`` picks the host memory of a
         cpu load.)

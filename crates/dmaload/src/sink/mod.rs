@@ -22,7 +22,7 @@ use crate::cuda::{Context, PinnedStaging};
 use crate::options::Fallback;
 use crate::plan::Plan;
 use crate::sys;
-use crate::sys::mem::{Mapping, MappingWriter, Prefault, SharedMapping};
+use crate::sys::mem::{HugePageAdvice, Mapping, MappingWriter, Prefault, SharedMapping};
 
 /// Staging slots by default: deep enough to keep a fast disk busy (the
 /// engine reads into every free slot at once) while a GPU copy drains one.
@@ -150,7 +150,7 @@ impl StagingRing {
     /// whole chunks, at most 1 GiB).
     pub fn new(slots: usize, slot_size: usize, chunk: usize) -> io::Result<StagingRing> {
         let (slot_len, len) = Self::size(slots, slot_size, chunk)?;
-        let mut memory = Mapping::anonymous(len, true)?;
+        let mut memory = Mapping::anonymous(len, HugePageAdvice::Huge)?;
         crate::pipeline::populate_range(memory.writer(), 0..len, 1)?;
         Ok(StagingRing { memory: StagingMemory::Plain(memory), slots, slot_len })
     }

@@ -36,7 +36,7 @@ use std::ops::Range;
 use std::ptr::{self, NonNull};
 use std::sync::{Arc, OnceLock};
 
-use super::mem::{Mapping, MappingWriter};
+use super::mem::{HugePageAdvice, Mapping, MappingWriter};
 
 /// `CUresult` (`enum cudaError_enum`, 32 bits).
 type CUresult = c_int;
@@ -1113,7 +1113,7 @@ impl fmt::Debug for PinnedStaging {
 impl PinnedStaging {
     /// `len` bytes of zeroed, pinned host memory.
     pub fn new(ctx: &Context, len: usize) -> Result<PinnedStaging, CudaError> {
-        let mut memory = Mapping::anonymous(len, true).map_err(|err| {
+        let mut memory = Mapping::anonymous(len, HugePageAdvice::Huge).map_err(|err| {
             CudaError::new(
                 "mmap",
                 format!("{len} bytes of staging memory: {err}"),
@@ -1219,7 +1219,7 @@ mod tests {
             }
         };
         let page = super::super::mem::page_size();
-        let mut map = Mapping::anonymous(4 * page, false).unwrap();
+        let mut map = Mapping::anonymous(4 * page, HugePageAdvice::Small).unwrap();
         for (i, byte) in map.as_mut_slice().iter_mut().enumerate() {
             *byte = (i % 253) as u8;
         }

@@ -133,13 +133,12 @@ impl Mapping {
         Ok(())
     }
 
-    /// Private anonymous memory, optionally asking for transparent huge pages
-    /// (`MADV_HUGEPAGE`, Linux 2.6.38).
-    pub fn anonymous(len: usize, huge_pages: bool) -> io::Result<Mapping> {
+    /// Private anonymous memory, asking for transparent huge pages or for
+    /// 4 KiB pages whatever the THP policy (`MADV_HUGEPAGE` or
+    /// `MADV_NOHUGEPAGE`, Linux 2.6.38).
+    pub fn anonymous(len: usize, advice: HugePageAdvice) -> io::Result<Mapping> {
         let map = Self::map(len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)?;
-        if huge_pages {
-            map.advise(HugePageAdvice::Huge)?;
-        }
+        map.advise(advice)?;
         Ok(map)
     }
 
@@ -739,7 +738,7 @@ mod tests {
     #[test]
     fn the_populate_fallback_keeps_what_the_pages_hold() {
         let page = page_size();
-        let mut map = Mapping::anonymous(4 * page, false).unwrap();
+        let mut map = Mapping::anonymous(4 * page, HugePageAdvice::Small).unwrap();
         for (i, byte) in map.as_mut_slice().iter_mut().enumerate().take(3 * page) {
             *byte = (i % 251) as u8 + 1;
         }
@@ -752,7 +751,7 @@ mod tests {
     #[test]
     fn populating_bytes_keeps_them_and_skips_partial_pages() {
         let page = page_size();
-        let mut map = Mapping::anonymous(8 * page, false).unwrap();
+        let mut map = Mapping::anonymous(8 * page, HugePageAdvice::Small).unwrap();
         let bytes = map.as_mut_slice();
         for (i, byte) in bytes.iter_mut().enumerate().take(5 * page) {
             *byte = (i % 251) as u8 + 1;
