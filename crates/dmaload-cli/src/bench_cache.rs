@@ -105,6 +105,11 @@ struct Table {
     /// safetensors torch warm / dmaload torch from the service (load +
     /// touch), target >= 10.
     safetensors_torch_over_cached: Option<f64>,
+    /// The pages the service held the file in when the hits ran.
+    service_pages: String,
+    /// Per round: seconds from the miss's return until the service had
+    /// collapsed the file into 2 MiB pages (the hits wait for it).
+    collapse_seconds: Vec<f64>,
 }
 
 const METHODS: [&str; 7] = [
@@ -130,6 +135,8 @@ pub fn run(args: &CacheArgs) -> Result<(), String> {
     let scratch = tempfile_dir()?;
     let socket = scratch.join("cache.sock");
     let mut samples: Vec<(Vec<f64>, Vec<f64>, Option<String>)> = vec![(Vec::new(), Vec::new(), None); 7];
+    let mut collapse_seconds = Vec::new();
+    let mut service_pages = String::new();
     for round in 0..args.repeat.max(1) {
         eprintln!("bench cache: round {} of {}", round + 1, args.repeat.max(1));
         evict(&file)?;
@@ -137,6 +144,9 @@ pub fn run(args: &CacheArgs) -> Result<(), String> {
         let service = start_service(&exe, &socket)?;
         evict(&file)?;
         samples[1].0.push(cli_load(&exe, &file, Some(&socket))?);
+        let (seconds, pages) = wait_for_collapse(&socket)?;
+        collapse_seconds.extend(seconds);
+        service_pages = pages;
         samples[2].0.push(cli_load(&exe, &file, Some(&socket))?);
         for (i, method) in [(3, "dmaload-np"), (4, "dmaload-pt")] {
             record(&mut samples[i], python_load(&args.python, method, &file, &socket));
@@ -189,6 +199,8 @@ pub fn run(args: &CacheArgs) -> Result<(), String> {
         cold_over_hit: ratio(0, 2).unwrap_or(0.0),
         safetensors_numpy_over_cached: ready_ratio(5, 3),
         safetensors_torch_over_cached: ready_ratio(6, 4),
+        service_pages,
+        collapse_seconds,
         rows,
     };
     if args.json {
@@ -212,11 +224,21 @@ fn record(sample: &mut (Vec<f64>, Vec<f64>, Option<String>), result: Result<(f64
 fn markdown(t: &Table) -> String {
     let mut s = format!(
         "File {} ({}), {} rounds; each load in a fresh process; times are medians (min–max) of the \
-         load call, \"touch\" the Python child's pass over one byte per page afterwards.\n\n\
+         load call, \"touch\" the Python child's pass over one byte per page afterwards. The hits ran \
+         with the service's copy in {} pages{}.\n\n\
          | method | load s | GiB/s | touch s | cold direct / this |\n|---|---|---|---|---|\n",
         t.file,
         human_bytes(t.bytes),
-        t.repeat
+        t.repeat,
+        t.service_pages,
+        if t.collapse_seconds.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ", collapsed from 4 KiB pages in the background in {} s after the miss (the hits waited)",
+                Spread::of(&t.collapse_seconds).show(1)
+            )
+        }
     );
     for row in &t.rows {
         if let Some(why) = &row.skipped {
@@ -308,6 +330,25 @@ fn start_service(exe: &Path, socket: &Path) -> Result<Child, String> {
         std::thread::sleep(Duration::from_millis(10));
     }
     Ok(child)
+}
+
+/// Waits until the service holds no file still collapsing into 2 MiB pages
+/// (a minute at most): the seconds waited, if it was collapsing, and the
+/// pages the file is in.
+fn wait_for_collapse(socket: &Path) -> Result<(Option<f64>, String), String> {
+    let started = Instant::now();
+    let mut waited = false;
+    loop {
+        let status = dmaload::share::Client::connect(socket)
+            .and_then(|client| client.status())
+            .map_err(|e| format!("service status: {e}"))?;
+        let pages = status.files.first().map(|f| f.pages.clone()).unwrap_or_default();
+        if !pages.contains("collapsing") || started.elapsed() > Duration::from_secs(60) {
+            return Ok((waited.then(|| started.elapsed().as_secs_f64()), pages));
+        }
+        waited = true;
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn stop_service(mut child: Child) -> Result<(), String> {

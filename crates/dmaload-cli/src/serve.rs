@@ -109,11 +109,12 @@ fn status_text(s: &Status) -> String {
     for file in &s.files {
         let _ = writeln!(
             out,
-            "  {:>10}  {:>6} hits  {:>6} handoffs  {}",
+            "  {:>10}  {:>6} hits  {:>6} handoffs  {}  ({} pages)",
             human_bytes(file.bytes),
             file.hits,
             file.handoffs,
-            file.path.display()
+            file.path.display(),
+            file.pages
         );
     }
     out

@@ -137,7 +137,7 @@ impl Allocation {
                 let memfd = memfd(MemfdPages::Hugetlb, len)?;
                 // A shared hugetlb mapping reserves its pages now: ENOMEM
                 // here means the pool ran short since the facts were read.
-                let mapping = Mapping::shared(memfd.as_fd(), len).map_err(|e| match e.raw_os_error() {
+                let mapping = Mapping::hugetlb(memfd.as_fd(), len).map_err(|e| match e.raw_os_error() {
                     Some(libc::ENOMEM) => io::Error::new(
                         io::ErrorKind::OutOfMemory,
                         format!("hugetlb memory of {len} bytes: the pool has too few free pages ({e})"),

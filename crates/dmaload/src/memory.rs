@@ -243,6 +243,14 @@ impl MemoryFacts {
         MemoryChoice { kind, reason: reason + &stale }
     }
 
+    /// Whether files cached in 4 KiB memfd pages are collapsed into 2 MiB
+    /// pages afterwards: where the shmem policy gives memfds no huge pages
+    /// but lets `MADV_COLLAPSE` make them (every policy but `deny`; the
+    /// kernel may still refuse, before 6.1).
+    pub fn collapses_shared(&self) -> bool {
+        !self.huge_pages(MemoryKind::MemfdHuge) && matches!(self.thp_shmem.as_deref(), Some(p) if p != "deny")
+    }
+
     /// The kind for memory filled once and then mapped by many processes
     /// (the cache service's files): a memfd with 2 MiB pages whenever the
     /// shmem THP policy gives them, else a 4 KiB memfd. Unlike
@@ -255,7 +263,16 @@ impl MemoryFacts {
     /// the pool again, so a pool sized for the cache would refuse clients.
     pub fn choose_shared(&self) -> MemoryChoice {
         let shmem = self.thp_shmem.as_deref().unwrap_or("absent");
-        if self.huge_pages(MemoryKind::MemfdHuge) {
+        if self.collapses_shared() {
+            MemoryChoice {
+                kind: MemoryKind::Memfd,
+                reason: format!(
+                    "shmem_enabled is {shmem}: cached files are loaded into 4 KiB pages, then collapsed into \
+                     2 MiB pages in the background (MADV_COLLAPSE, Linux 6.1), which each client maps with a \
+                     fault per 2 MiB; as root, `{SHMEM_HUGE_PAGES_HINT}` gives them 2 MiB pages from the start"
+                ),
+            }
+        } else if self.huge_pages(MemoryKind::MemfdHuge) {
             MemoryChoice {
                 kind: MemoryKind::MemfdHuge,
                 reason: format!(
@@ -561,6 +578,9 @@ mod tests {
             if want == MemoryKind::Memfd {
                 assert!(choice.reason.contains(SHMEM_HUGE_PAGES_HINT), "{}", choice.reason);
             }
+            // 4 KiB pages are collapsed afterwards unless the policy denies it.
+            assert_eq!(f.collapses_shared(), shmem == "never", "{shmem}");
+            assert_eq!(choice.reason.contains("MADV_COLLAPSE"), shmem == "never", "{}", choice.reason);
         }
     }
 

@@ -533,26 +533,51 @@ fn a_running_service_is_not_replaced() {
 }
 
 #[test]
-fn cached_files_get_huge_pages_where_the_shmem_policy_allows() {
+fn cached_files_get_huge_pages_from_the_policy_or_a_collapse() {
     let dir = scratch_dir();
     let path = dir.path().join("model.bin");
     write_pattern_file(&path, 16 << 20);
     let socket = dir.path().join("s");
     let service = ServiceProcess::start(&socket, 1 << 30);
     let status = service.status();
-    let huge = run_client("get-touch", &socket, &path);
-    let huge_bytes: u64 =
-        huge.split_whitespace().next().unwrap().strip_prefix("huge=").unwrap().parse().unwrap();
-    let policy = dmaload::memory::MemoryFacts::read();
-    if policy.huge_pages(dmaload::MemoryKind::MemfdHuge) {
+    let huge_in_client = || {
+        let out = run_client("get-touch", &socket, &path);
+        let huge: u64 =
+            out.split_whitespace().next().unwrap().strip_prefix("huge=").unwrap().parse().unwrap();
+        (huge, out)
+    };
+    let (huge_bytes, out) = huge_in_client();
+    let facts = dmaload::memory::MemoryFacts::read();
+    if facts.huge_pages(dmaload::MemoryKind::MemfdHuge) {
         assert_eq!(status.memory_kind, "memfd-huge", "{}", status.memory_reason);
         // A client's first pass maps the service's 2 MiB pages whole.
-        assert!(huge_bytes >= 8 << 20, "{huge_bytes} bytes of huge pages in the client: {huge}");
-    } else {
-        println!("SKIP huge pages in the client: shmem_enabled gives memfds none here");
-        assert_eq!(status.memory_kind, "memfd", "{}", status.memory_reason);
-        assert!(status.memory_reason.contains("shmem_enabled"), "{}", status.memory_reason);
-        assert_eq!(huge_bytes, 0);
+        assert!(huge_bytes >= 8 << 20, "{huge_bytes} bytes of huge pages in the client: {out}");
+        assert_eq!(service.status().files[0].pages, "2 MiB");
+        return service.stop();
     }
+    assert_eq!(status.memory_kind, "memfd", "{}", status.memory_reason);
+    assert!(status.memory_reason.contains("shmem_enabled"), "{}", status.memory_reason);
+    if !facts.collapses_shared() {
+        println!("SKIP huge pages in the client: the shmem policy lets memfds have none here");
+        assert_eq!((huge_bytes, service.status().files[0].pages.as_str()), (0, "4 KiB"));
+        return service.stop();
+    }
+    // 4 KiB pages first, collapsed into 2 MiB pages behind the first client.
+    let started = Instant::now();
+    let pages = loop {
+        let pages = service.status().files[0].pages.clone();
+        if !pages.contains("collapsing") || started.elapsed() > Duration::from_secs(60) {
+            break pages;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    if pages != "2 MiB" {
+        println!("SKIP huge pages in the client: the kernel did not collapse the memfd: {pages}");
+        return service.stop();
+    }
+    let (huge_bytes, out) = huge_in_client();
+    assert_eq!(huge_bytes, 16 << 20, "every 2 MiB mapped whole in the client: {out}");
+    // The bytes are the file's, and still sealed against writers.
+    assert_eq!(run_client("get", &socket, &path), format!("served=hit hash={}", file_hash(&path)));
     service.stop();
 }

@@ -118,6 +118,9 @@ pub struct CachedFile {
     pub hits: u64,
     /// Times the memfd was handed to a client (the load included).
     pub handoffs: u64,
+    /// The pages that hold it: "2 MiB", "4 KiB", "4 KiB, collapsing into
+    /// 2 MiB" or "4 KiB (collapse failed: CAUSE)".
+    pub pages: String,
 }
 
 /// What the service holds and has done since it started.

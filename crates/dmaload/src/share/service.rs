@@ -41,7 +41,7 @@ use crate::share::protocol::{
 };
 use crate::share::{Connection, Listener, PeerCredentials};
 use crate::sys;
-use crate::sys::mem::page_size;
+use crate::sys::mem::{page_size, HUGE_PAGE_ALIGN};
 
 /// Clients served at once; more are refused with an error.
 const MAX_CLIENTS: usize = 256;
@@ -131,6 +131,56 @@ struct Loaded {
     /// Memory it holds (whole pages).
     bytes: u64,
     path: PathBuf,
+    /// The pages that hold it, as the status shows them.
+    pages: Mutex<String>,
+}
+
+/// How often, and how far apart, a collapse that met pages in use is tried.
+const COLLAPSE_ATTEMPTS: usize = 20;
+const COLLAPSE_RETRY: Duration = Duration::from_millis(100);
+
+impl Loaded {
+    /// Rebuilds the file's pages as 2 MiB pages on a thread of its own,
+    /// logging how it went: clients asking meanwhile map whichever pages
+    /// the memfd holds at that moment, the bytes the same either way.
+    fn collapse_in_background(self: &Arc<Loaded>, log: Arc<dyn Fn(&str) + Send + Sync>) {
+        *lock(&self.pages) = "4 KiB, collapsing into 2 MiB".into();
+        let loaded = Arc::clone(self);
+        let spawned = std::thread::Builder::new().name("dmaload-collapse".into()).spawn(move || {
+            let started = Instant::now();
+            let len = usize::try_from(loaded.bytes).unwrap_or(usize::MAX);
+            // EAGAIN is the kernel finding a page still in use (by a client
+            // mapping it that moment, or pins the load's ring is dropping):
+            // try again a little later; what collapsed stays collapsed.
+            let mut collapsed = sys::mem::collapse_memfd(loaded.memfd.as_fd(), len);
+            for _ in 1..COLLAPSE_ATTEMPTS {
+                if !collapsed.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock) {
+                    break;
+                }
+                std::thread::sleep(COLLAPSE_RETRY);
+                collapsed = sys::mem::collapse_memfd(loaded.memfd.as_fd(), len);
+            }
+            let (pages, line) = match collapsed {
+                Ok(()) => (
+                    "2 MiB".to_owned(),
+                    format!(
+                        "collapsed {} into 2 MiB pages in {:.1} s",
+                        loaded.path.display(),
+                        started.elapsed().as_secs_f64()
+                    ),
+                ),
+                Err(err) => (
+                    format!("4 KiB (collapse failed: {err})"),
+                    format!("{} stays in 4 KiB pages: collapse failed: {err}", loaded.path.display()),
+                ),
+            };
+            *lock(&loaded.pages) = pages;
+            log(&line);
+        });
+        if let Err(err) = spawned {
+            *lock(&self.pages) = format!("4 KiB (collapse failed: no thread: {err})");
+        }
+    }
 }
 
 struct Ready {
@@ -193,6 +243,9 @@ struct State {
     config: ServiceConfig,
     /// The memory kind cached files get, and why.
     memory: MemoryChoice,
+    /// Whether files loaded into 4 KiB pages are collapsed into 2 MiB
+    /// pages afterwards ([`MemoryFacts::collapses_shared`]).
+    collapse: bool,
     own_uid: u32,
     cache: Mutex<Cache>,
     clients: AtomicUsize,
@@ -246,13 +299,15 @@ impl Service {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| Error::io("chmod", &path, e))?;
         let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
-        let memory = MemoryFacts::read().choose_shared();
+        let facts = MemoryFacts::read();
+        let memory = facts.choose_shared();
         let mut config = config;
         config.load_options.to = Destination::from(memory.kind);
         config.load_options.progress = None;
         let state = State {
             config,
             memory,
+            collapse: facts.collapses_shared(),
             own_uid: sys::process::effective_uid(),
             cache: Mutex::new(Cache {
                 files: HashMap::new(),
@@ -375,6 +430,7 @@ impl State {
                     bytes: r.loaded.bytes,
                     hits: r.hits,
                     handoffs: r.handoffs,
+                    pages: lock(&r.loaded.pages).clone(),
                 })
                 .collect(),
         }
@@ -462,6 +518,11 @@ impl State {
                 // Completes the waiters even if the load panics.
                 let mut finish = Finish { state: self, key, bytes, pending, outcome: None };
                 let loaded = self.load(&file, key).map(Arc::new);
+                if let Ok(loaded) = &loaded {
+                    if self.collapse && loaded.bytes >= HUGE_PAGE_ALIGN as u64 {
+                        loaded.collapse_in_background(Arc::clone(&self.config.log));
+                    }
+                }
                 finish.outcome = Some(match &loaded {
                     Ok(loaded) => Ok(Arc::clone(loaded)),
                     Err(err) => Err(WireError::from_error(err)),
@@ -490,7 +551,15 @@ impl State {
         let (memfd, range) =
             buffer.into_sealed_memfd().map_err(|e| Error::io("seal memfd", &report.path, e))?;
         let bytes = (range.end as u64).div_ceil(page_size() as u64) * page_size() as u64;
-        Ok(Loaded { memfd, offset: range.start as u64, len: range.len() as u64, bytes, path: report.path })
+        let pages = if report.huge_pages { "2 MiB" } else { "4 KiB" };
+        Ok(Loaded {
+            memfd,
+            offset: range.start as u64,
+            len: range.len() as u64,
+            bytes,
+            path: report.path,
+            pages: Mutex::new(pages.into()),
+        })
     }
 }
 

@@ -80,7 +80,13 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// `mmap(MAP_SHARED)` of `len` bytes of `fd` from offset 0, read-write.
     pub fn shared(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
-        Self::map(len, libc::MAP_SHARED, fd.as_raw_fd())
+        Self::map(len, libc::MAP_SHARED, fd.as_raw_fd(), Placement::HugeAligned)
+    }
+
+    /// [`Mapping::shared`] of a hugetlb memfd, placed by the kernel: it
+    /// aligns hugetlb mappings to their page size (which may be 1 GiB).
+    pub fn hugetlb(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        Self::map(len, libc::MAP_SHARED, fd.as_raw_fd(), Placement::Kernel)
     }
 
     /// [`Mapping::shared`] of a shmem memfd with its page-size advice; a
@@ -99,7 +105,7 @@ impl Mapping {
     /// private copy of that page (copy-on-write). Works on a memfd sealed
     /// with `F_SEAL_FUTURE_WRITE`, which refuses only shared writable maps.
     pub fn private(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
-        Self::map(len, libc::MAP_PRIVATE, fd.as_raw_fd())
+        Self::map(len, libc::MAP_PRIVATE, fd.as_raw_fd(), Placement::HugeAligned)
     }
 
     /// Turns this mapping, which must be a `MAP_SHARED` mapping of `fd`
@@ -137,7 +143,7 @@ impl Mapping {
     /// 4 KiB pages whatever the THP policy (`MADV_HUGEPAGE` or
     /// `MADV_NOHUGEPAGE`, Linux 2.6.38).
     pub fn anonymous(len: usize, advice: HugePageAdvice) -> io::Result<Mapping> {
-        let map = Self::map(len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)?;
+        let map = Self::map(len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, Placement::HugeAligned)?;
         map.advise(advice)?;
         Ok(map)
     }
@@ -171,18 +177,28 @@ impl Mapping {
         self.len = 0;
     }
 
-    fn map(len: usize, flags: libc::c_int, fd: libc::c_int) -> io::Result<Mapping> {
+    /// Maps `len` bytes read-write where `placement` says.
+    fn map(len: usize, flags: libc::c_int, fd: libc::c_int, placement: Placement) -> io::Result<Mapping> {
         if len == 0 {
             // A zero-length mmap is EINVAL; an empty buffer needs no pages.
             return Ok(Mapping { ptr: NonNull::dangling(), len: 0 });
         }
-        // SAFETY: a fresh mapping chosen by the kernel (addr NULL) cannot
-        // overlap memory that Rust already owns.
-        let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0)
+        let (at, fixed) = if placement == Placement::HugeAligned && len >= HUGE_PAGE_ALIGN {
+            (reserve_aligned(len, HUGE_PAGE_ALIGN)?, libc::MAP_FIXED)
+        } else {
+            (std::ptr::null_mut(), 0)
         };
+        // SAFETY: with MAP_FIXED, `at..at+len` is a PROT_NONE reservation
+        // this call made and nothing else refers to, which the new mapping
+        // replaces; without, the kernel chooses a fresh range (addr NULL).
+        // Either way no memory Rust owns is overlapped.
+        let ptr = unsafe { libc::mmap(at, len, libc::PROT_READ | libc::PROT_WRITE, flags | fixed, fd, 0) };
         if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
+            let err = io::Error::last_os_error();
+            if !at.is_null() {
+                unmap(Unmap { addr: at as usize, len });
+            }
+            return Err(err);
         }
         let ptr = NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
         Ok(Mapping { ptr, len })
@@ -218,6 +234,87 @@ impl Drop for Mapping {
         }
         unmap(Unmap { addr: self.ptr.as_ptr() as usize, len: self.len });
     }
+}
+
+/// Where a mapping of at least this size starts: the size of a PMD huge
+/// page with 4 KiB base pages (x86-64, arm64).
+pub const HUGE_PAGE_ALIGN: usize = 2 << 20;
+
+/// Where a new mapping goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    /// Wherever the kernel chooses.
+    Kernel,
+    /// At an address aligned to [`HUGE_PAGE_ALIGN`] from that size up: a
+    /// 2 MiB page of the file (a memfd collapsed into huge pages, say) is
+    /// then mapped by one page-table entry instead of 512, which the kernel
+    /// does only at an aligned address and, for a memfd under the shmem
+    /// policy `never`, does not choose by itself.
+    HugeAligned,
+}
+
+/// Rebuilds the pages under the first `len` bytes of a memfd as 2 MiB
+/// pages, contents kept (`MADV_COLLAPSE`, Linux 6.1), through a read-only
+/// shared mapping of its own (a sealed memfd allows that). The kernel does
+/// this whatever the shmem THP policy says, except `deny`; each 2 MiB is
+/// copied into a new huge page, so it costs about a copy of the bytes plus
+/// the huge pages' allocation. Processes that map the memfd afterwards at
+/// an aligned address (as [`Mapping::private`] does) take a fault per 2 MiB
+/// instead of one per 16 pages. Fails with `EINVAL` where the kernel
+/// cannot (older, without THP, or `deny`), `EAGAIN`/`ENOMEM` where it found
+/// no huge page; whatever collapsed by then stays collapsed.
+pub fn collapse_memfd(fd: BorrowedFd<'_>, len: usize) -> io::Result<()> {
+    let len = len / HUGE_PAGE_ALIGN * HUGE_PAGE_ALIGN;
+    if len == 0 {
+        return Ok(());
+    }
+    let at = reserve_aligned(len, HUGE_PAGE_ALIGN)?;
+    // SAFETY: `at..at+len` is a PROT_NONE reservation made just above that
+    // nothing else refers to; the read-only mapping replaces it.
+    let ptr = unsafe {
+        libc::mmap(at, len, libc::PROT_READ, libc::MAP_SHARED | libc::MAP_FIXED, fd.as_raw_fd(), 0)
+    };
+    let collapsed = if ptr == libc::MAP_FAILED {
+        Err(io::Error::last_os_error())
+    } else {
+        // SAFETY: the range is the read-only mapping made above, which no
+        // reference reaches; collapsing keeps the bytes the file holds.
+        check(unsafe { libc::madvise(ptr, len, libc::MADV_COLLAPSE) }).map(drop)
+    };
+    unmap(Unmap { addr: at as usize, len });
+    collapsed
+}
+
+/// Reserves `len` bytes of address space (`PROT_NONE`, no memory) at an
+/// address aligned to `align`, for a `MAP_FIXED` mapping to replace.
+fn reserve_aligned(len: usize, align: usize) -> io::Result<*mut libc::c_void> {
+    let span = len.checked_add(align).ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))?;
+    // SAFETY: a fresh reservation chosen by the kernel (addr NULL), with no
+    // access: it overlaps nothing and nothing can touch it.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let start = base as usize;
+    let aligned = start.next_multiple_of(align);
+    // The reservation's ends outside the aligned range go back at once.
+    if aligned > start {
+        unmap(Unmap { addr: start, len: aligned - start });
+    }
+    let tail = start + span - (aligned + len);
+    if tail > 0 {
+        unmap(Unmap { addr: aligned + len, len: tail });
+    }
+    Ok(aligned as *mut libc::c_void)
 }
 
 /// Mappings at least this large are unmapped on a background thread: giving
