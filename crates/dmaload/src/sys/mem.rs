@@ -831,6 +831,37 @@ impl SharedMapping {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn mappings_of_2_mib_or_more_start_aligned_and_a_collapse_keeps_the_bytes() {
+        let len = 3 * HUGE_PAGE_ALIGN + page_size();
+        let memfd = memfd_create(c"test", MemfdPages::Shmem).unwrap();
+        set_len(memfd.as_fd(), len as u64).unwrap();
+        let mut writer = Mapping::shared(memfd.as_fd(), len).unwrap();
+        assert_eq!(writer.address() % HUGE_PAGE_ALIGN, 0);
+        for (i, byte) in writer.as_mut_slice().iter_mut().enumerate() {
+            *byte = (i % 253) as u8;
+        }
+        drop(writer);
+        let small = Mapping::private(memfd.as_fd(), page_size()).unwrap();
+        assert_eq!(small.as_slice()[1], 1);
+        // EINVAL: an older kernel, no THP or shmem_enabled deny; EAGAIN: a
+        // page was busy. The bytes must be the same either way.
+        let collapsed =
+            collapse_memfd(memfd.as_fd(), len).inspect_err(|err| println!("SKIP collapse: {err}"));
+        let reader = Mapping::private(memfd.as_fd(), len).unwrap();
+        assert_eq!(reader.address() % HUGE_PAGE_ALIGN, 0);
+        assert!(reader.as_slice().iter().enumerate().all(|(i, &b)| b == (i % 253) as u8));
+        if collapsed.is_ok() {
+            // Read through, each whole 2 MiB is one huge mapping; the last
+            // page past them stays small.
+            let huge = crate::memory::huge_page_bytes(reader.address(), len).unwrap();
+            assert_eq!(huge, 3 * HUGE_PAGE_ALIGN as u64);
+        }
+        // Not past the whole 2 MiB pages: nothing to collapse.
+        collapse_memfd(memfd.as_fd(), HUGE_PAGE_ALIGN - 1).unwrap();
+    }
 
     #[test]
     fn the_populate_fallback_keeps_what_the_pages_hold() {
