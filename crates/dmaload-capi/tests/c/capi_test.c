@@ -163,6 +163,13 @@ int main(int argc, char **argv)
 	check(rc == 0 && dmaload_buffer_len(buffer) == 70000 && matches(dmaload_buffer_data(buffer), 70000, 5000),
 	      "dmaload_load_range loads an unaligned range");
 	dmaload_buffer_free(buffer);
+	dmaload_load_options anonymous = options;
+	anonymous.to = "anonymous";
+	rc = dmaload_load(file, &anonymous, &buffer);
+	check(rc == 0 && matches(dmaload_buffer_data(buffer), len, 0) && dmaload_buffer_memfd(buffer) == -1 &&
+		      strcmp(dmaload_buffer_report(buffer)->destination, "anonymous") == 0,
+	      "anonymous memory holds the file and has no fd");
+	dmaload_buffer_free(buffer);
 
 	/* Memory the caller owns: page-aligned (in place) and off by one (staged). */
 	{
