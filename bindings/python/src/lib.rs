@@ -848,24 +848,27 @@ fn load_into<'py>(
     })
 }
 
-/// Loads a whole file through the cache service at `socket`, or directly
-/// when no service serves it (with `fallback=False`, no buffer instead).
-/// Returns the buffer or None, how the service served it ("hit", "miss",
-/// "uncached") or None when it did not, and what to tell the user (why not
-/// from the service, or why not cached) or None.
+/// Loads a whole file (a path, or a descriptor the caller holds open)
+/// through the cache service at `socket`, or directly when no service
+/// serves it (with `fallback=False`, no buffer instead). The file is
+/// opened once: the service gets a descriptor of it, and a direct load
+/// reads it. Returns the buffer or None, how the service served it ("hit",
+/// "miss", "uncached") or None when it did not, and what to tell the user
+/// (why not from the service, or why not cached) or None.
 #[pyfunction]
-#[pyo3(signature = (path, socket, *, options=None, fallback=true))]
+#[pyo3(signature = (file, socket, *, options=None, fallback=true))]
 fn load_cached(
     py: Python<'_>,
-    path: PathBuf,
+    file: FileArg,
     socket: PathBuf,
     options: Option<Bound<'_, PyDict>>,
     fallback: bool,
 ) -> PyResult<(Option<Buffer>, Option<&'static str>, Option<String>)> {
     guard(move || {
         let options = Opts::from_dict(options.as_ref())?.to_options()?;
+        let file = detached(py, || file.open())?.map_err(|e| os_error(&e))?;
         if !fallback {
-            let served = detached(py, || dmaload::share::from_service(&path, &socket, &options))?
+            let served = detached(py, || dmaload::share::from_service(&file, &socket, &options))?
                 .map_err(|e| os_error(&e))?;
             return Ok(match served {
                 Ok((buffer, report, served, note)) => {
@@ -875,7 +878,7 @@ fn load_cached(
             });
         }
         let (buffer, report, outcome) =
-            detached(py, || dmaload::share::load_cached(&path, &socket, &options))?
+            detached(py, || dmaload::share::load_cached_open(&file, &socket, &options))?
                 .map_err(|e| os_error(&e))?;
         let (served, message) = match outcome {
             dmaload::share::CacheOutcome::Service { served, note } => (Some(served.name()), note),

@@ -262,6 +262,27 @@ def test_a_device_load_without_a_service_reads_the_file_and_says_so_once(
     np.testing.assert_array_equal(files[0].torch("a").numpy(), expected["a"])
 
 
+def test_a_descriptor_is_served_as_its_file_and_a_fifo_is_refused_not_waited_on(
+    service: Service, data_file: tuple[Path, bytes], tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    from dmaload.safetensors import _device
+
+    path, data = data_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = dmaload.load(fd, cache=service.socket)
+    finally:
+        os.close(fd)
+    assert bytes(buf) == data and buf.report.destination.startswith("cache-service")
+    # Named as the file the descriptor is open on, not /proc/self/fd/N.
+    assert buf.report.path == str(path), buf.report.path
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="FIFO"):
+        _device.load_files([fifo], "cpu", None, {}, str(service.socket))
+
+
 def test_cuda_load_file_from_the_cache_is_bit_exact(service: Service, tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -49,20 +49,22 @@ def _say_once(message: str) -> None:
         warnings.warn(f"dmaload: {message}", RuntimeWarning, stacklevel=4)
 
 
-def load_cached(path: Any, socket: str, options: dict[str, Any]) -> Buffer:
-    """The whole file at ``path`` from the service at ``socket``, else a
-    direct load with ``options`` (the reason said once)."""
-    buffer, served, message = _dmaload.load_cached(path, socket, options=options)
+def load_cached(file: Any, socket: str, options: dict[str, Any]) -> Buffer:
+    """The whole ``file`` (a path or a descriptor) from the service at
+    ``socket``, else a direct load of it with ``options`` (the reason said
+    once)."""
+    buffer, served, message = _dmaload.load_cached(file, socket, options=options)
     _say(served, message, "loaded directly")
     assert buffer is not None, "load_cached falls back to a direct load"
     return buffer
 
 
-def from_service(path: Any, socket: str, options: dict[str, Any]) -> Buffer | None:
-    """The whole file at ``path`` from the service at ``socket``, or None
-    where the service cannot serve it (the reason said once): for callers
-    that read the file themselves rather than load it into host memory."""
-    buffer, served, message = _dmaload.load_cached(path, socket, options=options, fallback=False)
+def from_service(file: Any, socket: str, options: dict[str, Any]) -> Buffer | None:
+    """The whole ``file`` (a path or a descriptor) from the service at
+    ``socket``, or None where the service cannot serve it (the reason said
+    once): for callers that read the file themselves rather than load it
+    into host memory."""
+    buffer, served, message = _dmaload.load_cached(file, socket, options=options, fallback=False)
     _say(served, message, "read from the file")
     return buffer
 

@@ -123,7 +123,7 @@ def load_into(
     progress: Callable[[int, int], Any] | None = None,
 ) -> LoadReport: ...
 def load_cached(
-    path: str | os.PathLike[str],
+    file: str | os.PathLike[str] | int,
     socket: str | os.PathLike[str],
     *,
     options: _Options | None = None,

@@ -68,8 +68,7 @@ def load(
     file = _file(path)
     socket = socket_for(cache)
     if socket is not None:
-        # The client sends the service a descriptor of its own, opened from this.
-        return load_cached(f"/proc/self/fd/{file}" if isinstance(file, int) else file, socket, native_options(options))
+        return load_cached(file, socket, native_options(options))
     callback, finish = resolve(progress, _name(file))
     try:
         return _dmaload.load(file, options=native_options(options), progress=callback)

@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 use crate::buffer::Buffer;
 use crate::engine::CachePolicy;
 use crate::error::{Error, ErrorKind, Result};
-use crate::load::{load, LoadOptions, LoadReport};
+use crate::load::{load_open, LoadOptions, LoadReport};
 use crate::share::protocol::{self, Reply, Request, Served, Status};
 use crate::share::Connection;
+use crate::source::OpenFile;
 use crate::{source, sys, system};
 
 /// The environment variable that turns caching on for Python's loaders
@@ -208,11 +209,21 @@ pub fn load_cached(
     socket: &Path,
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport, CacheOutcome)> {
-    let path = path.as_ref();
-    match from_service(path, socket, options)? {
+    load_cached_open(&OpenFile::open(path)?, socket, options)
+}
+
+/// [`load_cached`] of a file already open: the service gets a descriptor
+/// of `file`, and a direct load reads `file` too, so both are the same
+/// file whatever happens to its path.
+pub fn load_cached_open(
+    file: &OpenFile,
+    socket: &Path,
+    options: &LoadOptions,
+) -> Result<(Buffer, LoadReport, CacheOutcome)> {
+    match from_service(file, socket, options)? {
         Ok((buffer, report, served, note)) => Ok((buffer, report, CacheOutcome::Service { served, note })),
         Err(reason) => {
-            let (buffer, report) = load(path, options)?;
+            let (buffer, report) = load_open(file, 0, None, options)?;
             Ok((buffer, report, CacheOutcome::Direct { reason }))
         }
     }
@@ -222,17 +233,17 @@ pub fn load_cached(
 /// bytes, the handoff's report, how it served them, and its note.
 pub type ServedFile = (Buffer, LoadReport, Served, Option<String>);
 
-/// The file at `path` from the cache service at `socket`, as
-/// [`load_cached`] gets it, or `Ok(Err(why))` where that would load
-/// directly instead: for a caller with a better fallback than a host
-/// buffer of the whole file (a device load reads the disk itself).
+/// The open `file` from the cache service at `socket`, as [`load_cached`]
+/// gets it, or `Ok(Err(why))` where that would load directly instead: for
+/// a caller with a better fallback than a host buffer of the whole file (a
+/// device load reads the disk itself, from the same `file`).
 pub fn from_service(
-    path: impl AsRef<Path>,
+    file: &OpenFile,
     socket: &Path,
     options: &LoadOptions,
 ) -> Result<std::result::Result<ServedFile, String>> {
-    let path = path.as_ref();
-    let file = source::open_for_reading(path)?;
+    let path = file.path();
+    let file = &file.source().file;
     let meta = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
     if !meta.file_type().is_file() {
         return Ok(Err(format!("a {} is not cached, only regular files", source::type_name(&meta))));
@@ -242,7 +253,7 @@ pub fn from_service(
         Ok(client) => client,
         Err(err) => return Ok(Err(format!("no cache service: {err}"))),
     };
-    let fetched = match client.get_file(&file, path) {
+    let fetched = match client.get_file(file, path) {
         Ok(fetched) => fetched,
         Err(err) if service_unusable(&err) => return Ok(Err(format!("the cache service failed: {err}"))),
         Err(err) => return Err(err),

@@ -62,9 +62,18 @@ def _open(path: Path, socket: str | None, native: dict[str, Any]) -> _dmaload.Sa
     """``path`` opened for the staged load: the cache service's memfd of it
     where ``socket`` names a service that has or loads the file, else the
     file itself (``from_service`` says once why)."""
-    buffer = None if socket is None else from_service(os.fspath(path), socket, native)
-    if buffer is None:
+    if socket is None:
         return _dmaload.open_safetensors(os.fspath(path))
+    # One open of the path: the service gets a descriptor of this file, and
+    # without the service this same file is read. (Non-blocking: a FIFO is
+    # refused by type instead of waiting for a writer.)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        buffer = from_service(fd, socket, native)
+        if buffer is None:
+            return _dmaload.open_safetensors(fd, None, os.fspath(path))
+    finally:
+        os.close(fd)
     try:
         # The service's memfd holds the file from offset 0, in whole pages;
         # the opened file keeps its own reference when the mapping goes.
