@@ -581,3 +581,30 @@ fn cached_files_get_huge_pages_from_the_policy_or_a_collapse() {
     assert_eq!(run_client("get", &socket, &path), format!("served=hit hash={}", file_hash(&path)));
     service.stop();
 }
+
+#[test]
+fn a_cached_load_reads_the_file_it_opened_whatever_the_path_becomes() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, (4 << 20) + 5);
+    let hash = file_hash(&path);
+    let opened = dmaload::OpenFile::open(&path).unwrap();
+    // Another file renamed over the path after the open.
+    let other = dir.path().join("other");
+    std::fs::write(&other, vec![0x5Au8; 4096]).unwrap();
+    std::fs::rename(&other, &path).unwrap();
+    // No service: the direct load reads the opened file, not the path.
+    let absent = dir.path().join("absent.sock");
+    let (buffer, _, outcome) =
+        dmaload::share::load_cached_open(&opened, &absent, &LoadOptions::default()).unwrap();
+    assert!(matches!(outcome, CacheOutcome::Direct { .. }), "{outcome:?}");
+    assert_eq!(xxh3(&buffer), hash);
+    // A service gets a descriptor of the opened file too.
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    let (buffer, _, outcome) =
+        dmaload::share::load_cached_open(&opened, &socket, &LoadOptions::default()).unwrap();
+    assert!(matches!(outcome, CacheOutcome::Service { served: Served::Miss, .. }), "{outcome:?}");
+    assert_eq!(xxh3(&buffer), hash);
+    service.stop();
+}
