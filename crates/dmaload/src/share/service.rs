@@ -135,6 +135,9 @@ struct Loaded {
     pages: Mutex<String>,
 }
 
+/// A cached file's pages while [`Loaded::collapse_in_background`] works.
+const COLLAPSING: &str = "4 KiB, collapsing into 2 MiB";
+
 /// How often, and how far apart, a collapse that met pages in use is tried.
 const COLLAPSE_ATTEMPTS: usize = 20;
 const COLLAPSE_RETRY: Duration = Duration::from_millis(100);
@@ -144,7 +147,7 @@ impl Loaded {
     /// logging how it went: clients asking meanwhile map whichever pages
     /// the memfd holds at that moment, the bytes the same either way.
     fn collapse_in_background(self: &Arc<Loaded>, log: Arc<dyn Fn(&str) + Send + Sync>) {
-        *lock(&self.pages) = "4 KiB, collapsing into 2 MiB".into();
+        *lock(&self.pages) = COLLAPSING.into();
         let loaded = Arc::clone(self);
         let spawned = std::thread::Builder::new().name("dmaload-collapse".into()).spawn(move || {
             let started = Instant::now();
@@ -518,11 +521,6 @@ impl State {
                 // Completes the waiters even if the load panics.
                 let mut finish = Finish { state: self, key, bytes, pending, outcome: None };
                 let loaded = self.load(&file, key).map(Arc::new);
-                if let Ok(loaded) = &loaded {
-                    if self.collapse && loaded.bytes >= HUGE_PAGE_ALIGN as u64 {
-                        loaded.collapse_in_background(Arc::clone(&self.config.log));
-                    }
-                }
                 finish.outcome = Some(match &loaded {
                     Ok(loaded) => Ok(Arc::clone(loaded)),
                     Err(err) => Err(WireError::from_error(err)),
@@ -705,7 +703,19 @@ fn serve_client(state: &State, conn: Connection) {
                             note: note.clone(),
                         };
                         let reply = protocol::encode(&Reply::Buffer(info));
+                        // A file just cached in 4 KiB pages is collapsed
+                        // once its first client has it, not in its way (the
+                        // status says so from before the reply).
+                        let collapse = served == Served::Miss
+                            && state.collapse
+                            && loaded.bytes >= HUGE_PAGE_ALIGN as u64;
+                        if collapse {
+                            *lock(&loaded.pages) = COLLAPSING.into();
+                        }
                         let sent = conn.send(&reply, &[loaded.memfd.as_fd()]);
+                        if collapse {
+                            loaded.collapse_in_background(Arc::clone(&state.config.log));
+                        }
                         state.log(&format!(
                             "{who}: get {} ({} bytes): {} in {:.1} ms{}{}",
                             loaded.path.display(),
