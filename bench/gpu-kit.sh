@@ -10,6 +10,10 @@
 #                                 machine gives (dmaload bench load, and
 #                                 populating threads 1 to 16) on a SIZE file
 #                                 (default 8G)
+#   bench/gpu-kit.sh cache [SIZE] there: what each memory kind costs to
+#                                 populate (info --probe-memory) and the
+#                                 cache service against safetensors
+#                                 (bench cache, SIZE model, default 4G)
 #
 # build: the CLI and the CUDA test programs (release, stripped), the Python
 # wheel, and the peer loaders' wheels with the test tools (pip download for
@@ -30,7 +34,7 @@ site=/tmp/gpu-kit-site
 # The peers bench/gpu.py runs, and what pytest needs.
 wheels=(safetensors fastsafetensors runai-model-streamer pytest pluggy iniconfig packaging)
 
-usage() { sed -n '2,24s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,27s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 
 build() {
     rm -rf "$kit" && mkdir -p "$kit/wheels"
@@ -132,6 +136,14 @@ host() {
     rm -rf "$dir"
 }
 
+cache() {
+    install
+    local size=${1:-4G}
+    # Recorded figures make auto choose by them on this machine, as a user's would.
+    "$kit/dmaload" info --probe-memory | tee "$out/probe-memory.txt"
+    "$kit/dmaload" bench cache --size "$size" --repeat 3 --python python3 | tee "$out/bench-cache.md"
+}
+
 [[ $# -ge 1 ]] || usage
 command=$1
 shift
@@ -140,5 +152,6 @@ case $command in
     check) check ;;
     bench) bench "$@" ;;
     host) host "$@" ;;
+    cache) cache "$@" ;;
     *) usage ;;
 esac
