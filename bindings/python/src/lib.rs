@@ -866,9 +866,8 @@ fn load_cached(
 ) -> PyResult<(Option<Buffer>, Option<&'static str>, Option<String>)> {
     guard(move || {
         let options = Opts::from_dict(options.as_ref())?.to_options()?;
-        let file = detached(py, || file.open())?.map_err(|e| os_error(&e))?;
         if !fallback {
-            let served = detached(py, || dmaload::share::from_service(&file, &socket, &options))?
+            let served = detached(py, || dmaload::share::from_service(&file.open()?, &socket, &options))?
                 .map_err(|e| os_error(&e))?;
             return Ok(match served {
                 Ok((buffer, report, served, note)) => {
@@ -878,7 +877,7 @@ fn load_cached(
             });
         }
         let (buffer, report, outcome) =
-            detached(py, || dmaload::share::load_cached_open(&file, &socket, &options))?
+            detached(py, || dmaload::share::load_cached_open(&file.open()?, &socket, &options))?
                 .map_err(|e| os_error(&e))?;
         let (served, message) = match outcome {
             dmaload::share::CacheOutcome::Service { served, note } => (Some(served.name()), note),

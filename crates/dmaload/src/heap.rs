@@ -126,6 +126,9 @@ impl Allocation {
             let mapping = Mapping::memfd(memfd.as_fd(), len, advice)?;
             Ok(Allocation { mapping, memfd: Some(memfd), kind })
         };
+        let anonymous = |advice| -> io::Result<Allocation> {
+            Ok(Allocation { mapping: Mapping::anonymous(len, advice)?, memfd: None, kind })
+        };
         match kind {
             MemoryKind::Memfd => shmem(HugePageAdvice::Small),
             MemoryKind::MemfdHuge => shmem(HugePageAdvice::Huge),
@@ -146,15 +149,8 @@ impl Allocation {
                 })?;
                 Ok(Allocation { mapping, memfd: Some(memfd), kind })
             }
-            MemoryKind::AnonymousThp | MemoryKind::Anonymous => {
-                let advice = if kind == MemoryKind::AnonymousThp {
-                    HugePageAdvice::Huge
-                } else {
-                    HugePageAdvice::Small
-                };
-                let mapping = Mapping::anonymous(len, advice)?;
-                Ok(Allocation { mapping, memfd: None, kind })
-            }
+            MemoryKind::AnonymousThp => anonymous(HugePageAdvice::Huge),
+            MemoryKind::Anonymous => anonymous(HugePageAdvice::Small),
         }
     }
 }

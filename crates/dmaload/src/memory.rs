@@ -145,10 +145,10 @@ impl MemoryFacts {
     /// else by rule: a memfd with huge pages when the shmem policy allows,
     /// a hugetlb memfd when the pool has room, anonymous THP when no fd is
     /// needed and THP is on, else 4 KiB pages: anonymous ones when no fd is
-    /// needed (cheaper to populate than a memfd's), else a memfd. Under free page reporting
-    /// the rule leaves out transparent huge pages (cold ones cost several
-    /// times what 4 KiB pages do there) until a probe measures them; the
-    /// hugetlb pool is never reported, so it stays.
+    /// needed (cheaper to populate than a memfd's), else a memfd. Under
+    /// free page reporting the rule leaves out transparent huge pages (cold
+    /// ones cost several times what 4 KiB pages do there) until a probe
+    /// measures them; the hugetlb pool is never reported, so it stays.
     pub fn choose(&self, len: u64, needs_fd: bool) -> MemoryChoice {
         let usable = |kind: MemoryKind| (kind.has_fd() || !needs_fd) && self.can_give(kind, len).is_ok();
         let mut stale = match &self.probe_error {

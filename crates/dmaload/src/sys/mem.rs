@@ -80,13 +80,13 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// `mmap(MAP_SHARED)` of `len` bytes of `fd` from offset 0, read-write.
     pub fn shared(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
-        Self::map(len, libc::MAP_SHARED, fd.as_raw_fd(), Placement::HugeAligned)
+        Self::map(len, READ_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), Placement::HugeAligned)
     }
 
     /// [`Mapping::shared`] of a hugetlb memfd, placed by the kernel: it
     /// aligns hugetlb mappings to their page size (which may be 1 GiB).
     pub fn hugetlb(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
-        Self::map(len, libc::MAP_SHARED, fd.as_raw_fd(), Placement::Kernel)
+        Self::map(len, READ_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), Placement::Kernel)
     }
 
     /// [`Mapping::shared`] of a shmem memfd with its page-size advice; a
@@ -105,7 +105,7 @@ impl Mapping {
     /// private copy of that page (copy-on-write). Works on a memfd sealed
     /// with `F_SEAL_FUTURE_WRITE`, which refuses only shared writable maps.
     pub fn private(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
-        Self::map(len, libc::MAP_PRIVATE, fd.as_raw_fd(), Placement::HugeAligned)
+        Self::map(len, READ_WRITE, libc::MAP_PRIVATE, fd.as_raw_fd(), Placement::HugeAligned)
     }
 
     /// Turns this mapping, which must be a `MAP_SHARED` mapping of `fd`
@@ -143,7 +143,8 @@ impl Mapping {
     /// 4 KiB pages whatever the THP policy (`MADV_HUGEPAGE` or
     /// `MADV_NOHUGEPAGE`, Linux 2.6.38).
     pub fn anonymous(len: usize, advice: HugePageAdvice) -> io::Result<Mapping> {
-        let map = Self::map(len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, Placement::HugeAligned)?;
+        let map =
+            Self::map(len, READ_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, Placement::HugeAligned)?;
         map.advise(advice)?;
         Ok(map)
     }
@@ -177,8 +178,16 @@ impl Mapping {
         self.len = 0;
     }
 
-    /// Maps `len` bytes read-write where `placement` says.
-    fn map(len: usize, flags: libc::c_int, fd: libc::c_int, placement: Placement) -> io::Result<Mapping> {
+    /// Maps `len` bytes with protection `prot` where `placement` says.
+    /// Every public constructor maps read-write, as the slices assume; only
+    /// [`collapse_memfd`] maps read-only, and never hands the mapping out.
+    fn map(
+        len: usize,
+        prot: libc::c_int,
+        flags: libc::c_int,
+        fd: libc::c_int,
+        placement: Placement,
+    ) -> io::Result<Mapping> {
         if len == 0 {
             // A zero-length mmap is EINVAL; an empty buffer needs no pages.
             return Ok(Mapping { ptr: NonNull::dangling(), len: 0 });
@@ -192,7 +201,7 @@ impl Mapping {
         // this call made and nothing else refers to, which the new mapping
         // replaces; without, the kernel chooses a fresh range (addr NULL).
         // Either way no memory Rust owns is overlapped.
-        let ptr = unsafe { libc::mmap(at, len, libc::PROT_READ | libc::PROT_WRITE, flags | fixed, fd, 0) };
+        let ptr = unsafe { libc::mmap(at, len, prot, flags | fixed, fd, 0) };
         if ptr == libc::MAP_FAILED {
             let err = io::Error::last_os_error();
             if !at.is_null() {
@@ -236,6 +245,9 @@ impl Drop for Mapping {
     }
 }
 
+/// The protection of every mapping handed out: the slices read and write.
+const READ_WRITE: libc::c_int = libc::PROT_READ | libc::PROT_WRITE;
+
 /// Where a mapping of at least this size starts: the size of a PMD huge
 /// page with 4 KiB base pages (x86-64, arm64).
 pub const HUGE_PAGE_ALIGN: usize = 2 << 20;
@@ -268,20 +280,13 @@ pub fn collapse_memfd(fd: BorrowedFd<'_>, len: usize) -> io::Result<()> {
     if len == 0 {
         return Ok(());
     }
-    let at = reserve_aligned(len, HUGE_PAGE_ALIGN)?;
-    // SAFETY: `at..at+len` is a PROT_NONE reservation made just above that
-    // nothing else refers to; the read-only mapping replaces it.
-    let ptr = unsafe {
-        libc::mmap(at, len, libc::PROT_READ, libc::MAP_SHARED | libc::MAP_FIXED, fd.as_raw_fd(), 0)
-    };
-    let collapsed = if ptr == libc::MAP_FAILED {
-        Err(io::Error::last_os_error())
-    } else {
-        // SAFETY: the range is the read-only mapping made above, which no
-        // reference reaches; collapsing keeps the bytes the file holds.
-        check(unsafe { libc::madvise(ptr, len, libc::MADV_COLLAPSE) }).map(drop)
-    };
-    unmap(Unmap { addr: at as usize, len });
+    let mut map =
+        Mapping::map(len, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), Placement::HugeAligned)?;
+    // SAFETY: the range is exactly `map`, which no reference reaches (it
+    // never leaves this function); collapsing keeps the bytes the file holds.
+    let collapsed =
+        check(unsafe { libc::madvise(map.ptr.as_ptr().cast(), len, libc::MADV_COLLAPSE) }).map(drop);
+    map.unmap_now();
     collapsed
 }
 
