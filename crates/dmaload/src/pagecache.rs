@@ -28,11 +28,14 @@ pub fn residency_of(file: &File, path: &Path, offset: u64, len: u64) -> Result<R
     Ok(Residency { resident_bytes: (resident * page).min(len), fraction })
 }
 
-/// [`residency_of`], or `None` where the kernel will not say: a file this
-/// process neither owns nor may write, whose pages mincore calls all cached.
+/// [`residency_of`], or `None` where it cannot be known: a file this
+/// process neither owns nor may write, whose pages mincore calls all
+/// cached, or no address space left to map a window of it (`ENOMEM` under
+/// a tight `RLIMIT_AS`): residency only informs a load, it must not fail one.
 pub fn known_residency_of(file: &File, path: &Path, offset: u64, len: u64) -> Result<Option<Residency>> {
     match residency_of(file, path, offset, len) {
         Err(err) if err.io_error().kind() == std::io::ErrorKind::PermissionDenied => Ok(None),
+        Err(err) if err.io_error().kind() == std::io::ErrorKind::OutOfMemory => Ok(None),
         other => other.map(Some),
     }
 }

@@ -621,36 +621,49 @@ pub fn page_cache_residency(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Re
     }
     let page = page_size() as u64;
     let start = offset / page * page;
-    let span =
-        usize::try_from(offset + len - start).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
-    let pages = span.div_ceil(page as usize);
-    // SAFETY: a fresh read-only shared mapping of the file at a page-aligned
-    // offset; mincore only inspects it and we unmap it before returning.
-    let addr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            span,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            start as libc::off_t,
-        )
-    };
-    if addr == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
+    let end = offset + len;
+    let pages = (end - start).div_ceil(page);
+    // One window at a time: a mapping of the whole range could need more
+    // address space than RLIMIT_AS leaves (a huge file, a tight limit).
+    let mut resident = 0;
+    let mut vec = vec![0u8; (RESIDENCY_WINDOW / page) as usize];
+    let mut at = start;
+    while at < end {
+        let span = (end - at).min(RESIDENCY_WINDOW) as usize;
+        // SAFETY: a fresh read-only shared mapping of the file at a
+        // page-aligned offset; mincore only inspects it and we unmap it
+        // before going on.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                span,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                at as libc::off_t,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let window = &mut vec[..span.div_ceil(page as usize)];
+        // SAFETY: addr..addr+span is the mapping above; `window` has one
+        // byte per page of it.
+        let ret = unsafe { libc::mincore(addr, span, window.as_mut_ptr()) };
+        let err = io::Error::last_os_error();
+        // SAFETY: unmapping the mapping created above, which nothing else uses.
+        unsafe { libc::munmap(addr, span) };
+        if ret < 0 {
+            return Err(err);
+        }
+        resident += window.iter().filter(|&&b| b & 1 != 0).count() as u64;
+        at += span as u64;
     }
-    let mut vec = vec![0u8; pages];
-    // SAFETY: addr..addr+span is the mapping above; vec has one byte per page.
-    let ret = unsafe { libc::mincore(addr, span, vec.as_mut_ptr()) };
-    let err = io::Error::last_os_error();
-    // SAFETY: unmapping the mapping created above, which nothing else uses.
-    unsafe { libc::munmap(addr, span) };
-    if ret < 0 {
-        return Err(err);
-    }
-    let resident = vec.iter().filter(|&&b| b & 1 != 0).count();
-    Ok((resident as u64, pages as u64))
+    Ok((resident, pages))
 }
+
+/// Bytes of a file [`page_cache_residency`] maps at a time.
+const RESIDENCY_WINDOW: u64 = 64 << 20;
 
 /// Whether mincore tells the truth about `fd`'s file: the process owns it
 /// (or is root, which the kernel lets past as owner), or may write it.
