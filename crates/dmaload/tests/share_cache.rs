@@ -608,3 +608,62 @@ fn a_cached_load_reads_the_file_it_opened_whatever_the_path_becomes() {
     assert_eq!(xxh3(&buffer), hash);
     service.stop();
 }
+
+#[test]
+fn a_file_dropped_from_the_cache_stops_collapsing() {
+    let facts = dmaload::memory::MemoryFacts::read();
+    if facts.huge_pages(dmaload::MemoryKind::MemfdHuge) || !facts.collapses_shared() {
+        println!("SKIP collapse: cached files get 2 MiB pages from the shmem policy, or none can be had");
+        return;
+    }
+    let dir = scratch_dir();
+    let mib = 1u64 << 20;
+    // Three collapse windows each; room for one of them.
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    write_pattern_file(&a, 192 * mib);
+    write_pattern_file(&b, 192 * mib);
+    let socket = dir.path().join("cache.sock");
+    let mut cmd = role("service", &socket);
+    cmd.env(LIMIT, (300 * mib).to_string()).stderr(Stdio::piped());
+    let mut service = ServiceProcess::start_with(&mut cmd, &socket);
+    let log = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let stderr = BufReader::new(service.child.stderr.take().unwrap());
+    let lines = Arc::clone(&log);
+    std::thread::spawn(move || {
+        stderr.lines().map_while(|l| l.ok()).for_each(|l| lines.lock().unwrap().push(l))
+    });
+    let client = Client::connect(&socket).unwrap();
+    let (hash_a, hash_b) = (file_hash(&a), file_hash(&b));
+    let got = client.get(&a).unwrap();
+    assert_eq!((got.served, xxh3(&got.buffer)), (Served::Miss, hash_a));
+    // b evicts a, whose collapse has just begun; a stays mapped here.
+    let got_b = client.get(&b).unwrap();
+    assert_eq!((got_b.served, xxh3(&got_b.buffer)), (Served::Miss, hash_b));
+    let a_name = a.display().to_string();
+    let ended = |line: &String| {
+        line.contains(&a_name)
+            && (line.contains("collapse") || line.contains("collapsing"))
+            && !line.contains(": get ")
+    };
+    let started = Instant::now();
+    while !log.lock().unwrap().iter().any(ended) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no end of a's collapse: {:?}",
+            log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = log.lock().unwrap().clone();
+    let evicted = log.iter().position(|l| l.contains(&format!("evicted {a_name} "))).expect("a evicted");
+    let end = log.iter().position(ended).unwrap();
+    if end < evicted {
+        println!("SKIP stopping a collapse: a's collapse ended before b's load evicted it: {log:?}");
+    } else {
+        assert!(log[end].contains(&format!("stopped collapsing {a_name} after")), "{log:?}");
+    }
+    assert_eq!(service.memfds(), 1);
+    assert_eq!(xxh3(&got.buffer), hash_a);
+    assert_eq!(client.get(&b).unwrap().served, Served::Hit);
+    service.stop();
+}

@@ -119,7 +119,8 @@ pub struct CachedFile {
     /// Times the memfd was handed to a client (the load included).
     pub handoffs: u64,
     /// The pages that hold it: "2 MiB", "4 KiB", "4 KiB, collapsing into
-    /// 2 MiB" or "4 KiB (collapse failed: CAUSE)".
+    /// 2 MiB (N%)", "4 KiB (collapse failed: CAUSE)" or "4 KiB and 2 MiB
+    /// (collapse failed at byte N: CAUSE)".
     pub pages: String,
 }
 

@@ -29,7 +29,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result};
@@ -41,7 +41,7 @@ use crate::share::protocol::{
 };
 use crate::share::{Connection, Listener, PeerCredentials};
 use crate::sys;
-use crate::sys::mem::{page_size, HUGE_PAGE_ALIGN};
+use crate::sys::mem::{page_size, HugePageCollapse, HUGE_PAGE_ALIGN};
 
 /// Clients served at once; more are refused with an error.
 const MAX_CLIENTS: usize = 256;
@@ -138,52 +138,114 @@ struct Loaded {
 /// A cached file's pages while [`Loaded::collapse_in_background`] works.
 const COLLAPSING: &str = "4 KiB, collapsing into 2 MiB";
 
-/// How often, and how far apart, a collapse that met pages in use is tried.
+/// Bytes collapsed at a time: between windows the thread looks whether the
+/// file is still cached, so one dropped meanwhile stops taking huge pages
+/// (and holding its memory past the limit) within a window.
+const COLLAPSE_WINDOW: usize = 64 << 20;
+
+/// How often, and how far apart, a window whose pages were in use is tried.
 const COLLAPSE_ATTEMPTS: usize = 20;
 const COLLAPSE_RETRY: Duration = Duration::from_millis(100);
 
+/// How a background collapse ended.
+enum CollapseEnd {
+    Done,
+    /// The file left the cache after `at` bytes.
+    Dropped {
+        at: usize,
+    },
+    /// The kernel refused at byte `at` (what came before stays collapsed).
+    Failed {
+        at: usize,
+        err: io::Error,
+    },
+}
+
 impl Loaded {
     /// Rebuilds the file's pages as 2 MiB pages on a thread of its own,
-    /// logging how it went: clients asking meanwhile map whichever pages
-    /// the memfd holds at that moment, the bytes the same either way.
+    /// window by window while the file stays cached, logging how it went:
+    /// clients asking meanwhile map whichever pages the memfd holds at that
+    /// moment, the bytes the same either way. The thread keeps only a weak
+    /// reference: an evicted file is not kept alive by its collapse.
     fn collapse_in_background(self: &Arc<Loaded>, log: Arc<dyn Fn(&str) + Send + Sync>) {
         *lock(&self.pages) = COLLAPSING.into();
-        let loaded = Arc::clone(self);
+        let file = Arc::downgrade(self);
+        let path = self.path.clone();
+        let len = usize::try_from(self.bytes).unwrap_or(usize::MAX);
         let spawned = std::thread::Builder::new().name("dmaload-collapse".into()).spawn(move || {
             let started = Instant::now();
-            let len = usize::try_from(loaded.bytes).unwrap_or(usize::MAX);
-            // EAGAIN is the kernel finding a page still in use (by a client
-            // mapping it that moment, or pins the load's ring is dropping):
-            // try again a little later; what collapsed stays collapsed.
-            let mut collapsed = sys::mem::collapse_memfd(loaded.memfd.as_fd(), len);
-            for _ in 1..COLLAPSE_ATTEMPTS {
-                if !collapsed.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::WouldBlock) {
-                    break;
-                }
-                std::thread::sleep(COLLAPSE_RETRY);
-                collapsed = sys::mem::collapse_memfd(loaded.memfd.as_fd(), len);
-            }
-            let (pages, line) = match collapsed {
-                Ok(()) => (
-                    "2 MiB".to_owned(),
+            let (pages, line) = match collapse_windows(&file, len) {
+                CollapseEnd::Done => (
+                    Some("2 MiB".to_owned()),
                     format!(
                         "collapsed {} into 2 MiB pages in {:.1} s",
-                        loaded.path.display(),
+                        path.display(),
                         started.elapsed().as_secs_f64()
                     ),
                 ),
-                Err(err) => (
-                    format!("4 KiB (collapse failed: {err})"),
-                    format!("{} stays in 4 KiB pages: collapse failed: {err}", loaded.path.display()),
+                CollapseEnd::Dropped { at } => (
+                    None,
+                    format!(
+                        "stopped collapsing {} after {at} of {len} bytes: it left the cache",
+                        path.display()
+                    ),
+                ),
+                CollapseEnd::Failed { at: 0, err } => (
+                    Some(format!("4 KiB (collapse failed: {err})")),
+                    format!("{} stays in 4 KiB pages: collapse failed: {err}", path.display()),
+                ),
+                CollapseEnd::Failed { at, err } => (
+                    Some(format!("4 KiB and 2 MiB (collapse failed at byte {at}: {err})")),
+                    format!(
+                        "{} stays in 4 KiB pages from byte {at} on: collapse failed there: {err}",
+                        path.display()
+                    ),
                 ),
             };
-            *lock(&loaded.pages) = pages;
+            if let (Some(pages), Some(loaded)) = (pages, file.upgrade()) {
+                *lock(&loaded.pages) = pages;
+            }
             log(&line);
         });
         if let Err(err) = spawned {
             *lock(&self.pages) = format!("4 KiB (collapse failed: no thread: {err})");
         }
     }
+}
+
+/// Collapses `file`'s first `len` bytes window by window while the file is
+/// still cached, saying in its status how far it got. EAGAIN is the kernel
+/// finding a page in use (a client mapping it that moment, or pins the
+/// load's ring is dropping): the window is tried again a little later.
+fn collapse_windows(file: &Weak<Loaded>, len: usize) -> CollapseEnd {
+    let collapse = match file.upgrade().map(|loaded| HugePageCollapse::map(loaded.memfd.as_fd(), len)) {
+        None => return CollapseEnd::Dropped { at: 0 },
+        Some(Err(err)) => return CollapseEnd::Failed { at: 0, err },
+        Some(Ok(collapse)) => collapse,
+    };
+    let len = collapse.len();
+    let mut at = 0;
+    while at < len {
+        let window = at..(at + COLLAPSE_WINDOW).min(len);
+        let mut attempts = 0;
+        loop {
+            // Not kept across the collapse: the cache alone keeps the file.
+            match file.upgrade() {
+                Some(loaded) => *lock(&loaded.pages) = format!("{COLLAPSING} ({}%)", at * 100 / len),
+                None => return CollapseEnd::Dropped { at },
+            }
+            attempts += 1;
+            match collapse.collapse(window.clone()) {
+                Ok(()) => break,
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock && attempts < COLLAPSE_ATTEMPTS => {
+                    std::thread::sleep(COLLAPSE_RETRY)
+                }
+                Err(err) => return CollapseEnd::Failed { at, err },
+            }
+        }
+        at = window.end;
+    }
+    CollapseEnd::Done
 }
 
 struct Ready {

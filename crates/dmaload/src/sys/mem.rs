@@ -180,7 +180,7 @@ impl Mapping {
 
     /// Maps `len` bytes with protection `prot` where `placement` says.
     /// Every public constructor maps read-write, as the slices assume; only
-    /// [`collapse_memfd`] maps read-only, and never hands the mapping out.
+    /// [`HugePageCollapse`] maps read-only, and never hands the mapping out.
     fn map(
         len: usize,
         prot: libc::c_int,
@@ -265,29 +265,59 @@ enum Placement {
     HugeAligned,
 }
 
-/// Rebuilds the pages under the first `len` bytes of a memfd as 2 MiB
-/// pages, contents kept (`MADV_COLLAPSE`, Linux 6.1), through a read-only
-/// shared mapping of its own (a sealed memfd allows that). The kernel does
+/// A memfd's whole 2 MiB pages, mapped read-only and shared (a sealed
+/// memfd allows that) so that they can be rebuilt as 2 MiB pages, contents
+/// kept (`MADV_COLLAPSE`, Linux 6.1), a window at a time. The kernel does
 /// this whatever the shmem THP policy says, except `deny`; each 2 MiB is
 /// copied into a new huge page, so it costs about a copy of the bytes plus
 /// the huge pages' allocation. Processes that map the memfd afterwards at
 /// an aligned address (as [`Mapping::private`] does) take a fault per 2 MiB
-/// instead of one per 16 pages. Fails with `EINVAL` where the kernel
-/// cannot (older, without THP, or `deny`), `EAGAIN`/`ENOMEM` where it found
-/// no huge page; whatever collapsed by then stays collapsed.
-pub fn collapse_memfd(fd: BorrowedFd<'_>, len: usize) -> io::Result<()> {
-    let len = len / HUGE_PAGE_ALIGN * HUGE_PAGE_ALIGN;
-    if len == 0 {
-        return Ok(());
+/// instead of one per 16 pages. The mapping holds the memfd's pages until
+/// this value is dropped, which unmaps it at once.
+pub struct HugePageCollapse {
+    map: Mapping,
+}
+
+impl HugePageCollapse {
+    /// Maps the whole 2 MiB pages of the first `len` bytes of `fd` (none
+    /// when `len` is under 2 MiB).
+    pub fn map(fd: BorrowedFd<'_>, len: usize) -> io::Result<HugePageCollapse> {
+        let len = len / HUGE_PAGE_ALIGN * HUGE_PAGE_ALIGN;
+        let map =
+            Mapping::map(len, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), Placement::HugeAligned)?;
+        Ok(HugePageCollapse { map })
     }
-    let mut map =
-        Mapping::map(len, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), Placement::HugeAligned)?;
-    // SAFETY: the range is exactly `map`, which no reference reaches (it
-    // never leaves this function); collapsing keeps the bytes the file holds.
-    let collapsed =
-        check(unsafe { libc::madvise(map.ptr.as_ptr().cast(), len, libc::MADV_COLLAPSE) }).map(drop);
-    map.unmap_now();
-    collapsed
+
+    /// Bytes it covers: whole 2 MiB pages.
+    pub fn len(&self) -> usize {
+        self.map.len
+    }
+
+    /// Collapses the 2 MiB pages of `range` (its start rounded down to a
+    /// 2 MiB page, its end cut at [`HugePageCollapse::len`]). Fails with
+    /// `EINVAL` where the kernel cannot (older, without THP, or `deny`),
+    /// `EAGAIN` where a page was in use or no huge page was free, `ENOMEM`
+    /// where none could be had; whatever collapsed by then stays collapsed.
+    pub fn collapse(&self, range: Range<usize>) -> io::Result<()> {
+        let start = range.start / HUGE_PAGE_ALIGN * HUGE_PAGE_ALIGN;
+        let end = range.end.min(self.len());
+        if start >= end {
+            return Ok(());
+        }
+        let at = self.map.ptr.as_ptr().wrapping_add(start);
+        // SAFETY: `at..at + end - start` lies within `map`, which no
+        // reference reaches (it never leaves this value); collapsing keeps
+        // the bytes the file holds.
+        check(unsafe { libc::madvise(at.cast(), end - start, libc::MADV_COLLAPSE) }).map(drop)
+    }
+}
+
+impl Drop for HugePageCollapse {
+    fn drop(&mut self) {
+        // Not on the background thread: a file dropped from a cache gives
+        // its memory back as soon as nothing maps it.
+        self.map.unmap_now();
+    }
 }
 
 /// Reserves `len` bytes of address space (`PROT_NONE`, no memory) at an
@@ -865,9 +895,15 @@ mod tests {
         let small = Mapping::private(memfd.as_fd(), page_size()).unwrap();
         assert_eq!(small.as_slice()[1], 1);
         // EINVAL: an older kernel, no THP or shmem_enabled deny; EAGAIN: a
-        // page was busy. The bytes must be the same either way.
-        let collapsed =
-            collapse_memfd(memfd.as_fd(), len).inspect_err(|err| println!("SKIP collapse: {err}"));
+        // page was busy. The bytes must be the same either way. Two
+        // windows: the second starts inside the first's last 2 MiB page.
+        let collapse = HugePageCollapse::map(memfd.as_fd(), len).unwrap();
+        assert_eq!(collapse.len(), 3 * HUGE_PAGE_ALIGN);
+        let collapsed = collapse
+            .collapse(0..HUGE_PAGE_ALIGN)
+            .and_then(|()| collapse.collapse(HUGE_PAGE_ALIGN + 1..len))
+            .inspect_err(|err| println!("SKIP collapse: {err}"));
+        drop(collapse);
         let reader = Mapping::private(memfd.as_fd(), len).unwrap();
         assert_eq!(reader.address() % HUGE_PAGE_ALIGN, 0);
         assert!(reader.as_slice().iter().enumerate().all(|(i, &b)| b == (i % 253) as u8));
@@ -878,7 +914,9 @@ mod tests {
             assert_eq!(huge, 3 * HUGE_PAGE_ALIGN as u64);
         }
         // Not past the whole 2 MiB pages: nothing to collapse.
-        collapse_memfd(memfd.as_fd(), HUGE_PAGE_ALIGN - 1).unwrap();
+        let none = HugePageCollapse::map(memfd.as_fd(), HUGE_PAGE_ALIGN - 1).unwrap();
+        assert_eq!(none.len(), 0);
+        none.collapse(0..len).unwrap();
     }
 
     #[test]
