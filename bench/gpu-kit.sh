@@ -14,6 +14,11 @@
 #                                 populate (info --probe-memory) and the
 #                                 cache service against safetensors
 #                                 (bench cache, SIZE model, default 4G)
+#   bench/gpu-kit.sh register [SIZE]
+#                                 there: copies straight from registered
+#                                 page-cache and memfd pages to the GPU
+#                                 (bench/gpu_register.py, SIZE file,
+#                                 default 8G), against pinned H2D
 #
 # build: the CLI and the CUDA test programs (release, stripped), the Python
 # wheel, and the peer loaders' wheels with the test tools (pip download for
@@ -34,7 +39,7 @@ site=/tmp/gpu-kit-site
 # The peers bench/gpu.py runs, and what pytest needs.
 wheels=(safetensors fastsafetensors runai-model-streamer pytest pluggy iniconfig packaging)
 
-usage() { sed -n '2,27s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,32s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 
 build() {
     rm -rf "$kit" && mkdir -p "$kit/wheels"
@@ -144,6 +149,12 @@ cache() {
     "$kit/dmaload" bench cache --size "$size" --repeat 3 --python python3 | tee "$out/bench-cache.md"
 }
 
+register() {
+    install
+    mkdir -p "$root/.dev"
+    python3 "$root/bench/gpu_register.py" --size "${1:-8G}" --dir "$root/.dev" | tee "$out/register.md"
+}
+
 [[ $# -ge 1 ]] || usage
 command=$1
 shift
@@ -153,5 +164,6 @@ case $command in
     bench) bench "$@" ;;
     host) host "$@" ;;
     cache) cache "$@" ;;
+    register) register "$@" ;;
     *) usage ;;
 esac
