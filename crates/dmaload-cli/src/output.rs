@@ -112,7 +112,10 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
         human_bytes(r.gather_size as u64),
         r.queue_depth
     );
-    if r.deliver_seconds == 0.0 && !r.destination.contains("staging ring") {
+    // A sink's report has no memory of its own to explain; a host buffer
+    // filled through the kept ring ("KIND (through a staging ring ...)") has.
+    let host_through_ring = r.destination.starts_with(r.memory.name());
+    if (r.deliver_seconds == 0.0 && !r.destination.contains("staging ring")) || host_through_ring {
         let _ = writeln!(s, "memory    {}: {}", r.memory.name(), r.memory_reason);
     }
     for fallback in &r.fallbacks {

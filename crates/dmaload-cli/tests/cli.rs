@@ -87,6 +87,23 @@ fn load_text_report_names_engine_time_split_and_cache() {
 }
 
 #[test]
+fn a_host_load_says_which_memory_and_why_when_it_reads_through_the_ring_too() {
+    let dir = scratch();
+    // Past the size from which a host load in 4 KiB pages reads through the
+    // kept ring where the device splits direct reads into small requests
+    // (this VM's virtio disk does).
+    let path = sample_file(dir.path(), "f", 65 << 20);
+    let out = dmaload().args(["load", "--to", "anonymous"]).arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let memory = text.lines().find(|l| l.starts_with("memory    anonymous: "));
+    let memory = memory.unwrap_or_else(|| panic!("no memory line in:\n{text}"));
+    if text.contains("through a staging ring") {
+        assert!(memory.contains("reads go through a ring"), "{text}");
+    }
+}
+
+#[test]
 fn load_measures_the_page_cache_unless_told_not_to() {
     let dir = scratch();
     let path = sample_file(dir.path(), "f", 1 << 20);
