@@ -5,7 +5,7 @@
 
 use std::io;
 
-use super::{Sink, SlotData};
+use super::{first_overlap, scatter, Sink, SlotData};
 use crate::cuda::{copy_htod_async, Context, CudaError, DeviceRange, Event, Stream};
 
 /// Streams the copies are spread over.
@@ -17,18 +17,35 @@ const STREAMS: usize = 4;
 pub struct CudaSink<'d> {
     context: Context,
     targets: Vec<(u64, DeviceRange<'d>)>,
+    /// Each target's file offset and length, as [`scatter`] takes them.
+    spans: Vec<(u64, usize)>,
     streams: Vec<Stream>,
     /// Per slot: recorded after the slot's last copies.
     events: Vec<Option<Event>>,
 }
 
 impl<'d> CudaSink<'d> {
-    /// Copies into `targets` (in any order; they may not overlap in the
-    /// file) through streams of `context`.
+    /// Copies into `targets` (in any order) through streams of `context`.
+    /// Targets that overlap in the file, or end past the largest file
+    /// offset, are refused (EINVAL): a byte has one destination.
     pub fn new(context: &Context, mut targets: Vec<(u64, DeviceRange<'d>)>) -> Result<Self, CudaError> {
+        // An empty target takes no bytes, wherever it is.
+        targets.retain(|(_, dst)| !dst.is_empty());
         targets.sort_by_key(|(offset, _)| *offset);
+        let spans: Vec<(u64, usize)> = targets.iter().map(|(offset, dst)| (*offset, dst.len())).collect();
+        if let Some(&(offset, len)) =
+            spans.iter().find(|(offset, len)| offset.checked_add(*len as u64).is_none())
+        {
+            let message = format!("a device target of {len} bytes at file offset {offset} ends past 2^64");
+            return Err(CudaError::new("CudaSink::new", message, libc::EINVAL));
+        }
+        if let Some(i) = first_overlap(&spans) {
+            let ((a, a_len), (b, b_len)) = (spans[i], spans[i + 1]);
+            let message = format!("device targets overlap in the file: bytes {a}+{a_len} and {b}+{b_len}");
+            return Err(CudaError::new("CudaSink::new", message, libc::EINVAL));
+        }
         let streams = (0..STREAMS).map(|_| Stream::new(context)).collect::<Result<Vec<_>, _>>()?;
-        Ok(CudaSink { context: context.clone(), targets, streams, events: Vec::new() })
+        Ok(CudaSink { context: context.clone(), targets, spans, streams, events: Vec::new() })
     }
 }
 
@@ -36,19 +53,10 @@ impl Sink for CudaSink<'_> {
     fn deliver(&mut self, slot: usize, data: SlotData<'_>) -> io::Result<()> {
         let stream = &self.streams[slot % self.streams.len()];
         let (memory, range) = data.raw();
-        let start = data.file_offset();
-        let end = start + data.len() as u64;
-        // The first target that may overlap: targets are sorted by offset.
-        let first = self.targets.partition_point(|(offset, dst)| offset + dst.len() as u64 <= start);
-        for (offset, dst) in &self.targets[first..] {
-            if *offset >= end {
-                break;
-            }
-            let from = start.max(*offset);
-            let to = end.min(offset + dst.len() as u64);
-            let in_slot = range.start + (from - start) as usize;
-            let src = in_slot..in_slot + (to - from) as usize;
-            copy_htod_async(dst, (from - offset) as usize, memory, src, stream)?;
+        for piece in scatter(&self.spans, data.file_offset(), data.len()) {
+            let dst = &self.targets[piece.target].1;
+            let src = range.start + piece.in_slot.start..range.start + piece.in_slot.end;
+            copy_htod_async(dst, piece.in_target, memory, src, stream)?;
         }
         if self.events.len() <= slot {
             self.events.resize_with(slot + 1, || None);

@@ -80,6 +80,43 @@ impl<'a> SlotData<'a> {
     }
 }
 
+/// Where part of a slot goes: bytes `in_slot` of the slot (relative to its
+/// start) land at byte `in_target` of target `target`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub target: usize,
+    pub in_target: usize,
+    pub in_slot: Range<usize>,
+}
+
+/// The pieces of a slot holding file bytes `start..start + len` that fall
+/// in targets given as `(file offset, length)`, sorted by offset and not
+/// overlapping ([`first_overlap`] says); bytes in no target (a header, a
+/// gap) go nowhere. A slot may feed several targets, and a target be fed
+/// by several slots.
+pub(crate) fn scatter(targets: &[(u64, usize)], start: u64, len: usize) -> impl Iterator<Item = Piece> + '_ {
+    let end = start + len as u64;
+    // The first target that may overlap: sorted, disjoint targets also end
+    // in order, so those ending by `start` come first.
+    let first = targets.partition_point(|&(offset, tlen)| offset + tlen as u64 <= start);
+    let candidates = targets[first..].iter().take_while(move |&&(offset, _)| offset < end);
+    candidates.enumerate().filter_map(move |(i, &(offset, tlen))| {
+        let from = start.max(offset);
+        let to = end.min(offset + tlen as u64);
+        (from < to).then(|| Piece {
+            target: first + i,
+            in_target: (from - offset) as usize,
+            in_slot: (from - start) as usize..(to - start) as usize,
+        })
+    })
+}
+
+/// The index of the first of two neighbours that overlap among targets
+/// `(file offset, length)` sorted by offset; `None` when none do.
+pub(crate) fn first_overlap(targets: &[(u64, usize)]) -> Option<usize> {
+    targets.windows(2).position(|pair| pair[0].0.saturating_add(pair[0].1 as u64) > pair[1].0)
+}
+
 /// A destination fed from staging slots. Deliveries come in file order from
 /// one thread (not the I/O thread), and a slot is read into again only
 /// after [`Sink::release`] returned for it.
@@ -398,6 +435,53 @@ impl Drop for StopOnDrop<'_, '_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Where each file byte of a slot goes, byte by byte: the reference
+    /// [`scatter`] must agree with.
+    fn scatter_bytewise(targets: &[(u64, usize)], start: u64, len: usize) -> Vec<(usize, usize, usize)> {
+        (0..len)
+            .filter_map(|i| {
+                let byte = start + i as u64;
+                let target = targets.iter().position(|&(o, l)| (o..o + l as u64).contains(&byte))?;
+                Some((target, (byte - targets[target].0) as usize, i))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_slot_scatters_to_every_target_it_overlaps_and_nowhere_else() {
+        // A small LCG: the same layouts every run.
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |below: u64| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % below
+        };
+        for _ in 0..2000 {
+            // Sorted, disjoint targets with gaps (a header, padding) between.
+            let mut targets = Vec::new();
+            let mut at = next(8);
+            for _ in 0..next(6) {
+                let len = next(20) as usize + 1;
+                targets.push((at, len));
+                at += len as u64 + next(3) * next(5);
+            }
+            assert_eq!(first_overlap(&targets), None);
+            let (start, len) = (next(at + 8), next(40) as usize);
+            let pieces: Vec<Piece> = scatter(&targets, start, len).collect();
+            let bytewise: Vec<(usize, usize, usize)> = pieces
+                .iter()
+                .flat_map(|p| p.in_slot.clone().enumerate().map(|(k, i)| (p.target, p.in_target + k, i)))
+                .collect();
+            assert_eq!(bytewise, scatter_bytewise(&targets, start, len), "{targets:?} slot {start}+{len}");
+        }
+    }
+
+    #[test]
+    fn overlapping_targets_are_found() {
+        assert_eq!(first_overlap(&[(0, 10), (10, 5), (20, 1)]), None);
+        assert_eq!(first_overlap(&[(0, 10), (9, 5)]), Some(0));
+        assert_eq!(first_overlap(&[(0, 1), (4, 10), (12, 1)]), Some(1));
+    }
 
     #[test]
     fn a_panic_in_the_deliveries_stops_the_populating_threads() {
