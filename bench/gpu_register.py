@@ -352,28 +352,33 @@ def main() -> int:
         found = sources(path, size)
         rows: list[Row] = []
         mismatch = False
+
+        def measure(row: Row, source: Source, pinned: bool = False) -> None:
+            """The row's rounds: each into a cleared device buffer, checked."""
+            nonlocal mismatch
+            rows.append(row)
+            for _ in range(args.rounds):
+                dst.zero_()
+                torch.cuda.synchronize()
+                try:
+                    wall, share = copy_registered(driver, ctx, source, dst.data_ptr(), row.window, row.threads, pinned)
+                except CudaError as err:
+                    row.error = str(err)
+                    break
+                row.seconds.append(wall)
+                row.register_share.append(share)
+                if not torch.equal(dst, ref):
+                    row.error = "device bytes differ from the file"
+                    mismatch = True
+                    break
+            print(f"  {format_row(row, size, h2d)}", file=sys.stderr)
+
         try:
             for source in found:
                 print(f"{source.name}: {source.note or 'ready'}", file=sys.stderr)
                 for window in windows:
                     for threads in thread_counts:
-                        row = Row(source.name, window, threads)
-                        rows.append(row)
-                        for _ in range(args.rounds):
-                            dst.zero_()
-                            torch.cuda.synchronize()
-                            try:
-                                wall, share = copy_registered(driver, ctx, source, dst.data_ptr(), window, threads)
-                            except CudaError as err:
-                                row.error = str(err)
-                                break
-                            row.seconds.append(wall)
-                            row.register_share.append(share)
-                            if not torch.equal(dst, ref):
-                                row.error = "device bytes differ from the file"
-                                mismatch = True
-                                break
-                        print(f"  {format_row(row, size, h2d)}", file=sys.stderr)
+                        measure(Row(source.name, window, threads), source)
                 try:
                     started = time.perf_counter()
                     register(driver, c_void_p(source.address), source.size)
@@ -383,23 +388,7 @@ def main() -> int:
                     continue
                 try:
                     for threads in thread_counts:
-                        row = Row(source.name, PIECE, threads, registered_before=registered)
-                        rows.append(row)
-                        for _ in range(args.rounds):
-                            dst.zero_()
-                            torch.cuda.synchronize()
-                            try:
-                                wall, _ = copy_registered(driver, ctx, source, dst.data_ptr(), PIECE, threads, pinned=True)
-                            except CudaError as err:
-                                row.error = str(err)
-                                break
-                            row.seconds.append(wall)
-                            row.register_share.append(0.0)
-                            if not torch.equal(dst, ref):
-                                row.error = "device bytes differ from the file"
-                                mismatch = True
-                                break
-                        print(f"  {format_row(row, size, h2d)}", file=sys.stderr)
+                        measure(Row(source.name, PIECE, threads, registered_before=registered), source, pinned=True)
                 finally:
                     driver.call("cuMemHostUnregister", c_void_p(source.address))
         finally:
