@@ -166,9 +166,9 @@ impl Loaded {
     /// window by window while the file stays cached, logging how it went:
     /// clients asking meanwhile map whichever pages the memfd holds at that
     /// moment, the bytes the same either way. The thread keeps only a weak
-    /// reference: an evicted file is not kept alive by its collapse.
+    /// reference: an evicted file is not kept alive by its collapse. The
+    /// caller has marked the pages [`COLLAPSING`] already (before its reply).
     fn collapse_in_background(self: &Arc<Loaded>, log: Arc<dyn Fn(&str) + Send + Sync>) {
-        *lock(&self.pages) = COLLAPSING.into();
         let file = Arc::downgrade(self);
         let path = self.path.clone();
         let len = usize::try_from(self.bytes).unwrap_or(usize::MAX);
