@@ -1,6 +1,7 @@
 //! One error type for the whole crate: what was being done, to which file,
 //! at which offset, and why.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -32,7 +33,8 @@ pub enum ErrorKind {
 #[derive(Debug)]
 pub struct Error {
     kind: ErrorKind,
-    op: &'static str,
+    /// Named by this crate (static), or received from a cache service.
+    op: Cow<'static, str>,
     path: PathBuf,
     offset: Option<u64>,
     source: io::Error,
@@ -43,14 +45,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// A failed system call `op` on `path`.
     pub fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
-        Error { kind: ErrorKind::Io, op, path: path.to_owned(), offset: None, source }
+        Error { kind: ErrorKind::Io, op: Cow::Borrowed(op), path: path.to_owned(), offset: None, source }
     }
 
     /// An error of `kind` with a message instead of an OS error.
     pub fn new(kind: ErrorKind, op: &'static str, path: &Path, message: impl Into<String>) -> Self {
         let errno = io::Error::from_raw_os_error(default_errno(kind));
         let source = io::Error::new(errno.kind(), message.into());
-        Error { kind, op, path: path.to_owned(), offset: None, source }
+        Error { kind, op: Cow::Borrowed(op), path: path.to_owned(), offset: None, source }
     }
 
     /// The same error, located at byte `offset` of the file.
@@ -80,8 +82,15 @@ impl Error {
     }
 
     /// The operation that failed, e.g. "open", "read", "register buffer".
-    pub fn op(&self) -> &'static str {
-        self.op
+    pub fn op(&self) -> &str {
+        &self.op
+    }
+
+    /// The same error, of operation `op` as another process named it (a
+    /// cache service's failed load crosses the socket whole).
+    pub(crate) fn with_op(mut self, op: String) -> Self {
+        self.op = Cow::Owned(op);
+        self
     }
 
     pub fn path(&self) -> &Path {

@@ -249,45 +249,8 @@ const KINDS: [(ErrorKind, &str); 7] = [
     (ErrorKind::Cancelled, "cancelled"),
 ];
 
-/// The operations a load names in its errors: an error from the service
-/// keeps its operation when it is one of these (an `Error`'s operation is
-/// a `&'static str`), else it is named "load" with the operation in the
-/// message.
-const KNOWN_OPS: [&str; 33] = [
-    "load",
-    "connect",
-    "request",
-    "send request",
-    "open",
-    "read",
-    "stat",
-    "fstat",
-    "fstatfs",
-    "reopen",
-    "readlink",
-    "dup",
-    "fcntl",
-    "fcntl(O_DIRECT)",
-    "fcntl(O_DIRECT off)",
-    "open O_DIRECT",
-    "seek",
-    "lseek",
-    "mmap",
-    "mincore",
-    "memfd_create",
-    "ftruncate",
-    "allocate memory",
-    "populate memory",
-    "register buffer",
-    "register buffers",
-    "io_uring_setup",
-    "io_uring_enter",
-    "getrusage",
-    "read /proc/meminfo",
-    "posix_fadvise(DONTNEED)",
-    "seal memfd",
-    "cache",
-];
+/// Characters of a received error's operation kept.
+const MAX_OP_CHARS: usize = 80;
 
 impl WireError {
     pub fn from_error(err: &Error) -> WireError {
@@ -307,15 +270,15 @@ impl WireError {
     /// asked for).
     pub fn into_error(self, path: Option<&Path>) -> Error {
         let kind = KINDS.iter().find(|(_, name)| *name == self.kind).map_or(ErrorKind::Io, |(k, _)| *k);
-        let (op, message) = match KNOWN_OPS.iter().find(|&&op| op == self.op) {
-            Some(&op) => (op, self.message),
-            None => ("load", format!("{}: {}", self.op, self.message)),
-        };
         let path = path.map_or_else(|| PathBuf::from(&self.path), Path::to_path_buf);
         let err = match self.errno {
-            Some(errno) => Error::io(op, &path, io::Error::from_raw_os_error(errno)).with_kind(kind),
-            None => Error::new(kind, op, &path, message),
+            Some(errno) => Error::io("load", &path, io::Error::from_raw_os_error(errno)).with_kind(kind),
+            None => Error::new(kind, "load", &path, self.message),
         };
+        // The service's own name for what failed ("allocate the staging
+        // ring", say), bounded: the reply is untrusted.
+        let op: String = self.op.chars().take(MAX_OP_CHARS).collect();
+        let err = if op.is_empty() { err } else { err.with_op(op) };
         match self.offset {
             Some(offset) => err.at(offset),
             None => err,
@@ -343,11 +306,16 @@ mod tests {
         assert_eq!(back.to_string(), "read a.bin at offset 8192: Input/output error (os error 5)");
         assert_eq!(back.raw_os_error(), Some(libc::EIO));
 
-        let odd = WireError { op: "frobnicate".into(), ..WireError::from_error(&direct) };
-        assert!(odd
-            .into_error(None)
-            .to_string()
-            .starts_with("load /models/a.bin at offset 4096: frobnicate: "));
+        // Any operation crosses, with its OS error: a service that could
+        // not allocate its staging ring says so, as a direct load would.
+        let ring = Error::io("allocate the staging ring", path, io::Error::from_raw_os_error(libc::ENOMEM));
+        let back = WireError::from_error(&ring).into_error(None);
+        assert_eq!(back.to_string(), ring.to_string());
+        assert_eq!((back.op(), back.raw_os_error()), ("allocate the staging ring", Some(libc::ENOMEM)));
+        let long = WireError { op: "x".repeat(10_000), ..WireError::from_error(&direct) };
+        assert_eq!(long.into_error(None).op().len(), MAX_OP_CHARS);
+        let unnamed = WireError { op: String::new(), ..WireError::from_error(&direct) };
+        assert_eq!(unnamed.into_error(None).op(), "load");
     }
 
     #[test]
