@@ -171,10 +171,10 @@ impl Loaded {
     fn collapse_in_background(self: &Arc<Loaded>, log: Arc<dyn Fn(&str) + Send + Sync>) {
         let file = Arc::downgrade(self);
         let path = self.path.clone();
-        let len = usize::try_from(self.bytes).unwrap_or(usize::MAX);
+        let bytes = self.bytes;
         let spawned = std::thread::Builder::new().name("dmaload-collapse".into()).spawn(move || {
             let started = Instant::now();
-            let (pages, line) = match collapse_windows(&file, len) {
+            let (pages, line) = match collapse_windows(&file) {
                 CollapseEnd::Done => (
                     Some("2 MiB".to_owned()),
                     format!(
@@ -186,7 +186,7 @@ impl Loaded {
                 CollapseEnd::Dropped { at } => (
                     None,
                     format!(
-                        "stopped collapsing {} after {at} of {len} bytes: it left the cache",
+                        "stopped collapsing {} after {at} of {bytes} bytes: it left the cache",
                         path.display()
                     ),
                 ),
@@ -213,12 +213,15 @@ impl Loaded {
     }
 }
 
-/// Collapses `file`'s first `len` bytes window by window while the file is
-/// still cached, saying in its status how far it got. EAGAIN is the kernel
+/// Collapses `file` window by window while it is still cached, saying in
+/// its status how far it got. EAGAIN is the kernel
 /// finding a page in use (a client mapping it that moment, or pins the
 /// load's ring is dropping): the window is tried again a little later.
-fn collapse_windows(file: &Weak<Loaded>, len: usize) -> CollapseEnd {
-    let collapse = match file.upgrade().map(|loaded| HugePageCollapse::map(loaded.memfd.as_fd(), len)) {
+fn collapse_windows(file: &Weak<Loaded>) -> CollapseEnd {
+    let map = |loaded: Arc<Loaded>| {
+        HugePageCollapse::map(loaded.memfd.as_fd(), usize::try_from(loaded.bytes).unwrap_or(usize::MAX))
+    };
+    let collapse = match file.upgrade().map(map) {
         None => return CollapseEnd::Dropped { at: 0 },
         Some(Err(err)) => return CollapseEnd::Failed { at: 0, err },
         Some(Ok(collapse)) => collapse,
@@ -883,14 +886,14 @@ mod tests {
         let file = cached(2 * COLLAPSE_WINDOW);
         let weak = Arc::downgrade(&file);
         drop(file); // what eviction does when no request holds the file
-        assert!(matches!(collapse_windows(&weak, 2 * COLLAPSE_WINDOW), CollapseEnd::Dropped { at: 0 }));
+        assert!(matches!(collapse_windows(&weak), CollapseEnd::Dropped { at: 0 }));
     }
 
     #[test]
     fn a_cached_file_collapses_window_by_window_to_its_end() {
         let len = COLLAPSE_WINDOW + (4 << 20);
         let file = cached(len);
-        match collapse_windows(&Arc::downgrade(&file), len) {
+        match collapse_windows(&Arc::downgrade(&file)) {
             CollapseEnd::Done => {}
             // An older kernel, no THP, shmem_enabled deny; or, at any
             // window, no huge page to be had (EAGAIN, ENOMEM).
