@@ -150,7 +150,7 @@ impl Buffer {
                 ErrorKind::InvalidInput,
                 "send buffer",
                 socket,
-                "anonymous memory has no memfd to send: load into a memfd (`to` memfd, or auto with an fd needed)",
+                format!("anonymous memory has no memfd to send: {}", heap::NEEDS_A_MEMFD),
             ));
         };
         self.seal_for_sharing(fd).map_err(|e| Error::io("seal memfd", socket, e))?;
@@ -237,7 +237,7 @@ impl Buffer {
                 ErrorKind::InvalidInput,
                 "export",
                 std::path::Path::new(heap::UDMABUF_DEVICE),
-                "anonymous memory has no memfd to export: load into a memfd (`to` memfd, or auto with an fd needed)",
+                format!("anonymous memory has no memfd to export: {}", heap::NEEDS_A_MEMFD),
             ));
         };
         if sys::mem::seals(memfd).is_ok_and(|seals| seals.contains(Seals::FUTURE_WRITE)) {

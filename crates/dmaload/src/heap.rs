@@ -49,6 +49,10 @@ pub enum MemoryKind {
     Anonymous,
 }
 
+/// What to do when memory without an fd (the anonymous kinds) was asked
+/// to be shared, exported or mapped elsewhere: the end of such errors.
+pub(crate) const NEEDS_A_MEMFD: &str = "load into a memfd (`to` memfd, or auto with an fd needed)";
+
 impl MemoryKind {
     pub const ALL: [MemoryKind; 5] = [
         MemoryKind::Memfd,

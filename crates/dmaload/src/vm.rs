@@ -304,7 +304,7 @@ impl SegmentTableBuilder {
             return Err(invalid(
                 "add buffer",
                 TABLE,
-                "anonymous memory has no fd to map: load into a memfd (`to` memfd, or auto with an fd needed)".into(),
+                format!("anonymous memory has no fd to map: {}", crate::heap::NEEDS_A_MEMFD),
             ));
         };
         let fd: OwnedFd = memfd.try_clone_to_owned().map_err(|e| Error::io("dup", Path::new(TABLE), e))?;
