@@ -386,3 +386,45 @@ fn locate_agrees_with_a_linear_walk_on_random_tables() {
         }
     }
 }
+
+/// Whether the page at `addr` is unmapped (a `MAP_FIXED_NOREPLACE` mapping
+/// of it succeeds only in a hole).
+fn first_page_is_a_hole(addr: *const u8) -> bool {
+    let p = page();
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE;
+    // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping.
+    let got = unsafe { libc::mmap(addr.cast_mut().cast(), p, libc::PROT_NONE, flags, -1, 0) };
+    if got == libc::MAP_FAILED {
+        return false;
+    }
+    // SAFETY: unmapping the page this call just mapped, which nothing uses.
+    unsafe { libc::munmap(got, p) };
+    got.cast::<u8>().cast_const() == addr
+}
+
+#[test]
+fn a_bind_the_kernel_refuses_leaves_no_hole_in_the_reservation() {
+    let p = page();
+    // A sysfs attribute: it has a size and an mmap method, and that method
+    // refuses (ENODEV) after the kernel has taken away the old pages at the
+    // address.
+    let file = File::open("/sys/kernel/uevent_seqnum").unwrap();
+    let mut builder = SegmentTable::builder();
+    let f = builder.add_file(file).unwrap();
+    builder.push(f, 0, p as u64).unwrap();
+    let table = builder.build();
+    let (good, _) = interleaved_table();
+
+    let mut space = AddressSpace::new(4 * p).unwrap();
+    space.bind(0, &good, 0, p, Access::Read).unwrap();
+    let err = space.bind(0, &table, 0, p, Access::Read).unwrap_err();
+    assert!(
+        !first_page_is_a_hole(space.as_ptr()),
+        "the refused bind left a hole another mmap can take: {err}"
+    );
+    let err = space.bind(2 * p, &table, 0, p, Access::Read).unwrap_err();
+    assert!(
+        !first_page_is_a_hole(space.as_ptr().wrapping_add(2 * p)),
+        "a hole in a never-bound range: {err}"
+    );
+}

@@ -7,7 +7,12 @@
 //!   drop. Every `MAP_FIXED` call made here targets a sub-range that was
 //!   bounds-checked against the reservation (an out-of-range request
 //!   panics before any syscall), so no mapping of the rest of the process
-//!   (the heap, stacks, other `Mapping`s) is ever replaced.
+//!   (the heap, stacks, other `Mapping`s) is ever replaced. A `MAP_FIXED`
+//!   the kernel refuses may have unmapped its range first; the placeholder
+//!   is put back at once (`MAP_FIXED_NOREPLACE`), so the reservation keeps
+//!   no hole for another mmap to land in and `Drop` to unmap. (Another
+//!   thread's mmap that takes the hole in the instant between the two
+//!   calls is beyond what user space can prevent.)
 //! * No Rust reference to the reserved bytes is created in this module.
 //!   The bytes are file pages that other mappings and processes can write,
 //!   and that `MAP_FIXED` replaces under any pointer, so they are read and
@@ -125,10 +130,34 @@ impl Reservation {
             )
         };
         if ret == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
+            let err = io::Error::last_os_error();
+            self.refill(addr, len);
+            return Err(err);
         }
         debug_assert_eq!(ret.cast::<u8>(), addr);
         Ok(())
+    }
+
+    /// After a failed `MAP_FIXED` at `addr..addr + len` (inside the
+    /// reservation): the kernel may have dropped the old pages before it
+    /// refused (a file whose mmap method fails, such as a sysfs attribute;
+    /// any late failure before Linux 6.12), leaving a hole that another
+    /// mmap could take and that `Drop` or a later bind would then unmap
+    /// from under its owner. Puts the placeholder back where there is a
+    /// hole, replacing nothing (`MAP_FIXED_NOREPLACE`, Linux 4.17: EEXIST
+    /// when the old pages are still there).
+    fn refill(&self, addr: *mut u8, len: usize) {
+        let flags = PLACEHOLDER | libc::MAP_FIXED_NOREPLACE;
+        // SAFETY: MAP_FIXED_NOREPLACE maps only where nothing is mapped, so
+        // it cannot replace memory anyone (Rust or not) uses; the range is
+        // inside this reservation (checked by the caller).
+        let ret = unsafe { libc::mmap(addr.cast(), len, libc::PROT_NONE, flags, -1, 0) };
+        // A kernel before 4.17 treats the flag as a hint: a mapping placed
+        // elsewhere is not ours to keep.
+        if ret != libc::MAP_FAILED && ret.cast::<u8>() != addr {
+            // SAFETY: `ret` is the mapping this call just made, used by nothing.
+            unsafe { libc::munmap(ret, len) };
+        }
     }
 
     /// Returns `at..at + len` to the reservation: a fresh inaccessible
