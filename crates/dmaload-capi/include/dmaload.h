@@ -348,7 +348,8 @@ void dmaload_save_report_free(struct dmaload_save_report *report);
 // The message of the last failed call on this thread ("" when none
 // failed): the operation, the path, the file offset where there is one,
 // and the cause. Valid until the next failing call on this thread; do not
-// free it.
+// free it. While the thread exits (an atexit handler, a pthread key's
+// destructor), a static note that the message is gone.
 const char *dmaload_last_error(void);
 
 // The errno the last failed call on this thread returned (0 when none

@@ -17,7 +17,7 @@
 //!   by one thread, when no other uses it.
 #![allow(non_camel_case_types)]
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_void, CStr, CString, OsStr};
 use std::os::fd::{AsRawFd, BorrowedFd, IntoRawFd};
 use std::os::unix::ffi::OsStrExt;
@@ -198,8 +198,17 @@ fn invalid(op: &str, what: impl std::fmt::Display) -> Failure {
 }
 
 thread_local! {
-    static LAST_ERROR: RefCell<(c_int, CString)> = RefCell::new((0, CString::default()));
+    /// The errno of the thread's last failure: no destructor, so it works
+    /// to the thread's last instant (an atexit handler, a pthread key's
+    /// destructor).
+    static LAST_ERRNO: Cell<c_int> = const { Cell::new(0) };
+    /// Its message, freed with the thread's other storage, after which a
+    /// call that fails keeps its errno but not its message.
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
+
+/// What `dmaload_last_error` shows once the thread's storage is freed.
+const MESSAGE_GONE: &CStr = c"(no message: the thread is exiting and its storage is already freed)";
 
 fn cstring(s: impl Into<Vec<u8>>) -> CString {
     let mut bytes: Vec<u8> = s.into();
@@ -208,7 +217,8 @@ fn cstring(s: impl Into<Vec<u8>>) -> CString {
 }
 
 fn fail(failure: Failure) -> c_int {
-    LAST_ERROR.with(|last| *last.borrow_mut() = (failure.errno, cstring(failure.message)));
+    LAST_ERRNO.set(failure.errno);
+    let _ = LAST_ERROR.try_with(|last| *last.borrow_mut() = cstring(failure.message));
     // SAFETY: no precondition: it returns the address of this thread's errno.
     let errno = unsafe { libc::__errno_location() };
     // SAFETY: that address is valid and this thread's alone.
@@ -833,17 +843,20 @@ pub unsafe extern "C" fn dmaload_save_report_free(report: *mut dmaload_save_repo
 /// The message of the last failed call on this thread ("" when none
 /// failed): the operation, the path, the file offset where there is one,
 /// and the cause. Valid until the next failing call on this thread; do not
-/// free it.
+/// free it. While the thread exits (an atexit handler, a pthread key's
+/// destructor), a static note that the message is gone.
 #[no_mangle]
 pub extern "C" fn dmaload_last_error() -> *const c_char {
-    accessor(c"".as_ptr(), || LAST_ERROR.with(|last| last.borrow().1.as_ptr()))
+    accessor(c"".as_ptr(), || {
+        LAST_ERROR.try_with(|last| last.borrow().as_ptr()).unwrap_or(MESSAGE_GONE.as_ptr())
+    })
 }
 
 /// The errno the last failed call on this thread returned (0 when none
 /// failed). Each thread has its own.
 #[no_mangle]
 pub extern "C" fn dmaload_last_errno() -> c_int {
-    accessor(0, || LAST_ERROR.with(|last| last.borrow().0))
+    accessor(0, || LAST_ERRNO.get())
 }
 
 /// The library's version, e.g. "0.1.0". Static (any thread; do not free).

@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +71,29 @@ static void write_pattern(const char *path, size_t len)
 	free(bytes);
 }
 
+/* What a call made while its thread exits saw: rc, errno, last error. */
+static struct {
+	int rc, last_errno;
+	char message[512];
+} exiting;
+
+/* A pthread key's destructor: it runs after the thread's other storage
+ * is freed, as an atexit handler does for the main thread. */
+static void save_while_exiting(void *path)
+{
+	exiting.rc = dmaload_save(path, "abc", 3, NULL, NULL);
+	exiting.last_errno = dmaload_last_errno();
+	snprintf(exiting.message, sizeof exiting.message, "%s", dmaload_last_error());
+}
+
+static void *fail_once_then_exit(void *key)
+{
+	/* This thread's last error exists (and is freed on exit) before the destructor runs. */
+	dmaload_save("", "abc", 3, NULL, NULL);
+	pthread_setspecific(*(pthread_key_t *)key, "/no-such-dir/saved-at-exit");
+	return NULL;
+}
+
 static int exists(const char *path)
 {
 	return access(path, F_OK) == 0;
@@ -123,6 +147,19 @@ int main(int argc, char **argv)
 	dmaload_buffer_free(NULL);
 	dmaload_report_free(NULL);
 	dmaload_save_report_free(NULL);
+
+	/* A call failing while its thread exits: an error, not an abort. */
+	{
+		pthread_key_t key;
+		pthread_t thread;
+		check(pthread_key_create(&key, save_while_exiting) == 0 &&
+			      pthread_create(&thread, NULL, fail_once_then_exit, &key) == 0 &&
+			      pthread_join(thread, NULL) == 0,
+		      "a thread that saves from a pthread key destructor");
+		check(exiting.rc == ENOENT && exiting.last_errno == ENOENT && strstr(exiting.message, "exiting") != NULL,
+		      "a failure while the thread exits keeps its errno (its message is gone)");
+		pthread_key_delete(key);
+	}
 
 	/* Files that are not there, or shorter than asked. */
 	check_error(dmaload_load(missing, NULL, &buffer), ENOENT, missing, "a missing file names its path");
