@@ -517,6 +517,10 @@ pub(crate) fn cached_source_options(
         return Ok(None);
     }
     let len = len.unwrap_or(file.len().saturating_sub(offset));
+    if offset.checked_add(len).is_none() {
+        // No file holds such a range: open_range refuses it, naming the offset.
+        return Ok(None);
+    }
     // A file of tmpfs (a cache service's memfd, say) is all page cache.
     let cached = if file.source().in_memory {
         None

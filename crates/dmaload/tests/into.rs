@@ -87,6 +87,10 @@ fn a_range_past_the_end_is_refused_and_an_empty_one_is_fine() {
     assert!(err.to_string().contains(&path.display().to_string()), "{err}");
     let report = dmaload::load_into(&path, 10_000, &mut [], &LoadOptions::default()).unwrap();
     assert_eq!(report.bytes, 0);
+    // A range whose end does not fit in 64 bits: refused, naming the offset.
+    let err = dmaload::load_into(&path, u64::MAX - 8, &mut [0u8; 16], &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains(&format!("offset {}", u64::MAX - 8)), "{err}");
 }
 
 #[test]

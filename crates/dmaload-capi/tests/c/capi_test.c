@@ -225,6 +225,8 @@ int main(int argc, char **argv)
 		check(dmaload_load_into(file, 0, NULL, 0, NULL, NULL) == 0, "dmaload_load_into of nothing");
 		check_error(dmaload_load_into(file, len - 10, memory, 20, NULL, NULL), ENODATA, file,
 			    "dmaload_load_into past the end names the file");
+		check_error(dmaload_load_into(file, UINT64_MAX - 8, memory, 16, NULL, NULL), EINVAL, "past the end",
+			    "dmaload_load_into of a range whose end overflows");
 		free(memory);
 	}
 
