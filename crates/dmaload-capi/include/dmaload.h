@@ -310,7 +310,8 @@ void dmaload_report_free(struct dmaload_report *report);
 int dmaload_dmabuf_xxh3_64(const struct dmaload_dmabuf *dmabuf, uint64_t *hash);
 
 // The xxh3-64 of `len` bytes at `data` (as `dmaload load --hash` prints
-// it, `%016llx`); 0 when `data` is NULL and `len` is not. Thread-safe.
+// it, `%016llx`); 0 when `data` is NULL and `len` is not, or `len` is over
+// `PTRDIFF_MAX`. Thread-safe.
 //
 // # Safety
 // `data` is NULL or points to `len` readable bytes, unchanged for the call.

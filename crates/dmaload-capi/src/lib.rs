@@ -317,6 +317,15 @@ fn size(op: &str, what: &str, value: u64) -> Result<usize, Failure> {
     usize::try_from(value).map_err(|_| invalid(op, format!("{what} {value} does not fit in memory")))
 }
 
+/// Refuses a length no memory can have (over `PTRDIFF_MAX`): a caller's
+/// bad size, which Rust may not even build a slice of.
+fn memory_len(op: &str, len: usize) -> Result<(), Failure> {
+    if len > isize::MAX as usize {
+        return Err(invalid(op, format!("{len} bytes cannot be in memory")));
+    }
+    Ok(())
+}
+
 fn destination(op: &str, to: *const c_char) -> Result<Option<Destination>, Failure> {
     c_str(to)
         .map(|to| {
@@ -486,6 +495,7 @@ pub unsafe extern "C" fn dmaload_load_into(
     entry(op, || {
         let path = path_arg(op, path)?;
         let options = load_options(op, options, None)?;
+        memory_len(op, len)?;
         let dst: &mut [u8] = match (dst.is_null(), len) {
             (_, 0) => &mut [],
             (true, _) => return Err(invalid(op, "dst is NULL")),
@@ -722,13 +732,14 @@ pub unsafe extern "C" fn dmaload_dmabuf_xxh3_64(dmabuf: *const dmaload_dmabuf, h
 }
 
 /// The xxh3-64 of `len` bytes at `data` (as `dmaload load --hash` prints
-/// it, `%016llx`); 0 when `data` is NULL and `len` is not. Thread-safe.
+/// it, `%016llx`); 0 when `data` is NULL and `len` is not, or `len` is over
+/// `PTRDIFF_MAX`. Thread-safe.
 ///
 /// # Safety
 /// `data` is NULL or points to `len` readable bytes, unchanged for the call.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_xxh3_64(data: *const c_void, len: usize) -> u64 {
-    if data.is_null() && len > 0 {
+    if (data.is_null() && len > 0) || len > isize::MAX as usize {
         return 0;
     }
     accessor(0, || {
@@ -783,9 +794,7 @@ pub unsafe extern "C" fn dmaload_save(
         if data.is_null() && len > 0 {
             return Err(invalid(op, "data is NULL"));
         }
-        if len > isize::MAX as usize {
-            return Err(invalid(op, format!("{len} bytes cannot be in memory")));
-        }
+        memory_len(op, len)?;
         let defaults = dmaload_save_options_default();
         let o = borrow(options).unwrap_or(&defaults);
         let options = SaveOptions {

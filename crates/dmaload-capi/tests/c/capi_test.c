@@ -223,6 +223,9 @@ int main(int argc, char **argv)
 		check_error(dmaload_load_into(file, 0, NULL, 10, NULL, NULL), EINVAL, "dst is NULL",
 			    "dmaload_load_into refuses NULL memory");
 		check(dmaload_load_into(file, 0, NULL, 0, NULL, NULL) == 0, "dmaload_load_into of nothing");
+		check_error(dmaload_load_into(file, 0, memory, SIZE_MAX, NULL, NULL), EINVAL, "cannot be in memory",
+			    "dmaload_load_into of more bytes than memory can hold");
+		check(dmaload_xxh3_64(memory, SIZE_MAX) == 0, "dmaload_xxh3_64 of more bytes than memory can hold is 0");
 		check_error(dmaload_load_into(file, len - 10, memory, 20, NULL, NULL), ENODATA, file,
 			    "dmaload_load_into past the end names the file");
 		check_error(dmaload_load_into(file, UINT64_MAX - 8, memory, 16, NULL, NULL), EINVAL, "past the end",
