@@ -154,7 +154,7 @@ extern "C" {
 #endif // __cplusplus
 
 // The defaults of every load option, as the CLI and the Rust library use
-// them (`to` is NULL: "memfd"). Thread-safe; nothing to free.
+// them (`to` is NULL: "auto"). Thread-safe; nothing to free.
 struct dmaload_load_options dmaload_load_options_default(void);
 
 // Loads the whole file at `path` into a new buffer of host memory
@@ -174,7 +174,8 @@ int dmaload_load(const char *path,
                  struct dmaload_buffer **out);
 
 // `dmaload_load` for `len` bytes from byte `offset` (neither needs any
-// alignment). A range past the end of the file fails with ENODATA.
+// alignment). A range that runs past the end of the file fails with
+// ENODATA, one that starts past it with EINVAL.
 // Ownership and thread safety as for `dmaload_load`.
 //
 // # Safety
@@ -193,7 +194,8 @@ int dmaload_load_range(const char *path,
 // `*report` receives the load's report, the caller's to free with
 // `dmaload_report_free` (untouched on failure). After a failure the memory
 // holds a mix of old and new bytes. Returns 0 or an errno as for
-// `dmaload_load` (ENODATA when the range passes the end of the file).
+// `dmaload_load` (ENODATA when the range runs past the end of the file,
+// EINVAL when it starts past it).
 // Thread-safe, as long as no other thread touches `dst` meanwhile.
 //
 // # Safety
@@ -266,8 +268,9 @@ void dmaload_buffer_free(struct dmaload_buffer *buffer);
 // `options` NULL for the defaults (its `to` is ignored). The caller owns
 // `out->fd` (close it) and `out->report` (free it with
 // `dmaload_report_free`). Returns 0 or an errno (see `dmaload_last_error`):
-// EINVAL for bad arguments, an unknown heap or a kernel without udmabuf,
-// ENOENT for a missing file, ENOMEM, ENODATA for a range past the end.
+// EINVAL for bad arguments, an unknown heap, a kernel without udmabuf or
+// a range that starts past the end of the file, ENOENT for a missing
+// file, ENOMEM, ENODATA for a range that runs past the end.
 // Thread-safe.
 //
 // # Safety
@@ -290,12 +293,14 @@ int dmaload_load_dmabuf_range(const char *path,
                               const struct dmaload_load_options *options,
                               struct dmaload_dmabuf *out);
 
-// Frees a report from `dmaload_load_dmabuf` (`out->report`). NULL is a
-// no-op. Never pass the report of a buffer (`dmaload_buffer_report`): the
-// buffer frees that. Call once, when no thread reads the report.
+// Frees a report from `dmaload_load_dmabuf` (`out->report`) or
+// `dmaload_load_into` (`*report`). NULL is a no-op. Never pass the report
+// of a buffer (`dmaload_buffer_report`): the buffer frees that. Call once,
+// when no thread reads the report.
 //
 // # Safety
-// `report` is NULL or a `dmaload_dmabuf`'s report not freed before.
+// `report` is NULL or a report from `dmaload_load_dmabuf*` or
+// `dmaload_load_into`, not freed before.
 void dmaload_report_free(struct dmaload_report *report);
 
 // The xxh3-64 of the dma-buf's file bytes (`len` bytes from

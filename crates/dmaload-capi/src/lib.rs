@@ -386,7 +386,7 @@ fn report(report: &LoadReport) -> Box<Report> {
 }
 
 /// The defaults of every load option, as the CLI and the Rust library use
-/// them (`to` is NULL: "memfd"). Thread-safe; nothing to free.
+/// them (`to` is NULL: "auto"). Thread-safe; nothing to free.
 #[no_mangle]
 pub extern "C" fn dmaload_load_options_default() -> dmaload_load_options {
     let d = LoadOptions::default();
@@ -451,7 +451,8 @@ pub unsafe extern "C" fn dmaload_load(
 }
 
 /// `dmaload_load` for `len` bytes from byte `offset` (neither needs any
-/// alignment). A range past the end of the file fails with ENODATA.
+/// alignment). A range that runs past the end of the file fails with
+/// ENODATA, one that starts past it with EINVAL.
 /// Ownership and thread safety as for `dmaload_load`.
 ///
 /// # Safety
@@ -475,7 +476,8 @@ pub unsafe extern "C" fn dmaload_load_range(
 /// `*report` receives the load's report, the caller's to free with
 /// `dmaload_report_free` (untouched on failure). After a failure the memory
 /// holds a mix of old and new bytes. Returns 0 or an errno as for
-/// `dmaload_load` (ENODATA when the range passes the end of the file).
+/// `dmaload_load` (ENODATA when the range runs past the end of the file,
+/// EINVAL when it starts past it).
 /// Thread-safe, as long as no other thread touches `dst` meanwhile.
 ///
 /// # Safety
@@ -637,8 +639,9 @@ fn load_dmabuf_impl(
 /// `options` NULL for the defaults (its `to` is ignored). The caller owns
 /// `out->fd` (close it) and `out->report` (free it with
 /// `dmaload_report_free`). Returns 0 or an errno (see `dmaload_last_error`):
-/// EINVAL for bad arguments, an unknown heap or a kernel without udmabuf,
-/// ENOENT for a missing file, ENOMEM, ENODATA for a range past the end.
+/// EINVAL for bad arguments, an unknown heap, a kernel without udmabuf or
+/// a range that starts past the end of the file, ENOENT for a missing
+/// file, ENOMEM, ENODATA for a range that runs past the end.
 /// Thread-safe.
 ///
 /// # Safety
@@ -671,18 +674,21 @@ pub unsafe extern "C" fn dmaload_load_dmabuf_range(
     load_dmabuf_impl("dmaload_load_dmabuf_range", path, (offset, Some(len)), target, options, out)
 }
 
-/// Frees a report from `dmaload_load_dmabuf` (`out->report`). NULL is a
-/// no-op. Never pass the report of a buffer (`dmaload_buffer_report`): the
-/// buffer frees that. Call once, when no thread reads the report.
+/// Frees a report from `dmaload_load_dmabuf` (`out->report`) or
+/// `dmaload_load_into` (`*report`). NULL is a no-op. Never pass the report
+/// of a buffer (`dmaload_buffer_report`): the buffer frees that. Call once,
+/// when no thread reads the report.
 ///
 /// # Safety
-/// `report` is NULL or a `dmaload_dmabuf`'s report not freed before.
+/// `report` is NULL or a report from `dmaload_load_dmabuf*` or
+/// `dmaload_load_into`, not freed before.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_report_free(report: *mut dmaload_report) {
     if !report.is_null() {
         accessor((), || {
-            // SAFETY: a report handed out by `load_dmabuf_impl` is the first
-            // field of a #[repr(C)] Report boxed there, freed once (the contract).
+            // SAFETY: a report handed out by `load_dmabuf_impl` or
+            // `dmaload_load_into` is the first field of a #[repr(C)] Report
+            // boxed there, freed once (the contract).
             drop(unsafe { Box::from_raw(report.cast::<Report>()) });
         });
     }
