@@ -20,7 +20,8 @@ say "building static test binaries and the CLI ($TARGET, $TARGET_DIR)"
 cargo build --release --quiet --target "$TARGET" --target-dir "$TARGET_DIR" -p dmaload-cli -p dmaload-capi
 # The test executables' paths, from cargo's JSON messages.
 mapfile -t tests < <(cargo test --release --no-run --quiet --target "$TARGET" --target-dir "$TARGET_DIR" \
-    -p dmaload -p dmaload-bench --test dmabuf --test transfer --test block_queue --message-format=json |
+    -p dmaload -p dmaload-bench --test dmabuf --test transfer --test block_queue --test memory \
+    --message-format=json |
     python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
@@ -28,7 +29,7 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])')
 declare -A exe=()
 for t in "${tests[@]}"; do exe[${t%% *}]=${t#* }; done
-[[ -n ${exe[dmabuf]:-} && -n ${exe[transfer]:-} && -n ${exe[block_queue]:-} ]] || {
+[[ -n ${exe[dmabuf]:-} && -n ${exe[transfer]:-} && -n ${exe[block_queue]:-} && -n ${exe[memory]:-} ]] || {
     say "test binaries not found"
     exit 1
 }
@@ -72,6 +73,11 @@ vm "$capi_test" /mnt/disk
 # Block queues over dma-buf blocks between two processes (the test binary
 # re-executes itself for the peer), DMA_BUF_IOCTL_SYNC counted on both sides.
 vm "${exe[block_queue]}" --test-threads=1 --nocapture --exact dmabuf_blocks_cross_processes_with_cpu_sync
+# hugetlb memory, which this host's empty pool refuses: a pool of 8 pages
+# holds a 5-page load but not the private copy that sharing its memfd needs.
+DMALOAD_VM_KERNEL_ARGS="$DMALOAD_VM_KERNEL_ARGS hugepages=8" vm "${exe[memory]}" --test-threads=1 --nocapture \
+    --exact a_hugetlb_memfd_uses_the_pool_or_says_how_to_grow_it \
+    a_hugetlb_buffer_the_pool_cannot_copy_keeps_its_bytes_and_hands_out_no_fd
 
 # The bench's dma-heap / udmabuf rows must really run in the guest.
 log=$(mktemp)

@@ -221,11 +221,12 @@ impl Buffer {
         Ok(false)
     }
 
-    /// The memfd holding the bytes (owned by the buffer: valid until close).
+    /// The memfd holding the bytes (owned by the buffer: valid until close),
+    /// sealed against writes first; OSError where it cannot be sealed.
     fn fileno(&self) -> PyResult<i32> {
         guard(|| {
             let buffer = self.open()?;
-            buffer.memfd().map(|fd| fd.as_raw_fd()).ok_or_else(|| no_memfd(buffer))
+            buffer.memfd().map_err(|e| os_error(&e))?.map(|fd| fd.as_raw_fd()).ok_or_else(|| no_memfd(buffer))
         })
     }
 
@@ -235,7 +236,7 @@ impl Buffer {
     fn dup_memfd(&self) -> PyResult<i32> {
         guard(|| {
             let buffer = self.open()?;
-            let fd = buffer.memfd().ok_or_else(|| no_memfd(buffer))?;
+            let fd = buffer.memfd().map_err(|e| os_error(&e))?.ok_or_else(|| no_memfd(buffer))?;
             let owned = fd.try_clone_to_owned().map_err(|e| {
                 PyOSError::new_err((e.raw_os_error().unwrap_or(0), format!("dup memfd: {e}")))
             })?;

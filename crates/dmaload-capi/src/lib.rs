@@ -537,7 +537,10 @@ pub unsafe extern "C" fn dmaload_buffer_len(buffer: *const dmaload_buffer) -> us
 
 /// The memfd holding the buffer's bytes, for passing to another process
 /// (sealed against writes first, so a receiver cannot change the bytes
-/// this buffer shows), or -1 for anonymous memory or a NULL buffer. The fd
+/// this buffer shows), or -1 for anonymous memory or a NULL buffer, and
+/// -1 with an errno and `dmaload_last_error` where it cannot be sealed
+/// (ENOMEM where hugetlb memory's pool cannot back the buffer's private
+/// copy-on-write mapping, which sealing needs). The fd
 /// stays the buffer's: `dup()` it to keep it past `dmaload_buffer_free`,
 /// never `close()` it. The bytes start at `dmaload_buffer_memfd_offset` in
 /// it. Thread-safe.
@@ -546,9 +549,15 @@ pub unsafe extern "C" fn dmaload_buffer_len(buffer: *const dmaload_buffer) -> us
 /// `buffer` is NULL or a live buffer from `dmaload_load*`.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_buffer_memfd(buffer: *const dmaload_buffer) -> c_int {
-    accessor(-1, || {
-        borrow(buffer).and_then(|b| b.buffer.memfd()).map_or(-1, |fd: BorrowedFd<'_>| fd.as_raw_fd())
-    })
+    let mut memfd = -1;
+    // Set on success only: a failure leaves -1, with its cause.
+    entry("dmaload_buffer_memfd", || {
+        if let Some(buffer) = borrow(buffer) {
+            memfd = buffer.buffer.memfd()?.map_or(-1, |fd: BorrowedFd<'_>| fd.as_raw_fd());
+        }
+        Ok(())
+    });
+    memfd
 }
 
 /// Where the buffer's first byte sits in its memfd (non-zero when a range

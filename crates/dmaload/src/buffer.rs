@@ -4,6 +4,7 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut, Range};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
 use std::sync::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -22,6 +23,8 @@ pub(crate) const SHARING_SEALS: Seals =
 
 /// The name errors give the socket a buffer crosses.
 const SOCKET: &str = "socket";
+/// The name errors give a buffer's memfd.
+const MEMFD: &str = "memfd";
 
 /// A contiguous piece of a buffer that was populated and filled as one unit
 /// (one "gather" of the pipelined load).
@@ -117,12 +120,30 @@ impl Buffer {
     /// 6.12+), so export with [`Buffer::into_dmabuf`] before, not after,
     /// handing the fd out. (A udmabuf made elsewhere from an unsealed copy
     /// lets devices write the pages, as `/proc/self/mem` lets a debugger:
-    /// outside what a seal can stop.) On a kernel without the seal the fd
-    /// is still returned, sealed against resizing only.
-    pub fn memfd(&self) -> Option<BorrowedFd<'_>> {
-        let fd = self.memfd.as_ref()?.as_fd();
-        let _ = self.seal_for_sharing(fd);
-        Some(fd)
+    /// outside what a seal can stop.) Where the mapping cannot be made
+    /// private or the seals cannot be added (`F_SEAL_FUTURE_WRITE` needs
+    /// Linux 5.1; a private mapping of hugetlb memory reserves as many pages
+    /// of the pool as the buffer has), no fd is handed out: it would let
+    /// others write bytes this buffer shows.
+    pub fn memfd(&self) -> Result<Option<BorrowedFd<'_>>> {
+        let Some(fd) = self.memfd.as_ref().map(|fd| fd.as_fd()) else {
+            return Ok(None);
+        };
+        self.seal_for_sharing(fd).map_err(|e| self.sealing_error(Path::new(MEMFD), e))?;
+        Ok(Some(fd))
+    }
+
+    /// The error of a failed [`Buffer::seal_for_sharing`], saying what the
+    /// pool has to do with it where hugetlb memory could not be mapped
+    /// private.
+    fn sealing_error(&self, path: &Path, err: std::io::Error) -> Error {
+        if self.kind == MemoryKind::Hugetlb && err.raw_os_error() == Some(libc::ENOMEM) {
+            let message = "the pool has too few free pages for the private copy-on-write mapping \
+                           sealing needs: one of hugetlb memory reserves as many pages as it maps \
+                           (/proc/sys/vm/nr_hugepages)";
+            return Error::new(ErrorKind::OutOfMemory, "seal memfd", path, message);
+        }
+        Error::io("seal memfd", path, err)
     }
 
     /// Seals `fd` (this buffer's memfd) with `SHARING_SEALS`, making the
@@ -153,7 +174,7 @@ impl Buffer {
                 format!("anonymous memory has no memfd to send: {}", heap::NEEDS_A_MEMFD),
             ));
         };
-        self.seal_for_sharing(fd).map_err(|e| Error::io("seal memfd", socket, e))?;
+        self.seal_for_sharing(fd).map_err(|e| self.sealing_error(socket, e))?;
         let message = protocol::encode(&protocol::Reply::Buffer(protocol::BufferInfo {
             offset: self.data.start as u64,
             len: self.data.len() as u64,

@@ -300,7 +300,7 @@ impl SegmentTableBuilder {
     /// Appends the segments of `buffer` (memfd memory only), holding a
     /// duplicate of its memfd.
     pub fn add_buffer(&mut self, buffer: &Buffer) -> Result<()> {
-        let Some(memfd) = buffer.memfd() else {
+        let Some(memfd) = buffer.memfd()? else {
             return Err(invalid(
                 "add buffer",
                 TABLE,

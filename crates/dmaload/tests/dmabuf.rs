@@ -105,7 +105,7 @@ fn a_loaded_memfd_is_sealed_against_writes_from_whoever_receives_it() {
     let path = dir.path().join("f");
     write_pattern_file(&path, 3 << 20);
     let (buffer, _) = dmaload::load(&path, &LoadOptions::default()).unwrap();
-    let received = std::fs::File::from(buffer.memfd().unwrap().try_clone_to_owned().unwrap());
+    let received = std::fs::File::from(buffer.memfd().unwrap().unwrap().try_clone_to_owned().unwrap());
     // write(2) and ftruncate(2) are refused (EPERM)...
     let err = std::os::unix::fs::FileExt::write_at(&received, b"x", 0).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
@@ -129,7 +129,7 @@ fn a_shared_buffer_memfd_cannot_be_exported_by_fd() {
     let path = dir.path().join("f");
     write_pattern_file(&path, 1 << 20);
     let (buffer, _) = dmaload::load(&path, &LoadOptions::default()).unwrap();
-    let fd = buffer.memfd().unwrap();
+    let fd = buffer.memfd().unwrap().unwrap();
     let err = heap::udmabuf_from_memfd(fd, 0, 1 << 20).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
     assert!(err.to_string().contains("sealed against writes"), "{err}");

@@ -272,7 +272,7 @@ fn a_range_memfd_holds_zeros_outside_the_range() {
     let (buffer, report) = dmaload::load_range(&path, offset, len, &LoadOptions::default()).unwrap();
     assert_eq!(report.cache, dmaload::CachePolicy::Bypass, "this test needs direct I/O");
     assert_pattern(&buffer, offset);
-    let memfd = std::fs::File::from(buffer.memfd().unwrap().try_clone_to_owned().unwrap());
+    let memfd = std::fs::File::from(buffer.memfd().unwrap().unwrap().try_clone_to_owned().unwrap());
     let mut whole = Vec::new();
     let mut reader = &memfd;
     reader.seek(SeekFrom::Start(0)).unwrap();

@@ -48,7 +48,7 @@ fn every_engine_loads_every_small_size_exactly() {
                 assert_eq!(report.cache, CachePolicy::Bypass, "ext4 supports O_DIRECT");
                 let covered: usize = buffer.segments().iter().map(|s| s.len).sum();
                 assert_eq!(covered, buffer.len());
-                assert_eq!(buffer.memfd().is_some(), memory == MemoryKind::Memfd);
+                assert_eq!(buffer.memfd().unwrap().is_some(), memory == MemoryKind::Memfd);
                 assert_eq!(report.huge_pages, thp_policy_allows_huge_pages(memory), "{memory:?}");
             }
         }
@@ -367,7 +367,7 @@ fn a_large_load_into_small_pages_reads_through_the_ring_with_the_same_bytes() {
     assert!(report.memory_reason.contains("4 KiB pages"), "{}", report.memory_reason);
     assert_eq!(xxhash_rust::xxh3::xxh3_64(&buffer), expected);
     // The memfd behind it is sized and sealed as an in-place load's.
-    let memfd = buffer.memfd().unwrap().try_clone_to_owned().unwrap();
+    let memfd = buffer.memfd().unwrap().unwrap().try_clone_to_owned().unwrap();
     assert!(std::fs::File::from(memfd).metadata().unwrap().len() >= size);
     drop(buffer);
     // An unaligned range, and a second load reusing the process's ring.

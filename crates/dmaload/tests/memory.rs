@@ -49,7 +49,7 @@ fn a_plain_memfd_gets_small_pages_and_an_fd() {
     let path = pattern_file(&dir, 16 * MIB + 5);
     let (buffer, report) = load_as(&path, MemoryKind::Memfd).unwrap();
     assert_pattern(&buffer, 0);
-    assert!(buffer.memfd().is_some());
+    assert!(buffer.memfd().unwrap().is_some());
     assert_eq!((report.memory, report.huge_pages), (MemoryKind::Memfd, false));
     assert_eq!(report.memory_reason, "asked for (memfd)");
     // MADV_NOHUGEPAGE: 4 KiB pages even where shmem_enabled is `always`.
@@ -65,7 +65,7 @@ fn a_huge_memfd_gets_huge_pages_where_the_shmem_policy_allows() {
         Ok((buffer, report)) => {
             assert!(["always", "within_size", "advise", "force"].contains(&policy.as_str()), "{policy}");
             assert_pattern(&buffer, 0);
-            assert!(buffer.memfd().is_some() && report.huge_pages);
+            assert!(buffer.memfd().unwrap().is_some() && report.huge_pages);
             let huge = buffer.huge_page_bytes().unwrap();
             // Free page reporting or fragmentation may cost a few 2 MiB
             // pages; most of the buffer must have them.
@@ -100,7 +100,7 @@ fn a_hugetlb_memfd_uses_the_pool_or_says_how_to_grow_it() {
         Ok((buffer, report)) => {
             assert!(free >= needed, "{free} free pages");
             assert_pattern(&buffer, 0);
-            assert!(report.huge_pages && buffer.memfd().is_some());
+            assert!(report.huge_pages);
             // The whole mapping, rounded up to whole huge pages, is hugetlb.
             assert_eq!(buffer.huge_page_bytes().unwrap(), needed * page);
             let (buffer, _) = dmaload::load_range(
@@ -125,13 +125,50 @@ fn a_hugetlb_memfd_uses_the_pool_or_says_how_to_grow_it() {
     }
 }
 
+/// Sharing a buffer's memfd first maps the buffer private copy-on-write,
+/// and a private hugetlb mapping reserves as many pages of the pool as it
+/// has. Where the pool cannot, no fd is handed out and the buffer keeps its
+/// bytes: the failed remap used to unmap them (the next read faulted) and
+/// hand out the fd unsealed.
+#[test]
+fn a_hugetlb_buffer_the_pool_cannot_copy_keeps_its_bytes_and_hands_out_no_fd() {
+    const TEST: &str = "a_hugetlb_buffer_the_pool_cannot_copy_keeps_its_bytes_and_hands_out_no_fd";
+    let dir = scratch_dir();
+    let len = 8 * MIB + 4097;
+    let path = pattern_file(&dir, len);
+    let buffer = match load_as(&path, MemoryKind::Hugetlb) {
+        Ok((buffer, _)) => buffer,
+        Err(err) => return skip(TEST, &format!("no hugetlb pool to load into: {err}")),
+    };
+    let (free, page) = hugetlb_pool();
+    let needed = len.div_ceil(page);
+    match buffer.memfd() {
+        Ok(fd) => {
+            assert!(free >= needed, "{free} free pages, {needed} needed, yet the private mapping was made");
+            let fd = fd.expect("hugetlb memory has a memfd");
+            // SAFETY: F_GET_SEALS takes no argument; `fd` is open.
+            let seals = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&fd), libc::F_GET_SEALS) };
+            let wanted =
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
+            assert_eq!(seals & wanted, wanted, "seals {seals:#x}");
+            skip(TEST, &format!("the pool had {free} free pages, enough for the private copy (it was made)"));
+        }
+        Err(err) => {
+            assert!(free < needed, "{free} free pages, {needed} needed: {err}");
+            assert_eq!(err.errno(), libc::ENOMEM, "{err}");
+            assert!(err.to_string().contains("/proc/sys/vm/nr_hugepages"), "{err}");
+        }
+    }
+    assert_pattern(&buffer, 0);
+}
+
 #[test]
 fn anonymous_thp_has_no_fd() {
     let dir = scratch_dir();
     let path = pattern_file(&dir, 8 * MIB + 1);
     let (buffer, report) = load_as(&path, MemoryKind::AnonymousThp).unwrap();
     assert_pattern(&buffer, 0);
-    assert!(buffer.memfd().is_none());
+    assert!(buffer.memfd().unwrap().is_none());
     let policy = thp_policy("enabled");
     assert_eq!(report.huge_pages, ["always", "madvise"].contains(&policy.as_str()), "{policy}");
     if !report.huge_pages {
@@ -145,7 +182,7 @@ fn anonymous_memory_has_no_fd_and_4_kib_pages_whatever_the_policy() {
     let path = pattern_file(&dir, 8 * MIB + 1);
     let (buffer, report) = load_as(&path, MemoryKind::Anonymous).unwrap();
     assert_pattern(&buffer, 0);
-    assert!(buffer.memfd().is_none());
+    assert!(buffer.memfd().unwrap().is_none());
     assert!(!report.huge_pages);
     assert_eq!(buffer.huge_page_bytes().unwrap(), 0, "MADV_NOHUGEPAGE, even where THP is always");
     let (a, _b) = dmaload::share::Connection::pair().unwrap();
@@ -167,7 +204,7 @@ fn auto_gives_the_kind_the_rule_chooses_and_says_why() {
         assert_eq!((report.memory, &report.memory_reason), (expected.kind, &expected.reason));
         assert_eq!(report.destination, expected.kind.name());
         if needs_fd {
-            assert!(buffer.memfd().is_some(), "auto must give an fd when one is needed");
+            assert!(buffer.memfd().unwrap().is_some(), "auto must give an fd when one is needed");
         }
     }
 }

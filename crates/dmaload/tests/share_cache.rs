@@ -241,7 +241,7 @@ fn forged_handoffs_are_refused() {
 
     // Sealed, but the range runs past its end; and two descriptors.
     let (sealed, _) = dmaload::load(dir.path().join("f"), &LoadOptions::default()).unwrap();
-    let fd = sealed.memfd().unwrap();
+    let fd = sealed.memfd().unwrap().unwrap();
     a.send(&message(4096, 8192), &[fd]).unwrap();
     let err = Buffer::receive(&b).unwrap_err();
     assert!(err.to_string().contains("run past the end"), "{err}");

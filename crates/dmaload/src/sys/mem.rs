@@ -114,29 +114,57 @@ impl Mapping {
     /// one step): the bytes read stay the same pages, while this process's
     /// later writes go to private copies instead of the file, which others
     /// may map. Slices of the mapping stay valid: their bytes do not change.
+    /// On failure the mapping is still the shared one (ENOMEM, say, where a
+    /// private hugetlb mapping cannot reserve its pages in the pool).
     pub fn make_private(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
         if self.len == 0 {
             return Ok(());
         }
-        // SAFETY: the range is exactly the mapping this value owns, and (the
-        // caller's promise above) it maps `fd` from offset 0, so the new
-        // mapping shows the same bytes at the same addresses: references to
-        // them stay valid. MAP_FIXED swaps the mappings under the mmap lock,
-        // so no access sees a hole.
-        let ptr = unsafe {
-            libc::mmap(
-                self.ptr.as_ptr().cast(),
-                self.len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_FIXED,
-                fd.as_raw_fd(),
-                0,
-            )
+        let remap = |flags: libc::c_int| {
+            // SAFETY: the range is exactly the mapping this value owns, and
+            // (the caller's promise above) it maps `fd` from offset 0, so a
+            // new mapping of it shows the same bytes at the same addresses:
+            // references to them stay valid. MAP_FIXED swaps the mappings
+            // under the mmap lock, so no access sees a hole when it succeeds;
+            // MAP_FIXED_NOREPLACE maps only where nothing is mapped.
+            let ptr = unsafe {
+                libc::mmap(
+                    self.ptr.as_ptr().cast(),
+                    self.len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    flags,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if ptr == libc::MAP_FAILED {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(())
+            }
         };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
+        let Err(err) = remap(libc::MAP_PRIVATE | libc::MAP_FIXED) else {
+            return Ok(());
+        };
+        // A MAP_FIXED the kernel refuses may have dropped the old mapping
+        // first (a private hugetlb mapping's reservation fails after the
+        // unmap, on Linux 6.18 too), leaving a hole under this mapping's
+        // slices: the shared mapping goes back where it was. EEXIST: it
+        // never left.
+        match remap(libc::MAP_SHARED | libc::MAP_FIXED_NOREPLACE) {
+            Ok(()) => Err(err),
+            Err(again) if again.raw_os_error() == Some(libc::EEXIST) => Err(err),
+            Err(again) => {
+                // The file's own pages need no reservation and take the slot
+                // the old mapping left, so this is not expected; but past it
+                // slices of the buffer would point at nothing.
+                eprintln!(
+                    "dmaload: a buffer's memory was unmapped by a failed remap ({err}) and could not \
+                     be mapped back ({again}); aborting"
+                );
+                std::process::abort()
+            }
         }
-        Ok(())
     }
 
     /// Private anonymous memory, asking for transparent huge pages or for
