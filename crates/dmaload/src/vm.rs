@@ -152,6 +152,10 @@ impl SegmentTable {
     }
 
     /// Backing file number `index` (as in [`Extent::file`]).
+    ///
+    /// # Panics
+    ///
+    /// If `index` is not below [`SegmentTable::file_count`], as indexing does.
     pub fn file(&self, index: u32) -> &Arc<File> {
         &self.files[index as usize]
     }

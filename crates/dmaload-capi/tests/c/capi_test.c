@@ -156,8 +156,13 @@ int main(int argc, char **argv)
 			      pthread_create(&thread, NULL, fail_once_then_exit, &key) == 0 &&
 			      pthread_join(thread, NULL) == 0,
 		      "a thread that saves from a pthread key destructor");
-		check(exiting.rc == ENOENT && exiting.last_errno == ENOENT && strstr(exiting.message, "exiting") != NULL,
-		      "a failure while the thread exits keeps its errno (its message is gone)");
+		/* Whether the library's thread storage is freed before this key's
+		 * destructor runs depends on the libc and the linking (a static
+		 * build's order differs): the message is the failure's, or a note
+		 * that it is gone. */
+		check(exiting.rc == ENOENT && exiting.last_errno == ENOENT &&
+			      (strstr(exiting.message, "exiting") != NULL || strstr(exiting.message, "no-such-dir") != NULL),
+		      "a failure while the thread exits keeps its errno");
 		pthread_key_delete(key);
 	}
 
