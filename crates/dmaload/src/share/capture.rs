@@ -11,7 +11,8 @@
 //! mid-stream leaves no file (and a previous one untouched), never a torn
 //! one. A stream that breaks (the producer dies, or its control page turns
 //! out corrupt) still commits every block written so far (each was given
-//! back only once written) and the report says why it is short.
+//! back only once written) and the report says why it is short; one that
+//! breaks before any byte arrived is an error and commits nothing.
 //!
 //! Runs are written whole with O_DIRECT while the file offset stays
 //! aligned; a short block (the stream's last, or one a FIFO ended early)
@@ -293,6 +294,15 @@ pub fn capture_to_file(
     });
     written?;
     let RunWriter { offset, direct, direct_bytes, engine, fallbacks, .. } = writer;
+    if let (Some(why), 0) = (&stream_error, offset) {
+        // An empty file would only replace a previous one: keep that instead.
+        return Err(Error::new(
+            ErrorKind::Io,
+            "capture to",
+            &target,
+            format!("{why}; no block arrived, so nothing was written"),
+        ));
+    }
     // Sizes past a shorter last write, or a preallocation larger than what came.
     file.set_len(offset).map_err(|e| Error::io("ftruncate", &target, e))?;
     let syncing = Instant::now();
