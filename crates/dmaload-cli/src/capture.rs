@@ -298,6 +298,9 @@ fn consume(cmd: &CaptureCommand) -> Result<(), String> {
             return Err(e.to_string());
         }
     };
+    for fallback in &report.fallbacks {
+        eprintln!("dmaload: fallback {fallback}");
+    }
     let producer: Option<ProducerReport> = if report.complete {
         let mut buf = vec![0u8; 64 << 10];
         let conn = queue.connection();

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{dmaload, json_of, open_scratch, output_or_hang, sample};
+use common::{as_user_with, dmaload, json_of, open_scratch, output_or_hang, sample};
 
 fn verify(path: &Path) -> std::process::Output {
     output_or_hang(dmaload().args(["capture", "--json", "--verify"]).arg(path))
@@ -292,6 +292,33 @@ fn a_stream_that_breaks_before_its_first_block_keeps_the_old_file() {
     assert!(stderr.contains("without finishing") && stderr.contains("no block arrived"), "{stderr}");
     assert_eq!(std::fs::read(&to).unwrap(), b"the previous capture");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "no temporary file is left");
+}
+
+/// RLIMIT_NPROC counts the user's processes and threads: the consumer and
+/// the producer use up 2, leaving no writing thread; 3 leaves one.
+#[test]
+fn a_process_limit_leaves_fewer_writing_threads_or_a_clear_error() {
+    let name = "a_process_limit_leaves_fewer_writing_threads_or_a_clear_error";
+    let dir = open_scratch("dmaload-capture-");
+    let to = dir.path().join("cap");
+    std::fs::write(&to, b"the previous capture").unwrap();
+    let args = ["capture", "--source", "synthetic", "--size", "8M", "--block-size", "64K", "--json", "--to"];
+    // A user of its own: other tests' processes do not count against it.
+    let uid = 3_100_000 + std::process::id();
+    let Some(mut cmd) = as_user_with(uid, name, &["--nproc=2:2"]) else { return };
+    let out = output_or_hang(cmd.args(args).arg(&to));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("cannot create a writing thread") && stderr.contains("cap"), "{stderr}");
+    assert_eq!(std::fs::read(&to).unwrap(), b"the previous capture");
+
+    let Some(mut cmd) = as_user_with(uid, name, &["--nproc=3:3"]) else { return };
+    let out = output_or_hang(cmd.args(args).arg(&to));
+    let report = json_of(&out);
+    assert_eq!(report["bytes"], 8 << 20);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("fallback 4 writing threads -> 1: cannot create a writing thread"), "{stderr}");
+    assert_eq!(json_of(&verify(&to))["ok"], true);
 }
 
 /// `bench stream` runs every row with real producer processes (figures are

@@ -3,7 +3,9 @@
 //! save path's write loop (io_uring, O_DIRECT where the filesystem allows),
 //! then given back. No copy through this process. Up to four runs are
 //! written at once, by writer threads whose rings each register the whole
-//! block ring once, so no write pins pages of its own.
+//! block ring once, so no write pins pages of its own. Where the process
+//! may not create that many threads (RLIMIT_NPROC, the cgroup's pids.max)
+//! fewer runs are in flight, with a fallback; with none, it is an error.
 //!
 //! The file gets `save`'s crash safety: the bytes go to a temporary file in
 //! the target's directory (unnamed `O_TMPFILE` where possible), which is
@@ -181,12 +183,15 @@ pub fn capture_to_file(
     let written: Result<()> = std::thread::scope(|scope| {
         // One writer thread per run in flight, each with a ring over the
         // whole block ring (registered once), fed runs in turn.
+        // Threads the process may not create (RLIMIT_NPROC, the cgroup's
+        // pids.max) leave fewer runs in flight, with a fallback.
         let mut writers = Vec::with_capacity(in_flight);
+        let mut refused = None;
         for _ in 0..in_flight {
             let (jobs, job_queue) = mpsc::channel::<(WriteJob<'_>, usize)>();
             let (done, results) = mpsc::channel::<Result<WriteRun>>();
             let (engine, depth) = (options.engine, options.queue_depth);
-            let thread = scope.spawn(move || {
+            let write_runs = move || {
                 let mut shared = match engine {
                     // Without io_uring here, each job falls back on its own.
                     Engine::UringFixed | Engine::Uring => {
@@ -206,9 +211,25 @@ pub fn capture_to_file(
                         break;
                     }
                 }
-            });
-            writers.push((jobs, results, thread));
+            };
+            match std::thread::Builder::new().name("dmaload-capture".into()).spawn_scoped(scope, write_runs) {
+                Ok(thread) => writers.push((jobs, results, thread)),
+                Err(err) => {
+                    refused = Some(err);
+                    break;
+                }
+            }
         }
+        if let Some(err) = refused {
+            let why =
+                format!("cannot create a writing thread: {err} (RLIMIT_NPROC or the cgroup's pids.max)");
+            if writers.is_empty() {
+                return Err(Error::new(ErrorKind::Io, "capture to", &target, why));
+            }
+            let fewer = writers.len().to_string();
+            writer.fallbacks.push(Fallback::new(&format!("{in_flight} writing threads"), &fewer, why));
+        }
+        let in_flight = writers.len();
         let mut pending: VecDeque<(HeldRun, usize)> = VecDeque::new();
         let mut turn = 0;
         let mut open = true;
