@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::ffi::OsStr;
 use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Stdio};
@@ -319,6 +320,29 @@ fn a_process_limit_leaves_fewer_writing_threads_or_a_clear_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("fallback 4 writing threads -> 1: cannot create a writing thread"), "{stderr}");
     assert_eq!(json_of(&verify(&to))["ok"], true);
+}
+
+/// io_uring cancels the writes it cannot create a worker thread for
+/// (RLIMIT_NPROC): a capture writes those with pwrite instead of failing.
+#[test]
+fn writes_io_uring_cancels_under_a_process_limit_are_written_with_pwrite() {
+    let name = "writes_io_uring_cancels_under_a_process_limit_are_written_with_pwrite";
+    let dir = open_scratch("dmaload-capture-");
+    let src = sample(dir.path(), OsStr::new("src.bin"), (8 << 20) + 5);
+    let to = dir.path().join("cap");
+    // The consumer, its four writing threads and the producer: no room
+    // left for io_uring's workers (a user of its own, as above).
+    let Some(mut cmd) = as_user_with(3_200_000 + std::process::id(), name, &["--nproc=6:6"]) else { return };
+    let out = output_or_hang(
+        cmd.args(["capture", "--json", "--block-size", "64K", "--source"]).arg(&src).arg("--to").arg(&to),
+    );
+    let report = json_of(&out);
+    assert_eq!(report["bytes"], (8 << 20) + 5);
+    assert_eq!(std::fs::read(&to).unwrap(), std::fs::read(&src).unwrap());
+    if report["engine"] == "pread-pool" {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("io_uring cancelled a write"), "{stderr}");
+    }
 }
 
 /// `bench stream` runs every row with real producer processes (figures are

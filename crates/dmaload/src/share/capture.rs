@@ -6,6 +6,8 @@
 //! block ring once, so no write pins pages of its own. Where the process
 //! may not create that many threads (RLIMIT_NPROC, the cgroup's pids.max)
 //! fewer runs are in flight, with a fallback; with none, it is an error.
+//! Writes io_uring cancels for want of worker threads are written with
+//! `pwrite` instead, as a save's are.
 //!
 //! The file gets `save`'s crash safety: the bytes go to a temporary file in
 //! the target's directory (unnamed `O_TMPFILE` where possible), which is
