@@ -9,10 +9,10 @@ mod common;
 use std::ffi::OsStr;
 use std::io::Write;
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{as_user_with, dmaload, json_of, open_scratch, output_or_hang, sample};
+use common::{as_user_with, dmaload, have, json_of, open_scratch, output_or_hang, sample, skip};
 
 fn verify(path: &Path) -> std::process::Output {
     output_or_hang(dmaload().args(["capture", "--json", "--verify"]).arg(path))
@@ -343,6 +343,29 @@ fn writes_io_uring_cancels_under_a_process_limit_are_written_with_pwrite() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains("io_uring cancelled a write"), "{stderr}");
     }
+}
+
+/// RLIMIT_FSIZE limits memfds like files: a ring larger than it is an
+/// error, not a SIGXFSZ kill.
+#[test]
+fn a_ring_past_the_file_size_limit_is_an_error_not_sigxfsz() {
+    let name = "a_ring_past_the_file_size_limit_is_an_error_not_sigxfsz";
+    if !have("prlimit") {
+        return skip(name, "prlimit (util-linux) not installed");
+    }
+    let dir = open_scratch("dmaload-capture-");
+    let to = dir.path().join("cap");
+    let out = output_or_hang(
+        Command::new("prlimit")
+            .arg("--fsize=1048576")
+            .arg(env!("CARGO_BIN_EXE_dmaload"))
+            .args(["capture", "--source", "synthetic", "--size", "64K", "--block-size", "64K", "--to"])
+            .arg(&to),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("2097152 bytes") && stderr.contains("RLIMIT_FSIZE"), "{stderr}");
+    assert!(!to.exists());
 }
 
 /// `bench stream` runs every row with real producer processes (figures are
