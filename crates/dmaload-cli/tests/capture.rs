@@ -368,6 +368,42 @@ fn a_ring_past_the_file_size_limit_is_an_error_not_sigxfsz() {
     assert!(!to.exists());
 }
 
+/// A capture that would grow past RLIMIT_FSIZE is an error at the run that
+/// would cross it, or before it starts when its size is known: never a
+/// SIGXFSZ kill, and the previous file stays.
+#[test]
+fn a_capture_past_the_file_size_limit_is_an_error_not_sigxfsz() {
+    let name = "a_capture_past_the_file_size_limit_is_an_error_not_sigxfsz";
+    if !have("prlimit") {
+        return skip(name, "prlimit (util-linux) not installed");
+    }
+    let dir = open_scratch("dmaload-capture-");
+    let src = sample(dir.path(), OsStr::new("src.bin"), (2 << 20) + 5);
+    let to = dir.path().join("cap");
+    std::fs::write(&to, b"the previous capture").unwrap();
+    let capture = |source: &[&OsStr]| {
+        output_or_hang(
+            Command::new("prlimit")
+                .arg("--fsize=1048576")
+                .arg(env!("CARGO_BIN_EXE_dmaload"))
+                .args(["capture", "--block-size", "64K", "--blocks", "4", "--to"])
+                .arg(&to)
+                .args(source),
+        )
+    };
+    for source in [
+        vec![OsStr::new("--source"), src.as_os_str()],
+        vec![OsStr::new("--source"), OsStr::new("synthetic"), OsStr::new("--size"), OsStr::new("2M")],
+    ] {
+        let out = capture(&source);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{source:?}: {stderr}");
+        assert!(stderr.contains("RLIMIT_FSIZE (1048576 bytes)") && stderr.contains("cap"), "{stderr}");
+        assert_eq!(std::fs::read(&to).unwrap(), b"the previous capture");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "no temporary file is left");
+    }
+}
+
 /// `bench stream` runs every row with real producer processes (figures are
 /// not checked: timings belong to benchmarks, not tests).
 #[test]

@@ -16,7 +16,11 @@
 //! one. A stream that breaks (the producer dies, or its control page turns
 //! out corrupt) still commits every block written so far (each was given
 //! back only once written) and the report says why it is short; one that
-//! breaks before any byte arrived is an error and commits nothing.
+//! breaks before any byte arrived is an error and commits nothing. A write
+//! that fails (ENOSPC, say) fails the capture: nothing is committed. So
+//! does a run that would grow the file past RLIMIT_FSIZE, checked before it
+//! is written (and `expected_bytes` before anything is): an error, not the
+//! SIGXFSZ that would kill the process.
 //!
 //! Runs are written whole with O_DIRECT while the file offset stays
 //! aligned; a short block (the stream's last, or one a FIFO ended early)
@@ -146,6 +150,11 @@ pub fn capture_to_file(
         }
         check_sticky(&target, meta)?;
     }
+    // Writing past RLIMIT_FSIZE would kill the process with SIGXFSZ.
+    let size_limit = sys::process::file_size_limit().ok().flatten();
+    if let Some((len, limit)) = options.expected_bytes.zip(size_limit).filter(|&(len, limit)| len > limit) {
+        return Err(past_file_size_limit(&target, len, limit));
+    }
     let dir = parent_dir(&target).to_owned();
     let name = target.file_name().unwrap_or(std::ffi::OsStr::new("capture")).to_owned();
     let removed_tmpfiles = remove_stale_tmpfiles(&dir);
@@ -260,6 +269,9 @@ pub fn capture_to_file(
                 }
                 let offset = writer.offset;
                 writer.offset += bytes.len() as u64;
+                if let Some(limit) = size_limit.filter(|&l| writer.offset > l) {
+                    break Err(past_file_size_limit(&target, writer.offset, limit).at(offset));
+                }
                 if writer.leaves_direct(bytes, offset) {
                     // O_DIRECT is the file's flag: switch with nothing in flight.
                     let mut drained = Ok(());
@@ -353,6 +365,17 @@ pub fn capture_to_file(
         seconds: started.elapsed().as_secs_f64(),
         target,
     })
+}
+
+/// The error of a capture that would grow to `len` bytes, past
+/// RLIMIT_FSIZE `limit`.
+fn past_file_size_limit(target: &Path, len: u64, limit: u64) -> Error {
+    Error::new(
+        ErrorKind::InvalidInput,
+        "capture to",
+        target,
+        format!("{len} bytes are past RLIMIT_FSIZE ({limit} bytes): raise it (ulimit -f)"),
+    )
 }
 
 /// Writes runs to the capture file through the save path's write engine,
