@@ -404,6 +404,34 @@ fn a_capture_past_the_file_size_limit_is_an_error_not_sigxfsz() {
     }
 }
 
+/// A replaced capture file keeps its permission bits whatever the umask,
+/// and (for root) its owner, as a save's does.
+#[test]
+fn a_replaced_capture_keeps_the_old_files_mode_and_owner() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = open_scratch("dmaload-capture-");
+    let src = sample(dir.path(), OsStr::new("src.bin"), (1 << 20) + 5);
+    let to = dir.path().join("cap");
+    std::fs::write(&to, b"the previous capture").unwrap();
+    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o664)).unwrap();
+    let owner = common::is_root().then(|| std::os::unix::fs::chown(&to, Some(65533), Some(65533)).unwrap());
+    let out = output_or_hang(
+        Command::new("sh")
+            .args(["-c", "umask 077; exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_dmaload")])
+            .args(["capture", "--block-size", "64K", "--source"])
+            .arg(&src)
+            .arg("--to")
+            .arg(&to),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(&to).unwrap(), std::fs::read(&src).unwrap());
+    let meta = std::fs::metadata(&to).unwrap();
+    assert_eq!(meta.mode() & 0o7777, 0o664);
+    if owner.is_some() {
+        assert_eq!((meta.uid(), meta.gid()), (65533, 65533));
+    }
+}
+
 /// `bench stream` runs every row with real producer processes (figures are
 /// not checked: timings belong to benchmarks, not tests).
 #[test]

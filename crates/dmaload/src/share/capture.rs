@@ -11,7 +11,8 @@
 //!
 //! The file gets `save`'s crash safety: the bytes go to a temporary file in
 //! the target's directory (unnamed `O_TMPFILE` where possible), which is
-//! fsynced and renamed over the target only at the end. A consumer killed
+//! fsynced and renamed over the target only at the end. A replaced file's
+//! owner, group and permission bits are kept as a save keeps them. A consumer killed
 //! mid-stream leaves no file (and a previous one untouched), never a torn
 //! one. A stream that breaks (the producer dies, or its control page turns
 //! out corrupt) still commits every block written so far (each was given
@@ -42,7 +43,9 @@ use crate::engine::write::{SharedWriteRing, WriteJob, WriteRun};
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Fallback, IoMode, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
-use crate::save::{check_sticky, choose_direct, parent_dir, remove_stale_tmpfiles, resolve, TmpFile};
+use crate::save::{
+    check_sticky, choose_direct, keep_owner_and_mode, parent_dir, remove_stale_tmpfiles, resolve, TmpFile,
+};
 use crate::sys::shm::RawBytes;
 use crate::{sys, system};
 
@@ -160,6 +163,10 @@ pub fn capture_to_file(
     let removed_tmpfiles = remove_stale_tmpfiles(&dir);
     let mode = existing.as_ref().map_or(0o666, |m| m.mode() & 0o7777);
     let tmp = TmpFile::create(&dir, &name, mode)?;
+    let mut fallbacks = Vec::new();
+    if let Some(meta) = &existing {
+        keep_owner_and_mode(&tmp.file, &target, meta, mode, &mut fallbacks)?;
+    }
     let file = &tmp.file;
     let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", &target, e))?;
     if let Some(len) = options.expected_bytes.filter(|&l| l > 0) {
@@ -182,7 +189,7 @@ pub fn capture_to_file(
         offset: 0,
         direct_bytes: 0,
         engine: options.engine,
-        fallbacks: Vec::new(),
+        fallbacks,
     };
     let (mut blocks, mut runs, mut stream_error) = (0u64, 0u64, None);
     let run_blocks = options.run_blocks.unwrap_or(queue.blocks() / 4).clamp(1, queue.blocks());
