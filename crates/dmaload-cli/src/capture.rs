@@ -53,7 +53,9 @@ pub struct CaptureCommand {
     /// What to capture: `synthetic`, or a file, FIFO or character device.
     #[arg(long, required_unless_present = "verify")]
     source: Option<String>,
-    /// The capture file (written complete or not at all).
+    /// The capture file: never torn; a stream that breaks leaves every
+    /// block that arrived (the command fails saying so), a failed write
+    /// leaves no file (a previous one untouched).
     #[arg(long, required_unless_present = "verify")]
     to: Option<PathBuf>,
     /// Check a synthetic capture instead: every block present, in order,
