@@ -53,7 +53,9 @@ pub struct CaptureCommand {
     /// What to capture: `synthetic`, or a file, FIFO or character device.
     #[arg(long, required_unless_present = "verify")]
     source: Option<String>,
-    /// The capture file (written complete or not at all).
+    /// The capture file: never torn; a stream that breaks leaves every
+    /// block that arrived (the command fails saying so), a failed write
+    /// leaves no file (a previous one untouched).
     #[arg(long, required_unless_present = "verify")]
     to: Option<PathBuf>,
     /// Check a synthetic capture instead: every block present, in order,
@@ -298,6 +300,9 @@ fn consume(cmd: &CaptureCommand) -> Result<(), String> {
             return Err(e.to_string());
         }
     };
+    for fallback in &report.fallbacks {
+        eprintln!("dmaload: fallback {fallback}");
+    }
     let producer: Option<ProducerReport> = if report.complete {
         let mut buf = vec![0u8; 64 << 10];
         let conn = queue.connection();

@@ -134,6 +134,19 @@ pub fn save(cmd: &SaveCommand) -> Result<(), String> {
             ),
         )));
     }
+    // Sizing the memfd past RLIMIT_FSIZE would kill the process with SIGXFSZ.
+    if let Some(limit) = dmaload::memory::MemoryFacts::read().file_size_limit.filter(|&l| cmd.size > l) {
+        return Err(e(dmaload::Error::new(
+            dmaload::ErrorKind::InvalidInput,
+            "save",
+            &cmd.dst,
+            format!(
+                "--size {} bytes are generated in a memfd, which RLIMIT_FSIZE ({limit} bytes) limits like a \
+                 file: raise it (ulimit -f)",
+                cmd.size
+            ),
+        )));
+    }
     let size = usize::try_from(cmd.size).map_err(|_| format!("--size {} is too large", cmd.size))?;
     let mut buf = TransferBuffer::new(MemoryType::Memfd, size).map_err(e)?;
     buf.with_bytes_mut(|b| benchkit::fill_pattern(b, 0)).map_err(e)?;

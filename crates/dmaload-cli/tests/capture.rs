@@ -6,12 +6,13 @@
 
 mod common;
 
+use std::ffi::OsStr;
 use std::io::Write;
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{dmaload, json_of, open_scratch, output_or_hang, sample};
+use common::{as_user_with, dmaload, have, json_of, open_scratch, output_or_hang, sample, skip};
 
 fn verify(path: &Path) -> std::process::Output {
     output_or_hang(dmaload().args(["capture", "--json", "--verify"]).arg(path))
@@ -275,6 +276,160 @@ fn a_killed_producer_leaves_every_block_it_delivered() {
     assert!(verdict["blocks"].as_u64().unwrap() > 0);
     assert_eq!(verdict["missing"], 0);
     assert_eq!(verdict["ok"], true, "every block delivered before the kill is whole and in order");
+}
+
+#[test]
+fn a_stream_that_breaks_before_its_first_block_keeps_the_old_file() {
+    let dir = open_scratch("dmaload-capture-");
+    let to = dir.path().join("cap");
+    std::fs::write(&to, b"the previous capture").unwrap();
+    // A directory opens but cannot be read: the producer fails before it
+    // enqueues anything.
+    let source = dir.path().join("not-a-file");
+    std::fs::create_dir(&source).unwrap();
+    let out = output_or_hang(dmaload().args(["capture", "--source"]).arg(&source).arg("--to").arg(&to));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("without finishing") && stderr.contains("no block arrived"), "{stderr}");
+    assert_eq!(std::fs::read(&to).unwrap(), b"the previous capture");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "no temporary file is left");
+}
+
+/// RLIMIT_NPROC counts the user's processes and threads: the consumer and
+/// the producer use up 2, leaving no writing thread; 3 leaves one.
+#[test]
+fn a_process_limit_leaves_fewer_writing_threads_or_a_clear_error() {
+    let name = "a_process_limit_leaves_fewer_writing_threads_or_a_clear_error";
+    let dir = open_scratch("dmaload-capture-");
+    let to = dir.path().join("cap");
+    std::fs::write(&to, b"the previous capture").unwrap();
+    let args = ["capture", "--source", "synthetic", "--size", "8M", "--block-size", "64K", "--json", "--to"];
+    // A user of its own: other tests' processes do not count against it.
+    let uid = 3_100_000 + std::process::id();
+    let Some(mut cmd) = as_user_with(uid, name, &["--nproc=2:2"]) else { return };
+    let out = output_or_hang(cmd.args(args).arg(&to));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("cannot create a writing thread") && stderr.contains("cap"), "{stderr}");
+    assert_eq!(std::fs::read(&to).unwrap(), b"the previous capture");
+
+    let Some(mut cmd) = as_user_with(uid, name, &["--nproc=3:3"]) else { return };
+    let out = output_or_hang(cmd.args(args).arg(&to));
+    let report = json_of(&out);
+    assert_eq!(report["bytes"], 8 << 20);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("fallback 4 writing threads -> 1: cannot create a writing thread"), "{stderr}");
+    assert_eq!(json_of(&verify(&to))["ok"], true);
+}
+
+/// io_uring cancels the writes it cannot create a worker thread for
+/// (RLIMIT_NPROC): a capture writes those with pwrite instead of failing.
+#[test]
+fn writes_io_uring_cancels_under_a_process_limit_are_written_with_pwrite() {
+    let name = "writes_io_uring_cancels_under_a_process_limit_are_written_with_pwrite";
+    let dir = open_scratch("dmaload-capture-");
+    let src = sample(dir.path(), OsStr::new("src.bin"), (8 << 20) + 5);
+    let to = dir.path().join("cap");
+    // The consumer, its four writing threads and the producer: no room
+    // left for io_uring's workers (a user of its own, as above).
+    let Some(mut cmd) = as_user_with(3_200_000 + std::process::id(), name, &["--nproc=6:6"]) else { return };
+    let out = output_or_hang(
+        cmd.args(["capture", "--json", "--block-size", "64K", "--source"]).arg(&src).arg("--to").arg(&to),
+    );
+    let report = json_of(&out);
+    assert_eq!(report["bytes"], (8 << 20) + 5);
+    assert_eq!(std::fs::read(&to).unwrap(), std::fs::read(&src).unwrap());
+    if report["engine"] == "pread-pool" {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("io_uring cancelled a write"), "{stderr}");
+    }
+}
+
+/// RLIMIT_FSIZE limits memfds like files: a ring larger than it is an
+/// error, not a SIGXFSZ kill.
+#[test]
+fn a_ring_past_the_file_size_limit_is_an_error_not_sigxfsz() {
+    let name = "a_ring_past_the_file_size_limit_is_an_error_not_sigxfsz";
+    if !have("prlimit") {
+        return skip(name, "prlimit (util-linux) not installed");
+    }
+    let dir = open_scratch("dmaload-capture-");
+    let to = dir.path().join("cap");
+    let out = output_or_hang(
+        Command::new("prlimit")
+            .arg("--fsize=1048576")
+            .arg(env!("CARGO_BIN_EXE_dmaload"))
+            .args(["capture", "--source", "synthetic", "--size", "64K", "--block-size", "64K", "--to"])
+            .arg(&to),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("2097152 bytes") && stderr.contains("RLIMIT_FSIZE"), "{stderr}");
+    assert!(!to.exists());
+}
+
+/// A capture that would grow past RLIMIT_FSIZE is an error at the run that
+/// would cross it, or before it starts when its size is known: never a
+/// SIGXFSZ kill, and the previous file stays.
+#[test]
+fn a_capture_past_the_file_size_limit_is_an_error_not_sigxfsz() {
+    let name = "a_capture_past_the_file_size_limit_is_an_error_not_sigxfsz";
+    if !have("prlimit") {
+        return skip(name, "prlimit (util-linux) not installed");
+    }
+    let dir = open_scratch("dmaload-capture-");
+    let src = sample(dir.path(), OsStr::new("src.bin"), (2 << 20) + 5);
+    let to = dir.path().join("cap");
+    std::fs::write(&to, b"the previous capture").unwrap();
+    let capture = |source: &[&OsStr]| {
+        output_or_hang(
+            Command::new("prlimit")
+                .arg("--fsize=1048576")
+                .arg(env!("CARGO_BIN_EXE_dmaload"))
+                .args(["capture", "--block-size", "64K", "--blocks", "4", "--to"])
+                .arg(&to)
+                .args(source),
+        )
+    };
+    for source in [
+        vec![OsStr::new("--source"), src.as_os_str()],
+        vec![OsStr::new("--source"), OsStr::new("synthetic"), OsStr::new("--size"), OsStr::new("2M")],
+    ] {
+        let out = capture(&source);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{source:?}: {stderr}");
+        assert!(stderr.contains("RLIMIT_FSIZE (1048576 bytes)") && stderr.contains("cap"), "{stderr}");
+        assert_eq!(std::fs::read(&to).unwrap(), b"the previous capture");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "no temporary file is left");
+    }
+}
+
+/// A replaced capture file keeps its permission bits whatever the umask,
+/// and (for root) its owner, as a save's does.
+#[test]
+fn a_replaced_capture_keeps_the_old_files_mode_and_owner() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = open_scratch("dmaload-capture-");
+    let src = sample(dir.path(), OsStr::new("src.bin"), (1 << 20) + 5);
+    let to = dir.path().join("cap");
+    std::fs::write(&to, b"the previous capture").unwrap();
+    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o664)).unwrap();
+    let owner = common::is_root().then(|| std::os::unix::fs::chown(&to, Some(65533), Some(65533)).unwrap());
+    let out = output_or_hang(
+        Command::new("sh")
+            .args(["-c", "umask 077; exec \"$0\" \"$@\"", env!("CARGO_BIN_EXE_dmaload")])
+            .args(["capture", "--block-size", "64K", "--source"])
+            .arg(&src)
+            .arg("--to")
+            .arg(&to),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(&to).unwrap(), std::fs::read(&src).unwrap());
+    let meta = std::fs::metadata(&to).unwrap();
+    assert_eq!(meta.mode() & 0o7777, 0o664);
+    if owner.is_some() {
+        assert_eq!((meta.uid(), meta.gid()), (65533, 65533));
+    }
 }
 
 /// `bench stream` runs every row with real producer processes (figures are

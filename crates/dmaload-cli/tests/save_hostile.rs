@@ -177,6 +177,17 @@ fn a_file_size_limit_is_an_error_not_sigxfsz() {
     let stderr = failure(&out);
     assert!(stderr.contains("RLIMIT_FSIZE") && stderr.contains("dst.bin"), "{stderr}");
     assert!(!dst.exists());
+    // `save` generates its bytes in a memfd, which the limit covers too.
+    let out = output_or_hang(
+        Command::new("prlimit")
+            .arg("--fsize=65536")
+            .arg(env!("CARGO_BIN_EXE_dmaload"))
+            .args(["save", "--size", "1M"])
+            .arg(&dst),
+    );
+    let stderr = failure(&out);
+    assert!(stderr.contains("RLIMIT_FSIZE (65536 bytes)") && stderr.contains("dst.bin"), "{stderr}");
+    assert!(!dst.exists());
 }
 
 #[test]

@@ -614,7 +614,7 @@ fn cache_policy(direct: Option<usize>, mode: IoMode) -> CachePolicy {
 /// permission bits. Changing the owner needs CAP_CHOWN: without it the
 /// group is kept where the caller belongs to it, and a fallback says who
 /// owns the new file.
-fn keep_owner_and_mode(
+pub(crate) fn keep_owner_and_mode(
     file: &File,
     target: &Path,
     old: &Metadata,

@@ -186,14 +186,7 @@ impl WriteJob<'_> {
             Err(err) if err.raw_os_error() == Some(libc::ECANCELED) => {
                 drop(ring);
                 let mut run = self.pool(self.threads, Engine::PreadPool)?;
-                fallbacks.push(Fallback::new(
-                    if fixed { "uring-fixed" } else { "uring" },
-                    "pread-pool",
-                    format!(
-                        "io_uring cancelled a write ({err}): its worker threads could not be created \
-                         (RLIMIT_NPROC or the cgroup's pids.max)"
-                    ),
-                ));
+                fallbacks.push(workers_refused(fixed, &err));
                 fallbacks.append(&mut run.fallbacks);
                 return Ok(WriteRun { engine: Engine::PreadPool, fallbacks });
             }
@@ -283,6 +276,18 @@ impl WriteJob<'_> {
     }
 }
 
+/// Why writes went to `pread-pool`: io_uring cancelled one (`err`).
+fn workers_refused(fixed: bool, err: &Error) -> Fallback {
+    Fallback::new(
+        if fixed { "uring-fixed" } else { "uring" },
+        "pread-pool",
+        format!(
+            "io_uring cancelled a write ({err}): its worker threads could not be created \
+             (RLIMIT_NPROC or the cgroup's pids.max)"
+        ),
+    )
+}
+
 /// Where a job's source lies in its ring's source: at byte `base`, inside
 /// registered buffer `slot` (if any) for its whole length. A job's own ring
 /// has it at 0 and registers windows as it goes.
@@ -302,6 +307,8 @@ pub(crate) struct SharedWriteRing<'s> {
     registered: bool,
     /// Why the source is not registered, when `uring-fixed` was asked for.
     pub refused: Option<Fallback>,
+    /// Set once io_uring cancelled a write: later jobs go to `pread-pool`.
+    cancelled: Option<Fallback>,
 }
 
 impl<'s> SharedWriteRing<'s> {
@@ -317,7 +324,19 @@ impl<'s> SharedWriteRing<'s> {
                 refused = Some(Fallback::new("uring-fixed", "uring", super::uring::register_refusal(&err)));
             }
         }
-        Ok(SharedWriteRing { ring, src, registered: register && refused.is_none(), refused })
+        Ok(SharedWriteRing { ring, src, registered: register && refused.is_none(), refused, cancelled: None })
+    }
+
+    /// Waits until no request is in flight: a failed job may leave some,
+    /// and none may read the source once the job has returned.
+    fn wait_idle(&mut self) -> io::Result<()> {
+        let mut done = Vec::new();
+        while self.ring.in_flight() > 0 {
+            self.ring.submit(1)?;
+            done.clear();
+            self.ring.reap(&mut done);
+        }
+        Ok(())
     }
 }
 
@@ -326,10 +345,24 @@ impl WriteJob<'_> {
     /// `base` (checked: a job outside it panics, as slicing does).
     pub fn run_on(&self, shared: &mut SharedWriteRing<'_>, base: usize) -> Result<WriteRun> {
         let _ = shared.src.range(base..base + self.src.len());
+        if let Some(cancelled) = &shared.cancelled {
+            let mut run = self.pool(self.threads, Engine::PreadPool)?;
+            run.fallbacks.insert(0, cancelled.clone());
+            return Ok(run);
+        }
         let placement = Placement { base, slot: shared.registered.then_some(0) };
         // The whole job is one window, in the placement's slot: no slots of its own.
         let gate = Gate::new(CancelToken::new(), 0);
-        self.uring_loop(&mut shared.ring, self.src.len().max(1), &gate, None, placement)?;
+        match self.uring_loop(&mut shared.ring, self.src.len().max(1), &gate, None, placement) {
+            // As in `uring`: the workers could not be created, write with pwrite.
+            Err(err) if err.raw_os_error() == Some(libc::ECANCELED) => {
+                shared.wait_idle().map_err(|e| Error::io("io_uring_enter", self.path, e))?;
+                let fixed = shared.registered || shared.refused.is_some();
+                shared.cancelled = Some(workers_refused(fixed, &err));
+                return self.run_on(shared, base);
+            }
+            other => other?,
+        }
         let engine = if shared.registered { Engine::UringFixed } else { Engine::Uring };
         Ok(WriteRun { engine, fallbacks: shared.refused.iter().cloned().collect() })
     }

@@ -3,15 +3,25 @@
 //! save path's write loop (io_uring, O_DIRECT where the filesystem allows),
 //! then given back. No copy through this process. Up to four runs are
 //! written at once, by writer threads whose rings each register the whole
-//! block ring once, so no write pins pages of its own.
+//! block ring once, so no write pins pages of its own. Where the process
+//! may not create that many threads (RLIMIT_NPROC, the cgroup's pids.max)
+//! fewer runs are in flight, with a fallback; with none, it is an error.
+//! Writes io_uring cancels for want of worker threads are written with
+//! `pwrite` instead, as a save's are.
 //!
 //! The file gets `save`'s crash safety: the bytes go to a temporary file in
 //! the target's directory (unnamed `O_TMPFILE` where possible), which is
-//! fsynced and renamed over the target only at the end. A consumer killed
+//! fsynced and renamed over the target only at the end. A replaced file's
+//! owner, group and permission bits are kept as a save keeps them. A consumer killed
 //! mid-stream leaves no file (and a previous one untouched), never a torn
 //! one. A stream that breaks (the producer dies, or its control page turns
 //! out corrupt) still commits every block written so far (each was given
-//! back only once written) and the report says why it is short.
+//! back only once written) and the report says why it is short; one that
+//! breaks before any byte arrived is an error and commits nothing. A write
+//! that fails (ENOSPC, say) fails the capture: nothing is committed. So
+//! does a run that would grow the file past RLIMIT_FSIZE, checked before it
+//! is written (and `expected_bytes` before anything is): an error, not the
+//! SIGXFSZ that would kill the process.
 //!
 //! Runs are written whole with O_DIRECT while the file offset stays
 //! aligned; a short block (the stream's last, or one a FIFO ended early)
@@ -33,7 +43,9 @@ use crate::engine::write::{SharedWriteRing, WriteJob, WriteRun};
 use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Fallback, IoMode, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
-use crate::save::{check_sticky, choose_direct, parent_dir, remove_stale_tmpfiles, resolve, TmpFile};
+use crate::save::{
+    check_sticky, choose_direct, keep_owner_and_mode, parent_dir, remove_stale_tmpfiles, resolve, TmpFile,
+};
 use crate::sys::shm::RawBytes;
 use crate::{sys, system};
 
@@ -141,11 +153,20 @@ pub fn capture_to_file(
         }
         check_sticky(&target, meta)?;
     }
+    // Writing past RLIMIT_FSIZE would kill the process with SIGXFSZ.
+    let size_limit = sys::process::file_size_limit().ok().flatten();
+    if let Some((len, limit)) = options.expected_bytes.zip(size_limit).filter(|&(len, limit)| len > limit) {
+        return Err(past_file_size_limit(&target, len, limit));
+    }
     let dir = parent_dir(&target).to_owned();
     let name = target.file_name().unwrap_or(std::ffi::OsStr::new("capture")).to_owned();
     let removed_tmpfiles = remove_stale_tmpfiles(&dir);
     let mode = existing.as_ref().map_or(0o666, |m| m.mode() & 0o7777);
     let tmp = TmpFile::create(&dir, &name, mode)?;
+    let mut fallbacks = Vec::new();
+    if let Some(meta) = &existing {
+        keep_owner_and_mode(&tmp.file, &target, meta, mode, &mut fallbacks)?;
+    }
     let file = &tmp.file;
     let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", &target, e))?;
     if let Some(len) = options.expected_bytes.filter(|&l| l > 0) {
@@ -168,7 +189,7 @@ pub fn capture_to_file(
         offset: 0,
         direct_bytes: 0,
         engine: options.engine,
-        fallbacks: Vec::new(),
+        fallbacks,
     };
     let (mut blocks, mut runs, mut stream_error) = (0u64, 0u64, None);
     let run_blocks = options.run_blocks.unwrap_or(queue.blocks() / 4).clamp(1, queue.blocks());
@@ -180,12 +201,15 @@ pub fn capture_to_file(
     let written: Result<()> = std::thread::scope(|scope| {
         // One writer thread per run in flight, each with a ring over the
         // whole block ring (registered once), fed runs in turn.
+        // Threads the process may not create (RLIMIT_NPROC, the cgroup's
+        // pids.max) leave fewer runs in flight, with a fallback.
         let mut writers = Vec::with_capacity(in_flight);
+        let mut refused = None;
         for _ in 0..in_flight {
             let (jobs, job_queue) = mpsc::channel::<(WriteJob<'_>, usize)>();
             let (done, results) = mpsc::channel::<Result<WriteRun>>();
             let (engine, depth) = (options.engine, options.queue_depth);
-            let thread = scope.spawn(move || {
+            let write_runs = move || {
                 let mut shared = match engine {
                     // Without io_uring here, each job falls back on its own.
                     Engine::UringFixed | Engine::Uring => {
@@ -205,9 +229,25 @@ pub fn capture_to_file(
                         break;
                     }
                 }
-            });
-            writers.push((jobs, results, thread));
+            };
+            match std::thread::Builder::new().name("dmaload-capture".into()).spawn_scoped(scope, write_runs) {
+                Ok(thread) => writers.push((jobs, results, thread)),
+                Err(err) => {
+                    refused = Some(err);
+                    break;
+                }
+            }
         }
+        if let Some(err) = refused {
+            let why =
+                format!("cannot create a writing thread: {err} (RLIMIT_NPROC or the cgroup's pids.max)");
+            if writers.is_empty() {
+                return Err(Error::new(ErrorKind::Io, "capture to", &target, why));
+            }
+            let fewer = writers.len().to_string();
+            writer.fallbacks.push(Fallback::new(&format!("{in_flight} writing threads"), &fewer, why));
+        }
+        let in_flight = writers.len();
         let mut pending: VecDeque<(HeldRun, usize)> = VecDeque::new();
         let mut turn = 0;
         let mut open = true;
@@ -236,6 +276,9 @@ pub fn capture_to_file(
                 }
                 let offset = writer.offset;
                 writer.offset += bytes.len() as u64;
+                if let Some(limit) = size_limit.filter(|&l| writer.offset > l) {
+                    break Err(past_file_size_limit(&target, writer.offset, limit).at(offset));
+                }
                 if writer.leaves_direct(bytes, offset) {
                     // O_DIRECT is the file's flag: switch with nothing in flight.
                     let mut drained = Ok(());
@@ -293,6 +336,15 @@ pub fn capture_to_file(
     });
     written?;
     let RunWriter { offset, direct, direct_bytes, engine, fallbacks, .. } = writer;
+    if let (Some(why), 0) = (&stream_error, offset) {
+        // An empty file would only replace a previous one: keep that instead.
+        return Err(Error::new(
+            ErrorKind::Io,
+            "capture to",
+            &target,
+            format!("{why}; no block arrived, so nothing was written"),
+        ));
+    }
     // Sizes past a shorter last write, or a preallocation larger than what came.
     file.set_len(offset).map_err(|e| Error::io("ftruncate", &target, e))?;
     let syncing = Instant::now();
@@ -320,6 +372,17 @@ pub fn capture_to_file(
         seconds: started.elapsed().as_secs_f64(),
         target,
     })
+}
+
+/// The error of a capture that would grow to `len` bytes, past
+/// RLIMIT_FSIZE `limit`.
+fn past_file_size_limit(target: &Path, len: u64, limit: u64) -> Error {
+    Error::new(
+        ErrorKind::InvalidInput,
+        "capture to",
+        target,
+        format!("{len} bytes are past RLIMIT_FSIZE ({limit} bytes): raise it (ulimit -f)"),
+    )
 }
 
 /// Writes runs to the capture file through the save path's write engine,
