@@ -364,6 +364,8 @@ impl Service {
             Err(err) => return Err(Error::io("stat", &path, err)),
         }
         let listener = Listener::bind(&path, 128).map_err(|e| Error::io("bind", &path, e))?;
+        // Created 0600 less the umask (never wider); made exactly 0600 in
+        // case the umask took the owner's bits too.
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| Error::io("chmod", &path, e))?;
         let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
