@@ -451,6 +451,31 @@ fn forged_requests_are_refused_and_the_service_goes_on() {
 }
 
 #[test]
+fn a_service_that_breaks_off_is_named_by_its_socket() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 10_000);
+    let socket = dir.path().join("cache.sock");
+    let listener = Listener::bind(&socket, 1).unwrap();
+    // A service that reads each request, then hangs up or answers garbage.
+    let service = std::thread::spawn(move || {
+        for reply in [None, Some(&b"garbage"[..])] {
+            let conn = listener.accept().unwrap();
+            conn.recv(&mut [0u8; 1024]).unwrap();
+            if let Some(reply) = reply {
+                conn.send(reply, &[]).unwrap();
+            }
+        }
+    });
+    for cause in ["closed the connection", "malformed message"] {
+        let err = Client::connect(&socket).unwrap().get(&path).unwrap_err();
+        assert_eq!((err.op(), err.path()), ("receive buffer", socket.as_path()), "{err}");
+        assert!(err.to_string().contains(cause), "{err}");
+    }
+    service.join().unwrap();
+}
+
+#[test]
 fn another_user_is_refused() {
     if !can_become_nobody() {
         return common::skip("another_user_is_refused", "needs root and setpriv (util-linux)");
