@@ -197,14 +197,20 @@ impl Buffer {
     /// from peers you would trust with your memory anyway (the socket's
     /// [`Connection::peer_credentials`] says who they are).
     pub fn receive(conn: &Connection) -> Result<Buffer> {
-        let (info, memfd) = protocol::receive_buffer(conn)?;
-        Buffer::from_sealed_memfd(memfd, info.offset, info.len)
+        let socket = std::path::Path::new(SOCKET);
+        let (info, memfd) = protocol::receive_buffer(conn, socket)?;
+        Buffer::from_sealed_memfd(memfd, info.offset, info.len, socket)
     }
 
     /// Maps `len` bytes at `offset` of a memfd received from another
-    /// process, after checking its seals and size.
-    pub(crate) fn from_sealed_memfd(memfd: OwnedFd, offset: u64, len: u64) -> Result<Buffer> {
-        let socket = std::path::Path::new(SOCKET);
+    /// process over `socket` (its name in errors), after checking its
+    /// seals and size.
+    pub(crate) fn from_sealed_memfd(
+        memfd: OwnedFd,
+        offset: u64,
+        len: u64,
+        socket: &std::path::Path,
+    ) -> Result<Buffer> {
         let refused =
             |message: String| Error::new(ErrorKind::InvalidInput, "receive buffer", socket, message);
         let seals = sys::mem::seals(memfd.as_fd())

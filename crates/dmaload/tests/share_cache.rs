@@ -370,6 +370,38 @@ fn least_recently_used_files_are_dropped_under_the_limit() {
 }
 
 #[test]
+fn cached_files_leave_the_service_descriptors_to_serve_with() {
+    // Each cached file holds a memfd. Under a small RLIMIT_NOFILE the
+    // cache drops files before the service runs out of descriptors,
+    // rather than failing every load (and accept) from then on.
+    const NOFILE: u64 = 64;
+    if !Command::new("prlimit").args(["--nofile=64", "true"]).status().is_ok_and(|s| s.success()) {
+        return common::skip("cached_files_leave_the_service_descriptors_to_serve_with", "needs prlimit");
+    }
+    let dir = scratch_dir();
+    let socket = dir.path().join("cache.sock");
+    let mut cmd = Command::new("prlimit");
+    cmd.arg(format!("--nofile={NOFILE}"))
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
+        .env(ROLE, "service")
+        .env(SOCKET, &socket)
+        .env(LIMIT, (1u64 << 30).to_string());
+    let service = ServiceProcess::start_with(&mut cmd, &socket);
+    let client = Client::connect(&socket).unwrap();
+    for i in 0..2 * NOFILE {
+        let path = dir.path().join(format!("f{i}"));
+        write_pattern_file(&path, 5000);
+        let fetched = client.get(&path).unwrap_or_else(|err| panic!("file {i}: {err}"));
+        assert_eq!(fetched.served, Served::Miss);
+        assert_pattern(&fetched.buffer, 0);
+    }
+    let status = service.status();
+    assert!(status.files_cached < NOFILE && status.evictions > 0, "{status:?}");
+    assert_eq!(service.memfds() as u64, status.files_cached);
+}
+
+#[test]
 fn forged_requests_are_refused_and_the_service_goes_on() {
     let dir = scratch_dir();
     let path = dir.path().join("model.bin");
@@ -416,6 +448,31 @@ fn forged_requests_are_refused_and_the_service_goes_on() {
     assert_eq!((status.errors, status.misses, status.files_cached), (11, 1, 1), "{status:?}");
     sleeper.kill().unwrap();
     sleeper.wait().unwrap();
+}
+
+#[test]
+fn a_service_that_breaks_off_is_named_by_its_socket() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 10_000);
+    let socket = dir.path().join("cache.sock");
+    let listener = Listener::bind(&socket, 1).unwrap();
+    // A service that reads each request, then hangs up or answers garbage.
+    let service = std::thread::spawn(move || {
+        for reply in [None, Some(&b"garbage"[..])] {
+            let conn = listener.accept().unwrap();
+            conn.recv(&mut [0u8; 1024]).unwrap();
+            if let Some(reply) = reply {
+                conn.send(reply, &[]).unwrap();
+            }
+        }
+    });
+    for cause in ["closed the connection", "malformed message"] {
+        let err = Client::connect(&socket).unwrap().get(&path).unwrap_err();
+        assert_eq!((err.op(), err.path()), ("receive buffer", socket.as_path()), "{err}");
+        assert!(err.to_string().contains(cause), "{err}");
+    }
+    service.join().unwrap();
 }
 
 #[test]

@@ -8,7 +8,7 @@ mod common;
 use std::fs::File;
 use std::io::{ErrorKind, Read, Seek, Write};
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -65,6 +65,18 @@ fn descriptors_and_credentials_cross_processes() {
     assert!(fds.is_empty());
     assert_eq!(&buf[..len], b"bytes only the descriptor reaches");
     assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn a_listener_socket_is_private_to_its_user_from_the_moment_it_exists() {
+    // Set before bind(2), not by a chmod after it, which would leave a
+    // moment when whatever the umask allows (0755 under 022, 0777 under
+    // 0) may connect: only the mode bind gave can be checked here.
+    let dir = scratch_dir();
+    let socket = dir.path().join("s");
+    let _listener = Listener::bind(&socket, 1).unwrap();
+    let mode = std::fs::symlink_metadata(&socket).unwrap().permissions().mode();
+    assert_eq!(mode & 0o077, 0, "socket mode {:o}: others may connect", mode & 0o777);
 }
 
 #[test]

@@ -149,13 +149,14 @@ impl Client {
         let started = Instant::now();
         let request = protocol::encode_request(Request::Get);
         self.conn.send(&request, &[file.as_fd()]).map_err(|e| Error::io("send request", &self.socket, e))?;
-        let (info, memfd) = protocol::receive_buffer(&self.conn).map_err(|err| match err.op() {
-            // Errors of the socket and of the service name the socket; a
-            // failed load names the file as this client knows it.
-            "receive buffer" | "connect" | "request" => err,
-            _ => protocol::WireError::from_error(&err).into_error(Some(path)),
-        })?;
-        let buffer = Buffer::from_sealed_memfd(memfd, info.offset, info.len)?;
+        let (info, memfd) =
+            protocol::receive_buffer(&self.conn, &self.socket).map_err(|err| match err.op() {
+                // Errors of the socket and of the service name the socket; a
+                // failed load names the file as this client knows it.
+                "receive buffer" | "connect" | "request" => err,
+                _ => protocol::WireError::from_error(&err).into_error(Some(path)),
+            })?;
+        let buffer = Buffer::from_sealed_memfd(memfd, info.offset, info.len, &self.socket)?;
         let served = info.served.ok_or_else(|| {
             Error::new(
                 ErrorKind::InvalidInput,

@@ -214,9 +214,9 @@ pub fn receive_reply(conn: &Connection) -> io::Result<Option<(Reply, Vec<OwnedFd
 
 /// Receives the message of a buffer handoff: its description and the one
 /// memfd it carries. An error reply becomes that error; anything else is
-/// refused (its descriptors closed).
-pub fn receive_buffer(conn: &Connection) -> Result<(BufferInfo, OwnedFd)> {
-    let socket = Path::new("socket");
+/// refused (its descriptors closed). `socket` names the connection in
+/// errors.
+pub fn receive_buffer(conn: &Connection, socket: &Path) -> Result<(BufferInfo, OwnedFd)> {
     let refused = |message: String| Error::new(ErrorKind::InvalidInput, "receive buffer", socket, message);
     let (reply, fds) =
         receive_reply(conn).map_err(|e| Error::io("receive buffer", socket, e))?.ok_or_else(|| {

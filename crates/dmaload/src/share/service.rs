@@ -15,7 +15,10 @@
 //! Memory: files are dropped least recently used first when a new load
 //! would pass the limit (clients that map a dropped file keep their pages
 //! until they unmap); a file larger than the limit is loaded for its client
-//! and not kept. Concurrent requests for one file load it once.
+//! and not kept. Each cached file holds a descriptor, so files are dropped
+//! the same way before they would hold half of `RLIMIT_NOFILE`: the other
+//! half accepts clients and loads. Concurrent requests for one file load
+//! it once.
 //!
 //! Robustness: each client has its own thread; a client that dies, sends
 //! garbage or asks for a file that fails to load gets (or misses) an error
@@ -315,6 +318,10 @@ struct State {
     /// pages afterwards ([`MemoryFacts::collapses_shared`]).
     collapse: bool,
     own_uid: u32,
+    /// Files the cache holds at most (loads in flight included): each
+    /// holds a memfd, and the service needs descriptors for its clients
+    /// and loads too.
+    max_files: usize,
     cache: Mutex<Cache>,
     clients: AtomicUsize,
 }
@@ -364,6 +371,8 @@ impl Service {
             Err(err) => return Err(Error::io("stat", &path, err)),
         }
         let listener = Listener::bind(&path, 128).map_err(|e| Error::io("bind", &path, e))?;
+        // Created 0600 less the umask (never wider); made exactly 0600 in
+        // case the umask took the owner's bits too.
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| Error::io("chmod", &path, e))?;
         let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
@@ -377,6 +386,10 @@ impl Service {
             memory,
             collapse: facts.collapses_shared(),
             own_uid: sys::process::effective_uid(),
+            max_files: sys::process::open_files_limit()
+                .ok()
+                .flatten()
+                .map_or(usize::MAX, |limit| usize::try_from(limit / 2).unwrap_or(usize::MAX)),
             cache: Mutex::new(Cache {
                 files: HashMap::new(),
                 used: 0,
@@ -546,17 +559,11 @@ impl State {
                 }
                 Some(Slot::Loading(pending)) => Next::Wait(Arc::clone(pending)),
                 None => {
-                    if bytes > self.config.memory_limit
-                        || !make_room(&mut cache, bytes, self.config.memory_limit, &*self.config.log)
-                    {
+                    let limits = Limits { bytes: self.config.memory_limit, files: self.max_files };
+                    if let Err(why) = make_room(&mut cache, bytes, limits, &*self.config.log) {
                         cache.counters.uncached += 1;
                         drop(cache);
-                        let note = format!(
-                            "{bytes} bytes do not fit in the service's memory limit ({} bytes, {} in use \
-                             or being loaded): loaded for this request, not cached",
-                            self.config.memory_limit,
-                            lock(&self.cache).used
-                        );
+                        let note = format!("{why}: loaded for this request, not cached");
                         return self
                             .load(&file, key)
                             .map(|loaded| (Arc::new(loaded), Served::Uncached, Some(note)));
@@ -626,39 +633,60 @@ impl State {
     }
 }
 
-/// Drops least-recently-used ready files until `bytes` more fit under
-/// `limit`; false when they cannot fit even with every ready file gone
-/// (loads in flight hold the rest), and then nothing is dropped.
-fn make_room(cache: &mut Cache, bytes: u64, limit: u64, log: &(dyn Fn(&str) + Send + Sync)) -> bool {
-    let ready_bytes: u64 = cache
+/// What the cache may hold: bytes of memory, and files (descriptors).
+#[derive(Clone, Copy)]
+struct Limits {
+    bytes: u64,
+    files: usize,
+}
+
+/// Drops least-recently-used ready files until one more of `bytes` fits
+/// under `limits`; when it cannot fit even with every ready file gone
+/// (loads in flight hold the rest), drops nothing and says why.
+fn make_room(
+    cache: &mut Cache,
+    bytes: u64,
+    limits: Limits,
+    log: &(dyn Fn(&str) + Send + Sync),
+) -> std::result::Result<(), String> {
+    let (ready_files, ready_bytes) = cache
         .files
         .values()
-        .map(|slot| match slot {
-            Slot::Ready(ready) => ready.loaded.bytes,
-            Slot::Loading(_) => 0,
+        .filter_map(|slot| match slot {
+            Slot::Ready(ready) => Some(ready.loaded.bytes),
+            Slot::Loading(_) => None,
         })
-        .sum();
-    if (cache.used - ready_bytes).saturating_add(bytes) > limit {
-        return false;
+        .fold((0, 0u64), |(files, sum), bytes| (files + 1, sum + bytes));
+    if (cache.used - ready_bytes).saturating_add(bytes) > limits.bytes {
+        return Err(format!(
+            "{bytes} bytes do not fit in the service's memory limit ({} bytes, {} in use or being loaded)",
+            limits.bytes, cache.used
+        ));
     }
-    while cache.used.saturating_add(bytes) > limit {
+    let loading_files = cache.files.len() - ready_files;
+    if loading_files >= limits.files {
+        return Err(format!(
+            "{loading_files} files are being loaded, as many as the service caches (half its RLIMIT_NOFILE)"
+        ));
+    }
+    while cache.used.saturating_add(bytes) > limits.bytes || cache.files.len() >= limits.files {
         let oldest = cache.files.iter().filter_map(|(key, slot)| match slot {
             Slot::Ready(ready) => Some((ready.last_used, *key)),
             Slot::Loading(_) => None,
         });
-        let Some((_, key)) = oldest.min() else { return false };
+        let Some((_, key)) = oldest.min() else { return Err("no cached file is left to drop".into()) };
         if let Some(Slot::Ready(ready)) = cache.files.remove(&key) {
             cache.used -= ready.loaded.bytes;
             cache.counters.evictions += 1;
             log(&format!(
-                "evicted {} ({} bytes, {} hits) to make room for {bytes} bytes",
+                "evicted {} ({} bytes, {} hits) to make room for a file of {bytes} bytes",
                 ready.loaded.path.display(),
                 ready.loaded.bytes,
                 ready.hits
             ));
         }
     }
-    true
+    Ok(())
 }
 
 /// Publishes a load's outcome to the requests waiting for it and to the

@@ -30,6 +30,12 @@ pub fn file_size_limit() -> io::Result<Option<u64>> {
     soft_limit(libc::RLIMIT_FSIZE)
 }
 
+/// The soft `RLIMIT_NOFILE` (`None` when unlimited): one more than the
+/// highest descriptor number this process may open.
+pub fn open_files_limit() -> io::Result<Option<u64>> {
+    soft_limit(libc::RLIMIT_NOFILE)
+}
+
 fn soft_limit(resource: libc::__rlimit_resource_t) -> io::Result<Option<u64>> {
     let mut lim = MaybeUninit::<libc::rlimit>::zeroed();
     // SAFETY: `lim` is a writable rlimit the kernel fills.

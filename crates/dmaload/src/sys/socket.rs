@@ -89,12 +89,16 @@ fn socket_address(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t
 
 impl SeqpacketListener {
     /// Binds a new socket to `path` (which must not exist) and listens with
-    /// a backlog of `backlog` connections. The socket file gets the mode the
-    /// umask leaves; callers wanting 0600 bind inside a private directory or
-    /// set the umask.
+    /// a backlog of `backlog` connections. The socket file is created with
+    /// mode 0600 less the umask: only its owner (and root) may connect,
+    /// from the moment it exists; a caller serving other users widens it.
     pub fn bind(path: &Path, backlog: u32) -> io::Result<SeqpacketListener> {
         let fd = new_socket()?;
         let (addr, len) = socket_address(path)?;
+        // bind(2) gives the file the socket inode's mode less the umask; a
+        // chmod after it would leave a moment when others could connect.
+        // SAFETY: fchmod takes no pointers; `fd` is an open socket.
+        check(unsafe { libc::fchmod(fd.as_raw_fd(), 0o600) })?;
         // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that lives
         // across the call.
         check(unsafe { libc::bind(fd.as_raw_fd(), std::ptr::addr_of!(addr).cast(), len) })?;
