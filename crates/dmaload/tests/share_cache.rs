@@ -475,6 +475,37 @@ fn a_service_that_breaks_off_is_named_by_its_socket() {
     service.join().unwrap();
 }
 
+/// A service out of descriptors, memory or threads of its own is a service
+/// that cannot serve: the client loads the file itself, saying why. A file
+/// that fails to load in the service fails the client's load alike.
+#[test]
+fn a_service_out_of_its_own_resources_is_a_fallback_a_failed_file_is_not() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 10_000);
+    let socket = dir.path().join("cache.sock");
+    let listener = Listener::bind(&socket, 1).unwrap();
+    let replies = [(libc::EMFILE, "allocate memory"), (libc::EIO, "read")];
+    let service = std::thread::spawn(move || {
+        for (errno, op) in replies {
+            let conn = listener.accept().unwrap();
+            conn.recv(&mut [0u8; 1024]).unwrap();
+            let err =
+                dmaload::Error::io(op, Path::new("model.bin"), std::io::Error::from_raw_os_error(errno));
+            conn.send(&protocol::encode(&Reply::Error(protocol::WireError::from_error(&err))), &[]).unwrap();
+        }
+    });
+    let (buffer, _, outcome) = load_cached(&path, &socket, &LoadOptions::default()).unwrap();
+    assert_pattern(&buffer, 0);
+    match outcome {
+        CacheOutcome::Direct { reason } => assert!(reason.contains("allocate memory"), "{reason}"),
+        other => panic!("EMFILE in the service must load directly: {other:?}"),
+    }
+    let err = load_cached(&path, &socket, &LoadOptions::default()).unwrap_err();
+    assert_eq!((err.op(), err.raw_os_error()), ("read", Some(libc::EIO)), "{err}");
+    service.join().unwrap();
+}
+
 #[test]
 fn another_user_is_refused() {
     if !can_become_nobody() {

@@ -198,7 +198,8 @@ pub enum CacheOutcome {
 
 /// Loads `path` through the cache service at `socket`, or directly (with
 /// `options`) when the service cannot be reached, refuses this client,
-/// breaks off, or the path is not a regular file; [`CacheOutcome`] says
+/// breaks off, runs out of its own resources (descriptors, memory,
+/// threads), or the path is not a regular file; [`CacheOutcome`] says
 /// which and why. An error about the file itself (it fails to load) is
 /// returned as a direct load would return it, not retried.
 ///
@@ -274,7 +275,10 @@ pub fn from_service(
 }
 
 /// Whether `err` says the service could not serve (gone, refused this
-/// client, spoke nonsense) rather than that the file failed to load.
+/// client, spoke nonsense, or ran out of descriptors, memory or threads of
+/// its own, which this process may still have) rather than that the file
+/// failed to load.
 fn service_unusable(err: &Error) -> bool {
     matches!(err.op(), "send request" | "receive buffer" | "connect")
+        || matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN))
 }
