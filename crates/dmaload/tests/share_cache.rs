@@ -413,7 +413,13 @@ fn forged_requests_are_refused_and_the_service_goes_on() {
     let ask = |bytes: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]| -> String {
         conn.send(bytes, fds).unwrap();
         match protocol::receive_reply(&conn).unwrap().unwrap().0 {
-            Reply::Error(err) => err.message,
+            Reply::Error(err) => {
+                // A request that is not one is named by the service's socket.
+                if err.op == "request" {
+                    assert_eq!(Path::new(&err.path), socket, "{err:?}");
+                }
+                err.message
+            }
             other => panic!("{other:?} for a forged request"),
         }
     };

@@ -770,7 +770,7 @@ fn serve_client(state: &State, conn: Connection) {
             Ok(message) => message,
             Err(err) if err.kind() == io::ErrorKind::InvalidData => {
                 // Too long, or too many descriptors: refused whole.
-                if !reply_error(state, &conn, &who, &Error::io("request", Path::new("socket"), err)) {
+                if !reply_error(state, &conn, &who, &Error::io("request", &state.config.socket, err)) {
                     break;
                 }
                 continue;
@@ -843,11 +843,13 @@ fn serve_client(state: &State, conn: Connection) {
                 &Error::new(
                     ErrorKind::InvalidInput,
                     "request",
-                    Path::new("socket"),
+                    &state.config.socket,
                     format!("{request:?} carried {count} descriptors (get: 1, status: 0)"),
                 ),
             ),
-            (Err(err), _) => reply_error(state, &conn, &who, &Error::io("request", Path::new("socket"), err)),
+            (Err(err), _) => {
+                reply_error(state, &conn, &who, &Error::io("request", &state.config.socket, err))
+            }
         };
         drop(fds);
         if !sent {
