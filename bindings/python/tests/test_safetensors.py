@@ -349,6 +349,14 @@ def test_sharded_errors(tmp_path: Path) -> None:
         dst.load_file(tmp_path / "empty")
 
 
+def test_an_index_larger_than_the_limit_is_not_read(tmp_path: Path) -> None:
+    index = tmp_path / "model.safetensors.index.json"
+    with open(index, "wb") as f:
+        f.truncate(dst.MAX_INDEX_LEN + 1)  # sparse: no disk, no memory
+    with pytest.raises(dmaload.SafetensorError, match=f"{index}: the index exceeds the limit"):
+        dst.load_file(tmp_path)
+
+
 def test_framework_and_device_checks(numpy_file: Path) -> None:
     with pytest.raises(ValueError, match="framework"):
         dst.load_file(numpy_file, framework="jax")  # type: ignore[arg-type]

@@ -49,6 +49,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, Union, Unpack, get_args
@@ -85,6 +86,8 @@ Framework: TypeAlias = Literal["np", "numpy", "pt", "torch"]
 StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_LEN = _dmaload.MAX_HEADER_LEN
+"""The largest index read (bytes): an index is untrusted, as a header is."""
 DEFAULT_CONCURRENCY = 4
 
 
@@ -129,12 +132,15 @@ def _index_shards(p: Path) -> tuple[list[Path], dict[str, str]]:
     the index's directory without checking it; dmaload refuses, naming the
     tensor and the file: a value that is absolute, contains ``..``, names
     no file (empty, ``.``), contains NUL; a shard that does not exist
-    (``FileNotFoundError``); an empty map; a tensor listed twice. Shards
+    (``FileNotFoundError``); an empty map; a tensor listed twice. The index
+    itself must be a regular file (``OSError`` EINVAL otherwise) of at most
+    ``MAX_INDEX_LEN`` bytes. Shards
     may be symlinks (the Hugging Face cache links into ``../../blobs``):
     the rule is about the names in the index, not where links lead.
     """
+    text = _read_index(p)
     try:
-        index = json.loads(p.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
+        index = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as exc:
         raise SafetensorError(f"{p}: invalid index JSON: {exc}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -164,6 +170,20 @@ def _index_shards(p: Path) -> tuple[list[Path], dict[str, str]]:
                 )
             files[key] = path
     return list(files.values()), normalized
+
+
+def _read_index(p: Path) -> bytes:
+    """The bytes of the index at ``p``: a regular file (a FIFO would block
+    for ever, a device such as ``/dev/zero`` never end) of at most
+    ``MAX_INDEX_LEN`` bytes."""
+    # Non-blocking: opening a FIFO without a writer returns at once.
+    with open(os.open(os.fspath(p), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "read index: not a regular file", os.fspath(p))
+        data = f.read(MAX_INDEX_LEN + 1)
+    if len(data) > MAX_INDEX_LEN:
+        raise SafetensorError(f"{p}: the index exceeds the limit of {MAX_INDEX_LEN} bytes")
+    return data
 
 
 class _File:
