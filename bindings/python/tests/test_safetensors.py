@@ -334,9 +334,13 @@ def test_sharded_errors(tmp_path: Path) -> None:
     index.write_text(json.dumps(data))
     with pytest.raises(dmaload.SafetensorError, match="outside"):
         dst.load_file(index)
-    index.write_text("{not json")
-    with pytest.raises(dmaload.SafetensorError):
-        dst.load_file(index)
+    # Each is SafetensorError naming the index, never what json.loads raises
+    # (RecursionError for deep nesting, ValueError for a huge int).
+    deep = "[" * 100_000 + "]" * 100_000
+    for text in ("{not json", deep, '{"weight_map": {"a": "x"}, "n": ' + "9" * 5000 + "}", b"\xff".decode("latin-1")):
+        index.write_text(text, encoding="latin-1")
+        with pytest.raises(dmaload.SafetensorError, match=f"{index}: invalid index JSON"):
+            dst.load_file(index)
     index.unlink()
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     st_numpy.save_file({"layer0.q": np.zeros(2, np.float32)}, tmp_path / "dup.safetensors")

@@ -141,7 +141,9 @@ def _index_shards(p: Path) -> tuple[list[Path], dict[str, str]]:
     text = _read_index(p)
     try:
         index = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as exc:
+    # ValueError: bad UTF-8, bad JSON, a key given twice, an int too long to
+    # convert; RecursionError: nesting deeper than the interpreter's stack.
+    except (ValueError, RecursionError) as exc:
         raise SafetensorError(f"{p}: invalid index JSON: {exc}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
