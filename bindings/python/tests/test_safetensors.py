@@ -481,8 +481,10 @@ def test_index_weight_maps_are_checked_against_the_files(tmp_path: Path) -> None
     st_numpy.save_file({"other": np.zeros(2, np.float32)}, tmp_path / "sub" / shard2)
     moved = dict(good["weight_map"])
     moved.update({k: f"sub/{shard2}" for k, v in good["weight_map"].items() if v == shard2})
-    with pytest.raises(dmaload.SafetensorError, match="no such tensor"):
+    with pytest.raises(dmaload.SafetensorError, match="no such tensor") as info:
         dst.load_file(with_map(moved))
+    # The error names the file that lacks the tensor by its path.
+    assert str(tmp_path / "sub" / shard2) in str(info.value), info.value
     # An empty weight map is an error, not an empty model.
     with pytest.raises(dmaload.SafetensorError, match="empty weight_map"):
         dst.load_file(with_map({}))

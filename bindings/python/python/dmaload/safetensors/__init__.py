@@ -440,11 +440,12 @@ class SafeOpen:
             # mention in the weight map, and the files load in that order.
             shard_of_file = dict(zip(dict.fromkeys(weight_map.values()), self._files))
             for name, shard in weight_map.items():
-                if name not in shard_of_file[shard].tensors:
+                file = shard_of_file[shard]
+                if name not in file.tensors:
                     owner = self._index.get(name)
                     where = f"it is in {owner.path}" if owner else "no shard has it"
                     raise SafetensorError(
-                        f"index says tensor {name!r} is in {shard!r}, but that file has no such tensor ({where})"
+                        f"index says tensor {name!r} is in {file.path}, but that file has no such tensor ({where})"
                     )
             unlisted = sorted(set(self._index) - set(weight_map))
             if unlisted:
