@@ -363,6 +363,13 @@ def _check_device(framework: str, device: Any, options: dict[str, Any]) -> None:
         )
 
 
+def _check_concurrency(concurrency: Any) -> None:
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int):
+        raise TypeError(f"concurrency must be an int, not {type(concurrency).__name__}")
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+
+
 def _load_files(
     paths: list[Path], progress: Progress, concurrency: int, options: dict[str, Any]
 ) -> list[_File]:
@@ -417,6 +424,7 @@ class SafeOpen:
     ) -> None:
         self._framework = _framework(framework)
         _check_device(self._framework, device, dict(options))
+        _check_concurrency(concurrency)
         self._device = device
         paths, weight_map = shard_paths(path)
         on_device = self._framework == "pt" and _device.is_device(device)
