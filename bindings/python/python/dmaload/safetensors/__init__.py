@@ -398,7 +398,11 @@ def _load_files_cached(paths: list[Path], socket: str, options: dict[str, Any]) 
         with memoryview(buffer) as view:
             n = int.from_bytes(view[:8], "little") if len(view) >= 8 else 0
             head = bytes(view[: 8 + min(n, _dmaload.MAX_HEADER_LEN)])
-        files.append(_File(buffer, _dmaload.parse_safetensors_header(head, len(buffer))))
+        try:
+            header = _dmaload.parse_safetensors_header(head, len(buffer))
+        except SafetensorError as exc:
+            raise SafetensorError(f"{path}: invalid safetensors file: {exc}") from None
+        files.append(_File(buffer, header))
     return files
 
 
