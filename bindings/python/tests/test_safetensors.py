@@ -311,6 +311,15 @@ def test_sharded_model_by_index_and_directory(tmp_path: Path) -> None:
                 _same_numpy(out[k], v)
     (tmp_path / "model.safetensors.index.json").unlink()
     assert set(dst.load_file(tmp_path)) == set(expected)  # all *.safetensors of the directory
+    # A directory (or a link to one) named like an index is not an index:
+    # its own files are not the model's, and a link to "." loops.
+    (tmp_path / "other.safetensors.index.json").mkdir()
+    st_numpy.save_file({"other": np.zeros(2, np.float32)}, tmp_path / "other.safetensors.index.json" / "x.safetensors")
+    assert set(dst.load_file(tmp_path)) == set(expected)
+    (tmp_path / "other.safetensors.index.json" / "x.safetensors").unlink()
+    (tmp_path / "other.safetensors.index.json").rmdir()
+    (tmp_path / "loop.safetensors.index.json").symlink_to(".")
+    assert set(dst.load_file(tmp_path)) == set(expected)
 
 
 def test_sharded_progress_sums_files(tmp_path: Path) -> None:

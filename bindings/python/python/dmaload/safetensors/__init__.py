@@ -96,12 +96,12 @@ def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
 
     A file is itself; a ``*.json`` is an index whose ``weight_map`` names
     the shards (relative to the index); a directory is its
-    ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json``)
+    ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json`` file)
     else all of its ``*.safetensors`` files in name order.
     """
     p = Path(path)
     if p.is_dir():
-        indexes = sorted(p.glob("*.safetensors.index.json"))
+        indexes = sorted(f for f in p.glob("*.safetensors.index.json") if f.is_file())
         if (p / INDEX_NAME).is_file():
             return shard_paths(p / INDEX_NAME)
         if len(indexes) == 1:
