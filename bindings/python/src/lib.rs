@@ -31,7 +31,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyTuple};
 
 create_exception!(
     _dmaload,
@@ -705,18 +705,25 @@ impl Opts {
                 continue;
             }
             let typed = |e: PyErr| PyTypeError::new_err(format!("load option {name}: {e}"));
+            // A bool is an int to Python, but True is never the count 1 a user meant.
+            let number = || -> PyResult<usize> {
+                if value.is_instance_of::<PyBool>() {
+                    return Err(PyTypeError::new_err(format!("load option {name}: a bool is not a number")));
+                }
+                value.extract().map_err(typed)
+            };
             match name.as_str() {
                 "engine" => o.engine = Some(value.extract().map_err(typed)?),
                 "mode" => o.mode = Some(value.extract().map_err(typed)?),
                 "to" => o.to = Some(value.extract().map_err(typed)?),
-                "gather_size" => o.gather_size = Some(value.extract().map_err(typed)?),
-                "chunk_size" => o.chunk_size = Some(value.extract().map_err(typed)?),
-                "queue_depth" => o.queue_depth = Some(value.extract().map_err(typed)?),
-                "threads" => o.threads = Some(value.extract().map_err(typed)?),
-                "populate_threads" => o.populate_threads = Some(value.extract().map_err(typed)?),
+                "gather_size" => o.gather_size = Some(number()?),
+                "chunk_size" => o.chunk_size = Some(number()?),
+                "queue_depth" => o.queue_depth = Some(number()?),
+                "threads" => o.threads = Some(number()?),
+                "populate_threads" => o.populate_threads = Some(number()?),
                 "measure_page_cache" => o.measure_page_cache = Some(value.extract().map_err(typed)?),
-                "staging_slots" => o.staging_slots = Some(value.extract().map_err(typed)?),
-                "staging_slot_size" => o.staging_slot_size = Some(value.extract().map_err(typed)?),
+                "staging_slots" => o.staging_slots = Some(number()?),
+                "staging_slot_size" => o.staging_slot_size = Some(number()?),
                 _ => return Err(PyTypeError::new_err(format!("unknown load option {name:?}"))),
             }
         }

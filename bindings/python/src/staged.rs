@@ -156,6 +156,18 @@ pub fn writable_bytes(buffer: &mut PyBuffer<u8>) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(buffer.buf_ptr().cast::<u8>(), len) }
 }
 
+/// Refuses host destinations that share bytes: each becomes a `&mut [u8]`,
+/// and two of those must never alias.
+fn disjoint(buffers: &[PyBuffer<u8>]) -> PyResult<()> {
+    let mut spans: Vec<(usize, usize)> =
+        buffers.iter().map(|b| (b.buf_ptr() as usize, b.len_bytes())).filter(|&(_, len)| len > 0).collect();
+    spans.sort_unstable();
+    if spans.windows(2).any(|pair| pair[0].0 + pair[0].1 > pair[1].0) {
+        return Err(PyValueError::new_err("host destinations overlap: each file needs memory of its own"));
+    }
+    Ok(())
+}
+
 fn host_target(buffer: &mut PyBuffer<u8>) -> Target<'_> {
     Target::Host(writable_bytes(buffer))
 }
@@ -220,7 +232,8 @@ pub fn release_staging(py: Python<'_>) -> PyResult<usize> {
 /// `options`) into `targets`: device
 /// pointers (ints) on CUDA device `device`, or, when `device` is -1,
 /// writable buffer-protocol objects in host memory. Each destination holds
-/// `file.data_len` bytes. Returns the reports.
+/// `file.data_len` bytes and shares none with another (ValueError
+/// otherwise). Returns the reports.
 #[pyfunction]
 #[pyo3(signature = (files, targets, device, *, options=None, progress=None))]
 pub fn _load_staged(
@@ -265,6 +278,7 @@ pub fn _load_staged(
                 .zip(&lens)
                 .map(|(t, &len)| host_buffer(t, len))
                 .collect::<PyResult<Vec<_>>>()?;
+            disjoint(&host)?;
             (host, Vec::new())
         }
         Some(_) => (Vec::new(), targets.iter().map(|t| t.extract::<u64>()).collect::<PyResult<Vec<u64>>>()?),

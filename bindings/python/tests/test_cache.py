@@ -327,3 +327,18 @@ def test_a_killed_service_leaves_clients_their_bytes_and_a_fallback(
     with pytest.warns(RuntimeWarning, match="no cache service"):
         again = dmaload.load(path, cache=svc.socket)
     assert bytes(again) == data
+
+
+def test_a_malformed_file_from_the_cache_path_is_named_in_the_error(tmp_path: Path) -> None:
+    """With cache= the header is parsed from the bytes received (here a
+    direct load: no service): its error names the file as a direct load's does."""
+    path = tmp_path / "bad.safetensors"
+    header = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(dmaload.SafetensorError, match="needs 16 bytes") as expected:
+        dst.load_file(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "no cache service"
+        with pytest.raises(dmaload.SafetensorError) as info:
+            dst.load_file(path, cache=tmp_path / "absent.sock")
+    assert str(info.value) == str(expected.value)

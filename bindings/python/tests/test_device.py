@@ -188,6 +188,11 @@ def test_host_destinations_must_be_writable_buffers_of_the_right_size(model: tup
     good = bytearray(file.data_len)
     dmaload._dmaload._load_staged([file], [good], -1)
     assert bytes(good) == path.read_bytes()[-file.data_len :]
+    # Each destination becomes a `&mut [u8]`: two sharing bytes would alias.
+    both = np.zeros(file.data_len + 1, dtype=np.uint8)
+    for first, second in ((good, good), (both[:-1], both[1:])):
+        with pytest.raises(ValueError, match="overlap"):
+            dmaload._dmaload._load_staged([file, file], [first, second], -1)
 
 
 @needs_cuda

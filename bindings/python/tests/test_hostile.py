@@ -173,6 +173,31 @@ def test_a_fifo_is_an_error_not_a_hang(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "REFUSED" in out.stdout, f"{out.stdout}\n{out.stderr}"
 
+def test_an_index_that_is_not_a_regular_file_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    """A sharded model's index that is a FIFO (no writer: reading it would
+    block for ever) or a device that never ends (/dev/zero: reading it
+    would exhaust memory) is refused by type, naming the index."""
+    os.mkfifo(tmp_path / "fifo.safetensors.index.json")
+    (tmp_path / "zero.safetensors.index.json").symlink_to("/dev/zero")
+    code = textwrap.dedent(
+        """
+        import errno, sys
+        from dmaload.safetensors import load_file
+        for index in sys.argv[1:]:
+            try:
+                load_file(index)
+            except OSError as e:
+                assert e.errno == errno.EINVAL and e.filename == index and "regular file" in str(e), e
+            else:
+                raise SystemExit("loaded " + index)
+        print("REFUSED")
+        """
+    )
+    indexes = [str(tmp_path / f"{kind}.safetensors.index.json") for kind in ("fifo", "zero")]
+    out = subprocess.run([sys.executable, "-c", code, *indexes], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "REFUSED" in out.stdout, f"{out.stdout}\n{out.stderr}"
+
+
 
 def test_a_name_that_is_not_utf8_round_trips(tmp_path: Path) -> None:
     raw = os.fsencode(tmp_path) + b"/model-\xff\xfe.bin"

@@ -150,3 +150,25 @@ def test_python_cli_takes_to_with_the_host_choices(data_file: tuple[Path, bytes]
     assert out.returncode == 2 and "invalid choice" in out.stderr
     assert "needs the native dmaload CLI" in " ".join(_python_cli("load", "--help").stdout.split())
     assert _python_cli("load", str(path), "--memory", "memfd").returncode == 2
+
+
+@pytest.mark.parametrize("option", ["queue_depth", "threads", "populate_threads", "staging_slots", "chunk_size"])
+def test_a_bool_is_not_a_count(data_file: tuple[Path, bytes], option: str) -> None:
+    """True is an int to Python, but never the count 1 a user meant: the
+    native side refuses it, naming the option, as parse_size does."""
+    path, _ = data_file
+    with pytest.raises(TypeError, match=f"load option {option}: .*bool"):
+        _dmaload.load(path, options={option: True})
+
+
+def test_the_safetensors_concurrency_is_checked_by_name(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    st = pytest.importorskip("safetensors.numpy")
+    path = tmp_path / "m.safetensors"
+    st.save_file({"w": np.arange(6, dtype=np.float32)}, path)
+    from dmaload.safetensors import load_file, safe_open
+
+    for load in (load_file, safe_open):
+        for bad, error in ((-1, ValueError), (0, ValueError), ("2", TypeError), (True, TypeError), (2.0, TypeError)):
+            with pytest.raises(error, match="concurrency"):
+                load(path, concurrency=bad)  # type: ignore[arg-type]

@@ -311,6 +311,15 @@ def test_sharded_model_by_index_and_directory(tmp_path: Path) -> None:
                 _same_numpy(out[k], v)
     (tmp_path / "model.safetensors.index.json").unlink()
     assert set(dst.load_file(tmp_path)) == set(expected)  # all *.safetensors of the directory
+    # A directory (or a link to one) named like an index is not an index:
+    # its own files are not the model's, and a link to "." loops.
+    (tmp_path / "other.safetensors.index.json").mkdir()
+    st_numpy.save_file({"other": np.zeros(2, np.float32)}, tmp_path / "other.safetensors.index.json" / "x.safetensors")
+    assert set(dst.load_file(tmp_path)) == set(expected)
+    (tmp_path / "other.safetensors.index.json" / "x.safetensors").unlink()
+    (tmp_path / "other.safetensors.index.json").rmdir()
+    (tmp_path / "loop.safetensors.index.json").symlink_to(".")
+    assert set(dst.load_file(tmp_path)) == set(expected)
 
 
 def test_sharded_progress_sums_files(tmp_path: Path) -> None:
@@ -334,9 +343,13 @@ def test_sharded_errors(tmp_path: Path) -> None:
     index.write_text(json.dumps(data))
     with pytest.raises(dmaload.SafetensorError, match="outside"):
         dst.load_file(index)
-    index.write_text("{not json")
-    with pytest.raises(dmaload.SafetensorError):
-        dst.load_file(index)
+    # Each is SafetensorError naming the index, never what json.loads raises
+    # (RecursionError for deep nesting, ValueError for a huge int).
+    deep = "[" * 100_000 + "]" * 100_000
+    for text in ("{not json", deep, '{"weight_map": {"a": "x"}, "n": ' + "9" * 5000 + "}", b"\xff".decode("latin-1")):
+        index.write_text(text, encoding="latin-1")
+        with pytest.raises(dmaload.SafetensorError, match=f"{index}: invalid index JSON"):
+            dst.load_file(index)
     index.unlink()
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     st_numpy.save_file({"layer0.q": np.zeros(2, np.float32)}, tmp_path / "dup.safetensors")
@@ -347,6 +360,14 @@ def test_sharded_errors(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError):
         dst.load_file(tmp_path / "empty")
+
+
+def test_an_index_larger_than_the_limit_is_not_read(tmp_path: Path) -> None:
+    index = tmp_path / "model.safetensors.index.json"
+    with open(index, "wb") as f:
+        f.truncate(dst.MAX_INDEX_LEN + 1)  # sparse: no disk, no memory
+    with pytest.raises(dmaload.SafetensorError, match=f"{index}: the index exceeds the limit"):
+        dst.load_file(tmp_path)
 
 
 def test_framework_and_device_checks(numpy_file: Path) -> None:
@@ -469,8 +490,10 @@ def test_index_weight_maps_are_checked_against_the_files(tmp_path: Path) -> None
     st_numpy.save_file({"other": np.zeros(2, np.float32)}, tmp_path / "sub" / shard2)
     moved = dict(good["weight_map"])
     moved.update({k: f"sub/{shard2}" for k, v in good["weight_map"].items() if v == shard2})
-    with pytest.raises(dmaload.SafetensorError, match="no such tensor"):
+    with pytest.raises(dmaload.SafetensorError, match="no such tensor") as info:
         dst.load_file(with_map(moved))
+    # The error names the file that lacks the tensor by its path.
+    assert str(tmp_path / "sub" / shard2) in str(info.value), info.value
     # An empty weight map is an error, not an empty model.
     with pytest.raises(dmaload.SafetensorError, match="empty weight_map"):
         dst.load_file(with_map({}))

@@ -165,7 +165,8 @@ def _load_staged(
     device pointers (ints) of CUDA device ``device``, each ``file.data_len``
     bytes of device memory alive and unused by anything else until the call
     returns; or, when ``device`` is -1, writable C-contiguous buffers
-    (``tensor.numpy()``, ``bytearray``) of exactly ``file.data_len`` bytes."""
+    (``tensor.numpy()``, ``bytearray``) of exactly ``file.data_len`` bytes,
+    no two sharing a byte (``ValueError``)."""
 
 def release_staging() -> int:
     """Frees the staging rings kept for later device loads (one per device,

@@ -49,6 +49,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, Union, Unpack, get_args
@@ -85,6 +86,8 @@ Framework: TypeAlias = Literal["np", "numpy", "pt", "torch"]
 StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_LEN = _dmaload.MAX_HEADER_LEN
+"""The largest index read (bytes): an index is untrusted, as a header is."""
 DEFAULT_CONCURRENCY = 4
 
 
@@ -93,12 +96,12 @@ def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
 
     A file is itself; a ``*.json`` is an index whose ``weight_map`` names
     the shards (relative to the index); a directory is its
-    ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json``)
+    ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json`` file)
     else all of its ``*.safetensors`` files in name order.
     """
     p = Path(path)
     if p.is_dir():
-        indexes = sorted(p.glob("*.safetensors.index.json"))
+        indexes = sorted(f for f in p.glob("*.safetensors.index.json") if f.is_file())
         if (p / INDEX_NAME).is_file():
             return shard_paths(p / INDEX_NAME)
         if len(indexes) == 1:
@@ -129,13 +132,18 @@ def _index_shards(p: Path) -> tuple[list[Path], dict[str, str]]:
     the index's directory without checking it; dmaload refuses, naming the
     tensor and the file: a value that is absolute, contains ``..``, names
     no file (empty, ``.``), contains NUL; a shard that does not exist
-    (``FileNotFoundError``); an empty map; a tensor listed twice. Shards
+    (``FileNotFoundError``); an empty map; a tensor listed twice. The index
+    itself must be a regular file (``OSError`` EINVAL otherwise) of at most
+    ``MAX_INDEX_LEN`` bytes. Shards
     may be symlinks (the Hugging Face cache links into ``../../blobs``):
     the rule is about the names in the index, not where links lead.
     """
+    text = _read_index(p)
     try:
-        index = json.loads(p.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as exc:
+        index = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    # ValueError: bad UTF-8, bad JSON, a key given twice, an int too long to
+    # convert; RecursionError: nesting deeper than the interpreter's stack.
+    except (ValueError, RecursionError) as exc:
         raise SafetensorError(f"{p}: invalid index JSON: {exc}") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
@@ -164,6 +172,20 @@ def _index_shards(p: Path) -> tuple[list[Path], dict[str, str]]:
                 )
             files[key] = path
     return list(files.values()), normalized
+
+
+def _read_index(p: Path) -> bytes:
+    """The bytes of the index at ``p``: a regular file (a FIFO would block
+    for ever, a device such as ``/dev/zero`` never end) of at most
+    ``MAX_INDEX_LEN`` bytes."""
+    # Non-blocking: opening a FIFO without a writer returns at once.
+    with open(os.open(os.fspath(p), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "read index: not a regular file", os.fspath(p))
+        data = f.read(MAX_INDEX_LEN + 1)
+    if len(data) > MAX_INDEX_LEN:
+        raise SafetensorError(f"{p}: the index exceeds the limit of {MAX_INDEX_LEN} bytes")
+    return data
 
 
 class _File:
@@ -341,6 +363,13 @@ def _check_device(framework: str, device: Any, options: dict[str, Any]) -> None:
         )
 
 
+def _check_concurrency(concurrency: Any) -> None:
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int):
+        raise TypeError(f"concurrency must be an int, not {type(concurrency).__name__}")
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+
+
 def _load_files(
     paths: list[Path], progress: Progress, concurrency: int, options: dict[str, Any]
 ) -> list[_File]:
@@ -369,7 +398,11 @@ def _load_files_cached(paths: list[Path], socket: str, options: dict[str, Any]) 
         with memoryview(buffer) as view:
             n = int.from_bytes(view[:8], "little") if len(view) >= 8 else 0
             head = bytes(view[: 8 + min(n, _dmaload.MAX_HEADER_LEN)])
-        files.append(_File(buffer, _dmaload.parse_safetensors_header(head, len(buffer))))
+        try:
+            header = _dmaload.parse_safetensors_header(head, len(buffer))
+        except SafetensorError as exc:
+            raise SafetensorError(f"{path}: invalid safetensors file: {exc}") from None
+        files.append(_File(buffer, header))
     return files
 
 
@@ -395,6 +428,7 @@ class SafeOpen:
     ) -> None:
         self._framework = _framework(framework)
         _check_device(self._framework, device, dict(options))
+        _check_concurrency(concurrency)
         self._device = device
         paths, weight_map = shard_paths(path)
         on_device = self._framework == "pt" and _device.is_device(device)
@@ -418,11 +452,12 @@ class SafeOpen:
             # mention in the weight map, and the files load in that order.
             shard_of_file = dict(zip(dict.fromkeys(weight_map.values()), self._files))
             for name, shard in weight_map.items():
-                if name not in shard_of_file[shard].tensors:
+                file = shard_of_file[shard]
+                if name not in file.tensors:
                     owner = self._index.get(name)
                     where = f"it is in {owner.path}" if owner else "no shard has it"
                     raise SafetensorError(
-                        f"index says tensor {name!r} is in {shard!r}, but that file has no such tensor ({where})"
+                        f"index says tensor {name!r} is in {file.path}, but that file has no such tensor ({where})"
                     )
             unlisted = sorted(set(self._index) - set(weight_map))
             if unlisted:
