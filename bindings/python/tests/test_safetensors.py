@@ -37,7 +37,10 @@ def _random_numpy(dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
 
 
 def _torch_bytes(t: Any) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+    # A fresh dense copy: `contiguous()` keeps the stride of a size-1 axis
+    # (a slice with a step), which `view` as bytes refuses.
+    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    return bytes(dense.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
 
 
 def _same_numpy(ours: np.ndarray[Any, Any], theirs: np.ndarray[Any, Any]) -> None:
@@ -188,6 +191,30 @@ def test_safe_open_api(numpy_file: Path) -> None:
         assert ours.reports[0].bytes == numpy_file.stat().st_size
     with pytest.raises(ValueError):
         ours.keys()
+
+
+def test_get_slice_matches_safetensors(numpy_file: Path) -> None:
+    # Keys safetensors' slices take (it refuses negative indices; ours take
+    # whatever the framework's indexing does).
+    keys: list[Any] = [slice(None), slice(1, 3), slice(None, None, 2), 1, (slice(None), slice(0, 2)), (..., 0)]
+    for framework in ("np", "pt"):
+        with safetensors.safe_open(numpy_file, framework=framework) as theirs, dst.safe_open(numpy_file, framework) as ours:
+            for name in theirs.keys():
+                t, o = theirs.get_slice(name), ours.get_slice(name)
+                assert (o.get_shape(), o.get_dtype()) == (t.get_shape(), t.get_dtype()), name
+                for key in keys:
+                    try:
+                        expected = t[key]
+                    except Exception:  # an index past this tensor's rank or size
+                        continue
+                    got = o[key]
+                    if framework == "np":
+                        _same_numpy(got, expected)
+                    else:
+                        assert got.shape == expected.shape and got.dtype == expected.dtype, (name, key)
+                        assert _torch_bytes(got) == _torch_bytes(expected), (name, key)
+    with dst.safe_open(numpy_file) as f:
+        assert np.array_equal(f.get_slice("float32_3x5")[-1], f.get_tensor("float32_3x5")[-1])
 
 
 def test_all_tensors_are_views_of_one_buffer(numpy_file: Path) -> None:

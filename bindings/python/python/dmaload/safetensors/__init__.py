@@ -68,6 +68,7 @@ __all__ = [
     "SafeOpen",
     "SafetensorError",
     "TensorInfo",
+    "TensorSlice",
     "load_file",
     "release_staging",
     "safe_open",
@@ -409,8 +410,8 @@ def _load_files_cached(paths: list[Path], socket: str, options: dict[str, Any]) 
 class SafeOpen:
     """A loaded safetensors file (or sharded model), like ``safetensors.safe_open``.
 
-    The files are loaded when it is opened; ``keys()``, ``metadata()`` and
-    ``get_tensor()`` then only build views. Leaving the ``with`` block drops
+    The files are loaded when it is opened; ``keys()``, ``metadata()``,
+    ``get_tensor()`` and ``get_slice()`` then only build views. Leaving the ``with`` block drops
     this object's hold on the buffers: tensors taken from it stay valid and
     keep their buffer alive.
     """
@@ -520,6 +521,12 @@ class SafeOpen:
             t = t.to(self._device)
         return t
 
+    def get_slice(self, name: str) -> TensorSlice:
+        """The tensor called ``name``, to be indexed (``f.get_slice(name)[:, :8]``),
+        as ``safetensors``' ``get_slice`` gives it."""
+        self._check()
+        return TensorSlice(self.get_tensor(name), self.tensor_info(name))
+
     def get_tensors(self) -> dict[str, Any]:
         """All tensors, in file order."""
         return {name: self.get_tensor(name) for name in self.offset_keys()}
@@ -542,6 +549,34 @@ class SafeOpen:
     def reports(self) -> list[LoadReport]:
         """The load reports, one per file."""
         return [f.report for f in self._files]
+
+
+class TensorSlice:
+    """A tensor of a :class:`SafeOpen` whose part is chosen by indexing, like
+    ``safetensors``' slice object: ``get_shape()``, ``get_dtype()`` (the
+    safetensors name, e.g. ``"BF16"``) and ``[...]``. The file is already
+    loaded, so indexing returns a view of the tensor (NumPy or PyTorch
+    indexing: steps, negative indices, ``...`` and integers all work)."""
+
+    def __init__(self, tensor: Any, info: TensorInfo) -> None:
+        self._tensor = tensor
+        self._info = info
+
+    def get_shape(self) -> list[int]:
+        """The tensor's shape."""
+        return list(self._info.shape)
+
+    def get_dtype(self) -> str:
+        """The tensor's safetensors dtype name."""
+        return self._info.dtype
+
+    def __getitem__(self, key: Any) -> Any:
+        key = key if isinstance(key, tuple) else (key,)
+        # With an Ellipsis, NumPy gives an array even where all axes are
+        # indexed (a 0-d array, as safetensors gives, not a NumPy scalar).
+        if not any(k is Ellipsis for k in key):
+            key = (*key, Ellipsis)
+        return self._tensor[key]
 
 
 def safe_open(
