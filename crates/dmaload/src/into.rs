@@ -4,8 +4,9 @@
 //! Where the memory lines up with the file, the engine reads straight into
 //! it: the caller's pages are populated and registered gather by gather,
 //! exactly as a fresh buffer's are, and only the edges (the bytes before
-//! the first page boundary of the memory and after the last) go through a
-//! two-page staging ring. "Lines up" means that the file offset of the
+//! the first page boundary of the memory and after the last whole page, or
+//! whole block of the alignment where that is larger) go through a staging
+//! ring of two such pages or blocks. "Lines up" means that the file offset of the
 //! first whole page of memory is a multiple of the read alignment: always
 //! for buffered reads, and for direct I/O when memory address and file
 //! offset agree modulo the alignment (page-aligned memory and an aligned
@@ -54,7 +55,6 @@ pub fn load_open_into(
     let page = sys::mem::page_size();
     let address = dst.as_ptr() as usize;
     let head = (address.next_multiple_of(page) - address).min(dst.len());
-    let body = (dst.len() - head) / page * page;
     let warm = cached_source_options(file, offset, Some(len), options)?;
     let (options, cached) = match &warm {
         Some((warm, why)) => (warm, Some(why)),
@@ -63,7 +63,12 @@ pub fn load_open_into(
     let mut opened = open_range(file.source(), path, offset, Some(len), options, false)?;
     opened.fallbacks.extend(cached.cloned());
     let body_offset = offset + head as u64;
-    if body == 0 || !opened.setup.align.is_power_of_two() || body_offset % opened.setup.align as u64 != 0 {
+    let align = opened.setup.align;
+    // Whole pages of memory and whole blocks of the file (an alignment may
+    // be larger than a page): the reads end where the body does.
+    let block = page.max(align);
+    let body = (dst.len() - head) / block * block;
+    if body == 0 || !align.is_power_of_two() || body_offset % align as u64 != 0 {
         drop(opened);
         return staged(file, offset, dst, options, None);
     }
@@ -73,8 +78,8 @@ pub fn load_open_into(
         let (head_bytes, rest) = dst.split_at_mut(head);
         let (body_bytes, tail_bytes) = rest.split_at_mut(body);
         let filled = fill_mapping(path, setup, plan, body as u64, options, MappingWriter::over(body_bytes))?;
-        read_edge(file, offset, head_bytes, options)?;
-        read_edge(file, body_offset + body as u64, tail_bytes, options)?;
+        read_edge(file, offset, head_bytes, block, options)?;
+        read_edge(file, body_offset + body as u64, tail_bytes, block, options)?;
         Ok(filled)
     });
     let ((run, times), plan) = match in_place {
@@ -98,16 +103,23 @@ pub fn load_open_into(
     Ok(report)
 }
 
-/// Reads file bytes `offset..offset + dst.len()` (a few, around a page
-/// boundary) into `dst` through a two-page staging ring: the same pipeline,
-/// whatever the alignment of either end.
-fn read_edge(file: &OpenFile, offset: u64, dst: &mut [u8], options: &LoadOptions) -> Result<()> {
+/// Reads file bytes `offset..offset + dst.len()` (less than a `block`, a
+/// page or one aligned read, around a boundary of one) into `dst` through a
+/// staging ring of two such blocks: the same pipeline, whatever the
+/// alignment of either end.
+fn read_edge(
+    file: &OpenFile,
+    offset: u64,
+    dst: &mut [u8],
+    block: usize,
+    options: &LoadOptions,
+) -> Result<()> {
     if dst.is_empty() {
         return Ok(());
     }
     let page = sys::mem::page_size();
     let mut ring =
-        StagingRing::new(2, page, page).map_err(|e| Error::io("allocate staging ring", file.path(), e))?;
+        StagingRing::new(2, block, page).map_err(|e| Error::io("allocate staging ring", file.path(), e))?;
     let quiet = LoadOptions { progress: None, ..options.clone() };
     load_open_to_sink(
         file,

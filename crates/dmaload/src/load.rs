@@ -186,6 +186,28 @@ pub(crate) fn open_range<'p>(
 }
 
 impl Opened<'_> {
+    /// Makes each read of `chunk` bytes fit in `limit` bytes (a staging
+    /// slot) once aligned ([`Plan::request_len`]): a direct-I/O alignment
+    /// larger than that (a network filesystem's block size, say) reads
+    /// buffered instead, or in `direct` mode is an error.
+    pub(crate) fn fit_reads_to(&mut self, limit: usize, chunk: usize, mode: IoMode) -> Result<()> {
+        let align = self.setup.align;
+        if Plan::request_len(chunk, align, sys::mem::page_size()) <= limit {
+            return Ok(());
+        }
+        let why = format!(
+            "direct I/O on this file reads whole blocks of {align} bytes, more than a staging slot of \
+             {limit} bytes holds"
+        );
+        if mode == IoMode::Direct {
+            return Err(Error::new(ErrorKind::DirectIoUnavailable, "load", self.path, why));
+        }
+        let file = &self.source.file;
+        self.setup = buffered(self.path, file, no_residue_policy(file))?;
+        self.fallbacks.push(Fallback::new("direct", cache_name(self.setup.cache), why));
+        Ok(())
+    }
+
     /// Runs `attempt` with the chosen setup and its plan, retrying once the
     /// way a failure allows: buffered after an `EINVAL` on a direct read
     /// (some devices reject the reported alignment), with the pread pool
@@ -485,7 +507,10 @@ fn load_through_ring(
 /// mapping). The ring is the only host memory the load uses, whatever the
 /// file size; it may serve any number of loads, one at a time. The sink has
 /// received every byte when this returns `Ok`; after an error it may hold
-/// part of them, which the caller must not use.
+/// part of them, which the caller must not use. A file whose direct-I/O
+/// alignment is larger than a slot is read buffered (a fallback in the
+/// report), or in `direct` mode is an [`ErrorKind::DirectIoUnavailable`]
+/// error.
 pub fn load_to_sink(
     path: impl AsRef<Path>,
     offset: u64,
@@ -588,6 +613,7 @@ pub fn load_open_to_sink(
     };
     let mut opened = open_range(file.source(), path, offset, len, options, false)?;
     opened.fallbacks.extend(cached.cloned());
+    opened.fit_reads_to(slot, chunk, options.mode)?;
     let (offset, len) = (opened.offset, opened.len);
     let plan_for = |align| Plan::staged(offset, len, align, chunk, slot, page);
     let started = Instant::now();

@@ -83,8 +83,9 @@ impl Plan {
         let span = (read_end - file_start) as usize;
         let mapping_len = span.div_ceil(page) * page;
         // A chunk is whole pages (so every chunk starts page-aligned in memory)
-        // and a gather is whole chunks.
-        let chunk = Self::chunk_len(chunk, page);
+        // and whole alignment blocks (so every read is aligned, and none reads
+        // padding alone), and a gather is whole chunks.
+        let chunk = Self::request_len(chunk, align, page);
         let mut gather = gather.clamp(chunk, MAX_GATHER_BYTES) / chunk * chunk;
         // The ramp adds at most log2(gather / chunk) + 1 gathers.
         let ramp = |gather: usize| (gather / chunk).ilog2() as usize + 1;
@@ -109,10 +110,11 @@ impl Plan {
     /// of `slot` bytes: every gather is one slot's worth (no ramp: the slots
     /// are populated before the load starts), and their number is not
     /// bounded by the registered-buffer table, since gather `g` reuses slot
-    /// `g % slots`.
+    /// `g % slots`. A slot must hold at least one request
+    /// ([`Plan::request_len`]).
     pub fn staged(offset: u64, len: u64, align: usize, chunk: usize, slot: usize, page: usize) -> Plan {
         let mut plan = Plan::new(offset, len, align, chunk, slot, page);
-        plan.gather = Self::slot_len(chunk, slot, page);
+        plan.gather = Self::slot_len(plan.chunk, slot, page);
         let gather = plan.gather;
         plan.gather_bounds = (0..plan.mapping_len.div_ceil(gather))
             .map(|g| g * gather)
@@ -133,6 +135,12 @@ impl Plan {
     /// pages, at least one.
     pub fn chunk_len(chunk: usize, page: usize) -> usize {
         chunk.max(page).div_ceil(page) * page
+    }
+
+    /// The length of a read request for `chunk` bytes asked for with reads
+    /// aligned to `align`: whole pages and whole alignment blocks.
+    pub fn request_len(chunk: usize, align: usize, page: usize) -> usize {
+        Self::chunk_len(chunk, page).next_multiple_of(align)
     }
 
     /// The part of gather `g` the caller asked for, as file offsets.
@@ -312,6 +320,19 @@ mod tests {
         assert_eq!(huge.gather_count(), 1 << 20);
         assert_eq!(Plan::slot_len(3 * M, 4 * M, P), 3 * M);
         assert_eq!(Plan::slot_len(M, 1, P), M);
+    }
+
+    #[test]
+    fn an_alignment_larger_than_a_chunk_widens_the_chunks() {
+        const M: usize = 1 << 20;
+        let plan = Plan::new(5000, 3 * M as u64, M, 64 << 10, 4 * M, P);
+        assert_eq!((plan.file_start, plan.read_end, plan.chunk), (0, 4 * M as u64, M));
+        // Every read starts aligned and carries requested bytes.
+        for i in 0..plan.chunk_count() {
+            let req = plan.chunk_request(i);
+            assert_eq!(req.start % M as u64, 0);
+            assert!(req.need > 0, "chunk {i} reads only padding");
+        }
     }
 
     #[test]

@@ -1,8 +1,10 @@
 """A read-only FUSE filesystem with one file, `data`, whose reads fail with
 EIO wherever they cover BAD_OFFSET: a real device-style I/O error for the
-loader's error tests. Needs fusepy (pip) and libfuse2.
+loader's error tests. Needs fusepy (pip) and libfuse2. BLKSIZE (default
+4096) is the file's st_blksize: FUSE reports no STATX_DIOALIGN, so it is
+the direct-I/O alignment a loader falls back to.
 
-usage: faulty_fuse.py MOUNTPOINT SIZE BAD_OFFSET
+usage: faulty_fuse.py MOUNTPOINT SIZE BAD_OFFSET [BLKSIZE]
 """
 
 import errno
@@ -13,15 +15,17 @@ from fuse import FUSE, FuseOSError, Operations
 
 
 class Faulty(Operations):
-    def __init__(self, size: int, bad_offset: int) -> None:
+    def __init__(self, size: int, bad_offset: int, blksize: int) -> None:
         self.size = size
         self.bad_offset = bad_offset
+        self.blksize = blksize
 
     def getattr(self, path, fh=None):
         if path == "/":
             return {"st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2}
         if path == "/data":
-            return {"st_mode": stat.S_IFREG | 0o444, "st_nlink": 1, "st_size": self.size}
+            return {"st_mode": stat.S_IFREG | 0o444, "st_nlink": 1, "st_size": self.size,
+                    "st_blksize": self.blksize}
         raise FuseOSError(errno.ENOENT)
 
     def readdir(self, path, fh):
@@ -36,4 +40,5 @@ class Faulty(Operations):
 
 if __name__ == "__main__":
     mountpoint, size, bad_offset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    FUSE(Faulty(size, bad_offset), mountpoint, foreground=True, nothreads=True, ro=True)
+    blksize = int(sys.argv[4]) if len(sys.argv) > 4 else 4096
+    FUSE(Faulty(size, bad_offset, blksize), mountpoint, foreground=True, nothreads=True, ro=True)
