@@ -168,8 +168,18 @@ fn prepare_engine<'m>(
         Err(err) => return Err(Error::io("io_uring_setup", path, err)),
     };
     let registrar = if options.engine == Engine::UringFixed {
-        match ring.register_slots(layout.table_len(plan)).and_then(|()| ring.registrar()) {
-            Ok(registrar) => Some(registrar),
+        match ring.register_slots(layout.table_len(plan)).map(|()| ring.registrar()) {
+            Ok(Ok(registrar)) => Some(registrar),
+            Ok(Err(err)) => {
+                fallbacks.push(Fallback::new(
+                    Engine::UringFixed.name(),
+                    Engine::Uring.name(),
+                    format!(
+                        "no free file descriptor to register buffers through ({err}): RLIMIT_NOFILE is too small"
+                    ),
+                ));
+                None
+            }
             Err(err) => {
                 fallbacks.push(engine::no_sparse_table(&err));
                 None

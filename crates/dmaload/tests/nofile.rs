@@ -1,0 +1,48 @@
+//! Loads under a small RLIMIT_NOFILE, every limit from none to spare up to a
+//! few: each fails with a clear error or falls back, and a fallback forced
+//! by the limit names it. The only test of its binary, since it lowers the
+//! limit of its whole process.
+
+mod common;
+
+use common::{assert_pattern, scratch_dir, write_pattern_file};
+use dmaload::LoadOptions;
+
+fn set_open_files_limit(soft: u64) {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes `limit`, which lives across the call.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
+    limit.rlim_cur = soft.min(limit.rlim_max);
+    // SAFETY: setrlimit only reads `limit`.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
+}
+
+#[test]
+fn a_fallback_forced_by_rlimit_nofile_names_it() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f.bin");
+    write_pattern_file(&path, 1 << 20);
+    let options = LoadOptions::default();
+    // Warm up what a load keeps open for the process (its unmapping thread).
+    drop(dmaload::load(&path, &options).unwrap());
+    let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64 - 1;
+    let mut reasons = Vec::new();
+    for spare in 0..12 {
+        set_open_files_limit(open + spare);
+        let loaded = dmaload::load(&path, &options);
+        set_open_files_limit(1 << 16);
+        match loaded {
+            Ok((buffer, report)) => {
+                assert_pattern(&buffer, 0);
+                reasons.extend(
+                    report.fallbacks.into_iter().map(|f| format!("{} -> {}: {}", f.from, f.to, f.reason)),
+                );
+            }
+            Err(err) => assert_eq!(err.raw_os_error(), Some(libc::EMFILE), "{spare} spare: {err}"),
+        }
+    }
+    assert!(!reasons.is_empty(), "no limit forced a fallback");
+    for reason in &reasons {
+        assert!(reason.contains("RLIMIT_NOFILE"), "{reason}");
+    }
+}
