@@ -171,13 +171,7 @@ fn prepare_engine<'m>(
         match ring.register_slots(layout.table_len(plan)).map(|()| ring.registrar()) {
             Ok(Ok(registrar)) => Some(registrar),
             Ok(Err(err)) => {
-                fallbacks.push(Fallback::new(
-                    Engine::UringFixed.name(),
-                    Engine::Uring.name(),
-                    format!(
-                        "no free file descriptor to register buffers through ({err}): RLIMIT_NOFILE is too small"
-                    ),
-                ));
+                fallbacks.push(engine::no_registrar(&err));
                 None
             }
             Err(err) => {

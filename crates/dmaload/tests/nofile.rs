@@ -1,12 +1,12 @@
-//! Loads under a small RLIMIT_NOFILE, every limit from none to spare up to a
-//! few: each fails with a clear error or falls back, and a fallback forced
-//! by the limit names it. The only test of its binary, since it lowers the
+//! Loads and saves under a small RLIMIT_NOFILE, every limit from none to
+//! spare up to a few: each fails with a clear error or falls back, and a
+//! fallback forced by the limit names it. The only test of its binary, since it lowers the
 //! limit of its whole process.
 
 mod common;
 
 use common::{assert_pattern, scratch_dir, write_pattern_file};
-use dmaload::LoadOptions;
+use dmaload::{LoadOptions, SaveOptions};
 
 fn set_open_files_limit(soft: u64) {
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -26,11 +26,28 @@ fn a_fallback_forced_by_rlimit_nofile_names_it() {
     // Warm up what a load keeps open for the process (its unmapping thread).
     drop(dmaload::load(&path, &options).unwrap());
     let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64 - 1;
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| i as u8).collect();
+    let saved = dir.path().join("saved.bin");
     let mut reasons = Vec::new();
     for spare in 0..12 {
         set_open_files_limit(open + spare);
         let loaded = dmaload::load(&path, &options);
+        let save = dmaload::save(&data, &saved, &SaveOptions::default());
         set_open_files_limit(1 << 16);
+        match save {
+            Ok(report) => {
+                assert_eq!(std::fs::read(&saved).unwrap(), data);
+                // The save's own fallbacks (O_TMPFILE and such) need no fd.
+                reasons.extend(
+                    report
+                        .fallbacks
+                        .into_iter()
+                        .filter(|f| f.from == "uring-fixed")
+                        .map(|f| format!("save: {} -> {}: {}", f.from, f.to, f.reason)),
+                );
+            }
+            Err(err) => assert_eq!(err.raw_os_error(), Some(libc::EMFILE), "save, {spare} spare: {err}"),
+        }
         match loaded {
             Ok((buffer, report)) => {
                 assert_pattern(&buffer, 0);

@@ -580,6 +580,17 @@ pub(crate) fn no_sparse_table(err: &io::Error) -> crate::options::Fallback {
     )
 }
 
+/// The fallback taken when the thread that registers buffers beside the
+/// I/O cannot get its duplicate of the ring's fd: io_uring with plain
+/// addresses.
+pub(crate) fn no_registrar(err: &io::Error) -> crate::options::Fallback {
+    crate::options::Fallback::new(
+        Engine::UringFixed.name(),
+        Engine::Uring.name(),
+        format!("no free file descriptor to register buffers through ({err}): RLIMIT_NOFILE is too small"),
+    )
+}
+
 /// Whether a failed `io_uring_setup` means io_uring is unavailable to this
 /// process (old kernel, `kernel.io_uring_disabled`, seccomp, or a
 /// RLIMIT_MEMLOCK or RLIMIT_NOFILE too small for the ring itself), not a bug.

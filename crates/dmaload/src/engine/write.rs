@@ -145,8 +145,12 @@ impl WriteJob<'_> {
         }
         let windows = self.src.len().div_ceil(window);
         let registrar = if fixed && windows > 0 {
-            match ring.register_slots(windows as u32).and_then(|()| ring.registrar()) {
-                Ok(registrar) => Some(registrar),
+            match ring.register_slots(windows as u32).map(|()| ring.registrar()) {
+                Ok(Ok(registrar)) => Some(registrar),
+                Ok(Err(err)) => {
+                    fallbacks.push(super::no_registrar(&err));
+                    None
+                }
                 Err(err) => {
                     fallbacks.push(super::no_sparse_table(&err));
                     None
