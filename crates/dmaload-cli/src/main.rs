@@ -214,7 +214,13 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     // `auto` may choose anonymous memory.
     options.needs_fd = false;
     let whole_host_file = cmd.offset == 0 && cmd.length.is_none() && options.to.is_host();
-    if let Some(socket) = cache_socket(cmd) {
+    // The report this command prints shows the page cache: measured unless
+    // --no-page-cache (the library measures only when asked); a load the
+    // cache service cannot take is measured the same way.
+    options.measure_page_cache = !cmd.no_page_cache;
+    let (bar, callback) = progress_bar("loading");
+    options.progress = Some(callback);
+    let result = if let Some(socket) = cache_socket(cmd) {
         if !whole_host_file {
             return Err(dmaload::Error::new(
                 dmaload::ErrorKind::InvalidInput,
@@ -224,47 +230,39 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
                  for a range or a device",
             ));
         }
-        let (buffer, report, outcome) = dmaload::share::load_cached(&cmd.file, &socket, &options)?;
-        match outcome {
-            dmaload::share::CacheOutcome::Service { served, note } => {
-                eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
-                if let Some(note) = note {
-                    eprintln!("dmaload: cache service: {note}");
+        dmaload::share::load_cached(&cmd.file, &socket, &options).map(|(buffer, report, outcome)| {
+            match outcome {
+                dmaload::share::CacheOutcome::Service { served, note } => {
+                    eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
+                    if let Some(note) = note {
+                        eprintln!("dmaload: cache service: {note}");
+                    }
+                }
+                dmaload::share::CacheOutcome::Direct { reason } => {
+                    eprintln!("dmaload: {reason}; loaded directly");
                 }
             }
-            dmaload::share::CacheOutcome::Direct { reason } => {
-                eprintln!("dmaload: {reason}; loaded directly");
+            let hash = cmd.hash.then(|| output::hash_timed(&buffer));
+            (report, hash)
+        })
+    } else {
+        match options.to.clone() {
+            Destination::Cuda(device) => {
+                gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash)
             }
-        }
-        let hash = cmd.hash.then(|| output::hash_timed(&buffer));
-        if cmd.json {
-            println!("{}", output::load_json(&report, hash.as_ref()));
-        } else {
-            print!("{}", output::load_text(&report, hash.as_ref()));
-        }
-        return Ok(());
-    }
-    // The report this command prints shows the page cache: measured unless
-    // --no-page-cache (the library measures only when asked).
-    options.measure_page_cache = !cmd.no_page_cache;
-    let (bar, callback) = progress_bar("loading");
-    options.progress = Some(callback);
-    let result = match options.to.clone() {
-        Destination::Cuda(device) => {
-            gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash)
-        }
-        Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf => {
-            dmabuf_cmd::load(&cmd.file, cmd.offset, cmd.length, &options, cmd.hash)
-        }
-        _ => {
-            let loaded = match cmd.length {
-                Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
-                None => dmaload::load_from(&cmd.file, cmd.offset, &options),
-            };
-            loaded.map(|(buffer, report)| {
-                let hash = cmd.hash.then(|| output::hash_timed(&buffer));
-                (report, hash)
-            })
+            Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf => {
+                dmabuf_cmd::load(&cmd.file, cmd.offset, cmd.length, &options, cmd.hash)
+            }
+            _ => {
+                let loaded = match cmd.length {
+                    Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
+                    None => dmaload::load_from(&cmd.file, cmd.offset, &options),
+                };
+                loaded.map(|(buffer, report)| {
+                    let hash = cmd.hash.then(|| output::hash_timed(&buffer));
+                    (report, hash)
+                })
+            }
         }
     };
     bar.finish_and_clear();

@@ -119,6 +119,26 @@ fn load_measures_the_page_cache_unless_told_not_to() {
 }
 
 #[test]
+fn load_cache_without_a_service_reports_like_a_direct_load() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 1 << 20);
+    let socket = dir.path().join("no-service.sock");
+    let out = dmaload()
+        .args(["load", "--json", "--mode", "buffered", "--cache"])
+        .arg(&socket)
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no cache service"), "{out:?}");
+    let report = json_of(&out);
+    assert_eq!(report["page_cache"]["resident_bytes"], 1 << 20, "{report}");
+    let out = dmaload().args(["load", "--cache"]).arg(&socket).arg(&path).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.lines().any(|l| l.starts_with("cache ")), "{text}");
+}
+
+#[test]
 fn low_memlock_limit_falls_back_to_unregistered_io_uring() {
     let name = "low_memlock_limit_falls_back_to_unregistered_io_uring";
     let dir = scratch();
