@@ -432,6 +432,13 @@ fn demo_generates_a_sample_model_and_compares_two_loads() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("content identical: yes"), "{text}");
     assert!(text.contains("== default") && text.contains("== baseline"), "{text}");
+    // The sample is about --size, not a minimum of 348 MiB.
+    let bytes: u64 = text
+        .lines()
+        .find(|l| l.starts_with("loaded"))
+        .and_then(|l| l.split(['(', ' ']).find_map(|w| w.parse().ok()))
+        .unwrap();
+    assert!(bytes <= 48 << 20, "{text}");
     // The model is generated once and reused.
     let again = dmaload().args(["demo", "--size", "48M", "--cache-dir"]).arg(dir.path()).output().unwrap();
     assert!(!String::from_utf8_lossy(&again.stderr).contains("generated"));
