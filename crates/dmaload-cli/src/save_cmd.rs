@@ -45,6 +45,7 @@ pub struct SaveCommand {
     size: u64,
     #[command(flatten)]
     save: SaveArgs,
+    /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
 }
@@ -57,6 +58,8 @@ pub struct CopyCommand {
     load: LoadArgs,
     #[command(flatten)]
     save: SaveArgs,
+    /// Print one JSON object: the load's report, the save's and
+    /// total_seconds.
     #[arg(long)]
     json: bool,
 }
