@@ -63,7 +63,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Write a generated buffer to a file, crash-safe (tmp + fsync + rename).
     Save(save_cmd::SaveCommand),
-    /// Load SRC into shareable memory and save it to DST; reports both halves.
+    /// Load SRC into memory (`--to`, by default the cheapest host memory) and
+    /// save it to DST; reports both halves.
     Copy(save_cmd::CopyCommand),
     /// Serve loaded files to other processes from memory (a model cache):
     /// clients send an open file, get its bytes as a sealed memfd.

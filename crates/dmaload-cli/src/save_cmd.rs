@@ -1,5 +1,5 @@
 //! `dmaload save` and `dmaload copy`: the write direction from the command
-//! line. `copy` loads SRC into shareable memory and saves it to DST,
+//! line. `copy` loads SRC into host memory and saves it to DST,
 //! reporting both halves; `save` writes a generated buffer (a quick way to
 //! see what a device takes).
 
