@@ -114,7 +114,7 @@ struct LoadCommand {
     cache: Option<Option<PathBuf>>,
 }
 
-/// The knobs of a load, shared by `load`, `demo` and `bench`.
+/// The knobs of a load, shared by `load` and `copy`.
 #[derive(Args, Clone)]
 pub struct LoadArgs {
     /// Engine: uring-fixed, uring, pread-pool or read.
