@@ -109,7 +109,9 @@ struct LoadCommand {
     /// Get the whole file from the cache service (`dmaload serve`) at
     /// SOCKET (default: $DMALOAD_CACHE when it names a socket, else the
     /// service's default socket); without a service, load directly and say
-    /// why. DMALOAD_CACHE=1 or a socket path in the environment does the same.
+    /// why. DMALOAD_CACHE=1 or a socket path in the environment does the same
+    /// for a whole file into host memory (a range or a device is then
+    /// loaded directly; with --cache it is an error).
     #[arg(long, value_name = "SOCKET", num_args = 0..=1)]
     cache: Option<Option<PathBuf>>,
 }
@@ -221,16 +223,22 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     options.measure_page_cache = !cmd.no_page_cache;
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
-    let result = if let Some(socket) = cache_socket(cmd) {
-        if !whole_host_file {
+    let mut socket = cache_socket(cmd);
+    if socket.is_some() && !whole_host_file {
+        const WHY: &str = "the cache service serves whole files to host memory";
+        if cmd.cache.is_some() {
             return Err(dmaload::Error::new(
                 dmaload::ErrorKind::InvalidInput,
                 "load",
                 &cmd.file,
-                "the cache service serves whole files to host memory: drop --cache (and DMALOAD_CACHE) \
-                 for a range or a device",
+                format!("{WHY}: drop --cache for a range or a device"),
             ));
         }
+        // Only the environment asked: it means "where the cache can serve".
+        eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a range or a device; loading directly");
+        socket = None;
+    }
+    let result = if let Some(socket) = socket {
         dmaload::share::load_cached(&cmd.file, &socket, &options).map(|(buffer, report, outcome)| {
             match outcome {
                 dmaload::share::CacheOutcome::Service { served, note } => {
