@@ -38,8 +38,10 @@ pub struct BindArgs {
     /// Runs of each row (interleaved); the table shows median (min–max).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Print one JSON object instead of a Markdown table.
     #[arg(long)]
     json: bool,
+    /// Also draw the table as bar charts into this PNG.
     #[arg(long)]
     plot: Option<PathBuf>,
 }

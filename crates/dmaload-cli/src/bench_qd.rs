@@ -22,6 +22,8 @@ pub struct QdArgs {
     /// Size of the generated file: random offsets spread over all of it.
     #[arg(long, value_parser = parse_size, default_value = "1G")]
     size: u64,
+    /// Directory of the generated file (on the device, not tmpfs). Default:
+    /// the sample cache.
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Seconds each cell reads.
@@ -30,8 +32,10 @@ pub struct QdArgs {
     /// Runs of each cell (interleaved).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Print one JSON object instead of a Markdown table.
     #[arg(long)]
     json: bool,
+    /// Also draw the table as bar charts into this PNG.
     #[arg(long)]
     plot: Option<PathBuf>,
 }

@@ -23,13 +23,16 @@ pub struct SaveBenchArgs {
     /// Directory written to (on the device to measure). Default: the sample cache.
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Runs of each method (interleaved).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
     /// Skip fio even when it is installed.
     #[arg(long)]
     no_fio: bool,
+    /// Print one JSON object instead of a Markdown table.
     #[arg(long)]
     json: bool,
+    /// Also draw the GiB/s of every method as bars into this PNG.
     #[arg(long)]
     plot: Option<PathBuf>,
 }

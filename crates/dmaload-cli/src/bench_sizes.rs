@@ -32,14 +32,17 @@ pub struct SizesArgs {
     /// Sizes to run instead of the seed's (comma-separated).
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     sizes: Vec<u64>,
-    /// Directory of the generated files (on the device, not tmpfs).
+    /// Directory of the generated files (on the device, not tmpfs). Default:
+    /// the sample cache.
     #[arg(long)]
     dir: Option<PathBuf>,
     /// Runs of each method per size (interleaved).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Print one JSON object instead of a Markdown table.
     #[arg(long)]
     json: bool,
+    /// Also draw the times of every size as bar charts into this PNG.
     #[arg(long)]
     plot: Option<PathBuf>,
 }

@@ -294,7 +294,10 @@ fn consume(cmd: &CaptureCommand) -> Result<(), String> {
     let report = match outcome {
         Ok(report) => report,
         Err(e) => {
-            // Nothing was committed; make the producer stop too.
+            // Nothing was committed; stop the producer too, before it sees
+            // the queue close and adds "the consumer went away" to this
+            // error.
+            let _ = child.kill();
             drop(queue);
             let _ = child.wait();
             return Err(e.to_string());

@@ -63,7 +63,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Write a generated buffer to a file, crash-safe (tmp + fsync + rename).
     Save(save_cmd::SaveCommand),
-    /// Load SRC into shareable memory and save it to DST; reports both halves.
+    /// Load SRC into memory (`--to`, by default the cheapest host memory) and
+    /// save it to DST; reports both halves.
     Copy(save_cmd::CopyCommand),
     /// Serve loaded files to other processes from memory (a model cache):
     /// clients send an open file, get its bytes as a sealed memfd.
@@ -108,12 +109,14 @@ struct LoadCommand {
     /// Get the whole file from the cache service (`dmaload serve`) at
     /// SOCKET (default: $DMALOAD_CACHE when it names a socket, else the
     /// service's default socket); without a service, load directly and say
-    /// why. DMALOAD_CACHE=1 or a socket path in the environment does the same.
+    /// why. DMALOAD_CACHE=1 or a socket path in the environment does the same
+    /// for a whole file into host memory (a range or a device is then
+    /// loaded directly; with --cache it is an error).
     #[arg(long, value_name = "SOCKET", num_args = 0..=1)]
     cache: Option<Option<PathBuf>>,
 }
 
-/// The knobs of a load, shared by `load`, `demo` and `bench`.
+/// The knobs of a load, shared by `load` and `copy`.
 #[derive(Args, Clone)]
 pub struct LoadArgs {
     /// Engine: uring-fixed, uring, pread-pool or read.
@@ -214,57 +217,61 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     // `auto` may choose anonymous memory.
     options.needs_fd = false;
     let whole_host_file = cmd.offset == 0 && cmd.length.is_none() && options.to.is_host();
-    if let Some(socket) = cache_socket(cmd) {
-        if !whole_host_file {
+    // The report this command prints shows the page cache: measured unless
+    // --no-page-cache (the library measures only when asked); a load the
+    // cache service cannot take is measured the same way.
+    options.measure_page_cache = !cmd.no_page_cache;
+    let (bar, callback) = progress_bar("loading");
+    options.progress = Some(callback);
+    let mut socket = cache_socket(cmd);
+    if socket.is_some() && !whole_host_file {
+        const WHY: &str = "the cache service serves whole files to host memory";
+        if cmd.cache.is_some() {
             return Err(dmaload::Error::new(
                 dmaload::ErrorKind::InvalidInput,
                 "load",
                 &cmd.file,
-                "the cache service serves whole files to host memory: drop --cache (and DMALOAD_CACHE) \
-                 for a range or a device",
+                format!("{WHY}: drop --cache for a range or a device"),
             ));
         }
-        let (buffer, report, outcome) = dmaload::share::load_cached(&cmd.file, &socket, &options)?;
-        match outcome {
-            dmaload::share::CacheOutcome::Service { served, note } => {
-                eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
-                if let Some(note) = note {
-                    eprintln!("dmaload: cache service: {note}");
+        // Only the environment asked: it means "where the cache can serve".
+        eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a range or a device; loading directly");
+        socket = None;
+    }
+    let result = if let Some(socket) = socket {
+        dmaload::share::load_cached(&cmd.file, &socket, &options).map(|(buffer, report, outcome)| {
+            match outcome {
+                dmaload::share::CacheOutcome::Service { served, note } => {
+                    eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
+                    if let Some(note) = note {
+                        eprintln!("dmaload: cache service: {note}");
+                    }
+                }
+                dmaload::share::CacheOutcome::Direct { reason } => {
+                    eprintln!("dmaload: {reason}; loaded directly");
                 }
             }
-            dmaload::share::CacheOutcome::Direct { reason } => {
-                eprintln!("dmaload: {reason}; loaded directly");
+            let hash = cmd.hash.then(|| output::hash_timed(&buffer));
+            (report, hash)
+        })
+    } else {
+        match options.to.clone() {
+            Destination::Cuda(device) => {
+                gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash)
             }
-        }
-        let hash = cmd.hash.then(|| output::hash_timed(&buffer));
-        if cmd.json {
-            println!("{}", output::load_json(&report, hash.as_ref()));
-        } else {
-            print!("{}", output::load_text(&report, hash.as_ref()));
-        }
-        return Ok(());
-    }
-    // The report this command prints shows the page cache: measured unless
-    // --no-page-cache (the library measures only when asked).
-    options.measure_page_cache = !cmd.no_page_cache;
-    let (bar, callback) = progress_bar("loading");
-    options.progress = Some(callback);
-    let result = match options.to.clone() {
-        Destination::Cuda(device) => {
-            gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash)
-        }
-        Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf => {
-            dmabuf_cmd::load(&cmd.file, cmd.offset, cmd.length, &options, cmd.hash)
-        }
-        _ => {
-            let loaded = match cmd.length {
-                Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
-                None => dmaload::load_from(&cmd.file, cmd.offset, &options),
-            };
-            loaded.map(|(buffer, report)| {
-                let hash = cmd.hash.then(|| output::hash_timed(&buffer));
-                (report, hash)
-            })
+            Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf => {
+                dmabuf_cmd::load(&cmd.file, cmd.offset, cmd.length, &options, cmd.hash)
+            }
+            _ => {
+                let loaded = match cmd.length {
+                    Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
+                    None => dmaload::load_from(&cmd.file, cmd.offset, &options),
+                };
+                loaded.map(|(buffer, report)| {
+                    let hash = cmd.hash.then(|| output::hash_timed(&buffer));
+                    (report, hash)
+                })
+            }
         }
     };
     bar.finish_and_clear();

@@ -17,16 +17,24 @@ struct Tensor {
     shape: Vec<u64>,
 }
 
-/// Tensors of an f16 decoder-only model with `hidden` width whose total
-/// size is close to `target_bytes`.
+/// Tensors of an f16 decoder-only model whose total size is close to
+/// `target_bytes`: 2048 wide (a 32000-token vocabulary) where one layer
+/// fits, else narrowed by halves (down to 64 wide) until one does, so a
+/// small sample is small.
 fn layout(target_bytes: u64) -> Vec<Tensor> {
-    let hidden = 2048u64;
-    let intermediate = 5632u64;
-    let vocab = 32000u64;
+    let dims = |hidden: u64| {
+        let (intermediate, vocab) = (hidden * 11 / 4, hidden * 125 / 8);
+        let per_layer = 2 * (4 * hidden * hidden + 3 * intermediate * hidden + 2 * hidden);
+        let fixed = 2 * (2 * vocab * hidden + hidden);
+        (intermediate, vocab, per_layer, fixed)
+    };
+    let mut hidden = 2048u64;
+    while hidden > 64 && dims(hidden).2 + dims(hidden).3 > target_bytes {
+        hidden /= 2;
+    }
+    let (intermediate, vocab, per_layer, fixed) = dims(hidden);
     let t = |name: String, shape: &[u64]| Tensor { name, shape: shape.to_vec() };
     let mut tensors = vec![t("model.embed_tokens.weight".into(), &[vocab, hidden])];
-    let per_layer = 2 * (4 * hidden * hidden + 3 * intermediate * hidden + 2 * hidden);
-    let fixed = 2 * (2 * vocab * hidden + hidden);
     let layers = (target_bytes.saturating_sub(fixed) / per_layer).max(1);
     for i in 0..layers {
         let p = format!("model.layers.{i}");
@@ -146,6 +154,20 @@ mod tests {
         assert_eq!(spans.first().unwrap().0, 0);
         assert!(spans.windows(2).all(|w| w[0].1 == w[1].0));
         assert_eq!(spans.last().unwrap().1, data_len);
+    }
+
+    #[test]
+    fn a_sample_is_about_the_size_asked_and_the_large_ones_keep_their_layout() {
+        let size = |target: u64| {
+            let (header, data_len) = header(&layout(target));
+            8 + header.len() as u64 + data_len
+        };
+        // The 2 GiB sample of the benchmarks and docs, byte for byte.
+        assert_eq!(size(2 << 30), 2_112_002_424);
+        for target in [1u64 << 20, 48 << 20, 64 << 20, 300 << 20, 1 << 30] {
+            let got = size(target);
+            assert!(got <= target && got >= target / 2, "{target}: {got}");
+        }
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! `dmaload save` and `dmaload copy`: the write direction from the command
-//! line. `copy` loads SRC into shareable memory and saves it to DST,
+//! line. `copy` loads SRC into host memory and saves it to DST,
 //! reporting both halves; `save` writes a generated buffer (a quick way to
 //! see what a device takes).
 
@@ -45,6 +45,7 @@ pub struct SaveCommand {
     size: u64,
     #[command(flatten)]
     save: SaveArgs,
+    /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
 }
@@ -57,6 +58,8 @@ pub struct CopyCommand {
     load: LoadArgs,
     #[command(flatten)]
     save: SaveArgs,
+    /// Print one JSON object: the load's report, the save's and
+    /// total_seconds.
     #[arg(long)]
     json: bool,
 }

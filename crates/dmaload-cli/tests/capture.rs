@@ -135,6 +135,16 @@ fn files_and_fifos_arrive_bit_exact_with_an_unaligned_tail() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("open /nonexistent/x"));
     assert!(!to.exists());
+
+    // A capture file that cannot be created is one error, the consumer's:
+    // the producer it stops does not add that the consumer went away.
+    let to = dir.path().join("no-such-dir").join("cap");
+    let out =
+        output_or_hang(dmaload().args(["capture", "--source", "synthetic", "--size", "1M", "--to"]).arg(&to));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no-such-dir"), "{stderr}");
+    assert_eq!(stderr.matches("error:").count(), 1, "{stderr}");
 }
 
 /// A ring of two small blocks against storage with fsyncs: the producer

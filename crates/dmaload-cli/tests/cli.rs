@@ -119,6 +119,26 @@ fn load_measures_the_page_cache_unless_told_not_to() {
 }
 
 #[test]
+fn load_cache_without_a_service_reports_like_a_direct_load() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "f", 1 << 20);
+    let socket = dir.path().join("no-service.sock");
+    let out = dmaload()
+        .args(["load", "--json", "--mode", "buffered", "--cache"])
+        .arg(&socket)
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no cache service"), "{out:?}");
+    let report = json_of(&out);
+    assert_eq!(report["page_cache"]["resident_bytes"], 1 << 20, "{report}");
+    let out = dmaload().args(["load", "--cache"]).arg(&socket).arg(&path).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.lines().any(|l| l.starts_with("cache ")), "{text}");
+}
+
+#[test]
 fn low_memlock_limit_falls_back_to_unregistered_io_uring() {
     let name = "low_memlock_limit_falls_back_to_unregistered_io_uring";
     let dir = scratch();
@@ -412,6 +432,13 @@ fn demo_generates_a_sample_model_and_compares_two_loads() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("content identical: yes"), "{text}");
     assert!(text.contains("== default") && text.contains("== baseline"), "{text}");
+    // The sample is about --size, not a minimum of 348 MiB.
+    let bytes: u64 = text
+        .lines()
+        .find(|l| l.starts_with("loaded"))
+        .and_then(|l| l.split(['(', ' ']).find_map(|w| w.parse().ok()))
+        .unwrap();
+    assert!(bytes <= 48 << 20, "{text}");
     // The model is generated once and reused.
     let again = dmaload().args(["demo", "--size", "48M", "--cache-dir"]).arg(dir.path()).output().unwrap();
     assert!(!String::from_utf8_lossy(&again.stderr).contains("generated"));

@@ -142,6 +142,17 @@ fn sigint_stops_the_service_and_a_range_is_not_cached() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("whole files"));
+    // DMALOAD_CACHE in the environment leaves a range to a direct load.
+    let out = dmaload()
+        .args(["load", "--json", "--offset", "4096"])
+        .arg(&file)
+        .env("XDG_RUNTIME_DIR", &runtime)
+        .env("DMALOAD_CACHE", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("whole files"));
+    assert_eq!(json(&out)["bytes"], (1 << 20) - 4096);
     let second = dmaload().arg("serve").env("XDG_RUNTIME_DIR", &runtime).output().unwrap();
     assert!(!second.status.success());
     assert!(String::from_utf8_lossy(&second.stderr).contains("already listening"));
