@@ -132,7 +132,7 @@ pub struct LoadArgs {
     /// Where the bytes go: auto (the cheapest host memory this kernel gives:
     /// huge pages where it allows, see `dmaload info`), memfd (4 KiB pages,
     /// shareable by fd), memfd-huge (memfd with 2 MiB pages: needs
-    /// shmem_enabled advise), hugetlb (memfd from the hugetlb pool),
+    /// shmem_enabled always, within_size, advise or force), hugetlb (memfd from the hugetlb pool),
     /// anonymous-thp (no fd, transparent huge pages), anonymous (no fd, 4 KiB
     /// pages), a dma-buf (`load`
     /// only: udmabuf, a memfd exported without copy; dma-heap:NAME, from
@@ -153,7 +153,8 @@ pub struct LoadArgs {
     /// Threads (pread-pool engine).
     #[arg(long, default_value_t = DEFAULT_POOL_THREADS)]
     threads: usize,
-    /// Threads populating memory ahead of the I/O (default: CPUs, 1 to 4).
+    /// Threads populating memory ahead of the I/O (the default is this
+    /// machine's CPUs, 1 to 4).
     #[arg(long, default_value_t = dmaload::load::default_populate_threads())]
     populate_threads: usize,
 }
