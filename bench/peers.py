@@ -24,7 +24,8 @@ Reported per peer: median GiB/s (min-max), CPU seconds (user+system, all
 threads), peak RSS added by the load (VmHWM after clear_refs minus the RSS
 before the load, memfd and mapped-file pages included) as a multiple of the
 model size, page-cache residue left by the load (mincore), and each median
-against the best non-dmaload peer's.
+against the best non-dmaload peer's. A run whose tensors differ from the
+file's (count, or the sum of the bytes it touched) fails.
 
     python bench/peers.py --size 3G --runs 3
     python bench/peers.py --size 2G --runs 5 --peers dmaload-pt,safetensors-pt,fio
@@ -150,6 +151,25 @@ def resident_bytes(path: Path) -> int:
             _libc.munmap(addr, size)
     finally:
         os.close(fd)
+
+
+def expected_checksum(path: Path) -> tuple[int, int]:
+    """(tensor count, checksum) of the model as ``_touch`` sums it: one byte
+    per page of every tensor's bytes, read from the file itself (the
+    reference every peer's tensors must match). The file is evicted after."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        (n,) = struct.unpack("<Q", mm[:8])
+        header = json.loads(mm[8 : 8 + n])
+        base = 8 + n
+        total, tensors = 0, 0
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            total += sum(mm[base + begin : base + end : PAGE])
+            tensors += 1
+    evict(path)
+    return tensors, total
 
 
 # --------------------------------------------------------------------------
@@ -347,6 +367,7 @@ def main() -> int:
     skipped = [p for p in wanted if p not in peers]
     if skipped:
         print(f"skipped (not installed): {', '.join(skipped)}")
+    want_tensors, want_checksum = expected_checksum(path)
     print(f"model {path} ({size / GIB:.2f} GiB), {args.runs} runs per peer, interleaved, cache evicted before each")
 
     results: dict[str, list[dict[str, Any]]] = {p: [] for p in peers}
@@ -360,6 +381,12 @@ def main() -> int:
             time.sleep(0.3)
             try:
                 res = run_peer(peer, path)
+                # A loader that returns wrong bytes fails its run, however fast.
+                if peer != "fio" and (res["tensors"], res["checksum"]) != (want_tensors, want_checksum):
+                    raise RuntimeError(
+                        f"wrong tensors: {res['tensors']} tensors, checksum {res['checksum']}; "
+                        f"the file holds {want_tensors}, checksum {want_checksum}"
+                    )
             except Exception as exc:  # a peer failing is reported, not fatal
                 print(f"  run {r + 1} {peer}: FAILED {exc}")
                 continue
