@@ -14,6 +14,9 @@
 //! Times are those each child measures around its load call; the Python
 //! children also touch one byte per page of every tensor afterwards
 //! (reported apart: a mapping handed over is faulted in on first touch).
+//! Every load is checked against the file, after its timing: the CLI's
+//! xxh3 of the whole buffer (`--hash`), the Python children's tensor count
+//! and sum of the bytes they touched.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -70,7 +73,7 @@ for t in tensors.values():
     flat = t.reshape(-1).view(torch.uint8) if method.endswith("pt") else t.reshape(-1).view(np.uint8)
     total += int(flat[::4096].sum())
 touch = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "touch_seconds": touch, "tensors": len(tensors)}))
+print(json.dumps({"seconds": seconds, "touch_seconds": touch, "tensors": len(tensors), "checksum": total}))
 "#;
 
 #[derive(Debug, Serialize)]
@@ -134,27 +137,28 @@ pub fn run(args: &CacheArgs) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
     let scratch = tempfile_dir()?;
     let socket = scratch.join("cache.sock");
+    let expected = reference(&file)?;
     let mut samples: Vec<(Vec<f64>, Vec<f64>, Option<String>)> = vec![(Vec::new(), Vec::new(), None); 7];
     let mut collapse_seconds = Vec::new();
     let mut service_pages = String::new();
     for round in 0..args.repeat.max(1) {
         eprintln!("bench cache: round {} of {}", round + 1, args.repeat.max(1));
         evict(&file)?;
-        samples[0].0.push(cli_load(&exe, &file, None)?);
+        samples[0].0.push(cli_load(&exe, &file, None, expected.xxh3)?);
         let service = start_service(&exe, &socket)?;
         evict(&file)?;
-        samples[1].0.push(cli_load(&exe, &file, Some(&socket))?);
+        samples[1].0.push(cli_load(&exe, &file, Some(&socket), expected.xxh3)?);
         let (seconds, pages) = wait_for_collapse(&socket)?;
         collapse_seconds.extend(seconds);
         service_pages = pages;
-        samples[2].0.push(cli_load(&exe, &file, Some(&socket))?);
+        samples[2].0.push(cli_load(&exe, &file, Some(&socket), expected.xxh3)?);
         for (i, method) in [(3, "dmaload-np"), (4, "dmaload-pt")] {
-            record(&mut samples[i], python_load(&args.python, method, &file, &socket));
+            record(&mut samples[i], python_load(&args.python, method, &file, &socket, expected.touched)?);
         }
         stop_service(service)?;
         warm(&file)?;
         for (i, method) in [(5, "safetensors-np"), (6, "safetensors-pt")] {
-            record(&mut samples[i], python_load(&args.python, method, &file, &socket));
+            record(&mut samples[i], python_load(&args.python, method, &file, &socket, expected.touched)?);
         }
     }
     let _ = std::fs::remove_dir_all(&scratch);
@@ -275,11 +279,82 @@ fn tempfile_dir() -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-/// `dmaload load FILE --json` (with `--cache SOCKET`) in a fresh process:
-/// the load time it reports.
-fn cli_load(exe: &Path, file: &Path, socket: Option<&Path>) -> Result<f64, String> {
+/// What every load of the file must give: the xxh3 of its bytes (the CLI
+/// rows) and, for a safetensors file, its tensor count and the sum of the
+/// bytes the Python child touches (the Python rows).
+struct Expected {
+    xxh3: u64,
+    touched: Option<(u64, u64)>,
+}
+
+/// The reference, read from the file itself (then evicted).
+fn reference(file: &Path) -> Result<Expected, String> {
+    let f = std::fs::File::open(file).map_err(|e| format!("open {}: {e}", file.display()))?;
+    let expected = expected_of(f).map_err(|e| format!("read {}: {e}", file.display()))?;
+    evict(file)?;
+    Ok(expected)
+}
+
+/// [`Expected`] of the bytes `r` reads, in 8 MiB blocks. The tensor count
+/// and sum are as the Python child computes them over a safetensors file:
+/// one byte every 4096 from the start of each tensor's data; `None` where
+/// the bytes are not a safetensors file.
+fn expected_of(mut r: impl Read) -> std::io::Result<Expected> {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut head = [0u8; 8];
+    let mut filled = 0;
+    while filled < 8 {
+        match r.read(&mut head[filled..])? {
+            0 => break,
+            n => filled += n,
+        }
+    }
+    hasher.update(&head[..filled]);
+    // A safetensors header is at most 100 MB.
+    let n = u64::from_le_bytes(head);
+    let mut header = Vec::new();
+    if filled == 8 && n <= 100_000_000 {
+        r.by_ref().take(n).read_to_end(&mut header)?;
+        hasher.update(&header);
+    }
+    let ranges: Option<Vec<(u64, u64)>> =
+        serde_json::from_slice::<serde_json::Map<String, Value>>(&header).ok().and_then(|map| {
+            map.iter()
+                .filter(|(name, _)| *name != "__metadata__")
+                .map(|(_, info)| Some((info["data_offsets"][0].as_u64()?, info["data_offsets"][1].as_u64()?)))
+                .collect()
+        });
+    let mut sum = 0u64;
+    let mut block = vec![0u8; 8 << 20];
+    let mut at = 0u64; // offset in the data, past the header
+    loop {
+        let got = r.read(&mut block)?;
+        if got == 0 {
+            break;
+        }
+        hasher.update(&block[..got]);
+        for &(begin, end) in ranges.iter().flatten() {
+            // The first position begin + k*4096 at or after this block's start.
+            let from = if begin >= at { begin } else { begin + (at - begin).div_ceil(4096) * 4096 };
+            let to = end.min(at + got as u64);
+            let mut p = from;
+            while p < to {
+                sum += u64::from(block[(p - at) as usize]);
+                p += 4096;
+            }
+        }
+        at += got as u64;
+    }
+    let touched = ranges.filter(|r| r.iter().all(|&(begin, end)| begin <= end && end <= at));
+    Ok(Expected { xxh3: hasher.digest(), touched: touched.map(|r| (r.len() as u64, sum)) })
+}
+
+/// `dmaload load FILE --json --hash` (with `--cache SOCKET`) in a fresh
+/// process: the load time it reports, once its hash (taken after the
+/// timing) is `xxh3`.
+fn cli_load(exe: &Path, file: &Path, socket: Option<&Path>, xxh3: u64) -> Result<f64, String> {
     let mut cmd = Command::new(exe);
-    cmd.args(["load", "--json", "--no-page-cache"]).arg(file).env_remove("DMALOAD_CACHE");
+    cmd.args(["load", "--json", "--hash", "--no-page-cache"]).arg(file).env_remove("DMALOAD_CACHE");
     if let Some(socket) = socket {
         cmd.arg("--cache").arg(socket);
     }
@@ -291,10 +366,46 @@ fn cli_load(exe: &Path, file: &Path, socket: Option<&Path>) -> Result<f64, Strin
         return Err(format!("not served by the cache service: {}", String::from_utf8_lossy(&out.stderr)));
     }
     let report: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("load --json: {e}"))?;
+    let got = report["hash"]["xxh3_64"].as_str().unwrap_or("none");
+    if got != format!("{xxh3:016x}") {
+        return Err(format!(
+            "dmaload load{}: xxh3 {got}, the file's is {xxh3:016x}",
+            if socket.is_some() { " --cache" } else { "" }
+        ));
+    }
     report["total_seconds"].as_f64().ok_or_else(|| "load --json has no total_seconds".into())
 }
 
-fn python_load(python: &Path, method: &str, file: &Path, socket: &Path) -> Result<(f64, f64), String> {
+/// One Python row in a fresh process: `Ok(Err(why))` where the row cannot
+/// run (no such Python or package, not served), an error where it ran
+/// and returned tensors other than the file's.
+fn python_load(
+    python: &Path,
+    method: &str,
+    file: &Path,
+    socket: &Path,
+    expected: Option<(u64, u64)>,
+) -> Result<Result<(f64, f64), String>, String> {
+    let (seconds, touch, got) = match python_run(python, method, file, socket) {
+        Ok(run) => run,
+        Err(why) => return Ok(Err(why)),
+    };
+    match expected {
+        Some(want) if got == want => Ok(Ok((seconds, touch))),
+        Some((tensors, sum)) => Err(format!(
+            "{method}: {} tensors, checksum {} of the bytes touched; the file holds {tensors}, checksum {sum}",
+            got.0, got.1
+        )),
+        None => Ok(Err("not a safetensors file: nothing to check its tensors against".into())),
+    }
+}
+
+fn python_run(
+    python: &Path,
+    method: &str,
+    file: &Path,
+    socket: &Path,
+) -> Result<(f64, f64, (u64, u64)), String> {
     let out = Command::new(python)
         .arg("-c")
         .arg(PYTHON_CHILD)
@@ -312,7 +423,12 @@ fn python_load(python: &Path, method: &str, file: &Path, socket: &Path) -> Resul
         return Err("the service did not serve it".into());
     }
     let result: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("{method}: {e}"))?;
-    Ok((result["seconds"].as_f64().unwrap_or(0.0), result["touch_seconds"].as_f64().unwrap_or(0.0)))
+    let count = |key: &str| result[key].as_u64().ok_or_else(|| format!("{method}: no {key} in {result}"));
+    Ok((
+        result["seconds"].as_f64().unwrap_or(0.0),
+        result["touch_seconds"].as_f64().unwrap_or(0.0),
+        (count("tensors")?, count("checksum")?),
+    ))
 }
 
 fn start_service(exe: &Path, socket: &Path) -> Result<Child, String> {
@@ -370,4 +486,31 @@ fn warm(file: &Path) -> Result<(), String> {
     let mut block = vec![0u8; 8 << 20];
     while f.read(&mut block).map_err(|e| format!("read {}: {e}", file.display()))? > 0 {}
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expected_sums_one_byte_per_page_of_each_tensor() {
+        // y starts 608 bytes before the first 8 MiB block ends, so its pages
+        // straddle the boundary; z is empty.
+        let header = br#"{"__metadata__":{"a":"b"},"x":{"dtype":"U8","shape":[8388000],"data_offsets":[0,8388000]},"y":{"dtype":"U8","shape":[612003],"data_offsets":[8388000,9000003]},"z":{"dtype":"U8","shape":[0],"data_offsets":[9000003,9000003]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        let data: Vec<u8> = (0..9_000_003u64).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        file.extend_from_slice(&data);
+        let naive = |range: std::ops::Range<usize>| -> u64 {
+            data[range].iter().step_by(4096).map(|&b| u64::from(b)).sum()
+        };
+        let want = naive(0..8_388_000) + naive(8_388_000..9_000_003);
+        let expected = expected_of(&file[..]).unwrap();
+        assert_eq!(expected.touched, Some((3, want)));
+        assert_eq!(expected.xxh3, xxhash_rust::xxh3::xxh3_64(&file));
+        assert_eq!(expected_of(&b"not a safetensors file"[..]).unwrap().touched, None);
+        // A tensor past the end of the file is no reference either.
+        file.truncate(file.len() - 1);
+        assert_eq!(expected_of(&file[..]).unwrap().touched, None);
+    }
 }
