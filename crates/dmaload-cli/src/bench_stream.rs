@@ -379,12 +379,28 @@ fn capture_rows(args: &StreamArgs, repeat: usize, fio: bool) -> Result<CaptureRo
             .arg(&target)
             .output()
             .map_err(|e| e.to_string())?;
-        let _ = std::fs::remove_file(&target);
         if !out.status.success() {
+            let _ = std::fs::remove_file(&target);
             return Err(format!("capture failed: {}", String::from_utf8_lossy(&out.stderr)));
         }
+        // Every block there, in order, checksums right (`capture --verify`,
+        // after the capture's timing), so a capture that lost or mangled
+        // blocks cannot count its speed.
+        let verified = Command::new(&exe).arg("capture").arg("--verify").arg(&target).output();
+        let _ = std::fs::remove_file(&target);
+        let verified = verified.map_err(|e| e.to_string())?;
+        if !verified.status.success() {
+            return Err(format!(
+                "the capture did not verify: {}{}",
+                String::from_utf8_lossy(&verified.stdout),
+                String::from_utf8_lossy(&verified.stderr)
+            ));
+        }
         let report: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
-        capture.push(report["mib_per_second"].as_f64().unwrap_or(0.0));
+        if report["bytes"].as_u64() != Some(size) {
+            return Err(format!("the capture wrote {} bytes, not {size}", report["bytes"]));
+        }
+        capture.push(report["mib_per_second"].as_f64().ok_or("capture --json has no mib_per_second")?);
         cpu.push(
             report["producer_cpu_seconds"].as_f64().unwrap_or(0.0)
                 + report["consumer_cpu_seconds"].as_f64().unwrap_or(0.0),
