@@ -124,9 +124,14 @@ pub fn run(args: &StreamArgs) -> Result<(), String> {
     for &block in &SIZES {
         let count = (args.bytes.0 / block as u64).clamp(1, 65536);
         let (mut fileio, mut queue) = (Vec::new(), Vec::new());
-        for _ in 0..repeat {
-            fileio.push(fileio_run(block, count)?);
-            queue.push(queue_run(block, count, args.blocks)?);
+        for round in 0..repeat {
+            // A shuffled order per round, as every bench: not always the pipe first.
+            for row in crate::benchkit::round_order(2, round) {
+                match row {
+                    0 => fileio.push(fileio_run(block, count)?),
+                    _ => queue.push(queue_run(block, count, args.blocks)?),
+                }
+            }
         }
         let median =
             |runs: &[Run], f: fn(&Run) -> f64| Spread::of(&runs.iter().map(f).collect::<Vec<_>>()).median;
@@ -372,43 +377,47 @@ fn capture_rows(args: &StreamArgs, repeat: usize, fio: bool) -> Result<CaptureRo
     let target = dir.join(format!(".dmaload-bench-stream-{}", std::process::id()));
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let (mut capture, mut fio_runs, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..repeat {
-        let out = Command::new(&exe)
-            .args(["capture", "--source", "synthetic", "--json", "--size", &size.to_string()])
-            .args(["--blocks", &args.capture_blocks.to_string(), "--to"])
-            .arg(&target)
-            .output()
-            .map_err(|e| e.to_string())?;
-        if !out.status.success() {
+    for round in 0..repeat {
+        // A shuffled order per round, as every bench: not always the capture first.
+        for row in crate::benchkit::round_order(if fio { 2 } else { 1 }, round) {
+            if row == 1 {
+                let seconds = fio_write(&target, size)?;
+                let _ = std::fs::remove_file(&target);
+                fio_runs.push(size as f64 / (1 << 20) as f64 / seconds);
+                continue;
+            }
+            let out = Command::new(&exe)
+                .args(["capture", "--source", "synthetic", "--json", "--size", &size.to_string()])
+                .args(["--blocks", &args.capture_blocks.to_string(), "--to"])
+                .arg(&target)
+                .output()
+                .map_err(|e| e.to_string())?;
+            if !out.status.success() {
+                let _ = std::fs::remove_file(&target);
+                return Err(format!("capture failed: {}", String::from_utf8_lossy(&out.stderr)));
+            }
+            // Every block there, in order, checksums right (`capture --verify`,
+            // after the capture's timing), so a capture that lost or mangled
+            // blocks cannot count its speed.
+            let verified = Command::new(&exe).arg("capture").arg("--verify").arg(&target).output();
             let _ = std::fs::remove_file(&target);
-            return Err(format!("capture failed: {}", String::from_utf8_lossy(&out.stderr)));
-        }
-        // Every block there, in order, checksums right (`capture --verify`,
-        // after the capture's timing), so a capture that lost or mangled
-        // blocks cannot count its speed.
-        let verified = Command::new(&exe).arg("capture").arg("--verify").arg(&target).output();
-        let _ = std::fs::remove_file(&target);
-        let verified = verified.map_err(|e| e.to_string())?;
-        if !verified.status.success() {
-            return Err(format!(
-                "the capture did not verify: {}{}",
-                String::from_utf8_lossy(&verified.stdout),
-                String::from_utf8_lossy(&verified.stderr)
-            ));
-        }
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
-        if report["bytes"].as_u64() != Some(size) {
-            return Err(format!("the capture wrote {} bytes, not {size}", report["bytes"]));
-        }
-        capture.push(report["mib_per_second"].as_f64().ok_or("capture --json has no mib_per_second")?);
-        cpu.push(
-            report["producer_cpu_seconds"].as_f64().unwrap_or(0.0)
-                + report["consumer_cpu_seconds"].as_f64().unwrap_or(0.0),
-        );
-        if fio {
-            let seconds = fio_write(&target, size)?;
-            let _ = std::fs::remove_file(&target);
-            fio_runs.push(size as f64 / (1 << 20) as f64 / seconds);
+            let verified = verified.map_err(|e| e.to_string())?;
+            if !verified.status.success() {
+                return Err(format!(
+                    "the capture did not verify: {}{}",
+                    String::from_utf8_lossy(&verified.stdout),
+                    String::from_utf8_lossy(&verified.stderr)
+                ));
+            }
+            let report: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())?;
+            if report["bytes"].as_u64() != Some(size) {
+                return Err(format!("the capture wrote {} bytes, not {size}", report["bytes"]));
+            }
+            capture.push(report["mib_per_second"].as_f64().ok_or("capture --json has no mib_per_second")?);
+            cpu.push(
+                report["producer_cpu_seconds"].as_f64().unwrap_or(0.0)
+                    + report["consumer_cpu_seconds"].as_f64().unwrap_or(0.0),
+            );
         }
     }
     let ratio = (!fio_runs.is_empty()).then(|| Spread::of(&capture).median / Spread::of(&fio_runs).median);

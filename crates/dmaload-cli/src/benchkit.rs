@@ -164,5 +164,8 @@ mod tests {
         assert!(before_first.iter().any(|p| *p != before_first[0]), "{orders:?}");
         assert_eq!(round_order(9, 3), orders[3], "the same order in every run");
         assert!(round_order(0, 0).is_empty() && round_order(1, 5) == [0]);
+        // Two rows (bench stream's pairs) take turns at going first.
+        let firsts: Vec<usize> = (0..6).map(|round| round_order(2, round)[0]).collect();
+        assert!(firsts.contains(&0) && firsts.contains(&1), "{firsts:?}");
     }
 }
