@@ -3,11 +3,13 @@
 //! peer process may write a block at any time if it breaks the protocol,
 //! so no view of the shared ring is handed out. Waits release the GIL.
 
+use std::borrow::Cow;
 use std::io;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use dmaload::share::{self, BlockQueueOptions, Connection, QueueMemory, Role};
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -42,6 +44,16 @@ fn connection(sock: &Bound<'_, PyAny>) -> PyResult<Connection> {
         Err(_) => sock.call_method0("fileno")?.extract()?,
     };
     Connection::duplicate(fd).map_err(queue_error)
+}
+
+/// The bytes of a bytes-like object: `bytes` as they are, anything else
+/// with the buffer protocol (bytearray, memoryview, a uint8 array) copied
+/// now, with the GIL held, so no other thread changes them mid-put.
+fn block_data<'a>(py: Python<'_>, data: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
+    if let Ok(bytes) = data.cast::<PyBytes>() {
+        return Ok(Cow::Borrowed(bytes.as_bytes()));
+    }
+    Ok(Cow::Owned(PyBuffer::<u8>::get(data)?.to_vec(py)?))
 }
 
 /// One end of a block queue shared with another process.
@@ -122,8 +134,9 @@ impl BlockQueue {
     /// `timeout` seconds for one) and enqueues it with `tag`; returns the
     /// block's sequence number.
     #[pyo3(signature = (data, tag = 0, timeout = None))]
-    fn put(&self, py: Python<'_>, data: &[u8], tag: u64, timeout: Option<f64>) -> PyResult<u64> {
+    fn put(&self, py: Python<'_>, data: &Bound<'_, PyAny>, tag: u64, timeout: Option<f64>) -> PyResult<u64> {
         let timeout = seconds(timeout)?;
+        let data = &*block_data(py, data)?;
         self.with(py, |q| {
             let mut block = q.dequeue_free(timeout)?;
             let sequence = block.sequence();
@@ -136,7 +149,8 @@ impl BlockQueue {
     /// Producer: like `put` if a block is free now; False (nothing sent)
     /// when every block is in use.
     #[pyo3(signature = (data, tag = 0))]
-    fn try_put(&self, py: Python<'_>, data: &[u8], tag: u64) -> PyResult<bool> {
+    fn try_put(&self, py: Python<'_>, data: &Bound<'_, PyAny>, tag: u64) -> PyResult<bool> {
+        let data = &*block_data(py, data)?;
         self.with(py, |q| match q.try_dequeue_free()? {
             Some(mut block) => {
                 block.write_at(0, data)?;

@@ -105,6 +105,24 @@ def test_timeouts_bad_arguments_and_the_pollable_fd() -> None:
         consumer.get(timeout=30)
 
 
+
+def test_put_takes_any_bytes_like_object() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    attached: list[dmaload.BlockQueue] = []
+    thread = threading.Thread(target=lambda: attached.append(dmaload.BlockQueue.attach(b, timeout=30)))
+    thread.start()
+    producer = dmaload.BlockQueue.create(a, "producer", block_size=4096, blocks=4, timeout=30)
+    thread.join()
+    consumer = attached[0]
+    assert producer.put(bytearray(b"array"), tag=1) == 0
+    assert producer.put(memoryview(b"..view..")[2:6], tag=2) == 1
+    assert producer.try_put(memoryview(bytearray(b"try")), tag=3)
+    with pytest.raises(ValueError, match="block of 4096"):
+        producer.put(bytearray(5000))
+    with pytest.raises(TypeError):
+        producer.put("text")  # type: ignore[arg-type]
+    assert [consumer.get(timeout=30) for _ in range(3)] == [(1, b"array"), (2, b"view"), (3, b"try")]
+
 # A thread waits for the queue another thread holds (sleeping in poll(2) in
 # `put`) while this process must still run Python: the consumer is here.
 WAITS_WITHOUT_THE_GIL = """
