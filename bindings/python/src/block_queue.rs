@@ -138,6 +138,13 @@ impl BlockQueue {
         let timeout = seconds(timeout)?;
         let data = &*block_data(py, data)?;
         self.with(py, |q| {
+            // Refused before the wait: no free block would ever take it.
+            if data.len() > q.block_size() {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{} bytes of data for a block of {} bytes", data.len(), q.block_size()),
+                ));
+            }
             let mut block = q.dequeue_free(timeout)?;
             let sequence = block.sequence();
             block.write_at(0, data)?;

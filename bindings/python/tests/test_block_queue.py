@@ -121,7 +121,12 @@ def test_put_takes_any_bytes_like_object() -> None:
         producer.put(bytearray(5000))
     with pytest.raises(TypeError):
         producer.put("text")  # type: ignore[arg-type]
+    # Too large is refused at once, not after a wait for a free block.
+    assert producer.put(b"fill") == 3
+    with pytest.raises(ValueError, match="block of 4096"):
+        producer.put(bytes(5000), timeout=30)
     assert [consumer.get(timeout=30) for _ in range(3)] == [(1, b"array"), (2, b"view"), (3, b"try")]
+    assert consumer.get(timeout=30) == (0, b"fill")
 
 # A thread waits for the queue another thread holds (sleeping in poll(2) in
 # `put`) while this process must still run Python: the consumer is here.
