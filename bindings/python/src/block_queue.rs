@@ -3,11 +3,13 @@
 //! peer process may write a block at any time if it breaks the protocol,
 //! so no view of the shared ring is handed out. Waits release the GIL.
 
+use std::borrow::Cow;
 use std::io;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use dmaload::share::{self, BlockQueueOptions, Connection, QueueMemory, Role};
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -44,9 +46,23 @@ fn connection(sock: &Bound<'_, PyAny>) -> PyResult<Connection> {
     Connection::duplicate(fd).map_err(queue_error)
 }
 
+/// The bytes of a bytes-like object: `bytes` as they are, anything else
+/// with the buffer protocol (bytearray, memoryview, a uint8 array) copied
+/// now, with the GIL held, so no other thread changes them mid-put.
+fn block_data<'a>(py: Python<'_>, data: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
+    if let Ok(bytes) = data.cast::<PyBytes>() {
+        return Ok(Cow::Borrowed(bytes.as_bytes()));
+    }
+    Ok(Cow::Owned(PyBuffer::<u8>::get(data)?.to_vec(py)?))
+}
+
 /// One end of a block queue shared with another process.
 #[pyclass(module = "dmaload._dmaload", name = "BlockQueue")]
 pub struct BlockQueue {
+    /// `None` once closed. Held across waits (`put`, `get`), so it is
+    /// only ever locked with the GIL released: a thread waiting for it
+    /// with the GIL would stop every other thread of the interpreter,
+    /// the one that would let the wait end included.
     inner: Mutex<Option<share::BlockQueue>>,
 }
 
@@ -55,11 +71,18 @@ impl BlockQueue {
         BlockQueue { inner: Mutex::new(Some(queue)) }
     }
 
-    fn with<T>(&self, f: impl FnOnce(&mut share::BlockQueue) -> io::Result<T>) -> PyResult<T> {
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let queue =
-            inner.as_mut().ok_or_else(|| PyValueError::new_err("operation on a closed BlockQueue"))?;
-        f(queue).map_err(queue_error)
+    /// Runs `f` on the queue with the GIL released (see `inner`).
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut share::BlockQueue) -> io::Result<T> + Send,
+    ) -> PyResult<T> {
+        detached(py, || {
+            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let queue =
+                inner.as_mut().ok_or_else(|| PyValueError::new_err("operation on a closed BlockQueue"))?;
+            f(queue).map_err(queue_error)
+        })?
     }
 }
 
@@ -111,31 +134,36 @@ impl BlockQueue {
     /// `timeout` seconds for one) and enqueues it with `tag`; returns the
     /// block's sequence number.
     #[pyo3(signature = (data, tag = 0, timeout = None))]
-    fn put(&self, py: Python<'_>, data: &[u8], tag: u64, timeout: Option<f64>) -> PyResult<u64> {
+    fn put(&self, py: Python<'_>, data: &Bound<'_, PyAny>, tag: u64, timeout: Option<f64>) -> PyResult<u64> {
         let timeout = seconds(timeout)?;
-        detached(py, || {
-            self.with(|q| {
-                let mut block = q.dequeue_free(timeout)?;
-                let sequence = block.sequence();
-                block.write_at(0, data)?;
-                block.enqueue(data.len(), tag)?;
-                Ok(sequence)
-            })
-        })?
+        let data = &*block_data(py, data)?;
+        self.with(py, |q| {
+            // Refused before the wait: no free block would ever take it.
+            if data.len() > q.block_size() {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{} bytes of data for a block of {} bytes", data.len(), q.block_size()),
+                ));
+            }
+            let mut block = q.dequeue_free(timeout)?;
+            let sequence = block.sequence();
+            block.write_at(0, data)?;
+            block.enqueue(data.len(), tag)?;
+            Ok(sequence)
+        })
     }
 
     /// Producer: like `put` if a block is free now; False (nothing sent)
     /// when every block is in use.
     #[pyo3(signature = (data, tag = 0))]
-    fn try_put(&self, data: &[u8], tag: u64) -> PyResult<bool> {
-        guard(|| {
-            self.with(|q| match q.try_dequeue_free()? {
-                Some(mut block) => {
-                    block.write_at(0, data)?;
-                    block.enqueue(data.len(), tag).map(|()| true)
-                }
-                None => Ok(false),
-            })
+    fn try_put(&self, py: Python<'_>, data: &Bound<'_, PyAny>, tag: u64) -> PyResult<bool> {
+        let data = &*block_data(py, data)?;
+        self.with(py, |q| match q.try_dequeue_free()? {
+            Some(mut block) => {
+                block.write_at(0, data)?;
+                block.enqueue(data.len(), tag).map(|()| true)
+            }
+            None => Ok(false),
         })
     }
 
@@ -145,52 +173,52 @@ impl BlockQueue {
     #[pyo3(signature = (timeout = None))]
     fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(u64, Py<PyBytes>)>> {
         let timeout = seconds(timeout)?;
-        let block = detached(py, || {
-            self.with(|q| {
-                let Some(run) = q.dequeue_filled(1, timeout)? else { return Ok(None) };
-                let (len, tag) = run.block(0);
-                let mut bytes = vec![0u8; len];
-                run.read_at(0, 0, &mut bytes)?;
-                run.release()?;
-                Ok(Some((tag, bytes)))
-            })
-        })??;
+        let block = self.with(py, |q| {
+            let Some(run) = q.dequeue_filled(1, timeout)? else { return Ok(None) };
+            let (len, tag) = run.block(0);
+            let mut bytes = vec![0u8; len];
+            run.read_at(0, 0, &mut bytes)?;
+            run.release()?;
+            Ok(Some((tag, bytes)))
+        })?;
         Ok(block.map(|(tag, bytes)| (tag, PyBytes::new(py, &bytes).unbind())))
     }
 
     /// Producer: marks the end of the stream.
-    fn finish(&self) -> PyResult<()> {
-        guard(|| self.with(|q| q.finish()))
+    fn finish(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |q| q.finish())
     }
 
     /// Producer, after `finish`: waits until the consumer took every block.
     #[pyo3(signature = (timeout = None))]
     fn wait_drained(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = seconds(timeout)?;
-        detached(py, || self.with(|q| q.wait_drained(timeout)))?
+        self.with(py, |q| q.wait_drained(timeout))
     }
 
     /// The descriptor this end waits on, for select/poll/asyncio: call
     /// `prepare_wait()` first and wait only when it returns True.
-    fn wait_fd(&self) -> PyResult<i32> {
-        guard(|| self.with(|q| Ok(std::os::fd::AsRawFd::as_raw_fd(&q.wait_fd()))))
+    fn wait_fd(&self, py: Python<'_>) -> PyResult<i32> {
+        self.with(py, |q| Ok(std::os::fd::AsRawFd::as_raw_fd(&q.wait_fd())))
     }
 
     /// Asks the peer to signal `wait_fd()`; False when there is already
     /// something to do (then do not wait).
-    fn prepare_wait(&self) -> PyResult<bool> {
-        guard(|| self.with(|q| q.prepare_wait()))
+    fn prepare_wait(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |q| q.prepare_wait())
     }
 
     /// Leaves the queue: the peer's waits end with BrokenPipeError (a
     /// producer's after `finish` end normally).
-    fn close(&self) {
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(mut queue) = inner.take() {
-            if queue.role() == Role::Consumer {
-                let _ = queue.close();
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        detached(py, || {
+            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(mut queue) = inner.take() {
+                if queue.role() == Role::Consumer {
+                    let _ = queue.close();
+                }
             }
-        }
+        })
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -198,41 +226,39 @@ impl BlockQueue {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.close();
-        false
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
     }
 
     #[getter]
-    fn role(&self) -> PyResult<&'static str> {
-        guard(|| {
-            self.with(|q| {
-                Ok(match q.role() {
-                    Role::Producer => "producer",
-                    Role::Consumer => "consumer",
-                })
+    fn role(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.with(py, |q| {
+            Ok(match q.role() {
+                Role::Producer => "producer",
+                Role::Consumer => "consumer",
             })
         })
     }
 
     #[getter]
-    fn block_size(&self) -> PyResult<usize> {
-        guard(|| self.with(|q| Ok(q.block_size())))
+    fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |q| Ok(q.block_size()))
     }
 
     #[getter]
-    fn blocks(&self) -> PyResult<usize> {
-        guard(|| self.with(|q| Ok(q.blocks())))
+    fn blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |q| Ok(q.blocks()))
     }
 
     #[getter]
-    fn memory(&self) -> PyResult<&'static str> {
-        guard(|| self.with(|q| Ok(q.memory().name())))
+    fn memory(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.with(py, |q| Ok(q.memory().name()))
     }
 
     /// Blocks this end has enqueued (producer) or taken (consumer).
     #[getter]
-    fn count(&self) -> PyResult<u64> {
-        guard(|| self.with(|q| Ok(q.count())))
+    fn count(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |q| Ok(q.count()))
     }
 }

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import platform
 import time
 
 import pytest
@@ -102,3 +103,67 @@ def test_timeouts_bad_arguments_and_the_pollable_fd() -> None:
     assert consumer.get() == (2, b"y") and consumer.get() == (3, b"z")
     with pytest.raises(BrokenPipeError):
         consumer.get(timeout=30)
+
+
+
+def test_put_takes_any_bytes_like_object() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    attached: list[dmaload.BlockQueue] = []
+    thread = threading.Thread(target=lambda: attached.append(dmaload.BlockQueue.attach(b, timeout=30)))
+    thread.start()
+    producer = dmaload.BlockQueue.create(a, "producer", block_size=4096, blocks=4, timeout=30)
+    thread.join()
+    consumer = attached[0]
+    assert producer.put(bytearray(b"array"), tag=1) == 0
+    assert producer.put(memoryview(b"..view..")[2:6], tag=2) == 1
+    assert producer.try_put(memoryview(bytearray(b"try")), tag=3)
+    with pytest.raises(ValueError, match="block of 4096"):
+        producer.put(bytearray(5000))
+    with pytest.raises(TypeError):
+        producer.put("text")  # type: ignore[arg-type]
+    # Too large is refused at once, not after a wait for a free block.
+    assert producer.put(b"fill") == 3
+    with pytest.raises(ValueError, match="block of 4096"):
+        producer.put(bytes(5000), timeout=30)
+    assert [consumer.get(timeout=30) for _ in range(3)] == [(1, b"array"), (2, b"view"), (3, b"try")]
+    assert consumer.get(timeout=30) == (0, b"fill")
+
+# A thread waits for the queue another thread holds (sleeping in poll(2) in
+# `put`) while this process must still run Python: the consumer is here.
+WAITS_WITHOUT_THE_GIL = """
+import socket, sys, threading, time
+import dmaload
+sys.setswitchinterval(1000)  # the GIL changes hands only when a thread blocks
+POLLS = {"x86_64": ("7", "271"), "aarch64": ("73",)}[sys.argv[1]]
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+attached = []
+thread = threading.Thread(target=lambda: attached.append(dmaload.BlockQueue.attach(b, timeout=30)))
+thread.start()
+producer = dmaload.BlockQueue.create(a, "producer", block_size=4096, blocks=1, timeout=30)
+thread.join()
+consumer = attached[0]
+producer.put(b"a")
+putter = threading.Thread(target=producer.put, args=(b"b",))
+putter.start()
+# Handshake: the putter sleeps in poll(2), holding the queue.
+while open(f"/proc/self/task/{putter.native_id}/syscall").read().split()[0] not in POLLS:
+    time.sleep(0.001)
+counted = []
+reader = threading.Thread(target=lambda: counted.append(producer.count))
+reader.start()  # returns once the reader gives up the GIL: waiting for the queue
+assert consumer.get(timeout=30) == (0, b"a")
+putter.join()
+reader.join()
+assert counted == [2], counted
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="poll(2) syscall numbers")
+def test_a_thread_waiting_for_the_queue_lets_other_threads_run() -> None:
+    child = subprocess.Popen([sys.executable, "-c", WAITS_WITHOUT_THE_GIL, platform.machine()])
+    try:
+        assert child.wait(timeout=60) == 0
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        pytest.fail("a thread waiting for a BlockQueue another thread uses kept the GIL: the process hung")

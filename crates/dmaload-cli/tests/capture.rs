@@ -214,6 +214,25 @@ fn kill(pid: u32) {
     assert!(std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap().success());
 }
 
+/// Waits until process `pid` has written bytes into a file under `dir`:
+/// a capture's temporary file, unnamed where `O_TMPFILE` works, reached
+/// through `/proc/<pid>/fd`. Fails past a generous bound.
+fn wait_for_bytes_written(pid: u32, dir: &Path) {
+    let started = Instant::now();
+    loop {
+        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).into_iter().flatten().flatten();
+        let written = fds.into_iter().any(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|file| file.starts_with(dir))
+                && std::fs::metadata(fd.path()).is_ok_and(|meta| meta.len() > 0)
+        });
+        if written {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "the capture wrote nothing in 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn wait_bounded(child: &mut Child) -> std::process::ExitStatus {
     let started = Instant::now();
     loop {
@@ -275,7 +294,8 @@ fn a_killed_producer_leaves_every_block_it_delivered() {
     let to = dir.path().join("cap");
     let mut consumer = start_long_capture(&to);
     let producer = producer_of(&consumer);
-    std::thread::sleep(Duration::from_millis(700));
+    // Killed once a block is on disk, whatever the machine's load.
+    wait_for_bytes_written(consumer.id(), dir.path());
     kill(producer);
     let status = wait_bounded(&mut consumer);
     let out = consumer.wait_with_output().unwrap();

@@ -356,6 +356,32 @@ fn corrupt_counts_and_lengths_are_refused() {
     }
 }
 
+/// Offsets past a block, however large, are errors, never a panic.
+#[test]
+fn offsets_past_a_block_are_errors() {
+    let (a, b) = Connection::pair().unwrap();
+    let attacher = std::thread::spawn(move || BlockQueue::attach(b, WAIT).unwrap());
+    let mut producer = create(a, Role::Producer, 4096, 2);
+    let mut consumer = attacher.join().unwrap();
+    let mut block = producer.dequeue_free(WAIT).unwrap();
+    for offset in [4096, usize::MAX - 1, usize::MAX] {
+        let err = block.write_at(offset, b"xy").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+        let err = block.read_at(offset, &mut [0; 2]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    }
+    block.write_at(4094, b"xy").unwrap();
+    block.enqueue(4096, 0).unwrap();
+    let run = consumer.dequeue_filled(1, WAIT).unwrap().unwrap();
+    for (i, offset) in [(0, usize::MAX), (1, 0)] {
+        let err = run.read_at(i, offset, &mut [0; 2]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    }
+    let mut tail = [0; 2];
+    run.read_at(0, 4094, &mut tail).unwrap();
+    assert_eq!(&tail, b"xy");
+}
+
 #[test]
 fn shapes_outside_the_limits_are_refused() {
     for (block_size, blocks) in

@@ -224,9 +224,10 @@ class BlockQueue:
     ``SOCK_SEQPACKET`` socket; the other attaches and takes the other role.
     Blocks cross into Python as copies (``bytes`` out, any bytes-like object
     in): the peer may write a block at any moment if it breaks the protocol,
-    so no view of the shared ring is handed out. Waits release the GIL; a
-    timeout is TimeoutError, a peer that went away BrokenPipeError, a
-    corrupt control page OSError(EPROTO).
+    so no view of the shared ring is handed out. Waits release the GIL, and
+    a call on an end another thread is using waits for it with the GIL
+    released (other threads run on). A timeout is TimeoutError, a peer that
+    went away BrokenPipeError, a corrupt control page OSError(EPROTO).
     """
 
     @staticmethod

@@ -781,6 +781,14 @@ impl BlockQueue {
         self.wake_peer_now()
     }
 
+    /// `len` bytes at `offset` of block `slot`, as a range of the ring.
+    fn block_span(&self, slot: usize, offset: usize, len: usize) -> io::Result<Range<usize>> {
+        let end = offset.checked_add(len).ok_or_else(|| {
+            invalid(format!("{len} bytes at {offset} of a block of {} bytes", self.options.block_size))
+        })?;
+        self.block_range(slot, offset..end)
+    }
+
     fn block_range(&self, slot: usize, range: Range<usize>) -> io::Result<Range<usize>> {
         if range.start > range.end || range.end > self.options.block_size {
             return Err(invalid(format!("bytes {range:?} of a block of {} bytes", self.options.block_size)));
@@ -876,7 +884,7 @@ impl FreeBlock<'_> {
 
     /// Copies `data` into the block at `offset`.
     pub fn write_at(&mut self, offset: usize, data: &[u8]) -> io::Result<()> {
-        let range = self.queue.block_range(self.slot, offset..offset + data.len())?;
+        let range = self.queue.block_span(self.slot, offset, data.len())?;
         self.queue.data.copy_in(range.start, data);
         Ok(())
     }
@@ -884,7 +892,7 @@ impl FreeBlock<'_> {
     /// Copies `out.len()` bytes of the block from `offset` (what this side
     /// wrote, if the peer keeps to the protocol).
     pub fn read_at(&self, offset: usize, out: &mut [u8]) -> io::Result<()> {
-        let range = self.queue.block_range(self.slot, offset..offset + out.len())?;
+        let range = self.queue.block_span(self.slot, offset, out.len())?;
         self.queue.data.copy_out(range.start, out);
         Ok(())
     }
@@ -974,14 +982,13 @@ impl Filled<'_> {
     /// Copies `out.len()` bytes of block `i` from `offset` into `out`,
     /// within its length.
     pub fn read_at(&self, i: usize, offset: usize, out: &mut [u8]) -> io::Result<()> {
-        if !matches!(offset.checked_add(out.len()), Some(end) if end <= self.lens[i]) {
-            return Err(invalid(format!(
-                "{} bytes at {offset} of a block of {} bytes",
-                out.len(),
-                self.lens[i]
-            )));
+        let Some(&len) = self.lens.get(i) else {
+            return Err(invalid(format!("block {i} of a run of {} blocks", self.lens.len())));
+        };
+        if !matches!(offset.checked_add(out.len()), Some(end) if end <= len) {
+            return Err(invalid(format!("{} bytes at {offset} of a block of {len} bytes", out.len())));
         }
-        let range = self.queue.block_range(self.first + i, offset..offset + out.len())?;
+        let range = self.queue.block_span(self.first + i, offset, out.len())?;
         self.queue.data.copy_out(range.start, out);
         Ok(())
     }
