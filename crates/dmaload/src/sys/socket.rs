@@ -144,15 +144,47 @@ impl AsFd for SeqpacketListener {
     }
 }
 
+/// How long [`SeqpacketConn::connect`] waits for room in a listener's
+/// backlog, which fills only when the listening process has stopped
+/// accepting (stopped, hung or overwhelmed).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl SeqpacketConn {
-    /// Connects to the listener bound at `path`.
+    /// Connects to the listener bound at `path`, waiting at most
+    /// [`CONNECT_TIMEOUT`] for room in its backlog (then `TimedOut`).
     pub fn connect(path: &Path) -> io::Result<SeqpacketConn> {
-        let fd = new_socket()?;
+        Self::connect_within(path, CONNECT_TIMEOUT)
+    }
+
+    /// [`SeqpacketConn::connect`], waiting at most `timeout`.
+    fn connect_within(path: &Path, timeout: Duration) -> io::Result<SeqpacketConn> {
+        let conn = SeqpacketConn { fd: new_socket()? };
         let (addr, len) = socket_address(path)?;
-        // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that lives
-        // across the call.
-        check(unsafe { libc::connect(fd.as_raw_fd(), std::ptr::addr_of!(addr).cast(), len) })?;
-        Ok(SeqpacketConn { fd })
+        // A Unix connect waits for room in the listener's backlog for as
+        // long as the send timeout allows: for ever by default.
+        conn.set_timeout(libc::SO_SNDTIMEO, Some(timeout))?;
+        // A connect interrupted while it waited left the socket unconnected,
+        // so calling again is a fresh attempt.
+        let connected = restarting(|| {
+            // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that
+            // lives across the call.
+            check(unsafe { libc::connect(conn.fd.as_raw_fd(), std::ptr::addr_of!(addr).cast(), len) })
+        });
+        match connected {
+            Err(err) if err.raw_os_error() == Some(libc::EAGAIN) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "no room in the listener's backlog after {} s: the process listening is not \
+                         accepting (stopped, hung or overwhelmed)",
+                        timeout.as_secs_f64()
+                    ),
+                ))
+            }
+            other => other?,
+        };
+        conn.set_timeout(libc::SO_SNDTIMEO, None)?;
+        Ok(conn)
     }
 
     /// Two connected ends (`socketpair(2)`), e.g. one for a child process.
@@ -217,6 +249,12 @@ impl SeqpacketConn {
     /// (`SO_SNDTIMEO`) block; `None` waits forever. A timed-out call fails
     /// with `WouldBlock`.
     pub fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
+        self.set_timeout(libc::SO_RCVTIMEO, timeout)?;
+        self.set_timeout(libc::SO_SNDTIMEO, timeout)
+    }
+
+    /// Sets one of `SO_RCVTIMEO`/`SO_SNDTIMEO` as [`Self::set_timeouts`] does.
+    fn set_timeout(&self, option: libc::c_int, timeout: Option<Duration>) -> io::Result<()> {
         let tv = match timeout {
             Some(t) if !t.is_zero() => libc::timeval {
                 tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
@@ -227,19 +265,17 @@ impl SeqpacketConn {
             Some(_) => libc::timeval { tv_sec: 0, tv_usec: 1 },
             None => libc::timeval { tv_sec: 0, tv_usec: 0 },
         };
-        for option in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
-            // SAFETY: `tv` is a valid timeval that lives across the call.
-            check(unsafe {
-                libc::setsockopt(
-                    self.fd.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    option,
-                    std::ptr::addr_of!(tv).cast(),
-                    size_of::<libc::timeval>() as libc::socklen_t,
-                )
-            })?;
-        }
-        Ok(())
+        // SAFETY: `tv` is a valid timeval that lives across the call.
+        check(unsafe {
+            libc::setsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                option,
+                std::ptr::addr_of!(tv).cast(),
+                size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        })
+        .map(drop)
     }
 
     /// Sends `bytes` as one message carrying duplicates of `fds` (at most
@@ -411,6 +447,30 @@ mod tests {
     use std::os::unix::thread::JoinHandleExt;
 
     extern "C" fn ignore(_: libc::c_int) {}
+
+    /// A listener that stopped accepting (a stopped or hung service) fills
+    /// its backlog; a connect then fails after its timeout instead of
+    /// waiting for ever.
+    #[test]
+    fn a_connect_to_a_listener_that_accepts_nothing_times_out() {
+        let dir = std::env::temp_dir().join(format!("dmaload-connect-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s");
+        let _ = std::fs::remove_file(&path);
+        let _listener = SeqpacketListener::bind(&path, 1).unwrap();
+        let mut queued = Vec::new();
+        let err = loop {
+            match SeqpacketConn::connect_within(&path, Duration::from_millis(100)) {
+                Ok(conn) => queued.push(conn),
+                Err(err) => break err,
+            }
+            assert!(queued.len() < 64, "the backlog of 1 never filled");
+        };
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(!queued.is_empty(), "{err}");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(err.to_string().contains("backlog"), "{err}");
+    }
 
     #[test]
     fn signals_during_a_timed_wait_do_not_fail_it() {
