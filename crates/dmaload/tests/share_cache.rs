@@ -456,23 +456,29 @@ fn forged_requests_are_refused_and_the_service_goes_on() {
     sleeper.wait().unwrap();
 }
 
+/// A stand-in service at `socket`: takes one request per reply, then sends
+/// that reply (`None`: hangs up without one).
+fn fake_service(socket: &Path, replies: Vec<Option<Vec<u8>>>) -> std::thread::JoinHandle<()> {
+    let listener = Listener::bind(socket, 1).unwrap();
+    std::thread::spawn(move || {
+        for reply in replies {
+            let conn = listener.accept().unwrap();
+            conn.recv(&mut [0u8; 1024]).unwrap();
+            if let Some(reply) = reply {
+                conn.send(&reply, &[]).unwrap();
+            }
+        }
+    })
+}
+
 #[test]
 fn a_service_that_breaks_off_is_named_by_its_socket() {
     let dir = scratch_dir();
     let path = dir.path().join("model.bin");
     write_pattern_file(&path, 10_000);
     let socket = dir.path().join("cache.sock");
-    let listener = Listener::bind(&socket, 1).unwrap();
     // A service that reads each request, then hangs up or answers garbage.
-    let service = std::thread::spawn(move || {
-        for reply in [None, Some(&b"garbage"[..])] {
-            let conn = listener.accept().unwrap();
-            conn.recv(&mut [0u8; 1024]).unwrap();
-            if let Some(reply) = reply {
-                conn.send(reply, &[]).unwrap();
-            }
-        }
-    });
+    let service = fake_service(&socket, vec![None, Some(b"garbage".to_vec())]);
     for cause in ["closed the connection", "malformed message"] {
         let err = Client::connect(&socket).unwrap().get(&path).unwrap_err();
         assert_eq!((err.op(), err.path()), ("receive buffer", socket.as_path()), "{err}");
@@ -490,17 +496,14 @@ fn a_service_out_of_its_own_resources_is_a_fallback_a_failed_file_is_not() {
     let path = dir.path().join("model.bin");
     write_pattern_file(&path, 10_000);
     let socket = dir.path().join("cache.sock");
-    let listener = Listener::bind(&socket, 1).unwrap();
-    let replies = [(libc::EMFILE, "allocate memory"), (libc::EIO, "read")];
-    let service = std::thread::spawn(move || {
-        for (errno, op) in replies {
-            let conn = listener.accept().unwrap();
-            conn.recv(&mut [0u8; 1024]).unwrap();
-            let err =
-                dmaload::Error::io(op, Path::new("model.bin"), std::io::Error::from_raw_os_error(errno));
-            conn.send(&protocol::encode(&Reply::Error(protocol::WireError::from_error(&err))), &[]).unwrap();
-        }
-    });
+    let error_reply = |errno, op| {
+        let err = dmaload::Error::io(op, Path::new("model.bin"), std::io::Error::from_raw_os_error(errno));
+        Some(protocol::encode(&Reply::Error(protocol::WireError::from_error(&err))))
+    };
+    let service = fake_service(
+        &socket,
+        vec![error_reply(libc::EMFILE, "allocate memory"), error_reply(libc::EIO, "read")],
+    );
     let (buffer, _, outcome) = load_cached(&path, &socket, &LoadOptions::default()).unwrap();
     assert_pattern(&buffer, 0);
     match outcome {
