@@ -138,16 +138,12 @@ pub fn save(cmd: &SaveCommand) -> Result<(), String> {
         )));
     }
     // Sizing the memfd past RLIMIT_FSIZE would kill the process with SIGXFSZ.
-    if let Some(limit) = dmaload::memory::MemoryFacts::read().file_size_limit.filter(|&l| cmd.size > l) {
+    if let Some(why) = dmaload::system::past_file_size_limit(cmd.size) {
         return Err(e(dmaload::Error::new(
             dmaload::ErrorKind::InvalidInput,
             "save",
             &cmd.dst,
-            format!(
-                "--size {} bytes are generated in a memfd, which RLIMIT_FSIZE ({limit} bytes) limits like a \
-                 file: raise it (ulimit -f)",
-                cmd.size
-            ),
+            format!("--size: the bytes are generated in a memfd, which the limit covers like a file: {why}"),
         )));
     }
     let size = usize::try_from(cmd.size).map_err(|_| format!("--size {} is too large", cmd.size))?;

@@ -662,13 +662,8 @@ fn save_replacing(
         check_sticky(&target, meta)?;
     }
     // Writing past RLIMIT_FSIZE would kill the process with SIGXFSZ.
-    if let Some(limit) = sys::process::file_size_limit().ok().flatten().filter(|&l| l < len) {
-        return Err(Error::new(
-            ErrorKind::InvalidInput,
-            "save",
-            &target,
-            format!("{len} bytes is past RLIMIT_FSIZE ({limit} bytes): raise it (ulimit -f)"),
-        ));
+    if let Some(why) = sys::process::past_file_size_limit(len) {
+        return Err(Error::new(ErrorKind::InvalidInput, "save", &target, why));
     }
     let dir = parent_dir(&target).to_owned();
     let name = target.file_name().unwrap_or(OsStr::new("file")).to_owned();

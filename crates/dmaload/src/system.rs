@@ -13,6 +13,8 @@ use crate::heap::MemoryKind;
 use crate::memory::{MemoryChoice, MemoryFacts, MemoryProbe};
 use crate::sys;
 
+pub use crate::sys::process::past_file_size_limit;
+
 /// User and system CPU time of this process so far, every thread's
 /// (joined ones and io_uring workers included): `getrusage(RUSAGE_SELF)`.
 pub fn cpu_time() -> io::Result<(std::time::Duration, std::time::Duration)> {

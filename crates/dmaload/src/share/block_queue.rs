@@ -248,14 +248,14 @@ impl BlockQueue {
         options.validate()?;
         let data_len = options.block_size * options.blocks;
         let control_fd = mem::memfd_create(c"dmaload-queue-control", mem::MemfdPages::Shmem)?;
-        set_memfd_len(control_fd.as_fd(), control_len(options.blocks))?;
+        mem::set_len(control_fd.as_fd(), control_len(options.blocks) as u64)?;
         mem::add_seals(control_fd.as_fd(), Seals::SHRINK | Seals::GROW)?;
         let control = PeerMapping::new(control_fd.as_fd(), control_len(options.blocks), false)?;
         control.word(W_MAGIC).store(MAGIC, Release);
         let (data_fd, dmabuf) = match options.memory {
             QueueMemory::Memfd => {
                 let fd = mem::memfd_create(c"dmaload-queue-blocks", mem::MemfdPages::Shmem)?;
-                set_memfd_len(fd.as_fd(), data_len)?;
+                mem::set_len(fd.as_fd(), data_len as u64)?;
                 mem::add_seals(fd.as_fd(), Seals::SHRINK | Seals::GROW)?;
                 (fd, None)
             }
@@ -265,7 +265,7 @@ impl BlockQueue {
             }
             QueueMemory::Udmabuf => {
                 let memfd = mem::memfd_create(c"dmaload-queue-blocks", mem::MemfdPages::Shmem)?;
-                set_memfd_len(memfd.as_fd(), data_len)?;
+                mem::set_len(memfd.as_fd(), data_len as u64)?;
                 mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)?;
                 let fd = crate::heap::udmabuf_export(&[(memfd.as_fd(), 0, data_len as u64)])?.into_fd();
                 (fd.try_clone()?, Some(fd))
@@ -809,19 +809,6 @@ impl Drop for BlockQueue {
         // Best effort: the socket's hang-up wakes the peer anyway.
         let _ = self.wake_peer_now();
     }
-}
-
-/// Sizes a new memfd of the queue. RLIMIT_FSIZE limits memfds like files:
-/// past it the kernel would kill the process with SIGXFSZ, so it is an
-/// error first.
-fn set_memfd_len(fd: BorrowedFd<'_>, len: usize) -> io::Result<()> {
-    if let Some(limit) = crate::sys::process::file_size_limit()?.filter(|&limit| limit < len as u64) {
-        return Err(invalid(format!(
-            "block queue: a memfd of {len} bytes is past RLIMIT_FSIZE ({limit} bytes), which limits \
-             memfds like files: raise it (ulimit -f) or use fewer or smaller blocks"
-        )));
-    }
-    mem::set_len(fd, len as u64)
 }
 
 fn attach_error(what: &str, err: io::Error) -> io::Error {

@@ -154,9 +154,12 @@ pub fn capture_to_file(
         check_sticky(&target, meta)?;
     }
     // Writing past RLIMIT_FSIZE would kill the process with SIGXFSZ.
-    let size_limit = sys::process::file_size_limit().ok().flatten();
-    if let Some((len, limit)) = options.expected_bytes.zip(size_limit).filter(|&(len, limit)| len > limit) {
-        return Err(past_file_size_limit(&target, len, limit));
+    let past_limit = |len| {
+        sys::process::past_file_size_limit(len)
+            .map(|why| Error::new(ErrorKind::InvalidInput, "capture to", &target, why))
+    };
+    if let Some(err) = options.expected_bytes.and_then(past_limit) {
+        return Err(err);
     }
     let dir = parent_dir(&target).to_owned();
     let name = target.file_name().unwrap_or(std::ffi::OsStr::new("capture")).to_owned();
@@ -276,8 +279,8 @@ pub fn capture_to_file(
                 }
                 let offset = writer.offset;
                 writer.offset += bytes.len() as u64;
-                if let Some(limit) = size_limit.filter(|&l| writer.offset > l) {
-                    break Err(past_file_size_limit(&target, writer.offset, limit).at(offset));
+                if let Some(err) = past_limit(writer.offset) {
+                    break Err(err.at(offset));
                 }
                 if writer.leaves_direct(bytes, offset) {
                     // O_DIRECT is the file's flag: switch with nothing in flight.
@@ -372,17 +375,6 @@ pub fn capture_to_file(
         seconds: started.elapsed().as_secs_f64(),
         target,
     })
-}
-
-/// The error of a capture that would grow to `len` bytes, past
-/// RLIMIT_FSIZE `limit`.
-fn past_file_size_limit(target: &Path, len: u64, limit: u64) -> Error {
-    Error::new(
-        ErrorKind::InvalidInput,
-        "capture to",
-        target,
-        format!("{len} bytes are past RLIMIT_FSIZE ({limit} bytes): raise it (ulimit -f)"),
-    )
 }
 
 /// Writes runs to the capture file through the save path's write engine,

@@ -742,8 +742,12 @@ fn mincore_tells_the_truth(fd: BorrowedFd<'_>) -> io::Result<bool> {
     Ok(writable == 0)
 }
 
-/// `ftruncate(2)`: sets the size of a memfd or file.
+/// `ftruncate(2)`: sets the size of a memfd or file; past `RLIMIT_FSIZE`
+/// an `InvalidInput` error instead of the SIGXFSZ that kills the process.
 pub fn set_len(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
+    if let Some(why) = super::process::past_file_size_limit(len) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("size a memfd or file: {why}")));
+    }
     let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
     // SAFETY: ftruncate takes no pointers.
     check(unsafe { libc::ftruncate(fd.as_raw_fd(), len) }).map(drop)

@@ -30,6 +30,15 @@ pub fn file_size_limit() -> io::Result<Option<u64>> {
     soft_limit(libc::RLIMIT_FSIZE)
 }
 
+/// Why this process may not make a file (a memfd included) of `len`
+/// bytes: past the soft `RLIMIT_FSIZE`, where the kernel would kill it with
+/// SIGXFSZ. `None` where it may, or where the limit cannot be read (the
+/// write itself then tells).
+pub fn past_file_size_limit(len: u64) -> Option<String> {
+    let limit = file_size_limit().ok().flatten().filter(|&limit| len > limit)?;
+    Some(format!("{len} bytes are past RLIMIT_FSIZE ({limit} bytes): raise it (ulimit -f)"))
+}
+
 /// The soft `RLIMIT_NOFILE` (`None` when unlimited): one more than the
 /// highest descriptor number this process may open.
 pub fn open_files_limit() -> io::Result<Option<u64>> {
