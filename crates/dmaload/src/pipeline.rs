@@ -158,11 +158,7 @@ fn prepare_engine<'m>(
     let mut ring = match Ring::new(entries, dst) {
         Ok(ring) => ring,
         Err(err) if engine::io_uring_unavailable(&err) => {
-            fallbacks.push(Fallback::new(
-                options.engine.name(),
-                Engine::PreadPool.name(),
-                engine::uring_unavailable_reason(&err),
-            ));
+            fallbacks.push(engine::no_uring(options.engine, &err));
             return Ok((pool(Engine::PreadPool), None));
         }
         Err(err) => return Err(Error::io("io_uring_setup", path, err)),

@@ -591,6 +591,12 @@ pub(crate) fn no_registrar(err: &io::Error) -> crate::options::Fallback {
     )
 }
 
+/// The fallback taken, by a load or a save, when `io_uring_setup` failed
+/// the way [`io_uring_unavailable`] accepts: the pread pool, with why.
+pub(crate) fn no_uring(from: Engine, err: &io::Error) -> crate::options::Fallback {
+    crate::options::Fallback::new(from.name(), Engine::PreadPool.name(), uring_unavailable_reason(err))
+}
+
 /// Whether a failed `io_uring_setup` means io_uring is unavailable to this
 /// process (old kernel, `kernel.io_uring_disabled`, seccomp, or a
 /// RLIMIT_MEMLOCK or RLIMIT_NOFILE too small for the ring itself), not a bug.
@@ -610,7 +616,7 @@ pub(crate) fn io_uring_unavailable(err: &io::Error) -> bool {
 }
 
 /// Why `io_uring_setup` failed, in words a user can act on.
-pub(crate) fn uring_unavailable_reason(err: &io::Error) -> String {
+fn uring_unavailable_reason(err: &io::Error) -> String {
     if err.raw_os_error() == Some(libc::ENOMEM) {
         format!(
             "io_uring_setup failed with ENOMEM: the ring's own memory counts against RLIMIT_MEMLOCK \

@@ -130,11 +130,8 @@ impl WriteJob<'_> {
             Ok(ring) => ring,
             Err(err) if super::io_uring_unavailable(&err) => {
                 let mut run = self.pool(self.threads, Engine::PreadPool)?;
-                run.fallbacks.push(Fallback::new(
-                    if fixed { "uring-fixed" } else { "uring" },
-                    "pread-pool",
-                    format!("io_uring is unavailable ({err})"),
-                ));
+                let from = if fixed { Engine::UringFixed } else { Engine::Uring };
+                run.fallbacks.push(super::no_uring(from, &err));
                 return Ok(run);
             }
             Err(err) => return Err(Error::io("io_uring_setup", self.path, err)),
