@@ -296,6 +296,17 @@ def test_cuda_load_file_from_the_cache_is_bit_exact(service: Service, tmp_path: 
         assert torch.equal(out[name].cpu(), torch.from_numpy(t))
 
 
+def test_cache_takes_a_path_of_bytes_and_names_itself_when_wrong(tmp_path: Path, data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    with pytest.warns(RuntimeWarning, match="loaded directly"):
+        assert bytes(dmaload.load(path, cache=os.fsencode(tmp_path / "absent.sock"))) == data
+    for wrong in (5, 1.5, object()):
+        with pytest.raises(TypeError, match="cache= takes True, False, None or a socket path"):
+            dmaload.load(path, cache=wrong)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="cache= takes"):
+            dst.load_file(path, cache=wrong)  # type: ignore[arg-type]
+
+
 def test_without_a_service_it_loads_directly_and_says_so_once(
     tmp_path: Path, data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:

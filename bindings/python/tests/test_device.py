@@ -177,6 +177,17 @@ def test_bad_devices_are_refused_with_the_reason(model: tuple[Path, dict[str, An
             dst.load_file(path, device="cuda:0", framework="pt")
     with pytest.raises(TypeError, match="unknown load option"):
         _device.load_files([path], "cpu", None, {"slots": 3})
+    with pytest.raises(TypeError, match=r"device=<object .*> is not a device PyTorch knows"):
+        dst.load_file(path, device=object(), framework="pt")
+
+
+def test_device_none_is_the_cpu_as_in_safetensors(model: tuple[Path, dict[str, Any]]) -> None:
+    path, expected = model
+    out = dst.load_file(path, device=None, framework="pt")
+    for name, t in expected.items():
+        _same(out[name], t, "cpu")
+    with dst.safe_open(path, framework="np", device=None) as f:
+        assert f.keys() == sorted(expected)
 
 
 def test_host_destinations_must_be_writable_buffers_of_the_right_size(model: tuple[Path, dict[str, Any]]) -> None:

@@ -38,7 +38,9 @@ def socket_for(cache: Cache) -> str | None:
         if not cache:
             return None
         return env if env not in ("", "0", "1") else os.fspath(_dmaload.default_cache_socket())
-    return os.fspath(cache)
+    if isinstance(cache, (str, bytes, os.PathLike)):
+        return os.fsdecode(cache)
+    raise TypeError(f"cache= takes True, False, None or a socket path, not {type(cache).__name__}")
 
 
 def _say_once(message: str) -> None:

@@ -428,6 +428,8 @@ class SafeOpen:
         **options: Unpack[LoadOptions],
     ) -> None:
         self._framework = _framework(framework)
+        # safetensors reads device=None as the CPU.
+        device = "cpu" if device is None else device
         _check_device(self._framework, device, dict(options))
         _check_concurrency(concurrency)
         self._device = device
@@ -609,8 +611,9 @@ def load_file(
     ``framework`` is ``"np"`` (NumPy arrays) or ``"pt"`` (PyTorch tensors);
     ``device="cuda:N"`` (PyTorch only) reads each file through a small pinned
     staging ring straight into one device allocation per file, never holding
-    the model in host memory (see ``dmaload.safetensors._device``). See the
-    module doc for dtypes and lifetimes.
+    the model in host memory (see ``dmaload.safetensors._device``);
+    ``device=None`` is the CPU, as in safetensors. See the module doc for
+    dtypes and lifetimes.
 
     ``cache=True`` (or a socket path; ``DMALOAD_CACHE`` in the environment
     does the same) takes each file from the model-cache service (``dmaload

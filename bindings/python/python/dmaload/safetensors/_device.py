@@ -45,7 +45,10 @@ def is_device(device: Any) -> bool:
 
 def _ordinal(torch: Any, device: Any) -> int:
     """The CUDA device index of ``device``, or -1 for the CPU."""
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as err:
+        raise type(err)(f"device={device!r} is not a device PyTorch knows: {err}") from err
     if dev.type == "cpu":
         return -1
     if dev.type != "cuda":
