@@ -535,6 +535,36 @@ def test_index_weight_maps_are_checked_against_the_files(tmp_path: Path) -> None
     assert set(dst.load_file(with_map(good["weight_map"]))) == set(good["weight_map"])
 
 
+def test_shards_that_disagree_fail_from_their_headers_before_loading(tmp_path: Path) -> None:
+    _model(tmp_path, 2)
+    index = tmp_path / "model.safetensors.index.json"
+    good = json.loads(index.read_text())["weight_map"]
+    shard1, shard2 = sorted(set(good.values()))
+    loaded: list[tuple[int, int]] = []
+
+    def progress(done: int, total: int) -> None:
+        loaded.append((done, total))
+
+    def load_fails(path: Path, match: str) -> None:
+        with pytest.raises(dmaload.SafetensorError, match=match):
+            dst.load_file(path, progress=progress)
+        assert not loaded, f"{len(loaded)} progress calls before the error"
+
+    # The index puts a tensor in the wrong shard, or leaves one out.
+    wrong = dict(good, **{next(k for k, v in good.items() if v == shard1): shard2})
+    index.write_text(json.dumps({"weight_map": wrong}))
+    load_fails(index, "that file has no such tensor")
+    index.write_text(json.dumps({"weight_map": dict(list(good.items())[1:])}))
+    load_fails(index, "does not list")
+    # Two shards of a directory (no index) hold the same tensor.
+    index.unlink()
+    first = st_numpy.load_file(tmp_path / shard1)
+    st_numpy.save_file(dict(first, extra=np.zeros(1, np.float32)), tmp_path / "copy.safetensors")
+    load_fails(tmp_path, "is in both")
+    assert set(dst.load_file(tmp_path / shard2, progress=progress)) == {k for k, v in good.items() if v == shard2}
+    assert loaded, "a load reports progress"
+
+
 def test_index_shard_names_are_checked_before_loading(tmp_path: Path) -> None:
     """Issue 7: every bad weight_map value is an error naming the tensor and
     the value, raised before any shard is loaded."""

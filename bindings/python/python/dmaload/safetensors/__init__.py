@@ -50,7 +50,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, Union, Unpack, get_args
 
@@ -407,6 +407,38 @@ def _load_files_cached(paths: list[Path], socket: str, options: dict[str, Any]) 
     return files
 
 
+def _tensor_index(tables: Sequence[tuple[str, Iterable[str]]], weight_map: dict[str, str] | None) -> dict[str, int]:
+    """The position in ``tables`` (each file's path and tensor names, in
+    the order ``shard_paths`` gave) of the file holding each tensor; a
+    tensor in two files, or where the index does not say, is an error."""
+    index: dict[str, int] = {}
+    for i, (path, names) in enumerate(tables):
+        for name in names:
+            if name in index:
+                raise SafetensorError(f"tensor {name!r} is in both {tables[index[name]][0]} and {path}")
+            index[name] = i
+    if weight_map is None:
+        return index
+    # shard_paths listed the shards in the order of their first mention in
+    # the weight map.
+    position_of_shard = {shard: i for i, shard in enumerate(dict.fromkeys(weight_map.values()))}
+    for name, shard in weight_map.items():
+        i = position_of_shard[shard]
+        if index.get(name) != i:
+            owner = index.get(name)
+            where = f"it is in {tables[owner][0]}" if owner is not None else "no shard has it"
+            raise SafetensorError(
+                f"index says tensor {name!r} is in {tables[i][0]}, but that file has no such tensor ({where})"
+            )
+    unlisted = sorted(set(index) - set(weight_map))
+    if unlisted:
+        raise SafetensorError(
+            f"tensor {unlisted[0]!r} is in {tables[index[unlisted[0]]][0]} but the index's "
+            f"weight_map does not list it ({len(unlisted)} such tensor(s))"
+        )
+    return index
+
+
 class SafeOpen:
     """A loaded safetensors file (or sharded model), like ``safetensors.safe_open``.
 
@@ -434,40 +466,21 @@ class SafeOpen:
         _check_concurrency(concurrency)
         self._device = device
         paths, weight_map = shard_paths(path)
-        on_device = self._framework == "pt" and _device.is_device(device)
         socket = socket_for(cache)
+        if len(paths) > 1 or weight_map is not None:
+            # Shards that disagree with each other or the index fail here,
+            # from their headers, not after minutes of loading.
+            headers = [_dmaload.open_safetensors(os.fspath(p)) for p in paths]
+            _tensor_index([(h.path, (t.name for t in h.header.tensors)) for h in headers], weight_map)
+        on_device = self._framework == "pt" and _device.is_device(device)
         if on_device:
             self._files = _device.load_files(paths, device, progress, dict(options), socket)
         elif socket is not None:
             self._files = _load_files_cached(paths, socket, dict(options))
         else:
             self._files = _load_files(paths, progress, concurrency, dict(options))
-        self._index: dict[str, _File] = {}
-        for f in self._files:
-            for name in f.tensors:
-                if name in self._index:
-                    raise SafetensorError(
-                        f"tensor {name!r} is in both {self._index[name].path} and {f.path}"
-                    )
-                self._index[name] = f
-        if weight_map is not None:
-            # shard_paths listed the shards in the order of their first
-            # mention in the weight map, and the files load in that order.
-            shard_of_file = dict(zip(dict.fromkeys(weight_map.values()), self._files))
-            for name, shard in weight_map.items():
-                file = shard_of_file[shard]
-                if name not in file.tensors:
-                    owner = self._index.get(name)
-                    where = f"it is in {owner.path}" if owner else "no shard has it"
-                    raise SafetensorError(
-                        f"index says tensor {name!r} is in {file.path}, but that file has no such tensor ({where})"
-                    )
-            unlisted = sorted(set(self._index) - set(weight_map))
-            if unlisted:
-                raise SafetensorError(
-                    f"tensor {unlisted[0]!r} is in {self._index[unlisted[0]].path} but the index's "
-                    f"weight_map does not list it ({len(unlisted)} such tensor(s))"
-                )
+        tables = [(f.path, f.tensors.keys()) for f in self._files]
+        self._index = {name: self._files[i] for name, i in _tensor_index(tables, weight_map).items()}
         self._closed = False
 
     def __enter__(self) -> SafeOpen:
