@@ -4,6 +4,7 @@
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
 use std::process::Command;
 
 mod common;
@@ -167,15 +168,28 @@ fn too_few_file_descriptors_for_a_ring_fall_back_to_the_pread_pool() {
     let path = sample(dir.path(), OsStr::new("f.bin"), (2 << 20) + 5);
     let expected = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap());
     // stdin/out/err, the file and the memfd: no descriptor left for a ring.
-    let out = output_or_hang(
-        Command::new("prlimit")
-            .arg("--nofile=6")
-            .arg(env!("CARGO_BIN_EXE_dmaload"))
-            .args(["load", "--json", "--hash", "--to", "memfd"])
-            .arg(&path),
-    );
+    let mut cmd = Command::new("prlimit");
+    cmd.arg("--nofile=6")
+        .arg(env!("CARGO_BIN_EXE_dmaload"))
+        .args(["load", "--json", "--hash", "--to", "memfd"]);
+    // Without the descriptors this process inherited (a CI runner's, say),
+    // which would take the child's few.
+    // SAFETY: close_inherited_fds makes one async-signal-safe syscall.
+    unsafe { cmd.pre_exec(close_inherited_fds) };
+    let out = output_or_hang(cmd.arg(&path));
     let report = json_of(&out);
     assert_eq!(report["hash"]["xxh3_64"], format!("{expected:016x}"));
     assert_eq!(report["engine"], "pread-pool", "{report}");
     assert!(report["fallbacks"].to_string().contains("RLIMIT_NOFILE"), "{report}");
+}
+
+/// Marks every descriptor past stdin, stdout and stderr close-on-exec
+/// (`close_range` with `CLOSE_RANGE_CLOEXEC`), so the exec drops them.
+fn close_inherited_fds() -> std::io::Result<()> {
+    // SAFETY: close_range takes no pointers, and with CLOSE_RANGE_CLOEXEC
+    // closes nothing before the exec.
+    if unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
