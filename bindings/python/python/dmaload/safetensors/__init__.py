@@ -15,7 +15,9 @@ reused while any view exists (``Buffer.close()`` refuses then).
 ``path`` may be a file, a ``*.safetensors.index.json`` or a directory (its
 ``model.safetensors.index.json``, else all its ``*.safetensors`` files): the
 shards are loaded concurrently. An index's ``weight_map`` is checked before
-anything is loaded (see ``_index_shards``) and against the shards after.
+anything is loaded (see ``_index_shards``), then against the shards'
+headers before their data (``_tensor_index``), and against the loaded
+shards again.
 
 The header is untrusted input: anything malformed raises
 :class:`dmaload.SafetensorError` saying what is wrong and at which byte.
