@@ -53,9 +53,10 @@ pub struct CaptureCommand {
     /// What to capture: `synthetic`, or a file, FIFO or character device.
     #[arg(long, required_unless_present = "verify")]
     source: Option<String>,
-    /// The capture file: never torn; a stream that breaks leaves every
-    /// block that arrived (the command fails saying so), a failed write
-    /// leaves no file (a previous one untouched).
+    /// The capture file: never torn; a stream that breaks, or a disk that
+    /// fills, leaves every block written before it (the command fails
+    /// saying so), another failed write leaves no file (a previous one
+    /// untouched).
     #[arg(long, required_unless_present = "verify")]
     to: Option<PathBuf>,
     /// Check a synthetic capture instead: every block present, in order,
@@ -368,7 +369,7 @@ fn consume(cmd: &CaptureCommand) -> Result<(), String> {
     }
     if let Some(why) = &out.stream_error {
         return Err(format!(
-            "the stream broke after {} blocks (all of them are in {}): {why}",
+            "the capture stopped after {} blocks (all of them are in {}): {why}",
             out.blocks, out.target
         ));
     }

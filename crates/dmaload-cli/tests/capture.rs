@@ -301,7 +301,7 @@ fn a_killed_producer_leaves_every_block_it_delivered() {
     let out = consumer.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!status.success());
-    assert!(stderr.contains("the stream broke after") && stderr.contains("without finishing"), "{stderr}");
+    assert!(stderr.contains("the capture stopped after") && stderr.contains("without finishing"), "{stderr}");
     let verdict = json_of(&verify(&to));
     assert!(verdict["blocks"].as_u64().unwrap() > 0);
     assert_eq!(verdict["missing"], 0);
@@ -484,4 +484,61 @@ fn bench_stream_runs_every_row() {
     }
     assert_eq!(table["capture"]["capture_mib_per_second"].as_array().unwrap().len(), 1);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the bench leaves no file behind");
+}
+
+/// Unmounts a test's tmpfs on drop.
+struct Mounted(std::path::PathBuf);
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// Device data cannot be read again: a filesystem that fills up mid-capture
+/// keeps the whole blocks written before it, says so, and leaves no
+/// temporary file. One that cannot take the first run keeps the old file.
+#[test]
+fn a_full_filesystem_keeps_the_blocks_written_before_it() {
+    const TEST: &str = "a_full_filesystem_keeps_the_blocks_written_before_it";
+    if !common::is_root() {
+        return skip(TEST, "mounting a tmpfs needs root");
+    }
+    let dir = open_scratch("dmaload-capture-");
+    let mount = dir.path().join("mnt");
+    std::fs::create_dir(&mount).unwrap();
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"]).arg(&mount).status();
+    if !mounted.is_ok_and(|s| s.success()) {
+        return skip(TEST, "cannot mount a tmpfs");
+    }
+    let _mounted = Mounted(mount.clone());
+    let to = mount.join("cap");
+    std::fs::write(&to, b"the previous capture").unwrap();
+    let capture = |block_size: &str| {
+        output_or_hang(
+            dmaload()
+                .args(["capture", "--source", "synthetic", "--duration", "60s", "--block-size", block_size])
+                .args(["--blocks", "32", "--to"])
+                .arg(&to),
+        )
+    };
+    // Runs of 8 MiB: the first finds the disk full, nothing to keep.
+    let out = capture("1M");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("No space left on device"), "{stderr}");
+    assert_eq!(std::fs::read(&to).unwrap(), b"the previous capture");
+    // Runs of 512 KiB: several land before the disk fills.
+    let out = capture("64K");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the capture stopped after") && stderr.contains("the filesystem is full"),
+        "{stderr}"
+    );
+    let verdict = json_of(&verify(&to));
+    let blocks = verdict["blocks"].as_u64().unwrap();
+    assert!(blocks > 0 && blocks * 65536 <= 4 << 20, "{verdict}");
+    assert_eq!((verdict["ok"].as_bool(), verdict["missing"].as_u64()), (Some(true), Some(0)), "{verdict}");
+    assert_eq!(std::fs::metadata(&to).unwrap().len(), blocks * 65536);
+    let names: Vec<_> = std::fs::read_dir(&mount).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["cap"], "no temporary file is left");
 }

@@ -17,11 +17,14 @@
 //! one. A stream that breaks (the producer dies, or its control page turns
 //! out corrupt) still commits every block written so far (each was given
 //! back only once written) and the report says why it is short; one that
-//! breaks before any byte arrived is an error and commits nothing. A write
-//! that fails (ENOSPC, say) fails the capture: nothing is committed. So
-//! does a run that would grow the file past RLIMIT_FSIZE, checked before it
-//! is written (and `expected_bytes` before anything is): an error, not the
-//! SIGXFSZ that would kill the process.
+//! breaks before any byte arrived is an error and commits nothing. A full
+//! filesystem (ENOSPC, or EDQUOT) ends the capture the same way: device
+//! data cannot be read again, so the runs written whole before the one
+//! that found the disk full are committed, and the report says why the
+//! file is short. Any other failed write fails the capture: nothing is
+//! committed. So does a run that would grow the file past RLIMIT_FSIZE,
+//! checked before it is written (and `expected_bytes` before anything is):
+//! an error, not the SIGXFSZ that would kill the process.
 //!
 //! Runs are written whole with O_DIRECT while the file offset stays
 //! aligned; a short block (the stream's last, or one a FIFO ended early)
@@ -195,6 +198,9 @@ pub fn capture_to_file(
         fallbacks,
     };
     let (mut blocks, mut runs, mut stream_error) = (0u64, 0u64, None);
+    // Where the filesystem filled up: the run that started there and every
+    // later one are not kept.
+    let mut full: Option<(u64, Error)> = None;
     let run_blocks = options.run_blocks.unwrap_or(queue.blocks() / 4).clamp(1, queue.blocks());
     // Dequeuing while `in_flight - 1` runs are held leaves at least one
     // run's worth of blocks to the producer, so the wait always ends.
@@ -251,7 +257,8 @@ pub fn capture_to_file(
             writer.fallbacks.push(Fallback::new(&format!("{in_flight} writing threads"), &fewer, why));
         }
         let in_flight = writers.len();
-        let mut pending: VecDeque<(HeldRun, usize)> = VecDeque::new();
+        // Runs being written: each with its writer thread and file offset.
+        let mut pending: VecDeque<(HeldRun, usize, u64)> = VecDeque::new();
         let mut turn = 0;
         let mut open = true;
         let outcome = loop {
@@ -285,13 +292,23 @@ pub fn capture_to_file(
                 if writer.leaves_direct(bytes, offset) {
                     // O_DIRECT is the file's flag: switch with nothing in flight.
                     let mut drained = Ok(());
-                    while let Some((earlier, w)) = pending.pop_front() {
-                        drained = drained.and_then(|()| writer.finish(writers[w].1.recv().ok()));
-                        blocks += earlier.blocks() as u64;
-                        runs += 1;
-                        let _ = queue.release_held(earlier);
+                    while let Some((earlier, w, start)) = pending.pop_front() {
+                        if drained.is_ok() {
+                            drained = writer.finish(writers[w].1.recv().ok()).map_err(|e| (start, e));
+                        }
+                        if drained.is_ok() {
+                            blocks += earlier.blocks() as u64;
+                            runs += 1;
+                            let _ = queue.release_held(earlier);
+                        }
                     }
-                    if let Err(e) = drained.and_then(|()| writer.write_leaving_direct(bytes, offset)) {
+                    let written = drained
+                        .and_then(|()| writer.write_leaving_direct(bytes, offset).map_err(|e| (offset, e)));
+                    if let Err((start, e)) = written {
+                        if fills_the_disk(&e) {
+                            full = Some((start, e));
+                            break Ok(());
+                        }
                         break Err(e);
                     }
                     blocks += held.blocks() as u64;
@@ -308,14 +325,19 @@ pub fn capture_to_file(
                     if writers[turn].0.send((job, range.start)).is_err() {
                         break Err(Error::new(ErrorKind::Io, "write", &target, "a writing thread stopped"));
                     }
-                    pending.push_back((held, turn));
+                    pending.push_back((held, turn, offset));
                     turn = (turn + 1) % in_flight;
                 }
                 continue;
             }
-            let Some((held, w)) = pending.pop_front() else { break Ok(()) };
-            if let Err(e) = writer.finish(writers[w].1.recv().ok()) {
-                break Err(e);
+            let Some((held, w, start)) = pending.pop_front() else { break Ok(()) };
+            match writer.finish(writers[w].1.recv().ok()) {
+                Ok(()) => {}
+                Err(e) if fills_the_disk(&e) => {
+                    full = Some((start, e));
+                    break Ok(());
+                }
+                Err(e) => break Err(e),
             }
             blocks += held.blocks() as u64;
             runs += 1;
@@ -338,7 +360,18 @@ pub fn capture_to_file(
         }
     });
     written?;
-    let RunWriter { offset, direct, direct_bytes, engine, fallbacks, .. } = writer;
+    let RunWriter { mut offset, direct, mut direct_bytes, engine, fallbacks, .. } = writer;
+    if let Some((start, err)) = full {
+        if start == 0 {
+            // Nothing to keep: a previous file stays.
+            return Err(err);
+        }
+        // Later runs may have landed past `start`: the truncation below
+        // drops them with the partial one.
+        offset = start;
+        direct_bytes = direct_bytes.min(start);
+        stream_error = Some(format!("the filesystem is full: {err}"));
+    }
     if let (Some(why), 0) = (&stream_error, offset) {
         // An empty file would only replace a previous one: keep that instead.
         return Err(Error::new(
@@ -467,6 +500,12 @@ impl<'a> RunWriter<'a> {
         self.engine = run.engine;
         Ok(())
     }
+}
+
+/// Whether a failed write found the filesystem full (or the user's quota
+/// spent): the capture keeps what was written before it.
+fn fills_the_disk(err: &Error) -> bool {
+    matches!(err.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
 }
 
 /// CPU seconds (user + system) this process has used so far
