@@ -819,6 +819,7 @@ pub unsafe extern "C" fn dmaload_save(
             chunk_size: size(op, "chunk size", o.chunk_size)?,
             queue_depth: o.queue_depth as usize,
             threads: o.threads as usize,
+            progress: None,
         };
         let bytes: &[u8] = if len == 0 {
             &[]

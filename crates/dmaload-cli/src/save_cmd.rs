@@ -3,7 +3,7 @@
 //! reporting both halves; `save` writes a generated buffer (a quick way to
 //! see what a device takes).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
 use dmaload::{Engine, IoMode, SaveOptions, SaveReport};
@@ -149,8 +149,7 @@ pub fn save(cmd: &SaveCommand) -> Result<(), String> {
     let size = usize::try_from(cmd.size).map_err(|_| format!("--size {} is too large", cmd.size))?;
     let mut buf = TransferBuffer::new(MemoryType::Memfd, size).map_err(e)?;
     buf.with_bytes_mut(|b| benchkit::fill_pattern(b, 0)).map_err(e)?;
-    let report =
-        buf.with_bytes(|b| dmaload::save(b, &cmd.dst, &cmd.save.to_options())).map_err(e)?.map_err(e)?;
+    let report = buf.with_bytes(|b| save_showing_progress(b, &cmd.dst, &cmd.save)).map_err(e)?.map_err(e)?;
     for fallback in &report.fallbacks {
         eprintln!("dmaload: fallback {fallback}");
     }
@@ -160,6 +159,15 @@ pub fn save(cmd: &SaveCommand) -> Result<(), String> {
         print!("{}", save_text(&report));
     }
     Ok(())
+}
+
+/// `dmaload::save` with a progress bar (on a terminal, once it takes a moment).
+fn save_showing_progress(data: &[u8], dst: &Path, args: &SaveArgs) -> Result<SaveReport, dmaload::Error> {
+    let (bar, callback) = progress_bar("saving");
+    let options = SaveOptions { progress: Some(callback), ..args.to_options() };
+    let saved = dmaload::save(data, dst, &options);
+    bar.finish_and_clear();
+    saved
 }
 
 pub fn copy(cmd: &CopyCommand) -> Result<(), String> {
@@ -181,7 +189,7 @@ pub fn copy(cmd: &CopyCommand) -> Result<(), String> {
     let loaded = dmaload::load(&cmd.src, &options);
     bar.finish_and_clear();
     let (buffer, load) = loaded.map_err(|e| e.to_string())?;
-    let save = dmaload::save(&buffer, &cmd.dst, &cmd.save.to_options()).map_err(|e| e.to_string())?;
+    let save = save_showing_progress(&buffer, &cmd.dst, &cmd.save).map_err(|e| e.to_string())?;
     for fallback in load.fallbacks.iter().chain(&save.fallbacks) {
         eprintln!("dmaload: fallback {fallback}");
     }

@@ -50,18 +50,20 @@
 //! or host (NFS) is never touched. Removed names are in `removed_tmpfiles`.
 
 use std::ffi::{OsStr, OsString};
+use std::fmt;
 use std::fs::{self, File, Metadata, OpenOptions};
 use std::io::{self, Seek, SeekFrom, Write};
 use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use serde::Serialize;
 
 use crate::engine::write::{WriteJob, WriteRun};
-use crate::engine::{CachePolicy, Engine};
+use crate::engine::{CachePolicy, Engine, Progress, ProgressFn};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Fallback, IoMode, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use crate::source::type_name;
@@ -70,7 +72,7 @@ use crate::sys::shm::RawBytes;
 use crate::{sys, system};
 /// Options of [`save`]; `SaveOptions::default()` is what a user gets
 /// without flags.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct SaveOptions {
     /// `uring-fixed` (default), `uring`, `pread-pool` (a pool of threads
     /// issuing `pwrite`) or `read` (one thread of sequential writes).
@@ -90,6 +92,27 @@ pub struct SaveOptions {
     pub queue_depth: usize,
     /// Threads (pread-pool engine).
     pub threads: usize,
+    /// Called with (bytes written, bytes in all) as
+    /// [`crate::LoadOptions::progress`] is for a load: from a reporting
+    /// thread, about every 50 ms while writes complete (all of them may
+    /// be reported while the sync still runs), then once with
+    /// `done == total` when the save has succeeded, after the sync and
+    /// rename. A FIFO or character device reports only that last call.
+    pub progress: Option<Arc<ProgressFn>>,
+}
+
+impl fmt::Debug for SaveOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SaveOptions")
+            .field("engine", &self.engine)
+            .field("mode", &self.mode)
+            .field("sync", &self.sync)
+            .field("chunk_size", &self.chunk_size)
+            .field("queue_depth", &self.queue_depth)
+            .field("threads", &self.threads)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
 }
 
 impl Default for SaveOptions {
@@ -101,6 +124,7 @@ impl Default for SaveOptions {
             chunk_size: DEFAULT_CHUNK_SIZE,
             queue_depth: DEFAULT_QUEUE_DEPTH,
             threads: DEFAULT_POOL_THREADS,
+            progress: None,
         }
     }
 }
@@ -488,6 +512,7 @@ pub fn write_at(
         chunk: options.chunk_size,
         queue_depth: options.queue_depth,
         threads: options.threads,
+        progress: None,
     };
     Ok(job.run(options.engine)?.fallbacks)
 }
@@ -502,10 +527,29 @@ pub fn save(data: &[u8], path: impl AsRef<Path>, options: &SaveOptions) -> Resul
     let started = Instant::now();
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let (target, existing) = resolve(path)?;
-    let mut report = match existing {
-        Some(meta) if !meta.file_type().is_file() => save_in_place(data, path, target, &meta, options)?,
-        previous => save_replacing(data, path, target, previous, options)?,
-    };
+    let progress = Progress::new(data.len() as u64, options.progress.as_deref());
+    let saved = std::thread::scope(|scope| {
+        let reporter = match options.progress {
+            // Without a thread (RLIMIT_NPROC), only the last report is made.
+            Some(_) => std::thread::Builder::new()
+                .name("dmaload-progress".into())
+                .spawn_scoped(scope, || progress.report())
+                .ok(),
+            None => None,
+        };
+        let saved = match existing {
+            Some(meta) if !meta.file_type().is_file() => {
+                save_in_place(data, path, target, &meta, options, &progress)
+            }
+            previous => save_replacing(data, path, target, previous, options, &progress),
+        };
+        progress.finish();
+        // A panicking reporter only means a callback panicked: the file is saved or not as it says.
+        let _ = reporter.map(|r| r.join());
+        saved
+    });
+    let mut report = saved?;
+    progress.report_complete();
     let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let total = started.elapsed().as_secs_f64();
     report.total_seconds = total;
@@ -560,6 +604,7 @@ fn write_body(
     data: &[u8],
     magic: Option<i64>,
     options: &SaveOptions,
+    progress: &Progress<'_>,
     fallbacks: &mut Vec<Fallback>,
 ) -> Result<Body> {
     let mut direct = choose_direct(target, file, data.into(), magic, options.mode, fallbacks)?;
@@ -573,6 +618,7 @@ fn write_body(
             chunk: options.chunk_size.div_ceil(align) * align,
             queue_depth: options.queue_depth,
             threads: options.threads,
+            progress: Some(progress),
         }
         .run(options.engine)
     };
@@ -598,6 +644,7 @@ fn write_body(
         use std::os::unix::fs::FileExt;
         file.write_all_at(&data[aligned..], aligned as u64)
             .map_err(|e| Error::io("write", target, e).at(aligned as u64))?;
+        progress.add((data.len() - aligned) as u64);
     }
     Ok(Body { run, direct, direct_bytes })
 }
@@ -656,6 +703,7 @@ fn save_replacing(
     target: PathBuf,
     previous: Option<Metadata>,
     options: &SaveOptions,
+    progress: &Progress<'_>,
 ) -> Result<SaveReport> {
     let len = data.len() as u64;
     if let Some(meta) = &previous {
@@ -692,7 +740,7 @@ fn save_replacing(
     out.allocate_seconds = allocating.elapsed().as_secs_f64();
 
     let writing = Instant::now();
-    let mut body = write_body(&target, file, data, Some(magic), options, &mut out.fallbacks)?;
+    let mut body = write_body(&target, file, data, Some(magic), options, progress, &mut out.fallbacks)?;
     // fallocate past the end of a smaller write: the size is exact.
     file.set_len(len).map_err(|e| Error::io("ftruncate", &target, e))?;
     out.write_seconds = writing.elapsed().as_secs_f64();
@@ -729,6 +777,7 @@ fn save_in_place(
     target: PathBuf,
     meta: &Metadata,
     options: &SaveOptions,
+    progress: &Progress<'_>,
 ) -> Result<SaveReport> {
     let len = data.len() as u64;
     check_sticky(&target, meta)?;
@@ -768,7 +817,7 @@ fn save_in_place(
                 format!("{len} bytes do not fit on this block device of {size} bytes"),
             ));
         }
-        let mut body = write_body(&target, &file, data, None, options, &mut out.fallbacks)?;
+        let mut body = write_body(&target, &file, data, None, options, progress, &mut out.fallbacks)?;
         out.write_seconds = writing.elapsed().as_secs_f64();
         let syncing = Instant::now();
         if options.sync {

@@ -479,3 +479,38 @@ fn a_read_only_filesystem_is_erofs_naming_the_directory() {
     }
     assert_eq!(std::fs::read(mount.join("old")).unwrap(), b"old");
 }
+
+/// Each engine reports what it has written, never past the total, ending
+/// with every byte once the file is saved; a save that wrote nothing
+/// reports nothing.
+#[test]
+fn a_save_reports_progress_with_every_engine_and_ends_with_every_byte() {
+    let dir = scratch_dir();
+    let len = (32 << 20) + 123;
+    let buffer = loaded_pattern(dir.path(), len);
+    for engine in [Engine::UringFixed, Engine::Uring, Engine::PreadPool, Engine::Read] {
+        let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        let options = SaveOptions {
+            engine,
+            chunk_size: 1 << 20,
+            progress: Some(std::sync::Arc::new(move |done, total| seen.lock().unwrap().push((done, total)))),
+            ..SaveOptions::default()
+        };
+        let target = dir.path().join("saved.bin");
+        dmaload::save(&buffer, &target, &options).unwrap();
+        let calls = calls.lock().unwrap().clone();
+        assert_eq!(calls.last(), Some(&(len, len)), "{engine:?}: {calls:?}");
+        assert!(calls.iter().all(|&(done, total)| total == len && done <= len), "{engine:?}: {calls:?}");
+        assert!(calls.windows(2).all(|w| w[0].0 <= w[1].0), "{engine:?}: {calls:?}");
+
+        let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        let options = SaveOptions {
+            progress: Some(std::sync::Arc::new(move |done, total| seen.lock().unwrap().push((done, total)))),
+            ..options
+        };
+        dmaload::save(&buffer, dir.path().join("no-such-dir/saved.bin"), &options).unwrap_err();
+        assert_eq!(*calls.lock().unwrap(), [], "{engine:?}: nothing written, nothing reported");
+    }
+}

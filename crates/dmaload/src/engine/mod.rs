@@ -418,7 +418,8 @@ impl<'a> Progress<'a> {
                 .wait_timeout(finished, PROGRESS_INTERVAL)
                 .map(|(guard, _)| guard)
                 .unwrap_or_else(|p| p.into_inner().0);
-            let done = self.done();
+            // A save that falls back writes some bytes twice: never past the total.
+            let done = self.done().min(self.total);
             if done != reported && !*finished {
                 reported = done;
                 drop(finished);

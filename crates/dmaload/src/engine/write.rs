@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use super::{Engine, Gate, RegisterAhead};
+use super::{Engine, Gate, Progress, RegisterAhead};
 use crate::cancel::CancelToken;
 use crate::error::{Error, Result};
 use crate::load::Fallback;
@@ -33,6 +33,8 @@ pub(crate) struct WriteJob<'a> {
     pub chunk: usize,
     pub queue_depth: usize,
     pub threads: usize,
+    /// Counts the bytes each completed write wrote (a save's progress).
+    pub progress: Option<&'a Progress<'a>>,
 }
 
 /// What a write engine did: the engine that did it, and paths not taken.
@@ -47,6 +49,12 @@ impl WriteJob<'_> {
     fn request(&self, start: usize) -> Range<usize> {
         let end = (start / self.chunk + 1) * self.chunk;
         start..end.min(self.src.len())
+    }
+
+    fn wrote(&self, bytes: u64) {
+        if let Some(progress) = self.progress {
+            progress.add(bytes);
+        }
     }
 
     fn error(&self, at: usize, err: io::Error) -> Error {
@@ -79,11 +87,16 @@ impl WriteJob<'_> {
                 }
                 let range = self.request(i * self.chunk);
                 let start = range.start;
-                if let Err(err) =
-                    self.src.range(range).write_all_at(self.file.as_fd(), self.file_offset + start as u64)
-                {
-                    stop.store(true, Ordering::Relaxed);
-                    failure.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(self.error(start, err));
+                let len = range.len() as u64;
+                match self.src.range(range).write_all_at(self.file.as_fd(), self.file_offset + start as u64) {
+                    Ok(()) => self.wrote(len),
+                    Err(err) => {
+                        stop.store(true, Ordering::Relaxed);
+                        failure
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(self.error(start, err));
+                    }
                 }
             }
         };
@@ -266,6 +279,7 @@ impl WriteJob<'_> {
                 if wrote < range.len() {
                     retries.push(range.start + wrote);
                 }
+                self.wrote(wrote.min(range.len()) as u64);
                 let w = range.start / window;
                 unfinished[w] -= wrote.min(range.len());
                 if unfinished[w] == 0 && gate.retire(w) {

@@ -464,6 +464,7 @@ impl<'a> RunWriter<'a> {
             chunk: WRITE_CHUNK.max(self.block_size),
             queue_depth: self.options.queue_depth,
             threads: DEFAULT_POOL_THREADS,
+            progress: None,
         }
     }
 
