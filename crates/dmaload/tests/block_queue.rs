@@ -535,3 +535,39 @@ fn a_run_from_another_queue_is_refused() {
         assert_eq!(producer.try_dequeue_free().unwrap().unwrap().sequence(), 2);
     }
 }
+
+/// An index past a run is the caller's bug: `block`, `block_bytes` and a
+/// held run's `block` panic as indexing does (their `# Panics`), with a
+/// message naming the index and the run.
+#[test]
+fn a_block_index_past_the_run_panics_naming_it() {
+    fn panic_message(f: impl FnOnce()) -> String {
+        let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_err();
+        payload.downcast_ref::<String>().cloned().unwrap_or_default()
+    }
+    let (mut producer, mut consumer) = queue_pair(2);
+    producer.dequeue_free(WAIT).unwrap().enqueue(4096, 3).unwrap();
+    let run = consumer.dequeue_filled(2, WAIT).unwrap().unwrap();
+    assert_eq!(run.block(0), (4096, 3));
+    assert_eq!(
+        panic_message(|| {
+            let _ = run.block(1);
+        }),
+        "block 1 of a run of 1 blocks"
+    );
+    assert_eq!(
+        panic_message(|| {
+            let _ = run.block_bytes(usize::MAX);
+        }),
+        format!("block {} of a run of 1 blocks", usize::MAX)
+    );
+    let held = run.hold();
+    assert_eq!(
+        panic_message(|| {
+            let _ = held.block(2);
+        }),
+        "block 2 of a run of 1 blocks"
+    );
+    consumer.release_held(held).unwrap();
+    assert_eq!(producer.try_dequeue_free().unwrap().unwrap().sequence(), 1);
+}

@@ -949,6 +949,13 @@ impl Drop for FreeBlock<'_> {
     }
 }
 
+/// Block `i` of a run of `blocks` must be in it: a panic at the caller, as
+/// indexing does, but one that names the run.
+#[track_caller]
+fn check_block_index(i: usize, blocks: usize) {
+    assert!(i < blocks, "block {i} of a run of {blocks} blocks");
+}
+
 /// A run of filled blocks the consumer holds, in stream order; give them
 /// back with [`Filled::release`] (dropping them gives them back too).
 #[derive(Debug)]
@@ -962,7 +969,8 @@ pub struct Filled<'q> {
 }
 
 impl Filled<'_> {
-    /// How many blocks the run holds.
+    /// How many blocks the run holds: at least one, so block 0 is always
+    /// there.
     pub fn blocks(&self) -> usize {
         self.lens.len()
     }
@@ -974,7 +982,13 @@ impl Filled<'_> {
 
     /// The length and tag of block `i` of the run, as read once when it
     /// was dequeued.
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not below [`Self::blocks`], as indexing does.
+    #[track_caller]
     pub fn block(&self, i: usize) -> (usize, u64) {
+        check_block_index(i, self.lens.len());
         (self.lens[i], self.tags[i])
     }
 
@@ -1004,7 +1018,13 @@ impl Filled<'_> {
     /// Block `i` (its length), for copies out and, on the caller's promise
     /// that the producer keeps to the protocol (it does not touch a block
     /// until it is given back), an `unsafe` slice.
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not below [`Self::blocks`], as indexing does.
+    #[track_caller]
     pub fn block_bytes(&self, i: usize) -> SharedBytes<'_> {
+        check_block_index(i, self.lens.len());
         let start = (self.first + i) * self.queue.options.block_size;
         self.queue.data.shared_bytes(start..start + self.lens[i])
     }
@@ -1073,7 +1093,13 @@ impl HeldRun {
     }
 
     /// The length and tag of block `i` of the run.
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not below [`Self::blocks`], as indexing does.
+    #[track_caller]
     pub fn block(&self, i: usize) -> (usize, u64) {
+        check_block_index(i, self.lens.len());
         (self.lens[i], self.tags[i])
     }
 
