@@ -897,7 +897,9 @@ fn load_cached(
 
 /// Drops the file at `path` from the page cache (fdatasync, then
 /// `POSIX_FADV_DONTNEED`; no root needed), so that its next read comes from
-/// the device: the core's `pagecache::evict`, the one the CLI uses.
+/// the device: the core's `pagecache::evict`, the one the CLI uses. A
+/// FIFO, socket or character device is refused unopened: it has no page
+/// cache.
 #[pyfunction]
 fn evict(py: Python<'_>, path: PathBuf) -> PyResult<()> {
     detached(py, || dmaload::pagecache::evict(&path))?.map_err(|e| os_error(&e))

@@ -173,6 +173,28 @@ def test_a_fifo_is_an_error_not_a_hang(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "REFUSED" in out.stdout, f"{out.stdout}\n{out.stderr}"
 
+def test_evict_refuses_a_fifo_as_having_no_page_cache(tmp_path: Path) -> None:
+    """A FIFO has no page cache: evict says so, naming it, without opening
+    it (a FIFO without a writer would hang the open)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code = textwrap.dedent(
+        """
+        import errno, sys, dmaload
+        try:
+            dmaload.evict(sys.argv[1])
+        except OSError as e:
+            assert e.errno == errno.EINVAL and e.filename == sys.argv[1], e
+            assert "a FIFO has no page cache to evict" in str(e), e
+        else:
+            raise SystemExit("evicted a FIFO")
+        print("REFUSED")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "REFUSED" in out.stdout, f"{out.stdout}\n{out.stderr}"
+
+
 def test_an_index_that_is_not_a_regular_file_is_an_error_not_a_hang(tmp_path: Path) -> None:
     """A sharded model's index that is a FIFO (no writer: reading it would
     block for ever) or a device that never ends (/dev/zero: reading it

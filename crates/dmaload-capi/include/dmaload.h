@@ -210,7 +210,9 @@ int dmaload_load_into(const char *path,
                       struct dmaload_report **report);
 
 // The buffer's bytes (`dmaload_buffer_len` of them), valid until
-// `dmaload_buffer_free`; NULL for a NULL buffer. The memory stays the
+// `dmaload_buffer_free`; NULL for an empty buffer (an empty file or
+// range: no byte to point at; `dmaload_save` and `dmaload_xxh3_64` take
+// NULL with a length of 0) and for a NULL buffer. The memory stays the
 // buffer's: do not free it. Any thread may read it.
 //
 // # Safety

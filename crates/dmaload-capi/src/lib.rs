@@ -516,14 +516,19 @@ pub unsafe extern "C" fn dmaload_load_into(
 }
 
 /// The buffer's bytes (`dmaload_buffer_len` of them), valid until
-/// `dmaload_buffer_free`; NULL for a NULL buffer. The memory stays the
+/// `dmaload_buffer_free`; NULL for an empty buffer (an empty file or
+/// range: no byte to point at; `dmaload_save` and `dmaload_xxh3_64` take
+/// NULL with a length of 0) and for a NULL buffer. The memory stays the
 /// buffer's: do not free it. Any thread may read it.
 ///
 /// # Safety
 /// `buffer` is NULL or a live buffer from `dmaload_load*`.
 #[no_mangle]
 pub unsafe extern "C" fn dmaload_buffer_data(buffer: *const dmaload_buffer) -> *const u8 {
-    accessor(std::ptr::null(), || borrow(buffer).map_or(std::ptr::null(), |b| b.buffer.as_ptr()))
+    accessor(std::ptr::null(), || {
+        // An empty slice's pointer is dangling, not one C may pass on.
+        borrow(buffer).filter(|b| !b.buffer.is_empty()).map_or(std::ptr::null(), |b| b.buffer.as_ptr())
+    })
 }
 
 /// Bytes in the buffer; 0 for a NULL buffer. Thread-safe.

@@ -247,7 +247,7 @@ pub fn spawn_producer(cmd: &CaptureCommand, dir: &Path) -> Result<(Child, Connec
                 if pid != child.id() {
                     return Err(format!("process {pid} connected instead of the producer {}", child.id()));
                 }
-                return Ok((child, conn));
+                return wait_source_open(child, conn, cmd.source.as_deref().unwrap_or_default());
             }
             Ok(None) => {}
             Err(e) => return Err(format!("waiting for the producer: {e}")),
@@ -260,6 +260,33 @@ pub fn spawn_producer(cmd: &CaptureCommand, dir: &Path) -> Result<(Child, Connec
             return Err("the producer did not connect within 30 s".into());
         }
     }
+}
+
+/// The producer's first message once its source is open; anything else is
+/// why it could not open it.
+const SOURCE_OPEN: &[u8] = b"dmaload capture: source open";
+
+/// Waits for the producer to open its source. Where it cannot, its reason
+/// is this process's error: one line, where each process would print its
+/// own.
+fn wait_source_open(mut child: Child, conn: Connection, source: &str) -> Result<(Child, Connection), String> {
+    conn.set_timeouts(Some(START_TIMEOUT)).map_err(|e| e.to_string())?;
+    let mut message = vec![0u8; 64 << 10];
+    let failure = match conn.recv(&mut message) {
+        Ok((len, _)) if &message[..len] == SOURCE_OPEN => return Ok((child, conn)),
+        Ok((0, _)) => {
+            let status = child.wait().map_or_else(|e| e.to_string(), |status| status.to_string());
+            return Err(format!("the producer exited before opening {source} ({status})"));
+        }
+        Ok((len, _)) => String::from_utf8_lossy(&message[..len]).into_owned(),
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            format!("the producer did not open {source} within 30 s")
+        }
+        Err(e) => format!("waiting for the producer to open {source}: {e}"),
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    Err(failure)
 }
 
 /// The consumer (this process): queue, capture to the file, reports.
@@ -393,13 +420,24 @@ enum Source {
 /// The producer (the re-executed process).
 fn produce(cmd: &CaptureCommand, socket: &Path) -> Result<(), String> {
     let source_name = cmd.source.clone().ok_or("--source is required")?;
-    // Opened before connecting: a source that cannot be opened fails the
-    // capture before any file is created.
+    let conn = Connection::connect(socket).map_err(|e| format!("connect {}: {e}", socket.display()))?;
+    // Opened before the queue exists: a source that cannot be opened fails
+    // the capture before any file is created.
     let file = match source_name.as_str() {
         "synthetic" => None,
-        path => Some(File::open(path).map_err(|e| format!("open {path}: {e}"))?),
+        path => match File::open(path) {
+            Ok(file) => Some(file),
+            Err(e) => {
+                let why = format!("open {path}: {e}");
+                if conn.send(why.as_bytes(), &[]).is_ok() {
+                    // The consumer fails the capture with it: said once.
+                    std::process::exit(1);
+                }
+                return Err(why);
+            }
+        },
     };
-    let conn = Connection::connect(socket).map_err(|e| format!("connect {}: {e}", socket.display()))?;
+    conn.send(SOURCE_OPEN, &[]).map_err(|e| format!("telling the consumer the source is open: {e}"))?;
     let mut queue = BlockQueue::attach(conn, Some(START_TIMEOUT)).map_err(|e| e.to_string())?;
     let block = queue.block_size();
     let mut source = if let Some(file) = file {

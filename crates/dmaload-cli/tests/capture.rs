@@ -57,6 +57,24 @@ fn a_synthetic_capture_verifies_block_by_block() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("block 3 at byte 196608: checksum mismatch"));
 }
 
+/// A source that cannot be opened fails the capture with one line naming
+/// it and the cause (the producer's, said once), before any file exists.
+#[test]
+fn a_source_that_cannot_be_opened_is_one_error_line() {
+    let dir = open_scratch("dmaload-capture-");
+    let to = dir.path().join("cap");
+    let missing = dir.path().join("no-such-source");
+    let out = output_or_hang(
+        dmaload().args(["capture", "--size", "1M", "--source"]).arg(&missing).arg("--to").arg(&to),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        format!("dmaload: error: open {}: No such file or directory (os error 2)\n", missing.display())
+    );
+    assert!(!to.exists());
+}
+
 /// Runs are written several at once; rings too small to split still make
 /// progress, and the largest block size works.
 #[test]

@@ -527,6 +527,27 @@ fn evict_makes_the_next_load_read_the_device() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("missing"), "{out:?}");
 }
 
+/// A FIFO or a character device given to evict: one line about evicting,
+/// naming the path, and no open (a FIFO without a writer would hang it).
+#[test]
+fn evict_refuses_what_has_no_page_cache_in_one_line() {
+    let dir = scratch();
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    for (path, kind) in [(fifo.as_path(), "FIFO"), (Path::new("/dev/null"), "character device")] {
+        let out = common::output_or_hang(dmaload().arg("evict").arg(path));
+        assert_eq!(out.status.code(), Some(1));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            format!(
+                "dmaload: error: open {}: a {kind} has no page cache to evict: \
+                 only regular files and block devices have one\n",
+                path.display()
+            )
+        );
+    }
+}
+
 #[test]
 fn bench_fio_reads_the_whole_file_once_per_depth() {
     let test = "bench_fio_reads_the_whole_file_once_per_depth";

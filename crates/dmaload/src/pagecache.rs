@@ -49,9 +49,11 @@ pub fn residency(path: &Path) -> Result<Residency> {
 
 /// Drops the file's clean pages from the page cache after writing back
 /// dirty ones (`fdatasync` + `POSIX_FADV_DONTNEED`; no root needed), so the
-/// next read comes from the device.
+/// next read comes from the device. A FIFO, socket or character device is
+/// refused without being opened: it has no page cache.
 pub fn evict(path: &Path) -> Result<()> {
-    let file = crate::source::open_for_reading(path)?;
+    let refusal = "has no page cache to evict: only regular files and block devices have one";
+    let file = crate::source::open_regular(path, refusal)?;
     file.sync_data().map_err(|e| Error::io("fdatasync", path, e))?;
     sys::file::fadvise(file.as_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
         .map_err(|e| Error::io("posix_fadvise(DONTNEED)", path, e))

@@ -46,9 +46,14 @@ pub(crate) fn type_name(meta: &Metadata) -> &'static str {
     }
 }
 
-/// Refuses what dmaload cannot load: anything but a regular file or a
-/// block device.
-fn check_type(path: &Path, meta: &Metadata) -> Result<()> {
+/// Why a load refuses a file of another type than a regular file or a
+/// block device, after "a FIFO" (say).
+const NOT_LOADABLE: &str = "has no fixed length to load: dmaload reads regular files and block devices \
+                            (copy a stream to a file first)";
+
+/// Refuses anything but a regular file or a block device, saying why with
+/// `refusal` after the file's type.
+fn check_type(path: &Path, meta: &Metadata, refusal: &str) -> Result<()> {
     let kind = meta.file_type();
     if kind.is_file() || kind.is_block_device() {
         return Ok(());
@@ -56,26 +61,23 @@ fn check_type(path: &Path, meta: &Metadata) -> Result<()> {
     if kind.is_dir() {
         return Err(Error::io("open", path, io::Error::from_raw_os_error(libc::EISDIR)));
     }
-    Err(Error::new(
-        ErrorKind::InvalidInput,
-        "open",
-        path,
-        format!(
-            "a {} has no fixed length to load: dmaload reads regular files and block devices \
-             (copy a stream to a file first)",
-            type_name(meta)
-        ),
-    ))
+    Err(Error::new(ErrorKind::InvalidInput, "open", path, format!("a {} {refusal}", type_name(meta))))
 }
 
 /// Opens `path` for reading without ever blocking: see the module doc.
 /// The fd is a regular file or a block device, in blocking mode.
 pub fn open_for_reading(path: &Path) -> Result<File> {
+    open_regular(path, NOT_LOADABLE)
+}
+
+/// [`open_for_reading`] for another use than a load, which says why a file
+/// of another type is refused: `refusal` follows "a FIFO" (say).
+pub(crate) fn open_regular(path: &Path, refusal: &str) -> Result<File> {
     let before = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
-    check_type(path, &before)?;
+    check_type(path, &before, refusal)?;
     let file = sys::file::open_nonblocking(path).map_err(|e| Error::io("open", path, e))?;
     let opened = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
-    check_type(path, &opened)?;
+    check_type(path, &opened, refusal)?;
     sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", path, e))?;
     Ok(file)
 }
@@ -228,7 +230,7 @@ impl Source {
         let path = std::fs::read_link(&proc_path).unwrap_or_else(|_| proc_path.clone());
         let given = File::from(fd.try_clone_to_owned().map_err(|e| Error::io("dup", &path, e))?);
         let meta = given.metadata().map_err(|e| Error::io("fstat", &path, e))?;
-        check_type(&path, &meta)?;
+        check_type(&path, &meta, NOT_LOADABLE)?;
         let file = sys::file::open_nonblocking(&proc_path).map_err(|e| Error::io("reopen", &proc_path, e))?;
         let reopened = file.metadata().map_err(|e| Error::io("fstat", &path, e))?;
         if (reopened.dev(), reopened.ino()) != (meta.dev(), meta.ino()) {

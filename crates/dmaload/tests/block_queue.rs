@@ -492,3 +492,82 @@ fn wake_ups_without_progress_still_time_out() {
     assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
     assert!(took < Duration::from_secs(20), "took {took:?}");
 }
+
+/// A producer and a consumer of one queue, both ends in this process.
+fn queue_pair(blocks: usize) -> (BlockQueue, BlockQueue) {
+    let (a, b) = Connection::pair().unwrap();
+    let attacher = std::thread::spawn(move || BlockQueue::attach(b, WAIT).unwrap());
+    let producer = create(a, Role::Producer, 4096, blocks);
+    (producer, attacher.join().unwrap())
+}
+
+/// A run held from one queue and given back to another is refused: the
+/// other queue's producer must not get back blocks its consumer still
+/// holds. The refused run comes back in the error, and goes home.
+#[test]
+fn a_run_from_another_queue_is_refused() {
+    let (mut producer_a, mut consumer_a) = queue_pair(2);
+    let (mut producer_b, mut consumer_b) = queue_pair(2);
+    for (producer, byte) in [(&mut producer_a, b'a'), (&mut producer_b, b'b')] {
+        for _ in 0..2 {
+            let mut block = producer.dequeue_free(WAIT).unwrap();
+            block.write_at(0, &[byte; 4096]).unwrap();
+            block.enqueue(4096, 0).unwrap();
+        }
+    }
+    // Both hold stream blocks 0 and 1 of their queue: the same sequence.
+    let run_a = consumer_a.dequeue_filled(2, WAIT).unwrap().unwrap().hold();
+    let run_b = consumer_b.dequeue_filled(2, WAIT).unwrap().unwrap().hold();
+    assert_eq!((run_a.sequence(), run_b.sequence()), (0, 0));
+
+    let err = consumer_b.release_held(run_a).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("another block queue"), "{err}");
+    // Nothing of B went back: its producer finds no free block.
+    assert!(producer_b.try_dequeue_free().unwrap().is_none());
+    assert_eq!(consumer_b.count(), 0);
+
+    let run_a = dmaload::share::ForeignRun::take(err).unwrap();
+    consumer_a.release_held(run_a).unwrap();
+    consumer_b.release_held(run_b).unwrap();
+    for (producer, consumer) in [(&mut producer_a, &consumer_a), (&mut producer_b, &consumer_b)] {
+        assert_eq!(consumer.count(), 2);
+        assert_eq!(producer.try_dequeue_free().unwrap().unwrap().sequence(), 2);
+    }
+}
+
+/// An index past a run is the caller's bug: `block`, `block_bytes` and a
+/// held run's `block` panic as indexing does (their `# Panics`), with a
+/// message naming the index and the run.
+#[test]
+fn a_block_index_past_the_run_panics_naming_it() {
+    fn panic_message(f: impl FnOnce()) -> String {
+        let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_err();
+        payload.downcast_ref::<String>().cloned().unwrap_or_default()
+    }
+    let (mut producer, mut consumer) = queue_pair(2);
+    producer.dequeue_free(WAIT).unwrap().enqueue(4096, 3).unwrap();
+    let run = consumer.dequeue_filled(2, WAIT).unwrap().unwrap();
+    assert_eq!(run.block(0), (4096, 3));
+    assert_eq!(
+        panic_message(|| {
+            let _ = run.block(1);
+        }),
+        "block 1 of a run of 1 blocks"
+    );
+    assert_eq!(
+        panic_message(|| {
+            let _ = run.block_bytes(usize::MAX);
+        }),
+        format!("block {} of a run of 1 blocks", usize::MAX)
+    );
+    let held = run.hold();
+    assert_eq!(
+        panic_message(|| {
+            let _ = held.block(2);
+        }),
+        "block 2 of a run of 1 blocks"
+    );
+    consumer.release_held(held).unwrap();
+    assert_eq!(producer.try_dequeue_free().unwrap().unwrap().sequence(), 1);
+}

@@ -213,6 +213,26 @@ int main(int argc, char **argv)
 	      "anonymous memory holds the file and has no fd");
 	dmaload_buffer_free(buffer);
 
+	/* Empty buffers (an empty file, an empty range): their data is NULL, never a
+	 * pointer that cannot be read, and (NULL, 0) goes on to the other calls. */
+	{
+		char empty[4096];
+		snprintf(empty, sizeof empty, "%s/empty", argv[1]);
+		write_pattern(empty, 0);
+		dmaload_buffer *nothing[2] = {NULL, NULL};
+		check(dmaload_load(empty, NULL, &nothing[0]) == 0 && dmaload_load_range(file, 5000, 0, NULL, &nothing[1]) == 0,
+		      "an empty file and an empty range load");
+		for (int i = 0; i < 2; i++) {
+			const uint8_t *data = dmaload_buffer_data(nothing[i]);
+			check(nothing[i] != NULL && dmaload_buffer_len(nothing[i]) == 0 && data == NULL,
+			      "an empty buffer's data is NULL");
+			check(dmaload_xxh3_64(data, 0) == 0x2d06800538d394c2ULL &&
+				      dmaload_save(saved, data, dmaload_buffer_len(nothing[i]), NULL, NULL) == 0,
+			      "an empty buffer hashes and saves as nothing");
+			dmaload_buffer_free(nothing[i]);
+		}
+	}
+
 	/* Memory the caller owns: page-aligned (in place) and off by one (staged). */
 	{
 		uint8_t *memory = aligned_alloc(4096, 3 * 4096 + 70000);

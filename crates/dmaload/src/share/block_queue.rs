@@ -40,6 +40,7 @@ use std::collections::BTreeMap;
 use std::io;
 use std::ops::Range;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -201,9 +202,19 @@ fn encode_header(options: &BlockQueueOptions, creator: Role) -> [u8; HEADER_WORD
     bytes
 }
 
+/// Where [`BlockQueue::id`]s come from: each queue of this process its own.
+static NEXT_QUEUE_ID: AtomicU64 = AtomicU64::new(0);
+
+fn next_queue_id() -> u64 {
+    NEXT_QUEUE_ID.fetch_add(1, Relaxed)
+}
+
 /// One end of a block queue. See the module doc.
 #[derive(Debug)]
 pub struct BlockQueue {
+    /// This end, among the queues of this process: a [`HeldRun`] carries
+    /// it, so that a run goes back only to the queue it came from.
+    id: u64,
     conn: Connection,
     role: Role,
     options: BlockQueueOptions,
@@ -291,6 +302,7 @@ impl BlockQueue {
             });
         }
         Ok(BlockQueue {
+            id: next_queue_id(),
             conn,
             role,
             options: options.clone(),
@@ -349,6 +361,7 @@ impl BlockQueue {
         }
         let data = Arc::new(PeerMapping::new(data_fd.as_fd(), data_len, memory == QueueMemory::Memfd)?);
         let queue = BlockQueue {
+            id: next_queue_id(),
             role: creator.other(),
             options,
             control,
@@ -758,7 +771,15 @@ impl BlockQueue {
     /// Consumer: gives back a run that [`Filled::hold`] kept. Runs may come
     /// back in any order; the producer gets blocks back in stream order,
     /// once every earlier run is back too.
+    ///
+    /// A run held from another queue is refused with `InvalidInput` and
+    /// nothing is given back (its sequence numbers would name blocks of
+    /// this queue that may still be in use); the error carries the run,
+    /// for [`ForeignRun::take`] to give it back to its own queue.
     pub fn release_held(&mut self, run: HeldRun) -> io::Result<()> {
+        if run.queue != self.id {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, ForeignRun(run)));
+        }
         self.give_back(run.sequence, run.lens.len() as u64)
     }
 
@@ -928,6 +949,13 @@ impl Drop for FreeBlock<'_> {
     }
 }
 
+/// Block `i` of a run of `blocks` must be in it: a panic at the caller, as
+/// indexing does, but one that names the run.
+#[track_caller]
+fn check_block_index(i: usize, blocks: usize) {
+    assert!(i < blocks, "block {i} of a run of {blocks} blocks");
+}
+
 /// A run of filled blocks the consumer holds, in stream order; give them
 /// back with [`Filled::release`] (dropping them gives them back too).
 #[derive(Debug)]
@@ -941,7 +969,8 @@ pub struct Filled<'q> {
 }
 
 impl Filled<'_> {
-    /// How many blocks the run holds.
+    /// How many blocks the run holds: at least one, so block 0 is always
+    /// there.
     pub fn blocks(&self) -> usize {
         self.lens.len()
     }
@@ -953,7 +982,13 @@ impl Filled<'_> {
 
     /// The length and tag of block `i` of the run, as read once when it
     /// was dequeued.
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not below [`Self::blocks`], as indexing does.
+    #[track_caller]
     pub fn block(&self, i: usize) -> (usize, u64) {
+        check_block_index(i, self.lens.len());
         (self.lens[i], self.tags[i])
     }
 
@@ -983,7 +1018,13 @@ impl Filled<'_> {
     /// Block `i` (its length), for copies out and, on the caller's promise
     /// that the producer keeps to the protocol (it does not touch a block
     /// until it is given back), an `unsafe` slice.
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not below [`Self::blocks`], as indexing does.
+    #[track_caller]
     pub fn block_bytes(&self, i: usize) -> SharedBytes<'_> {
+        check_block_index(i, self.lens.len());
         let start = (self.first + i) * self.queue.options.block_size;
         self.queue.data.shared_bytes(start..start + self.lens[i])
     }
@@ -1005,6 +1046,7 @@ impl Filled<'_> {
     pub fn hold(mut self) -> HeldRun {
         self.released = true;
         HeldRun {
+            queue: self.queue.id,
             sequence: self.sequence,
             first: self.first,
             block_size: self.queue.options.block_size,
@@ -1026,11 +1068,14 @@ impl Drop for Filled<'_> {
 
 /// A run of filled blocks kept with [`Filled::hold`]: its metadata, while
 /// its blocks stay out of the producer's reach until
-/// [`BlockQueue::release_held`]. Dropped without that, its blocks are never
-/// given back, and the stream stalls once the producer needs them.
+/// [`BlockQueue::release_held`] on the queue it came from (another queue
+/// refuses it). Dropped without that, its blocks are never given back, and
+/// the stream stalls once the producer needs them.
 #[derive(Debug)]
 #[must_use = "a held run's blocks go back to the producer only through release_held"]
 pub struct HeldRun {
+    /// The [`BlockQueue::id`] of the queue it came from.
+    queue: u64,
     sequence: u64,
     first: usize,
     block_size: usize,
@@ -1048,7 +1093,13 @@ impl HeldRun {
     }
 
     /// The length and tag of block `i` of the run.
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not below [`Self::blocks`], as indexing does.
+    #[track_caller]
     pub fn block(&self, i: usize) -> (usize, u64) {
+        check_block_index(i, self.lens.len());
         (self.lens[i], self.tags[i])
     }
 
@@ -1067,3 +1118,30 @@ impl HeldRun {
         start..start + self.len()
     }
 }
+
+/// The error [`BlockQueue::release_held`] gives for a run held from
+/// another queue, with the run inside.
+#[derive(Debug)]
+pub struct ForeignRun(pub HeldRun);
+
+impl ForeignRun {
+    /// The run inside an error of [`BlockQueue::release_held`] that refused
+    /// it as foreign; any other error is handed back as it is.
+    pub fn take(err: io::Error) -> Result<HeldRun, io::Error> {
+        err.downcast::<ForeignRun>().map(|foreign| foreign.0)
+    }
+}
+
+impl std::fmt::Display for ForeignRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let start = self.0.sequence;
+        write!(
+            f,
+            "block queue: blocks {start}..{} were held from another block queue; \
+             they go back only to the queue they came from",
+            start + self.0.lens.len() as u64
+        )
+    }
+}
+
+impl std::error::Error for ForeignRun {}
