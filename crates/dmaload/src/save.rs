@@ -32,7 +32,10 @@
 //!   must be at least as large as the data and takes the same engines and
 //!   O_DIRECT as a file, then an fsync. A character device or FIFO takes
 //!   sequential `write(2)` calls from its current position (no offsets, no
-//!   O_DIRECT, no fsync); `/dev/null` makes a copy a read benchmark.
+//!   O_DIRECT, no fsync); `/dev/null` makes a copy a read benchmark. A
+//!   FIFO whose reader leaves mid-way fails with EPIPE at the offset
+//!   reached: SIGPIPE is blocked in the saving thread around the writes,
+//!   so it never kills a host whose SIGPIPE has its default action.
 //! * **A directory or socket** is an error naming the path and its type.
 //!
 //! In a sticky directory writable by others (/tmp), an existing regular file
@@ -852,7 +855,21 @@ fn save_in_place(
             format!("a {} is written with sequential write(2) calls at its position", type_name(meta)),
         ));
     }
-    (&file).write_all(data).map_err(|e| Error::io("write", &target, e))?;
+    // A reader that leaves gives EPIPE here, never the SIGPIPE that would
+    // kill a host whose SIGPIPE is at its default action.
+    let mut written = 0;
+    sys::signal::without_sigpipe(|| {
+        while written < data.len() {
+            match (&file).write(&data[written..]) {
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                Ok(n) => written += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    })
+    .map_err(|e| Error::io("write", &target, e).at(written as u64))?;
     out.write_seconds = writing.elapsed().as_secs_f64();
     out.engine = Engine::Read;
     out.filesystem = type_name(meta);

@@ -1,6 +1,7 @@
 /*
  * The C library from C: bad arguments, missing and truncated files, an
- * unknown heap, ENOMEM, and loads and saves whose bytes are checked.
+ * unknown heap, ENOMEM, a FIFO whose reader leaves, and loads and saves
+ * whose bytes are checked.
  * Built with the system C compiler against the installed header and
  * library, run by tests/c.rs:
  *
@@ -14,11 +15,15 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static int passed, failed;
@@ -99,18 +104,60 @@ static int exists(const char *path)
 	return access(path, F_OK) == 0;
 }
 
+/* A save into a FIFO whose reader leaves mid-way, in a child whose SIGPIPE
+ * has its default action (terminate), as in any C program: the save must
+ * fail with EPIPE, naming the FIFO and the offset, and the child live on. */
+static void save_into_a_fifo_whose_reader_leaves(const char *fifo)
+{
+	if (mkfifo(fifo, 0600) != 0) {
+		check(0, "mkfifo");
+		return;
+	}
+	fflush(stdout);
+	pid_t child = fork();
+	if (child == 0) {
+		signal(SIGPIPE, SIG_DFL);
+		int reader = open(fifo, O_RDONLY | O_NONBLOCK);
+		pid_t leaver = fork();
+		if (leaver == 0) {
+			/* The reader: gone once the first bytes arrive. */
+			struct pollfd bytes = {.fd = reader, .events = POLLIN};
+			poll(&bytes, 1, 10000);
+			_exit(0);
+		}
+		close(reader);
+		const size_t len = 16 << 20; /* far more than a pipe holds */
+		uint8_t *data = calloc(len, 1);
+		int rc = dmaload_save(fifo, data, len, NULL, NULL);
+		int ok = rc == EPIPE && dmaload_last_errno() == EPIPE && strstr(dmaload_last_error(), fifo) != NULL &&
+			 strstr(dmaload_last_error(), "offset") != NULL;
+		if (!ok)
+			printf("  the save returned %d: \"%s\"\n", rc, dmaload_last_error());
+		waitpid(leaver, NULL, 0);
+		fflush(stdout);
+		_exit(ok ? 0 : 1);
+	}
+	int status = 0;
+	int waited = child > 0 && waitpid(child, &status, 0) == child;
+	if (waited && WIFSIGNALED(status))
+		printf("  the saving process was killed by signal %d\n", WTERMSIG(status));
+	check(waited && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+	      "a save into a FIFO whose reader left is EPIPE, not death by SIGPIPE");
+}
+
 int main(int argc, char **argv)
 {
 	if (argc != 2) {
 		fprintf(stderr, "usage: %s SCRATCH_DIR\n", argv[0]);
 		return 2;
 	}
-	char file[4096], missing[4096], saved[4096], nodir[4096], sparse[4096];
+	char file[4096], missing[4096], saved[4096], nodir[4096], sparse[4096], fifo[4096];
 	snprintf(file, sizeof file, "%s/pattern", argv[1]);
 	snprintf(missing, sizeof missing, "%s/no-such-file", argv[1]);
 	snprintf(saved, sizeof saved, "%s/saved", argv[1]);
 	snprintf(nodir, sizeof nodir, "%s/no-such-dir/saved", argv[1]);
 	snprintf(sparse, sizeof sparse, "%s/sparse", argv[1]);
+	snprintf(fifo, sizeof fifo, "%s/fifo", argv[1]);
 	const size_t len = (3 << 20) + 4321;
 	write_pattern(file, len);
 
@@ -165,6 +212,8 @@ int main(int argc, char **argv)
 		      "a failure while the thread exits keeps its errno");
 		pthread_key_delete(key);
 	}
+
+	save_into_a_fifo_whose_reader_leaves(fifo);
 
 	/* Files that are not there, or shorter than asked. */
 	check_error(dmaload_load(missing, NULL, &buffer), ENOENT, missing, "a missing file names its path");

@@ -220,22 +220,53 @@ impl Mapping {
             // A zero-length mmap is EINVAL; an empty buffer needs no pages.
             return Ok(Mapping { ptr: NonNull::dangling(), len: 0 });
         }
-        let (at, fixed) = if placement == Placement::HugeAligned && len >= HUGE_PAGE_ALIGN {
-            (reserve_aligned(len, HUGE_PAGE_ALIGN)?, libc::MAP_FIXED)
-        } else {
-            (std::ptr::null_mut(), 0)
-        };
-        // SAFETY: with MAP_FIXED, `at..at+len` is a PROT_NONE reservation
-        // this call made and nothing else refers to, which the new mapping
-        // replaces; without, the kernel chooses a fresh range (addr NULL).
-        // Either way no memory Rust owns is overlapped.
-        let ptr = unsafe { libc::mmap(at, len, prot, flags | fixed, fd, 0) };
-        if ptr == libc::MAP_FAILED {
-            let err = io::Error::last_os_error();
-            if !at.is_null() {
-                unmap(Unmap { addr: at as usize, len });
+        if placement == Placement::HugeAligned && len >= HUGE_PAGE_ALIGN {
+            for _ in 0..ALIGNED_PLACEMENT_TRIES {
+                if let Some(map) = Self::map_aligned(len, prot, flags, fd)? {
+                    return Ok(map);
+                }
             }
-            return Err(err);
+        }
+        // SAFETY: addr NULL: the kernel chooses a fresh range, which
+        // overlaps no memory Rust owns.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };
+        Self::from_mmap(ptr, len)
+    }
+
+    /// Maps `len` bytes at an address aligned to [`HUGE_PAGE_ALIGN`] that
+    /// was free a moment before; `None` when another thread has mapped
+    /// something there since, for the caller to try again.
+    ///
+    /// `MAP_FIXED_NOREPLACE` (Linux 4.17) maps only where nothing is
+    /// mapped, so neither a success nor a failure touches anyone else's
+    /// mapping, and a failure leaves nothing of this call's to unmap. A
+    /// `MAP_FIXED` over a reservation of our own would not do: when the
+    /// file's mmap refuses (a hugetlb reservation, a device's mmap), the
+    /// kernel has already unmapped the range (Linux 6.18 too), another
+    /// thread's mmap may take the hole, and no cleanup could tell ours
+    /// from theirs. Older kernels ignore the flag and take the address as
+    /// a hint: a mapping elsewhere is still this call's alone.
+    fn map_aligned(
+        len: usize,
+        prot: libc::c_int,
+        flags: libc::c_int,
+        fd: libc::c_int,
+    ) -> io::Result<Option<Mapping>> {
+        let at = free_aligned_address(len, HUGE_PAGE_ALIGN)?;
+        // SAFETY: MAP_FIXED_NOREPLACE maps at `at` only if nothing at all is
+        // mapped in `at..at + len` (EEXIST otherwise), so it overlaps no
+        // memory Rust or anyone else owns.
+        let ptr = unsafe { libc::mmap(at, len, prot, flags | libc::MAP_FIXED_NOREPLACE, fd, 0) };
+        match Self::from_mmap(ptr, len) {
+            Err(err) if err.raw_os_error() == Some(libc::EEXIST) => Ok(None),
+            other => other.map(Some),
+        }
+    }
+
+    /// The mapping an `mmap` of `len` bytes returned, or its error.
+    fn from_mmap(ptr: *mut libc::c_void, len: usize) -> io::Result<Mapping> {
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
         }
         let ptr = NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
         Ok(Mapping { ptr, len })
@@ -348,9 +379,14 @@ impl Drop for HugePageCollapse {
     }
 }
 
-/// Reserves `len` bytes of address space (`PROT_NONE`, no memory) at an
-/// address aligned to `align`, for a `MAP_FIXED` mapping to replace.
-fn reserve_aligned(len: usize, align: usize) -> io::Result<*mut libc::c_void> {
+/// How many aligned addresses [`Mapping::map`] tries before it lets the
+/// kernel choose: each is lost only to another thread's mmap in between.
+const ALIGNED_PLACEMENT_TRIES: usize = 3;
+
+/// An address aligned to `align` where `len` bytes of address space were
+/// free: a reservation of `len + align` bytes (`PROT_NONE`, no memory)
+/// made and given back at once, for a `MAP_FIXED_NOREPLACE` mapping.
+fn free_aligned_address(len: usize, align: usize) -> io::Result<*mut libc::c_void> {
     let span = len.checked_add(align).ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))?;
     // SAFETY: a fresh reservation chosen by the kernel (addr NULL), with no
     // access: it overlaps nothing and nothing can touch it.
@@ -367,17 +403,9 @@ fn reserve_aligned(len: usize, align: usize) -> io::Result<*mut libc::c_void> {
     if base == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
-    let start = base as usize;
-    let aligned = start.next_multiple_of(align);
-    // The reservation's ends outside the aligned range go back at once.
-    if aligned > start {
-        unmap(Unmap { addr: start, len: aligned - start });
-    }
-    let tail = start + span - (aligned + len);
-    if tail > 0 {
-        unmap(Unmap { addr: aligned + len, len: tail });
-    }
-    Ok(aligned as *mut libc::c_void)
+    // SAFETY: the reservation just made, which nothing refers to.
+    unsafe { libc::munmap(base, span) };
+    Ok((base as usize).next_multiple_of(align) as *mut libc::c_void)
 }
 
 /// Mappings at least this large are unmapped on a background thread: giving
@@ -949,6 +977,61 @@ mod tests {
         let none = HugePageCollapse::map(memfd.as_fd(), HUGE_PAGE_ALIGN - 1).unwrap();
         assert_eq!(none.len(), 0);
         none.collapse(0..len).unwrap();
+    }
+
+    #[test]
+    fn a_failed_aligned_mapping_never_unmaps_what_another_thread_mapped() {
+        // A TCP socket's mmap refuses a writable mapping (EPERM) only after
+        // the kernel has cleared the range for it: a MAP_FIXED placement
+        // fails leaving a hole there, which another thread's mmap may fill
+        // before the failing call cleans up.
+        let socket = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let len = 2 * HUGE_PAGE_ALIGN;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (lost, failures) = std::thread::scope(|scope| {
+            let neighbour = scope.spawn(|| {
+                let mut lost = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let map = Mapping::map(len, READ_WRITE, ANONYMOUS, -1, Placement::Kernel).unwrap();
+                    std::thread::yield_now();
+                    if !still_mapped(&map) {
+                        lost += 1;
+                        // Whatever holds the range now is not this value's.
+                        std::mem::forget(map);
+                    }
+                }
+                lost
+            });
+            let started = std::time::Instant::now();
+            let mut failures = Ok(0);
+            while started.elapsed() < std::time::Duration::from_millis(1500) {
+                let fd = socket.as_raw_fd();
+                match Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::HugeAligned) {
+                    Err(err) if err.raw_os_error() == Some(libc::EPERM) => failures = failures.map(|n| n + 1),
+                    other => failures = Err(format!("{other:?}")),
+                }
+                if failures.is_err() {
+                    break;
+                }
+            }
+            // Before any assertion: the scope waits for the neighbour.
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            (neighbour.join().unwrap(), failures)
+        });
+        let failures = failures.expect("a writable mapping of a TCP socket fails with EPERM");
+        assert_eq!(lost, 0, "{failures} failed mappings unmapped {lost} of another thread's");
+    }
+
+    const ANONYMOUS: libc::c_int = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+
+    /// Whether every page of `map` is still mapped (`mincore` fails with
+    /// ENOMEM over a hole).
+    fn still_mapped(map: &Mapping) -> bool {
+        let mut vec = vec![0u8; map.len().div_ceil(page_size())];
+        // SAFETY: mincore only reads the page tables of the range and
+        // writes one byte per page into `vec`, which has that many.
+        let ret = unsafe { libc::mincore(map.ptr.as_ptr().cast(), map.len(), vec.as_mut_ptr()) };
+        ret == 0
     }
 
     #[test]

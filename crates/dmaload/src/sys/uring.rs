@@ -5,6 +5,7 @@
 use std::io;
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 use io_uring::{opcode, register, squeue, types, IoUring};
 
@@ -105,16 +106,53 @@ impl Core {
 
 impl Drop for Core {
     fn drop(&mut self) {
-        let mut sink = Vec::new();
+        self.drain(|core| core.submit(1), DRAIN_RETRY_FOR);
+    }
+}
+
+/// How long [`Core::drain`] retries a wait that fails for want of memory
+/// or resources (EAGAIN, ENOMEM, EBUSY) without any request completing.
+const DRAIN_RETRY_FOR: Duration = Duration::from_secs(5);
+
+/// The pause between those retries, for the kernel to free something.
+const DRAIN_RETRY_PAUSE: Duration = Duration::from_millis(10);
+
+impl Core {
+    /// Waits until the kernel holds none of this ring's requests, `wait`
+    /// being one wait for at least one completion ([`Core::submit`] with 1).
+    /// A wait interrupted by a signal (EINTR) is tried again at once; one
+    /// that fails for want of memory or resources (EAGAIN, ENOMEM, EBUSY)
+    /// after a pause, for up to `retry_for` without a completion. Past that,
+    /// or on any other error, the process aborts naming the cause: returning
+    /// would let the kernel write into memory about to be freed or handed
+    /// out, and there is no safe way on.
+    fn drain(&mut self, mut wait: impl FnMut(&mut Core) -> io::Result<()>, retry_for: Duration) {
+        let mut completions = Vec::new();
+        let mut failing_since: Option<Instant> = None;
         while self.in_flight > 0 {
-            if let Err(err) = self.submit(1) {
-                // Returning now would let the kernel touch memory that is
-                // about to be freed or handed out; there is no safe way on.
-                eprintln!("dmaload: io_uring wait failed with requests in flight: {err}");
-                std::process::abort();
+            if let Err(err) = wait(self) {
+                let errno = err.raw_os_error();
+                if errno == Some(libc::EINTR) {
+                    continue;
+                }
+                let failing = failing_since.get_or_insert_with(Instant::now).elapsed();
+                if !matches!(errno, Some(libc::EAGAIN | libc::ENOMEM | libc::EBUSY)) || failing >= retry_for {
+                    eprintln!(
+                        "dmaload: io_uring wait failed with {} requests in flight: {err} (failing for \
+                         {:.1} s); aborting, as the kernel may still write into memory about to be freed",
+                        self.in_flight,
+                        failing.as_secs_f64()
+                    );
+                    std::process::abort();
+                }
+                std::thread::sleep(DRAIN_RETRY_PAUSE);
             }
-            sink.clear();
-            self.reap(&mut sink);
+            // Some may have completed even when the wait failed.
+            completions.clear();
+            self.reap(&mut completions);
+            if !completions.is_empty() {
+                failing_since = None;
+            }
         }
     }
 }
@@ -364,4 +402,76 @@ pub fn probe() -> io::Result<UringProbe> {
     ];
     let sparse_buffers = ring.submitter().register_buffers_sparse(1).map_err(|e| e.to_string());
     Ok(UringProbe { opcodes, sparse_buffers })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    /// A ring with one read in flight from a socket nothing has written to
+    /// yet, into `buf`.
+    fn ring_waiting_on(socket: &UnixStream, buf: &mut [u8; 4]) -> Core {
+        let mut core = Core::new(4).unwrap();
+        let read = opcode::Read::new(types::Fd(socket.as_raw_fd()), buf.as_mut_ptr(), 4).build();
+        // SAFETY: every caller keeps `buf` alive, and reads it only once
+        // the ring has drained (or never, when the process aborts).
+        unsafe { core.push(read) }.unwrap();
+        core.submit(0).unwrap();
+        core
+    }
+
+    #[test]
+    fn draining_retries_transient_failures_until_the_requests_complete() {
+        let (reader, mut writer) = UnixStream::pair().unwrap();
+        let mut buf = [0u8; 4];
+        let mut core = ring_waiting_on(&reader, &mut buf);
+        let mut failures = [libc::EINTR, libc::EAGAIN, libc::ENOMEM, libc::EBUSY, libc::EAGAIN].into_iter();
+        core.drain(
+            |core| match failures.next() {
+                Some(errno) => Err(io::Error::from_raw_os_error(errno)),
+                None => {
+                    writer.write_all(b"done").unwrap();
+                    core.submit(1)
+                }
+            },
+            Duration::from_secs(5),
+        );
+        assert_eq!(core.in_flight, 0);
+        drop(core);
+        assert_eq!(&buf, b"done");
+    }
+
+    const ABORT_CHILD: &str = "DMALOAD_TEST_DRAIN_ABORT";
+
+    #[test]
+    fn draining_aborts_naming_the_cause_when_a_failure_lasts() {
+        let test = "sys::uring::tests::draining_aborts_naming_the_cause_when_a_failure_lasts";
+        if let Some(errno) = std::env::var_os(ABORT_CHILD) {
+            let errno: i32 = errno.to_str().unwrap().parse().unwrap();
+            let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            // SAFETY: `no_core` is a valid rlimit that lives across the call.
+            unsafe { libc::setrlimit(libc::RLIMIT_CORE, &no_core) };
+            let (reader, _writer) = UnixStream::pair().unwrap();
+            let mut buf = [0u8; 4];
+            let mut core = ring_waiting_on(&reader, &mut buf);
+            core.drain(|_| Err(io::Error::from_raw_os_error(errno)), Duration::from_millis(50));
+            println!("drained: {buf:?}");
+            return;
+        }
+        // A failure that lasts past the retries, and one never retried.
+        for errno in [libc::ENOMEM, libc::EBADF] {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", test, "--nocapture", "--test-threads=1"])
+                .env(ABORT_CHILD, errno.to_string())
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(out.status.signal(), Some(libc::SIGABRT), "{out:?}");
+            let cause = io::Error::from_raw_os_error(errno).to_string();
+            assert!(stderr.contains(&format!("with 1 requests in flight: {cause}")), "{stderr}");
+        }
+    }
 }
