@@ -141,10 +141,13 @@ pub struct LoadArgs {
     /// a pinned staging ring; `load` only).
     #[arg(long, value_name = "DEST", default_value_t = Destination::default())]
     to: Destination,
-    /// Bytes populated and registered as one unit.
+    /// Bytes populated and registered as one unit (rounded down to whole
+    /// read requests, at least one and at most 1 GiB; doubled where a huge
+    /// file would need more units than io_uring registers).
     #[arg(long, default_value_t = Size(DEFAULT_GATHER_SIZE as u64))]
     gather_size: Size,
-    /// Bytes per read request.
+    /// Bytes per read request (rounded up to whole pages, and to the
+    /// file's direct-I/O alignment when reading direct).
     #[arg(long, default_value_t = Size(DEFAULT_CHUNK_SIZE as u64))]
     chunk_size: Size,
     /// Requests in flight (io_uring engines).

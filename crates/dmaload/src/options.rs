@@ -272,9 +272,12 @@ pub struct LoadOptions {
     /// `needs_fd: false` a load may choose anonymous memory, which has no
     /// fd. An explicit memory kind is used as named either way.
     pub needs_fd: bool,
-    /// Bytes populated (and registered) as one unit.
+    /// Bytes populated (and registered) as one unit (rounded down to whole
+    /// read requests, at least one and at most 1 GiB; doubled where a huge
+    /// range would need more units than io_uring registers).
     pub gather_size: usize,
-    /// Bytes per read request (rounded up to whole pages).
+    /// Bytes per read request (rounded up to whole pages, and to the
+    /// file's direct-I/O alignment when reading direct).
     pub chunk_size: usize,
     /// Requests in flight for the io_uring engines.
     pub queue_depth: usize,

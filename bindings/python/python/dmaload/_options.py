@@ -46,7 +46,7 @@ class LoadOptions(TypedDict, total=False):
         device with ``device=`` instead; ``to`` picks the host memory of a
         cpu load.)
     gather_size, chunk_size: bytes (an int, or a string such as ``"128M"``;
-        default 128 MiB and 4 MiB).
+        default 128 MiB and 4 MiB), rounded as ``dmaload load --help`` says.
     queue_depth: requests in flight (io_uring engines; default 32).
     threads: threads of the pread-pool engine (default 8).
     populate_threads: threads populating memory ahead of the reads
