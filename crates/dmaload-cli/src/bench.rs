@@ -50,6 +50,10 @@ pub enum BenchCommand {
     /// A fresh process served by the cache service against loading the file itself.
     Cache(crate::bench_cache::CacheArgs),
     /// Seed 004's table: block passing (pipe read/write vs BlockQueue) per block size, capture vs fio.
+    ///
+    /// Each process's CPU is counted from the end of its set-up (the queue
+    /// attached or created, the pipe's buffer allocated) to its last block:
+    /// the rows compare the per-block work, not the attach.
     Stream(crate::bench_stream::StreamArgs),
     /// fio's sequential O_DIRECT io_uring read of FILE (the ceiling `bench
     /// load` compares with), cache evicted before each run: for scripts
