@@ -300,8 +300,8 @@ def run_fio(path: Path) -> dict[str, Any]:
     for line in out.stdout.splitlines():
         job = json.loads(line)
         runtime = max(job["seconds"], 1e-9)
-        cpu = job["cpu_percent"] / 100 * runtime
-        run = {"seconds": runtime, "cpu": cpu, "peak_rss": 0, "tensors": 0, "iodepth": job["iodepth"]}
+        # fio's own CPU seconds for the job (its job thread, from the start of its I/O to its end).
+        run = {"seconds": runtime, "cpu": job["cpu_seconds"], "peak_rss": 0, "tensors": 0, "iodepth": job["iodepth"]}
         if best is None or run["seconds"] < best["seconds"]:
             best = run
     assert best is not None

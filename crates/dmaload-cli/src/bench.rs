@@ -50,6 +50,10 @@ pub enum BenchCommand {
     /// A fresh process served by the cache service against loading the file itself.
     Cache(crate::bench_cache::CacheArgs),
     /// Seed 004's table: block passing (pipe read/write vs BlockQueue) per block size, capture vs fio.
+    ///
+    /// Each process's CPU is counted from the end of its set-up (the queue
+    /// attached or created, the pipe's buffer allocated) to its last block:
+    /// the rows compare the per-block work, not the attach.
     Stream(crate::bench_stream::StreamArgs),
     /// fio's sequential O_DIRECT io_uring read of FILE (the ceiling `bench
     /// load` compares with), cache evicted before each run: for scripts
@@ -340,7 +344,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
                     }
                     sample
                 }
-                Method::Fio { block_size, iodepth, huge } => run_fio(file, block_size, *iodepth, *huge, gib)?,
+                Method::Fio { block_size, iodepth, huge } => run_fio(file, block_size, *iodepth, *huge)?,
             };
             samples[i].push(sample);
         }
@@ -418,6 +422,13 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
     Ok(())
 }
 
+/// How the CPU s/GiB column is measured, for each kind of row.
+const CPU_NOTE: &str = "getrusage, user + system. dmaload rows: this process (RUSAGE_SELF: all its \
+     threads, io_uring workers and populating threads included) from the open, or the destination's \
+     allocation, to the last byte. fio rows: fio's own figure for its job (usr_cpu + sys_cpu of \
+     job_runtime: the job thread's RUSAGE_THREAD from the start of its I/O to its end, in ms), without \
+     fio's start-up (its clock calibration) or other threads.";
+
 fn print_table(t: &Table) {
     println!(
         "Cold load of {} ({}), {} run(s) per method, interleaved in a different order each round, page cache evicted before each{}; fio: {}\n",
@@ -437,6 +448,7 @@ fn print_table(t: &Table) {
         println!("Free page reporting {}.\n", crate::output::free_page_reporting_note(block));
     }
     println!("Staging ring → host buffer: {}.\n", t.staging);
+    println!("CPU s/GiB: {CPU_NOTE}\n");
     println!(
         "| method | GiB/s (median) | min–max | CPU s/GiB | huge pages | drop s | freed after s | page-cache residue | × fio best | × buffered | × in-place default |"
     );
@@ -520,16 +532,16 @@ fn bench_fio(file: &Path, block_size: u64, iodepths: &[u32], json: bool) -> Resu
                 "iodepth": iodepth,
                 "bytes": done.bytes,
                 "seconds": done.io_seconds,
-                "cpu_percent": done.cpu_percent,
+                "cpu_seconds": done.cpu_seconds,
                 "gib_per_second": gib_per_second,
             });
             println!("{row}");
         } else {
             println!(
-                "fio io_uring direct bs={} qd={iodepth}: {gib_per_second:.2} GiB/s, {:.3} s, CPU {:.0}%",
+                "fio io_uring direct bs={} qd={iodepth}: {gib_per_second:.2} GiB/s, {:.3} s, CPU {:.3} s",
                 human_bytes(block_size),
                 done.io_seconds,
-                done.cpu_percent
+                done.cpu_seconds
             );
         }
     }
@@ -539,7 +551,9 @@ fn bench_fio(file: &Path, block_size: u64, iodepths: &[u32], json: bool) -> Resu
 /// One fio run: sequential O_DIRECT io_uring reads of the whole file with
 /// registered buffers and files, the same kind of I/O as the default engine
 /// but into one small reused buffer (so it pays no allocation).
-fn run_fio(file: &Path, block_size: &str, iodepth: u32, huge: bool, gib: f64) -> Result<Sample, String> {
+/// Its CPU is fio's own figure for the job (see [`fio::Outcome::cpu_seconds`]),
+/// per GiB it read.
+fn run_fio(file: &Path, block_size: &str, iodepth: u32, huge: bool) -> Result<Sample, String> {
     let job = fio::Job {
         rw: fio::Rw::Read,
         file,
@@ -553,7 +567,7 @@ fn run_fio(file: &Path, block_size: &str, iodepth: u32, huge: bool, gib: f64) ->
     let read_gib = done.bytes as f64 / (1u64 << 30) as f64;
     Ok(Sample {
         gib_per_second: read_gib / done.io_seconds.max(1e-9),
-        cpu_seconds_per_gib: done.cpu_percent / 100.0 * done.io_seconds / gib.max(1e-12),
+        cpu_seconds_per_gib: done.cpu_seconds / read_gib.max(1e-12),
         page_cache_residue: residue,
         drop_seconds: None,
         freed_seconds: None,

@@ -1,15 +1,20 @@
 //! `dmaload bench cache`: what the model-cache service buys a fresh
-//! process, against loading the file itself, in one run. Each round, every
-//! load runs in a fresh process:
+//! process, against loading the file itself, in one run. Each round runs
+//! every row once, in a shuffled order that changes from round to round
+//! (`benchkit::round_order`), every load in a fresh process, each row
+//! after its own preparation:
 //!
-//! 1. cold direct: `dmaload load FILE`, the file evicted first;
-//! 2. a fresh `dmaload serve`, the file evicted: `dmaload load --cache`
-//!    (a miss: the service reads the disk and hands the memfd over), then
-//!    again (a hit: no disk read);
-//! 3. Python, service warm: `dmaload.safetensors.load_file(FILE, cache=)`
-//!    for NumPy and PyTorch;
-//! 4. Python, the file read into the page cache first:
-//!    `safetensors.numpy.load_file` and `safetensors.torch.load_file`.
+//! - cold direct: `dmaload load FILE`, no service, the file evicted;
+//! - miss: `dmaload load --cache` to a fresh `dmaload serve`, the file
+//!   evicted (the service reads the disk and hands the memfd over);
+//! - hit: `dmaload load --cache` to a service that holds the file,
+//!   collapsed (the one a miss row left, else a fresh one given the file
+//!   by an untimed miss): no disk read; the time is connecting, receiving
+//!   the memfd and mapping it, no page of it touched;
+//! - Python, service holding the file (as a hit):
+//!   `dmaload.safetensors.load_file(FILE, cache=)` for NumPy and PyTorch;
+//! - Python, no service, the file read into the page cache:
+//!   `safetensors.numpy.load_file` and `safetensors.torch.load_file`.
 //!
 //! Times are those each child measures around its load call; the Python
 //! children also touch one byte per page of every tensor afterwards
@@ -37,7 +42,7 @@ pub struct CacheArgs {
     /// Size of the generated sample model when no FILE is given.
     #[arg(long, default_value = "2G")]
     size: Size,
-    /// Rounds (each with a fresh service).
+    /// Rounds (each runs every row once; the miss with a fresh service).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
     /// The Python that runs the safetensors rows (needs dmaload, numpy,
@@ -100,7 +105,9 @@ struct Table {
     bytes: u64,
     repeat: usize,
     rows: Vec<Row>,
-    /// cold direct / cached hit (dmaload load --cache), target >= 20.
+    /// The cold direct load (the disk read into memory) over the CLI hit
+    /// (the service's memfd received and mapped, no page touched), target
+    /// >= 20.
     cold_over_hit: f64,
     /// safetensors numpy warm / dmaload numpy from the service (load +
     /// touch), target >= 10.
@@ -113,7 +120,17 @@ struct Table {
     /// Per round: seconds from the miss's return until the service had
     /// collapsed the file into 2 MiB pages (the hits wait for it).
     collapse_seconds: Vec<f64>,
+    /// Per round, the rows in the order they ran (indices into `rows`).
+    orders: Vec<Vec<usize>>,
 }
+
+// The rows, by their index in `METHODS`.
+const COLD_DIRECT: usize = 0;
+const MISS: usize = 1;
+const HIT: usize = 2;
+const DMALOAD_NUMPY: usize = 3;
+const DMALOAD_TORCH: usize = 4;
+const SAFETENSORS_NUMPY: usize = 5;
 
 const METHODS: [&str; 7] = [
     "dmaload load, cold (direct)",
@@ -138,31 +155,72 @@ pub fn run(args: &CacheArgs) -> Result<(), String> {
     let scratch = tempfile_dir()?;
     let socket = scratch.join("cache.sock");
     let expected = reference(&file)?;
-    let mut samples: Vec<(Vec<f64>, Vec<f64>, Option<String>)> = vec![(Vec::new(), Vec::new(), None); 7];
+    let mut samples: Vec<(Vec<f64>, Vec<f64>, Option<String>)> =
+        vec![(Vec::new(), Vec::new(), None); METHODS.len()];
     let mut collapse_seconds = Vec::new();
     let mut service_pages = String::new();
-    for round in 0..args.repeat.max(1) {
-        eprintln!("bench cache: round {} of {}", round + 1, args.repeat.max(1));
-        evict(&file)?;
-        samples[0].0.push(cli_load(&exe, &file, None, expected.xxh3)?);
-        let service = start_service(&exe, &socket)?;
-        evict(&file)?;
-        samples[1].0.push(cli_load(&exe, &file, Some(&socket), expected.xxh3)?);
-        let (seconds, pages) = wait_for_collapse(&socket)?;
-        collapse_seconds.extend(seconds);
-        service_pages = pages;
-        samples[2].0.push(cli_load(&exe, &file, Some(&socket), expected.xxh3)?);
-        for (i, method) in [(3, "dmaload-np"), (4, "dmaload-pt")] {
-            record(&mut samples[i], python_load(&args.python, method, &file, &socket, expected.touched)?);
+    let mut orders = Vec::new();
+    // The service the hit rows use, once it holds the file.
+    let mut service: Option<Child> = None;
+    let mut rounds = || -> Result<(), String> {
+        for round in 0..args.repeat.max(1) {
+            eprintln!("bench cache: round {} of {}", round + 1, args.repeat.max(1));
+            let order = crate::benchkit::round_order(METHODS.len(), round);
+            for &row in &order {
+                if samples[row].2.is_some() {
+                    continue; // a row that cannot run here (no such Python or package)
+                }
+                match row {
+                    COLD_DIRECT => {
+                        stop_service(service.take())?;
+                        evict(&file)?;
+                        samples[row].0.push(cli_load(&exe, &file, None, expected.xxh3)?);
+                    }
+                    MISS => {
+                        stop_service(service.take())?;
+                        let served = serve_file(&exe, &file, &socket, expected.xxh3)?;
+                        samples[row].0.push(served.miss_seconds);
+                        collapse_seconds.extend(served.collapse_seconds);
+                        service_pages = served.pages;
+                        service = Some(served.child);
+                    }
+                    HIT | DMALOAD_NUMPY | DMALOAD_TORCH => {
+                        if service.is_none() {
+                            let served = serve_file(&exe, &file, &socket, expected.xxh3)?;
+                            service_pages = served.pages;
+                            service = Some(served.child);
+                        }
+                        if row == HIT {
+                            samples[row].0.push(cli_load(&exe, &file, Some(&socket), expected.xxh3)?);
+                        } else {
+                            let method = if row == DMALOAD_NUMPY { "dmaload-np" } else { "dmaload-pt" };
+                            let loaded = python_load(&args.python, method, &file, &socket, expected.touched)?;
+                            record(&mut samples[row], loaded);
+                        }
+                    }
+                    _ => {
+                        stop_service(service.take())?;
+                        warm(&file)?;
+                        let method =
+                            if row == SAFETENSORS_NUMPY { "safetensors-np" } else { "safetensors-pt" };
+                        record(
+                            &mut samples[row],
+                            python_load(&args.python, method, &file, &socket, expected.touched)?,
+                        );
+                    }
+                }
+            }
+            orders.push(order);
         }
-        stop_service(service)?;
-        warm(&file)?;
-        for (i, method) in [(5, "safetensors-np"), (6, "safetensors-pt")] {
-            record(&mut samples[i], python_load(&args.python, method, &file, &socket, expected.touched)?);
-        }
-    }
+        Ok(())
+    };
+    let ran = rounds();
+    // The service stops whether or not the rounds completed.
+    let stopped = stop_service(service.take());
+    ran?;
+    stopped?;
     let _ = std::fs::remove_dir_all(&scratch);
-    let cold = Spread::of(&samples[0].0).median;
+    let cold = Spread::of(&samples[COLD_DIRECT].0).median;
     let rows: Vec<Row> = samples
         .into_iter()
         .zip(METHODS)
@@ -200,11 +258,12 @@ pub fn run(args: &CacheArgs) -> Result<(), String> {
         file: file.display().to_string(),
         bytes,
         repeat: args.repeat.max(1),
-        cold_over_hit: ratio(0, 2).unwrap_or(0.0),
-        safetensors_numpy_over_cached: ready_ratio(5, 3),
-        safetensors_torch_over_cached: ready_ratio(6, 4),
+        cold_over_hit: ratio(COLD_DIRECT, HIT).unwrap_or(0.0),
+        safetensors_numpy_over_cached: ready_ratio(SAFETENSORS_NUMPY, DMALOAD_NUMPY),
+        safetensors_torch_over_cached: ready_ratio(SAFETENSORS_NUMPY + 1, DMALOAD_TORCH),
         service_pages,
         collapse_seconds,
+        orders,
         rows,
     };
     if args.json {
@@ -227,9 +286,12 @@ fn record(sample: &mut (Vec<f64>, Vec<f64>, Option<String>), result: Result<(f64
 
 fn markdown(t: &Table) -> String {
     let mut s = format!(
-        "File {} ({}), {} rounds; each load in a fresh process; times are medians (min–max) of the \
-         load call, \"touch\" the Python child's pass over one byte per page afterwards. The hits ran \
-         with the service's copy in {} pages{}.\n\n\
+        "File {} ({}), {} rounds, the rows in a shuffled order each round, each after its own \
+         preparation (cold: no service, file evicted; miss: a fresh service, file evicted; hits: a \
+         service holding the file; warm page cache: no service, file read); each load in a fresh \
+         process; times are medians (min–max) of the load call (a hit's: receiving and mapping the \
+         service's memfd, no page touched), \"touch\" the Python child's pass over one byte per page \
+         afterwards. The hits ran with the service's copy in {} pages{}.\n\n\
          | method | load s | GiB/s | touch s | cold direct / this |\n|---|---|---|---|---|\n",
         t.file,
         human_bytes(t.bytes),
@@ -260,7 +322,11 @@ fn markdown(t: &Table) -> String {
             row.speedup_over_cold_direct
         );
     }
-    s += &format!("\ncold direct / service hit: {:.1}× (target ≥ 20×)\n", t.cold_over_hit);
+    s += &format!(
+        "\ncold direct load (disk read into memory) / `load --cache` hit (memfd mapped, no page touched): \
+         {:.1}× (target ≥ 20×)\n",
+        t.cold_over_hit
+    );
     for (name, ratio) in
         [("numpy", t.safetensors_numpy_over_cached), ("torch", t.safetensors_torch_over_cached)]
     {
@@ -431,6 +497,37 @@ fn python_run(
     ))
 }
 
+/// A fresh service given the file by a miss.
+struct Served {
+    child: Child,
+    /// The miss's load time.
+    miss_seconds: f64,
+    /// Seconds from the miss's return until the file was collapsed, if it
+    /// was collapsing.
+    collapse_seconds: Option<f64>,
+    /// The pages the service holds the file in.
+    pages: String,
+}
+
+/// Starts a fresh service, evicts the file and loads it through the
+/// service once (a miss, checked against `xxh3`), then waits for the
+/// service's collapse; the service is stopped again if any step fails.
+fn serve_file(exe: &Path, file: &Path, socket: &Path, xxh3: u64) -> Result<Served, String> {
+    let child = start_service(exe, socket)?;
+    let missed = evict(file)
+        .and_then(|()| cli_load(exe, file, Some(socket), xxh3))
+        .and_then(|miss| Ok((miss, wait_for_collapse(socket)?)));
+    match missed {
+        Ok((miss_seconds, (collapse_seconds, pages))) => {
+            Ok(Served { child, miss_seconds, collapse_seconds, pages })
+        }
+        Err(err) => {
+            let _ = stop_service(Some(child));
+            Err(err)
+        }
+    }
+}
+
 fn start_service(exe: &Path, socket: &Path) -> Result<Child, String> {
     let child = Command::new(exe)
         .args(["serve", "--socket"])
@@ -441,6 +538,7 @@ fn start_service(exe: &Path, socket: &Path) -> Result<Child, String> {
     let started = Instant::now();
     while dmaload::share::Connection::connect(socket).is_err() {
         if started.elapsed() > Duration::from_secs(60) {
+            let _ = stop_service(Some(child));
             return Err("dmaload serve did not start".into());
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -467,7 +565,9 @@ fn wait_for_collapse(socket: &Path) -> Result<(Option<f64>, String), String> {
     }
 }
 
-fn stop_service(mut child: Child) -> Result<(), String> {
+/// Stops the service, if one runs.
+fn stop_service(child: Option<Child>) -> Result<(), String> {
+    let Some(mut child) = child else { return Ok(()) };
     let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
     let status = child.wait().map_err(|e| e.to_string())?;
     if !status.success() {

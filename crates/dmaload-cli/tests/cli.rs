@@ -571,5 +571,9 @@ fn bench_fio_reads_the_whole_file_once_per_depth() {
     for row in &rows {
         assert_eq!(row["bytes"], 1 << 20, "{row}");
         assert!(row["gib_per_second"].as_f64().unwrap() > 0.0, "{row}");
+        // fio's own CPU seconds for the job: at most its runtime times the CPUs it could use.
+        let cpu = row["cpu_seconds"].as_f64().unwrap();
+        let cpus = std::thread::available_parallelism().unwrap().get() as f64;
+        assert!(cpu >= 0.0 && cpu <= row["seconds"].as_f64().unwrap() * cpus + 0.002, "{row}");
     }
 }

@@ -166,7 +166,7 @@ fn bench_cache_runs_its_rows_side_by_side() {
     let file = dir.path().join("model.bin");
     write_file(&file, 4 << 20);
     let out = dmaload()
-        .args(["bench", "cache", "--repeat", "1", "--json", "--python", "/nonexistent/python"])
+        .args(["bench", "cache", "--repeat", "3", "--json", "--python", "/nonexistent/python"])
         .arg(&file)
         .output()
         .unwrap();
@@ -177,7 +177,26 @@ fn bench_cache_runs_its_rows_side_by_side() {
     for row in &rows[..3] {
         assert!(row["skipped"].is_null(), "{row}");
         assert!(row["median_seconds"].as_f64().unwrap() > 0.0, "{row}");
+        assert_eq!(row["seconds"].as_array().unwrap().len(), 3, "{row}");
     }
+    // Every round runs every row once, and not always in the same order:
+    // the hit is prepared on its own wherever it falls (a fresh service
+    // given the file, when no miss came before it).
+    let orders: Vec<Vec<u64>> = table["orders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_array().unwrap().iter().map(|i| i.as_u64().unwrap()).collect())
+        .collect();
+    assert_eq!(orders.len(), 3);
+    for order in &orders {
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..7).collect::<Vec<u64>>(), "{orders:?}");
+    }
+    assert!(orders.iter().any(|o| o != &orders[0]), "{orders:?}");
+    let position = |o: &Vec<u64>, row: u64| o.iter().position(|&r| r == row).unwrap();
+    assert!(orders.iter().any(|o| position(o, 2) < position(o, 1)), "a hit before the miss: {orders:?}");
     // No such Python: its rows say so instead of failing the run.
     for row in &rows[3..] {
         assert!(row["skipped"].as_str().is_some_and(|why| why.contains("nonexistent")), "{row}");
