@@ -141,8 +141,8 @@ fn load_cache_without_a_service_reports_like_a_direct_load() {
 #[test]
 fn low_memlock_limit_falls_back_to_unregistered_io_uring() {
     let name = "low_memlock_limit_falls_back_to_unregistered_io_uring";
-    let dir = scratch();
-    let path = sample_file(dir.path(), "f", 4 << 20);
+    let dir = common::open_scratch("dmaload-cli-");
+    let path = common::sample(dir.path(), "f".as_ref(), 4 << 20);
     let Some(mut cmd) = common::under_memlock(name, 65536) else { return };
     let out = cmd.args(["load", "--json", "--gather-size", "1M"]).arg(&path).output().unwrap();
     let report = json_of(&out);
@@ -156,8 +156,8 @@ fn low_memlock_limit_falls_back_to_unregistered_io_uring() {
 #[test]
 fn registered_buffers_stay_a_few_gathers_ahead_under_a_memlock_limit_smaller_than_the_file() {
     let name = "registered_buffers_stay_a_few_gathers_ahead_under_a_memlock_limit_smaller_than_the_file";
-    let dir = scratch();
-    let path = sample_file(dir.path(), "f", 32 << 20);
+    let dir = common::open_scratch("dmaload-cli-");
+    let path = common::sample(dir.path(), "f".as_ref(), 32 << 20);
     // 256 KiB gathers of 4 KiB pages, 256 KiB in flight: registered ahead
     // of the reads and unregistered behind them, about 1 MiB is pinned at
     // once, well under 4 MiB; registering each gather as soon as it is

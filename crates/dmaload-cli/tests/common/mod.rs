@@ -6,6 +6,7 @@
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -105,6 +106,11 @@ pub fn as_user_with(uid: u32, test: &str, limits: &[&str]) -> Option<Command> {
 /// CAP_IPC_LOCK (which exempts root from it); `None`, after printing why the
 /// test skips, where that cannot be arranged: no prlimit/setpriv, or a hard
 /// limit below `limit` that this process may not raise (no CAP_SYS_RESOURCE).
+///
+/// As root it runs as a user of its own: io_uring counts pinned memory per
+/// user, so another of root's processes without CAP_IPC_LOCK (a test running
+/// beside it) would share the limit. Its files must be readable by others
+/// (`open_scratch`, `sample`).
 pub fn under_memlock(test: &str, limit: u64) -> Option<Command> {
     if !have("prlimit") || (is_root() && !have("setpriv")) {
         skip(test, "prlimit/setpriv (util-linux) not installed");
@@ -123,7 +129,13 @@ pub fn under_memlock(test: &str, limit: u64) -> Option<Command> {
     let mut cmd = Command::new("prlimit");
     cmd.arg(format!("--memlock={limit}:{limit}"));
     if is_root() {
-        cmd.args(["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "--"]);
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let uid = 3_300_000 + std::process::id() % 100_000 * 16 + NEXT.fetch_add(1, Ordering::Relaxed) % 16;
+        cmd.args(["setpriv", &format!("--reuid={uid}"), "--regid=65534", "--clear-groups"]).args([
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--",
+        ]);
     }
     cmd.arg(env!("CARGO_BIN_EXE_dmaload"));
     Some(cmd)
