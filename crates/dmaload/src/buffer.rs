@@ -123,8 +123,8 @@ impl Buffer {
     /// outside what a seal can stop.) Where the mapping cannot be made
     /// private or the seals cannot be added (`F_SEAL_FUTURE_WRITE` needs
     /// Linux 5.1; a private mapping of hugetlb memory reserves as many pages
-    /// of the pool as the buffer has), no fd is handed out: it would let
-    /// others write bytes this buffer shows.
+    /// of the pool as the buffer has, and needs Linux 5.16), no fd is
+    /// handed out: it would let others write bytes this buffer shows.
     pub fn memfd(&self) -> Result<Option<BorrowedFd<'_>>> {
         let Some(fd) = self.memfd.as_ref().map(|fd| fd.as_fd()) else {
             return Ok(None);

@@ -109,61 +109,113 @@ impl Mapping {
     }
 
     /// Turns this mapping, which must be a `MAP_SHARED` mapping of `fd`
-    /// from offset 0 (as [`Mapping::memfd`] makes), into a private
-    /// copy-on-write one at the same address (`MAP_FIXED` replaces it in
-    /// one step): the bytes read stay the same pages, while this process's
-    /// later writes go to private copies instead of the file, which others
-    /// may map. Slices of the mapping stay valid: their bytes do not change.
-    /// On failure the mapping is still the shared one (ENOMEM, say, where a
-    /// private hugetlb mapping cannot reserve its pages in the pool).
+    /// from offset 0 (as [`Mapping::memfd`] and [`Mapping::hugetlb`]
+    /// make), into a private copy-on-write one at the same address: the
+    /// bytes read stay the same pages, while this process's later writes go
+    /// to private copies instead of the file, which others may map. Slices
+    /// of the mapping stay valid: their bytes do not change.
+    ///
+    /// The private mapping is made first, where the kernel chooses, then
+    /// moved over this one (`mremap(MREMAP_FIXED)`), which replaces it in
+    /// one step under the mmap lock. So where the private mapping cannot be
+    /// had (ENOMEM where a private hugetlb mapping cannot reserve its pages
+    /// in the pool) nothing here was touched, and on any failure the
+    /// mapping is still the shared one. Hugetlb memory needs Linux 5.16
+    /// (mremap of hugetlb mappings): before, it is `Unsupported`. Calls on
+    /// one mapping must not overlap (a buffer's sharing lock orders them).
     pub fn make_private(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
         if self.len == 0 {
             return Ok(());
         }
-        let remap = |flags: libc::c_int| {
-            // SAFETY: the range is exactly the mapping this value owns, and
-            // (the caller's promise above) it maps `fd` from offset 0, so a
-            // new mapping of it shows the same bytes at the same addresses:
-            // references to them stay valid. MAP_FIXED swaps the mappings
-            // under the mmap lock, so no access sees a hole when it succeeds;
-            // MAP_FIXED_NOREPLACE maps only where nothing is mapped.
-            let ptr = unsafe {
-                libc::mmap(
-                    self.ptr.as_ptr().cast(),
-                    self.len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    flags,
-                    fd.as_raw_fd(),
-                    0,
-                )
-            };
-            if ptr == libc::MAP_FAILED {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(())
-            }
-        };
-        let Err(err) = remap(libc::MAP_PRIVATE | libc::MAP_FIXED) else {
+        if super::file::filesystem_magic(fd)? == HUGETLBFS_MAGIC && !mremap_moves_hugetlb() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "making hugetlb memory private in place needs Linux 5.16 (mremap of hugetlb mappings)",
+            ));
+        }
+        // A hugetlb one is aligned to its page size, as mremap needs.
+        let private = Self::map(self.len, READ_WRITE, libc::MAP_PRIVATE, fd.as_raw_fd(), Placement::Kernel)?;
+        let Err(err) = private.move_over(self) else {
             return Ok(());
         };
-        // A MAP_FIXED the kernel refuses may have dropped the old mapping
-        // first (a private hugetlb mapping's reservation fails after the
-        // unmap, on Linux 6.18 too), leaving a hole under this mapping's
-        // slices: the shared mapping goes back where it was. EEXIST: it
-        // never left.
-        match remap(libc::MAP_SHARED | libc::MAP_FIXED_NOREPLACE) {
-            Ok(()) => Err(err),
-            Err(again) if again.raw_os_error() == Some(libc::EEXIST) => Err(err),
-            Err(again) => {
-                // The file's own pages need no reservation and take the slot
-                // the old mapping left, so this is not expected; but past it
-                // slices of the buffer would point at nothing.
+        match self.after_failed_move(fd) {
+            AfterFailedMove::Untouched | AfterFailedMove::MappedAgain => Err(err),
+            AfterFailedMove::Lost(why) => {
+                // The range holds another thread's mapping, or nothing: slices
+                // of this one would read it and the drop would unmap it.
                 eprintln!(
-                    "dmaload: a buffer's memory was unmapped by a failed remap ({err}) and could not \
-                     be mapped back ({again}); aborting"
+                    "dmaload: a failed remap ({err}) unmapped a buffer's memory and it could not be \
+                     mapped back ({why}); aborting"
                 );
                 std::process::abort()
             }
+        }
+    }
+
+    /// Moves this mapping (made by the caller, which nothing else refers
+    /// to) over `dest`, same length, in place of `dest`'s. On failure it
+    /// is unmapped here; `dest` may have been unmapped too (see
+    /// [`Mapping::after_failed_move`]).
+    fn move_over(self, dest: &Mapping) -> io::Result<()> {
+        // SAFETY: the source is this value's own mapping, which no
+        // reference reaches, and the destination is exactly the range
+        // `dest` owns; `make_private` maps the same file from the same
+        // offset as `dest`, so the same bytes appear at the same addresses
+        // and references into `dest` stay valid. MREMAP_FIXED unmaps only
+        // the destination, and swaps the mappings under the mmap lock, so
+        // when it succeeds no access sees a hole.
+        let moved = unsafe {
+            libc::mremap(
+                self.ptr.as_ptr().cast(),
+                self.len,
+                dest.len,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                dest.ptr.as_ptr(),
+            )
+        };
+        if moved == libc::MAP_FAILED {
+            // Every failure leaves the source where it was: drop unmaps it.
+            return Err(io::Error::last_os_error());
+        }
+        // The range left this address (another thread's mmap may take it
+        // at once): it is `dest`'s now, and this value must not unmap it.
+        std::mem::forget(self);
+        Ok(())
+    }
+
+    /// What a failed [`Mapping::move_over`] onto this mapping, a shared
+    /// mapping of `fd` from offset 0, left here. mremap unmaps its
+    /// destination first and fails after that only for want of kernel
+    /// memory or of commit charge (`vm.overcommit_memory` 2): that leaves
+    /// a hole, which the shared mapping fills again at once, but which
+    /// another thread's mmap may already have taken.
+    fn after_failed_move(&self, fd: BorrowedFd<'_>) -> AfterFailedMove {
+        // SAFETY: MAP_FIXED_NOREPLACE maps only where nothing at all is
+        // mapped in the range (EEXIST otherwise): into a hole the move
+        // left, with the same pages the slices showed, never over anything.
+        let ptr = unsafe {
+            libc::mmap(
+                self.ptr.as_ptr().cast(),
+                self.len,
+                READ_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED_NOREPLACE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == self.ptr.as_ptr().cast() {
+            return AfterFailedMove::MappedAgain;
+        }
+        if ptr != libc::MAP_FAILED {
+            // A kernel before 4.17 took the address as a hint and mapped
+            // elsewhere: that mapping is this call's alone.
+            // SAFETY: the mapping just made, which nothing refers to.
+            unsafe { libc::munmap(ptr, self.len) };
+        }
+        match maps_file_from_start(self.address()..self.address() + self.len, fd) {
+            Ok(true) => AfterFailedMove::Untouched,
+            Ok(false) => AfterFailedMove::Lost("another mapping or none is there now".into()),
+            Err(err) => AfterFailedMove::Lost(format!("/proc/self/maps cannot say what is there: {err}")),
         }
     }
 
@@ -310,6 +362,100 @@ const READ_WRITE: libc::c_int = libc::PROT_READ | libc::PROT_WRITE;
 /// Where a mapping of at least this size starts: the size of a PMD huge
 /// page with 4 KiB base pages (x86-64, arm64).
 pub const HUGE_PAGE_ALIGN: usize = 2 << 20;
+
+/// What a failed move left at a mapping's address.
+#[derive(Debug, PartialEq, Eq)]
+enum AfterFailedMove {
+    /// The mapping never left.
+    Untouched,
+    /// The move had unmapped it; it is mapped again, the same pages.
+    MappedAgain,
+    /// Something else is there now, or nothing, and why.
+    Lost(String),
+}
+
+/// `statfs.f_type` of hugetlbfs, which hugetlb memfds live on.
+const HUGETLBFS_MAGIC: i64 = 0x958458f6;
+
+/// Whether mremap moves hugetlb mappings (Linux 5.16): before, it
+/// refused them with EINVAL, and only after unmapping the destination.
+fn mremap_moves_hugetlb() -> bool {
+    super::process::kernel_version().map_or(true, |version| version >= (5, 16))
+}
+
+/// Whether `range` is covered, without a gap, by shared mappings of
+/// `fd`'s file at the offsets of their distance from `range.start`: the
+/// shared mapping from offset 0 that [`Mapping::shared`] made there (or
+/// pieces of it), as `/proc/self/maps` lists it. Another mapping put there
+/// would be of another file, private, or at other offsets, unless someone
+/// else mapped this very file the same way: the same pages in the same
+/// places.
+fn maps_file_from_start(range: Range<usize>, fd: BorrowedFd<'_>) -> io::Result<bool> {
+    let (device, inode) = file_identity(fd)?;
+    let device = super::file::device_numbers(device);
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    let mut covered = range.start;
+    for line in maps.lines() {
+        let vma = MapsLine::parse(line)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("unexpected line {line:?}")))?;
+        if vma.end <= covered || vma.start >= range.end {
+            continue;
+        }
+        let ours = vma.start == covered
+            && vma.shared
+            && (vma.device, vma.inode) == (device, inode)
+            && vma.offset == (vma.start - range.start) as u64;
+        if !ours {
+            return Ok(false);
+        }
+        covered = vma.end;
+        if covered >= range.end {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// The fields of a `/proc/self/maps` line that [`maps_file_from_start`]
+/// compares.
+struct MapsLine {
+    start: usize,
+    end: usize,
+    shared: bool,
+    offset: u64,
+    device: (u32, u32),
+    inode: u64,
+}
+
+impl MapsLine {
+    /// `start-end perms offset major:minor inode [path]`, numbers in hex
+    /// but the inode.
+    fn parse(line: &str) -> Option<MapsLine> {
+        let mut fields = line.split_ascii_whitespace();
+        let (start, end) = fields.next()?.split_once('-')?;
+        let perms = fields.next()?;
+        let offset = fields.next()?;
+        let (major, minor) = fields.next()?.split_once(':')?;
+        Some(MapsLine {
+            start: usize::from_str_radix(start, 16).ok()?,
+            end: usize::from_str_radix(end, 16).ok()?,
+            shared: perms.as_bytes().get(3) == Some(&b's'),
+            offset: u64::from_str_radix(offset, 16).ok()?,
+            device: (u32::from_str_radix(major, 16).ok()?, u32::from_str_radix(minor, 16).ok()?),
+            inode: fields.next()?.parse().ok()?,
+        })
+    }
+}
+
+/// The device and inode numbers of `fd`'s file (`fstat`).
+fn file_identity(fd: BorrowedFd<'_>) -> io::Result<(u64, u64)> {
+    let mut stat = std::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: `stat` is a writable struct stat the kernel fills.
+    check(unsafe { libc::fstat(fd.as_raw_fd(), stat.as_mut_ptr()) })?;
+    // SAFETY: filled by a successful fstat.
+    let stat = unsafe { stat.assume_init() };
+    Ok((stat.st_dev, stat.st_ino))
+}
 
 /// Where a new mapping goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1020,6 +1166,209 @@ mod tests {
         });
         let failures = failures.expect("a writable mapping of a TCP socket fails with EPERM");
         assert_eq!(lost, 0, "{failures} failed mappings unmapped {lost} of another thread's");
+    }
+
+    /// A memfd of `len` bytes holding `i % 251` at byte `i`, and its
+    /// shared mapping.
+    fn patterned_memfd(pages: MemfdPages, len: usize) -> io::Result<(OwnedFd, Mapping)> {
+        let memfd = memfd_create(c"test", pages)?;
+        set_len(memfd.as_fd(), len as u64)?;
+        let mut map = match pages {
+            MemfdPages::Shmem => Mapping::memfd(memfd.as_fd(), len, HugePageAdvice::Small)?,
+            MemfdPages::Hugetlb => Mapping::hugetlb(memfd.as_fd(), len)?,
+        };
+        for (i, byte) in map.as_mut_slice().iter_mut().enumerate() {
+            *byte = (i % 251) as u8;
+        }
+        Ok((memfd, map))
+    }
+
+    /// Whether `map` is a shared mapping of `memfd` from offset 0.
+    fn maps_memfd(map: &Mapping, memfd: &OwnedFd) -> bool {
+        maps_file_from_start(map.address()..map.address() + map.len(), memfd.as_fd()).unwrap()
+    }
+
+    /// Checks a mapping [`Mapping::make_private`] turned private: same
+    /// address and bytes, no longer the shared mapping, and writes stay in
+    /// it while the file keeps its bytes.
+    fn assert_private_copy(mut map: Mapping, memfd: &OwnedFd, address: usize) {
+        assert_eq!(map.address(), address);
+        assert!(map.as_slice().iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        assert!(!maps_memfd(&map, memfd), "still the shared mapping");
+        let last = map.len() - 1;
+        map.as_mut_slice()[0] = 0xEE;
+        map.as_mut_slice()[last] = 0xEE;
+        let file = Mapping::shared(memfd.as_fd(), map.len()).unwrap();
+        assert_eq!((file.as_slice()[0], file.as_slice()[last]), (0, (last % 251) as u8));
+        assert_eq!((map.as_slice()[0], map.as_slice()[1]), (0xEE, 1));
+    }
+
+    #[test]
+    fn make_private_gives_a_copy_on_write_mapping_of_the_same_bytes_in_place() {
+        let len = 2 * HUGE_PAGE_ALIGN + 3 * page_size();
+        let (memfd, map) = patterned_memfd(MemfdPages::Shmem, len).unwrap();
+        assert!(maps_memfd(&map, &memfd));
+        let address = map.address();
+        map.make_private(memfd.as_fd()).unwrap();
+        assert_private_copy(map, &memfd, address);
+    }
+
+    #[test]
+    fn hugetlb_memory_is_made_private_in_place_or_stays_shared() {
+        const TEST: &str = "hugetlb_memory_is_made_private_in_place_or_stays_shared";
+        let len = 2 * HUGE_PAGE_ALIGN;
+        let (memfd, map) = match patterned_memfd(MemfdPages::Hugetlb, len) {
+            Ok(made) => made,
+            Err(err) => return println!("SKIP {TEST}: no hugetlb memory ({err})"),
+        };
+        let address = map.address();
+        match map.make_private(memfd.as_fd()) {
+            Ok(()) => assert_private_copy(map, &memfd, address),
+            // The private mapping reserves pages of its own in the pool.
+            Err(err) if err.raw_os_error() == Some(libc::ENOMEM) => {
+                assert!(maps_memfd(&map, &memfd), "{err}, and the shared mapping left");
+                assert!(map.as_slice().iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+                println!("SKIP {TEST}: the pool has no room for the private copy ({err}): it stayed shared");
+            }
+            Err(err) if err.kind() == io::ErrorKind::Unsupported => {
+                assert!(maps_memfd(&map, &memfd));
+                println!("SKIP {TEST}: {err}");
+            }
+            Err(err) => panic!("{err}"),
+        }
+    }
+
+    #[test]
+    fn after_a_failed_move_the_shared_mapping_is_found_put_back_or_reported_lost() {
+        let len = 4 * page_size();
+        let (memfd, map) = patterned_memfd(MemfdPages::Shmem, len).unwrap();
+        assert_eq!(map.after_failed_move(memfd.as_fd()), AfterFailedMove::Untouched);
+        // mremap unmapped the destination, then failed: mapped again.
+        // SAFETY: the range is `map`'s, which nothing reads until it is
+        // mapped again.
+        unsafe { libc::munmap(map.ptr.as_ptr().cast(), len) };
+        assert_eq!(map.after_failed_move(memfd.as_fd()), AfterFailedMove::MappedAgain);
+        assert!(maps_memfd(&map, &memfd));
+        assert!(map.as_slice().iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        // ... and another mapping took the hole: a private one of the same
+        // file, or anonymous memory.
+        for (flags, fd) in [(libc::MAP_PRIVATE, memfd.as_raw_fd()), (ANONYMOUS, -1)] {
+            let at = map.ptr.as_ptr().cast();
+            // SAFETY: `map`'s range, which nothing reads while it holds the
+            // test's stand-in for another thread's mapping.
+            let taken = unsafe { libc::mmap(at, len, READ_WRITE, flags | libc::MAP_FIXED, fd, 0) };
+            assert_eq!(taken, at);
+            assert!(matches!(map.after_failed_move(memfd.as_fd()), AfterFailedMove::Lost(_)));
+        }
+    }
+
+    #[test]
+    fn a_failed_make_private_never_leaves_the_buffer_over_another_threads_memory() {
+        const TEST: &str = "a_failed_make_private_never_leaves_the_buffer_over_another_threads_memory";
+        // A perf event's ring buffer maps only shared: its mmap refuses a
+        // private mapping, and does so after the kernel has cleared the
+        // range for it (Linux 6.18 too), so switching in place with
+        // MAP_FIXED fails leaving a hole under the buffer, which another
+        // thread's mmap may fill before the shared mapping is put back.
+        let event = match perf_dummy_event() {
+            Ok(event) => event,
+            Err(err) => return println!("SKIP {TEST}: perf_event_open refused: {err}"),
+        };
+        // The ring's control page and one data page (1 + 2^n pages), kept
+        // mapped throughout: freeing the ring waits for an RCU grace period.
+        let len = 2 * page_size();
+        let fd = event.as_raw_fd();
+        let _ring = match Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::Kernel) {
+            Ok(ring) => ring,
+            Err(err) => return println!("SKIP {TEST}: a perf ring cannot be mapped: {err}"),
+        };
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        // Where the ring is: the neighbour asks for that address (a hint,
+        // which the kernel follows only where the range is free), so that
+        // it takes any hole there at once.
+        let ring_at = std::sync::atomic::AtomicUsize::new(0);
+        let (lost, failures) = std::thread::scope(|scope| {
+            let neighbour = scope.spawn(|| {
+                let mut lost = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let hint = ring_at.load(std::sync::atomic::Ordering::Relaxed) as *mut libc::c_void;
+                    // SAFETY: without MAP_FIXED the address is only a hint:
+                    // the kernel maps a fresh range, which overlaps nothing.
+                    let ptr = unsafe { libc::mmap(hint, len, READ_WRITE, ANONYMOUS, -1, 0) };
+                    let map = Mapping::from_mmap(ptr, len).unwrap();
+                    if !still_mapped(&map) {
+                        lost += 1;
+                        // Whatever holds the range now is not this value's.
+                        std::mem::forget(map);
+                    }
+                }
+                lost
+            });
+            let started = std::time::Instant::now();
+            let mut failures = Ok(0);
+            while started.elapsed() < std::time::Duration::from_millis(1500) {
+                let ring = Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::Kernel).unwrap();
+                ring_at.store(ring.address(), std::sync::atomic::Ordering::Relaxed);
+                match ring.make_private(event.as_fd()) {
+                    Err(_) if still_mapped(&ring) => failures = failures.map(|n| n + 1),
+                    Err(err) => failures = Err(format!("{err}, and the ring is no longer mapped")),
+                    Ok(()) => failures = Err("a perf ring was mapped private".to_owned()),
+                }
+                if failures.is_err() {
+                    break;
+                }
+            }
+            // Before any assertion: the scope waits for the neighbour.
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            (neighbour.join().unwrap(), failures)
+        });
+        let failures = failures.unwrap();
+        assert_eq!(
+            lost, 0,
+            "{failures} failed switches to private unmapped {lost} of another thread's mappings"
+        );
+    }
+
+    /// A perf event that counts nothing (`PERF_COUNT_SW_DUMMY`) on this
+    /// process, user space only, as `perf_event_paranoid` 2 allows anyone.
+    fn perf_dummy_event() -> io::Result<OwnedFd> {
+        /// `struct perf_event_attr` up to `PERF_ATTR_SIZE_VER0`.
+        #[repr(C)]
+        struct Attr {
+            kind: u32,
+            size: u32,
+            config: u64,
+            sample_period: u64,
+            sample_type: u64,
+            read_format: u64,
+            /// Bit fields: 0 disabled, 5 exclude_kernel, 6 exclude_hv
+            /// (little-endian order).
+            flags: u64,
+            wakeup_events: u32,
+            bp_type: u32,
+            config1: u64,
+        }
+        let attr = Attr {
+            kind: 1,   // PERF_TYPE_SOFTWARE
+            size: 64,  // PERF_ATTR_SIZE_VER0
+            config: 9, // PERF_COUNT_SW_DUMMY
+            sample_period: 0,
+            sample_type: 0,
+            read_format: 0,
+            flags: 1 | 1 << 5 | 1 << 6,
+            wakeup_events: 0,
+            bp_type: 0,
+            config1: 0,
+        };
+        // SAFETY: `attr` is a perf_event_attr of the size it declares, read
+        // during the call; pid 0, cpu -1: this process on any CPU.
+        let fd = unsafe {
+            // flags 8: PERF_FLAG_FD_CLOEXEC.
+            libc::syscall(libc::SYS_perf_event_open, &attr as *const Attr, 0, -1, -1, 8)
+        };
+        let fd = check(fd as libc::c_int)?;
+        // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     const ANONYMOUS: libc::c_int = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;

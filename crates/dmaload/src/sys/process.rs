@@ -65,6 +65,14 @@ pub fn kernel_release() -> io::Result<String> {
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
+/// The running kernel's (major, minor) version, from its release string;
+/// `None` where that does not start with two numbers.
+pub fn kernel_version() -> Option<(u32, u32)> {
+    let release = kernel_release().ok()?;
+    let mut numbers = release.split(|c: char| !c.is_ascii_digit());
+    Some((numbers.next()?.parse().ok()?, numbers.next()?.parse().ok()?))
+}
+
 /// Whether process `pid` exists in this PID namespace (`kill(pid, 0)`):
 /// ESRCH means it does not; EPERM means it does (another user's). Only
 /// positive PIDs are asked, as 0 and negative numbers name process groups.
