@@ -1265,33 +1265,34 @@ mod tests {
     #[test]
     fn a_failed_make_private_never_leaves_the_buffer_over_another_threads_memory() {
         const TEST: &str = "a_failed_make_private_never_leaves_the_buffer_over_another_threads_memory";
-        // A perf event's ring buffer maps only shared: its mmap refuses a
-        // private mapping, and does so after the kernel has cleared the
-        // range for it (Linux 6.18 too), so switching in place with
-        // MAP_FIXED fails leaving a hole under the buffer, which another
-        // thread's mmap may fill before the shared mapping is put back.
-        let event = match perf_dummy_event() {
-            Ok(event) => event,
-            Err(err) => return println!("SKIP {TEST}: perf_event_open refused: {err}"),
+        // A BPF array map made mmapable maps only shared: its mmap refuses
+        // a private mapping (EINVAL), and does so after the kernel has
+        // cleared the range for it (Linux 6.18 too), so switching in place
+        // with MAP_FIXED fails leaving a hole under the buffer, which
+        // another thread's mmap may fill before the shared mapping is put
+        // back. (Not a perf ring, which fails the same way: on 6.18 each
+        // failed switch leaves the ring's pages counted against the user's
+        // RLIMIT_MEMLOCK for good.)
+        let array = match mmapable_bpf_array() {
+            Ok(array) => array,
+            Err(err) => return println!("SKIP {TEST}: BPF_MAP_CREATE refused: {err}"),
         };
-        // The ring's control page and one data page (1 + 2^n pages), kept
-        // mapped throughout: freeing the ring waits for an RCU grace period.
         let len = 2 * page_size();
-        let fd = event.as_raw_fd();
-        let _ring = match Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::Kernel) {
-            Ok(ring) => ring,
-            Err(err) => return println!("SKIP {TEST}: a perf ring cannot be mapped: {err}"),
+        let fd = array.as_raw_fd();
+        let _array_map = match Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::Kernel) {
+            Ok(shared) => shared,
+            Err(err) => return println!("SKIP {TEST}: a BPF array cannot be mapped: {err}"),
         };
         let stop = std::sync::atomic::AtomicBool::new(false);
-        // Where the ring is: the neighbour asks for that address (a hint,
-        // which the kernel follows only where the range is free), so that
-        // it takes any hole there at once.
-        let ring_at = std::sync::atomic::AtomicUsize::new(0);
+        // Where the shared mapping is: the neighbour asks for that address
+        // (a hint, which the kernel follows only where the range is free),
+        // so that it takes any hole there at once.
+        let shared_at = std::sync::atomic::AtomicUsize::new(0);
         let (lost, failures) = std::thread::scope(|scope| {
             let neighbour = scope.spawn(|| {
                 let mut lost = 0;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let hint = ring_at.load(std::sync::atomic::Ordering::Relaxed) as *mut libc::c_void;
+                    let hint = shared_at.load(std::sync::atomic::Ordering::Relaxed) as *mut libc::c_void;
                     // SAFETY: without MAP_FIXED the address is only a hint:
                     // the kernel maps a fresh range, which overlaps nothing.
                     let ptr = unsafe { libc::mmap(hint, len, READ_WRITE, ANONYMOUS, -1, 0) };
@@ -1307,12 +1308,12 @@ mod tests {
             let started = std::time::Instant::now();
             let mut failures = Ok(0);
             while started.elapsed() < std::time::Duration::from_millis(1500) {
-                let ring = Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::Kernel).unwrap();
-                ring_at.store(ring.address(), std::sync::atomic::Ordering::Relaxed);
-                match ring.make_private(event.as_fd()) {
-                    Err(_) if still_mapped(&ring) => failures = failures.map(|n| n + 1),
-                    Err(err) => failures = Err(format!("{err}, and the ring is no longer mapped")),
-                    Ok(()) => failures = Err("a perf ring was mapped private".to_owned()),
+                let shared = Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::Kernel).unwrap();
+                shared_at.store(shared.address(), std::sync::atomic::Ordering::Relaxed);
+                match shared.make_private(array.as_fd()) {
+                    Err(_) if still_mapped(&shared) => failures = failures.map(|n| n + 1),
+                    Err(err) => failures = Err(format!("{err}, and the buffer is no longer mapped")),
+                    Ok(()) => failures = Err("a BPF array was mapped private".to_owned()),
                 }
                 if failures.is_err() {
                     break;
@@ -1329,42 +1330,31 @@ mod tests {
         );
     }
 
-    /// A perf event that counts nothing (`PERF_COUNT_SW_DUMMY`) on this
-    /// process, user space only, as `perf_event_paranoid` 2 allows anyone.
-    fn perf_dummy_event() -> io::Result<OwnedFd> {
-        /// `struct perf_event_attr` up to `PERF_ATTR_SIZE_VER0`.
+    /// A BPF array map of two pages' worth of values that can be mapped
+    /// (`BPF_F_MMAPABLE`); root or CAP_BPF may create one.
+    fn mmapable_bpf_array() -> io::Result<OwnedFd> {
+        /// The `BPF_MAP_CREATE` part of `union bpf_attr`, zero past it.
         #[repr(C)]
-        struct Attr {
-            kind: u32,
-            size: u32,
-            config: u64,
-            sample_period: u64,
-            sample_type: u64,
-            read_format: u64,
-            /// Bit fields: 0 disabled, 5 exclude_kernel, 6 exclude_hv
-            /// (little-endian order).
-            flags: u64,
-            wakeup_events: u32,
-            bp_type: u32,
-            config1: u64,
+        struct MapCreate {
+            map_type: u32,
+            key_size: u32,
+            value_size: u32,
+            max_entries: u32,
+            map_flags: u32,
+            rest: [u32; 27],
         }
-        let attr = Attr {
-            kind: 1,   // PERF_TYPE_SOFTWARE
-            size: 64,  // PERF_ATTR_SIZE_VER0
-            config: 9, // PERF_COUNT_SW_DUMMY
-            sample_period: 0,
-            sample_type: 0,
-            read_format: 0,
-            flags: 1 | 1 << 5 | 1 << 6,
-            wakeup_events: 0,
-            bp_type: 0,
-            config1: 0,
+        let attr = MapCreate {
+            map_type: 2, // BPF_MAP_TYPE_ARRAY
+            key_size: 4,
+            value_size: page_size() as u32,
+            max_entries: 2,
+            map_flags: 1 << 10, // BPF_F_MMAPABLE
+            rest: [0; 27],
         };
-        // SAFETY: `attr` is a perf_event_attr of the size it declares, read
-        // during the call; pid 0, cpu -1: this process on any CPU.
+        // SAFETY: `attr` is a zero-padded bpf_attr of the size passed, read
+        // during the call; cmd 0 is BPF_MAP_CREATE, which returns a new fd.
         let fd = unsafe {
-            // flags 8: PERF_FLAG_FD_CLOEXEC.
-            libc::syscall(libc::SYS_perf_event_open, &attr as *const Attr, 0, -1, -1, 8)
+            libc::syscall(libc::SYS_bpf, 0, &attr as *const MapCreate, std::mem::size_of::<MapCreate>())
         };
         let fd = check(fd as libc::c_int)?;
         // SAFETY: a descriptor the kernel just returned, owned by nobody else.
