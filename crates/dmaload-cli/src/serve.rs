@@ -70,6 +70,7 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
         allow_uids: args.allow_uid.clone(),
         allow_gids: args.allow_gid.clone(),
         load_options: LoadOptions::default(),
+        idle_timeout: share::service::DEFAULT_IDLE_TIMEOUT,
         log: Arc::new(|line| eprintln!("dmaload serve: {line}")),
     };
     let service = Service::bind(config).map_err(|e| e.to_string())?;

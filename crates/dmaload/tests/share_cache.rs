@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_pattern, file_hash, scratch_dir, write_pattern_file};
 use dmaload::share::protocol::{self, Reply, Request};
+use dmaload::share::service::DEFAULT_IDLE_TIMEOUT;
 use dmaload::share::{
     load_cached, CacheOutcome, Client, Connection, Listener, Served, Service, ServiceConfig,
 };
@@ -26,6 +27,7 @@ const SOCKET: &str = "DMALOAD_SHARE_CACHE_SOCKET";
 const FILE: &str = "DMALOAD_SHARE_CACHE_FILE";
 const LIMIT: &str = "DMALOAD_SHARE_CACHE_LIMIT";
 const ALLOW_UID: &str = "DMALOAD_SHARE_CACHE_ALLOW_UID";
+const IDLE_MS: &str = "DMALOAD_SHARE_CACHE_IDLE_MS";
 
 fn xxh3(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
@@ -53,6 +55,8 @@ fn process_role() {
                 allow_uids: std::env::var(ALLOW_UID).into_iter().map(|uid| uid.parse().unwrap()).collect(),
                 allow_gids: Vec::new(),
                 load_options: LoadOptions::default(),
+                idle_timeout: std::env::var(IDLE_MS)
+                    .map_or(DEFAULT_IDLE_TIMEOUT, |ms| Duration::from_millis(ms.parse().unwrap())),
                 log: Arc::new(|line| eprintln!("service: {line}")),
             })
             .unwrap();
@@ -402,6 +406,51 @@ fn cached_files_leave_the_service_descriptors_to_serve_with() {
 }
 
 #[test]
+fn idle_connections_cannot_lock_a_client_out() {
+    // One buggy process opens as many connections as the service serves
+    // at once and never sends on them: the service closes them after its
+    // idle timeout, and a client asking meanwhile is refused (and would
+    // load directly) only until then, not for minutes.
+    const MAX_CLIENTS: usize = 256;
+    const IDLE: Duration = Duration::from_secs(3);
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 1 << 20);
+    let socket = dir.path().join("cache.sock");
+    let mut cmd = role("service", &socket);
+    cmd.env(LIMIT, (1u64 << 30).to_string()).env(IDLE_MS, IDLE.as_millis().to_string());
+    let _service = ServiceProcess::start_with(&mut cmd, &socket);
+    let idle: Vec<Connection> = (0..MAX_CLIENTS).map(|_| Connection::connect(&socket).unwrap()).collect();
+    let started = Instant::now();
+    // Their threads start in the service: full once a client is refused.
+    let refused = |result: Result<(), dmaload::Error>| match result {
+        Ok(()) => false,
+        Err(err) if err.to_string().contains("clients are connected already") => true,
+        Err(err) => panic!("{err}"),
+    };
+    while !refused(Client::connect(&socket).and_then(|client| client.status()).map(drop)) {
+        assert!(started.elapsed() < IDLE, "the idle connections did not fill the client slots");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let fetched = loop {
+        let result = Client::connect(&socket).and_then(|client| client.get(&path));
+        match result {
+            Ok(fetched) => break fetched,
+            Err(err) => assert!(refused(Err(err))),
+        }
+        assert!(started.elapsed() < 15 * IDLE, "refused for {:?} behind idle connections", started.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(fetched.served, Served::Miss);
+    assert_pattern(&fetched.buffer, 0);
+    // The service closed them: each reads as hung up (after the refusal
+    // that those counted after the slots were full got).
+    for conn in &idle {
+        while conn.recv(&mut [0u8; 4096]).unwrap().0 > 0 {}
+    }
+}
+
+#[test]
 fn forged_requests_are_refused_and_the_service_goes_on() {
     let dir = scratch_dir();
     let path = dir.path().join("model.bin");
@@ -619,6 +668,7 @@ fn a_running_service_is_not_replaced() {
         allow_uids: Vec::new(),
         allow_gids: Vec::new(),
         load_options: LoadOptions::default(),
+        idle_timeout: DEFAULT_IDLE_TIMEOUT,
         log: Arc::new(|_| {}),
     };
     let err = Service::bind(config.clone()).err().unwrap();

@@ -22,7 +22,9 @@
 //!
 //! Robustness: each client has its own thread; a client that dies, sends
 //! garbage or asks for a file that fails to load gets (or misses) an error
-//! reply, and the service goes on. Descriptors are owned values: a memfd
+//! reply, and the service goes on. A connection idle for
+//! [`ServiceConfig::idle_timeout`] is closed, so connections that never
+//! send cannot keep the client slots from clients that do. Descriptors are owned values: a memfd
 //! is closed when it leaves the cache and no handoff is sending it.
 
 use std::collections::HashMap;
@@ -48,9 +50,9 @@ use crate::sys::mem::{page_size, HugePageCollapse, HUGE_PAGE_ALIGN};
 
 /// Clients served at once; more are refused with an error.
 const MAX_CLIENTS: usize = 256;
-/// A client silent this long is disconnected; a client that does not take
-/// a reply this long is dropped.
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(300);
+/// [`ServiceConfig::idle_timeout`] unless set otherwise: a client sends
+/// its request as soon as it connects, so a few seconds is plenty.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// SIGINT and SIGTERM as a readable descriptor (`signalfd(2)`), for
 /// [`Service::run`] to stop on. Creating it blocks both signals in the
@@ -91,6 +93,11 @@ pub struct ServiceConfig {
     /// handed out), with 2 MiB pages where the kernel gives them
     /// ([`crate::memory::MemoryFacts::choose_shared`]).
     pub load_options: LoadOptions,
+    /// A connection that sends no request this long after connecting or
+    /// after its last reply (or does not take a reply this long) is
+    /// closed, so idle connections cannot hold the client slots
+    /// ([`DEFAULT_IDLE_TIMEOUT`]).
+    pub idle_timeout: Duration,
     /// Receives one line per request and per event.
     pub log: Arc<dyn Fn(&str) + Send + Sync>,
 }
@@ -733,20 +740,19 @@ impl Drop for Finish<'_> {
 }
 
 /// One client's connection: the credentials check, then requests until it
-/// hangs up, goes silent or breaks the protocol.
+/// hangs up, stays silent for the idle timeout or breaks the protocol.
 fn serve_client(state: &State, conn: Connection) {
     let peer = match conn.peer_credentials() {
         Ok(peer) => peer,
         Err(err) => return state.log(&format!("client without credentials: {err}")),
     };
     let who = format!("pid {} uid {}", peer.pid, peer.uid);
-    let _ = conn.set_timeouts(Some(CLIENT_TIMEOUT));
+    let _ = conn.set_timeouts(Some(state.config.idle_timeout));
     // A refusal answers the client's first request: closing with that
     // request unread would reset the connection, and the client would
     // never learn why.
     let refuse = |message: String| {
         state.log(&format!("{who}: refused: {message}"));
-        let _ = conn.set_timeouts(Some(Duration::from_secs(5)));
         drop(conn.recv(&mut [0u8; MAX_REQUEST_BYTES]));
         let err = Error::new(ErrorKind::InvalidInput, "connect", &state.config.socket, message);
         let reply = protocol::encode(&Reply::Error(WireError::from_error(&err)));
