@@ -451,6 +451,60 @@ fn idle_connections_cannot_lock_a_client_out() {
 }
 
 #[test]
+fn a_service_out_of_descriptors_logs_accept_failures_once_per_interval() {
+    // Connections that hold every descriptor the service may open leave
+    // the next ones waiting in the listen backlog, and accept failing
+    // (EMFILE) every 50 ms: one line says so, not one per try, then one
+    // line per 10 s while it lasts, and one when it works again.
+    const NOFILE: u64 = 64;
+    if !Command::new("prlimit").args(["--nofile=64", "true"]).status().is_ok_and(|s| s.success()) {
+        return common::skip(
+            "a_service_out_of_descriptors_logs_accept_failures_once_per_interval",
+            "needs prlimit",
+        );
+    }
+    let dir = scratch_dir();
+    let socket = dir.path().join("cache.sock");
+    let mut cmd = Command::new("prlimit");
+    cmd.arg(format!("--nofile={NOFILE}"))
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
+        .env(ROLE, "service")
+        .env(SOCKET, &socket)
+        .env(LIMIT, (1u64 << 30).to_string())
+        .env(IDLE_MS, "600000")
+        .stderr(Stdio::piped());
+    let mut service = ServiceProcess::start_with(&mut cmd, &socket);
+    let (lines, log) = std::sync::mpsc::channel();
+    let stderr = BufReader::new(service.child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            if let Some(line) = line.strip_prefix("service: accept") {
+                let _ = lines.send(line.to_owned());
+            }
+        }
+    });
+    let idle: Vec<Connection> = (0..NOFILE + 16).map(|_| Connection::connect(&socket).unwrap()).collect();
+    let first = log.recv_timeout(Duration::from_secs(60)).expect("accept never failed");
+    assert!(first.contains("Too many open files"), "{first}");
+    // About 20 failed tries a second: none of them logged.
+    std::thread::sleep(Duration::from_millis(1500));
+    let repeated: Vec<String> = log.try_iter().collect();
+    assert!(repeated.is_empty(), "logged again: {repeated:?}");
+    // Then one line per 10 s, counting the tries since.
+    let summary = log.recv_timeout(Duration::from_secs(60)).expect("no summary line");
+    let tries: u64 = summary
+        .strip_prefix(": still failing, ")
+        .and_then(|rest| rest.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{summary}"));
+    assert!(tries > 1, "{summary}");
+    drop(idle);
+    let again = log.recv_timeout(Duration::from_secs(60)).expect("accept never worked again");
+    assert!(again.starts_with(" works again, after "), "{again}");
+    assert_eq!(service.status().files_cached, 0);
+}
+
+#[test]
 fn forged_requests_are_refused_and_the_service_goes_on() {
     let dir = scratch_dir();
     let path = dir.path().join("model.bin");

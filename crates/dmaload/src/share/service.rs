@@ -54,6 +54,28 @@ const MAX_CLIENTS: usize = 256;
 /// its request as soon as it connects, so a few seconds is plenty.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long the service waits before accepting again after `accept`
+/// failed for a limit (descriptors, memory).
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+/// While `accept` keeps failing, how often it is logged again.
+const ACCEPT_FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// `accept` failing for a limit since `since`: `count` failures, of which
+/// `unlogged` since the line at `logged`.
+struct AcceptFailures {
+    since: Instant,
+    count: u64,
+    logged: Instant,
+    unlogged: u64,
+}
+
+impl AcceptFailures {
+    fn new() -> AcceptFailures {
+        let now = Instant::now();
+        AcceptFailures { since: now, count: 1, logged: now, unlogged: 0 }
+    }
+}
+
 /// SIGINT and SIGTERM as a readable descriptor (`signalfd(2)`), for
 /// [`Service::run`] to stop on. Creating it blocks both signals in the
 /// calling thread and the threads it starts later: create it first thing
@@ -418,6 +440,7 @@ impl Service {
     /// clients keep what they mapped.
     pub fn run(&self, stop: BorrowedFd<'_>) -> Result<()> {
         let socket = self.socket().to_path_buf();
+        let mut accept_failing: Option<AcceptFailures> = None;
         let result = loop {
             let ready = match sys::signal::poll_readable(&[self.listener.as_fd(), stop], None) {
                 Ok(ready) => ready,
@@ -431,6 +454,13 @@ impl Service {
             }
             match self.listener.accept() {
                 Ok(conn) => {
+                    if let Some(failures) = accept_failing.take() {
+                        self.log(&format!(
+                            "accept works again, after {} failures over {:.1} s",
+                            failures.count,
+                            failures.since.elapsed().as_secs_f64()
+                        ));
+                    }
                     let state = Arc::clone(&self.state);
                     let spawned = std::thread::Builder::new()
                         .name("dmaload-client".into())
@@ -439,13 +469,37 @@ impl Service {
                         self.log(&format!("cannot start a client thread: {err}"));
                     }
                 }
-                // The client hung up before being accepted, or a limit
-                // (descriptors, memory) was hit: log it, wait a moment.
+                // The client hung up before being accepted.
+                Err(err) if err.raw_os_error() == Some(libc::ECONNABORTED) => {
+                    self.log(&format!("accept: {err}"))
+                }
+                // A limit (descriptors, memory) was hit: wait a moment and
+                // try again; logged once, then once per interval while it
+                // lasts, not every try.
                 Err(err) => {
-                    self.log(&format!("accept: {err}"));
-                    if err.raw_os_error() != Some(libc::ECONNABORTED) {
-                        std::thread::sleep(Duration::from_millis(50));
+                    match &mut accept_failing {
+                        None => {
+                            self.log(&format!(
+                                "accept: {err} (clients wait; while this lasts, one line per {} s)",
+                                ACCEPT_FAILURE_LOG_INTERVAL.as_secs()
+                            ));
+                            accept_failing = Some(AcceptFailures::new());
+                        }
+                        Some(failures) => {
+                            failures.count += 1;
+                            failures.unlogged += 1;
+                            if failures.logged.elapsed() >= ACCEPT_FAILURE_LOG_INTERVAL {
+                                self.log(&format!(
+                                    "accept: still failing, {} times in the last {:.0} s: {err}",
+                                    failures.unlogged,
+                                    failures.logged.elapsed().as_secs_f64()
+                                ));
+                                failures.logged = Instant::now();
+                                failures.unlogged = 0;
+                            }
+                        }
                     }
+                    std::thread::sleep(ACCEPT_RETRY);
                 }
             }
         };
