@@ -333,6 +333,52 @@ fn concurrent_requests_load_a_file_once() {
 }
 
 #[test]
+fn a_file_over_the_limit_is_loaded_for_one_client_at_a_time() {
+    // Each request for a file larger than the memory limit is loaded for
+    // its client and not kept: several at once take turns, so the service
+    // never holds more than one such copy beyond its limit.
+    const CLIENTS: usize = 4;
+    let dir = scratch_dir();
+    let path = dir.path().join("big.bin");
+    write_pattern_file(&path, 64 << 20);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 20);
+    let hash = file_hash(&path);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let start = std::sync::Barrier::new(CLIENTS + 1);
+    let (most_held, notes) = std::thread::scope(|scope| {
+        let sampler = scope.spawn(|| {
+            start.wait();
+            let mut most = 0;
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                most = most.max(service.memfds());
+            }
+            most
+        });
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                scope.spawn(|| {
+                    let client = Client::connect(&socket).unwrap();
+                    start.wait();
+                    let fetched = client.get(&path).unwrap();
+                    assert_eq!(fetched.served, Served::Uncached);
+                    assert_eq!(xxh3(&fetched.buffer), hash);
+                    fetched.note.unwrap()
+                })
+            })
+            .collect();
+        let notes: Vec<String> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+        done.store(true, std::sync::atomic::Ordering::Release);
+        (sampler.join().unwrap(), notes)
+    });
+    assert!(most_held <= 1, "the service held {most_held} copies at once");
+    assert!(notes.iter().all(|note| note.contains("not cached")), "{notes:?}");
+    let status = service.status();
+    assert_eq!((status.uncached, status.files_cached), (CLIENTS as u64, 0));
+    assert_eq!(service.memfds(), 0);
+}
+
+#[test]
 fn least_recently_used_files_are_dropped_under_the_limit() {
     let dir = scratch_dir();
     let mib = 1u64 << 20;

@@ -15,7 +15,8 @@
 //! Memory: files are dropped least recently used first when a new load
 //! would pass the limit (clients that map a dropped file keep their pages
 //! until they unmap); a file larger than the limit is loaded for its client
-//! and not kept. Each cached file holds a descriptor, so files are dropped
+//! and not kept, one such load at a time (others wait their turn), so the
+//! service holds at most one file beyond its limit. Each cached file holds a descriptor, so files are dropped
 //! the same way before they would hold half of `RLIMIT_NOFILE`: the other
 //! half accepts clients and loads. Concurrent requests for one file load
 //! it once.
@@ -352,7 +353,20 @@ struct State {
     /// and loads too.
     max_files: usize,
     cache: Mutex<Cache>,
+    /// Held while a file that is not cached (over the limit) is loaded
+    /// and handed out: concurrent requests for such files take turns, so
+    /// the service holds one such copy at a time, not one per request.
+    uncached_turn: Mutex<()>,
     clients: AtomicUsize,
+}
+
+/// A file to send a client, and, for one not cached, its turn
+/// ([`State::uncached_turn`]), to be dropped after the file.
+struct Handoff<'s> {
+    loaded: Arc<Loaded>,
+    served: Served,
+    note: Option<String>,
+    turn: Option<MutexGuard<'s, ()>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -425,6 +439,7 @@ impl Service {
                 clock: 0,
                 counters: Counters::default(),
             }),
+            uncached_turn: Mutex::new(()),
             clients: AtomicUsize::new(0),
         };
         Ok(Service { listener, socket_id: (meta.dev(), meta.ino()), state: Arc::new(state) })
@@ -579,7 +594,7 @@ impl State {
     }
 
     /// The bytes of the file `fd` is open on: from the cache, or loaded now.
-    fn get(&self, fd: OwnedFd) -> std::result::Result<(Arc<Loaded>, Served, Option<String>), Error> {
+    fn get(&self, fd: OwnedFd) -> std::result::Result<Handoff<'_>, Error> {
         let fd_path = Path::new("fd");
         let file = File::from(fd);
         let meta = file.metadata().map_err(|e| Error::io("fstat", fd_path, e))?;
@@ -616,7 +631,7 @@ impl State {
                     ready.last_used = now;
                     let loaded = Arc::clone(&ready.loaded);
                     cache.counters.hits += 1;
-                    return Ok((loaded, Served::Hit, None));
+                    return Ok(Handoff { loaded, served: Served::Hit, note: None, turn: None });
                 }
                 Some(Slot::Loading(pending)) => Next::Wait(Arc::clone(pending)),
                 None => {
@@ -624,10 +639,15 @@ impl State {
                     if let Err(why) = make_room(&mut cache, bytes, limits, &*self.config.log) {
                         cache.counters.uncached += 1;
                         drop(cache);
-                        let note = format!("{why}: loaded for this request, not cached");
-                        return self
-                            .load(&file, key)
-                            .map(|loaded| (Arc::new(loaded), Served::Uncached, Some(note)));
+                        let turn = lock(&self.uncached_turn);
+                        let note =
+                            format!("{why}: loaded for this request, not cached (one such load at a time)");
+                        return self.load(&file, key).map(|loaded| Handoff {
+                            loaded: Arc::new(loaded),
+                            served: Served::Uncached,
+                            note: Some(note),
+                            turn: Some(turn),
+                        });
                     }
                     let pending = Arc::new(Pending { outcome: Mutex::new(None), done: Condvar::new() });
                     cache.files.insert(key, Slot::Loading(Arc::clone(&pending)));
@@ -648,7 +668,7 @@ impl State {
                     ready.last_used = now;
                 }
                 cache.counters.hits += 1;
-                Ok((loaded, Served::Hit, None))
+                Ok(Handoff { loaded, served: Served::Hit, note: None, turn: None })
             }
             Next::Load(pending) => {
                 // Completes the waiters even if the load panics.
@@ -659,7 +679,7 @@ impl State {
                     Err(err) => Err(WireError::from_error(err)),
                 });
                 drop(finish);
-                loaded.map(|loaded| (loaded, Served::Miss, None))
+                loaded.map(|loaded| Handoff { loaded, served: Served::Miss, note: None, turn: None })
             }
         }
     }
@@ -848,7 +868,7 @@ fn serve_client(state: &State, conn: Connection) {
             (Ok(Request::Get), 1) => {
                 let fd = fds.remove(0);
                 match state.get(fd) {
-                    Ok((loaded, served, note)) => {
+                    Ok(Handoff { loaded, served, note, turn }) => {
                         let info = BufferInfo {
                             offset: loaded.offset,
                             len: loaded.len,
@@ -881,6 +901,10 @@ fn serve_client(state: &State, conn: Connection) {
                                 Err(err) => format!("; the client is gone: {err}"),
                             }
                         ));
+                        // An uncached file's last reference here goes
+                        // before its turn does.
+                        drop(loaded);
+                        drop(turn);
                         sent.is_ok()
                     }
                     Err(err) => reply_error(state, &conn, &who, &err),
