@@ -16,17 +16,18 @@
 //! would pass the limit (clients that map a dropped file keep their pages
 //! until they unmap); a file larger than the limit is loaded for its client
 //! and not kept, one such load at a time (others wait their turn), so the
-//! service holds at most one file beyond its limit. Each cached file holds a descriptor, so files are dropped
-//! the same way before they would hold half of `RLIMIT_NOFILE`: the other
-//! half accepts clients and loads. Concurrent requests for one file load
-//! it once.
+//! service holds at most one file beyond its limit. Each cached file holds
+//! a descriptor, so files are dropped the same way before they would hold
+//! half of `RLIMIT_NOFILE`: the other half accepts clients and loads.
+//! Concurrent requests for one file load it once.
 //!
 //! Robustness: each client has its own thread; a client that dies, sends
 //! garbage or asks for a file that fails to load gets (or misses) an error
 //! reply, and the service goes on. A connection idle for
 //! [`ServiceConfig::idle_timeout`] is closed, so connections that never
-//! send cannot keep the client slots from clients that do. Descriptors are owned values: a memfd
-//! is closed when it leaves the cache and no handoff is sending it.
+//! send cannot keep the client slots from clients that do. Descriptors
+//! are owned values: a memfd is closed when it leaves the cache and no
+//! handoff is sending it.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -119,7 +120,7 @@ pub struct ServiceConfig {
     /// A connection that sends no request this long after connecting or
     /// after its last reply (or does not take a reply this long) is
     /// closed, so idle connections cannot hold the client slots
-    /// ([`DEFAULT_IDLE_TIMEOUT`]).
+    /// ([`DEFAULT_IDLE_TIMEOUT`]; zero: never).
     pub idle_timeout: Duration,
     /// Receives one line per request and per event.
     pub log: Arc<dyn Fn(&str) + Send + Sync>,
