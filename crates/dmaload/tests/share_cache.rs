@@ -533,12 +533,19 @@ fn a_service_out_of_descriptors_logs_accept_failures_once_per_interval() {
     let idle: Vec<Connection> = (0..NOFILE + 16).map(|_| Connection::connect(&socket).unwrap()).collect();
     let first = log.recv_timeout(Duration::from_secs(60)).expect("accept never failed");
     assert!(first.contains("Too many open files"), "{first}");
-    // About 20 failed tries a second: none of them logged.
+    // About 20 failed tries a second: none of them logged. (A descriptor
+    // the service frees meanwhile, a departing probe's, makes one work
+    // again: then a new stretch of failures begins with a line.)
     std::thread::sleep(Duration::from_millis(1500));
-    let repeated: Vec<String> = log.try_iter().collect();
-    assert!(repeated.is_empty(), "logged again: {repeated:?}");
+    let mut lines = vec![first];
+    lines.extend(log.try_iter());
+    for pair in lines.windows(2) {
+        assert!(pair[0].starts_with(" works again") || pair[1].starts_with(" works again"), "{lines:?}");
+    }
     // Then one line per 10 s, counting the tries since.
-    let summary = log.recv_timeout(Duration::from_secs(60)).expect("no summary line");
+    let summary = std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(60)).ok())
+        .find(|line| line.starts_with(": still failing"))
+        .expect("no summary line");
     let tries: u64 = summary
         .strip_prefix(": still failing, ")
         .and_then(|rest| rest.split(' ').next()?.parse().ok())
