@@ -70,8 +70,14 @@ class Service:
         return result
 
     def memfds(self) -> int:
+        def target(fd: Path) -> str:
+            try:
+                return os.readlink(fd)
+            except FileNotFoundError:  # closed since the listing (a client's, going)
+                return ""
+
         fds = Path(f"/proc/{self.proc.pid}/fd")
-        return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("/memfd:"))
+        return sum(1 for fd in fds.iterdir() if target(fd).startswith("/memfd:"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:

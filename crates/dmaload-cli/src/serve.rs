@@ -22,7 +22,7 @@ pub struct ServeArgs {
     /// Memory the cached files may hold together: a size (K, M, G, T
     /// suffixes) or a percentage of the memory available at start. Least
     /// recently used files are dropped to make room; a larger file is
-    /// loaded for its client and not kept.
+    /// loaded for its client and not kept (one such load at a time).
     #[arg(long, value_name = "SIZE|PERCENT", default_value = "50%", value_parser = parse_memory_limit)]
     memory_limit: u64,
     /// Also serve this user (repeatable; the service's own uid and root
@@ -70,6 +70,7 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
         allow_uids: args.allow_uid.clone(),
         allow_gids: args.allow_gid.clone(),
         load_options: LoadOptions::default(),
+        idle_timeout: share::service::DEFAULT_IDLE_TIMEOUT,
         log: Arc::new(|line| eprintln!("dmaload serve: {line}")),
     };
     let service = Service::bind(config).map_err(|e| e.to_string())?;

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_pattern, file_hash, scratch_dir, write_pattern_file};
 use dmaload::share::protocol::{self, Reply, Request};
+use dmaload::share::service::DEFAULT_IDLE_TIMEOUT;
 use dmaload::share::{
     load_cached, CacheOutcome, Client, Connection, Listener, Served, Service, ServiceConfig,
 };
@@ -26,6 +27,7 @@ const SOCKET: &str = "DMALOAD_SHARE_CACHE_SOCKET";
 const FILE: &str = "DMALOAD_SHARE_CACHE_FILE";
 const LIMIT: &str = "DMALOAD_SHARE_CACHE_LIMIT";
 const ALLOW_UID: &str = "DMALOAD_SHARE_CACHE_ALLOW_UID";
+const IDLE_MS: &str = "DMALOAD_SHARE_CACHE_IDLE_MS";
 
 fn xxh3(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
@@ -53,6 +55,8 @@ fn process_role() {
                 allow_uids: std::env::var(ALLOW_UID).into_iter().map(|uid| uid.parse().unwrap()).collect(),
                 allow_gids: Vec::new(),
                 load_options: LoadOptions::default(),
+                idle_timeout: std::env::var(IDLE_MS)
+                    .map_or(DEFAULT_IDLE_TIMEOUT, |ms| Duration::from_millis(ms.parse().unwrap())),
                 log: Arc::new(|line| eprintln!("service: {line}")),
             })
             .unwrap();
@@ -329,6 +333,52 @@ fn concurrent_requests_load_a_file_once() {
 }
 
 #[test]
+fn a_file_over_the_limit_is_loaded_for_one_client_at_a_time() {
+    // Each request for a file larger than the memory limit is loaded for
+    // its client and not kept: several at once take turns, so the service
+    // never holds more than one such copy beyond its limit.
+    const CLIENTS: usize = 4;
+    let dir = scratch_dir();
+    let path = dir.path().join("big.bin");
+    write_pattern_file(&path, 64 << 20);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 20);
+    let hash = file_hash(&path);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let start = std::sync::Barrier::new(CLIENTS + 1);
+    let (most_held, notes) = std::thread::scope(|scope| {
+        let sampler = scope.spawn(|| {
+            start.wait();
+            let mut most = 0;
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                most = most.max(service.memfds());
+            }
+            most
+        });
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                scope.spawn(|| {
+                    let client = Client::connect(&socket).unwrap();
+                    start.wait();
+                    let fetched = client.get(&path).unwrap();
+                    assert_eq!(fetched.served, Served::Uncached);
+                    assert_eq!(xxh3(&fetched.buffer), hash);
+                    fetched.note.unwrap()
+                })
+            })
+            .collect();
+        let notes: Vec<String> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+        done.store(true, std::sync::atomic::Ordering::Release);
+        (sampler.join().unwrap(), notes)
+    });
+    assert!(most_held <= 1, "the service held {most_held} copies at once");
+    assert!(notes.iter().all(|note| note.contains("not cached")), "{notes:?}");
+    let status = service.status();
+    assert_eq!((status.uncached, status.files_cached), (CLIENTS as u64, 0));
+    assert_eq!(service.memfds(), 0);
+}
+
+#[test]
 fn least_recently_used_files_are_dropped_under_the_limit() {
     let dir = scratch_dir();
     let mib = 1u64 << 20;
@@ -399,6 +449,112 @@ fn cached_files_leave_the_service_descriptors_to_serve_with() {
     let status = service.status();
     assert!(status.files_cached < NOFILE && status.evictions > 0, "{status:?}");
     assert_eq!(service.memfds() as u64, status.files_cached);
+}
+
+#[test]
+fn idle_connections_cannot_lock_a_client_out() {
+    // One buggy process opens as many connections as the service serves
+    // at once and never sends on them: the service closes them after its
+    // idle timeout, and a client asking meanwhile is refused (and would
+    // load directly) only until then, not for minutes.
+    const MAX_CLIENTS: usize = 256;
+    const IDLE: Duration = Duration::from_secs(3);
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 1 << 20);
+    let socket = dir.path().join("cache.sock");
+    let mut cmd = role("service", &socket);
+    cmd.env(LIMIT, (1u64 << 30).to_string()).env(IDLE_MS, IDLE.as_millis().to_string());
+    let _service = ServiceProcess::start_with(&mut cmd, &socket);
+    let idle: Vec<Connection> = (0..MAX_CLIENTS).map(|_| Connection::connect(&socket).unwrap()).collect();
+    let started = Instant::now();
+    // Their threads start in the service: full once a client is refused.
+    let refused = |result: Result<(), dmaload::Error>| match result {
+        Ok(()) => false,
+        Err(err) if err.to_string().contains("clients are connected already") => true,
+        Err(err) => panic!("{err}"),
+    };
+    while !refused(Client::connect(&socket).and_then(|client| client.status()).map(drop)) {
+        assert!(started.elapsed() < IDLE, "the idle connections did not fill the client slots");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let fetched = loop {
+        let result = Client::connect(&socket).and_then(|client| client.get(&path));
+        match result {
+            Ok(fetched) => break fetched,
+            Err(err) => assert!(refused(Err(err))),
+        }
+        assert!(started.elapsed() < 15 * IDLE, "refused for {:?} behind idle connections", started.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(fetched.served, Served::Miss);
+    assert_pattern(&fetched.buffer, 0);
+    // The service closed them: each reads as hung up (after the refusal
+    // that those counted after the slots were full got).
+    for conn in &idle {
+        while conn.recv(&mut [0u8; 4096]).unwrap().0 > 0 {}
+    }
+}
+
+#[test]
+fn a_service_out_of_descriptors_logs_accept_failures_once_per_interval() {
+    // Connections that hold every descriptor the service may open leave
+    // the next ones waiting in the listen backlog, and accept failing
+    // (EMFILE) every 50 ms: one line says so, not one per try, then one
+    // line per 10 s while it lasts, and one when it works again.
+    const NOFILE: u64 = 64;
+    if !Command::new("prlimit").args(["--nofile=64", "true"]).status().is_ok_and(|s| s.success()) {
+        return common::skip(
+            "a_service_out_of_descriptors_logs_accept_failures_once_per_interval",
+            "needs prlimit",
+        );
+    }
+    let dir = scratch_dir();
+    let socket = dir.path().join("cache.sock");
+    let mut cmd = Command::new("prlimit");
+    cmd.arg(format!("--nofile={NOFILE}"))
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
+        .env(ROLE, "service")
+        .env(SOCKET, &socket)
+        .env(LIMIT, (1u64 << 30).to_string())
+        .env(IDLE_MS, "600000")
+        .stderr(Stdio::piped());
+    let mut service = ServiceProcess::start_with(&mut cmd, &socket);
+    let (lines, log) = std::sync::mpsc::channel();
+    let stderr = BufReader::new(service.child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            if let Some(line) = line.strip_prefix("service: accept") {
+                let _ = lines.send(line.to_owned());
+            }
+        }
+    });
+    let idle: Vec<Connection> = (0..NOFILE + 16).map(|_| Connection::connect(&socket).unwrap()).collect();
+    let first = log.recv_timeout(Duration::from_secs(60)).expect("accept never failed");
+    assert!(first.contains("Too many open files"), "{first}");
+    // About 20 failed tries a second: none of them logged. (A descriptor
+    // the service frees meanwhile, a departing probe's, makes one work
+    // again: then a new stretch of failures begins with a line.)
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut lines = vec![first];
+    lines.extend(log.try_iter());
+    for pair in lines.windows(2) {
+        assert!(pair[0].starts_with(" works again") || pair[1].starts_with(" works again"), "{lines:?}");
+    }
+    // Then one line per 10 s, counting the tries since.
+    let summary = std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(60)).ok())
+        .find(|line| line.starts_with(": still failing"))
+        .expect("no summary line");
+    let tries: u64 = summary
+        .strip_prefix(": still failing, ")
+        .and_then(|rest| rest.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{summary}"));
+    assert!(tries > 1, "{summary}");
+    drop(idle);
+    let again = log.recv_timeout(Duration::from_secs(60)).expect("accept never worked again");
+    assert!(again.starts_with(" works again, after "), "{again}");
+    assert_eq!(service.status().files_cached, 0);
 }
 
 #[test]
@@ -619,6 +775,7 @@ fn a_running_service_is_not_replaced() {
         allow_uids: Vec::new(),
         allow_gids: Vec::new(),
         load_options: LoadOptions::default(),
+        idle_timeout: DEFAULT_IDLE_TIMEOUT,
         log: Arc::new(|_| {}),
     };
     let err = Service::bind(config.clone()).err().unwrap();

@@ -93,7 +93,9 @@ pub fn handoff_report(
     }
 }
 
-/// A connection to a cache service.
+/// A connection to a cache service. The service closes a connection that
+/// sends no request for its idle timeout (5 s by default): a `Client` kept
+/// idle longer than that connects again.
 pub struct Client {
     conn: Connection,
     socket: PathBuf,

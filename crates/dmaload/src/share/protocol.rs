@@ -79,7 +79,8 @@ pub enum Served {
     Hit,
     /// Loaded now, and kept for the next request.
     Miss,
-    /// Loaded now for this request only (larger than the memory limit).
+    /// Loaded now for this request only (larger than the memory limit),
+    /// one such load at a time.
     Uncached,
 }
 

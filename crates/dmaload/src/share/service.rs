@@ -15,15 +15,19 @@
 //! Memory: files are dropped least recently used first when a new load
 //! would pass the limit (clients that map a dropped file keep their pages
 //! until they unmap); a file larger than the limit is loaded for its client
-//! and not kept. Each cached file holds a descriptor, so files are dropped
-//! the same way before they would hold half of `RLIMIT_NOFILE`: the other
-//! half accepts clients and loads. Concurrent requests for one file load
-//! it once.
+//! and not kept, one such load at a time (others wait their turn), so the
+//! service holds at most one file beyond its limit. Each cached file holds
+//! a descriptor, so files are dropped the same way before they would hold
+//! half of `RLIMIT_NOFILE`: the other half accepts clients and loads.
+//! Concurrent requests for one file load it once.
 //!
 //! Robustness: each client has its own thread; a client that dies, sends
 //! garbage or asks for a file that fails to load gets (or misses) an error
-//! reply, and the service goes on. Descriptors are owned values: a memfd
-//! is closed when it leaves the cache and no handoff is sending it.
+//! reply, and the service goes on. A connection idle for
+//! [`ServiceConfig::idle_timeout`] is closed, so connections that never
+//! send cannot keep the client slots from clients that do. Descriptors
+//! are owned values: a memfd is closed when it leaves the cache and no
+//! handoff is sending it.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -48,9 +52,31 @@ use crate::sys::mem::{page_size, HugePageCollapse, HUGE_PAGE_ALIGN};
 
 /// Clients served at once; more are refused with an error.
 const MAX_CLIENTS: usize = 256;
-/// A client silent this long is disconnected; a client that does not take
-/// a reply this long is dropped.
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(300);
+/// [`ServiceConfig::idle_timeout`] unless set otherwise: a client sends
+/// its request as soon as it connects, so a few seconds is plenty.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the service waits before accepting again after `accept`
+/// failed for a limit (descriptors, memory).
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+/// While `accept` keeps failing, how often it is logged again.
+const ACCEPT_FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// `accept` failing for a limit since `since`: `count` failures, of which
+/// `unlogged` since the line at `logged`.
+struct AcceptFailures {
+    since: Instant,
+    count: u64,
+    logged: Instant,
+    unlogged: u64,
+}
+
+impl AcceptFailures {
+    fn new() -> AcceptFailures {
+        let now = Instant::now();
+        AcceptFailures { since: now, count: 1, logged: now, unlogged: 0 }
+    }
+}
 
 /// SIGINT and SIGTERM as a readable descriptor (`signalfd(2)`), for
 /// [`Service::run`] to stop on. Creating it blocks both signals in the
@@ -91,6 +117,11 @@ pub struct ServiceConfig {
     /// handed out), with 2 MiB pages where the kernel gives them
     /// ([`crate::memory::MemoryFacts::choose_shared`]).
     pub load_options: LoadOptions,
+    /// A connection that sends no request this long after connecting or
+    /// after its last reply (or does not take a reply this long) is
+    /// closed, so idle connections cannot hold the client slots
+    /// ([`DEFAULT_IDLE_TIMEOUT`]; zero: never).
+    pub idle_timeout: Duration,
     /// Receives one line per request and per event.
     pub log: Arc<dyn Fn(&str) + Send + Sync>,
 }
@@ -323,7 +354,20 @@ struct State {
     /// and loads too.
     max_files: usize,
     cache: Mutex<Cache>,
+    /// Held while a file that is not cached (over the limit) is loaded
+    /// and handed out: concurrent requests for such files take turns, so
+    /// the service holds one such copy at a time, not one per request.
+    uncached_turn: Mutex<()>,
     clients: AtomicUsize,
+}
+
+/// A file to send a client, and, for one not cached, its turn
+/// ([`State::uncached_turn`]), to be dropped after the file.
+struct Handoff<'s> {
+    loaded: Arc<Loaded>,
+    served: Served,
+    note: Option<String>,
+    turn: Option<MutexGuard<'s, ()>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -396,6 +440,7 @@ impl Service {
                 clock: 0,
                 counters: Counters::default(),
             }),
+            uncached_turn: Mutex::new(()),
             clients: AtomicUsize::new(0),
         };
         Ok(Service { listener, socket_id: (meta.dev(), meta.ino()), state: Arc::new(state) })
@@ -411,6 +456,7 @@ impl Service {
     /// clients keep what they mapped.
     pub fn run(&self, stop: BorrowedFd<'_>) -> Result<()> {
         let socket = self.socket().to_path_buf();
+        let mut accept_failing: Option<AcceptFailures> = None;
         let result = loop {
             let ready = match sys::signal::poll_readable(&[self.listener.as_fd(), stop], None) {
                 Ok(ready) => ready,
@@ -424,6 +470,13 @@ impl Service {
             }
             match self.listener.accept() {
                 Ok(conn) => {
+                    if let Some(failures) = accept_failing.take() {
+                        self.log(&format!(
+                            "accept works again, after {} failures over {:.1} s",
+                            failures.count,
+                            failures.since.elapsed().as_secs_f64()
+                        ));
+                    }
                     let state = Arc::clone(&self.state);
                     let spawned = std::thread::Builder::new()
                         .name("dmaload-client".into())
@@ -432,13 +485,37 @@ impl Service {
                         self.log(&format!("cannot start a client thread: {err}"));
                     }
                 }
-                // The client hung up before being accepted, or a limit
-                // (descriptors, memory) was hit: log it, wait a moment.
+                // The client hung up before being accepted.
+                Err(err) if err.raw_os_error() == Some(libc::ECONNABORTED) => {
+                    self.log(&format!("accept: {err}"))
+                }
+                // A limit (descriptors, memory) was hit: wait a moment and
+                // try again; logged once, then once per interval while it
+                // lasts, not every try.
                 Err(err) => {
-                    self.log(&format!("accept: {err}"));
-                    if err.raw_os_error() != Some(libc::ECONNABORTED) {
-                        std::thread::sleep(Duration::from_millis(50));
+                    match &mut accept_failing {
+                        None => {
+                            self.log(&format!(
+                                "accept: {err} (clients wait; while this lasts, one line per {} s)",
+                                ACCEPT_FAILURE_LOG_INTERVAL.as_secs()
+                            ));
+                            accept_failing = Some(AcceptFailures::new());
+                        }
+                        Some(failures) => {
+                            failures.count += 1;
+                            failures.unlogged += 1;
+                            if failures.logged.elapsed() >= ACCEPT_FAILURE_LOG_INTERVAL {
+                                self.log(&format!(
+                                    "accept: still failing, {} times in the last {:.0} s: {err}",
+                                    failures.unlogged,
+                                    failures.logged.elapsed().as_secs_f64()
+                                ));
+                                failures.logged = Instant::now();
+                                failures.unlogged = 0;
+                            }
+                        }
                     }
+                    std::thread::sleep(ACCEPT_RETRY);
                 }
             }
         };
@@ -518,7 +595,7 @@ impl State {
     }
 
     /// The bytes of the file `fd` is open on: from the cache, or loaded now.
-    fn get(&self, fd: OwnedFd) -> std::result::Result<(Arc<Loaded>, Served, Option<String>), Error> {
+    fn get(&self, fd: OwnedFd) -> std::result::Result<Handoff<'_>, Error> {
         let fd_path = Path::new("fd");
         let file = File::from(fd);
         let meta = file.metadata().map_err(|e| Error::io("fstat", fd_path, e))?;
@@ -555,7 +632,7 @@ impl State {
                     ready.last_used = now;
                     let loaded = Arc::clone(&ready.loaded);
                     cache.counters.hits += 1;
-                    return Ok((loaded, Served::Hit, None));
+                    return Ok(Handoff { loaded, served: Served::Hit, note: None, turn: None });
                 }
                 Some(Slot::Loading(pending)) => Next::Wait(Arc::clone(pending)),
                 None => {
@@ -563,10 +640,15 @@ impl State {
                     if let Err(why) = make_room(&mut cache, bytes, limits, &*self.config.log) {
                         cache.counters.uncached += 1;
                         drop(cache);
-                        let note = format!("{why}: loaded for this request, not cached");
-                        return self
-                            .load(&file, key)
-                            .map(|loaded| (Arc::new(loaded), Served::Uncached, Some(note)));
+                        let turn = lock(&self.uncached_turn);
+                        let note =
+                            format!("{why}: loaded for this request, not cached (one such load at a time)");
+                        return self.load(&file, key).map(|loaded| Handoff {
+                            loaded: Arc::new(loaded),
+                            served: Served::Uncached,
+                            note: Some(note),
+                            turn: Some(turn),
+                        });
                     }
                     let pending = Arc::new(Pending { outcome: Mutex::new(None), done: Condvar::new() });
                     cache.files.insert(key, Slot::Loading(Arc::clone(&pending)));
@@ -587,7 +669,7 @@ impl State {
                     ready.last_used = now;
                 }
                 cache.counters.hits += 1;
-                Ok((loaded, Served::Hit, None))
+                Ok(Handoff { loaded, served: Served::Hit, note: None, turn: None })
             }
             Next::Load(pending) => {
                 // Completes the waiters even if the load panics.
@@ -598,7 +680,7 @@ impl State {
                     Err(err) => Err(WireError::from_error(err)),
                 });
                 drop(finish);
-                loaded.map(|loaded| (loaded, Served::Miss, None))
+                loaded.map(|loaded| Handoff { loaded, served: Served::Miss, note: None, turn: None })
             }
         }
     }
@@ -733,20 +815,19 @@ impl Drop for Finish<'_> {
 }
 
 /// One client's connection: the credentials check, then requests until it
-/// hangs up, goes silent or breaks the protocol.
+/// hangs up, stays silent for the idle timeout or breaks the protocol.
 fn serve_client(state: &State, conn: Connection) {
     let peer = match conn.peer_credentials() {
         Ok(peer) => peer,
         Err(err) => return state.log(&format!("client without credentials: {err}")),
     };
     let who = format!("pid {} uid {}", peer.pid, peer.uid);
-    let _ = conn.set_timeouts(Some(CLIENT_TIMEOUT));
+    let _ = conn.set_timeouts(Some(state.config.idle_timeout));
     // A refusal answers the client's first request: closing with that
     // request unread would reset the connection, and the client would
     // never learn why.
     let refuse = |message: String| {
         state.log(&format!("{who}: refused: {message}"));
-        let _ = conn.set_timeouts(Some(Duration::from_secs(5)));
         drop(conn.recv(&mut [0u8; MAX_REQUEST_BYTES]));
         let err = Error::new(ErrorKind::InvalidInput, "connect", &state.config.socket, message);
         let reply = protocol::encode(&Reply::Error(WireError::from_error(&err)));
@@ -788,7 +869,7 @@ fn serve_client(state: &State, conn: Connection) {
             (Ok(Request::Get), 1) => {
                 let fd = fds.remove(0);
                 match state.get(fd) {
-                    Ok((loaded, served, note)) => {
+                    Ok(Handoff { loaded, served, note, turn }) => {
                         let info = BufferInfo {
                             offset: loaded.offset,
                             len: loaded.len,
@@ -821,6 +902,10 @@ fn serve_client(state: &State, conn: Connection) {
                                 Err(err) => format!("; the client is gone: {err}"),
                             }
                         ));
+                        // An uncached file's last reference here goes
+                        // before its turn does.
+                        drop(loaded);
+                        drop(turn);
                         sent.is_ok()
                     }
                     Err(err) => reply_error(state, &conn, &who, &err),
