@@ -94,8 +94,9 @@ pub fn handoff_report(
 }
 
 /// A connection to a cache service. The service closes a connection that
-/// sends no request for its idle timeout (5 s by default): a `Client` kept
-/// idle longer than that connects again.
+/// sends no request for its idle timeout (5 s by default): the next request
+/// of a `Client` kept idle longer fails naming the closed connection, so
+/// connect again for it ([`load_cached`] connects for each load).
 pub struct Client {
     conn: Connection,
     socket: PathBuf,
