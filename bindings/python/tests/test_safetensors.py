@@ -349,6 +349,19 @@ def test_sharded_model_by_index_and_directory(tmp_path: Path) -> None:
     assert set(dst.load_file(tmp_path)) == set(expected)
 
 
+def test_a_directory_of_several_indexes_asks_which(tmp_path: Path) -> None:
+    # A diffusers model: one index per variant, no model.safetensors.index.json.
+    expected = _model(tmp_path, 2)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    (tmp_path / "model.safetensors.index.json").unlink()
+    for variant in ("diffusion_pytorch_model", "diffusion_pytorch_model.fp16"):
+        (tmp_path / f"{variant}.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(dmaload.SafetensorError, match=r"2 index files \(diffusion_pytorch_model\.fp16\.s") as info:
+        dst.load_file(tmp_path)
+    assert "pass the index to load" in str(info.value)
+    assert set(dst.load_file(tmp_path / "diffusion_pytorch_model.safetensors.index.json")) == set(expected)
+
+
 def test_sharded_progress_sums_files(tmp_path: Path) -> None:
     _model(tmp_path, 4)
     total = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))

@@ -100,7 +100,9 @@ def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
     A file is itself; a ``*.json`` is an index whose ``weight_map`` names
     the shards (relative to the index); a directory is its
     ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json`` file)
-    else all of its ``*.safetensors`` files in name order.
+    else all of its ``*.safetensors`` files in name order. A directory with
+    several other index files (a diffusers model's variants, say) is an
+    error naming them: which one is meant is the caller's to say.
     """
     p = Path(path)
     if p.is_dir():
@@ -109,6 +111,11 @@ def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
             return shard_paths(p / INDEX_NAME)
         if len(indexes) == 1:
             return shard_paths(indexes[0])
+        if indexes:
+            names = ", ".join(f.name for f in indexes)
+            raise SafetensorError(
+                f"{p}: {len(indexes)} index files ({names}) and no {INDEX_NAME}: pass the index to load"
+            )
         found = sorted(f for f in p.glob("*.safetensors") if f.is_file())
         if not found:
             raise FileNotFoundError(2, "no *.safetensors files in directory", str(p))
