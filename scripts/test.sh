@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting, lints, then every test in release mode
-# (the large-file tests are slow unoptimised). Tests that need something this
-# kernel or machine lacks print "SKIP <test>: <reason>".
+# The whole test suite: formatting, lints, doc links, then every test in
+# release mode (the large-file tests are slow unoptimised). Tests that need
+# something this kernel or machine lacks print "SKIP <test>: <reason>".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release -- -D warnings
+# Broken or private intra-doc links; --release reuses the dependencies
+# clippy just checked (the dev profile would check them all again).
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --release --quiet
 cargo test --workspace --release -- --nocapture
 
 # The Python package: builds it into its own venv (installing its test

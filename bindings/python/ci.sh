@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds and tests the dmaload Python package on a fresh machine: creates a
 # virtual environment, installs the test dependencies from PyPI, builds the
-# extension (release, abi3) into it, then runs cargo fmt/clippy on the
+# extension (release, abi3) into it, then runs cargo fmt/clippy/doc on the
 # binding crate, mypy.stubtest on the native module's .pyi, mypy --strict on
 # the package, and pytest.
 #
@@ -39,8 +39,9 @@ step "test dependencies from PyPI"
 step "build the extension (maturin develop --release)"
 (cd "$here" && "$venv/bin/maturin" develop --release --quiet)
 
-step "cargo fmt --check and clippy (binding crate)"
-(cd "$here" && cargo fmt --check && cargo clippy --quiet --all-targets -- -D warnings)
+step "cargo fmt --check, clippy and doc (binding crate)"
+(cd "$here" && cargo fmt --check && cargo clippy --quiet --all-targets -- -D warnings &&
+    RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet)
 
 step "mypy.stubtest on dmaload._dmaload"
 (cd "$here" && "$py" -m mypy.stubtest dmaload._dmaload --allowlist stubtest-allowlist.txt)

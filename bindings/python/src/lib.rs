@@ -7,7 +7,7 @@
 //! `unsafe` code is allowed item by item, each with its SAFETY contract:
 //! the buffer protocol (`__getbuffer__` and `__releasebuffer__`, which PyO3
 //! requires to be `unsafe fn`, and the function that fills a `Py_buffer`),
-//! a caller's descriptor number borrowed for one call ([`FileArg`]), and in
+//! a caller's descriptor number borrowed for one call (`FileArg`), and in
 //! `staged.rs` the bytes of a buffer export and device pointers.
 #![deny(unsafe_code)]
 

@@ -60,8 +60,8 @@ struct Row {
     method: Method,
     direct: bool,
     label: String,
-    /// "ok", "unavailable: <why>" (this kernel lacks the memory type) or
-    /// "refused: <error>" (the kernel rejects this combination).
+    /// `ok`, `unavailable: <why>` (this kernel lacks the memory type) or
+    /// `refused: <error>` (the kernel rejects this combination).
     status: String,
     samples: Vec<Sample>,
     create_ms: Spread,

@@ -401,7 +401,8 @@ impl DmaHeap {
 
 /// Exports `len` bytes of a memfd the caller made, from `offset` (both
 /// page-aligned; the memfd sealed `F_SEAL_SHRINK`), as a dma-buf with
-/// udmabuf, without copying; see [`udmabuf_export`] for the limits.
+/// udmabuf, without copying (at most udmabuf's `size_limit_mb`, 64 MiB by
+/// default).
 /// Whatever imports the dma-buf may write the memfd's pages, so a memfd
 /// sealed against writes (`F_SEAL_FUTURE_WRITE`: the one behind a
 /// [`Buffer`] once [`Buffer::memfd`] handed it out, whose bytes the buffer

@@ -2,7 +2,7 @@
 //! the userspace form of seed 000's DMA_HEAP_ALLOC_AND_READ_FILE.
 //!
 //! The file is opened and checked once ([`crate::source`]); the buffer is
-//! reserved up front and filled by the pipeline ([`crate::pipeline`]):
+//! reserved up front and filled by the pipeline (`pipeline.rs`):
 //! helper threads populate it gather by gather (`MADV_POPULATE_WRITE`, then
 //! io_uring registration) while the engine fills the gathers already
 //! populated, so T(total) ≈ T(first gather) + max(T(alloc), T(I/O));

@@ -257,13 +257,13 @@ impl Serialize for Destination {
     }
 }
 
-/// Options of [`load`] and [`load_range`]; `LoadOptions::default()` is
-/// what a user gets without flags.
+/// Options of [`load`](crate::load()) and [`load_range`](crate::load_range);
+/// `LoadOptions::default()` is what a user gets without flags.
 #[derive(Clone)]
 pub struct LoadOptions {
     pub engine: Engine,
     pub mode: IoMode,
-    /// Where the bytes go. [`crate::load`] and its kin fill a host
+    /// Where the bytes go. [`crate::load()`] and its kin fill a host
     /// [`crate::Buffer`], so they take the host destinations only; a device
     /// is loaded through a sink ([`crate::load_to_sink`]).
     pub to: Destination,

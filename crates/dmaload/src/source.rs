@@ -133,7 +133,9 @@ impl OpenFile {
         Ok(OpenFile { source: Source::open(path)?, path: path.to_owned() })
     }
 
-    /// A file the caller opened (see [`Source::from_fd`]).
+    /// A file the caller opened. It is reopened through `/proc/self/fd` (a
+    /// description of its own, so setting `O_DIRECT` never changes the
+    /// caller's fd), and the reopened file must be the same inode.
     pub fn from_fd(fd: BorrowedFd<'_>) -> Result<OpenFile> {
         let (source, path) = Source::from_fd(fd)?;
         Ok(OpenFile { source, path })

@@ -159,7 +159,7 @@ pub fn huge_pages_allowed(kind: MemoryKind) -> bool {
 }
 
 /// The selected value of a THP setting file such as
-/// /sys/kernel/mm/transparent_hugepage/enabled ("always [madvise] never").
+/// /sys/kernel/mm/transparent_hugepage/enabled (`always [madvise] never`).
 pub(crate) fn bracketed_choice(path: &str) -> Option<String> {
     let text = fs::read_to_string(path).ok()?;
     let start = text.find('[')? + 1;

@@ -3,7 +3,7 @@
 //!
 //! A [`SegmentTable`] lists the pieces of file memory behind one logical
 //! buffer (which fd, where in it, how long), for example every shard of a
-//! model loaded with [`crate::load`]. [`SegmentTable::locate`] finds the
+//! model loaded with [`crate::load()`]. [`SegmentTable::locate`] finds the
 //! piece holding a byte by binary search over the pieces' start offsets,
 //! and contiguous pieces are merged when the table is built, so a bind
 //! costs the same for a 1 GiB and a 64 GiB buffer (a walk from the first

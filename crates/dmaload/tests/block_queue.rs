@@ -329,6 +329,55 @@ fn hostile_creators_are_refused() {
     assert_eq!((queue.role(), queue.block_size(), queue.blocks()), (Role::Consumer, 4096, 2));
 }
 
+/// A creator that announces dma-buf blocks but sends a memfd, or a file
+/// whose `/proc/self/fd` link reads `/dmabuf:…` (as a dma-buf's does), is
+/// refused: a dma-buf is known by its filesystem, and a file could shrink
+/// under the mapping.
+#[test]
+fn a_file_named_like_a_dmabuf_is_not_taken_for_one() {
+    const TEST: &str = "a_file_named_like_a_dmabuf_is_not_taken_for_one";
+    let (a, b) = Connection::pair().unwrap();
+    let creator = std::thread::spawn(move || {
+        let options = BlockQueueOptions { block_size: 4096, blocks: 2, memory: QueueMemory::Memfd };
+        BlockQueue::create(a, Role::Producer, &options, Some(Duration::from_millis(200)))
+    });
+    let mut header = [0u8; 64];
+    let (len, fds) = b.recv(&mut header).unwrap();
+    assert_eq!(creator.join().unwrap().unwrap_err().kind(), ErrorKind::TimedOut);
+    let fds: Vec<OwnedFd> = fds;
+    let attach_as_dmabuf = |blocks: std::os::fd::BorrowedFd<'_>| {
+        for memory in [QueueMemory::DmaHeap, QueueMemory::Udmabuf] {
+            let mut forged = header[..len].to_vec();
+            let kind = QueueMemory::ALL.iter().position(|&m| m == memory).unwrap() as u64;
+            forged[32..40].copy_from_slice(&kind.to_le_bytes());
+            let (a, b) = Connection::pair().unwrap();
+            a.send(&forged, &[fds[0].as_fd(), blocks, fds[2].as_fd(), fds[3].as_fd()]).unwrap();
+            let err = BlockQueue::attach(b, Some(Duration::from_secs(5))).unwrap_err();
+            assert!(err.to_string().contains("should be a dma-buf"), "{}: {err}", memory.name());
+        }
+    };
+    attach_as_dmabuf(fds[1].as_fd());
+
+    // A file at the root of a detached mount: its link is "/" and its path
+    // there, the name a dma-buf's link has (old kernels: anon_inode:dmabuf).
+    if !common::is_root() {
+        return common::skip(TEST, "mounting a tmpfs needs root");
+    }
+    let dir = scratch_dir();
+    let mount = dir.path().join("mnt");
+    std::fs::create_dir(&mount).unwrap();
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "tmpfs"]).arg(&mount).status().unwrap();
+    assert!(mounted.success(), "mount -t tmpfs {}", mount.display());
+    let file = File::options().read(true).write(true).create_new(true).open(mount.join("dmabuf:x")).unwrap();
+    file.set_len(8192).unwrap();
+    let detached = Command::new("umount").arg("-l").arg(&mount).status().unwrap();
+    assert!(detached.success(), "umount -l {}", mount.display());
+    let link =
+        std::fs::read_link(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file))).unwrap();
+    assert_eq!(link, Path::new("/dmabuf:x"));
+    attach_as_dmabuf(file.as_fd());
+}
+
 /// Corrupt counts and lengths written into a live control page.
 #[test]
 fn corrupt_counts_and_lengths_are_refused() {

@@ -1,6 +1,6 @@
 //! Engines move bytes between a file and a buffer. Each runs one planned
-//! load: it waits for gathers to be populated (see [`Gate`]), issues the
-//! chunk reads of the [`Plan`], checks every result and reports progress.
+//! load: it waits for gathers to be populated (the crate's `Gate`), issues
+//! the chunk reads of the plan, checks every result and reports progress.
 
 pub(crate) mod pool;
 pub(crate) mod uring;

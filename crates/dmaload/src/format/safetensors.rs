@@ -512,7 +512,7 @@ pub struct Loaded {
 }
 
 /// Validates the header of the file at `path`, then loads the whole file
-/// with [`crate::load`], then checks that the header in the loaded bytes is
+/// with [`crate::load()`], then checks that the header in the loaded bytes is
 /// the one validated (the file did not change in between).
 pub fn load(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loaded, Error> {
     let path = path.as_ref();

@@ -842,13 +842,15 @@ fn attach_error(what: &str, err: io::Error) -> io::Error {
 
 /// Refuses a received object that could shrink under the mapping (SIGBUS on
 /// the next touch) or that is not the size announced: a memfd must be
-/// sealed against shrinking and growing; a dma-buf never changes size.
-fn check_shared_object(fd: &OwnedFd, len: usize, dmabuf: bool, what: &str) -> io::Result<()> {
+/// sealed against shrinking and growing; a dma-buf never changes size, and
+/// is known by its filesystem, not by its name (a file can be named like
+/// one: see [`dmabuf::is_dmabuf`]).
+fn check_shared_object(fd: &OwnedFd, len: usize, is_dmabuf: bool, what: &str) -> io::Result<()> {
     let link = std::fs::read_link(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(fd)))
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default();
-    if dmabuf {
-        if !(link.starts_with("/dmabuf:") || link.starts_with("anon_inode:dmabuf")) {
+    if is_dmabuf {
+        if !dmabuf::is_dmabuf(fd.as_fd()).is_ok_and(|is| is) {
             return Err(corrupt(format!("the {what} should be a dma-buf, got {link:?}")));
         }
     } else {

@@ -13,7 +13,8 @@ pub mod service;
 
 pub use crate::sys::shm::{SharedBytes, SharedBytesMut};
 pub use crate::sys::socket::{
-    PeerCredentials, SeqpacketConn as Connection, SeqpacketListener as Listener, MAX_FDS_PER_MESSAGE,
+    PeerCredentials, SeqpacketConn as Connection, SeqpacketListener as Listener, CONNECT_TIMEOUT,
+    MAX_FDS_PER_MESSAGE,
 };
 pub use block_queue::{
     BlockQueue, BlockQueueOptions, Filled, ForeignRun, FreeBlock, HeldRun, QueueMemory, Role, MAX_BLOCKS,

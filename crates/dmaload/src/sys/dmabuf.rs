@@ -64,6 +64,18 @@ const DMA_BUF_SYNC_WRITE: u64 = 2;
 const DMA_BUF_SYNC_END: u64 = 1 << 2;
 const DMA_BUF_IOCTL_SYNC: u64 = ioc(IOC_WRITE, b'b', 0, std::mem::size_of::<DmaBufSync>());
 
+/// `DMA_BUF_MAGIC` of `linux/magic.h`: the filesystem of every dma-buf's
+/// inode (Linux 5.3; dma-bufs were anonymous inodes before).
+const DMA_BUF_MAGIC: i64 = 0x444d4142;
+
+/// Whether `fd` is a dma-buf: its inode is on the kernel's dma-buf
+/// filesystem (`fstatfs` `f_type`), where only dma-buf exporters make
+/// files. Its `/proc/self/fd` link name is no proof: a file on a detached
+/// mount reads as `/` plus its own path on that mount, `/dmabuf:x` too.
+pub fn is_dmabuf(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    Ok(super::file::filesystem_magic(fd)? == DMA_BUF_MAGIC)
+}
+
 /// Takes ownership of a new fd returned by an ioctl.
 fn owned(ret: libc::c_int) -> io::Result<OwnedFd> {
     let fd = super::check(ret)?;

@@ -69,6 +69,9 @@ impl HugePageAdvice {
 pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
+    /// The huge-page advice the kernel took for it, which
+    /// [`Mapping::make_private`] gives the mapping that replaces it.
+    advice: Option<HugePageAdvice>,
 }
 
 // SAFETY: a Mapping is plain memory; ownership can move between threads, and
@@ -93,7 +96,7 @@ impl Mapping {
     /// kernel without THP (EINVAL) just keeps small pages (callers that
     /// need huge ones check the THP policy first).
     pub fn memfd(fd: BorrowedFd<'_>, len: usize, advice: HugePageAdvice) -> io::Result<Mapping> {
-        let map = Self::shared(fd, len)?;
+        let mut map = Self::shared(fd, len)?;
         match map.advise(advice) {
             Err(err) if err.raw_os_error() == Some(libc::EINVAL) => Ok(map),
             other => other.map(|()| map),
@@ -120,9 +123,13 @@ impl Mapping {
     /// one step under the mmap lock. So where the private mapping cannot be
     /// had (ENOMEM where a private hugetlb mapping cannot reserve its pages
     /// in the pool) nothing here was touched, and on any failure the
-    /// mapping is still the shared one. Hugetlb memory needs Linux 5.16
-    /// (mremap of hugetlb mappings): before, it is `Unsupported`. Calls on
-    /// one mapping must not overlap (a buffer's sharing lock orders them).
+    /// mapping is still the shared one. The huge-page advice this mapping
+    /// was given is given to the private one before the move (advice is a
+    /// property of the mapping, which mremap carries, not of the file), so
+    /// its page faults keep asking for the same page size. Hugetlb memory
+    /// needs Linux 5.16 (mremap of hugetlb mappings): before, it is
+    /// `Unsupported`. Calls on one mapping must not overlap (a buffer's
+    /// sharing lock orders them).
     pub fn make_private(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
         if self.len == 0 {
             return Ok(());
@@ -134,7 +141,11 @@ impl Mapping {
             ));
         }
         // A hugetlb one is aligned to its page size, as mremap needs.
-        let private = Self::map(self.len, READ_WRITE, libc::MAP_PRIVATE, fd.as_raw_fd(), Placement::Kernel)?;
+        let mut private =
+            Self::map(self.len, READ_WRITE, libc::MAP_PRIVATE, fd.as_raw_fd(), Placement::Kernel)?;
+        if let Some(advice) = self.advice {
+            private.advise(advice)?;
+        }
         let Err(err) = private.move_over(self) else {
             return Ok(());
         };
@@ -223,19 +234,22 @@ impl Mapping {
     /// 4 KiB pages whatever the THP policy (`MADV_HUGEPAGE` or
     /// `MADV_NOHUGEPAGE`, Linux 2.6.38).
     pub fn anonymous(len: usize, advice: HugePageAdvice) -> io::Result<Mapping> {
-        let map =
+        let mut map =
             Self::map(len, READ_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, Placement::HugeAligned)?;
         map.advise(advice)?;
         Ok(map)
     }
 
-    fn advise(&self, advice: HugePageAdvice) -> io::Result<()> {
+    /// `madvise` with `advice` over the whole mapping, recorded once taken.
+    fn advise(&mut self, advice: HugePageAdvice) -> io::Result<()> {
         if self.len == 0 {
             return Ok(());
         }
         // SAFETY: the range is exactly this mapping; MADV_(NO)HUGEPAGE
         // changes how pages are allocated, not their contents.
-        check(unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice.flag()) }).map(drop)
+        check(unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice.flag()) })?;
+        self.advice = Some(advice);
+        Ok(())
     }
 
     /// The address of the first byte, to find the mapping in
@@ -270,7 +284,7 @@ impl Mapping {
     ) -> io::Result<Mapping> {
         if len == 0 {
             // A zero-length mmap is EINVAL; an empty buffer needs no pages.
-            return Ok(Mapping { ptr: NonNull::dangling(), len: 0 });
+            return Ok(Mapping { ptr: NonNull::dangling(), len: 0, advice: None });
         }
         if placement == Placement::HugeAligned && len >= HUGE_PAGE_ALIGN {
             for _ in 0..ALIGNED_PLACEMENT_TRIES {
@@ -321,7 +335,7 @@ impl Mapping {
             return Err(io::Error::last_os_error());
         }
         let ptr = NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
-        Ok(Mapping { ptr, len })
+        Ok(Mapping { ptr, len, advice: None })
     }
 
     pub fn as_slice(&self) -> &[u8] {
@@ -1211,6 +1225,51 @@ mod tests {
         let address = map.address();
         map.make_private(memfd.as_fd()).unwrap();
         assert_private_copy(map, &memfd, address);
+    }
+
+    /// The `VmFlags` of the mapping that holds `address` (`hg`:
+    /// `MADV_HUGEPAGE`, `nh`: `MADV_NOHUGEPAGE`), from /proc/self/smaps.
+    fn vm_flags(address: usize) -> Vec<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut holds = false;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or_default();
+            if let Some((start, end)) = first.split_once('-') {
+                let bound = |hex| usize::from_str_radix(hex, 16).unwrap();
+                holds = (bound(start)..bound(end)).contains(&address);
+            } else if let Some(flags) = line.strip_prefix("VmFlags:").filter(|_| holds) {
+                return flags.split_whitespace().map(str::to_owned).collect();
+            }
+        }
+        panic!("no mapping holds {address:#x} in /proc/self/smaps")
+    }
+
+    #[test]
+    fn make_private_keeps_the_huge_page_advice_and_adds_none() {
+        let len = 2 * HUGE_PAGE_ALIGN;
+        let mut advised = Vec::new();
+        for advice in [Some(HugePageAdvice::Huge), Some(HugePageAdvice::Small), None] {
+            let memfd = memfd_create(c"test", MemfdPages::Shmem).unwrap();
+            set_len(memfd.as_fd(), len as u64).unwrap();
+            let map = match advice {
+                Some(advice) => Mapping::memfd(memfd.as_fd(), len, advice).unwrap(),
+                None => Mapping::shared(memfd.as_fd(), len).unwrap(),
+            };
+            if advice.is_some() && map.advice.is_none() {
+                println!("SKIP make_private_keeps_the_huge_page_advice: a kernel without THP took no advice");
+                return;
+            }
+            let advice_flags = |address| {
+                let flags = vm_flags(address);
+                ["hg", "nh"].into_iter().filter(|f| flags.iter().any(|g| g == f)).collect::<Vec<_>>()
+            };
+            let before = advice_flags(map.address());
+            map.make_private(memfd.as_fd()).unwrap();
+            assert!(!maps_memfd(&map, &memfd), "still the shared mapping");
+            assert_eq!(advice_flags(map.address()), before, "{advice:?}");
+            advised.push(before);
+        }
+        assert_eq!(advised, [vec!["hg"], vec!["nh"], vec![]]);
     }
 
     #[test]

@@ -209,8 +209,9 @@ impl<'a> RawBytes<'a> {
     }
 }
 
-/// A range of a [`PeerMapping`] this side holds by protocol (a queue block)
-/// but that the peer could still write: copies are safe, a slice is not.
+/// A range of memory mapped by this process and a peer that this side
+/// holds by protocol (a [`BlockQueue`](crate::share::BlockQueue) block) but
+/// that the peer could still write: copies are safe, a slice is not.
 #[derive(Debug, Clone, Copy)]
 pub struct SharedBytes<'a> {
     ptr: *const u8,

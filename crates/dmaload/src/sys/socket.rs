@@ -108,8 +108,8 @@ impl SeqpacketListener {
         Ok(SeqpacketListener { fd })
     }
 
-    /// Waits for the next connection (blocking unless the listener was made
-    /// non-blocking with [`super::file::set_nonblocking`]).
+    /// Waits for the next connection (blocking unless the listener's fd
+    /// was made non-blocking, `O_NONBLOCK`: then `WouldBlock` if none waits).
     pub fn accept(&self) -> io::Result<SeqpacketConn> {
         let fd = restarting(|| {
             // SAFETY: null address pointers ask accept4 not to report the peer's
