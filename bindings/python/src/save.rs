@@ -50,9 +50,8 @@ pub fn save<'py>(
         if !export.is_c_contiguous() {
             return Err(PyBufferError::new_err("dmaload.save needs a C-contiguous buffer (copy it first)"));
         }
-        // The core's save cannot be stopped midway: the token only
-        // silences the callback after it raised, and Ctrl-C is raised when
-        // the save returns.
+        // The core's save cannot be stopped midway: nothing watches the
+        // token, and Ctrl-C is raised when the save returns.
         let relay = progress.map(|callback| {
             let relay = Progress::new(callback, export.len_bytes() as u64, dmaload::CancelToken::new());
             options.progress = Some(relay.for_load());
@@ -60,8 +59,17 @@ pub fn save<'py>(
         });
         let bytes = exported_bytes(&export);
         let result = detached(py, || dmaload::save_raw(bytes, &path, &options))?;
-        Progress::raised(relay.as_ref())?;
-        let report = result.map_err(|e| os_error(&e))?;
+        // The callback's exception did not stop the save, so it outranks
+        // only a success; a failed save's OSError carries it as its cause.
+        let report = match (result, relay.as_ref().and_then(|relay| relay.take_error())) {
+            (Ok(_), Some(raised)) => return Err(raised),
+            (Err(err), raised) => {
+                let err = os_error(&err);
+                err.set_cause(py, raised);
+                return Err(err);
+            }
+            (Ok(report), None) => report,
+        };
         Progress::finish(relay.as_ref())?;
         save_report_object(py, &report)
     })

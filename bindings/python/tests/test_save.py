@@ -281,27 +281,36 @@ def test_a_fifo_with_a_reader_is_written_in_place(tmp_path: Path) -> None:
 
 
 def test_the_gil_is_released_during_a_save(tmp_path: Path) -> None:
-    """Another Python thread runs while the save writes."""
-    data = os.urandom(8 << 20)
-    ticks = 0
+    """A second Python thread keeps running while a save writes and syncs
+    (as test_buffer's test of a load)."""
+    data = bytearray(128 << 20)
+    data[::4096] = os.urandom(len(data) // 4096)
+    stamps: list[float] = []
     stop = threading.Event()
 
-    def count() -> None:
-        nonlocal ticks
+    def spin() -> None:
         while not stop.is_set():
-            ticks += 1
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
 
-    counter = threading.Thread(target=count)
-    counter.start()
+    t = threading.Thread(target=spin)
+    t.start()
+    time.sleep(0.02)
     try:
-        dmaload.save(data, tmp_path / "g.bin", mode="buffered", engine="read", chunk_size="64K")
-        before = ticks
-        dmaload.save(data, tmp_path / "g.bin", mode="buffered", engine="read", chunk_size="64K")
-        during = ticks - before
+        start = time.perf_counter()
+        dmaload.save(data, tmp_path / "g.bin", engine="read", mode="buffered", chunk_size="1M")
+        end = time.perf_counter()
     finally:
         stop.set()
-        counter.join()
-    assert during > 0
+        t.join()
+    duration = end - start
+    inside = [s for s in stamps if start <= s <= end]
+    # With the GIL held for the whole save the spinner would stall for all
+    # of it; released, it ticks about every millisecond throughout.
+    assert duration > 0.05, f"save too fast ({duration:.3f} s) to judge"
+    assert len(inside) >= max(5, int(duration / 0.001 * 0.2)), (len(inside), duration)
+    gaps = [b - a for a, b in zip([start, *inside], [*inside, end])]
+    assert max(gaps) < duration / 2, (max(gaps), duration)
 
 
 def test_a_closed_buffer_cannot_be_saved(data_file: tuple[Path, bytes], tmp_path: Path) -> None:
@@ -319,3 +328,32 @@ def test_a_bytearray_cannot_resize_while_it_is_saved(tmp_path: Path) -> None:
     dmaload.save(data, tmp_path / "b.bin")
     data.extend(b"more")  # no export left behind
     assert (tmp_path / "b.bin").read_bytes() == bytes(data[:-4])
+
+
+def test_a_fifo_whose_reader_leaves_is_broken_pipe(tmp_path: Path) -> None:
+    """EPIPE at the offset reached, never a SIGPIPE that kills Python."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    got_some = threading.Event()
+
+    def read_a_little_then_leave() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if os.read(reader_fd, 4096):
+                    break
+            except BlockingIOError:
+                pass
+            time.sleep(0.001)
+        got_some.set()
+        os.close(reader_fd)
+
+    reader = threading.Thread(target=read_a_little_then_leave)
+    reader.start()
+    try:
+        with pytest.raises(BrokenPipeError) as e:
+            dmaload.save(os.urandom(4 << 20), fifo)
+    finally:
+        reader.join(timeout=30)
+    assert got_some.is_set() and "offset" in str(e.value)

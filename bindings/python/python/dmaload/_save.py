@@ -42,8 +42,9 @@ def save(data: Any, path: StrPath, *, progress: Progress = None, **options: Unpa
     ``(bytes_written, bytes_total)`` or ``True`` for a tqdm bar, as for
     :func:`load`; the last call, ``(total, total)``, comes once the file
     is complete. A save cannot be stopped midway: an exception the callback
-    raises stops further calls and is raised when the save returns, and the
-    file may have been written by then.
+    raises stops further calls and is raised when the save returns (the
+    file may have been written by then); if the save failed too, its
+    ``OSError`` is raised with the callback's exception as ``__cause__``.
     """
     sync, native = native_save_options(options)
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
