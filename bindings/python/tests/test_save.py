@@ -357,3 +357,20 @@ def test_a_fifo_whose_reader_leaves_is_broken_pipe(tmp_path: Path) -> None:
     finally:
         reader.join(timeout=30)
     assert got_some.is_set() and "offset" in str(e.value)
+
+
+def test_round_trip_of_torch_tensors(tmp_path: Path) -> None:
+    """A CPU tensor saves through ``numpy()``, a bfloat16 one (which numpy
+    lacks) through a uint8 view of its bytes; neither is copied."""
+    torch = pytest.importorskip("torch")
+    t = torch.arange(10_000, dtype=torch.float32).reshape(100, 100)
+    out = tmp_path / "t.bin"
+    dmaload.save(t.numpy(), out)
+    back = torch.frombuffer(bytearray(out.read_bytes()), dtype=torch.float32).reshape(100, 100)
+    assert torch.equal(back, t)
+    b = torch.randn(33, 17).to(torch.bfloat16)
+    dmaload.save(b.view(torch.uint8).numpy(), out)
+    back_b = torch.frombuffer(bytearray(out.read_bytes()), dtype=torch.bfloat16).reshape(33, 17)
+    assert torch.equal(back_b, b)
+    with pytest.raises((BufferError, ValueError), match="contiguous"):
+        dmaload.save(t.T.numpy(), out)
