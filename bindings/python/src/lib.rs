@@ -2,17 +2,19 @@
 //!
 //! The pure-Python package in `python/dmaload` is the public API; this
 //! module holds what must be native: the [`Buffer`] type with the buffer
-//! protocol, and loads that run with the GIL released.
+//! protocol, and loads and saves that run with the GIL released.
 //!
 //! `unsafe` code is allowed item by item, each with its SAFETY contract:
 //! the buffer protocol (`__getbuffer__` and `__releasebuffer__`, which PyO3
 //! requires to be `unsafe fn`, and the function that fills a `Py_buffer`),
-//! a caller's descriptor number borrowed for one call (`FileArg`), and in
-//! `staged.rs` the bytes of a buffer export and device pointers.
+//! a caller's descriptor number borrowed for one call (`FileArg`), in
+//! `staged.rs` the bytes of a buffer export and device pointers, and in
+//! `save.rs` the address of a buffer export that only the kernel reads.
 #![deny(unsafe_code)]
 
 mod block_queue;
 mod dmabuf;
+mod save;
 mod staged;
 
 use std::any::Any;
@@ -26,7 +28,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use dmaload::format::safetensors as st;
-use dmaload::{CachePolicy, Destination, Engine, IoMode, LoadOptions, LoadReport};
+use dmaload::{CachePolicy, Destination, Engine, IoMode, LoadOptions, LoadReport, SaveOptions};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -425,17 +427,6 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
         page_cache,
     } = report;
     let module = py.import("dmaload._report")?;
-    let fallback_class = module.getattr("Fallback")?;
-    let fallbacks = fallbacks
-        .iter()
-        .map(|f| {
-            let kw = PyDict::new(py);
-            kw.set_item("from_", &f.from)?;
-            kw.set_item("to", &f.to)?;
-            kw.set_item("reason", &f.reason)?;
-            fallback_class.call((), Some(&kw))
-        })
-        .collect::<PyResult<Vec<_>>>()?;
     let kw = PyDict::new(py);
     kw.set_item("path", path.as_os_str())?;
     kw.set_item("offset", offset)?;
@@ -451,7 +442,7 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     kw.set_item("chunk_size", chunk_size)?;
     kw.set_item("gather_size", gather_size)?;
     kw.set_item("queue_depth", queue_depth)?;
-    kw.set_item("fallbacks", PyTuple::new(py, fallbacks)?)?;
+    kw.set_item("fallbacks", fallback_objects(&module, fallbacks)?)?;
     kw.set_item("alloc_seconds", alloc_seconds)?;
     kw.set_item("register_seconds", register_seconds)?;
     kw.set_item("first_gather_seconds", first_gather_seconds)?;
@@ -468,6 +459,27 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     };
     kw.set_item("page_cache", page_cache)?;
     module.getattr("LoadReport")?.call((), Some(&kw))
+}
+
+/// The core's fallbacks as a tuple of `dmaload._report.Fallback`
+/// (`module`), for a load's or a save's report.
+fn fallback_objects<'py>(
+    module: &Bound<'py, PyModule>,
+    fallbacks: &[dmaload::Fallback],
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = module.py();
+    let fallback_class = module.getattr("Fallback")?;
+    let fallbacks = fallbacks
+        .iter()
+        .map(|f| {
+            let kw = PyDict::new(py);
+            kw.set_item("from_", &f.from)?;
+            kw.set_item("to", &f.to)?;
+            kw.set_item("reason", &f.reason)?;
+            fallback_class.call((), Some(&kw))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    PyTuple::new(py, fallbacks)
 }
 
 /// A connection over a duplicate of `socket`'s descriptor (a socket
@@ -698,17 +710,25 @@ pub(crate) struct Opts {
 impl Opts {
     /// Reads `options` (None: every default); a value of None is the default.
     pub(crate) fn from_dict(options: Option<&Bound<'_, PyDict>>) -> PyResult<Opts> {
+        Opts::from_dict_for("load", options)
+    }
+
+    /// [`Opts::from_dict`] for an entry point whose errors call the options
+    /// `what` options ("save option chunk_size: ...").
+    pub(crate) fn from_dict_for(what: &str, options: Option<&Bound<'_, PyDict>>) -> PyResult<Opts> {
         let mut o = Opts::default();
         for (name, value) in options.into_iter().flat_map(|dict| dict.iter()) {
             let name: String = name.extract()?;
             if value.is_none() {
                 continue;
             }
-            let typed = |e: PyErr| PyTypeError::new_err(format!("load option {name}: {e}"));
+            let typed = |e: PyErr| PyTypeError::new_err(format!("{what} option {name}: {e}"));
             // A bool is an int to Python, but True is never the count 1 a user meant.
             let number = || -> PyResult<usize> {
                 if value.is_instance_of::<PyBool>() {
-                    return Err(PyTypeError::new_err(format!("load option {name}: a bool is not a number")));
+                    return Err(PyTypeError::new_err(format!(
+                        "{what} option {name}: a bool is not a number"
+                    )));
                 }
                 value.extract().map_err(typed)
             };
@@ -724,20 +744,24 @@ impl Opts {
                 "measure_page_cache" => o.measure_page_cache = Some(value.extract().map_err(typed)?),
                 "staging_slots" => o.staging_slots = Some(number()?),
                 "staging_slot_size" => o.staging_slot_size = Some(number()?),
-                _ => return Err(PyTypeError::new_err(format!("unknown load option {name:?}"))),
+                _ => return Err(PyTypeError::new_err(format!("unknown {what} option {name:?}"))),
             }
         }
         Ok(o)
     }
 
+    fn engine(&self) -> PyResult<Option<Engine>> {
+        self.engine.as_deref().map(|e| e.parse::<Engine>().map_err(PyValueError::new_err)).transpose()
+    }
+
+    fn mode(&self) -> PyResult<Option<IoMode>> {
+        self.mode.as_deref().map(|m| m.parse::<IoMode>().map_err(PyValueError::new_err)).transpose()
+    }
+
     pub(crate) fn to_options(&self) -> PyResult<LoadOptions> {
         let mut o = LoadOptions::default();
-        if let Some(engine) = &self.engine {
-            o.engine = engine.parse::<Engine>().map_err(PyValueError::new_err)?;
-        }
-        if let Some(mode) = &self.mode {
-            o.mode = mode.parse::<IoMode>().map_err(PyValueError::new_err)?;
-        }
+        o.engine = self.engine()?.unwrap_or(o.engine);
+        o.mode = self.mode()?.unwrap_or(o.mode);
         if let Some(to) = &self.to {
             o.to = to.parse::<Destination>().map_err(PyValueError::new_err)?;
         }
@@ -747,6 +771,32 @@ impl Opts {
         o.threads = self.threads.unwrap_or(o.threads);
         o.populate_threads = self.populate_threads.unwrap_or(o.populate_threads);
         o.measure_page_cache = self.measure_page_cache.unwrap_or(o.measure_page_cache);
+        Ok(o)
+    }
+
+    /// The options of a save: those a write shares with a load (`engine`,
+    /// `mode`, `chunk_size`, `queue_depth`, `threads`) and `sync` (None:
+    /// the default). One only
+    /// a load takes is a TypeError naming it.
+    pub(crate) fn to_save_options(&self, sync: Option<bool>) -> PyResult<SaveOptions> {
+        let load_only = [
+            ("to", self.to.is_some()),
+            ("gather_size", self.gather_size.is_some()),
+            ("populate_threads", self.populate_threads.is_some()),
+            ("measure_page_cache", self.measure_page_cache.is_some()),
+            ("staging_slots", self.staging_slots.is_some()),
+            ("staging_slot_size", self.staging_slot_size.is_some()),
+        ];
+        if let Some((name, _)) = load_only.iter().find(|(_, set)| *set) {
+            return Err(PyTypeError::new_err(format!("unknown save option {name:?} (a load option)")));
+        }
+        let mut o = SaveOptions::default();
+        o.sync = sync.unwrap_or(o.sync);
+        o.engine = self.engine()?.unwrap_or(o.engine);
+        o.mode = self.mode()?.unwrap_or(o.mode);
+        o.chunk_size = self.chunk_size.unwrap_or(o.chunk_size);
+        o.queue_depth = self.queue_depth.unwrap_or(o.queue_depth);
+        o.threads = self.threads.unwrap_or(o.threads);
         Ok(o)
     }
 }
@@ -1103,6 +1153,8 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_into, m)?)?;
     m.add_function(wrap_pyfunction!(load_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(load_cached, m)?)?;
+    m.add_function(wrap_pyfunction!(save::save, m)?)?;
+    m.add_function(wrap_pyfunction!(save::_save_option_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(default_cache_socket, m)?)?;
     m.add_function(wrap_pyfunction!(evict, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;

@@ -48,6 +48,6 @@ pub use load::{
     IoMode, LoadOptions, LoadReport,
 };
 pub use many::{load_many, load_many_safetensors};
-pub use save::{save, SaveOptions, SaveReport};
+pub use save::{save, save_raw, SaveOptions, SaveReport};
 pub use sink::{DmaHeapSink, HostSink, Sink, SlotData, StagingRing};
 pub use source::OpenFile;

@@ -55,7 +55,7 @@
 use std::ffi::{OsStr, OsString};
 use std::fmt;
 use std::fs::{self, File, Metadata, OpenOptions};
-use std::io::{self, Seek, SeekFrom, Write};
+use std::io::{self, Seek, SeekFrom};
 use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -71,7 +71,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Fallback, IoMode, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use crate::source::type_name;
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
-use crate::sys::shm::RawBytes;
+pub use crate::sys::shm::RawBytes;
 use crate::{sys, system};
 /// Options of [`save`]; `SaveOptions::default()` is what a user gets
 /// without flags.
@@ -525,6 +525,14 @@ pub fn write_at(
 /// failed save leaves a previous regular file as it was and no temporary
 /// file behind; the error names the file and the cause.
 pub fn save(data: &[u8], path: impl AsRef<Path>, options: &SaveOptions) -> Result<SaveReport> {
+    save_raw(data.into(), path, options)
+}
+
+/// [`save`] of bytes that Rust code never reads, only the kernel (see
+/// [`RawBytes::from_raw_parts`]): memory another thread or process may
+/// write meanwhile, such as a Python buffer's export, over which a `&[u8]`
+/// would be unsound. A concurrent writer changes only what is saved.
+pub fn save_raw(data: RawBytes<'_>, path: impl AsRef<Path>, options: &SaveOptions) -> Result<SaveReport> {
     let path = path.as_ref();
     validate(path, options)?;
     let started = Instant::now();
@@ -604,19 +612,19 @@ struct Body {
 fn write_body(
     target: &Path,
     file: &File,
-    data: &[u8],
+    data: RawBytes<'_>,
     magic: Option<i64>,
     options: &SaveOptions,
     progress: &Progress<'_>,
     fallbacks: &mut Vec<Fallback>,
 ) -> Result<Body> {
-    let mut direct = choose_direct(target, file, data.into(), magic, options.mode, fallbacks)?;
+    let mut direct = choose_direct(target, file, data, magic, options.mode, fallbacks)?;
     // Requests are whole multiples of the alignment, so each direct write is aligned.
-    let write = |part: &[u8], align: usize| {
+    let write = |part: RawBytes<'_>, align: usize| {
         WriteJob {
             path: target,
             file,
-            src: part.into(),
+            src: part,
             file_offset: 0,
             chunk: options.chunk_size.div_ceil(align) * align,
             queue_depth: options.queue_depth,
@@ -626,7 +634,7 @@ fn write_body(
         .run(options.engine)
     };
     let aligned = direct.map_or(data.len(), |a| data.len() / a * a);
-    let run = match write(&data[..aligned], direct.unwrap_or(1)) {
+    let run = match write(data.range(0..aligned), direct.unwrap_or(1)) {
         // Some devices reject the alignment statx reported: retry buffered once.
         Err(err)
             if direct.is_some()
@@ -644,8 +652,8 @@ fn write_body(
     if direct.is_some() && aligned < data.len() {
         // The unaligned tail cannot go direct: write it through the page cache.
         sys::file::set_direct(file.as_fd(), false).map_err(|e| Error::io("fcntl", target, e))?;
-        use std::os::unix::fs::FileExt;
-        file.write_all_at(&data[aligned..], aligned as u64)
+        data.range(aligned..data.len())
+            .write_all_at(file.as_fd(), aligned as u64)
             .map_err(|e| Error::io("write", target, e).at(aligned as u64))?;
         progress.add((data.len() - aligned) as u64);
     }
@@ -701,7 +709,7 @@ pub(crate) fn keep_owner_and_mode(
 /// Saves to a regular file (or a new one) through a temporary file and a
 /// rename; see the module doc.
 fn save_replacing(
-    data: &[u8],
+    data: RawBytes<'_>,
     path: &Path,
     target: PathBuf,
     previous: Option<Metadata>,
@@ -775,7 +783,7 @@ fn save_replacing(
 /// Writes into an existing block device, character device or FIFO; see
 /// the module doc.
 fn save_in_place(
-    data: &[u8],
+    data: RawBytes<'_>,
     path: &Path,
     target: PathBuf,
     meta: &Metadata,
@@ -860,7 +868,7 @@ fn save_in_place(
     let mut written = 0;
     sys::signal::without_sigpipe(|| {
         while written < data.len() {
-            match (&file).write(&data[written..]) {
+            match data.range(written..data.len()).write_to(file.as_fd()) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
                 Ok(n) => written += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

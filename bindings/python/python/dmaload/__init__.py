@@ -6,6 +6,9 @@
 ...     print(len(buf), buf.report.gib_per_second)
 ...     del arr                                       # views must go before close
 
+``dmaload.save(data, path)`` writes any C-contiguous buffer (bytes, a numpy
+array, a Buffer) to a file without copying it, replacing the file atomically.
+
 ``dmaload.BlockQueue`` streams blocks between two processes through a ring
 of shared memory, passing blocks instead of copying them through a pipe.
 
@@ -18,8 +21,9 @@ from __future__ import annotations
 from . import safetensors
 from ._dmaload import BlockQueue, Buffer, DmaBuf, SafetensorError, __version__, evict
 from ._load import load, load_dmabuf, load_into, load_range
-from ._options import LoadOptions
-from ._report import Fallback, LoadReport, PageCacheResidency
+from ._options import LoadOptions, SaveOptions
+from ._report import Fallback, LoadReport, PageCacheResidency, SaveReport
+from ._save import save
 
 __all__ = [
     "BlockQueue",
@@ -30,6 +34,8 @@ __all__ = [
     "LoadReport",
     "PageCacheResidency",
     "SafetensorError",
+    "SaveOptions",
+    "SaveReport",
     "__version__",
     "evict",
     "load",
@@ -37,4 +43,5 @@ __all__ = [
     "load_into",
     "load_range",
     "safetensors",
+    "save",
 ]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any, Final, Literal, NoReturn, Protocol, TypeAlias, final
 
 from ._header import Header
-from ._report import LoadReport
+from ._report import LoadReport, SaveReport
 
 class _HasFileno(Protocol):
     def fileno(self) -> int: ...
@@ -16,7 +16,8 @@ _SocketLike: TypeAlias = _HasFileno | int
 
 # The load options of every entry point as one dict, built by
 # ``dmaload._options.native_options``: the names of ``LoadOptions``, sizes in
-# bytes; an unknown name or a wrong type is a TypeError naming it.
+# bytes; an unknown name or a wrong type is a TypeError naming it. A save's
+# (``native_save_options``) has the names of ``SaveOptions`` but ``sync``.
 _Options: TypeAlias = dict[str, str | int | bool | None]
 
 __all__ = [
@@ -38,10 +39,12 @@ __all__ = [
     "read_safetensors_header",
     "release_staging",
     "safetensors_dtypes",
+    "save",
     "__version__",
     "_load_staged",
     "_option_choices",
     "_option_defaults",
+    "_save_option_defaults",
     "_test_panic",
 ]
 
@@ -211,6 +214,24 @@ def _option_choices() -> dict[str, list[str]]:
 
 def _option_defaults() -> dict[str, str | int | bool]:
     """For the tests: every load option the binding takes, with the core's
+    default."""
+
+def save(
+    data: Any,
+    path: str | os.PathLike[str],
+    *,
+    sync: bool | None = None,
+    options: _Options | None = None,
+    progress: Callable[[int, int], Any] | None = None,
+) -> SaveReport:
+    """Writes the bytes of ``data`` (a C-contiguous buffer of unsigned
+    bytes, exported for the whole call and never copied) to ``path`` with
+    the GIL released: a regular file replaced atomically, a device or FIFO
+    written in place. ``options`` holds the names of ``SaveOptions`` but
+    ``sync``; ``sync`` None is the core's default."""
+
+def _save_option_defaults() -> dict[str, str | int | bool]:
+    """For the tests: every save option the binding takes, with the core's
     default."""
 
 def _test_panic(place: str) -> None:

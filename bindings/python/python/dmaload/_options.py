@@ -8,7 +8,7 @@ check these types against the native module's ``_option_choices()`` and
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Mapping, TypeAlias, TypedDict, Union
+from typing import Any, Collection, Literal, Mapping, TypeAlias, TypedDict, Union
 
 Engine: TypeAlias = Literal["uring-fixed", "uring", "pread-pool", "read"]
 Mode: TypeAlias = Literal["auto", "direct", "buffered", "dontcache"]
@@ -99,18 +99,60 @@ class DmabufLoadOptions(TypedDict, total=False):
     measure_page_cache: bool
 
 
+class SaveOptions(TypedDict, total=False):
+    """Keyword options of ``dmaload.save`` (all optional; the defaults are
+    the core's ``dmaload::SaveOptions``). The names and values are those of
+    :class:`LoadOptions` where a write has the same knob.
+
+    engine: how the bytes are written (default ``"uring-fixed"``;
+        ``"pread-pool"`` is a pool of threads issuing ``pwrite``, ``"read"``
+        one thread of sequential writes).
+    mode: ``"auto"`` (O_DIRECT where the filesystem and the data's address
+        allow, else buffered; the default), ``"direct"`` (or an error),
+        ``"buffered"`` or ``"dontcache"`` (buffered, then the file's pages
+        are dropped from the page cache after the sync).
+    sync: fsync the file before the rename and its directory after it
+        (default ``True``). ``False``, for scratch data: a crash of the
+        machine may lose the new file, but a killed process still never
+        leaves a torn one.
+    chunk_size: bytes per write request (an int, or a string such as
+        ``"4M"``; default 4 MiB).
+    queue_depth: writes in flight (io_uring engines; default 32).
+    threads: threads of the pread-pool engine (default 8).
+    """
+
+    engine: Engine
+    mode: Mode
+    sync: bool
+    chunk_size: Size
+    queue_depth: int
+    threads: int
+
+
+def _checked(options: Mapping[str, Any], allowed: Collection[str], what: str) -> dict[str, Any]:
+    """``options`` with its names checked against ``allowed`` and sizes in bytes."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(f"unknown {what} option(s): {', '.join(unknown)} (known: {', '.join(allowed)})")
+    out = dict(options)
+    for key in ("gather_size", "chunk_size", "staging_slot_size"):
+        if out.get(key) is not None:
+            out[key] = parse_size(out[key])
+    return out
+
+
 def native_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """The ``options`` dict the native entry points take: the names checked
     against :class:`LoadOptions` and sizes in bytes. Each entry point uses
     the options that apply to it (a host load ignores the staging ring; a
     device load the host memory's ``to``, ``gather_size`` and
     ``populate_threads``)."""
-    allowed = LoadOptions.__annotations__.keys()
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise TypeError(f"unknown load option(s): {', '.join(unknown)} (known: {', '.join(allowed)})")
-    out = dict(options)
-    for key in ("gather_size", "chunk_size", "staging_slot_size"):
-        if out.get(key) is not None:
-            out[key] = parse_size(out[key])
-    return out
+    return _checked(options, LoadOptions.__annotations__.keys(), "load")
+
+
+def native_save_options(options: Mapping[str, Any]) -> tuple[bool | None, dict[str, Any]]:
+    """``sync`` (None: the core's default) and the ``options`` dict that
+    ``_dmaload.save`` takes: the names checked against :class:`SaveOptions`,
+    sizes in bytes."""
+    out = _checked(options, SaveOptions.__annotations__.keys(), "save")
+    return out.pop("sync", None), out

@@ -1,5 +1,6 @@
-"""The report of a load, as dataclasses (built field by field by the native module;
-``LoadReport.from_json`` reads the JSON that ``dmaload load --json`` prints)."""
+"""The reports of a load and of a save, as dataclasses (built field by field by
+the native module; ``LoadReport.from_json`` reads the JSON that ``dmaload load
+--json`` prints)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Fallback", "LoadReport", "PageCacheResidency"]
+__all__ = ["Fallback", "LoadReport", "PageCacheResidency", "SaveReport"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,52 @@ class LoadReport:
         )
         kwargs["extra"] = {k: v for k, v in data.items() if k not in known}
         return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What a save did and how long each part took (see the Rust `SaveReport`).
+
+    ``path`` is the path as given, ``target`` the file written after
+    following symbolic links; ``file_type`` is ``"regular file"`` (replaced
+    through a temporary file and a rename) or the device or FIFO written in
+    place (``in_place``). ``cache`` says what happened to the page cache:
+    ``"bypass"`` (O_DIRECT), ``"keep"`` or ``"fadvise"`` (dropped after the
+    sync, ``mode="dontcache"``); ``direct_bytes`` were written with O_DIRECT
+    at offsets aligned to ``alignment``, the rest buffered. ``replaced`` is
+    true when a file was there before, ``anonymous_tmpfile`` when the
+    temporary file was an unnamed ``O_TMPFILE``; ``other_links`` counts the replaced
+    file's other hard links (which keep the old bytes);
+    ``removed_tmpfiles`` names temporary files of crashed saves cleared from
+    the directory. ``allocate_seconds``, ``write_seconds`` and
+    ``sync_seconds`` (fsync and rename) are parts of ``total_seconds``.
+    """
+
+    path: str = ""
+    target: str = ""
+    file_type: str = ""
+    in_place: bool = False
+    bytes: int = 0
+    engine: str = ""
+    cache: str = ""
+    filesystem: str = ""
+    alignment: int = 0
+    direct_bytes: int = 0
+    fallbacks: tuple[Fallback, ...] = ()
+    anonymous_tmpfile: bool = False
+    replaced: bool = False
+    other_links: int = 0
+    removed_tmpfiles: tuple[str, ...] = ()
+    allocate_seconds: float = 0.0
+    write_seconds: float = 0.0
+    sync_seconds: float = 0.0
+    total_seconds: float = 0.0
+    gib_per_second: float = 0.0
+    cpu_user_seconds: float = 0.0
+    cpu_system_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

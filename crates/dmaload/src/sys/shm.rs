@@ -167,6 +167,19 @@ impl<'a> From<&'a [u8]> for RawBytes<'a> {
 }
 
 impl<'a> RawBytes<'a> {
+    /// The `len` bytes at `ptr`, which only the kernel will read: memory
+    /// another thread or process may write meanwhile (a Python buffer's
+    /// export, a shared mapping), which no `&[u8]` may cover.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must stay mapped and readable for `'a` (any `ptr`
+    /// when `len` is 0). Writes to the bytes meanwhile are allowed: they
+    /// change only what is written out.
+    pub unsafe fn from_raw_parts(ptr: *const u8, len: usize) -> RawBytes<'a> {
+        RawBytes { ptr, len, _borrow: PhantomData }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -185,6 +198,15 @@ impl<'a> RawBytes<'a> {
         // SAFETY: start <= len: inside (or one past) the borrowed memory.
         let ptr = unsafe { self.ptr.add(range.start) };
         RawBytes { ptr, len: range.end - range.start, _borrow: PhantomData }
+    }
+
+    /// One `write(2)` of the bytes at `fd`'s position (a FIFO, a character
+    /// device); returns the count written.
+    pub fn write_to(&self, fd: BorrowedFd<'_>) -> io::Result<usize> {
+        // SAFETY: the bytes lie inside memory the borrow keeps mapped;
+        // write only reads them.
+        let ret = unsafe { libc::write(fd.as_raw_fd(), self.ptr.cast(), self.len) };
+        check_size(ret)
     }
 
     /// `pwrite(2)` of all the bytes at `offset`, resuming short writes; a

@@ -1,0 +1,151 @@
+//! `save`: the bytes of any C-contiguous buffer-protocol object written to
+//! a file by the core's [`dmaload::save_raw`], with the GIL released and
+//! without copying them.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use dmaload::save::RawBytes;
+use dmaload::{SaveOptions, SaveReport};
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyBufferError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::{cache_name, detached, guard, os_error, DefaultValue, Opts, Progress};
+
+/// The bytes of `export`, for the kernel alone to read.
+#[allow(unsafe_code)]
+fn exported_bytes(export: &PyBuffer<u8>) -> RawBytes<'_> {
+    // SAFETY: `export` holds the object's buffer export for as long as the
+    // result borrows it: meanwhile the object cannot free, move or shrink
+    // the memory (a bytearray refuses to resize, a dmaload.Buffer to
+    // close), so `len_bytes` bytes at `buf_ptr` stay mapped and readable.
+    // Python code may still write them (a writable buffer, from another
+    // thread): that is why they cross as `RawBytes`, never as a `&[u8]`;
+    // such a write changes only what is saved.
+    unsafe { RawBytes::from_raw_parts(export.buf_ptr().cast::<u8>(), export.len_bytes()) }
+}
+
+/// Writes the bytes of `data` (a C-contiguous buffer-protocol object of
+/// unsigned bytes: `dmaload.save` casts any other to one) to `path` with
+/// the GIL released, as `dmaload save` does: a regular file is replaced
+/// atomically (temporary file, fsync unless `sync` is false, rename), a
+/// device or FIFO written in place. `sync` None is the core's default
+/// (true). Returns the `dmaload.SaveReport`.
+#[pyfunction]
+#[pyo3(signature = (data, path, *, sync=None, options=None, progress=None))]
+pub fn save<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+    path: PathBuf,
+    sync: Option<bool>,
+    options: Option<Bound<'py, PyDict>>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    guard(move || {
+        let mut options = Opts::from_dict_for("save", options.as_ref())?.to_save_options(sync)?;
+        // Held until the save returns: the memory cannot go away meanwhile.
+        let export = PyBuffer::<u8>::get(data)?;
+        if !export.is_c_contiguous() {
+            return Err(PyBufferError::new_err("dmaload.save needs a C-contiguous buffer (copy it first)"));
+        }
+        // The core's save cannot be stopped midway: nothing watches the
+        // token, and Ctrl-C is raised when the save returns.
+        let relay = progress.map(|callback| {
+            let relay = Progress::new(callback, export.len_bytes() as u64, dmaload::CancelToken::new());
+            options.progress = Some(relay.for_load());
+            relay
+        });
+        let bytes = exported_bytes(&export);
+        let result = detached(py, || dmaload::save_raw(bytes, &path, &options))?;
+        // The callback's exception did not stop the save, so it outranks
+        // only a success; a failed save's OSError carries it as its cause.
+        let report = match (result, relay.as_ref().and_then(|relay| relay.take_error())) {
+            (Ok(_), Some(raised)) => return Err(raised),
+            (Err(err), raised) => {
+                let err = os_error(&err);
+                err.set_cause(py, raised);
+                return Err(err);
+            }
+            (Ok(report), None) => report,
+        };
+        Progress::finish(relay.as_ref())?;
+        save_report_object(py, &report)
+    })
+}
+
+/// The core's report as a `dmaload._report.SaveReport`, field by field.
+/// The destructuring names every field, so a field the core adds is a
+/// compile error here until it crosses too.
+fn save_report_object<'py>(py: Python<'py>, report: &SaveReport) -> PyResult<Bound<'py, PyAny>> {
+    let SaveReport {
+        path,
+        target,
+        file_type,
+        in_place,
+        bytes,
+        engine,
+        cache,
+        filesystem,
+        alignment,
+        direct_bytes,
+        fallbacks,
+        anonymous_tmpfile,
+        replaced,
+        other_links,
+        removed_tmpfiles,
+        allocate_seconds,
+        write_seconds,
+        sync_seconds,
+        total_seconds,
+        gib_per_second,
+        cpu_user_seconds,
+        cpu_system_seconds,
+    } = report;
+    let module = py.import("dmaload._report")?;
+    let kw = PyDict::new(py);
+    kw.set_item("path", path.as_os_str())?;
+    kw.set_item("target", target.as_os_str())?;
+    kw.set_item("file_type", file_type)?;
+    kw.set_item("in_place", in_place)?;
+    kw.set_item("bytes", bytes)?;
+    kw.set_item("engine", engine.name())?;
+    kw.set_item("cache", cache_name(*cache))?;
+    kw.set_item("filesystem", filesystem)?;
+    kw.set_item("alignment", alignment)?;
+    kw.set_item("direct_bytes", direct_bytes)?;
+    kw.set_item("fallbacks", crate::fallback_objects(&module, fallbacks)?)?;
+    kw.set_item("anonymous_tmpfile", anonymous_tmpfile)?;
+    kw.set_item("replaced", replaced)?;
+    kw.set_item("other_links", other_links)?;
+    kw.set_item("removed_tmpfiles", PyTuple::new(py, removed_tmpfiles)?)?;
+    kw.set_item("allocate_seconds", allocate_seconds)?;
+    kw.set_item("write_seconds", write_seconds)?;
+    kw.set_item("sync_seconds", sync_seconds)?;
+    kw.set_item("total_seconds", total_seconds)?;
+    kw.set_item("gib_per_second", gib_per_second)?;
+    kw.set_item("cpu_user_seconds", cpu_user_seconds)?;
+    kw.set_item("cpu_system_seconds", cpu_system_seconds)?;
+    module.getattr("SaveReport")?.call((), Some(&kw))
+}
+
+/// Every save option the binding takes, with the core's default: the
+/// fields of [`SaveOptions`] (all named, so a field the core adds is a
+/// compile error here until it crosses) less the callback, which Python
+/// passes as `progress`.
+#[pyfunction]
+pub fn _save_option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
+    guard(|| {
+        let SaveOptions { engine, mode, sync, chunk_size, queue_depth, threads, progress: _ } =
+            SaveOptions::default();
+        Ok(BTreeMap::from([
+            ("engine", DefaultValue::Name(engine.name().to_owned())),
+            ("mode", DefaultValue::Name(mode.name().to_owned())),
+            ("sync", DefaultValue::Flag(sync)),
+            ("chunk_size", DefaultValue::Number(chunk_size)),
+            ("queue_depth", DefaultValue::Number(queue_depth)),
+            ("threads", DefaultValue::Number(threads)),
+        ]))
+    })
+}
