@@ -144,9 +144,9 @@ impl Drop for PeerMapping {
 
 /// Bytes the kernel reads (written to a file by `pwrite` or io_uring) that
 /// Rust code never reads: either an ordinary slice, or memory a peer
-/// process may change meanwhile (a [`PeerMapping`] range), for which a
-/// `&[u8]` would be unsound. A racing peer can only change what is
-/// written. The borrow keeps the memory mapped.
+/// process may change meanwhile (a range of a block queue's shared ring),
+/// for which a `&[u8]` would be unsound. A racing peer can only change
+/// what is written. The borrow keeps the memory mapped.
 #[derive(Debug, Clone, Copy)]
 pub struct RawBytes<'a> {
     ptr: *const u8,
