@@ -28,6 +28,13 @@ def test_bytearray_and_numpy_get_the_exact_bytes(data_file: tuple[Path, bytes]) 
     assert array.tobytes() == data[4096 : 4096 + 4000]
 
 
+def test_an_empty_array_of_any_shape_takes_an_empty_range(data_file: tuple[Path, bytes]) -> None:
+    path, _ = data_file
+    for shape in ((0,), (0, 4), (3, 0, 2)):
+        report = dmaload.load_into(path, np.zeros(shape, dtype=np.float32), 100)
+        assert (report.offset, report.bytes) == (100, 0), shape
+
+
 def test_page_aligned_memory_is_filled_in_place(data_file: tuple[Path, bytes]) -> None:
     path, data = data_file
     evict(path)

@@ -123,9 +123,12 @@ def load_into(
         raise ValueError("offset must be non-negative")
     native = native_options(options)
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
-    # Bytes of any element type: a C-contiguous view casts to unsigned bytes.
+    # Bytes of any element type: a C-contiguous view casts to unsigned bytes
+    # (a writable one with a 0 in its shape cannot be cast, and holds none).
     try:
-        with memoryview(target) as view, view.cast("B") as raw:
+        with memoryview(target) as view, (
+            view.cast("B") if view.nbytes or view.readonly else memoryview(bytearray())
+        ) as raw:
             return _dmaload.load_into(path, raw, offset, options=native, progress=callback)
     finally:
         finish()
