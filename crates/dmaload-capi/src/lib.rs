@@ -729,7 +729,10 @@ pub unsafe extern "C" fn dmaload_dmabuf_xxh3_64(dmabuf: *const dmaload_dmabuf, h
             return Err(invalid(op, format!("fd {} is not a file descriptor", d.fd)));
         }
         let io = |e: std::io::Error| Failure {
-            errno: e.raw_os_error().unwrap_or(libc::EIO),
+            errno: e.raw_os_error().unwrap_or(match e.kind() {
+                std::io::ErrorKind::InvalidInput => libc::EINVAL,
+                _ => libc::EIO,
+            }),
             message: format!("{op}: dma-buf fd {}: {e}", d.fd),
         };
         // SAFETY: the caller's fd is open for the call (the contract); it is

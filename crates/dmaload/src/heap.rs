@@ -233,9 +233,17 @@ impl DmaBuf {
 
     /// A dma-buf received as an fd (from a driver, another process,
     /// [`DmaBuf::into_fd`]); its size is the fd's (`lseek(SEEK_END)`, then
-    /// back to 0). An fd that is not a dma-buf fails here or at [`DmaBuf::map`].
+    /// back to 0). An fd of anything else (a memfd, a file) is an
+    /// `InvalidInput` error: dma-bufs are known by their filesystem
+    /// (`DMA_BUF_MAGIC`), not by a name.
     pub fn from_fd(fd: OwnedFd) -> io::Result<DmaBuf> {
         use std::io::Seek;
+        if !dmabuf::is_dmabuf(fd.as_fd())? {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a dma-buf (its filesystem is not dmabuf)",
+            ));
+        }
         let mut file = File::from(fd);
         let len = file.seek(io::SeekFrom::End(0))?;
         file.rewind()?;

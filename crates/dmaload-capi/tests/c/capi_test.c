@@ -322,6 +322,14 @@ int main(int argc, char **argv)
 	check_error(dmaload_load_dmabuf(missing, "dmabuf", NULL, &dmabuf), ENOENT, missing,
 		    "a missing file for a dma-buf");
 	check_error(dmaload_dmabuf_xxh3_64(NULL, NULL), EINVAL, "dmabuf is NULL", "hashing a NULL dma-buf");
+	{
+		/* A plain file's fd is no dma-buf, whatever the caller says. */
+		dmaload_dmabuf plain = {.fd = open(file, O_RDONLY | O_CLOEXEC), .size = 16, .len = 16};
+		uint64_t hash = 0;
+		check_error(dmaload_dmabuf_xxh3_64(&plain, &hash), EINVAL, "not a dma-buf",
+			    "hashing a regular file's fd as a dma-buf");
+		close(plain.fd);
+	}
 	const char *targets[] = {"udmabuf", "dma-heap:system", "dmabuf"};
 	const char *devices[] = {"/dev/udmabuf", "/dev/dma_heap/system", NULL};
 	for (int t = 0; t < 3; t++) {
