@@ -109,6 +109,19 @@ fn role(role: &str, socket: &Path) -> Command {
     cmd
 }
 
+/// `cmd` run through another program (`prlimit`, `setpriv`) and its
+/// arguments, which execs it with the same environment.
+fn through(program: &[&str], cmd: &Command) -> Command {
+    let mut wrapped = Command::new(program[0]);
+    wrapped.args(&program[1..]).arg(cmd.get_program()).args(cmd.get_args());
+    for (key, value) in cmd.get_envs() {
+        if let Some(value) = value {
+            wrapped.env(key, value);
+        }
+    }
+    wrapped
+}
+
 /// Runs a client role to completion; its stdout's first line.
 fn run_client(role_name: &str, socket: &Path, file: &Path) -> String {
     let out = role(role_name, socket).env(FILE, file).output().unwrap();
@@ -430,13 +443,9 @@ fn cached_files_leave_the_service_descriptors_to_serve_with() {
     }
     let dir = scratch_dir();
     let socket = dir.path().join("cache.sock");
-    let mut cmd = Command::new("prlimit");
-    cmd.arg(format!("--nofile={NOFILE}"))
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
-        .env(ROLE, "service")
-        .env(SOCKET, &socket)
-        .env(LIMIT, (1u64 << 30).to_string());
+    let mut service_role = role("service", &socket);
+    service_role.env(LIMIT, (1u64 << 30).to_string());
+    let mut cmd = through(&["prlimit", &format!("--nofile={NOFILE}")], &service_role);
     let service = ServiceProcess::start_with(&mut cmd, &socket);
     let client = Client::connect(&socket).unwrap();
     for i in 0..2 * NOFILE {
@@ -512,15 +521,10 @@ fn a_service_out_of_descriptors_logs_accept_failures_once_per_interval() {
     }
     let dir = scratch_dir();
     let socket = dir.path().join("cache.sock");
-    let mut cmd = Command::new("prlimit");
-    cmd.arg(format!("--nofile={NOFILE}"))
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
-        .env(ROLE, "service")
-        .env(SOCKET, &socket)
-        .env(LIMIT, (1u64 << 30).to_string())
-        .env(IDLE_MS, "600000")
-        .stderr(Stdio::piped());
+    let mut service_role = role("service", &socket);
+    service_role.env(LIMIT, (1u64 << 30).to_string()).env(IDLE_MS, "600000");
+    let mut cmd = through(&["prlimit", &format!("--nofile={NOFILE}")], &service_role);
+    cmd.stderr(Stdio::piped());
     let mut service = ServiceProcess::start_with(&mut cmd, &socket);
     let (lines, log) = std::sync::mpsc::channel();
     let stderr = BufReader::new(service.child.stderr.take().unwrap());
@@ -687,13 +691,9 @@ fn another_user_is_refused() {
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
     let as_nobody = |socket: &Path| {
-        let out = Command::new("setpriv")
-            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-            .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "process_role", "--nocapture", "--test-threads=1", "--quiet"])
-            .env(ROLE, "load-cached")
-            .env(SOCKET, socket)
-            .env(FILE, &path)
+        let mut client = role("load-cached", socket);
+        client.env(FILE, &path);
+        let out = through(&["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"], &client)
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
