@@ -1147,12 +1147,39 @@ mod tests {
         // before the failing call cleans up.
         let socket = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let len = 2 * HUGE_PAGE_ALIGN;
+        let (lost, failures) = race_a_neighbour(len, |_| {
+            match Mapping::map(len, READ_WRITE, libc::MAP_SHARED, socket.as_raw_fd(), Placement::HugeAligned)
+            {
+                Err(err) if err.raw_os_error() == Some(libc::EPERM) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        });
+        let failures = failures.expect("a writable mapping of a TCP socket fails with EPERM");
+        assert_eq!(lost, 0, "{failures} failed mappings unmapped {lost} of another thread's");
+    }
+
+    /// Calls `attempt`, a call that must fail without touching memory it
+    /// does not own, for 1.5 s while a neighbour thread keeps mapping `len`
+    /// bytes near the address `attempt` stores (a hint, which the kernel
+    /// follows only where the range is free; none while it is 0) and checks
+    /// each mapping is still there. Returns the neighbour's mappings lost,
+    /// and the failures seen or how one went wrong.
+    fn race_a_neighbour(
+        len: usize,
+        mut attempt: impl FnMut(&std::sync::atomic::AtomicUsize) -> Result<(), String>,
+    ) -> (usize, Result<usize, String>) {
+        use std::sync::atomic::Ordering::Relaxed;
         let stop = std::sync::atomic::AtomicBool::new(false);
-        let (lost, failures) = std::thread::scope(|scope| {
+        let near = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
             let neighbour = scope.spawn(|| {
                 let mut lost = 0;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let map = Mapping::map(len, READ_WRITE, ANONYMOUS, -1, Placement::Kernel).unwrap();
+                while !stop.load(Relaxed) {
+                    let hint = near.load(Relaxed) as *mut libc::c_void;
+                    // SAFETY: without MAP_FIXED the address is only a hint:
+                    // the kernel maps a fresh range, which overlaps nothing.
+                    let ptr = unsafe { libc::mmap(hint, len, READ_WRITE, ANONYMOUS, -1, 0) };
+                    let map = Mapping::from_mmap(ptr, len).unwrap();
                     std::thread::yield_now();
                     if !still_mapped(&map) {
                         lost += 1;
@@ -1164,22 +1191,16 @@ mod tests {
             });
             let started = std::time::Instant::now();
             let mut failures = Ok(0);
-            while started.elapsed() < std::time::Duration::from_millis(1500) {
-                let fd = socket.as_raw_fd();
-                match Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::HugeAligned) {
-                    Err(err) if err.raw_os_error() == Some(libc::EPERM) => failures = failures.map(|n| n + 1),
-                    other => failures = Err(format!("{other:?}")),
-                }
-                if failures.is_err() {
+            while let Ok(count) = failures {
+                if started.elapsed() >= std::time::Duration::from_millis(1500) {
                     break;
                 }
+                failures = attempt(&near).map(|()| count + 1);
             }
             // Before any assertion: the scope waits for the neighbour.
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            stop.store(true, Relaxed);
             (neighbour.join().unwrap(), failures)
-        });
-        let failures = failures.expect("a writable mapping of a TCP socket fails with EPERM");
-        assert_eq!(lost, 0, "{failures} failed mappings unmapped {lost} of another thread's");
+        })
     }
 
     /// A memfd of `len` bytes holding `i % 251` at byte `i`, and its
@@ -1342,45 +1363,15 @@ mod tests {
             Ok(shared) => shared,
             Err(err) => return println!("SKIP {TEST}: a BPF array cannot be mapped: {err}"),
         };
-        let stop = std::sync::atomic::AtomicBool::new(false);
-        // Where the shared mapping is: the neighbour asks for that address
-        // (a hint, which the kernel follows only where the range is free),
-        // so that it takes any hole there at once.
-        let shared_at = std::sync::atomic::AtomicUsize::new(0);
-        let (lost, failures) = std::thread::scope(|scope| {
-            let neighbour = scope.spawn(|| {
-                let mut lost = 0;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let hint = shared_at.load(std::sync::atomic::Ordering::Relaxed) as *mut libc::c_void;
-                    // SAFETY: without MAP_FIXED the address is only a hint:
-                    // the kernel maps a fresh range, which overlaps nothing.
-                    let ptr = unsafe { libc::mmap(hint, len, READ_WRITE, ANONYMOUS, -1, 0) };
-                    let map = Mapping::from_mmap(ptr, len).unwrap();
-                    if !still_mapped(&map) {
-                        lost += 1;
-                        // Whatever holds the range now is not this value's.
-                        std::mem::forget(map);
-                    }
-                }
-                lost
-            });
-            let started = std::time::Instant::now();
-            let mut failures = Ok(0);
-            while started.elapsed() < std::time::Duration::from_millis(1500) {
-                let shared = Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::Kernel).unwrap();
-                shared_at.store(shared.address(), std::sync::atomic::Ordering::Relaxed);
-                match shared.make_private(array.as_fd()) {
-                    Err(_) if still_mapped(&shared) => failures = failures.map(|n| n + 1),
-                    Err(err) => failures = Err(format!("{err}, and the buffer is no longer mapped")),
-                    Ok(()) => failures = Err("a BPF array was mapped private".to_owned()),
-                }
-                if failures.is_err() {
-                    break;
-                }
+        let (lost, failures) = race_a_neighbour(len, |near| {
+            let shared = Mapping::map(len, READ_WRITE, libc::MAP_SHARED, fd, Placement::Kernel).unwrap();
+            // The neighbour maps there next, taking any hole at once.
+            near.store(shared.address(), std::sync::atomic::Ordering::Relaxed);
+            match shared.make_private(array.as_fd()) {
+                Err(_) if still_mapped(&shared) => Ok(()),
+                Err(err) => Err(format!("{err}, and the buffer is no longer mapped")),
+                Ok(()) => Err("a BPF array was mapped private".to_owned()),
             }
-            // Before any assertion: the scope waits for the neighbour.
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
-            (neighbour.join().unwrap(), failures)
         });
         let failures = failures.unwrap();
         assert_eq!(
