@@ -279,6 +279,20 @@ fn a_peer_writing_garbage_into_the_control_page_is_an_error() {
     child.wait().unwrap();
 }
 
+/// The header and descriptors a real creator sends (a memfd queue of two
+/// 4 KiB blocks), captured by hand: its attach is left to time out.
+fn a_real_queues_header() -> (Vec<u8>, Vec<OwnedFd>) {
+    let (a, b) = Connection::pair().unwrap();
+    let creator = std::thread::spawn(move || {
+        let options = BlockQueueOptions { block_size: 4096, blocks: 2, memory: QueueMemory::Memfd };
+        BlockQueue::create(a, Role::Producer, &options, Some(Duration::from_millis(200)))
+    });
+    let mut header = [0u8; 64];
+    let (len, fds) = b.recv(&mut header).unwrap();
+    assert_eq!(creator.join().unwrap().unwrap_err().kind(), ErrorKind::TimedOut);
+    (header[..len].to_vec(), fds)
+}
+
 /// The creator's side is hostile: the attacher refuses what could hurt it.
 #[test]
 fn hostile_creators_are_refused() {
@@ -287,17 +301,8 @@ fn hostile_creators_are_refused() {
         a.send(header, fds).unwrap();
         BlockQueue::attach(b, Some(Duration::from_secs(5))).unwrap_err()
     };
-    // A real queue's header and objects, captured by hand.
-    let (a, b) = Connection::pair().unwrap();
-    let creator = std::thread::spawn(move || {
-        let options = BlockQueueOptions { block_size: 4096, blocks: 2, memory: QueueMemory::Memfd };
-        BlockQueue::create(a, Role::Producer, &options, Some(Duration::from_millis(200)))
-    });
-    let mut header = [0u8; 64];
-    let (len, fds) = b.recv(&mut header).unwrap();
-    let header = &header[..len];
-    assert_eq!(creator.join().unwrap().unwrap_err().kind(), ErrorKind::TimedOut);
-    let fds: Vec<OwnedFd> = fds;
+    let (header, fds) = a_real_queues_header();
+    let header = &header[..];
     let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
     let dir = scratch_dir();
     let plain = File::create(dir.path().join("f")).unwrap();
@@ -336,18 +341,10 @@ fn hostile_creators_are_refused() {
 #[test]
 fn a_file_named_like_a_dmabuf_is_not_taken_for_one() {
     const TEST: &str = "a_file_named_like_a_dmabuf_is_not_taken_for_one";
-    let (a, b) = Connection::pair().unwrap();
-    let creator = std::thread::spawn(move || {
-        let options = BlockQueueOptions { block_size: 4096, blocks: 2, memory: QueueMemory::Memfd };
-        BlockQueue::create(a, Role::Producer, &options, Some(Duration::from_millis(200)))
-    });
-    let mut header = [0u8; 64];
-    let (len, fds) = b.recv(&mut header).unwrap();
-    assert_eq!(creator.join().unwrap().unwrap_err().kind(), ErrorKind::TimedOut);
-    let fds: Vec<OwnedFd> = fds;
+    let (header, fds) = a_real_queues_header();
     let attach_as_dmabuf = |blocks: std::os::fd::BorrowedFd<'_>| {
         for memory in [QueueMemory::DmaHeap, QueueMemory::Udmabuf] {
-            let mut forged = header[..len].to_vec();
+            let mut forged = header.clone();
             let kind = QueueMemory::ALL.iter().position(|&m| m == memory).unwrap() as u64;
             forged[32..40].copy_from_slice(&kind.to_le_bytes());
             let (a, b) = Connection::pair().unwrap();
