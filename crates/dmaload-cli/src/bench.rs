@@ -159,6 +159,9 @@ struct Table {
     auto: String,
     /// See `dmaload::system::free_page_reporting`.
     free_page_reporting: Option<u64>,
+    /// Seconds each run waited first for freed memory to go back to the
+    /// host (`MemoryFacts::reporting_settle`).
+    settle_seconds: Option<u64>,
     /// The staged row's ring and destination.
     staging: String,
     rows: Vec<Row>,
@@ -282,7 +285,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
     };
     let facts = MemoryFacts::read();
     let methods = if staged_only { staged_methods() } else { methods(fio.is_some(), &facts, bytes) };
-    let settle = facts.free_page_reporting;
+    let settle = facts.reporting_settle();
     // Populated once and reused by every staged run, as a ring is meant to
     // be; each run allocates its own destination.
     let mut ring = staging_ring()?;
@@ -300,11 +303,11 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
             let method = &methods[i];
             eprintln!("bench: round {}/{repeat}: {}", round + 1, method.name());
             crate::benchkit::evict(file)?;
-            if settle {
+            if let Some(settle) = settle {
                 // Memory as a load after idle meets it: handed back to the
                 // host, not warm from the run before (which would favour
                 // whichever row follows a large free).
-                std::thread::sleep(dmaload::memory::REPORTING_SETTLE);
+                std::thread::sleep(settle);
             }
             // Every method must return the same bytes.
             let mut check = |name: &str, digest: u64| {
@@ -411,6 +414,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
         memory,
         auto,
         free_page_reporting: dmaload::system::free_page_reporting(),
+        settle_seconds: settle.map(|settle| settle.as_secs()),
         staging,
         rows,
     };
@@ -435,10 +439,9 @@ fn print_table(t: &Table) {
         t.file,
         human_bytes(t.bytes),
         t.repeat,
-        if t.free_page_reporting.is_some() {
-            format!(" and {} s for free page reporting to take freed memory back", dmaload::memory::REPORTING_SETTLE.as_secs())
-        } else {
-            String::new()
+        match t.settle_seconds {
+            Some(seconds) => format!(" and {seconds} s for free page reporting to take freed memory back"),
+            None => String::new(),
         },
         t.fio
     );

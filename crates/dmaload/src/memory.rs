@@ -83,6 +83,13 @@ impl MemoryFacts {
         }
     }
 
+    /// How long to wait after freeing memory before it is back with the
+    /// host under free page reporting (`None` without it): a measurement
+    /// that waits this long meets memory as a load after idle does.
+    pub fn reporting_settle(&self) -> Option<std::time::Duration> {
+        self.free_page_reporting.then_some(REPORTING_SETTLE)
+    }
+
     /// Whether `kind` memory gets 2 MiB (or larger) pages under these
     /// policies.
     pub fn huge_pages(&self, kind: MemoryKind) -> bool {
@@ -331,10 +338,9 @@ pub struct KindProbe {
     pub error: Option<String>,
 }
 
-/// How long the probe lets free page reporting hand freed memory back to
-/// the host before a sample: the balloon reports free blocks about 2 s after
-/// they are freed.
-pub const REPORTING_SETTLE: std::time::Duration = std::time::Duration::from_secs(3);
+/// How long free page reporting takes to hand freed memory back to the
+/// host: the balloon reports free blocks about 2 s after they are freed.
+const REPORTING_SETTLE: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Where the probe's figures are kept: `$XDG_CACHE_HOME/dmaload`, else
 /// `~/.cache/dmaload`.
@@ -350,7 +356,7 @@ impl MemoryProbe {
     /// Populates `bytes` of each memory kind `rounds` times (kinds
     /// interleaved, so none always runs on memory another just freed) and
     /// records the medians. Under free page reporting each sample first
-    /// waits [`REPORTING_SETTLE`], so it meets memory as a large load does:
+    /// waits [`MemoryFacts::reporting_settle`], so it meets memory as a large load does:
     /// handed back to the host, not just freed by the sample before. A kind
     /// this machine cannot give is recorded with its reason.
     pub fn run(bytes: u64, rounds: usize) -> MemoryProbe {
@@ -364,8 +370,8 @@ impl MemoryProbe {
                 if errors[i].is_some() {
                     continue;
                 }
-                if facts.free_page_reporting {
-                    std::thread::sleep(REPORTING_SETTLE);
+                if let Some(settle) = facts.reporting_settle() {
+                    std::thread::sleep(settle);
                 }
                 match populate_once(kind, len, &facts) {
                     Ok((populate, unmap, huge)) => samples[i].push((populate / gib, unmap / gib, huge)),

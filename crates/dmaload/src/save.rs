@@ -499,6 +499,8 @@ fn validate(path: &Path, o: &SaveOptions) -> Result<()> {
 /// methods). With `O_DIRECT`, the address and length of `data`, `offset`
 /// and `chunk_size` must be multiples of the file's alignment
 /// ([`crate::source::direct_io_alignment`]), else the kernel's EINVAL.
+/// Feature `baselines`: the benchmarks' entry, not the library's.
+#[cfg(feature = "baselines")]
 pub fn write_at(
     file: &File,
     path: &Path,

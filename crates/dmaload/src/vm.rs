@@ -7,8 +7,9 @@
 //! piece holding a byte by binary search over the pieces' start offsets,
 //! and contiguous pieces are merged when the table is built, so a bind
 //! costs the same for a 1 GiB and a 64 GiB buffer (a walk from the first
-//! piece, as a scatter list forces, grows with the offset:
-//! [`SegmentTable::locate_linear`] is that baseline).
+//! piece, as a scatter list forces, grows with the offset; that walk is
+//! the baseline of `dmaload bench bind`, behind the crate's `baselines`
+//! feature).
 //!
 //! An [`AddressSpace`] reserves a range of virtual addresses (no memory)
 //! and maps table ranges into it with `mmap(MAP_SHARED | MAP_FIXED)` of the
@@ -200,8 +201,9 @@ impl SegmentTable {
 
     /// The same answer as [`SegmentTable::locate`] by walking the extents
     /// from the first and adding up their lengths, as a scatter-list walk
-    /// does: O(n). The baseline of `dmaload bench bind`, and the reference
-    /// the tests check `locate` against.
+    /// does: O(n). The baseline of `dmaload bench bind` (feature
+    /// `baselines`).
+    #[cfg(feature = "baselines")]
     pub fn locate_linear(&self, offset: u64) -> Option<(usize, u64)> {
         let mut start = 0u64;
         for (index, extent) in self.extents.iter().enumerate() {
@@ -211,13 +213,6 @@ impl SegmentTable {
             start += extent.len;
         }
         None
-    }
-
-    fn locate_with(&self, how: Locate, offset: u64) -> Option<(usize, u64)> {
-        match how {
-            Locate::BinarySearch => self.locate(offset),
-            Locate::LinearWalk => self.locate_linear(offset),
-        }
     }
 
     /// Copies the table's bytes at `offset` into `buf` with `pread(2)` on
@@ -336,8 +331,9 @@ impl SegmentTableBuilder {
         Self::finish(self.files, merged, self.len)
     }
 
-    /// The table with the extents exactly as pushed (for measuring what
-    /// merging saves).
+    /// The table with the extents exactly as pushed, for measuring what
+    /// merging saves (feature `baselines`).
+    #[cfg(feature = "baselines")]
     pub fn build_unmerged(self) -> SegmentTable {
         Self::finish(self.files, self.extents, self.len)
     }
@@ -383,16 +379,21 @@ impl From<Access> for Prot {
     }
 }
 
-/// How a bind finds the extent holding its first byte.
+/// How a bind finds the extent holding its first byte: the benchmark's
+/// choice between the two lookups (feature `baselines`).
+#[cfg(feature = "baselines")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Locate {
     /// [`SegmentTable::locate`]: binary search, O(log n).
     #[default]
     BinarySearch,
-    /// [`SegmentTable::locate_linear`]: a walk from the first extent, O(n);
-    /// the baseline for benchmarks.
+    /// [`SegmentTable::locate_linear`]: a walk from the first extent, O(n).
     LinearWalk,
 }
+
+/// A lookup of the extent holding a byte: [`SegmentTable::locate`], or a
+/// baseline's.
+type LocateFn = fn(&SegmentTable, u64) -> Option<(usize, u64)>;
 
 /// One bind of a batch: `len` bytes of the table from `offset`, at `at` in
 /// the address space.
@@ -489,12 +490,22 @@ impl AddressSpace {
     /// a refused op nothing changes; on a kernel error every range of the
     /// batch is left unbound.
     pub fn bind_many(&mut self, table: &SegmentTable, ops: &[BindOp]) -> Result<()> {
-        self.bind_many_using(Locate::BinarySearch, table, ops)
+        self.bind_many_with(SegmentTable::locate, table, ops)
     }
 
     /// [`AddressSpace::bind_many`] with a choice of extent lookup (the
-    /// linear walk is the baseline `dmaload bench bind` compares with).
+    /// linear walk is the baseline `dmaload bench bind` compares with;
+    /// feature `baselines`).
+    #[cfg(feature = "baselines")]
     pub fn bind_many_using(&mut self, locate: Locate, table: &SegmentTable, ops: &[BindOp]) -> Result<()> {
+        let lookup: LocateFn = match locate {
+            Locate::BinarySearch => SegmentTable::locate,
+            Locate::LinearWalk => SegmentTable::locate_linear,
+        };
+        self.bind_many_with(lookup, table, ops)
+    }
+
+    fn bind_many_with(&mut self, locate: LocateFn, table: &SegmentTable, ops: &[BindOp]) -> Result<()> {
         let mut pieces = Vec::with_capacity(ops.len());
         for (index, op) in ops.iter().enumerate() {
             self.plan(locate, table, op, &mut pieces).map_err(|e| {
@@ -541,7 +552,13 @@ impl AddressSpace {
     }
 
     /// Splits one bind into per-extent pieces, checking everything.
-    fn plan(&self, locate: Locate, table: &SegmentTable, op: &BindOp, pieces: &mut Vec<Piece>) -> Result<()> {
+    fn plan(
+        &self,
+        locate: LocateFn,
+        table: &SegmentTable,
+        op: &BindOp,
+        pieces: &mut Vec<Piece>,
+    ) -> Result<()> {
         self.check_range("bind", op.at, op.len)?;
         let page = self.page as u64;
         if op.offset % page != 0 {
@@ -563,7 +580,7 @@ impl AddressSpace {
         if op.len == 0 {
             return Ok(());
         }
-        let (mut index, mut within) = table.locate_with(locate, op.offset).expect("offset checked");
+        let (mut index, mut within) = locate(table, op.offset).expect("offset checked");
         let mut done = 0usize;
         while done < op.len {
             let extent = table.extents[index];
