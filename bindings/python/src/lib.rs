@@ -555,7 +555,7 @@ impl Progress {
     }
 
     /// A core progress callback for one load, adding its bytes to the sum.
-    fn for_load(self: &Arc<Progress>) -> Arc<dmaload::engine::ProgressFn> {
+    fn for_load(self: &Arc<Progress>) -> Arc<dmaload::ProgressFn> {
         let this = Arc::clone(self);
         let seen = AtomicU64::new(0);
         Arc::new(move |done: u64, _total: u64| {

@@ -23,10 +23,11 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use dmaload::heap::{self, CpuAccess, DmaBuf};
-use dmaload::load::{Fallback, IoMode, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
+use dmaload::load::{LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
 use dmaload::save::SaveOptions;
 use dmaload::source::direct_io_alignment;
 use dmaload::{Engine, Error, ErrorKind, OpenFile, Result};
+use dmaload::{Fallback, IoMode};
 use rustix::fs::OFlags;
 use rustix::io::Errno;
 use rustix::pipe::{PipeFlags, SpliceFlags};
@@ -203,7 +204,7 @@ impl TransferBuffer {
             // A dma-buf's pages exist from its creation.
             return Ok(());
         }
-        heap::populate(self.memory.bytes_mut(), threads)
+        dmaload::memory::populate(self.memory.bytes_mut(), threads)
             .map_err(|e| Error::io("populate memory", Path::new("memfd"), e))
     }
 

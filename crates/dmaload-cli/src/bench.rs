@@ -329,7 +329,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
                     let dropped = Instant::now();
                     drop(buffer);
                     let drop_seconds = dropped.elapsed().as_secs_f64();
-                    dmaload::heap::wait_for_freed_memory();
+                    dmaload::memory::wait_for_freed_memory();
                     Sample {
                         gib_per_second: report.gib_per_second,
                         cpu_seconds_per_gib: cpu / gib.max(1e-12),

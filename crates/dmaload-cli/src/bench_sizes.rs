@@ -191,7 +191,7 @@ fn run_once(scheme: Scheme, path: &Path, size: u64, expected: u64) -> Result<f64
     // The library unmaps a dropped buffer of 64 MiB or more on a thread of
     // its own: wait for it, so this row's teardown does not run inside the
     // next row's timing (the bench crate's buffers unmap at once).
-    dmaload::heap::wait_for_freed_memory();
+    dmaload::memory::wait_for_freed_memory();
     if digest != expected {
         return Err(format!("{}: content of {} differs from the file", scheme.name(), path.display()));
     }

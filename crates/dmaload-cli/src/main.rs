@@ -180,7 +180,7 @@ impl LoadArgs {
 
 /// A progress bar on stderr that appears only on a terminal and only once
 /// the work has taken longer than a moment.
-pub fn progress_bar(label: &str) -> (ProgressBar, Arc<dmaload::engine::ProgressFn>) {
+pub fn progress_bar(label: &str) -> (ProgressBar, Arc<dmaload::ProgressFn>) {
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
     bar.set_style(
         ProgressStyle::with_template(

@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Instant;
 
-use dmaload::system::{self, DirectIoInfo};
+use dmaload::info::{system_info, DirectIoInfo};
 use dmaload::LoadReport;
 use serde::Serialize;
 
@@ -160,7 +160,7 @@ pub fn info(path: Option<&Path>, json: bool, probe_memory: bool) -> Result<(), S
     if probe_memory {
         run_memory_probe(json)?;
     }
-    let info = system::info(path).map_err(|e| match path {
+    let info = system_info(path).map_err(|e| match path {
         Some(p) => format!("info {}: {e}", p.display()),
         None => format!("info: {e}"),
     })?;

@@ -8,9 +8,8 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::heap::{self, Allocation, DmaBuf, MemoryKind};
-use crate::share::protocol;
-use crate::share::Connection;
+use crate::heap::{self, DmaBuf};
+use crate::memory::{Allocation, MemoryKind, NEEDS_A_MEMFD};
 use crate::sys;
 use crate::sys::mem::{page_size, Mapping, Seals};
 
@@ -21,8 +20,6 @@ use crate::sys::mem::{page_size, Mapping, Seals};
 pub(crate) const SHARING_SEALS: Seals =
     Seals::SHRINK.union(Seals::GROW).union(Seals::FUTURE_WRITE).union(Seals::SEAL);
 
-/// The name errors give the socket a buffer crosses.
-const SOCKET: &str = "socket";
 /// The name errors give a buffer's memfd.
 const MEMFD: &str = "memfd";
 
@@ -159,47 +156,24 @@ impl Buffer {
         sys::mem::add_seals(fd, SHARING_SEALS)
     }
 
-    /// Sends this buffer over `conn` to the process at the other end, which
-    /// takes it with [`Buffer::receive`]: the memfd (sealed first, see
-    /// [`Buffer::memfd`]) and where the bytes are in it, in one message.
-    /// No byte is copied; the receiver maps the same pages privately. Needs
-    /// memfd memory and Linux 5.1 (`F_SEAL_FUTURE_WRITE`).
-    pub fn send(&self, conn: &Connection) -> Result<()> {
-        let socket = std::path::Path::new(SOCKET);
+    /// The memfd sealed for sharing (as [`Buffer::memfd`] seals it) and the
+    /// buffer's byte range in it, for [`Buffer::send`]; `op` and `socket`
+    /// name the operation and the socket in errors.
+    pub(crate) fn sealed_for_sending(
+        &self,
+        op: &'static str,
+        socket: &Path,
+    ) -> Result<(BorrowedFd<'_>, Range<usize>)> {
         let Some(fd) = self.memfd.as_ref().map(|fd| fd.as_fd()) else {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
-                "send buffer",
+                op,
                 socket,
-                format!("anonymous memory has no memfd to send: {}", heap::NEEDS_A_MEMFD),
+                format!("anonymous memory has no memfd to send: {}", NEEDS_A_MEMFD),
             ));
         };
         self.seal_for_sharing(fd).map_err(|e| self.sealing_error(socket, e))?;
-        let message = protocol::encode(&protocol::Reply::Buffer(protocol::BufferInfo {
-            offset: self.data.start as u64,
-            len: self.data.len() as u64,
-            served: None,
-            note: None,
-        }));
-        conn.send(&message, &[fd]).map_err(|e| Error::io("send buffer", socket, e))
-    }
-
-    /// Receives a buffer that the process at the other end of `conn` sent
-    /// with [`Buffer::send`] (or the cache service handed out). The message
-    /// is untrusted: it must carry exactly one memfd sealed as
-    /// [`Buffer::memfd`] seals it, whose size covers the byte range it names, else it
-    /// is refused and the descriptor closed. The memfd is mapped private
-    /// copy-on-write: writes to the buffer stay in this process.
-    ///
-    /// The seals stop new writers; a sender that kept a writable shared
-    /// mapping from before sealing could still change the pages (dmaload
-    /// never does: it makes its own mapping private first). Only receive
-    /// from peers you would trust with your memory anyway (the socket's
-    /// [`Connection::peer_credentials`] says who they are).
-    pub fn receive(conn: &Connection) -> Result<Buffer> {
-        let socket = std::path::Path::new(SOCKET);
-        let (info, memfd) = protocol::receive_buffer(conn, socket)?;
-        Buffer::from_sealed_memfd(memfd, info.offset, info.len, socket)
+        Ok((fd, self.data.clone()))
     }
 
     /// Maps `len` bytes at `offset` of a memfd received from another
@@ -264,7 +238,7 @@ impl Buffer {
                 ErrorKind::InvalidInput,
                 "export",
                 std::path::Path::new(heap::UDMABUF_DEVICE),
-                format!("anonymous memory has no memfd to export: {}", heap::NEEDS_A_MEMFD),
+                format!("anonymous memory has no memfd to export: {}", NEEDS_A_MEMFD),
             ));
         };
         if sys::mem::seals(memfd).is_ok_and(|seals| seals.contains(Seals::FUTURE_WRITE)) {
@@ -327,5 +301,23 @@ impl fmt::Debug for Buffer {
             .field("memory", &self.kind)
             .field("segments", &self.segments.len())
             .finish()
+    }
+}
+
+// Defined here, not in `heap`, because it consumes buffers: `heap` sits
+// below `buffer` and does not know it.
+impl DmaBuf {
+    /// Exports whole loaded buffers, in order, as one dma-buf with udmabuf
+    /// (`UDMABUF_CREATE_LIST`), without copying: each buffer contributes the
+    /// pages around its bytes (its first byte at `memfd_offset() % page
+    /// size` of its part). The buffers are consumed: devices may write a
+    /// dma-buf, so no `&[u8]` of them may outlive the export. On failure they
+    /// come back with the error.
+    pub fn udmabuf_join(buffers: Vec<Buffer>) -> std::result::Result<DmaBuf, Box<(Error, Vec<Buffer>)>> {
+        let parts: Result<Vec<_>> = buffers.iter().map(Buffer::udmabuf_part).collect();
+        match parts.and_then(|parts| heap::udmabuf_export(&parts)) {
+            Ok(dmabuf) => Ok(dmabuf),
+            Err(err) => Err(Box::new((err, buffers))),
+        }
     }
 }

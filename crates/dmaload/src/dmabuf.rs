@@ -12,13 +12,15 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::heap::DEFAULT_DMA_HEAP;
 use crate::heap::{self, CpuAccess, DmaBuf, DmaHeap};
-use crate::load::{check_memory, load_open_to_sink, load_source, range_len};
-use crate::options::{validate, Destination, Fallback, LoadOptions, DEFAULT_DMA_HEAP};
+use crate::options::{validate, Destination, LoadOptions};
+use crate::pipeline::{check_memory, load_source, range_len, staged_load};
 use crate::report::LoadReport;
 use crate::sink::{DmaHeapSink, StagingRing};
 use crate::source::OpenFile;
 use crate::sys;
+use crate::types::Fallback;
 
 /// The staging ring of a dma-heap load: a quarter of the range, at most
 /// 128 MiB (16 slots of 8 MiB), in 8 slots or more where the range allows,
@@ -220,7 +222,7 @@ fn load_heap(
     let chunk = options.chunk_size.min(slot_size);
     let mut ring = StagingRing::new(slots, slot_size, chunk)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
-    let loaded = load_open_to_sink(file, offset, Some(len), &mut ring, &mut sink, options);
+    let loaded = staged_load(file, offset, Some(len), &mut ring, &mut sink, options);
     let mut report = match loaded {
         Ok(report) => report,
         // The allocation's own error is the cause: the load saw only that

@@ -16,16 +16,18 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::heap::MemoryKind;
-use crate::load::{cached_source_options, load_open_to_sink, open_range, with_kept_ring, LoadReport};
+use crate::load::LoadReport;
+use crate::memory::MemoryKind;
 use crate::memory::{MemoryChoice, MemoryFacts};
-use crate::options::{validate, Fallback, IoMode, LoadOptions};
-use crate::pipeline::fill_mapping;
+use crate::options::{validate, LoadOptions};
+use crate::pagecache::cached_source_options;
+use crate::pipeline::{fill_mapping, open_range, staged_load, with_kept_ring};
 use crate::plan::Plan;
 use crate::sink::{HostSink, StagingRing};
 use crate::source::OpenFile;
 use crate::sys;
 use crate::sys::mem::MappingWriter;
+use crate::types::{Fallback, IoMode};
 
 /// Loads `dst.len()` bytes of the file at `path`, from byte `offset`, into
 /// `dst`. `options.to` plays no part: `dst` is the destination. On error
@@ -121,19 +123,12 @@ fn read_edge(
     let mut ring =
         StagingRing::new(2, block, page).map_err(|e| Error::io("allocate staging ring", file.path(), e))?;
     let quiet = LoadOptions { progress: None, ..options.clone() };
-    load_open_to_sink(
-        file,
-        offset,
-        Some(dst.len() as u64),
-        &mut ring,
-        &mut HostSink::new(dst, offset),
-        &quiet,
-    )?;
+    staged_load(file, offset, Some(dst.len() as u64), &mut ring, &mut HostSink::new(dst, offset), &quiet)?;
     Ok(())
 }
 
 /// The whole range through the process's kept staging ring (see
-/// [`crate::load::with_kept_ring`]), copied into `dst`.
+/// `pipeline::with_kept_ring`), copied into `dst`.
 fn staged(
     file: &OpenFile,
     offset: u64,
@@ -145,7 +140,7 @@ fn staged(
     let (mut report, geometry) = with_kept_ring(file.path(), options.chunk_size, |ring| {
         let geometry = (ring.slots(), ring.slot_len());
         let sink = &mut HostSink::new(dst, offset);
-        load_open_to_sink(file, offset, Some(len), ring, sink, options).map(|r| (r, geometry))
+        staged_load(file, offset, Some(len), ring, sink, options).map(|r| (r, geometry))
     })?;
     report.fallbacks.extend(fallback);
     report.destination = format!("caller memory (staged through {} x {} bytes)", geometry.0, geometry.1);

@@ -18,6 +18,7 @@ pub mod engine;
 pub mod error;
 pub mod format;
 pub mod heap;
+pub mod info;
 mod into;
 pub mod load;
 pub mod many;
@@ -34,20 +35,21 @@ pub mod source;
 #[allow(unsafe_code)]
 mod sys;
 pub mod system;
+mod types;
 pub mod vm;
 
 pub use buffer::{Buffer, Segment};
 pub use cancel::CancelToken;
 pub use dmabuf::{load_dmabuf, LoadedDmaBuf};
-pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
-pub use heap::MemoryKind;
 pub use into::{load_into, load_open_into};
 pub use load::{
-    load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to_sink, Destination, Fallback,
-    IoMode, LoadOptions, LoadReport,
+    load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to_sink, Destination,
+    LoadOptions, LoadReport,
 };
 pub use many::{load_many, load_many_safetensors};
+pub use memory::MemoryKind;
 pub use save::{save, save_raw, SaveOptions, SaveReport};
 pub use sink::{DmaHeapSink, HostSink, Sink, SlotData, StagingRing};
 pub use source::OpenFile;
+pub use types::{CachePolicy, Engine, Fallback, IoMode, ProgressFn};

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::cancel::CancelToken;
-use crate::engine::{Engine, ProgressFn};
 use crate::error::{Error, ErrorKind, Result};
-use crate::heap::MemoryKind;
+use crate::heap::DEFAULT_DMA_HEAP;
+use crate::memory::MemoryKind;
+use crate::types::{Engine, IoMode, ProgressFn};
 
 /// Bytes populated (and registered) as one unit: seed 000's gather size.
 pub const DEFAULT_GATHER_SIZE: usize = 128 << 20;
@@ -37,52 +38,6 @@ pub fn default_populate_threads() -> usize {
 
 /// Largest queue depth accepted (io_uring rings hold at most 32768 entries).
 const MAX_QUEUE_DEPTH: usize = 4096;
-
-/// How the file is read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum IoMode {
-    /// Direct I/O where the filesystem supports it, else buffered reads that
-    /// leave nothing in the page cache.
-    #[default]
-    Auto,
-    /// Direct I/O (O_DIRECT) or an error: no fallback.
-    Direct,
-    /// Buffered reads through the page cache, which keeps the file.
-    Buffered,
-    /// Buffered reads that drop the pages they read (RWF_DONTCACHE, else
-    /// POSIX_FADV_DONTNEED per chunk).
-    DontCache,
-}
-
-impl IoMode {
-    pub const ALL: [IoMode; 4] = [IoMode::Auto, IoMode::Direct, IoMode::Buffered, IoMode::DontCache];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            IoMode::Auto => "auto",
-            IoMode::Direct => "direct",
-            IoMode::Buffered => "buffered",
-            IoMode::DontCache => "dontcache",
-        }
-    }
-}
-
-impl fmt::Display for IoMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for IoMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        IoMode::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
-            let names: Vec<_> = IoMode::ALL.iter().map(|m| m.name()).collect();
-            format!("unknown mode {s:?} (expected one of: {})", names.join(", "))
-        })
-    }
-}
 
 /// Where a load's bytes go: `auto` (the cheapest host memory that can do
 /// what was asked, see [`crate::memory::MemoryFacts::choose`]), a host
@@ -124,9 +79,6 @@ pub enum Destination {
 }
 
 const AUTO: &str = "auto";
-
-/// The heap `dma-heap` alone names.
-pub const DEFAULT_DMA_HEAP: &str = "system";
 
 impl Destination {
     /// Every form a destination is written in, `NAME` standing for a heap
@@ -337,26 +289,6 @@ impl fmt::Debug for LoadOptions {
             .field("progress", &self.progress.is_some())
             .field("cancelled", &self.cancel.is_cancelled())
             .finish()
-    }
-}
-
-/// A path not taken, and why.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Fallback {
-    pub from: String,
-    pub to: String,
-    pub reason: String,
-}
-
-impl Fallback {
-    pub fn new(from: &str, to: &str, reason: impl Into<String>) -> Self {
-        Fallback { from: from.into(), to: to.into(), reason: reason.into() }
-    }
-}
-
-impl fmt::Display for Fallback {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} -> {}: {}", self.from, self.to, self.reason)
     }
 }
 

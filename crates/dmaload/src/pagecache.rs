@@ -8,7 +8,10 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::options::LoadOptions;
+use crate::source::OpenFile;
 use crate::sys;
+use crate::types::{Engine, Fallback, IoMode};
 
 /// How much of a byte range of a file is in the page cache.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -58,3 +61,62 @@ pub fn evict(path: &Path) -> Result<()> {
     sys::file::fadvise(file.as_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
         .map_err(|e| Error::io("posix_fadvise(DONTNEED)", path, e))
 }
+
+/// Share of a range in the page cache from which a staged load in `auto`
+/// mode copies from the cache instead of reading the disk again.
+pub const CACHED_SHARE: f64 = 0.5;
+
+/// A staged load looks before it reads: in `auto` mode, when most of the
+/// range is already in the page cache (`mincore`), copying it from there on
+/// every CPU beats direct I/O re-reading the disk (on the H100 machine: 4.1
+/// GiB/s from a warm cache against 1.1-1.8 for O_DIRECT loaders). Returns
+/// the options for that, and the note the report carries.
+pub(crate) fn cached_source_options(
+    file: &OpenFile,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<Option<(LoadOptions, Fallback)>> {
+    if options.mode != IoMode::Auto {
+        return Ok(None);
+    }
+    let len = len.unwrap_or(file.len().saturating_sub(offset));
+    if offset.checked_add(len).is_none() {
+        // No file holds such a range: open_range refuses it, naming the offset.
+        return Ok(None);
+    }
+    // A file of tmpfs (a cache service's memfd, say) is all page cache.
+    let cached = if file.source().in_memory {
+        None
+    } else {
+        // Unknown residency (mincore would call every page cached): read the disk.
+        match known_residency_of(&file.source().file, file.path(), offset, len)? {
+            Some(residency) => Some(residency.fraction),
+            None => return Ok(None),
+        }
+    };
+    if len == 0 || cached.is_some_and(|share| share < CACHED_SHARE) {
+        return Ok(None);
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let warm = LoadOptions {
+        mode: IoMode::Buffered,
+        engine: Engine::PreadPool,
+        threads: options.threads.max(cpus.min(MAX_CACHE_COPY_THREADS)),
+        ..options.clone()
+    };
+    let threads = warm.threads;
+    let why = match cached {
+        Some(share) => format!(
+            "{:.0}% of the range is in the page cache: copying it from there on {threads} threads beats reading \
+             the disk again",
+            share * 100.0
+        ),
+        None => format!("the file lives in memory ({}): copied on {threads} threads", file.source().storage),
+    };
+    Ok(Some((warm, Fallback::new("direct", "page cache", why))))
+}
+
+/// Threads copying from the page cache at most: memory bandwidth, not
+/// CPUs, limits them past this.
+const MAX_CACHE_COPY_THREADS: usize = 16;

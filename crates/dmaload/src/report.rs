@@ -4,10 +4,9 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::engine::{CachePolicy, Engine};
-use crate::heap::MemoryKind;
-use crate::options::Fallback;
+use crate::memory::MemoryKind;
 use crate::pagecache::Residency;
+use crate::types::{CachePolicy, Engine, Fallback};
 
 /// What a load did and how long each part took.
 #[derive(Debug, Clone, Serialize)]

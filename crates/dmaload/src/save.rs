@@ -66,12 +66,13 @@ use std::time::{Instant, SystemTime};
 use serde::Serialize;
 
 use crate::engine::write::{WriteJob, WriteRun};
-use crate::engine::{CachePolicy, Engine, Progress, ProgressFn};
+use crate::engine::Progress;
 use crate::error::{Error, ErrorKind, Result};
-use crate::load::{Fallback, IoMode, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use crate::options::{DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use crate::source::type_name;
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
 pub use crate::sys::shm::RawBytes;
+use crate::types::{CachePolicy, Engine, Fallback, IoMode, ProgressFn};
 use crate::{sys, system};
 /// Options of [`save`]; `SaveOptions::default()` is what a user gets
 /// without flags.

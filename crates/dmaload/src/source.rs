@@ -17,10 +17,9 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use crate::engine::CachePolicy;
 use crate::error::{Error, ErrorKind, Result};
-use crate::options::{Fallback, IoMode};
 use crate::sys::file::{statx_dio_align, DioAlignQuery};
+use crate::types::{CachePolicy, Fallback, IoMode};
 use crate::{sys, system};
 
 /// A file type in words ("regular file", "FIFO", ...), for messages and

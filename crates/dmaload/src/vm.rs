@@ -303,7 +303,7 @@ impl SegmentTableBuilder {
             return Err(invalid(
                 "add buffer",
                 TABLE,
-                format!("anonymous memory has no fd to map: {}", crate::heap::NEEDS_A_MEMFD),
+                format!("anonymous memory has no fd to map: {}", crate::memory::NEEDS_A_MEMFD),
             ));
         };
         let fd: OwnedFd = memfd.try_clone_to_owned().map_err(|e| Error::io("dup", Path::new(TABLE), e))?;

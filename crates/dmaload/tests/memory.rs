@@ -226,12 +226,12 @@ fn a_dropped_buffer_is_unmapped_in_the_background_and_the_memory_comes_back() {
         || maps().lines().any(|l| l.contains("memfd:dmaload") && l.split_whitespace().nth(4) == Some(&inode));
     drop(buffer);
     // The drop returned; the unmapping may still be under way.
-    dmaload::heap::wait_for_freed_memory();
+    dmaload::memory::wait_for_freed_memory();
     assert!(!mapped(), "the buffer's mapping is still there after the background unmapping");
     // A load right after many drops finds the memory free again.
     for _ in 0..4 {
         let (buffer, _) = load_as(&path, MemoryKind::Memfd).unwrap();
         assert_pattern(&buffer[..4096], 0);
     }
-    dmaload::heap::wait_for_freed_memory();
+    dmaload::memory::wait_for_freed_memory();
 }

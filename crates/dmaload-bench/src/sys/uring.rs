@@ -36,7 +36,7 @@ impl ReadRing {
         })?;
         let size = len.next_multiple_of(rustix::param::page_size());
         let mut memory = Memory::memfd(size).map_err(|e| io::Error::other(e.to_string()))?;
-        dmaload::heap::populate(memory.bytes_mut(), 1)?;
+        dmaload::memory::populate(memory.bytes_mut(), 1)?;
         let ring = IoUring::new(u32::try_from(slots.next_power_of_two()).map_err(io::Error::other)?)?;
         if register {
             let (base, len) = memory.raw();

@@ -10,90 +10,16 @@ use std::io;
 use std::ops::Range;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
-
-use serde::Serialize;
 
 use crate::cancel::CancelToken;
 use crate::error::{Error, ErrorKind, Result};
 use crate::plan::{Plan, Request};
 use crate::sys;
 use crate::sys::uring::{Registrar, RingMemory};
-
-/// Which engine reads the file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Engine {
-    /// io_uring with buffers registered gather by gather (pages pinned
-    /// once, not per I/O). The default; falls back to `Uring` when
-    /// registration is refused and to `PreadPool` without io_uring.
-    #[default]
-    UringFixed,
-    /// io_uring with plain user addresses (pages pinned per I/O).
-    Uring,
-    /// A pool of threads each issuing blocking `preadv2` calls.
-    PreadPool,
-    /// One thread issuing sequential blocking reads: the classic
-    /// "mmap the buffer and read() into it".
-    Read,
-}
-
-impl Engine {
-    pub const ALL: [Engine; 4] = [Engine::UringFixed, Engine::Uring, Engine::PreadPool, Engine::Read];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Engine::UringFixed => "uring-fixed",
-            Engine::Uring => "uring",
-            Engine::PreadPool => "pread-pool",
-            Engine::Read => "read",
-        }
-    }
-}
-
-impl std::fmt::Display for Engine {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Engine {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Engine::ALL.into_iter().find(|e| e.name() == s).ok_or_else(|| {
-            let names: Vec<_> = Engine::ALL.iter().map(|e| e.name()).collect();
-            format!("unknown engine {s:?} (expected one of: {})", names.join(", "))
-        })
-    }
-}
-
-/// What happens to the page cache while reading.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum CachePolicy {
-    /// O_DIRECT: the page cache is bypassed.
-    Bypass,
-    /// Buffered reads that leave the file in the page cache.
-    Keep,
-    /// Buffered reads with `RWF_DONTCACHE` (Linux 6.14): pages are dropped
-    /// once copied.
-    DontCache,
-    /// Buffered reads followed by `POSIX_FADV_DONTNEED` on each chunk.
-    Fadvise,
-}
-
-impl CachePolicy {
-    pub(crate) fn rw_flags(self) -> i32 {
-        if self == CachePolicy::DontCache {
-            libc::RWF_DONTCACHE
-        } else {
-            0
-        }
-    }
-}
+use crate::types::{CachePolicy, Engine, Fallback, ProgressFn};
 
 /// How often a thread blocked on the gate looks at the caller's
 /// [`CancelToken`]: the bound on how late a cancellation is noticed there.
@@ -369,9 +295,6 @@ impl<'a, M: RingMemory> RegisterAhead<'a, M> {
     }
 }
 
-/// A progress callback: bytes done so far and bytes in all.
-pub type ProgressFn = dyn Fn(u64, u64) + Send + Sync;
-
 /// How often the reporting thread passes progress to the caller's callback.
 const PROGRESS_INTERVAL: Duration = Duration::from_millis(50);
 
@@ -564,7 +487,7 @@ pub(crate) struct EngineRun {
     /// Time spent blocked waiting for gathers to be populated.
     pub waited_for_memory: Duration,
     /// Fallbacks the engine took while running (e.g. registration refused).
-    pub fallbacks: Vec<crate::options::Fallback>,
+    pub fallbacks: Vec<Fallback>,
     /// The engine that actually did the work.
     pub engine: Engine,
 }
@@ -573,8 +496,8 @@ pub(crate) type EngineResult = Result<EngineRun>;
 
 /// The fallback taken when the kernel has no sparse registered-buffer
 /// table: io_uring with plain addresses.
-pub(crate) fn no_sparse_table(err: &io::Error) -> crate::options::Fallback {
-    crate::options::Fallback::new(
+pub(crate) fn no_sparse_table(err: &io::Error) -> Fallback {
+    Fallback::new(
         Engine::UringFixed.name(),
         Engine::Uring.name(),
         format!("cannot create a sparse registered-buffer table (Linux 5.19+): {err}"),
@@ -584,8 +507,8 @@ pub(crate) fn no_sparse_table(err: &io::Error) -> crate::options::Fallback {
 /// The fallback taken when the thread that registers buffers beside the
 /// I/O cannot get its duplicate of the ring's fd: io_uring with plain
 /// addresses.
-pub(crate) fn no_registrar(err: &io::Error) -> crate::options::Fallback {
-    crate::options::Fallback::new(
+pub(crate) fn no_registrar(err: &io::Error) -> Fallback {
+    Fallback::new(
         Engine::UringFixed.name(),
         Engine::Uring.name(),
         format!("no free file descriptor to register buffers through ({err}): RLIMIT_NOFILE is too small"),
@@ -594,8 +517,8 @@ pub(crate) fn no_registrar(err: &io::Error) -> crate::options::Fallback {
 
 /// The fallback taken, by a load or a save, when `io_uring_setup` failed
 /// the way [`io_uring_unavailable`] accepts: the pread pool, with why.
-pub(crate) fn no_uring(from: Engine, err: &io::Error) -> crate::options::Fallback {
-    crate::options::Fallback::new(from.name(), Engine::PreadPool.name(), uring_unavailable_reason(err))
+pub(crate) fn no_uring(from: Engine, err: &io::Error) -> Fallback {
+    Fallback::new(from.name(), Engine::PreadPool.name(), uring_unavailable_reason(err))
 }
 
 /// Whether a failed `io_uring_setup` means io_uring is unavailable to this

@@ -10,10 +10,10 @@ use std::io;
 
 use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout, RegisterAhead};
 use crate::error::Error;
-use crate::options::Fallback;
 use crate::plan::{ReadOutcome, Request};
 use crate::sys::mem::MappingWriter;
 use crate::sys::uring::{Completion, Registrar, Ring};
+use crate::types::Fallback;
 
 /// Runs the load on `ring`. With `fixed`, the gathers are registered in the
 /// ring's sparse buffer table a little ahead of the reads (see

@@ -13,9 +13,9 @@ use std::sync::Mutex;
 use super::{Engine, Gate, Progress, RegisterAhead};
 use crate::cancel::CancelToken;
 use crate::error::{Error, Result};
-use crate::load::Fallback;
 use crate::sys::shm::RawBytes;
 use crate::sys::uring::{Completion, Ring, MAX_REGISTERED_BUFFERS};
+use crate::types::Fallback;
 
 /// Bytes registered (pinned) as one io_uring buffer while writing: the
 /// write direction of a gather, registered ahead of the writes by the same

@@ -43,13 +43,13 @@ use serde::Serialize;
 
 use super::{BlockQueue, Filled, HeldRun, Role};
 use crate::engine::write::{SharedWriteRing, WriteJob, WriteRun};
-use crate::engine::{CachePolicy, Engine};
 use crate::error::{Error, ErrorKind, Result};
-use crate::load::{Fallback, IoMode, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use crate::load::{DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use crate::save::{
     check_sticky, choose_direct, keep_owner_and_mode, parent_dir, remove_stale_tmpfiles, resolve, TmpFile,
 };
 use crate::sys::shm::RawBytes;
+use crate::types::{CachePolicy, Engine, Fallback, IoMode};
 use crate::{sys, system};
 
 /// Bytes per write request (or one block, if larger): the largest request

@@ -10,12 +10,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::buffer::Buffer;
-use crate::engine::CachePolicy;
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{load_open, LoadOptions, LoadReport};
 use crate::share::protocol::{self, Reply, Request, Served, Status};
 use crate::share::Connection;
 use crate::source::OpenFile;
+use crate::types::CachePolicy;
 use crate::{source, sys, system};
 
 /// The environment variable that turns caching on for Python's loaders
@@ -69,7 +69,7 @@ pub fn handoff_report(
         bytes,
         engine: options.engine,
         cache: CachePolicy::Bypass,
-        memory: crate::heap::MemoryKind::Memfd,
+        memory: crate::memory::MemoryKind::Memfd,
         huge_pages: false,
         destination,
         memory_reason: "a sealed memfd handed over by another process".into(),

@@ -8,6 +8,7 @@
 mod block_queue;
 mod capture;
 pub mod client;
+mod handoff;
 pub mod protocol;
 pub mod service;
 

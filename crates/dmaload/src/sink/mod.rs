@@ -19,10 +19,10 @@ pub use dma_heap::DmaHeapSink;
 use std::sync::{Condvar, Mutex, PoisonError};
 
 use crate::cuda::{Context, PinnedStaging};
-use crate::options::Fallback;
 use crate::plan::Plan;
 use crate::sys;
 use crate::sys::mem::{HugePageAdvice, Mapping, MappingWriter, Prefault, SharedMapping};
+use crate::types::Fallback;
 
 /// Staging slots by default: deep enough to keep a fast disk busy (the
 /// engine reads into every free slot at once) while a GPU copy drains one.
@@ -188,7 +188,7 @@ impl StagingRing {
     pub fn new(slots: usize, slot_size: usize, chunk: usize) -> io::Result<StagingRing> {
         let (slot_len, len) = Self::size(slots, slot_size, chunk)?;
         let mut memory = Mapping::anonymous(len, HugePageAdvice::Huge)?;
-        crate::pipeline::populate_range(memory.writer(), 0..len, 1)?;
+        memory.writer().populate_on_threads(0..len, 1)?;
         Ok(StagingRing { memory: StagingMemory::Plain(memory), slots, slot_len })
     }
 

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::heap::{Allocation, MemoryKind};
+use super::{Allocation, MemoryKind};
 use crate::sys;
 use crate::system::{bracketed_choice, THP_ANONYMOUS, THP_SHMEM};
 

@@ -3,22 +3,29 @@
 //! plan's chunks into what is ready, and a reporting thread passes
 //! progress on; see docs/architecture.md.
 
+mod host;
+mod range;
+mod staged;
+
+pub(crate) use host::{load_source, with_kept_ring};
+pub(crate) use range::{check_memory, open_range, range_len};
+pub(crate) use staged::staged_load;
+
 use std::io;
-use std::ops::Range;
 use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::engine::{self, Engine, EngineRun, Gate, Job, Layout, Progress, RegisterAhead};
+use crate::engine::{self, EngineRun, Gate, Job, Layout, Progress, RegisterAhead};
 use crate::error::{Error, ErrorKind, Result};
-use crate::heap::{Allocation, MemoryKind};
-use crate::options::{Fallback, LoadOptions};
+use crate::memory::{Allocation, MemoryKind};
+use crate::options::LoadOptions;
 use crate::plan::Plan;
 use crate::sink::{Sink, SlotData, StagingRing};
 use crate::source::ReadSetup;
-use crate::sys;
 use crate::sys::mem::MappingWriter;
 use crate::sys::uring::{Registrar, Ring};
+use crate::types::{Engine, Fallback};
 
 /// Time spent on the helper thread: populating the buffer, and
 /// registering it with io_uring.
@@ -27,44 +34,6 @@ pub(crate) struct PopulateTimes {
     pub all: Duration,
     pub first: Duration,
     pub register: Duration,
-}
-
-/// Allocates and maps the pages of `range` on `threads` threads, each
-/// taking an equal page-aligned share, with `MADV_POPULATE_WRITE` so the I/O
-/// never faults. No `fallocate` first: it has no mapping to take the
-/// `MADV_HUGEPAGE` hint from, so under `shmem_enabled=advise` it would
-/// allocate a memfd in 4 KiB pages.
-pub(crate) fn populate_range(dst: MappingWriter<'_>, range: Range<usize>, threads: usize) -> io::Result<()> {
-    let populate = |part: Range<usize>| dst.populate(part);
-    let page = sys::mem::page_size();
-    let share = range.len().div_ceil(threads.max(1)).div_ceil(page) * page;
-    if threads <= 1 || share >= range.len() {
-        return populate(range);
-    }
-    let parts: Vec<Range<usize>> =
-        range.clone().step_by(share).map(|start| start..(start + share).min(range.end)).collect();
-    std::thread::scope(|scope| {
-        // A part whose helper thread cannot be created is populated here.
-        let mut result = Ok(());
-        let mut helpers = Vec::new();
-        for part in &parts[1..] {
-            let helper = part.clone();
-            match std::thread::Builder::new()
-                .name("dmaload-populate".into())
-                .spawn_scoped(scope, move || populate(helper))
-            {
-                Ok(helper) => helpers.push(helper),
-                Err(_) => result = result.and(populate(part.clone())),
-            }
-        }
-        result = result.and(populate(parts[0].clone()));
-        for helper in helpers {
-            let joined =
-                helper.join().unwrap_or_else(|_| Err(io::Error::other("a populating thread panicked")));
-            result = result.and(joined);
-        }
-        result
-    })
 }
 
 /// Populates each gather in order and opens the gate behind it; with a
@@ -87,7 +56,7 @@ fn populate_gathers(
             break;
         }
         let started = Instant::now();
-        if let Err(err) = populate_range(dst, plan.gather_range(g), threads) {
+        if let Err(err) = dst.populate_on_threads(plan.gather_range(g), threads) {
             gate.fail(&err);
             ahead = None;
             break;
