@@ -358,7 +358,11 @@ fn load_options(
         threads: o.threads as usize,
         populate_threads: o.populate_threads as usize,
         measure_page_cache: o.measure_page_cache != 0,
-        ..LoadOptions::default()
+        // Not in C (LOAD_OPTION_FRONTS says why); no `..` here, so a new
+        // core option is a compile error until C decides about it.
+        needs_fd: true,
+        progress: None,
+        cancel: dmaload::CancelToken::default(),
     })
 }
 

@@ -173,7 +173,14 @@ impl LoadArgs {
             queue_depth: self.queue_depth,
             threads: self.threads,
             populate_threads: self.populate_threads,
-            ..LoadOptions::default()
+            // Each command sets these for itself (`load` hands out no fd and
+            // measures the page cache unless --no-page-cache; a terminal
+            // gets a progress bar); no `..` here, so a new core option is a
+            // compile error until the CLI decides about it.
+            needs_fd: true,
+            measure_page_cache: false,
+            progress: None,
+            cancel: dmaload::CancelToken::default(),
         }
     }
 }

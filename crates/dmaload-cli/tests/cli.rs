@@ -577,3 +577,29 @@ fn bench_fio_reads_the_whole_file_once_per_depth() {
         assert!(cpu >= 0.0 && cpu <= row["seconds"].as_f64().unwrap() * cpus + 0.002, "{row}");
     }
 }
+
+/// Every load option the core's table gives a flag is a flag of `dmaload
+/// load` (and of `copy`, which loads with the same flags).
+#[test]
+fn load_and_copy_offer_every_flag_of_the_option_table() {
+    for command in ["load", "copy"] {
+        let out = dmaload().args([command, "--help"]).output().unwrap();
+        assert!(out.status.success(), "{command} --help: {}", String::from_utf8_lossy(&out.stderr));
+        let help = String::from_utf8_lossy(&out.stdout);
+        let flags: Vec<&str> = help
+            .split(|c: char| c.is_whitespace() || c == ',' || c == '=' || c == '[' || c == '<')
+            .filter(|word| word.starts_with("--"))
+            .collect();
+        for row in dmaload::LOAD_OPTION_FRONTS {
+            let dmaload::Spelling::Named(flag) = row.cli else { continue };
+            if command == "copy" && flag == "--no-page-cache" {
+                continue; // copy never measures the page cache
+            }
+            assert!(
+                flags.contains(&flag),
+                "`dmaload {command}` has no {flag} for LoadOptions::{}: {flags:?}",
+                row.field
+            );
+        }
+    }
+}
