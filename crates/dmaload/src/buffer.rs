@@ -14,11 +14,14 @@ use crate::sys;
 use crate::sys::mem::{page_size, Mapping, Seals};
 
 /// The seals a memfd carries before it leaves the process, and that a
-/// receiver checks: no shrinking or growing, no new writable shared mapping
-/// and no `write(2)` (`F_SEAL_FUTURE_WRITE`, which udmabuf still accepts,
-/// unlike `F_SEAL_WRITE`), and no further seals.
+/// receiver checks: no shrinking or growing, no writes at all
+/// (`F_SEAL_WRITE`, which the kernel adds only while no process holds a
+/// writable shared mapping of the memfd and no page is pinned, so the bytes
+/// can never change again), and no further seals. `F_SEAL_FUTURE_WRITE`
+/// alone is not enough: it leaves writable shared mappings made before it
+/// writable, and a receiver's private mapping shows their writes.
 pub(crate) const SHARING_SEALS: Seals =
-    Seals::SHRINK.union(Seals::GROW).union(Seals::FUTURE_WRITE).union(Seals::SEAL);
+    Seals::SHRINK.union(Seals::GROW).union(Seals::WRITE).union(Seals::FUTURE_WRITE).union(Seals::SEAL);
 
 /// The name errors give a buffer's memfd.
 const MEMFD: &str = "memfd";
@@ -107,21 +110,20 @@ impl Buffer {
     }
 
     /// The memfd holding the bytes, for passing to another process;
-    /// `None` for anonymous memory. Before handing it out this seals it
-    /// (no resizing, no new writable shared mapping or
-    /// `write(2)`, no further seals; `F_SEAL_FUTURE_WRITE` needs Linux 5.1)
-    /// and turns this buffer's own mapping private copy-on-write, so that
-    /// nothing writes the shared pages any more: whoever receives the fd
-    /// sees the bytes as they are now, and writes through this buffer stay
-    /// in this process. udmabuf refuses memfds with that seal (Linux
-    /// 6.12+), so export with [`Buffer::into_dmabuf`] before, not after,
-    /// handing the fd out. (A udmabuf made elsewhere from an unsealed copy
-    /// lets devices write the pages, as `/proc/self/mem` lets a debugger:
-    /// outside what a seal can stop.) Where the mapping cannot be made
-    /// private or the seals cannot be added (`F_SEAL_FUTURE_WRITE` needs
-    /// Linux 5.1; a private mapping of hugetlb memory reserves as many pages
-    /// of the pool as the buffer has, and needs Linux 5.16), no fd is
-    /// handed out: it would let others write bytes this buffer shows.
+    /// `None` for anonymous memory. Before handing it out this turns this
+    /// buffer's own mapping private copy-on-write, so that nothing here
+    /// writes the shared pages any more, then seals the memfd
+    /// ([`SHARING_SEALS`]: no resizing, no writes at all, no further seals):
+    /// whoever receives the fd sees the bytes as they are now, forever, and
+    /// writes through this buffer stay in this process. The kernel refuses
+    /// `F_SEAL_WRITE` (EBUSY) while another writable shared mapping of the
+    /// memfd exists (a forked child's copy of the mapping) or a page is
+    /// pinned (`cudaHostRegister`, a udmabuf): then no fd is handed out,
+    /// as it would let others see bytes change. udmabuf refuses sealed
+    /// memfds, so export with [`Buffer::into_dmabuf`] before, not after,
+    /// handing the fd out. Where the mapping cannot be made private (a
+    /// private mapping of hugetlb memory reserves as many pages of the pool
+    /// as the buffer has, and needs Linux 5.16), no fd is handed out either.
     pub fn memfd(&self) -> Result<Option<BorrowedFd<'_>>> {
         let Some(fd) = self.memfd.as_ref().map(|fd| fd.as_fd()) else {
             return Ok(None);
@@ -134,6 +136,12 @@ impl Buffer {
     /// pool has to do with it where hugetlb memory could not be mapped
     /// private.
     fn sealing_error(&self, path: &Path, err: std::io::Error) -> Error {
+        if err.raw_os_error() == Some(libc::EBUSY) {
+            let message = "another writable shared mapping of the memfd (a forked child's) or a pinned \
+                           page (cudaHostRegister, a udmabuf) exists, so the kernel refuses \
+                           F_SEAL_WRITE: a receiver could see the bytes change";
+            return Error::with_errno("seal memfd", path, libc::EBUSY, message);
+        }
         if self.kind == MemoryKind::Hugetlb && err.raw_os_error() == Some(libc::ENOMEM) {
             let message = "the pool has too few free pages for the private copy-on-write mapping \
                            sealing needs: one of hugetlb memory reserves as many pages as it maps \
@@ -147,7 +155,7 @@ impl Buffer {
     /// mapping private first; done once.
     fn seal_for_sharing(&self, fd: BorrowedFd<'_>) -> std::io::Result<()> {
         let _once = self.sharing.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if sys::mem::seals(fd)?.contains(Seals::FUTURE_WRITE) {
+        if sys::mem::seals(fd)?.contains(SHARING_SEALS) {
             return Ok(());
         }
         // The mapping is Allocation::new's shared mapping of this memfd from
@@ -192,7 +200,8 @@ impl Buffer {
         if !seals.contains(SHARING_SEALS) {
             return Err(refused(
                 "the memfd received is not sealed against resizing and writing (it needs \
-                 F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE and F_SEAL_SEAL)"
+                 F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE and F_SEAL_SEAL: F_SEAL_FUTURE_WRITE \
+                 alone leaves the sender's writable mappings writable)"
                     .into(),
             ));
         }
@@ -268,7 +277,7 @@ impl Buffer {
         let memfd = memfd.ok_or_else(|| {
             std::io::Error::new(std::io::ErrorKind::InvalidInput, "anonymous memory has no memfd to share")
         })?;
-        if !sys::mem::seals(memfd.as_fd())?.contains(Seals::FUTURE_WRITE) {
+        if !sys::mem::seals(memfd.as_fd())?.contains(SHARING_SEALS) {
             sys::mem::add_seals(memfd.as_fd(), SHARING_SEALS)?;
         }
         Ok((memfd, data))

@@ -38,6 +38,9 @@ pub struct Error {
     path: PathBuf,
     offset: Option<u64>,
     source: io::Error,
+    /// The OS error number of an error whose `source` is a message (an
+    /// `io::Error` holds either a number or a message, never both).
+    errno: Option<i32>,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -45,14 +48,36 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// A failed system call `op` on `path`.
     pub fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
-        Error { kind: ErrorKind::Io, op: Cow::Borrowed(op), path: path.to_owned(), offset: None, source }
+        Error {
+            kind: ErrorKind::Io,
+            op: Cow::Borrowed(op),
+            path: path.to_owned(),
+            offset: None,
+            source,
+            errno: None,
+        }
+    }
+
+    /// A failed system call `op` on `path` that failed with `errno`, told
+    /// with `message` (what the number means here): both reach the caller,
+    /// [`Error::raw_os_error`] and [`Error::errno`] give `errno`.
+    pub fn with_errno(op: &'static str, path: &Path, errno: i32, message: impl Into<String>) -> Self {
+        let source = io::Error::new(io::Error::from_raw_os_error(errno).kind(), message.into());
+        Error {
+            kind: ErrorKind::Io,
+            op: Cow::Borrowed(op),
+            path: path.to_owned(),
+            offset: None,
+            source,
+            errno: Some(errno),
+        }
     }
 
     /// An error of `kind` with a message instead of an OS error.
     pub fn new(kind: ErrorKind, op: &'static str, path: &Path, message: impl Into<String>) -> Self {
         let errno = io::Error::from_raw_os_error(default_errno(kind));
         let source = io::Error::new(errno.kind(), message.into());
-        Error { kind, op: Cow::Borrowed(op), path: path.to_owned(), offset: None, source }
+        Error { kind, op: Cow::Borrowed(op), path: path.to_owned(), offset: None, source, errno: None }
     }
 
     /// The same error, located at byte `offset` of the file.
@@ -68,12 +93,11 @@ impl Error {
         self
     }
 
-    /// The same error with `note` added to its message (errors without an
-    /// OS error only: the OS error's number would be lost).
+    /// The same error with `note` added to its message; an OS error keeps
+    /// its number ([`Error::raw_os_error`]).
     pub(crate) fn with_note(mut self, note: &str) -> Self {
-        if self.source.raw_os_error().is_none() {
-            self.source = io::Error::new(self.source.kind(), format!("{}{note}", self.source));
-        }
+        self.errno = self.raw_os_error();
+        self.source = io::Error::new(self.source.kind(), format!("{}{note}", self.source));
         self
     }
 
@@ -103,9 +127,10 @@ impl Error {
         self.offset
     }
 
-    /// The OS error number, when a system call failed.
+    /// The OS error number, when a system call failed (also for errors
+    /// that carry a message beside it: [`Error::with_errno`]).
     pub fn raw_os_error(&self) -> Option<i32> {
-        self.source.raw_os_error()
+        self.source.raw_os_error().or(self.errno)
     }
 
     /// The errno that best describes this error, for bindings that need one
@@ -113,7 +138,7 @@ impl Error {
     /// per kind (ENODATA for a truncated file, ESTALE for one written during
     /// the load, ECANCELED, ENOMEM, EINVAL).
     pub fn errno(&self) -> i32 {
-        self.source.raw_os_error().unwrap_or(default_errno(self.kind))
+        self.raw_os_error().unwrap_or(default_errno(self.kind))
     }
 
     /// The underlying I/O error.
@@ -150,6 +175,9 @@ impl std::error::Error for Error {
     }
 }
 
+/// The whole message, of the OS error's kind. (An `io::Error` holds a
+/// number or a message, not both: read [`Error::errno`] before converting
+/// where the number matters.)
 impl From<Error> for io::Error {
     fn from(err: Error) -> io::Error {
         io::Error::new(err.source.kind(), err.to_string())
@@ -161,4 +189,21 @@ impl From<Error> for io::Error {
 /// refuses a non-UTF-8 `Path`).
 pub fn serialize_path<S: serde::Serializer>(path: &Path, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_str(&path.to_string_lossy())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_keeps_both_its_message_and_its_errno() {
+        let path = Path::new("/x");
+        let told = Error::with_errno("seal memfd", path, libc::EBUSY, "someone still maps it writable");
+        assert_eq!((told.raw_os_error(), told.errno()), (Some(libc::EBUSY), libc::EBUSY));
+        assert!(told.to_string().ends_with("someone still maps it writable"), "{told}");
+        // A note added to an OS error keeps the number too.
+        let noted = Error::io("read", path, io::Error::from_raw_os_error(libc::EIO)).with_note("; more");
+        assert_eq!(noted.raw_os_error(), Some(libc::EIO));
+        assert!(noted.to_string().ends_with("; more"), "{noted}");
+    }
 }

@@ -232,17 +232,7 @@ impl Source {
         let given = File::from(fd.try_clone_to_owned().map_err(|e| Error::io("dup", &path, e))?);
         let meta = given.metadata().map_err(|e| Error::io("fstat", &path, e))?;
         check_type(&path, &meta, NOT_LOADABLE)?;
-        let file = sys::file::open_nonblocking(&proc_path).map_err(|e| Error::io("reopen", &proc_path, e))?;
-        let reopened = file.metadata().map_err(|e| Error::io("fstat", &path, e))?;
-        if (reopened.dev(), reopened.ino()) != (meta.dev(), meta.ino()) {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                "reopen",
-                &proc_path,
-                "reopening the fd through /proc/self/fd gave another file",
-            ));
-        }
-        sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", &path, e))?;
+        let file = reopen(&given, &path)?;
         Ok((Source::inspect(file, &path)?, path))
     }
 
@@ -310,6 +300,29 @@ impl Source {
     }
 }
 
+/// A new open file description of the file `file` is open on
+/// (`/proc/self/fd/N`, checked to be the same inode), for flags of its own:
+/// a `dup` shares the description, so `O_DIRECT` set on a dup would change
+/// the original's reads too (unaligned `pread` then fails with EINVAL).
+fn reopen(file: &File, path: &Path) -> Result<File> {
+    let proc_path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+    let meta = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
+    // Non-blocking open: the file was checked to be no FIFO, but the path
+    // could still lead elsewhere; the inode check below catches that.
+    let reopened = sys::file::open_nonblocking(&proc_path).map_err(|e| Error::io("reopen", &proc_path, e))?;
+    let now = reopened.metadata().map_err(|e| Error::io("fstat", path, e))?;
+    if (now.dev(), now.ino()) != (meta.dev(), meta.ino()) {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "reopen",
+            &proc_path,
+            "reopening the fd through /proc/self/fd gave another file",
+        ));
+    }
+    sys::file::set_nonblocking(reopened.as_fd(), false).map_err(|e| Error::io("fcntl", path, e))?;
+    Ok(reopened)
+}
+
 /// How the load reads: the file to read from (O_DIRECT or not), the page
 /// cache policy and the offset alignment.
 pub(crate) struct ReadSetup {
@@ -320,9 +333,9 @@ pub(crate) struct ReadSetup {
 
 /// Reads through the page cache, on the source's own open file.
 pub(crate) fn buffered(path: &Path, file: &File, cache: CachePolicy) -> Result<ReadSetup> {
+    // The source's own description never has O_DIRECT (direct reads get a
+    // description of their own: `reopen`).
     let file = file.try_clone().map_err(|e| Error::io("dup", path, e))?;
-    // A retry after a rejected direct read: the flag is on the shared open file.
-    sys::file::set_direct(file.as_fd(), false).map_err(|e| Error::io("fcntl(O_DIRECT off)", path, e))?;
     Ok(ReadSetup { file, cache, align: 1 })
 }
 
@@ -375,8 +388,20 @@ pub(crate) fn choose_read_setup(
     };
     let Some(align) = align else { return unsupported() };
     // O_DIRECT on the file already opened and checked, never a second open
-    // by path: a file renamed over the path since cannot be read by mistake.
-    let direct = file.try_clone().map_err(|e| Error::io("dup", path, e))?;
+    // by path (a file renamed over the path since cannot be read by
+    // mistake), and on a description of its own: the source's (and a
+    // caller's OpenFile::read_at) keeps buffered reads at any offset.
+    let direct = match reopen(file, path) {
+        Ok(direct) => direct,
+        Err(err) if mode == IoMode::Auto => {
+            // /proc/self/fd checks the inode's permissions again: a file
+            // whose mode changed since it was opened is still read, buffered.
+            let setup = buffered(path, file, no_residue_policy(file))?;
+            fallbacks.push(Fallback::new("direct", cache_name(setup.cache), err.to_string()));
+            return Ok(setup);
+        }
+        Err(err) => return Err(err),
+    };
     match sys::file::set_direct(direct.as_fd(), true) {
         Ok(()) => Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align }),
         Err(err) if err.raw_os_error() == Some(libc::EINVAL) => unsupported(),

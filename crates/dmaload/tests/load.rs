@@ -378,3 +378,28 @@ fn a_large_load_into_small_pages_reads_through_the_ring_with_the_same_bytes() {
     let (_, small) = dmaload::load_range(&path, 0, 8 << 20, &opts).unwrap();
     assert!(!small.destination.contains("staging ring"), "{}", small.destination);
 }
+
+/// A direct load sets O_DIRECT on an open file description of its own: the
+/// `OpenFile` it read from keeps reading at any offset and length (a `dup`
+/// shares the description, where unaligned reads then fail with EINVAL).
+#[test]
+fn a_direct_load_leaves_the_open_files_own_reads_buffered() {
+    const TEST: &str = "a_direct_load_leaves_the_open_files_own_reads_buffered";
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_pattern_file(&path, (1 << 20) + 5);
+    let file = dmaload::OpenFile::open(&path).unwrap();
+    let read_three = |file: &dmaload::OpenFile| {
+        let mut three = [0u8; 3];
+        assert_eq!(file.read_at(&mut three, 1).unwrap(), 3);
+        assert_pattern(&three, 1);
+    };
+    read_three(&file);
+    let direct = LoadOptions { mode: IoMode::Direct, ..LoadOptions::default() };
+    match dmaload::load_open(&file, 0, None, &direct) {
+        Ok((buffer, _)) => assert_pattern(&buffer, 0),
+        Err(err) if err.kind() == ErrorKind::DirectIoUnavailable => return skip(TEST, &err.to_string()),
+        Err(err) => panic!("{err}"),
+    }
+    read_three(&file);
+}

@@ -18,7 +18,8 @@ impl Buffer {
     /// takes it with [`Buffer::receive`]: the memfd (sealed first, see
     /// [`Buffer::memfd`]) and where the bytes are in it, in one message.
     /// No byte is copied; the receiver maps the same pages privately. Needs
-    /// memfd memory and Linux 5.1 (`F_SEAL_FUTURE_WRITE`).
+    /// memfd memory; fails as [`Buffer::memfd`] does where the memfd cannot
+    /// be sealed against writes.
     pub fn send(&self, conn: &Connection) -> Result<()> {
         let socket = Path::new(SOCKET);
         let (fd, data) = self.sealed_for_sending("send buffer", socket)?;
@@ -34,15 +35,18 @@ impl Buffer {
     /// Receives a buffer that the process at the other end of `conn` sent
     /// with [`Buffer::send`] (or the cache service handed out). The message
     /// is untrusted: it must carry exactly one memfd sealed as
-    /// [`Buffer::memfd`] seals it, whose size covers the byte range it names, else it
-    /// is refused and the descriptor closed. The memfd is mapped private
-    /// copy-on-write: writes to the buffer stay in this process.
+    /// [`Buffer::memfd`] seals it, `F_SEAL_WRITE` included, whose size
+    /// covers the byte range it names, else it is refused and the
+    /// descriptor closed. The memfd is mapped private copy-on-write: writes
+    /// to the buffer stay in this process.
     ///
-    /// The seals stop new writers; a sender that kept a writable shared
-    /// mapping from before sealing could still change the pages (dmaload
-    /// never does: it makes its own mapping private first). Only receive
-    /// from peers you would trust with your memory anyway (the socket's
-    /// [`Connection::peer_credentials`] says who they are).
+    /// The promise behind the safe `&[u8]`: the kernel adds `F_SEAL_WRITE`
+    /// only when no writable shared mapping of the memfd exists anywhere and
+    /// no page is pinned, and allows none after, so no process (the sender
+    /// included) can change the bytes this buffer shows. A memfd sealed only
+    /// `F_SEAL_FUTURE_WRITE` (whose sender may still hold a writable mapping)
+    /// is refused. Every dmaload sender (this `send`, Python's `send()`,
+    /// the C library's and the CLI's, the cache service) seals so.
     pub fn receive(conn: &Connection) -> Result<Buffer> {
         let socket = Path::new(SOCKET);
         let (info, memfd) = protocol::receive_buffer(conn, socket)?;

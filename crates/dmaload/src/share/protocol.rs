@@ -273,7 +273,7 @@ impl WireError {
         let kind = KINDS.iter().find(|(_, name)| *name == self.kind).map_or(ErrorKind::Io, |(k, _)| *k);
         let path = path.map_or_else(|| PathBuf::from(&self.path), Path::to_path_buf);
         let err = match self.errno {
-            Some(errno) => Error::io("load", &path, io::Error::from_raw_os_error(errno)).with_kind(kind),
+            Some(errno) => Error::with_errno("load", &path, errno, self.message).with_kind(kind),
             None => Error::new(kind, "load", &path, self.message),
         };
         // The service's own name for what failed ("allocate the staging
@@ -313,6 +313,11 @@ mod tests {
         let back = WireError::from_error(&ring).into_error(None);
         assert_eq!(back.to_string(), ring.to_string());
         assert_eq!((back.op(), back.raw_os_error()), ("allocate the staging ring", Some(libc::ENOMEM)));
+        // A message told beside an errno crosses with both.
+        let busy = Error::with_errno("seal memfd", path, libc::EBUSY, "still mapped writable elsewhere");
+        let back = WireError::from_error(&busy).into_error(None);
+        assert_eq!(back.to_string(), busy.to_string());
+        assert_eq!(back.raw_os_error(), Some(libc::EBUSY));
         let long = WireError { op: "x".repeat(10_000), ..WireError::from_error(&direct) };
         assert_eq!(long.into_error(None).op().len(), MAX_OP_CHARS);
         let unnamed = WireError { op: String::new(), ..WireError::from_error(&direct) };

@@ -1000,6 +1000,14 @@ impl Seals {
     /// mappings made before stay writable, private mappings are
     /// copy-on-write, and udmabuf still accepts the memfd.
     pub const FUTURE_WRITE: Seals = Seals(libc::F_SEAL_FUTURE_WRITE);
+    /// No writes at all (`F_SEAL_WRITE`, Linux 3.17): the kernel adds it
+    /// only while no writable shared mapping of the memfd exists in any
+    /// process and no page is pinned (a registered io_uring buffer, a
+    /// udmabuf, `cudaHostRegister`), failing with EBUSY otherwise; after
+    /// it, no `write(2)`, no writable shared mapping. So the bytes can
+    /// never change again: what makes a `&[u8]` over them sound in a
+    /// process that did not write them. udmabuf refuses such a memfd.
+    pub const WRITE: Seals = Seals(libc::F_SEAL_WRITE);
     /// No more seals may be added or removed (`F_SEAL_SEAL`).
     pub const SEAL: Seals = Seals(libc::F_SEAL_SEAL);
 }
