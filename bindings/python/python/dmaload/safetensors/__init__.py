@@ -91,6 +91,8 @@ def release_staging() -> int:
 
 Framework: TypeAlias = Literal["np", "numpy", "pt", "torch"]
 StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
+Paths: TypeAlias = Union[StrPath, Sequence[StrPath]]
+"""A model path (a file, an index or a directory) or a list of shard files."""
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_LEN = _dmaload.MAX_HEADER_LEN
@@ -98,17 +100,22 @@ MAX_INDEX_LEN = _dmaload.MAX_HEADER_LEN
 DEFAULT_CONCURRENCY = 4
 
 
-def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
+def shard_paths(path: Paths) -> tuple[list[Path], dict[str, str] | None]:
     """The files a model path stands for, and the index's weight map (if any).
 
-    A file is itself; a ``*.json`` is an index whose ``weight_map`` names
+    A list (or tuple) is those shard files, with no index (a tensor in two
+    of them is an error when they are loaded); a file is itself; a ``*.json`` is an index whose ``weight_map`` names
     the shards (relative to the index); a directory is its
     ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json`` file)
     else all of its ``*.safetensors`` files in name order. A directory with
     several other index files (a diffusers model's variants, say) is an
     error naming them: which one is meant is the caller's to say.
     """
-    p = Path(path)
+    if isinstance(path, (list, tuple)):
+        if not path:
+            raise ValueError("an empty list of shard files")
+        return [Path(os.fspath(f)) for f in path], None
+    p = Path(os.fspath(path))
     if p.is_dir():
         indexes = sorted(f for f in p.glob("*.safetensors.index.json") if f.is_file())
         if (p / INDEX_NAME).is_file():
@@ -466,7 +473,7 @@ class SafeOpen:
 
     def __init__(
         self,
-        path: StrPath,
+        path: Paths,
         framework: Framework = "np",
         device: Any = "cpu",
         *,
@@ -646,7 +653,7 @@ class TensorSlice:
 
 
 def safe_open(
-    path: StrPath,
+    path: Paths,
     framework: Framework = "np",
     device: Any = "cpu",
     *,
@@ -676,7 +683,7 @@ def safe_open(
 
 
 def load_file(
-    path: StrPath,
+    path: Paths,
     device: Any = "cpu",
     framework: Framework = "np",
     *,
@@ -733,7 +740,7 @@ def load_file(
 
 
 def iter_tensors(
-    path: StrPath,
+    path: Paths,
     device: Any = "cpu",
     *,
     process_group: Any = None,
