@@ -91,8 +91,8 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
             log=logger,
             bar_format=_BAR_FORMAT,
         )
-        if self.counter_before_loading_weights == 0.0:
-            self.counter_before_loading_weights = time.perf_counter()
+        if self.counter_before_loading_weights == 0.0:  # as DefaultModelLoader times it
+            self.counter_before_loading_weights: float = time.perf_counter()
         return ((source.prefix + name, tensor) for name, tensor in tensors)
 
 

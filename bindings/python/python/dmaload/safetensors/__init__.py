@@ -67,6 +67,8 @@ from . import _collective, _device
 from ._collective import DEFAULT_WINDOW, CollectiveLoadError, TensorFilter
 
 __all__ = [
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_WINDOW",
     "CollectiveLoadError",
     "Header",
     "SafeOpen",
@@ -115,7 +117,7 @@ def shard_paths(path: Paths) -> tuple[list[Path], dict[str, str] | None]:
         if not path:
             raise ValueError("an empty list of shard files")
         return [Path(os.fspath(f)) for f in path], None
-    p = Path(os.fspath(path))
+    p = Path(os.fspath(path))  # type: ignore[arg-type]  # not a list: a str or PathLike
     if p.is_dir():
         indexes = sorted(f for f in p.glob("*.safetensors.index.json") if f.is_file())
         if (p / INDEX_NAME).is_file():

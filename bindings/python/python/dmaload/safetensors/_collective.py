@@ -44,7 +44,7 @@ import hashlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias, Union
@@ -161,7 +161,8 @@ class _Group:
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.size * len(values), dtype=torch.int64, device=self.device)
         self.dist.all_gather_into_tensor(out, mine, group=self.group)
-        return out.view(self.size, len(values)).tolist()  # type: ignore[no-any-return]
+        rows: list[list[int]] = out.view(self.size, len(values)).tolist()
+        return rows
 
     def gather_slots(self, buffer: Any, slot: int) -> None:
         """Fills ``buffer`` (N slots) with every rank's slot, in place."""
@@ -338,7 +339,7 @@ class Stream:
             self.close()
 
 
-def _read_ahead(windows: list[_Window], read: Callable[[_Window], Any]) -> Iterator[tuple[_Window, Any]]:
+def _read_ahead(windows: list[_Window], read: Callable[[_Window], Any]) -> Generator[tuple[_Window, Any], None, None]:
     """``(window, read(window))`` in order, the next window read by a thread
     while the caller handles this one. A failure is raised here, in order."""
     if not windows:
