@@ -16,6 +16,10 @@ cargo test --workspace --release -- --nocapture
 # dependencies from PyPI), then stubtest, mypy and pytest.
 bash bindings/python/ci.sh
 
+# Serving engines: vLLM's CPU build (its own venv, from PyPI) serving a
+# tiny Llama with --load-format dmaload.
+bash tests/engines/ci.sh
+
 # dma-heap and udmabuf, which this kernel lacks: static test binaries booted
 # in a QEMU guest on a kernel that has both (prints "SKIP vm: ..." and
 # passes where QEMU cannot run).

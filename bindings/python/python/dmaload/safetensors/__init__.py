@@ -60,17 +60,23 @@ from .. import _dmaload
 from .._cache import Cache, load_cached, socket_for
 from .._dmaload import Buffer, SafetensorError
 from .._header import Header, TensorInfo
-from .._options import Destination, LoadOptions, native_options
+from .._options import Destination, LoadOptions, Size, native_options
 from .._progress import Progress, resolve
 from .._report import LoadReport
-from . import _device
+from . import _collective, _device
+from ._collective import DEFAULT_WINDOW, CollectiveLoadError, TensorFilter
 
 __all__ = [
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_WINDOW",
+    "CollectiveLoadError",
     "Header",
     "SafeOpen",
     "SafetensorError",
     "TensorInfo",
+    "TensorFilter",
     "TensorSlice",
+    "iter_tensors",
     "load_file",
     "release_staging",
     "safe_open",
@@ -87,6 +93,8 @@ def release_staging() -> int:
 
 Framework: TypeAlias = Literal["np", "numpy", "pt", "torch"]
 StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
+Paths: TypeAlias = Union[StrPath, Sequence[StrPath]]
+"""A model path (a file, an index or a directory) or a list of shard files."""
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_LEN = _dmaload.MAX_HEADER_LEN
@@ -94,17 +102,22 @@ MAX_INDEX_LEN = _dmaload.MAX_HEADER_LEN
 DEFAULT_CONCURRENCY = 4
 
 
-def shard_paths(path: StrPath) -> tuple[list[Path], dict[str, str] | None]:
+def shard_paths(path: Paths) -> tuple[list[Path], dict[str, str] | None]:
     """The files a model path stands for, and the index's weight map (if any).
 
-    A file is itself; a ``*.json`` is an index whose ``weight_map`` names
+    A list (or tuple) is those shard files, with no index (a tensor in two
+    of them is an error when they are loaded); a file is itself; a ``*.json`` is an index whose ``weight_map`` names
     the shards (relative to the index); a directory is its
     ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json`` file)
     else all of its ``*.safetensors`` files in name order. A directory with
     several other index files (a diffusers model's variants, say) is an
     error naming them: which one is meant is the caller's to say.
     """
-    p = Path(path)
+    if isinstance(path, (list, tuple)):
+        if not path:
+            raise ValueError("an empty list of shard files")
+        return [Path(os.fspath(f)) for f in path], None
+    p = Path(os.fspath(path))  # type: ignore[arg-type]  # not a list: a str or PathLike
     if p.is_dir():
         indexes = sorted(f for f in p.glob("*.safetensors.index.json") if f.is_file())
         if (p / INDEX_NAME).is_file():
@@ -211,15 +224,18 @@ class _File:
         device_data: Any = None,
         report: LoadReport | None = None,
         path: str = "",
+        data_offset: int = 0,
     ) -> None:
         self.buffer = buffer
         self.view = memoryview(buffer) if buffer is not None else None
         self.metadata = header.metadata
         self.data_start = header.data_start
         self.tensors: dict[str, TensorInfo] = {t.name: t for t in header.tensors}
-        # A device load's tensor holds the data section only: offsets from 0.
+        # A device load's tensor holds the data section from its byte
+        # data_offset (a window of a collective load starts before its first
+        # tensor: a negative offset).
         self._torch_base: Any = device_data
-        self._base_offset = header.data_start if device_data is None else 0
+        self._base_offset = header.data_start if device_data is None else -data_offset
         self.report = report if report is not None else (buffer.report if buffer is not None else LoadReport())
         self.path = buffer.path if buffer is not None else path
 
@@ -459,13 +475,16 @@ class SafeOpen:
 
     def __init__(
         self,
-        path: StrPath,
+        path: Paths,
         framework: Framework = "np",
         device: Any = "cpu",
         *,
         progress: Progress = None,
         concurrency: int = DEFAULT_CONCURRENCY,
         cache: Cache = None,
+        process_group: Any = None,
+        tensor_filter: TensorFilter = None,
+        window: Size = DEFAULT_WINDOW,
         **options: Unpack[LoadOptions],
     ) -> None:
         self._framework = _framework(framework)
@@ -476,6 +495,27 @@ class SafeOpen:
         self._device = device
         paths, weight_map = shard_paths(path)
         socket = socket_for(cache)
+        self._closed = False
+        # Tensors of a collective or filtered load, each read by one rank.
+        self._loaded: dict[str, Any] | None = None
+        if process_group is not None or tensor_filter is not None:
+            _check_torch(self._framework, process_group, tensor_filter)
+        if socket is None and (process_group is not None or tensor_filter is not None):
+            with _collective.Stream(
+                paths,
+                weight_map,
+                device,
+                process_group=process_group,
+                tensor_filter=tensor_filter,
+                window=window,
+                progress=progress,
+                options=dict(options),
+            ) as stream:
+                self._loaded = dict(stream)
+                self._files = []
+                self._infos = {t.name: t for h in stream.headers for t in h.tensors if t.name in self._loaded}
+                self._metadata = stream.headers[0].metadata if stream.headers else None
+            return
         if len(paths) > 1 or weight_map is not None:
             # Shards that disagree with each other or the index fail here,
             # from their headers, not after minutes of loading.
@@ -490,7 +530,12 @@ class SafeOpen:
             self._files = _load_files(paths, progress, concurrency, dict(options))
         tables = [(f.path, f.tensors.keys()) for f in self._files]
         self._index = {name: self._files[i] for name, i in _tensor_index(tables, weight_map).items()}
-        self._closed = False
+        if tensor_filter is not None:
+            # From the cache service's memory, where reading is mapping.
+            wants = _collective.wants(tensor_filter)
+            self._index = {name: f for name, f in self._index.items() if wants(name)}
+        self._infos = {name: f.tensors[name] for name, f in self._index.items()}
+        self._metadata = self._files[0].metadata if self._files else None
 
     def __enter__(self) -> SafeOpen:
         return self
@@ -502,6 +547,8 @@ class SafeOpen:
         """Drops this object's references; tensors already taken stay valid."""
         self._files = []
         self._index = {}
+        self._infos = {}
+        self._loaded = None
         self._closed = True
 
     def _check(self) -> None:
@@ -511,17 +558,19 @@ class SafeOpen:
     def keys(self) -> list[str]:
         """Tensor names, sorted (as safetensors returns them)."""
         self._check()
-        return sorted(self._index)
+        return sorted(self._infos)
 
     def offset_keys(self) -> list[str]:
         """Tensor names in the order of their data in the files."""
         self._check()
-        return [name for f in self._files for name in f.tensors]
+        if self._loaded is not None:
+            return list(self._loaded)
+        return [name for f in self._files for name in f.tensors if name in self._infos]
 
     def metadata(self) -> dict[str, str] | None:
         """The ``__metadata__`` of the (first) file, or None."""
         self._check()
-        return self._files[0].metadata if self._files else None
+        return self._metadata
 
     def tensor_info(self, name: str) -> TensorInfo:
         """The :class:`TensorInfo` of a tensor: name, dtype, shape, and
@@ -529,18 +578,18 @@ class SafeOpen:
         unpacks like the tuple earlier versions returned:
         ``name, dtype, shape, begin, end = f.tensor_info(name)``."""
         self._check()
-        return self._file(name).tensors[name]
-
-    def _file(self, name: str) -> _File:
         try:
-            return self._index[name]
+            return self._infos[name]
         except KeyError:
             raise KeyError(f"no tensor named {name!r}") from None
 
     def get_tensor(self, name: str) -> Any:
         """The tensor called ``name``: a view of the loaded buffer."""
         self._check()
-        t = self._file(name).tensor(name, self._framework)
+        info = self.tensor_info(name)
+        if self._loaded is not None:
+            return self._loaded[info.name]
+        t = self._index[name].tensor(name, self._framework)
         if self._framework == "pt" and str(self._device) != "cpu":
             t = t.to(self._device)
         return t
@@ -559,19 +608,21 @@ class SafeOpen:
         return iter(self.keys())
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._infos)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
+        return name in self._infos
 
     @property
     def buffers(self) -> list[Buffer]:
-        """The loaded buffers, one per file."""
+        """The loaded buffers, one per file (none for a collective or
+        filtered load, whose tensors are views of window buffers)."""
         return [f.buffer for f in self._files if f.buffer is not None]
 
     @property
     def reports(self) -> list[LoadReport]:
-        """The load reports, one per file."""
+        """The load reports, one per file (none for a collective or
+        filtered load)."""
         return [f.report for f in self._files]
 
 
@@ -604,27 +655,46 @@ class TensorSlice:
 
 
 def safe_open(
-    path: StrPath,
+    path: Paths,
     framework: Framework = "np",
     device: Any = "cpu",
     *,
     progress: Progress = None,
     concurrency: int = DEFAULT_CONCURRENCY,
     cache: Cache = None,
+    process_group: Any = None,
+    tensor_filter: TensorFilter = None,
+    window: Size = DEFAULT_WINDOW,
     **options: Unpack[LoadOptions],
 ) -> SafeOpen:
-    """Opens (loads) a safetensors file or sharded model; see :class:`SafeOpen`."""
-    return SafeOpen(path, framework, device, progress=progress, concurrency=concurrency, cache=cache, **options)
+    """Opens (loads) a safetensors file or sharded model; see :class:`SafeOpen`
+    and, for ``process_group``, ``tensor_filter`` and ``window``,
+    :func:`load_file`."""
+    return SafeOpen(
+        path,
+        framework,
+        device,
+        progress=progress,
+        concurrency=concurrency,
+        cache=cache,
+        process_group=process_group,
+        tensor_filter=tensor_filter,
+        window=window,
+        **options,
+    )
 
 
 def load_file(
-    path: StrPath,
+    path: Paths,
     device: Any = "cpu",
     framework: Framework = "np",
     *,
     progress: Progress = None,
     concurrency: int = DEFAULT_CONCURRENCY,
     cache: Cache = None,
+    process_group: Any = None,
+    tensor_filter: TensorFilter = None,
+    window: Size = DEFAULT_WINDOW,
     **options: Unpack[LoadOptions],
 ) -> dict[str, Any]:
     """All tensors of a safetensors file (or sharded model) as a dict, like
@@ -644,9 +714,82 @@ def load_file(
     another process sees; on a device, the service's memory is read through
     the staging ring instead of the disk. Without a service the files load
     directly and a ``RuntimeWarning`` says why, once.
+
+    ``process_group`` (a ``torch.distributed`` group; PyTorch only): every
+    rank of the group calls this with the same path, each reads a disjoint
+    1/N of the bytes and the ranks exchange them on the group's backend
+    (gloo on the CPU, NCCL between GPUs, where ``device`` must be this
+    rank's GPU), ``window`` bytes at a time; a failure on any rank raises
+    :class:`CollectiveLoadError` on every rank. ``tensor_filter`` (names,
+    or a predicate on the name; PyTorch only) keeps only those tensors, and
+    bytes that no rank wants are never read. See :func:`iter_tensors` and
+    ``dmaload.safetensors._collective``. With ``cache=``, every rank maps
+    the service's memory instead (no disk read to share).
     """
     with safe_open(
-        path, framework, device, progress=progress, concurrency=concurrency, cache=cache, **options
+        path,
+        framework,
+        device,
+        progress=progress,
+        concurrency=concurrency,
+        cache=cache,
+        process_group=process_group,
+        tensor_filter=tensor_filter,
+        window=window,
+        **options,
     ) as f:
         return f.get_tensors()
+
+
+def iter_tensors(
+    path: Paths,
+    device: Any = "cpu",
+    *,
+    process_group: Any = None,
+    tensor_filter: TensorFilter = None,
+    window: Size = DEFAULT_WINDOW,
+    progress: Progress = None,
+    cache: Cache = None,
+    **options: Unpack[LoadOptions],
+) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` for each tensor of a safetensors file or sharded
+    model (PyTorch tensors on ``device``), in file and data order, handed
+    out while later ones are still being read: at most about three windows
+    of ``window`` bytes are held beyond the tensors the caller keeps.
+
+    ``process_group`` shares the reads among the ranks of a
+    ``torch.distributed`` group as :func:`load_file` says (every rank must
+    consume the whole iterator); ``tensor_filter`` keeps only the tensors
+    it names or accepts, never reading the others. With ``cache=`` (or
+    ``DMALOAD_CACHE``), each file comes whole from the model-cache service
+    and the group is not used."""
+    _check_torch("pt", process_group, tensor_filter)
+    paths, weight_map = shard_paths(path)
+    socket = socket_for(cache)
+    if socket is not None:
+        with safe_open(path, "pt", device, cache=socket, tensor_filter=tensor_filter, **options) as f:
+            yield from ((name, f.get_tensor(name)) for name in f.offset_keys())
+        return
+    stream = _collective.Stream(
+        paths,
+        weight_map,
+        device,
+        process_group=process_group,
+        tensor_filter=tensor_filter,
+        window=window,
+        progress=progress,
+        options=dict(options),
+    )
+    with stream:
+        yield from stream
+
+
+def _check_torch(framework: str, process_group: Any, tensor_filter: TensorFilter) -> None:
+    if framework != "pt":
+        raise ValueError("process_group= and tensor_filter= load PyTorch tensors: use framework='pt'")
+    if process_group is not None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError("process_group= needs torch.distributed initialised (init_process_group)")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any, Union, Unpack
 
-from .._options import LoadOptions
+from .._options import LoadOptions, Size
 from .._progress import Progress
-from . import DEFAULT_CONCURRENCY
+from . import DEFAULT_CONCURRENCY, DEFAULT_WINDOW, TensorFilter
 from . import load_file as _load_file
 
 __all__ = ["load_file"]
@@ -19,8 +19,23 @@ def load_file(
     *,
     progress: Progress = None,
     concurrency: int = DEFAULT_CONCURRENCY,
+    process_group: Any = None,
+    tensor_filter: TensorFilter = None,
+    window: Size = DEFAULT_WINDOW,
     **options: Unpack[LoadOptions],
 ) -> dict[str, Any]:
     """Like ``safetensors.torch.load_file``: a dict of PyTorch tensors, each a
-    view of the loaded file on the CPU (copied to ``device`` otherwise)."""
-    return _load_file(filename, device, "pt", progress=progress, concurrency=concurrency, **options)
+    view of the loaded file on the CPU (copied to ``device`` otherwise).
+    ``process_group``, ``tensor_filter`` and ``window``: see
+    :func:`dmaload.safetensors.load_file`."""
+    return _load_file(
+        filename,
+        device,
+        "pt",
+        progress=progress,
+        concurrency=concurrency,
+        process_group=process_group,
+        tensor_filter=tensor_filter,
+        window=window,
+        **options,
+    )

@@ -1,0 +1,146 @@
+"""What the engine loaders share: their options and the weights iterator."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._cache import Cache
+from .._options import LoadOptions, native_options, parse_size
+from ..safetensors import DEFAULT_WINDOW, TensorFilter, iter_tensors
+
+EXTRA_CONFIG_KEYS = ("window", "collective", "cache", *LoadOptions.__annotations__)
+"""The keys of ``--model-loader-extra-config`` the loaders take (documented
+in README.md, "Serving engines"): ``window`` (bytes read and exchanged at a
+time, an int or ``"256M"``), ``collective`` (``false``: every rank reads the
+whole checkpoint itself instead of 1/N of it), ``cache`` (``true`` or the
+model-cache service's socket; ``DMALOAD_CACHE`` in the environment does the
+same) and every option of :class:`dmaload.LoadOptions` (``engine``,
+``mode``, ``chunk_size``, ``queue_depth``, ``staging_slots``, ...)."""
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """The loader's options, from an engine's extra config."""
+
+    window: int = DEFAULT_WINDOW
+    collective: bool = True
+    cache: Cache = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def take(cls, extra: dict[str, Any]) -> LoaderConfig:
+        """The options among ``extra``, removed from it (the rest is the
+        engine's own); a bad value is a ``ValueError`` naming the key."""
+        mine = {k: extra.pop(k) for k in list(extra) if k in EXTRA_CONFIG_KEYS}
+        window = parse_size(mine.pop("window", DEFAULT_WINDOW))
+        if window < 1:
+            raise ValueError(f"dmaload: window must be at least 1 byte, not {window}")
+        collective = mine.pop("collective", True)
+        if not isinstance(collective, bool):
+            raise ValueError(f"dmaload: collective must be true or false, not {collective!r}")
+        cache = mine.pop("cache", None)
+        if cache is not None and not isinstance(cache, (bool, str)):
+            raise ValueError(f"dmaload: cache must be true, false or a socket path, not {cache!r}")
+        try:
+            native_options(mine)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"dmaload: {exc}") from None
+        return cls(window, collective, cache, mine)
+
+
+def storage_read_bytes() -> int | None:
+    """This process's bytes read from storage so far (``/proc/self/io``
+    ``read_bytes``), or None where the kernel does not count them."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def weights(
+    files: Sequence[str],
+    device: Any,
+    config: LoaderConfig,
+    *,
+    process_group: Any = None,
+    tensor_filter: TensorFilter = None,
+    show_progress: bool = True,
+    log: logging.Logger,
+    bar_format: str | None = None,
+    tqdm_position: Callable[[], int] | None = None,
+) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` for each tensor of ``files`` this rank wants, on
+    ``device``, read once across ``process_group`` (when several ranks load
+    the same files); a tqdm bar in bytes (so with GB/s) where
+    ``show_progress``, and one summary line on ``log`` at the end."""
+    group = process_group if config.collective else None
+    started = time.perf_counter()
+    read_before = storage_read_bytes()
+    bar = None
+    if show_progress:
+        try:
+            from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
+
+            bar = tqdm(
+                desc="Loading safetensors using dmaload",
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                bar_format=bar_format,
+                position=tqdm_position() if tqdm_position else None,
+                mininterval=1.0,
+            )
+        except ImportError:
+            bar = None
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    count = nbytes = 0
+    try:
+        for name, tensor in iter_tensors(
+            list(files),
+            device,
+            process_group=group,
+            tensor_filter=tensor_filter,
+            window=config.window,
+            progress=progress if bar is not None else None,
+            cache=config.cache,
+            **config.options,
+        ):
+            count += 1
+            nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - started
+    read_after = storage_read_bytes()
+    ranks = 1
+    if group is not None:
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size(group)
+    read = f"{(read_after - read_before) / 2**30:.3f} GiB" if read_before is not None and read_after is not None else "n/a"
+    log.info(
+        "dmaload: loaded %d tensors, %.3f GiB in %.2f s (%.2f GB/s, including the engine's work between "
+        "tensors) on %s; %d rank(s) shared the reads, this process read %s from storage",
+        count,
+        nbytes / 2**30,
+        seconds,
+        nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        device,
+        ranks,
+        read,
+    )
+

@@ -1,0 +1,376 @@
+"""Loads shared by the ranks of a ``torch.distributed`` group, and filtered loads.
+
+``iter_tensors(path, process_group=group)`` (and ``load_file``/``safe_open``
+with ``process_group=``; this module's :class:`Stream` does the work) reads each byte of the checkpoint once across the
+group instead of once per rank:
+
+1. Every rank opens each file once and reads its header (a few KiB). One
+   ``all_gather`` then checks that all ranks see the same files and headers
+   and forms the union of the tensors the ranks want (``tensor_filter``):
+   a tensor no rank wants is never read.
+2. The wanted tensors are cut into *windows*: runs of adjacent tensors of
+   one file, at most ``window`` bytes (a tensor larger than that is a
+   window of its own). A window's byte range, widened at its start to a
+   4 KiB boundary of the file, is split into N equal slots of a multiple of
+   4 KiB: rank r reads slot r with a range load (``load_into``, direct I/O
+   where the file system allows) into its part of the window's buffer.
+   Equal aligned slots, not cuts at tensor boundaries: every rank's share
+   of every window is the same to 4 KiB whatever the tensor sizes, no two
+   ranks read the same block, and the slots lie end to end so a tensor that
+   straddles two of them is still one view.
+3. The ranks exchange their read status (``all_gather`` of an errno), then
+   the slots (``all_gather_into_tensor``, in place, on the group's backend:
+   gloo in host memory, NCCL in device memory). Every tensor of the window
+   is then a view of that buffer, handed out while a background thread
+   reads and exchanges the next window: at most about three windows are held
+   beyond what the caller keeps.
+
+A read that fails on one rank fails every rank at that window's status
+exchange, each raising :class:`CollectiveLoadError` naming the failing rank,
+file and byte range; a rank that dies or stops answering makes the others'
+collective fail within the group's timeout (``init_process_group(timeout=)``),
+raised the same way. Every rank must consume the whole iterator: the
+collectives are matched across ranks in order.
+
+Without a group the same windowed reader serves one process, so that a
+filter leaves unread what it excludes and the first tensors come while the
+later ones are still on the disk.
+"""
+
+from __future__ import annotations
+
+import errno as errno_codes
+import hashlib
+import os
+import queue
+import threading
+from collections.abc import Callable, Collection, Generator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias, Union
+
+from .. import _dmaload
+from .._header import Header, TensorInfo
+from .._options import Size, native_options, parse_size
+from .._progress import Progress, resolve
+
+__all__ = ["DEFAULT_WINDOW", "CollectiveLoadError", "Stream", "TensorFilter"]
+
+TensorFilter: TypeAlias = Union[Collection[str], Callable[[str], bool], None]
+"""The tensors a rank wants: a collection of names, a predicate on the
+name, or None for all."""
+
+DEFAULT_WINDOW = 256 << 20
+"""Bytes of tensors read and exchanged at a time (``window=``)."""
+
+_ALIGN = 4096
+"""Slots start at this multiple of the file offset (direct-I/O alignment)."""
+
+
+class CollectiveLoadError(RuntimeError):
+    """A load shared by a process group failed on some rank: the message
+    names that rank (or says a peer left), the file and the byte range."""
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Adjacent tensors of one file, read as one range split into slots."""
+
+    file: int
+    tensors: tuple[TensorInfo, ...]
+    start: int
+    """File offset of the first byte read (a multiple of ``_ALIGN``)."""
+    end: int
+    """File offset after the last tensor's last byte."""
+    slot: int
+    """Bytes per rank (a multiple of ``_ALIGN``); the buffer is N slots."""
+
+    def share(self, rank: int) -> tuple[int, int]:
+        """The file range rank ``rank`` reads: (offset, length)."""
+        offset = self.start + rank * self.slot
+        return offset, max(0, min(self.slot, self.end - offset))
+
+
+def wants(tensor_filter: TensorFilter) -> Callable[[str], bool]:
+    if tensor_filter is None:
+        return lambda _name: True
+    if callable(tensor_filter):
+        return tensor_filter
+    if isinstance(tensor_filter, str):
+        raise TypeError("tensor_filter takes a collection of names or a predicate, not one str")
+    names = frozenset(tensor_filter)
+    return names.__contains__
+
+
+def _windows(headers: list[Header], wanted: list[bool], window: int, ranks: int) -> list[_Window]:
+    """The windows of the wanted tensors (``wanted`` is indexed like the
+    tensors of all headers in order), in file and data order."""
+    out: list[_Window] = []
+    k = 0
+    for i, header in enumerate(headers):
+        run: list[TensorInfo] = []
+
+        def close() -> None:
+            if run:
+                start = (header.data_start + run[0].begin) // _ALIGN * _ALIGN
+                end = header.data_start + run[-1].end
+                slot = -(-(end - start) // ranks)
+                slot = -(-slot // _ALIGN) * _ALIGN
+                out.append(_Window(i, tuple(run), start, end, slot))
+                run.clear()
+
+        for t in header.tensors:
+            take = wanted[k] and t.nbytes > 0
+            k += 1
+            if not take or (run and (t.begin != run[-1].end or t.end - run[0].begin > window)):
+                close()
+            if take:
+                run.append(t)
+        close()
+    return out
+
+
+def _digest(paths: list[Path], headers: list[Header]) -> int:
+    """A fingerprint of the files' names and tables, equal on ranks that see
+    the same checkpoint."""
+    h = hashlib.blake2b(digest_size=7)
+    for p, header in zip(paths, headers):
+        h.update(p.name.encode() + b"\0")
+        for t in header.tensors:
+            h.update(f"{t.name}\0{t.dtype}\0{t.shape}\0{t.begin}\0{t.end}\0".encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+class _Group:
+    """The torch.distributed side: rank, size, the device collectives run on."""
+
+    def __init__(self, group: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        backend = str(dist.get_backend(group)).lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on all ranks)."""
+        import torch
+
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = torch.empty(self.size * len(values), dtype=torch.int64, device=self.device)
+        self.dist.all_gather_into_tensor(out, mine, group=self.group)
+        rows: list[list[int]] = out.view(self.size, len(values)).tolist()
+        return rows
+
+    def gather_slots(self, buffer: Any, slot: int) -> None:
+        """Fills ``buffer`` (N slots) with every rank's slot, in place."""
+        mine = buffer[self.rank * slot : (self.rank + 1) * slot]
+        self.dist.all_gather_into_tensor(buffer, mine, group=self.group)
+
+
+def _aligned_empty(torch: Any, n: int, device: Any) -> Any:
+    """``n`` uninitialised bytes, page-aligned on the host (direct I/O reads
+    straight into them)."""
+    if device.type != "cpu":
+        return torch.empty(n, dtype=torch.uint8, device=device)
+    raw = torch.empty(n + _ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _ALIGN
+    return raw[skip : skip + n]
+
+
+class Stream:
+    """A load of ``paths`` by this rank (and the other ranks of
+    ``process_group``): opening it opens each file once, reads the headers
+    and agrees on the plan with the group; iterating it gives ``(name,
+    tensor)`` for each tensor this rank wants, in file and data order,
+    PyTorch tensors on ``device``; see the module doc. ``progress`` counts
+    the bytes of the tensors handed out here. ``close()`` (or the end of the
+    iteration, or leaving a ``with`` block) closes the files."""
+
+    def __init__(
+        self,
+        paths: list[Path],
+        weight_map: dict[str, str] | None = None,
+        device: Any = "cpu",
+        *,
+        process_group: Any = None,
+        tensor_filter: TensorFilter = None,
+        window: Size = DEFAULT_WINDOW,
+        progress: Progress = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        import torch
+
+        from . import _tensor_index
+
+        self._native = native_options(options or {})
+        self._window = parse_size(window)
+        if self._window < 1:
+            raise ValueError(f"window must be at least 1 byte, not {window!r}")
+        self._wants = wants(tensor_filter)
+        self._group = _Group(process_group) if process_group is not None else None
+        self._target = torch.device(device if device is not None else "cpu")
+        if self._group is not None and self._group.device.type != "cpu" and self._target != self._group.device:
+            raise ValueError(f"device={device!r}: this NCCL group exchanges on {self._group.device}: load there")
+        self._progress = progress
+        self.paths = paths
+        self._fds: list[int] = []
+        try:
+            for p in paths:
+                # Non-blocking: a FIFO is refused by type, not waited on.
+                self._fds.append(os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK))
+            self.headers: list[Header] = [
+                _dmaload.open_safetensors(fd, None, os.fspath(p)).header for fd, p in zip(self._fds, paths)
+            ]
+            _tensor_index([(os.fspath(p), (t.name for t in h.tensors)) for p, h in zip(paths, self.headers)], weight_map)
+            self._plan()
+        except BaseException:
+            self.close()
+            raise
+
+    def _plan(self) -> None:
+        mine = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
+        group = self._group
+        if group is not None:
+            everyone = group.gather_ints([_digest(self.paths, self.headers), *mine])
+            for r, row in enumerate(everyone):
+                if row[0] != everyone[0][0]:
+                    raise CollectiveLoadError(
+                        f"rank {group.rank}: rank {r} sees other files or headers than rank 0 "
+                        f"({len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'})"
+                    )
+            wanted = [any(row[1 + k] for row in everyone) for k in range(len(mine))]
+        else:
+            wanted = [bool(w) for w in mine]
+        self.windows = _windows(self.headers, wanted, self._window, group.size if group else 1)
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read(self, w: _Window) -> Any:
+        """Window ``w``'s buffer, filled on every rank (the reader thread runs this)."""
+        import torch
+
+        group = self._group
+        ranks, rank = (group.size, group.rank) if group else (1, 0)
+        buffer = _aligned_empty(torch, ranks * w.slot, group.device if group else self._target)
+        offset, length = w.share(rank)
+        path = self.paths[w.file]
+        failure: BaseException | None = None
+        code = 0
+        if length:
+            part = buffer[rank * w.slot : rank * w.slot + length]
+            host = part if part.device.type == "cpu" else _aligned_empty(torch, length, torch.device("cpu"))
+            try:
+                _dmaload.load_into(f"/proc/self/fd/{self._fds[w.file]}", host.numpy(), offset, options=self._native)
+            except (OSError, ValueError) as exc:
+                failure, code = exc, (getattr(exc, "errno", None) or errno_codes.EIO)
+            if failure is None and host is not part:
+                part.copy_(host)
+        if group is None:
+            if failure is not None:
+                raise CollectiveLoadError(f"read of {path} bytes {offset}..{offset + length} failed: {failure}") from failure
+            return buffer
+        try:
+            codes = [row[0] for row in group.gather_ints([code])]
+        except Exception as exc:  # the backend's error for a dead or silent peer
+            raise CollectiveLoadError(
+                f"rank {rank}: a peer rank failed or left while loading {path} bytes {w.start}..{w.end} "
+                f"(status exchange, bounded by the group's timeout): {exc}"
+            ) from exc
+        failed = [r for r, c in enumerate(codes) if c]
+        if failed:
+            r = failed[0]
+            at, n = w.share(r)
+            cause = failure if r == rank and failure is not None else os.strerror(codes[r])
+            raise CollectiveLoadError(f"rank {rank}: rank {r} failed to read {path} bytes {at}..{at + n}: {cause}") from failure
+        try:
+            group.gather_slots(buffer, w.slot)
+        except Exception as exc:
+            raise CollectiveLoadError(
+                f"rank {rank}: a peer rank failed or left while exchanging {path} bytes {w.start}..{w.end} "
+                f"(bounded by the group's timeout): {exc}"
+            ) from exc
+        return buffer
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        import torch
+
+        from . import _File
+
+        wants, target = self._wants, self._target
+        total = sum(t.nbytes for w in self.windows for t in w.tensors if wants(t.name))
+        desc = self.paths[0].name if len(self.paths) == 1 else f"{len(self.paths)} files"
+        callback, finish = resolve(self._progress, desc)
+        done = 0
+        reader = _read_ahead(self.windows, self._read)
+        try:
+            # Zero-byte tensors are read by no one; each rank makes its own.
+            nothing = torch.empty(0, dtype=torch.uint8, device=target)
+            for header in self.headers:
+                for t in header.tensors:
+                    if t.nbytes == 0 and wants(t.name):
+                        yield t.name, _File(None, header, device_data=nothing).torch(t.name)
+            for w, buffer in reader:
+                header = self.headers[w.file]
+                view = _File(None, header, device_data=buffer, data_offset=w.start - header.data_start)
+                for t in w.tensors:
+                    if wants(t.name):
+                        tensor = view.torch(t.name)
+                        yield t.name, tensor if tensor.device == target else tensor.to(target)
+                        done += t.nbytes
+                        if callback is not None:
+                            callback(done, total)
+        finally:
+            # The reader thread stops (after the window it is on) before
+            # the files it reads are closed.
+            reader.close()
+            finish()
+            self.close()
+
+
+def _read_ahead(windows: list[_Window], read: Callable[[_Window], Any]) -> Generator[tuple[_Window, Any], None, None]:
+    """``(window, read(window))`` in order, the next window read by a thread
+    while the caller handles this one. A failure is raised here, in order."""
+    if not windows:
+        return
+    ready: queue.Queue[tuple[_Window, Any, BaseException | None]] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def work() -> None:
+        for w in windows:
+            if stop.is_set():
+                return
+            try:
+                ready.put((w, read(w), None))
+            except BaseException as exc:  # handed to the consumer, raised there
+                ready.put((w, None, exc))
+                return
+
+    thread = threading.Thread(target=work, name="dmaload-window-reader", daemon=True)
+    thread.start()
+    try:
+        for _ in windows:
+            w, buffer, failure = ready.get()
+            if failure is not None:
+                raise failure
+            yield w, buffer
+    finally:
+        stop.set()
+        # Unblock a reader waiting to put its window, then let it finish.
+        while thread.is_alive():
+            try:
+                ready.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        thread.join()

@@ -1,0 +1,90 @@
+"""One rank of a collective load, started N times by test_collective.py:
+``python collective_worker.py RENDEZVOUS RANK WORLD SCENARIO MODEL [ARGS]``.
+
+Prints one line ``RESULT {json}`` on success; on failure the exception and
+exit status 1. Scenarios:
+
+equal   every tensor equals safetensors' own (load_file and safe_open)
+io      evicts the files from the page cache, loads, reports the bytes this
+        process read from storage (/proc/self/io read_bytes)
+filter  like io, each rank wanting the tensors ARGS[0] names (a JSON
+        object of rank -> list of names)
+fail    rank 1 loads with chunk_size=0, which its first read refuses
+kill    rank 1 SIGKILLs itself when its first tensor arrives
+quit    rank 1 stops iterating after its first tensor and exits
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+
+
+def read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def main() -> None:
+    rendezvous, rank, world, scenario, model, *args = sys.argv[1:]
+    rank_i, world_i = int(rank), int(world)
+    import safetensors.torch
+    import torch
+    import torch.distributed as dist
+
+    import dmaload
+    from dmaload.safetensors import iter_tensors, load_file, safe_open, shard_paths
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank_i, world_size=world_i,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    group = dist.group.WORLD
+    paths, _ = shard_paths(model)
+    window = "1M"
+    result: dict[str, object] = {"rank": rank_i}
+    if scenario == "equal":
+        reference: dict[str, torch.Tensor] = {}
+        for p in paths:
+            reference.update(safetensors.torch.load_file(p))
+        got = load_file(model, framework="pt", process_group=group, window=window)
+        with safe_open(model, framework="pt", process_group=group, window=window) as f:
+            opened = {name: f.get_tensor(name) for name in f.keys()}
+        for tensors in (got, opened):
+            assert tensors.keys() == reference.keys(), sorted(set(tensors) ^ set(reference))
+            for name, ref in reference.items():
+                t = tensors[name]
+                assert (t.dtype, t.shape) == (ref.dtype, ref.shape), name
+                assert t.contiguous().view(-1).view(torch.uint8).equal(ref.contiguous().view(-1).view(torch.uint8)), name
+        result["tensors"] = len(got)
+    elif scenario in ("io", "filter"):
+        for p in paths:
+            dmaload.evict(p)
+        wanted = set(json.loads(args[0])[rank]) if scenario == "filter" else None
+        # The barrier: no rank's reads start before every rank evicted.
+        dist.barrier()
+        before = read_bytes()
+        names, digest = [], 0
+        for name, t in iter_tensors(model, process_group=group, tensor_filter=wanted, window=window):
+            names.append(name)
+            digest += int(t.contiguous().view(-1).view(torch.uint8).sum())
+        result.update(read=read_bytes() - before, names=sorted(names), sum=digest)
+    elif scenario in ("fail", "kill", "quit"):
+        options = {"chunk_size": 0} if scenario == "fail" and rank_i == 1 else {}
+        for _name, _t in iter_tensors(model, process_group=group, window=window, **options):
+            if rank_i == 1 and scenario == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if rank_i == 1 and scenario == "quit":
+                raise SystemExit("rank 1 quits after its first tensor")
+        result["finished"] = True
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Collective loads (``process_group=``) over gloo with 2 and 4 ranks, each
+rank a real process (collective_worker.py), and tensor filters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("SKIP collective: this torch has no gloo backend", allow_module_level=True)
+
+from dmaload.safetensors import iter_tensors, load_file  # noqa: E402
+
+WORKER = Path(__file__).with_name("collective_worker.py")
+CHUNK = 4 << 20  # the core's default chunk size: the slack each rank is allowed
+GUARD_S = 240  # a rank still running after this has hung: the test fails
+
+
+def _skip(reason: str) -> None:
+    if os.environ.get("DMALOAD_TEST_NO_SKIP") == "1":
+        pytest.fail(reason)
+    pytest.skip(f"SKIP {reason}")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three shards and an index, about 64 MiB: odd sizes, several dtypes,
+    an empty tensor and one 16 MiB tensor (the one a filter leaves out)."""
+    out = tmp_path_factory.mktemp("model")
+    g = torch.Generator().manual_seed(7)
+    weight_map = {}
+    for s in range(3):
+        tensors = {
+            f"s{s}.big": torch.randn(1024 + 3 * s, 1365 + s, generator=g).to(torch.bfloat16),
+            f"s{s}.mid": torch.randn(777, 2049, generator=g),
+            f"s{s}.ints": torch.randint(-128, 127, (33, 4099), generator=g, dtype=torch.int8),
+            f"s{s}.empty": torch.empty(0, 3),
+        }
+        for i in range(9):
+            tensors[f"s{s}.small{i}"] = torch.randn(101 * (i + 1), generator=g).to(torch.float16)
+        if s == 1:
+            tensors["s1.huge"] = torch.randn(4096, 1024, generator=g)  # 16 MiB
+        name = f"model-{s + 1:05d}-of-00003.safetensors"
+        safetensors_torch.save_file(tensors, out / name)
+        weight_map.update({t: name for t in tensors})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def _reference(model: Path) -> dict[str, "torch.Tensor"]:
+    out = {}
+    for p in sorted(model.glob("*.safetensors")):
+        out.update(safetensors_torch.load_file(p))
+    return out
+
+
+def _run(tmp_path: Path, world: int, scenario: str, model: Path, *args: str) -> list[tuple[int, str]]:
+    """Starts ``world`` ranks and waits for all; each rank's (status, output)."""
+    rendezvous = tmp_path / f"rendezvous-{scenario}-{world}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rendezvous), str(r), str(world), scenario, str(model), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(world)
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=GUARD_S)
+            results.append((p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def _result(status: int, output: str) -> dict:  # type: ignore[type-arg]
+    assert status == 0, output
+    line = next(line for line in output.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_gets_every_tensor_bit_exact(tmp_path: Path, model: Path, world: int) -> None:
+    results = [_result(*r) for r in _run(tmp_path, world, "equal", model)]
+    assert [r["tensors"] for r in results] == [len(_reference(model))] * world
+
+
+def _file_bytes(model: Path) -> int:
+    return sum(p.stat().st_size for p in model.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_reads_its_share_from_storage(tmp_path: Path, model: Path, world: int) -> None:
+    results = [_result(*r) for r in _run(tmp_path, world, "io", model)]
+    reads = [r["read"] for r in results]
+    if sum(reads) == 0:
+        _skip("collective io: /proc/self/io counts no reads on this file system")
+    total = _file_bytes(model)
+    reference = _reference(model)
+    expected_sum = sum(int(t.contiguous().view(-1).view(torch.uint8).sum()) for t in reference.values())
+    for r in results:
+        assert r["names"] == sorted(reference)
+        assert r["sum"] == expected_sum
+        assert r["read"] <= total // world + CHUNK, (r["rank"], reads, total)
+    assert sum(reads) <= total * 1.05, (reads, total)
+
+
+def test_a_filter_leaves_unread_what_no_rank_wants(tmp_path: Path, model: Path) -> None:
+    reference = _reference(model)
+    names = sorted(n for n in reference if n != "s1.huge")
+    wants = {"0": names[::2], "1": names[1::2]}  # disjoint, neither wants s1.huge
+    results = [_result(*r) for r in _run(tmp_path, 2, "filter", model, json.dumps(wants))]
+    if sum(r["read"] for r in results) == 0:
+        _skip("collective io: /proc/self/io counts no reads on this file system")
+    for r in results:
+        mine = wants[str(r["rank"])]
+        assert r["names"] == sorted(mine)
+        assert r["sum"] == sum(int(reference[n].contiguous().view(-1).view(torch.uint8).sum()) for n in mine)
+    huge = reference["s1.huge"].numel() * 4
+    assert sum(r["read"] for r in results) <= _file_bytes(model) - huge + CHUNK
+
+
+def test_a_read_failing_on_one_rank_fails_every_rank_naming_it(tmp_path: Path, model: Path) -> None:
+    results = _run(tmp_path, 2, "fail", model)
+    for rank, (status, output) in enumerate(results):
+        assert status != 0, output
+        assert "CollectiveLoadError" in output, output
+        assert f"rank {rank}: rank 1 failed to read" in output, output
+        assert "model-00001-of-00003.safetensors bytes " in output, output
+
+
+@pytest.mark.parametrize("scenario", ["kill", "quit"])
+def test_a_rank_that_dies_mid_load_ends_every_rank_with_an_error(tmp_path: Path, model: Path, scenario: str) -> None:
+    results = _run(tmp_path, 3, scenario, model)
+    assert results[1][0] != 0
+    for rank in (0, 2):
+        status, output = results[rank]
+        assert status != 0, output
+        assert "CollectiveLoadError" in output and f"rank {rank}: a peer rank failed or left" in output, output
+
+
+def test_a_filter_without_a_group_reads_only_what_it_keeps(tmp_path: Path, model: Path) -> None:
+    reference = _reference(model)
+    keep = {"s0.mid", "s2.small3", "s1.empty"}
+    got = load_file(model, framework="pt", tensor_filter=keep)
+    assert got.keys() == keep
+    for name in keep:
+        assert got[name].equal(reference[name])
+    by_predicate = dict(iter_tensors(model, tensor_filter=lambda n: n.startswith("s2."), window="64K"))
+    assert by_predicate.keys() == {n for n in reference if n.startswith("s2.")}
+    assert all(by_predicate[n].equal(reference[n]) for n in by_predicate)
+
+
+def test_iter_tensors_hands_out_tensors_in_file_order(model: Path) -> None:
+    names = [name for name, _ in iter_tensors(model, window="1M")]
+    assert sorted(names) == sorted(_reference(model))
+    assert names.index("s0.mid") < names.index("s1.mid") < names.index("s2.mid")
+
+
+def test_collective_options_are_checked(model: Path) -> None:
+    with pytest.raises(ValueError, match="framework='pt'"):
+        load_file(model, framework="np", tensor_filter=["s0.mid"])
+    with pytest.raises(ValueError, match="window"):
+        load_file(model, framework="pt", tensor_filter=["s0.mid"], window=0)
+    with pytest.raises(TypeError, match="one str"):
+        load_file(model, framework="pt", tensor_filter="s0.mid")

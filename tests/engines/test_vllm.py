@@ -1,0 +1,97 @@
+"""vLLM's CPU build serving a tiny Llama with --load-format dmaload.
+
+Runs in the environment tests/engines/setup-vllm.sh makes (vLLM pins its
+own torch); tests/engines/ci.sh runs it. Each engine runs in its own process
+(generate.py), whose output shows which loader loaded the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+HERE = Path(__file__).parent
+GUARD_S = 900  # an engine still starting after this has hung: the test fails
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    sys.path.insert(0, str(HERE))
+    from tiny_llama import make
+
+    # Several shards with an index: the loader is handed a list of files.
+    return make(tmp_path_factory.mktemp("tiny-llama"), layers=4, hidden=128, intermediate=256, shard_size="300KB")
+
+
+def _serve(model: Path, load_format: str, extra: dict[str, object] | None = None, tp: int = 1,
+           env: dict[str, str] | None = None) -> tuple[list[int], str]:
+    """The greedy tokens of generate.py's prompt, and the engine's output."""
+    run = subprocess.run(
+        [sys.executable, str(HERE / "generate.py"), str(model), load_format, json.dumps(extra or {}), str(tp)],
+        capture_output=True,
+        text=True,
+        timeout=GUARD_S,
+        env={**os.environ, **(env or {})},
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-6000:]
+    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])["tokens"], output
+
+
+def test_dmaload_serves_the_same_tokens_as_safetensors(tiny_llama: Path) -> None:
+    reference, reference_output = _serve(tiny_llama, "safetensors")
+    tokens, output = _serve(tiny_llama, "dmaload", {"window": "256K"})
+    assert tokens == reference
+    assert len(tokens) == 16
+    # The plugin registered the format, and dmaload's iterator loaded
+    # every tensor (its summary line; vLLM's own loader prints none).
+    assert "DmaloadModelLoader" in output and "with load format `dmaload`" in output
+    assert "dmaload: loaded 39 tensors" in output, output[-4000:]
+    assert "1 rank(s) shared the reads" in output
+    assert "Loading weights took" in output
+    assert "dmaload: loaded" not in reference_output
+
+
+def test_two_tensor_parallel_ranks_share_the_reads(tiny_llama: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        if os.environ.get("DMALOAD_TEST_NO_SKIP") == "1":
+            pytest.fail("two tensor-parallel CPU workers need two CPUs")
+        pytest.skip("SKIP vllm tp=2: two tensor-parallel CPU workers need two CPUs")
+    # vLLM's CPU workers bind their threads to NUMA nodes, one node each by
+    # default; on one node, one CPU per worker.
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    reference, _ = _serve(tiny_llama, "safetensors", tp=2, env=bind)
+    tokens, output = _serve(tiny_llama, "dmaload", tp=2, env=bind)
+    assert tokens == reference
+    assert output.count("2 rank(s) shared the reads") == 2, output[-4000:]
+
+
+def test_extra_config_keys_are_dmaloads_or_vllms() -> None:
+    from vllm.config.load import LoadConfig
+
+    from dmaload.engines.vllm import DmaloadModelLoader
+
+    loader = DmaloadModelLoader(
+        LoadConfig(
+            load_format="dmaload",
+            model_loader_extra_config={"window": "64M", "mode": "buffered", "enable_weights_track": True},
+        )
+    )
+    assert loader.dmaload_config.window == 64 << 20
+    assert loader.dmaload_config.options == {"mode": "buffered"}
+    assert loader.enable_weights_track is True
+    with pytest.raises(ValueError, match="no_such_key"):
+        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"no_such_key": 1}))
+    with pytest.raises(ValueError, match="window"):
+        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"window": 0}))
+    with pytest.raises(ValueError, match="collective"):
+        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"collective": "yes"}))
