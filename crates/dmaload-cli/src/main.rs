@@ -11,8 +11,6 @@ mod bench_stream;
 mod benchkit;
 mod capture;
 mod demo;
-mod dmabuf_cmd;
-mod gpu;
 mod output;
 mod plot;
 mod sample;
@@ -266,24 +264,13 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
             (report, hash)
         })
     } else {
-        match options.to.clone() {
-            Destination::Cuda(device) => {
-                gpu::load(&cmd.file, cmd.offset, cmd.length, device, &mut options, cmd.hash)
-            }
-            Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf => {
-                dmabuf_cmd::load(&cmd.file, cmd.offset, cmd.length, &options, cmd.hash)
-            }
-            _ => {
-                let loaded = match cmd.length {
-                    Some(len) => dmaload::load_range(&cmd.file, cmd.offset, len, &options),
-                    None => dmaload::load_from(&cmd.file, cmd.offset, &options),
-                };
-                loaded.map(|(buffer, report)| {
-                    let hash = cmd.hash.then(|| output::hash_timed(&buffer));
-                    (report, hash)
-                })
-            }
-        }
+        // Every destination, host memory, a dma-buf or a device, is one call.
+        dmaload::OpenFile::open(&cmd.file)
+            .and_then(|file| dmaload::load_to(&file, cmd.offset, cmd.length, &options))
+            .and_then(|(loaded, report)| {
+                let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
+                Ok((report, hash))
+            })
     };
     bar.finish_and_clear();
     let (report, hash) = result?;

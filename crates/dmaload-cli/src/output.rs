@@ -23,6 +23,16 @@ pub fn hash_timed(bytes: &[u8]) -> Hash {
     Hash { xxh3_64: format!("{digest:016x}"), seconds: started.elapsed().as_secs_f64() }
 }
 
+/// [`hash_timed`] of whatever a load made, read back as
+/// [`dmaload::Loaded::read_each`] gives it (a dma-buf through a fresh
+/// mapping, a device's bytes copied back), off the timed load.
+pub fn hash_loaded(loaded: &dmaload::Loaded, path: &std::path::Path) -> Result<Hash, dmaload::Error> {
+    let started = Instant::now();
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    loaded.read_each(|bytes| hasher.update(bytes)).map_err(|e| dmaload::Error::io("read back", path, e))?;
+    Ok(Hash { xxh3_64: format!("{:016x}", hasher.digest()), seconds: started.elapsed().as_secs_f64() })
+}
+
 pub fn load_json(report: &LoadReport, hash: Option<&Hash>) -> String {
     #[derive(Serialize)]
     struct Out<'a> {

@@ -87,7 +87,17 @@ pub fn load_dmabuf(
 ) -> Result<(LoadedDmaBuf, LoadReport)> {
     let path = path.as_ref();
     validate(path, options)?;
-    let file = OpenFile::open(path)?;
+    load_open_dmabuf(&OpenFile::open(path)?, offset, len, options)
+}
+
+/// [`load_dmabuf`] from a file opened beforehand.
+pub(crate) fn load_open_dmabuf(
+    file: &OpenFile,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<(LoadedDmaBuf, LoadReport)> {
+    let path = file.path();
     let len = range_len(file.source(), path, offset, len)?;
     if len == 0 {
         return Err(Error::new(
@@ -103,11 +113,11 @@ pub fn load_dmabuf(
     let pages_len = (offset % page + len).div_ceil(page) * page;
     let (producer, why) = choose(path, &options.to, pages_len)?;
     let (loaded, mut report) = match (&producer, &why) {
-        (Producer::Udmabuf, _) => load_udmabuf(&file, offset, len, options)?,
+        (Producer::Udmabuf, _) => load_udmabuf(file, offset, len, options)?,
         // Where neither exists, the error names both.
-        (Producer::Heap(name), Choice::FellBack(udmabuf)) => load_heap(&file, name, offset, len, options)
+        (Producer::Heap(name), Choice::FellBack(udmabuf)) => load_heap(file, name, offset, len, options)
             .map_err(|err| err.with_note(&format!(" (and not udmabuf: {})", udmabuf.reason)))?,
-        (Producer::Heap(name), _) => load_heap(&file, name, offset, len, options)?,
+        (Producer::Heap(name), _) => load_heap(file, name, offset, len, options)?,
     };
     match why {
         Choice::Asked => {}

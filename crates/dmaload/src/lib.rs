@@ -13,6 +13,7 @@
 pub mod buffer;
 pub mod cancel;
 pub mod cuda;
+pub mod device;
 pub mod dmabuf;
 pub mod engine;
 pub mod error;
@@ -44,8 +45,8 @@ pub use dmabuf::{load_dmabuf, LoadedDmaBuf};
 pub use error::{Error, ErrorKind, Result};
 pub use into::{load_into, load_open_into};
 pub use load::{
-    load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to_sink, Destination,
-    LoadOptions, LoadReport,
+    load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to, load_to_sink, Destination,
+    LoadOptions, LoadReport, Loaded,
 };
 pub use many::{load_many, load_many_safetensors};
 pub use memory::MemoryKind;

@@ -11,9 +11,12 @@
 //! buffer is returned only once every byte has arrived and the file shows
 //! no change since it was opened.
 
+use std::io;
 use std::path::Path;
 
 use crate::buffer::Buffer;
+use crate::device::{load_open_device, LoadedDevice};
+use crate::dmabuf::{load_open_dmabuf, LoadedDmaBuf};
 use crate::error::Result;
 use crate::options::{check_host, validate};
 pub use crate::options::{
@@ -127,4 +130,56 @@ pub fn load_open_to_sink(
     options: &LoadOptions,
 ) -> Result<LoadReport> {
     staged_load(file, offset, len, ring, sink, options)
+}
+
+/// What a load made, by the kind of destination `LoadOptions::to` named.
+#[derive(Debug)]
+pub enum Loaded {
+    /// `auto` or a host memory kind: a [`Buffer`].
+    Host(Buffer),
+    /// `udmabuf`, `dma-heap:NAME` or `dmabuf`: a dma-buf whose fd the
+    /// caller owns.
+    DmaBuf(LoadedDmaBuf),
+    /// `cuda:N`: an allocation on the device.
+    Device(LoadedDevice),
+}
+
+impl Loaded {
+    /// Hands `each` the loaded bytes in order: a host buffer's directly, a
+    /// dma-buf's through a fresh SYNC-bracketed mapping, a device's copied
+    /// back. For checking a load (a hash), not on its timed path.
+    pub fn read_each(&self, mut each: impl FnMut(&[u8])) -> io::Result<()> {
+        match self {
+            Loaded::Host(buffer) => {
+                buffer.chunks(64 << 20).for_each(each);
+                Ok(())
+            }
+            Loaded::DmaBuf(dmabuf) => dmabuf.read_each(each),
+            Loaded::Device(device) => device.read_each(&mut each),
+        }
+    }
+}
+
+/// Loads `len` bytes (to the end when `None`) from `offset` of a file opened
+/// once into whatever destination `options.to` names: the one entry every
+/// destination shares, and what `dmaload load --to` runs. A host kind gives
+/// [`Loaded::Host`] (as [`load_open`]), a dma-buf kind [`Loaded::DmaBuf`]
+/// (as [`crate::load_dmabuf`]), `cuda:N` [`Loaded::Device`] (through a
+/// pinned staging ring and [`crate::sink::CudaSink`]).
+pub fn load_to(
+    file: &OpenFile,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<(Loaded, LoadReport)> {
+    validate(file.path(), options)?;
+    match &options.to {
+        Destination::Cuda(ordinal) => {
+            load_open_device(file, offset, len, *ordinal, options).map(|(d, r)| (Loaded::Device(d), r))
+        }
+        to if to.is_dmabuf() => {
+            load_open_dmabuf(file, offset, len, options).map(|(d, r)| (Loaded::DmaBuf(d), r))
+        }
+        _ => load_source(file, offset, len, options).map(|(b, r)| (Loaded::Host(b), r)),
+    }
 }

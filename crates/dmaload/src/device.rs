@@ -1,0 +1,83 @@
+//! `cuda:N` as a destination: a range of a file in one allocation on a CUDA
+//! device, read through a pinned staging ring and copied by the
+//! [`CudaSink`]; the host holds the ring only, whatever the file's size.
+
+use std::io;
+
+use crate::cuda::{Context, CudaError, DeviceBuffer};
+use crate::error::{Error, ErrorKind, Result};
+use crate::options::LoadOptions;
+use crate::pipeline::{range_len, staged_load};
+use crate::report::LoadReport;
+use crate::sink::{CudaSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
+use crate::source::OpenFile;
+
+/// A range of a file in device memory.
+#[derive(Debug)]
+pub struct LoadedDevice {
+    /// The allocation holding the range from its first byte.
+    pub memory: DeviceBuffer,
+    /// Bytes of the range.
+    pub len: u64,
+}
+
+impl LoadedDevice {
+    /// Copies the range back to the host (`cuMemcpyDtoH`), handing `each`
+    /// the bytes in order, at most 64 MiB at a time.
+    pub fn read_each(&self, mut each: impl FnMut(&[u8])) -> io::Result<()> {
+        let len = usize::try_from(self.len).map_err(io::Error::other)?;
+        let mut slice = vec![0u8; (64 << 20).min(len)];
+        let mut at = 0;
+        while at < len {
+            let n = slice.len().min(len - at);
+            self.memory.copy_to_host(at, &mut slice[..n])?;
+            each(&slice[..n]);
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+/// Loads `len` bytes (to the end when `None`) from `offset` of `file` into
+/// a new allocation on device `ordinal`. A range larger than the device's
+/// free memory is an [`ErrorKind::OutOfMemory`] error before any read.
+/// Reads are one slot each unless `options.chunk_size` was changed from its
+/// default.
+pub(crate) fn load_open_device(
+    file: &OpenFile,
+    offset: u64,
+    len: Option<u64>,
+    ordinal: usize,
+    options: &LoadOptions,
+) -> Result<(LoadedDevice, LoadReport)> {
+    let path = file.path();
+    let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
+    let len = range_len(file.source(), path, offset, len)?;
+    let context = Context::primary(ordinal).map_err(cuda("open the CUDA device"))?;
+    let (free, _) = context.mem_info().map_err(cuda("cuMemGetInfo"))?;
+    if len > free as u64 {
+        return Err(Error::new(
+            ErrorKind::OutOfMemory,
+            "load",
+            path,
+            format!("needs {len} bytes on cuda:{ordinal} but only {free} are free"),
+        ));
+    }
+    let bytes =
+        usize::try_from(len).map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "too large"))?;
+    let mut memory = DeviceBuffer::new(&context, bytes).map_err(cuda("cuMemAlloc"))?;
+    let mut options = options.clone();
+    if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
+        options.chunk_size = DEFAULT_SLOT_SIZE;
+    }
+    let mut ring = StagingRing::pinned(&context, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE, options.chunk_size)
+        .map_err(|e| Error::io("allocate the staging ring", path, e))?;
+    let mut report = {
+        let mut sink =
+            CudaSink::new(&context, vec![(offset, memory.range())]).map_err(cuda("cuStreamCreate"))?;
+        staged_load(file, offset, Some(len), &mut ring, &mut sink, &options)?
+    };
+    report.destination =
+        format!("cuda:{ordinal} ({}) via {}", context.device_name().unwrap_or_default(), report.destination);
+    Ok((LoadedDevice { memory, len }, report))
+}
