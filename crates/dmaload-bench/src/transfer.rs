@@ -294,7 +294,7 @@ impl TransferFile {
             false => 1,
             true => {
                 set_direct(&file, true).map_err(|e| Error::io("open O_DIRECT", path, e))?;
-                direct_io_alignment(&file).unwrap_or(page)
+                direct_io_alignment(&file).map_or(page, |a| a.offset)
             }
         };
         if align > page {

@@ -69,8 +69,8 @@ use crate::engine::write::{WriteJob, WriteRun};
 use crate::engine::Progress;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::{DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use crate::source::direct_io_alignment;
 use crate::source::type_name;
-use crate::sys::file::{statx_dio_align, DioAlignQuery};
 pub use crate::sys::shm::RawBytes;
 use crate::types::{CachePolicy, Engine, Fallback, IoMode, ProgressFn};
 use crate::{sys, system};
@@ -444,30 +444,19 @@ pub(crate) fn choose_direct(
     let why = if magic.is_some_and(system::is_memory_filesystem) {
         format!("{storage} keeps file data in the page cache")
     } else {
-        match statx_dio_align(file.as_fd()) {
-            Ok(DioAlignQuery::Supported(a)) if data.as_ptr() as usize % a.memory.max(1) as usize != 0 => {
+        match direct_io_alignment(file) {
+            None => format!("{storage} does not support O_DIRECT on this file"),
+            Some(a) if data.as_ptr() as usize % a.memory != 0 => {
                 format!(
                     "the buffer at {:p} is not aligned to the {} bytes O_DIRECT needs",
                     data.as_ptr(),
                     a.memory
                 )
             }
-            Ok(DioAlignQuery::Supported(a)) => match sys::file::set_direct(file.as_fd(), true) {
-                Ok(()) => return Ok(Some(a.offset.max(1) as usize)),
+            Some(a) => match sys::file::set_direct(file.as_fd(), true) {
+                Ok(()) => return Ok(Some(a.offset)),
                 Err(e) => format!("fcntl(O_DIRECT) refused: {e}"),
             },
-            Ok(DioAlignQuery::Unsupported) => {
-                format!("{storage} does not support O_DIRECT on this file")
-            }
-            // Without STATX_DIOALIGN (Linux < 6.1) the memory alignment is
-            // unknown: a page-aligned buffer and block-aligned offsets are safe.
-            Ok(DioAlignQuery::Unknown) | Err(_) => {
-                let page = sys::mem::page_size();
-                if data.as_ptr() as usize % page == 0 && sys::file::set_direct(file.as_fd(), true).is_ok() {
-                    return Ok(Some(page));
-                }
-                "no STATX_DIOALIGN and the buffer is not page-aligned (or O_DIRECT refused)".into()
-            }
         }
     };
     if mode == IoMode::Direct {

@@ -386,7 +386,18 @@ pub(crate) fn choose_read_setup(
         fallbacks.push(Fallback::new("direct", cache_name(setup.cache), why));
         Ok(setup)
     };
-    let Some(align) = align else { return unsupported() };
+    let Some(DirectIoAlignment { offset: align, memory }) = align else { return unsupported() };
+    // Reads land in page-aligned memory (gathers, slots, the whole pages of
+    // caller memory), which meets any memory alignment up to a page.
+    if memory > sys::mem::page_size() {
+        let why = format!("direct I/O on this file needs memory aligned to {memory} bytes, more than a page");
+        if mode == IoMode::Direct {
+            return refuse(why);
+        }
+        let setup = buffered(path, file, no_residue_policy(file))?;
+        fallbacks.push(Fallback::new("direct", cache_name(setup.cache), why));
+        return Ok(setup);
+    }
     // O_DIRECT on the file already opened and checked, never a second open
     // by path (a file renamed over the path since cannot be read by
     // mistake), and on a description of its own: the source's (and a
@@ -409,19 +420,32 @@ pub(crate) fn choose_read_setup(
     }
 }
 
-/// The file offset and length alignment that `O_DIRECT` reads and writes
-/// of `file` need: statx's `STATX_DIOALIGN` (Linux 6.1), else the
-/// filesystem block size (a multiple of the device's logical block size),
-/// else 4096. `None` where the filesystem has no direct I/O for
-/// the file. The one alignment authority of loads and of anything else
-/// that reads a file with `O_DIRECT` (the benchmarks' transfer methods).
-pub fn direct_io_alignment(file: &File) -> Option<usize> {
+/// What `O_DIRECT` reads and writes of a file need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirectIoAlignment {
+    /// File offsets and lengths are multiples of this.
+    pub offset: usize,
+    /// Buffer addresses are multiples of this.
+    pub memory: usize,
+}
+
+/// What `O_DIRECT` reads and writes of `file` need: statx's
+/// `STATX_DIOALIGN` (Linux 6.1); else the filesystem block size for
+/// offsets (a multiple of the device's logical block size; 4096 if it is
+/// not a power of two of at least 512) and the page size for memory, which
+/// every filesystem accepts. `None` where the filesystem has no direct I/O
+/// for the file. The one alignment authority of loads, saves and the
+/// benchmarks' transfer methods.
+pub fn direct_io_alignment(file: &File) -> Option<DirectIoAlignment> {
     match statx_dio_align(file.as_fd()) {
-        Ok(DioAlignQuery::Supported(a)) => Some(a.offset.max(1) as usize),
+        Ok(DioAlignQuery::Supported(a)) => {
+            Some(DirectIoAlignment { offset: a.offset.max(1) as usize, memory: a.memory.max(1) as usize })
+        }
         Ok(DioAlignQuery::Unsupported) => None,
         Ok(DioAlignQuery::Unknown) | Err(_) => {
             let blksize = file.metadata().map(|m| m.blksize() as usize).unwrap_or(4096);
-            Some(if blksize.is_power_of_two() && blksize >= 512 { blksize } else { 4096 })
+            let offset = if blksize.is_power_of_two() && blksize >= 512 { blksize } else { 4096 };
+            Some(DirectIoAlignment { offset, memory: sys::mem::page_size() })
         }
     }
 }
