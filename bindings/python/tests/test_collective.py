@@ -179,3 +179,25 @@ def test_collective_options_are_checked(model: Path) -> None:
         load_file(model, framework="pt", tensor_filter=["s0.mid"], window=0)
     with pytest.raises(TypeError, match="one str"):
         load_file(model, framework="pt", tensor_filter="s0.mid")
+
+
+def _same_bytes(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    return bool(a.contiguous().view(-1).view(torch.uint8).equal(b.contiguous().view(-1).view(torch.uint8)))
+
+
+def test_recycled_windows_reuse_their_memory_and_hold_each_tensor_a_window_longer(model: Path) -> None:
+    from dmaload.safetensors._collective import Stream
+
+    reference = _reference(model)
+    with Stream(sorted(model.glob("*.safetensors")), window="1M") as plan:
+        windows = len(plan.windows)
+    storages, previous, count = set(), None, 0
+    for name, t in iter_tensors(model, window="1M", recycle=True):
+        assert _same_bytes(t, reference[name]), name
+        if previous is not None:  # the last tensor of the window before is still intact
+            assert _same_bytes(previous[1], reference[previous[0]]), previous[0]
+        if t.numel():
+            storages.add(t.untyped_storage().data_ptr())
+        previous, count = (name, t), count + 1
+    assert count == len(reference)
+    assert len(storages) < windows, (len(storages), windows)  # buffers were reused

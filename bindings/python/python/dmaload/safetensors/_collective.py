@@ -60,7 +60,7 @@ TensorFilter: TypeAlias = Union[Collection[str], Callable[[str], bool], None]
 """The tensors a rank wants: a collection of names, a predicate on the
 name, or None for all."""
 
-DEFAULT_WINDOW = 256 << 20
+DEFAULT_WINDOW = 64 << 20
 """Bytes of tensors read and exchanged at a time (``window=``)."""
 
 _ALIGN = 4096
@@ -170,6 +170,46 @@ class _Group:
         self.dist.all_gather_into_tensor(buffer, mine, group=self.group)
 
 
+RING = 4
+"""Window buffers that ``recycle`` reuses: the one before the window being
+handed out, that one, the next (read, waiting) and the one being read."""
+
+
+class _Stopped(Exception):
+    """The consumer left: the reader thread stops."""
+
+
+class _Buffers:
+    """Where windows are read: new memory for each, or with ``recycle`` a
+    ring of ``RING`` buffers reused once the consumer is two windows past
+    them (so the pages are touched once, not once per window)."""
+
+    def __init__(self, recycle: bool, make: Callable[[int], Any]) -> None:
+        self._recycle, self._make = recycle, make
+        self._free: queue.Queue[Any] = queue.Queue()
+        self._made = 0
+
+    def take(self, n: int) -> tuple[Any, Any]:
+        """(the buffer to give back, a view of its first ``n`` bytes)."""
+        base = None
+        if self._recycle and self._made >= RING:
+            base = self._free.get()
+            if base is None:
+                raise _Stopped
+        if base is None or base.numel() < n:
+            base = self._make(n)
+            self._made += 1
+        return base, base[:n]
+
+    def give(self, base: Any) -> None:
+        if self._recycle:
+            self._free.put(base)
+
+    def wake(self) -> None:
+        """Unblocks a ``take`` waiting for a buffer (it raises ``_Stopped``)."""
+        self._free.put(None)
+
+
 def _aligned_empty(torch: Any, n: int, device: Any) -> Any:
     """``n`` uninitialised bytes, page-aligned on the host (direct I/O reads
     straight into them)."""
@@ -199,6 +239,7 @@ class Stream:
         tensor_filter: TensorFilter = None,
         window: Size = DEFAULT_WINDOW,
         progress: Progress = None,
+        recycle: bool = False,
         options: dict[str, Any] | None = None,
     ) -> None:
         import torch
@@ -215,6 +256,8 @@ class Stream:
         if self._group is not None and self._group.device.type != "cpu" and self._target != self._group.device:
             raise ValueError(f"device={device!r}: this NCCL group exchanges on {self._group.device}: load there")
         self._progress = progress
+        device_of_buffers = self._group.device if self._group else self._target
+        self._buffers = _Buffers(recycle, lambda n: _aligned_empty(torch, n, device_of_buffers))
         self.paths = paths
         self._fds: list[int] = []
         try:
@@ -257,13 +300,14 @@ class Stream:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _read(self, w: _Window) -> Any:
-        """Window ``w``'s buffer, filled on every rank (the reader thread runs this)."""
+    def _read(self, w: _Window) -> tuple[Any, Any]:
+        """Window ``w`` read on every rank: (its buffer to give back, its
+        bytes); the reader thread runs this."""
         import torch
 
         group = self._group
         ranks, rank = (group.size, group.rank) if group else (1, 0)
-        buffer = _aligned_empty(torch, ranks * w.slot, group.device if group else self._target)
+        base, buffer = self._buffers.take(ranks * w.slot)
         offset, length = w.share(rank)
         path = self.paths[w.file]
         failure: BaseException | None = None
@@ -280,7 +324,7 @@ class Stream:
         if group is None:
             if failure is not None:
                 raise CollectiveLoadError(f"read of {path} bytes {offset}..{offset + length} failed: {failure}") from failure
-            return buffer
+            return base, buffer
         try:
             codes = [row[0] for row in group.gather_ints([code])]
         except Exception as exc:  # the backend's error for a dead or silent peer
@@ -301,7 +345,7 @@ class Stream:
                 f"rank {rank}: a peer rank failed or left while exchanging {path} bytes {w.start}..{w.end} "
                 f"(bounded by the group's timeout): {exc}"
             ) from exc
-        return buffer
+        return base, buffer
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         import torch
@@ -313,7 +357,8 @@ class Stream:
         desc = self.paths[0].name if len(self.paths) == 1 else f"{len(self.paths)} files"
         callback, finish = resolve(self._progress, desc)
         done = 0
-        reader = _read_ahead(self.windows, self._read)
+        reader = _read_ahead(self.windows, self._read, self._buffers.wake)
+        handed: list[Any] = []  # the buffers of the windows handed out, last two
         try:
             # Zero-byte tensors are read by no one; each rank makes its own.
             nothing = torch.empty(0, dtype=torch.uint8, device=target)
@@ -321,7 +366,10 @@ class Stream:
                 for t in header.tensors:
                     if t.nbytes == 0 and wants(t.name):
                         yield t.name, _File(None, header, device_data=nothing).torch(t.name)
-            for w, buffer in reader:
+            for w, (base, buffer) in reader:
+                handed.append(base)
+                if len(handed) > 2:
+                    self._buffers.give(handed.pop(0))
                 header = self.headers[w.file]
                 view = _File(None, header, device_data=buffer, data_offset=w.start - header.data_start)
                 for t in w.tensors:
@@ -339,9 +387,12 @@ class Stream:
             self.close()
 
 
-def _read_ahead(windows: list[_Window], read: Callable[[_Window], Any]) -> Generator[tuple[_Window, Any], None, None]:
+def _read_ahead(
+    windows: list[_Window], read: Callable[[_Window], Any], wake: Callable[[], None]
+) -> Generator[tuple[_Window, Any], None, None]:
     """``(window, read(window))`` in order, the next window read by a thread
-    while the caller handles this one. A failure is raised here, in order."""
+    while the caller handles this one. A failure is raised here, in order.
+    ``wake`` unblocks a reader waiting for a buffer when the caller leaves."""
     if not windows:
         return
     ready: queue.Queue[tuple[_Window, Any, BaseException | None]] = queue.Queue(maxsize=1)
@@ -361,12 +412,13 @@ def _read_ahead(windows: list[_Window], read: Callable[[_Window], Any]) -> Gener
     thread.start()
     try:
         for _ in windows:
-            w, buffer, failure = ready.get()
+            w, result, failure = ready.get()
             if failure is not None:
                 raise failure
-            yield w, buffer
+            yield w, result
     finally:
         stop.set()
+        wake()
         # Unblock a reader waiting to put its window, then let it finish.
         while thread.is_alive():
             try:
