@@ -10,7 +10,7 @@ rank count and page-cache state, each engine a fresh process
   warm   every shard read once first, so that it is in the page cache
 
 Reported per format, ranks and state: vLLM's own "Loading weights took"
-(the slowest rank's), the time to the first token from the process's start
+(the slowest rank's; runai_streamer's loader prints none: "-"), the time to the first token from the process's start
 (vLLM's import and engine start included), and the bytes read from storage
 by the whole engine (this process's /proc/self/io read_bytes across the run:
 the kernel adds each reaped child's counts to its parent; an engine with
@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ROOT / "tests" / "engines"
 FORMATS = ["dmaload", "safetensors", "fastsafetensors", "runai_streamer", "instanttensor"]
 LOADING = re.compile(r"Loading weights took ([0-9.]+) seconds")
+ERROR = re.compile(r"\b\w+Error: ")
+NOT_CAUSES = ("Tokenizer not available", "Engine core initialization failed", "Worker failed with error")
 
 
 def read_bytes() -> int:
@@ -82,7 +84,7 @@ def set_cache(model: Path, state: str) -> None:
                     pass
 
 
-def serve(python: str, model: Path, fmt: str, ranks: int, timeout: int) -> dict[str, object]:
+def serve(python: str, model: Path, fmt: str, ranks: int, memory: float, timeout: int) -> dict[str, object]:
     env = dict(os.environ)
     if ranks > 1:
         cpus = sorted(os.sched_getaffinity(0))[:ranks]
@@ -90,7 +92,7 @@ def serve(python: str, model: Path, fmt: str, ranks: int, timeout: int) -> dict[
     before = read_bytes()
     started = time.perf_counter()
     run = subprocess.run(
-        [python, str(ENGINES / "generate.py"), str(model), fmt, "{}", str(ranks)],
+        [python, str(ENGINES / "generate.py"), str(model), fmt, "{}", str(ranks), str(memory)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -101,12 +103,14 @@ def serve(python: str, model: Path, fmt: str, ranks: int, timeout: int) -> dict[
     result: dict[str, object] = {"read": read_bytes() - before, "wall_s": wall}
     line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
     loads = [float(m) for m in LOADING.findall(output)]
-    if run.returncode != 0 or line is None or not loads:
-        errors = [x for x in output.splitlines() if "Error" in x or "error" in x]
-        result["error"] = (errors[-1] if errors else output[-300:]).strip()[-300:]
+    if run.returncode != 0 or line is None:
+        # The root cause, not the engine's "see root cause above".
+        errors = [x for x in output.splitlines() if ERROR.search(x) and not any(n in x for n in NOT_CAUSES)]
+        result["error"] = (errors[0] if errors else output[-300:]).strip()[-300:]
         return result
     result.update(json.loads(line[len("RESULT ") :]))
-    result["load_s"] = max(loads)
+    if loads:  # runai_streamer's loader does not print it
+        result["load_s"] = max(loads)
     result["dmaload_lines"] = [x.split("dmaload: ", 1)[1] for x in output.splitlines() if "dmaload: loaded" in x]
     return result
 
@@ -128,6 +132,8 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--ranks", default="1,2", help="tensor-parallel sizes (one CPU each on vLLM's CPU build)")
     ap.add_argument("--states", default="cold,warm")
+    ap.add_argument("--memory", type=float, default=0.3,
+                    help="vLLM's gpu_memory_utilization: on the CPU build the share of host memory for weights and KV cache")
     ap.add_argument("--timeout", type=int, default=900, help="seconds one engine may take")
     ap.add_argument("--json", type=Path, help="write every run here")
     a = ap.parse_args()
@@ -141,7 +147,7 @@ def main() -> None:
     broken: dict[str, str] = {}
     # One engine with dummy weights first: vLLM's own files are then in the
     # page cache, so the reads counted below are the checkpoint's.
-    serve(sys.executable, model, "dummy", 1, a.timeout)
+    serve(sys.executable, model, "dummy", 1, a.memory, a.timeout)
     for rnd in range(a.rounds):
         for state in states:
             for n in ranks:
@@ -150,7 +156,7 @@ def main() -> None:
                     if fmt in broken:
                         continue
                     set_cache(model, state)
-                    r = serve(sys.executable, model, fmt, n, a.timeout)
+                    r = serve(sys.executable, model, fmt, n, a.memory, a.timeout)
                     r.update(format=fmt, ranks=n, state=state, round=rnd)
                     runs.append(r)
                     print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), file=sys.stderr, flush=True)
@@ -173,7 +179,7 @@ def main() -> None:
                 same = "same" if all(r["tokens"] == reference[0] for r in mine) and reference else "DIFFER" if reference else "-"
                 reads = [int(r["read"]) / 2**30 for r in mine]  # type: ignore[call-overload]
                 print(
-                    f"| {fmt} | {n} | {state} | {median_range([float(r['load_s']) for r in mine])} | "  # type: ignore[arg-type]
+                    f"| {fmt} | {n} | {state} | {median_range([float(r['load_s']) for r in mine if 'load_s' in r])} | "  # type: ignore[arg-type]
                     f"{median_range([float(r['first_token_s']) for r in mine])} | "  # type: ignore[arg-type]
                     f"{median_range(reads)} | {same} |"
                 )

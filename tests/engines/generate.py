@@ -2,7 +2,10 @@
 greedy tokens of a fixed prompt and when the engine was ready and the first
 token came (seconds from this script's start, vLLM's import included):
 
-    python generate.py MODEL LOAD_FORMAT [EXTRA_CONFIG_JSON [TP]]
+    python generate.py MODEL LOAD_FORMAT [EXTRA_CONFIG_JSON [TP [MEMORY]]]
+
+MEMORY is vLLM's gpu_memory_utilization (0.1 by default; on the CPU build a
+fraction of host memory, which must hold the weights and the KV cache).
 
 Run in its own process: vLLM's engine owns the process. Used by
 test_vllm.py and bench/serving.py."""
@@ -20,6 +23,7 @@ if __name__ == "__main__":
     model, load_format = sys.argv[1], sys.argv[2]
     extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     tp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    memory = float(sys.argv[5]) if len(sys.argv) > 5 else 0.1
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -29,7 +33,7 @@ if __name__ == "__main__":
         model_loader_extra_config=extra,
         skip_tokenizer_init=True,
         enforce_eager=True,
-        gpu_memory_utilization=0.1,
+        gpu_memory_utilization=memory,
         max_model_len=128,
         tensor_parallel_size=tp,
         dtype="bfloat16",
