@@ -144,6 +144,20 @@ def test_a_read_failing_on_one_rank_fails_every_rank_naming_it(tmp_path: Path, m
         assert "model-00001-of-00003.safetensors bytes " in output, output
 
 
+def test_a_rank_that_cannot_read_the_headers_fails_every_rank_naming_it(tmp_path: Path, model: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in model.iterdir():
+        (broken / p.name).write_bytes(p.read_bytes())
+    with open(broken / "model-00002-of-00003.safetensors", "r+b") as f:
+        f.write((1 << 40).to_bytes(8, "little"))  # a header longer than the file
+    results = _run(tmp_path, 3, "header", model, str(broken))
+    for rank, (status, output) in enumerate(results):
+        assert status != 0, output
+        assert f"rank {rank}: rank 1 could not open or read the headers of 3 file(s)" in output, output
+    assert "model-00002-of-00003.safetensors" in results[1][1]
+
+
 @pytest.mark.parametrize("scenario", ["kill", "quit"])
 def test_a_rank_that_dies_mid_load_ends_every_rank_with_an_error(tmp_path: Path, model: Path, scenario: str) -> None:
     results = _run(tmp_path, 3, scenario, model)

@@ -1,8 +1,8 @@
 """Loads shared by the ranks of a ``torch.distributed`` group, and filtered loads.
 
 ``iter_tensors(path, process_group=group)`` (and ``load_file``/``safe_open``
-with ``process_group=``; this module's :class:`Stream` does the work) reads each byte of the checkpoint once across the
-group instead of once per rank:
+with ``process_group=``; this module's :class:`Stream` does the work) reads
+each byte of the checkpoint once across the group instead of once per rank:
 
 1. Every rank opens each file once and reads its header (a few KiB). One
    ``all_gather`` then checks that all ranks see the same files and headers
@@ -23,7 +23,8 @@ group instead of once per rank:
    gloo in host memory, NCCL in device memory). Every tensor of the window
    is then a view of that buffer, handed out while a background thread
    reads and exchanges the next window: at most about three windows are held
-   beyond what the caller keeps.
+   beyond what the caller keeps. With ``recycle`` the buffers are a ring of
+   ``RING``, reused once the consumer is two windows past them.
 
 A read that fails on one rank fails every rank at that window's status
 exchange, each raising :class:`CollectiveLoadError` naming the failing rank,
@@ -92,6 +93,7 @@ class _Window:
 
 
 def wants(tensor_filter: TensorFilter) -> Callable[[str], bool]:
+    """``tensor_filter`` as a predicate on the tensor's name."""
     if tensor_filter is None:
         return lambda _name: True
     if callable(tensor_filter):
@@ -210,6 +212,18 @@ class _Buffers:
         self._free.put(None)
 
 
+def _collective(group: _Group, doing: str, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, a collective of ``group``, its failure (the backend's
+    error for a dead, failed or silent peer) raised as a CollectiveLoadError
+    saying what this rank was ``doing``."""
+    try:
+        return call(*args)
+    except Exception as exc:
+        raise CollectiveLoadError(
+            f"rank {group.rank}: a peer rank failed or left while {doing} (bounded by the group's timeout): {exc}"
+        ) from exc
+
+
 def _aligned_empty(torch: Any, n: int, device: Any) -> Any:
     """``n`` uninitialised bytes, page-aligned on the host (direct I/O reads
     straight into them)."""
@@ -260,34 +274,49 @@ class Stream:
         self._buffers = _Buffers(recycle, lambda n: _aligned_empty(torch, n, device_of_buffers))
         self.paths = paths
         self._fds: list[int] = []
+        self.headers: list[Header] = []
+        failure: BaseException | None = None
         try:
             for p in paths:
                 # Non-blocking: a FIFO is refused by type, not waited on.
                 self._fds.append(os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK))
-            self.headers: list[Header] = [
-                _dmaload.open_safetensors(fd, None, os.fspath(p)).header for fd, p in zip(self._fds, paths)
-            ]
+            self.headers = [_dmaload.open_safetensors(fd, None, os.fspath(p)).header for fd, p in zip(self._fds, paths)]
             _tensor_index([(os.fspath(p), (t.name for t in h.tensors)) for p, h in zip(paths, self.headers)], weight_map)
-            self._plan()
+        except (OSError, ValueError) as exc:  # ValueError: SafetensorError
+            failure = exc
+        try:
+            self._plan(failure)
         except BaseException:
             self.close()
             raise
 
-    def _plan(self) -> None:
-        mine = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
+    def _plan(self, failure: BaseException | None) -> None:
+        """The windows, agreed with the group: every rank learns whether any
+        rank failed to open the files (``failure``, raised on every rank) or
+        sees other headers, then the union of the tensors they want."""
         group = self._group
-        if group is not None:
-            everyone = group.gather_ints([_digest(self.paths, self.headers), *mine])
-            for r, row in enumerate(everyone):
-                if row[0] != everyone[0][0]:
-                    raise CollectiveLoadError(
-                        f"rank {group.rank}: rank {r} sees other files or headers than rank 0 "
-                        f"({len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'})"
-                    )
-            wanted = [any(row[1 + k] for row in everyone) for k in range(len(mine))]
-        else:
-            wanted = [bool(w) for w in mine]
-        self.windows = _windows(self.headers, wanted, self._window, group.size if group else 1)
+        if group is None:
+            if failure is not None:
+                raise failure
+            wanted = [bool(self._wants(t.name)) for h in self.headers for t in h.tensors]
+            self.windows = _windows(self.headers, wanted, self._window, 1)
+            return
+        where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
+        digest = -1 if failure is not None else _digest(self.paths, self.headers)
+        doing = f"agreeing on the plan of {where}"
+        digests = [row[0] for row in _collective(group, doing, group.gather_ints, [digest])]
+        for r, theirs in enumerate(digests):
+            if theirs == -1:
+                cause = f": {failure}" if r == group.rank else ""
+                raise CollectiveLoadError(
+                    f"rank {group.rank}: rank {r} could not open or read the headers of {where}{cause}"
+                ) from failure
+            if theirs != digests[0]:
+                raise CollectiveLoadError(f"rank {group.rank}: rank {r} sees other files or headers than rank 0 ({where})")
+        mine = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
+        everyone = _collective(group, doing, group.gather_ints, mine) if mine else []
+        wanted = [any(row[k] for row in everyone) for k in range(len(mine))]
+        self.windows = _windows(self.headers, wanted, self._window, group.size)
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
@@ -325,26 +354,15 @@ class Stream:
             if failure is not None:
                 raise CollectiveLoadError(f"read of {path} bytes {offset}..{offset + length} failed: {failure}") from failure
             return base, buffer
-        try:
-            codes = [row[0] for row in group.gather_ints([code])]
-        except Exception as exc:  # the backend's error for a dead or silent peer
-            raise CollectiveLoadError(
-                f"rank {rank}: a peer rank failed or left while loading {path} bytes {w.start}..{w.end} "
-                f"(status exchange, bounded by the group's timeout): {exc}"
-            ) from exc
+        loading = f"loading {path} bytes {w.start}..{w.end}"
+        codes = [row[0] for row in _collective(group, f"{loading} (status exchange)", group.gather_ints, [code])]
         failed = [r for r, c in enumerate(codes) if c]
         if failed:
             r = failed[0]
             at, n = w.share(r)
             cause = failure if r == rank and failure is not None else os.strerror(codes[r])
             raise CollectiveLoadError(f"rank {rank}: rank {r} failed to read {path} bytes {at}..{at + n}: {cause}") from failure
-        try:
-            group.gather_slots(buffer, w.slot)
-        except Exception as exc:
-            raise CollectiveLoadError(
-                f"rank {rank}: a peer rank failed or left while exchanging {path} bytes {w.start}..{w.end} "
-                f"(bounded by the group's timeout): {exc}"
-            ) from exc
+        _collective(group, f"{loading} (exchange)", group.gather_slots, buffer, w.slot)
         return base, buffer
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
