@@ -14,6 +14,11 @@
 #                                 populate (info --probe-memory) and the
 #                                 cache service against safetensors
 #                                 (bench cache, SIZE model, default 4G)
+#   bench/gpu-kit.sh engines      there: collective loads (gloo tests, an
+#                                 NCCL group on the GPU) and, where vLLM or
+#                                 SGLang is installed, each serving a tiny
+#                                 Llama with dmaload (tests/engines; SGLang's
+#                                 PyPI build needs CUDA, so its check is here)
 #   bench/gpu-kit.sh register [SIZE]
 #                                 there: copies straight from registered
 #                                 page-cache and memfd pages to the GPU
@@ -39,7 +44,7 @@ site=/tmp/gpu-kit-site
 # The peers bench/gpu.py runs, and what pytest needs.
 wheels=(safetensors fastsafetensors runai-model-streamer pytest pluggy iniconfig packaging)
 
-usage() { sed -n '2,32s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,37s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 
 build() {
     rm -rf "$kit" && mkdir -p "$kit/wheels"
@@ -149,6 +154,24 @@ cache() {
     "$kit/dmaload" bench cache --size "$size" --repeat 3 --python python3 | tee "$out/bench-cache.md"
 }
 
+engines() {
+    install
+    part collective-gloo python3 -m pytest -q -p no:cacheprovider "$root/bindings/python/tests/test_collective.py"
+    part collective-cuda python3 "$root/tests/engines/cuda_check.py"
+    local engine
+    for engine in vllm sglang; do
+        if python3 -c "import $engine" 2>/dev/null; then
+            part "$engine-serve" python3 "$root/tests/engines/serve_check.py" "$engine"
+        else
+            echo "SKIP $engine-serve: $engine is not installed on this machine"
+        fi
+    done
+    if ((${#failed[@]})); then
+        echo "failed: ${failed[*]}" >&2
+        exit 1
+    fi
+}
+
 register() {
     install
     mkdir -p "$root/.dev"
@@ -164,6 +187,7 @@ case $command in
     bench) bench "$@" ;;
     host) host "$@" ;;
     cache) cache "$@" ;;
+    engines) engines ;;
     register) register "$@" ;;
     *) usage ;;
 esac

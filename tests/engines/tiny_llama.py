@@ -1,5 +1,6 @@
-"""A tiny Llama checkpoint made on the spot (random weights, fixed seed,
-no download): the model the engine tests and bench/serving.py serve."""
+"""A Llama checkpoint made on the spot (random weights, fixed seed, no
+download): tiny for the engine tests, Llama-shaped and >= 1 GiB for
+bench/serving.py. ``python tiny_llama.py OUT [--layers N ...]``."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ def make(out: Path, *, layers: int = 2, hidden: int = 64, intermediate: int = 12
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64) * 2,
-        num_key_value_heads=max(1, hidden // 64),
+        num_attention_heads=max(2, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256),
         vocab_size=vocab,
         max_position_embeddings=256,
         tie_word_embeddings=False,

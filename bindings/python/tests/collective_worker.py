@@ -10,6 +10,7 @@ io      evicts the files from the page cache, loads, reports the bytes this
 filter  like io, each rank wanting the tensors ARGS[0] names (a JSON
         object of rank -> list of names)
 fail    rank 1 loads with chunk_size=0, which its first read refuses
+header  rank 1 loads the checkpoint ARGS[0] names instead (a broken header)
 kill    rank 1 SIGKILLs itself when its first tensor arrives
 quit    rank 1 stops iterating after its first tensor and exits
 """
@@ -72,6 +73,10 @@ def main() -> None:
             names.append(name)
             digest += int(t.contiguous().view(-1).view(torch.uint8).sum())
         result.update(read=read_bytes() - before, names=sorted(names), sum=digest)
+    elif scenario == "header":
+        for _name, _t in iter_tensors(args[0] if rank_i == 1 else model, process_group=group, window=window):
+            pass
+        result["finished"] = True
     elif scenario in ("fail", "kill", "quit"):
         options = {"chunk_size": 0} if scenario == "fail" and rank_i == 1 else {}
         for _name, _t in iter_tensors(model, process_group=group, window=window, **options):

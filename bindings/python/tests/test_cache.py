@@ -215,6 +215,20 @@ def test_safetensors_from_the_cache_match_a_direct_load(service: Service, tmp_pa
     assert (status["misses"], status["hits"]) == (1, 2)
 
 
+def test_iter_tensors_from_the_cache_keeps_what_the_filter_names(service: Service, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "model.safetensors"
+    expected = _model(path)
+    got = dict(dst.iter_tensors(path, cache=service.socket, tensor_filter=["a", "c"]))
+    assert got.keys() == {"a", "c"}
+    for name, t in got.items():
+        assert torch.equal(t, torch.from_numpy(expected[name]))
+    again = dict(dst.iter_tensors(path, cache=service.socket))
+    assert again.keys() == expected.keys()
+    status = service.status()
+    assert (status["misses"], status["hits"]) == (1, 1)
+
+
 def _model(path: Path) -> dict[str, Any]:
     from safetensors import numpy as st_numpy
 

@@ -144,6 +144,20 @@ def test_a_read_failing_on_one_rank_fails_every_rank_naming_it(tmp_path: Path, m
         assert "model-00001-of-00003.safetensors bytes " in output, output
 
 
+def test_a_rank_that_cannot_read_the_headers_fails_every_rank_naming_it(tmp_path: Path, model: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in model.iterdir():
+        (broken / p.name).write_bytes(p.read_bytes())
+    with open(broken / "model-00002-of-00003.safetensors", "r+b") as f:
+        f.write((1 << 40).to_bytes(8, "little"))  # a header longer than the file
+    results = _run(tmp_path, 3, "header", model, str(broken))
+    for rank, (status, output) in enumerate(results):
+        assert status != 0, output
+        assert f"rank {rank}: rank 1 could not open or read the headers of 3 file(s)" in output, output
+    assert "model-00002-of-00003.safetensors" in results[1][1]
+
+
 @pytest.mark.parametrize("scenario", ["kill", "quit"])
 def test_a_rank_that_dies_mid_load_ends_every_rank_with_an_error(tmp_path: Path, model: Path, scenario: str) -> None:
     results = _run(tmp_path, 3, scenario, model)
@@ -179,3 +193,25 @@ def test_collective_options_are_checked(model: Path) -> None:
         load_file(model, framework="pt", tensor_filter=["s0.mid"], window=0)
     with pytest.raises(TypeError, match="one str"):
         load_file(model, framework="pt", tensor_filter="s0.mid")
+
+
+def _same_bytes(a: "torch.Tensor", b: "torch.Tensor") -> bool:
+    return bool(a.contiguous().view(-1).view(torch.uint8).equal(b.contiguous().view(-1).view(torch.uint8)))
+
+
+def test_recycled_windows_reuse_their_memory_and_hold_each_tensor_a_window_longer(model: Path) -> None:
+    from dmaload.safetensors._collective import Stream
+
+    reference = _reference(model)
+    with Stream(sorted(model.glob("*.safetensors")), window="1M") as plan:
+        windows = len(plan.windows)
+    storages, previous, count = set(), None, 0
+    for name, t in iter_tensors(model, window="1M", recycle=True):
+        assert _same_bytes(t, reference[name]), name
+        if previous is not None:  # the last tensor of the window before is still intact
+            assert _same_bytes(previous[1], reference[previous[0]]), previous[0]
+        if t.numel():
+            storages.add(t.untyped_storage().data_ptr())
+        previous, count = (name, t), count + 1
+    assert count == len(reference)
+    assert len(storages) < windows, (len(storages), windows)  # buffers were reused

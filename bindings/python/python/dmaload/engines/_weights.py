@@ -15,7 +15,7 @@ from ..safetensors import DEFAULT_WINDOW, TensorFilter, iter_tensors
 EXTRA_CONFIG_KEYS = ("window", "collective", "cache", *LoadOptions.__annotations__)
 """The keys of ``--model-loader-extra-config`` the loaders take (documented
 in README.md, "Serving engines"): ``window`` (bytes read and exchanged at a
-time, an int or ``"256M"``), ``collective`` (``false``: every rank reads the
+time, an int or ``"64M"``), ``collective`` (``false``: every rank reads the
 whole checkpoint itself instead of 1/N of it), ``cache`` (``true`` or the
 model-cache service's socket; ``DMALOAD_CACHE`` in the environment does the
 same) and every option of :class:`dmaload.LoadOptions` (``engine``,
@@ -116,6 +116,9 @@ def weights(
             window=config.window,
             progress=progress if bar is not None else None,
             cache=config.cache,
+            # The engine copies each tensor into its parameter before it
+            # asks for the next one.
+            recycle=True,
             **config.options,
         ):
             count += 1

@@ -18,7 +18,7 @@ of :data:`dmaload.engines.EXTRA_CONFIG_KEYS` besides SGLang's own.
 
 SGLang on PyPI is a CUDA build (its kernels and flashinfer); this module is
 written against SGLang 0.5.23's source and is checked on a GPU machine by
-``bench/gpu-kit.sh sglang``.
+``bench/gpu-kit.sh engines`` where SGLang is installed.
 """
 
 from __future__ import annotations

@@ -750,6 +750,7 @@ def iter_tensors(
     window: Size = DEFAULT_WINDOW,
     progress: Progress = None,
     cache: Cache = None,
+    recycle: bool = False,
     **options: Unpack[LoadOptions],
 ) -> Iterator[tuple[str, Any]]:
     """``(name, tensor)`` for each tensor of a safetensors file or sharded
@@ -762,7 +763,13 @@ def iter_tensors(
     consume the whole iterator); ``tensor_filter`` keeps only the tensors
     it names or accepts, never reading the others. With ``cache=`` (or
     ``DMALOAD_CACHE``), each file comes whole from the model-cache service
-    and the group is not used."""
+    and the group is not used.
+
+    ``recycle=True`` reuses a ring of four window buffers instead of new
+    memory for each window (whose first touch costs more than the read
+    where memory is slow to fault in): each tensor then stays valid only
+    until the iterator hands out a tensor two windows later, so the caller
+    must copy what it keeps, as a serving engine's ``load_weights`` does."""
     _check_torch("pt", process_group, tensor_filter)
     paths, weight_map = shard_paths(path)
     socket = socket_for(cache)
@@ -778,6 +785,7 @@ def iter_tensors(
         tensor_filter=tensor_filter,
         window=window,
         progress=progress,
+        recycle=recycle,
         options=dict(options),
     )
     with stream:

@@ -1,8 +1,8 @@
 """Loads shared by the ranks of a ``torch.distributed`` group, and filtered loads.
 
 ``iter_tensors(path, process_group=group)`` (and ``load_file``/``safe_open``
-with ``process_group=``; this module's :class:`Stream` does the work) reads each byte of the checkpoint once across the
-group instead of once per rank:
+with ``process_group=``; this module's :class:`Stream` does the work) reads
+each byte of the checkpoint once across the group instead of once per rank:
 
 1. Every rank opens each file once and reads its header (a few KiB). One
    ``all_gather`` then checks that all ranks see the same files and headers
@@ -23,7 +23,8 @@ group instead of once per rank:
    gloo in host memory, NCCL in device memory). Every tensor of the window
    is then a view of that buffer, handed out while a background thread
    reads and exchanges the next window: at most about three windows are held
-   beyond what the caller keeps.
+   beyond what the caller keeps. With ``recycle`` the buffers are a ring of
+   ``RING``, reused once the consumer is two windows past them.
 
 A read that fails on one rank fails every rank at that window's status
 exchange, each raising :class:`CollectiveLoadError` naming the failing rank,
@@ -60,7 +61,7 @@ TensorFilter: TypeAlias = Union[Collection[str], Callable[[str], bool], None]
 """The tensors a rank wants: a collection of names, a predicate on the
 name, or None for all."""
 
-DEFAULT_WINDOW = 256 << 20
+DEFAULT_WINDOW = 64 << 20
 """Bytes of tensors read and exchanged at a time (``window=``)."""
 
 _ALIGN = 4096
@@ -92,6 +93,7 @@ class _Window:
 
 
 def wants(tensor_filter: TensorFilter) -> Callable[[str], bool]:
+    """``tensor_filter`` as a predicate on the tensor's name."""
     if tensor_filter is None:
         return lambda _name: True
     if callable(tensor_filter):
@@ -170,6 +172,58 @@ class _Group:
         self.dist.all_gather_into_tensor(buffer, mine, group=self.group)
 
 
+RING = 4
+"""Window buffers that ``recycle`` reuses: the one before the window being
+handed out, that one, the next (read, waiting) and the one being read."""
+
+
+class _Stopped(Exception):
+    """The consumer left: the reader thread stops."""
+
+
+class _Buffers:
+    """Where windows are read: new memory for each, or with ``recycle`` a
+    ring of ``RING`` buffers reused once the consumer is two windows past
+    them (so the pages are touched once, not once per window)."""
+
+    def __init__(self, recycle: bool, make: Callable[[int], Any]) -> None:
+        self._recycle, self._make = recycle, make
+        self._free: queue.Queue[Any] = queue.Queue()
+        self._made = 0
+
+    def take(self, n: int) -> tuple[Any, Any]:
+        """(the buffer to give back, a view of its first ``n`` bytes)."""
+        base = None
+        if self._recycle and self._made >= RING:
+            base = self._free.get()
+            if base is None:
+                raise _Stopped
+        if base is None or base.numel() < n:
+            base = self._make(n)
+            self._made += 1
+        return base, base[:n]
+
+    def give(self, base: Any) -> None:
+        if self._recycle:
+            self._free.put(base)
+
+    def wake(self) -> None:
+        """Unblocks a ``take`` waiting for a buffer (it raises ``_Stopped``)."""
+        self._free.put(None)
+
+
+def _collective(group: _Group, doing: str, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, a collective of ``group``, its failure (the backend's
+    error for a dead, failed or silent peer) raised as a CollectiveLoadError
+    saying what this rank was ``doing``."""
+    try:
+        return call(*args)
+    except Exception as exc:
+        raise CollectiveLoadError(
+            f"rank {group.rank}: a peer rank failed or left while {doing} (bounded by the group's timeout): {exc}"
+        ) from exc
+
+
 def _aligned_empty(torch: Any, n: int, device: Any) -> Any:
     """``n`` uninitialised bytes, page-aligned on the host (direct I/O reads
     straight into them)."""
@@ -199,6 +253,7 @@ class Stream:
         tensor_filter: TensorFilter = None,
         window: Size = DEFAULT_WINDOW,
         progress: Progress = None,
+        recycle: bool = False,
         options: dict[str, Any] | None = None,
     ) -> None:
         import torch
@@ -215,36 +270,53 @@ class Stream:
         if self._group is not None and self._group.device.type != "cpu" and self._target != self._group.device:
             raise ValueError(f"device={device!r}: this NCCL group exchanges on {self._group.device}: load there")
         self._progress = progress
+        device_of_buffers = self._group.device if self._group else self._target
+        self._buffers = _Buffers(recycle, lambda n: _aligned_empty(torch, n, device_of_buffers))
         self.paths = paths
         self._fds: list[int] = []
+        self.headers: list[Header] = []
+        failure: BaseException | None = None
         try:
             for p in paths:
                 # Non-blocking: a FIFO is refused by type, not waited on.
                 self._fds.append(os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK))
-            self.headers: list[Header] = [
-                _dmaload.open_safetensors(fd, None, os.fspath(p)).header for fd, p in zip(self._fds, paths)
-            ]
+            self.headers = [_dmaload.open_safetensors(fd, None, os.fspath(p)).header for fd, p in zip(self._fds, paths)]
             _tensor_index([(os.fspath(p), (t.name for t in h.tensors)) for p, h in zip(paths, self.headers)], weight_map)
-            self._plan()
+        except (OSError, ValueError) as exc:  # ValueError: SafetensorError
+            failure = exc
+        try:
+            self._plan(failure)
         except BaseException:
             self.close()
             raise
 
-    def _plan(self) -> None:
-        mine = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
+    def _plan(self, failure: BaseException | None) -> None:
+        """The windows, agreed with the group: every rank learns whether any
+        rank failed to open the files (``failure``, raised on every rank) or
+        sees other headers, then the union of the tensors they want."""
         group = self._group
-        if group is not None:
-            everyone = group.gather_ints([_digest(self.paths, self.headers), *mine])
-            for r, row in enumerate(everyone):
-                if row[0] != everyone[0][0]:
-                    raise CollectiveLoadError(
-                        f"rank {group.rank}: rank {r} sees other files or headers than rank 0 "
-                        f"({len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'})"
-                    )
-            wanted = [any(row[1 + k] for row in everyone) for k in range(len(mine))]
-        else:
-            wanted = [bool(w) for w in mine]
-        self.windows = _windows(self.headers, wanted, self._window, group.size if group else 1)
+        if group is None:
+            if failure is not None:
+                raise failure
+            wanted = [bool(self._wants(t.name)) for h in self.headers for t in h.tensors]
+            self.windows = _windows(self.headers, wanted, self._window, 1)
+            return
+        where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
+        digest = -1 if failure is not None else _digest(self.paths, self.headers)
+        doing = f"agreeing on the plan of {where}"
+        digests = [row[0] for row in _collective(group, doing, group.gather_ints, [digest])]
+        for r, theirs in enumerate(digests):
+            if theirs == -1:
+                cause = f": {failure}" if r == group.rank else ""
+                raise CollectiveLoadError(
+                    f"rank {group.rank}: rank {r} could not open or read the headers of {where}{cause}"
+                ) from failure
+            if theirs != digests[0]:
+                raise CollectiveLoadError(f"rank {group.rank}: rank {r} sees other files or headers than rank 0 ({where})")
+        mine = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
+        everyone = _collective(group, doing, group.gather_ints, mine) if mine else []
+        wanted = [any(row[k] for row in everyone) for k in range(len(mine))]
+        self.windows = _windows(self.headers, wanted, self._window, group.size)
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
@@ -257,13 +329,14 @@ class Stream:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _read(self, w: _Window) -> Any:
-        """Window ``w``'s buffer, filled on every rank (the reader thread runs this)."""
+    def _read(self, w: _Window) -> tuple[Any, Any]:
+        """Window ``w`` read on every rank: (its buffer to give back, its
+        bytes); the reader thread runs this."""
         import torch
 
         group = self._group
         ranks, rank = (group.size, group.rank) if group else (1, 0)
-        buffer = _aligned_empty(torch, ranks * w.slot, group.device if group else self._target)
+        base, buffer = self._buffers.take(ranks * w.slot)
         offset, length = w.share(rank)
         path = self.paths[w.file]
         failure: BaseException | None = None
@@ -280,28 +353,17 @@ class Stream:
         if group is None:
             if failure is not None:
                 raise CollectiveLoadError(f"read of {path} bytes {offset}..{offset + length} failed: {failure}") from failure
-            return buffer
-        try:
-            codes = [row[0] for row in group.gather_ints([code])]
-        except Exception as exc:  # the backend's error for a dead or silent peer
-            raise CollectiveLoadError(
-                f"rank {rank}: a peer rank failed or left while loading {path} bytes {w.start}..{w.end} "
-                f"(status exchange, bounded by the group's timeout): {exc}"
-            ) from exc
+            return base, buffer
+        loading = f"loading {path} bytes {w.start}..{w.end}"
+        codes = [row[0] for row in _collective(group, f"{loading} (status exchange)", group.gather_ints, [code])]
         failed = [r for r, c in enumerate(codes) if c]
         if failed:
             r = failed[0]
             at, n = w.share(r)
             cause = failure if r == rank and failure is not None else os.strerror(codes[r])
             raise CollectiveLoadError(f"rank {rank}: rank {r} failed to read {path} bytes {at}..{at + n}: {cause}") from failure
-        try:
-            group.gather_slots(buffer, w.slot)
-        except Exception as exc:
-            raise CollectiveLoadError(
-                f"rank {rank}: a peer rank failed or left while exchanging {path} bytes {w.start}..{w.end} "
-                f"(bounded by the group's timeout): {exc}"
-            ) from exc
-        return buffer
+        _collective(group, f"{loading} (exchange)", group.gather_slots, buffer, w.slot)
+        return base, buffer
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         import torch
@@ -313,7 +375,8 @@ class Stream:
         desc = self.paths[0].name if len(self.paths) == 1 else f"{len(self.paths)} files"
         callback, finish = resolve(self._progress, desc)
         done = 0
-        reader = _read_ahead(self.windows, self._read)
+        reader = _read_ahead(self.windows, self._read, self._buffers.wake)
+        handed: list[Any] = []  # the buffers of the windows handed out, last two
         try:
             # Zero-byte tensors are read by no one; each rank makes its own.
             nothing = torch.empty(0, dtype=torch.uint8, device=target)
@@ -321,7 +384,10 @@ class Stream:
                 for t in header.tensors:
                     if t.nbytes == 0 and wants(t.name):
                         yield t.name, _File(None, header, device_data=nothing).torch(t.name)
-            for w, buffer in reader:
+            for w, (base, buffer) in reader:
+                handed.append(base)
+                if len(handed) > 2:
+                    self._buffers.give(handed.pop(0))
                 header = self.headers[w.file]
                 view = _File(None, header, device_data=buffer, data_offset=w.start - header.data_start)
                 for t in w.tensors:
@@ -339,9 +405,12 @@ class Stream:
             self.close()
 
 
-def _read_ahead(windows: list[_Window], read: Callable[[_Window], Any]) -> Generator[tuple[_Window, Any], None, None]:
+def _read_ahead(
+    windows: list[_Window], read: Callable[[_Window], Any], wake: Callable[[], None]
+) -> Generator[tuple[_Window, Any], None, None]:
     """``(window, read(window))`` in order, the next window read by a thread
-    while the caller handles this one. A failure is raised here, in order."""
+    while the caller handles this one. A failure is raised here, in order.
+    ``wake`` unblocks a reader waiting for a buffer when the caller leaves."""
     if not windows:
         return
     ready: queue.Queue[tuple[_Window, Any, BaseException | None]] = queue.Queue(maxsize=1)
@@ -361,12 +430,13 @@ def _read_ahead(windows: list[_Window], read: Callable[[_Window], Any]) -> Gener
     thread.start()
     try:
         for _ in windows:
-            w, buffer, failure = ready.get()
+            w, result, failure = ready.get()
             if failure is not None:
                 raise failure
-            yield w, buffer
+            yield w, result
     finally:
         stop.set()
+        wake()
         # Unblock a reader waiting to put its window, then let it finish.
         while thread.is_alive():
             try:
