@@ -1,0 +1,536 @@
+//! Device memory, pinned host memory, and the copies between them.
+
+use std::ffi::{c_int, c_uint};
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use super::*;
+
+/// A span of device memory that copies may write: `len` bytes from device
+/// address `ptr`. Borrowed from a [`DeviceBuffer`] or made from raw parts
+/// by a caller who vouches for them ([`DeviceRange::from_raw`]).
+#[derive(Debug)]
+pub struct DeviceRange<'a> {
+    ptr: CUdeviceptr,
+    len: usize,
+    _memory: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> DeviceRange<'a> {
+    /// A range from a device address and length (a tensor's `data_ptr()`
+    /// and byte size, say).
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be device memory of the device whose context
+    /// the copies run in, allocated, and not freed for as long as copies
+    /// into it may run (until a stream or event wait after the last one):
+    /// that is longer than `'a` unless the copies are waited for within
+    /// it. Nothing else may read or write the span meanwhile.
+    pub unsafe fn from_raw(ptr: u64, len: usize) -> DeviceRange<'a> {
+        DeviceRange { ptr, len, _memory: PhantomData }
+    }
+
+    /// [`DeviceRange::from_raw`] after [`DeviceRange::validate`]: refuses
+    /// spans that are not device memory of `ctx`'s device or run past the
+    /// end of their allocation. Still unsafe: no check can tell how long the
+    /// memory stays allocated, or who else uses it.
+    ///
+    /// # Safety
+    ///
+    /// As for [`DeviceRange::from_raw`].
+    pub unsafe fn checked(ctx: &Context, ptr: u64, len: usize) -> Result<DeviceRange<'a>, CudaError> {
+        DeviceRange::validate(ctx, ptr, len)?;
+        Ok(DeviceRange { ptr, len, _memory: PhantomData })
+    }
+
+    /// Checks, with `cuPointerGetAttribute`, that `ptr..ptr + len` is device
+    /// (or managed) memory of `ctx`'s device inside one allocation
+    /// (`CU_POINTER_ATTRIBUTE_RANGE_START_ADDR`/`RANGE_SIZE`). An allocation
+    /// is what the driver handed out: a caching allocator's (PyTorch's)
+    /// whole segment, not one tensor.
+    pub fn validate(ctx: &Context, ptr: u64, len: usize) -> Result<(), CudaError> {
+        const OP: &str = "check device range";
+        if len == 0 {
+            return Ok(());
+        }
+        let end = ptr.checked_add(len as u64).ok_or_else(|| {
+            CudaError::invalid(OP, format!("{len} bytes at {ptr:#x} wrap the address space"))
+        })?;
+        let _current = ctx.enter()?;
+        // SAFETY: MEMORY_TYPE writes an `unsigned int` (a CUmemorytype).
+        let memory_type =
+            match unsafe { ctx.pointer_attribute::<c_uint>(CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr) } {
+                Err(err) if err.code == Some(CUDA_ERROR_INVALID_VALUE) => {
+                    return Err(CudaError {
+                        op: OP,
+                        message: format!(
+                            "{ptr:#x} is not memory CUDA allocated or registered in this process ({})",
+                            err.message
+                        ),
+                        errno: libc::EINVAL,
+                        ..err
+                    });
+                }
+                other => other?,
+            };
+        let kind = match memory_type {
+            CU_MEMORYTYPE_DEVICE | CU_MEMORYTYPE_UNIFIED => None,
+            CU_MEMORYTYPE_HOST => Some("host memory registered with CUDA"),
+            CU_MEMORYTYPE_ARRAY => Some("a CUDA array"),
+            0 => Some("not memory CUDA allocated or registered in this process"),
+            _ => Some("memory of an unknown CUDA type"),
+        };
+        if let Some(kind) = kind {
+            return Err(CudaError::invalid(OP, format!("{ptr:#x} is {kind}: not device memory")));
+        }
+        // SAFETY: DEVICE_ORDINAL writes an `int`.
+        let ordinal = unsafe { ctx.pointer_attribute::<c_int>(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr) }?;
+        if usize::try_from(ordinal).ok() != Some(ctx.ordinal()) {
+            return Err(CudaError::invalid(
+                OP,
+                format!("{ptr:#x} is memory of cuda:{ordinal}, not of cuda:{}", ctx.ordinal()),
+            ));
+        }
+        // SAFETY: RANGE_START_ADDR writes a `CUdeviceptr`.
+        let start =
+            unsafe { ctx.pointer_attribute::<CUdeviceptr>(CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr) }?;
+        // SAFETY: RANGE_SIZE writes a `size_t`.
+        let size = unsafe { ctx.pointer_attribute::<usize>(CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr) }?;
+        let alloc_end = start.saturating_add(size as u64);
+        if start > ptr || end > alloc_end {
+            return Err(CudaError::invalid(
+                OP,
+                format!(
+                    "{len} bytes at {ptr:#x} run {} bytes past the end of their allocation \
+                     ({size} bytes at {start:#x})",
+                    end.saturating_sub(alloc_end)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The device address of the first byte.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Device memory this value owns: `cuMemAlloc`, and on drop a wait for the
+/// context (so no copy into it is still running) and `cuMemFree`.
+pub struct DeviceBuffer {
+    ctx: Context,
+    ptr: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: a device address is usable from any thread with the context
+// (kept alive by `ctx`) current, which every method makes it.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: `&self` methods only read the memory (copy_to_host).
+unsafe impl Sync for DeviceBuffer {}
+
+impl fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceBuffer(cuda:{}, {} bytes at {:#x})", self.ctx.ordinal(), self.len, self.ptr)
+    }
+}
+
+impl DeviceBuffer {
+    /// `len` bytes of uninitialised device memory (no allocation for 0).
+    pub fn new(ctx: &Context, len: usize) -> Result<DeviceBuffer, CudaError> {
+        let mut ptr: CUdeviceptr = 0;
+        if len > 0 {
+            let api = ctx.inner.api;
+            let _current = ctx.enter()?;
+            // SAFETY: `ptr` is a valid out-pointer for the call.
+            api.check("cuMemAlloc", unsafe { (api.mem_alloc)(&mut ptr, len) })?;
+        }
+        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, len })
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// The device address of the first byte (0 when empty).
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The whole buffer as a copy destination. Copies into it may outlive
+    /// the borrow: dropping the buffer waits for them.
+    pub fn range(&mut self) -> DeviceRange<'_> {
+        DeviceRange { ptr: self.ptr, len: self.len, _memory: PhantomData }
+    }
+
+    fn check_span(&self, op: &'static str, offset: usize, len: usize) -> Result<(), CudaError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(CudaError::invalid(
+                op,
+                format!("{len} bytes at offset {offset} run past the {}-byte device buffer", self.len),
+            )),
+        }
+    }
+
+    /// `cuMemcpyDtoH`: copies `dst.len()` bytes from `offset` into `dst`,
+    /// returning once they are there. It does not wait for copies queued on
+    /// a [`Stream`] (non-blocking streams): synchronize those first.
+    pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), CudaError> {
+        self.check_span("cuMemcpyDtoH", offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let api = self.ctx.inner.api;
+        let _current = self.ctx.enter()?;
+        // SAFETY: the source span is inside this live allocation (checked);
+        // `dst` is exclusively borrowed host memory of the same length, and
+        // a copy into pageable memory is complete when the call returns.
+        let code = unsafe { (api.memcpy_dtoh)(dst.as_mut_ptr().cast(), self.ptr + offset as u64, dst.len()) };
+        api.check("cuMemcpyDtoH", code)
+    }
+
+    /// `cuMemsetD8`: sets every byte to `byte`, after the context's queued
+    /// work and before returning (`cuCtxSynchronize` either side).
+    pub fn fill(&mut self, byte: u8) -> Result<(), CudaError> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        let api = self.ctx.inner.api;
+        let _current = self.ctx.enter()?;
+        self.ctx.synchronize_current()?;
+        // SAFETY: the span is exactly this live allocation.
+        api.check("cuMemsetD8", unsafe { (api.memset_d8)(self.ptr, byte, self.len) })?;
+        self.ctx.synchronize_current()
+    }
+
+    /// [`DeviceBuffer::fill`] with zeros.
+    pub fn zero(&mut self) -> Result<(), CudaError> {
+        self.fill(0)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        let api = self.ctx.inner.api;
+        let _current = self.ctx.enter_and_drain();
+        // SAFETY: frees the allocation this value owns, after the wait for
+        // every copy that could still write it; nothing uses it after.
+        unsafe { (api.mem_free)(self.ptr) };
+    }
+}
+
+/// `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)`: pins `len` bytes at
+/// `ptr` for DMA by every context.
+///
+/// # Safety
+///
+/// `ptr..ptr + len` must be mapped, and stay mapped until unregistered.
+unsafe fn register_host(ctx: &Context, ptr: *mut u8, len: usize) -> Result<(), CudaError> {
+    let api = ctx.inner.api;
+    let _current = ctx.enter()?;
+    // SAFETY: the span is mapped (this function's contract); the driver
+    // pins its pages until cuMemHostUnregister.
+    let code = unsafe { (api.mem_host_register)(ptr.cast(), len, CU_MEMHOSTREGISTER_PORTABLE) };
+    api.check("cuMemHostRegister", code)
+}
+
+/// Waits for `ctx`, then `cuMemHostUnregister` of memory [`register_host`]
+/// pinned (errors ignored: this runs in drops).
+fn unregister_host(ctx: &Context, ptr: *mut u8) {
+    let api = ctx.inner.api;
+    let _current = ctx.enter_and_drain();
+    // SAFETY: `ptr` starts a registration made by `register_host`, which
+    // is still mapped; the wait above let every copy from it finish.
+    unsafe { (api.mem_host_unregister)(ptr.cast()) };
+}
+
+/// A range of a [`Mapping`] pinned for DMA (`cuMemHostRegister` with
+/// `CU_MEMHOSTREGISTER_PORTABLE`), so copies from it run asynchronously at
+/// full speed. It holds the mapping's writer, so the mapping outlives it;
+/// dropping it waits for its context (`cuCtxSynchronize`) before
+/// `cuMemHostUnregister`, so no copy from it outlives the pin.
+#[allow(dead_code)] // used by the CUDA sink
+pub struct HostRegistration<'m> {
+    ctx: Context,
+    ptr: *mut u8,
+    len: usize,
+    range: Range<usize>,
+    _memory: MappingWriter<'m>,
+}
+
+// SAFETY: the registration only hands addresses to the driver, which
+// accepts them from any thread; the mapping lives for 'm.
+unsafe impl Send for HostRegistration<'_> {}
+// SAFETY: as above; no method mutates it.
+unsafe impl Sync for HostRegistration<'_> {}
+
+#[allow(dead_code)] // used by the CUDA sink
+impl<'m> HostRegistration<'m> {
+    /// Pins `range` of `memory`: whole pages, as staging slots are (older
+    /// drivers refuse others). A range outside the mapping is a bug and
+    /// panics; an empty one pins nothing; one overlapping a range already
+    /// pinned fails with `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
+    pub fn new(
+        ctx: &Context,
+        memory: MappingWriter<'m>,
+        range: Range<usize>,
+    ) -> Result<HostRegistration<'m>, CudaError> {
+        let (ptr, len) = memory.raw_range(&range);
+        if len > 0 {
+            // SAFETY: ptr..ptr+len is inside the mapping (raw_range), which
+            // the writer keeps mapped for 'm, longer than this value, whose
+            // drop unregisters it.
+            unsafe { register_host(ctx, ptr, len) }?;
+        }
+        Ok(HostRegistration { ctx: ctx.clone(), ptr, len, range, _memory: memory })
+    }
+
+    /// The range of the mapping pinned.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+}
+
+impl Drop for HostRegistration<'_> {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            unregister_host(&self.ctx, self.ptr);
+        }
+    }
+}
+
+/// `cuMemcpyHtoDAsync`: queues a copy of `src_range` of `src` to
+/// `dst_offset..` of `dst` on `stream`, and returns at once when the source
+/// is pinned (a [`HostRegistration`], a [`PinnedStaging`]); an unpinned
+/// source is first copied by the driver into its own staging memory.
+///
+/// The copy reads the source until the stream passes it, so the caller
+/// must not let `src_range` be rewritten before an [`Event`] recorded on
+/// `stream` after the copy completes: a rule for the bytes' integrity, not
+/// for memory safety, since a pinned range stays pinned (and its mapping
+/// mapped) until a wait for the context. The same wait in
+/// [`DeviceBuffer`]'s drop, or [`DeviceRange::from_raw`]'s contract, keeps
+/// the destination allocated. A registration waits only for its own
+/// context: copy from it on streams of that context.
+///
+/// `src_range` outside the mapping is a bug and panics; a destination span
+/// outside `dst` is an error.
+pub fn copy_htod_async(
+    dst: &DeviceRange<'_>,
+    dst_offset: usize,
+    src: MappingWriter<'_>,
+    src_range: Range<usize>,
+    stream: &Stream,
+) -> Result<(), CudaError> {
+    let (ptr, len) = src.raw_range(&src_range);
+    match dst_offset.checked_add(len) {
+        Some(end) if end <= dst.len => {}
+        _ => {
+            return Err(CudaError::invalid(
+                "cuMemcpyHtoDAsync",
+                format!("{len} bytes at offset {dst_offset} run past the {}-byte device range", dst.len),
+            ))
+        }
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    let api = stream.ctx.inner.api;
+    let _current = stream.ctx.enter()?;
+    // SAFETY: the source is `len` bytes inside a live mapping (raw_range),
+    // pinned until a context wait or staged by the driver before return;
+    // the destination span is inside `dst` (checked), device memory that
+    // stays allocated while copies into it may run (DeviceRange's
+    // contract); the stream is live.
+    let code = unsafe {
+        (api.memcpy_htod_async)(dst.ptr + dst_offset as u64, ptr.cast_const().cast(), len, stream.raw)
+    };
+    api.check("cuMemcpyHtoDAsync", code)
+}
+
+/// Pinned host memory this value owns: an anonymous mapping, registered
+/// with `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)`, to stage bytes
+/// for asynchronous copies to a device. Dropping it waits for its context
+/// before unpinning and unmapping.
+pub struct PinnedStaging {
+    ctx: Context,
+    // Unregistered in `drop`, before the field drops and unmaps.
+    memory: Mapping,
+    ptr: *mut u8,
+}
+
+// SAFETY: the mapping is plain memory (Mapping is Send) and the pin is a
+// driver-side state usable from any thread.
+unsafe impl Send for PinnedStaging {}
+// SAFETY: `&self` methods only read lengths.
+unsafe impl Sync for PinnedStaging {}
+
+impl fmt::Debug for PinnedStaging {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PinnedStaging(cuda:{}, {} bytes)", self.ctx.ordinal(), self.memory.as_slice().len())
+    }
+}
+
+impl PinnedStaging {
+    /// `len` bytes of zeroed, pinned host memory.
+    pub fn new(ctx: &Context, len: usize) -> Result<PinnedStaging, CudaError> {
+        let mut memory = Mapping::anonymous(len, HugePageAdvice::Huge).map_err(|err| {
+            CudaError::new(
+                "mmap",
+                format!("{len} bytes of staging memory: {err}"),
+                err.raw_os_error().unwrap_or(libc::EIO),
+            )
+        })?;
+        let (ptr, _) = memory.writer().raw_range(&(0..len));
+        if len > 0 {
+            // Whole pages, as older drivers require.
+            let pages = len.next_multiple_of(crate::sys::mem::page_size());
+            // SAFETY: the span is the whole mapping (mmap maps whole pages),
+            // which `memory` keeps mapped at this address until after `drop`
+            // unregisters it.
+            unsafe { register_host(ctx, ptr, pages) }?;
+        }
+        Ok(PinnedStaging { ctx: ctx.clone(), memory, ptr })
+    }
+
+    pub fn len(&self) -> usize {
+        self.memory.as_slice().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn check_span(&self, op: &'static str, range: &Range<usize>) -> Result<(), CudaError> {
+        if range.start <= range.end && range.end <= self.len() {
+            Ok(())
+        } else {
+            Err(CudaError::invalid(
+                op,
+                format!("bytes {range:?} run past the {}-byte staging memory", self.len()),
+            ))
+        }
+    }
+
+    /// Write access for the kernel and io_uring (reads into staging
+    /// slots). The borrow keeps the memory mapped and pinned meanwhile.
+    pub(crate) fn writer(&mut self) -> MappingWriter<'_> {
+        self.memory.writer()
+    }
+
+    /// Copies `data` in at `offset`. A copy still reading those bytes (see
+    /// [`PinnedStaging::copy_to_device`]) would send a mix of old and new.
+    pub fn write(&mut self, offset: usize, data: &[u8]) -> Result<(), CudaError> {
+        let range = offset..offset.saturating_add(data.len());
+        self.check_span("write staging memory", &range)?;
+        self.memory.as_mut_slice()[range].copy_from_slice(data);
+        Ok(())
+    }
+
+    /// `cuMemcpyHtoDAsync`: queues a copy of `range` to `dst_offset..` of
+    /// `dst` on `stream` (which must be of this memory's context) and
+    /// returns at once. The copy reads the staging bytes until the stream
+    /// passes it: record an [`Event`] after it and wait for the event
+    /// before writing `range` again, or the device may get a mix of old
+    /// and new bytes. Dropping the staging memory waits for the context, so
+    /// no copy reads it after it is unpinned.
+    pub fn copy_to_device(
+        &mut self,
+        range: Range<usize>,
+        dst: &DeviceRange<'_>,
+        dst_offset: usize,
+        stream: &Stream,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "cuMemcpyHtoDAsync";
+        self.check_span(OP, &range)?;
+        if !stream.ctx.same(&self.ctx) {
+            return Err(CudaError::invalid(
+                OP,
+                format!(
+                    "a stream of cuda:{} copying from staging memory of cuda:{}: use a stream of the same context",
+                    stream.ctx.ordinal(),
+                    self.ctx.ordinal()
+                ),
+            ));
+        }
+        copy_htod_async(dst, dst_offset, self.memory.writer(), range, stream)
+    }
+}
+
+impl Drop for PinnedStaging {
+    fn drop(&mut self) {
+        if !self.is_empty() {
+            unregister_host(&self.ctx, self.ptr);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A registered range of a mapping copied to the device and back.
+    #[test]
+    fn a_registered_mapping_range_round_trips_through_the_device() {
+        let ctx = match Context::primary(0) {
+            Ok(ctx) => ctx,
+            Err(err) => {
+                eprintln!("SKIP cuda: {err}");
+                return;
+            }
+        };
+        let page = crate::sys::mem::page_size();
+        let mut map = Mapping::anonymous(4 * page, HugePageAdvice::Small).unwrap();
+        for (i, byte) in map.as_mut_slice().iter_mut().enumerate() {
+            *byte = (i % 253) as u8;
+        }
+        let mut device = DeviceBuffer::new(&ctx, 2 * page).unwrap();
+        device.fill(0xA5).unwrap();
+        {
+            let writer = map.writer();
+            let pinned = HostRegistration::new(&ctx, writer, page..3 * page).unwrap();
+            assert_eq!(pinned.range(), page..3 * page);
+            let stream = Stream::new(&ctx).unwrap();
+            let event = Event::new(&ctx).unwrap();
+            let dst = device.range();
+            copy_htod_async(&dst, 16, writer, page..2 * page, &stream).unwrap();
+            let past = copy_htod_async(&dst, page + 1, writer, page..2 * page, &stream).unwrap_err();
+            assert_eq!(past.errno(), libc::EINVAL, "{past}");
+            event.record(&stream).unwrap();
+            event.synchronize().unwrap();
+            assert!(event.is_complete().unwrap());
+        }
+        let mut back = vec![0u8; 2 * page];
+        device.copy_to_host(0, &mut back).unwrap();
+        assert!(back[..16].iter().all(|&b| b == 0xA5));
+        assert_eq!(&back[16..16 + page], &map.as_slice()[page..2 * page]);
+        assert!(back[16 + page..].iter().all(|&b| b == 0xA5));
+    }
+}
