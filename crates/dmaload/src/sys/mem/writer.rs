@@ -1,0 +1,217 @@
+//! Writing into a mapping from several threads at once, and populating
+//! its pages ahead of the writes.
+
+use std::io;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::ptr::NonNull;
+
+use super::check;
+
+use super::*;
+
+/// Write access to a [`Mapping`] for syscalls and io_uring, shareable
+/// between threads. It holds the mapping's mutable borrow, so no Rust slice
+/// of the mapping exists while the kernel writes through it.
+#[derive(Debug, Clone, Copy)]
+pub struct MappingWriter<'m> {
+    pub(super) ptr: NonNull<u8>,
+    pub(super) len: usize,
+    pub(super) _borrow: PhantomData<&'m mut [u8]>,
+}
+
+// SAFETY: the writer only passes addresses to the kernel; concurrent kernel
+// writes to disjoint (or even overlapping) ranges do not create Rust
+// references, and the mapping outlives 'm.
+unsafe impl Send for MappingWriter<'_> {}
+// SAFETY: see above.
+unsafe impl Sync for MappingWriter<'_> {}
+
+impl<'m> MappingWriter<'m> {
+    /// Write access to memory the caller owns, which the writer borrows
+    /// mutably for its whole life, as it borrows a [`Mapping`]'s.
+    pub fn over(dst: &'m mut [u8]) -> MappingWriter<'m> {
+        // A slice's pointer is never null (dangling but non-null when empty).
+        MappingWriter { ptr: NonNull::from(&mut *dst).cast(), len: dst.len(), _borrow: PhantomData }
+    }
+
+    /// Panics if `range` is not inside the mapping: callers compute ranges
+    /// from the plan, so an out-of-range request is a bug, not bad input.
+    pub(in crate::sys) fn raw_range(&self, range: &Range<usize>) -> (*mut u8, usize) {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "range {range:?} outside mapping of {} bytes",
+            self.len
+        );
+        // SAFETY: start <= len, so the offset stays inside (or one past) the mapping.
+        (unsafe { self.ptr.as_ptr().add(range.start) }, range.end - range.start)
+    }
+
+    /// Allocates and maps the pages of `range` on `threads` threads, each
+    /// taking an equal page-aligned share, with `MADV_POPULATE_WRITE` so the I/O
+    /// never faults. No `fallocate` first: it has no mapping to take the
+    /// `MADV_HUGEPAGE` hint from, so under `shmem_enabled=advise` it would
+    /// allocate a memfd in 4 KiB pages.
+    pub fn populate_on_threads(&self, range: Range<usize>, threads: usize) -> io::Result<()> {
+        let populate = |part: Range<usize>| self.populate(part);
+        let page = page_size();
+        let share = range.len().div_ceil(threads.max(1)).div_ceil(page) * page;
+        if threads <= 1 || share >= range.len() {
+            return populate(range);
+        }
+        let parts: Vec<Range<usize>> =
+            range.clone().step_by(share).map(|start| start..(start + share).min(range.end)).collect();
+        std::thread::scope(|scope| {
+            // A part whose helper thread cannot be created is populated here.
+            let mut result = Ok(());
+            let mut helpers = Vec::new();
+            for part in &parts[1..] {
+                let helper = part.clone();
+                match std::thread::Builder::new()
+                    .name("dmaload-populate".into())
+                    .spawn_scoped(scope, move || populate(helper))
+                {
+                    Ok(helper) => helpers.push(helper),
+                    Err(_) => result = result.and(populate(part.clone())),
+                }
+            }
+            result = result.and(populate(parts[0].clone()));
+            for helper in helpers {
+                let joined =
+                    helper.join().unwrap_or_else(|_| Err(io::Error::other("a populating thread panicked")));
+                result = result.and(joined);
+            }
+            result
+        })
+    }
+
+    /// Allocates and maps the pages of `range` now instead of on first
+    /// touch: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14). On older kernels
+    /// (EINVAL) it adds zero to one byte per page with an atomic
+    /// read-modify-write instead: a write fault, so the kernel allocates the
+    /// page, that never changes a byte, whatever the page already holds and
+    /// whoever else writes it meanwhile.
+    pub fn populate(&self, range: Range<usize>) -> io::Result<()> {
+        let (ptr, len) = self.raw_range(&range);
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: ptr..ptr+len lies inside the mapping (checked above).
+        let ret = unsafe { libc::madvise(ptr.cast(), len, libc::MADV_POPULATE_WRITE) };
+        if ret == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINVAL) {
+            return Err(err);
+        }
+        self.touch_pages(range);
+        Ok(())
+    }
+
+    /// The populate fallback: one atomic `+= 0` per page of `range`.
+    pub(super) fn touch_pages(&self, range: Range<usize>) {
+        for start in range.clone().step_by(page_size()) {
+            let (ptr, _) = self.raw_range(&(start..start + 1));
+            // SAFETY: `ptr` is a byte inside the mapping (checked by
+            // raw_range), which lives for 'm; an AtomicU8 has the size and
+            // alignment of a u8, and every access to these bytes from this
+            // side is the kernel's or atomic, so no Rust reference is
+            // invalidated.
+            let byte = unsafe { std::sync::atomic::AtomicU8::from_ptr(ptr) };
+            byte.fetch_add(0, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Copies `range` of the mapping into `dst` (of the same length). The
+    /// bytes are read through the raw pointer, never as a Rust slice, so a
+    /// kernel write racing with the copy (a caller that reuses memory too
+    /// early) can only give wrong bytes, never undefined behaviour of Rust
+    /// references.
+    pub fn copy_out(&self, range: Range<usize>, dst: &mut [u8]) {
+        let (ptr, len) = self.raw_range(&range);
+        assert_eq!(len, dst.len(), "copy_out needs a destination of the range's length");
+        // SAFETY: ptr..ptr+len lies inside the live mapping (checked by
+        // raw_range); `dst` is a distinct, exclusively borrowed Rust slice
+        // of the same length, so the regions cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(ptr.cast_const(), dst.as_mut_ptr(), len) };
+    }
+
+    /// The `iovec` of `range`, for registering it with io_uring.
+    pub(in crate::sys) fn iovec(&self, range: &Range<usize>) -> libc::iovec {
+        let (ptr, len) = self.raw_range(range);
+        libc::iovec { iov_base: ptr.cast(), iov_len: len }
+    }
+}
+
+/// `madvise(MADV_POPULATE_WRITE)` (Linux 5.14) over the whole pages inside
+/// `bytes`: allocates and maps them in one call instead of one fault per
+/// page on first write. Contents do not change (a write fault, never a
+/// write). Pages only partly inside `bytes` are left to first touch.
+pub fn populate_bytes(bytes: &mut [u8]) -> io::Result<()> {
+    let page = page_size();
+    let start = (bytes.as_ptr() as usize).next_multiple_of(page);
+    let end = (bytes.as_ptr() as usize + bytes.len()) / page * page;
+    if end <= start {
+        return Ok(());
+    }
+    // SAFETY: start..end lies inside `bytes`, memory this exclusive borrow
+    // owns and keeps mapped for the call; MADV_POPULATE_WRITE only faults
+    // pages in, it changes no byte.
+    check(unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) })
+        .map(drop)
+}
+
+/// The pages of a byte slice, for faulting them in from other threads
+/// while the slice's owner writes to it: `madvise(MADV_POPULATE_WRITE)`
+/// maps a page without changing a byte and forms no Rust reference, so it
+/// is no access to the bytes in Rust's sense, and it never falls back to
+/// touching them. The borrow keeps the memory mapped while a copy lives.
+#[derive(Debug, Clone, Copy)]
+pub struct Prefault<'a> {
+    start: usize,
+    len: usize,
+    _memory: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Prefault<'a> {
+    /// `bytes` back, for writing, and its pages, for faulting in beside.
+    pub fn split(bytes: &'a mut [u8]) -> (&'a mut [u8], Prefault<'a>) {
+        let pages = Prefault { start: bytes.as_ptr() as usize, len: bytes.len(), _memory: PhantomData };
+        (bytes, pages)
+    }
+
+    /// Address of the first byte, for aligning ranges to the pages.
+    pub fn address(&self) -> usize {
+        self.start
+    }
+
+    /// Bytes in the slice.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Faults in the whole pages inside bytes `range` (relative to the
+    /// slice); pages only partly inside are left to first touch. Fails
+    /// with EINVAL before Linux 5.14, where there is nothing this may do
+    /// instead (a populating write would race with the owner's writes).
+    /// Panics when `range` is outside the slice.
+    pub fn populate(&self, range: Range<usize>) -> io::Result<()> {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "range {range:?} outside {} bytes",
+            self.len
+        );
+        let page = page_size();
+        let start = (self.start + range.start).next_multiple_of(page);
+        let end = (self.start + range.end) / page * page;
+        if end <= start {
+            return Ok(());
+        }
+        // SAFETY: start..end lies inside the slice, which the borrow 'a
+        // keeps mapped; MADV_POPULATE_WRITE only faults pages in, it
+        // changes no byte and races with no write of the owner's.
+        check(unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) })
+            .map(drop)
+    }
+}
