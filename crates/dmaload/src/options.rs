@@ -16,22 +16,20 @@ use crate::types::{Engine, IoMode, ProgressFn};
 
 /// Bytes populated (and registered) as one unit: seed 000's gather size.
 pub const DEFAULT_GATHER_SIZE: usize = 128 << 20;
-/// Bytes per read request. Measured on a virtio disk (max_sectors_kb 4096):
-/// 4 MiB reads reach the device's best throughput with the least CPU.
+/// Bytes per read request: on a virtio disk (max_sectors_kb 4096) 4 MiB
+/// reads reached the device's best throughput with the least CPU
+/// (docs/benchmarks.md, "Figures behind the defaults").
 pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
-/// Read requests kept in flight by the io_uring engines: 32 × 4 MiB beat
-/// 16 on the same disk, as it did for fio.
+/// Read requests kept in flight by the io_uring engines: 32 beat 16 on the
+/// same disk, as it did for fio.
 pub const DEFAULT_QUEUE_DEPTH: usize = 32;
 /// Threads of the pread-pool engine.
 pub const DEFAULT_POOL_THREADS: usize = 8;
-/// Threads populating each gather: one per CPU, at most 4. Enough threads
-/// populate (4 KiB pages cost 0.6-0.8 CPU s/GiB) as fast as the disk reads
-/// (1.4-1.8 GiB/s on the 16-vCPU machine: 1.1-1.5 threads' worth, 4 with
-/// room to spare); huge pages need a quarter of that. On 2 vCPUs, cold 2 GiB
-/// loads with 1, 2, 3 and 4 threads gave medians of 0.91, 1.00, 0.96 and
-/// 1.06 GiB/s, ranges overlapping (docs/benchmarks.md): past the CPUs there
-/// is nothing to gain, and no machine of more than 2 vCPUs without a GPU
-/// task was at hand to measure where more than 4 stops helping.
+/// Threads populating each gather: one per CPU, at most 4. Populating 4 KiB
+/// pages costs about a CPU-second per GiB or less, so a thread or two keep
+/// pace with a fast disk and 4 leave room to spare; huge pages need a
+/// quarter of that. Past the CPUs there is nothing to gain, and where more
+/// than 4 stops helping is unmeasured (docs/benchmarks.md, "Figures behind the defaults").
 pub fn default_populate_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
 }

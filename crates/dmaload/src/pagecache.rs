@@ -68,8 +68,8 @@ pub const CACHED_SHARE: f64 = 0.5;
 
 /// A staged load looks before it reads: in `auto` mode, when most of the
 /// range is already in the page cache (`mincore`), copying it from there on
-/// every CPU beats direct I/O re-reading the disk (on the H100 machine: 4.1
-/// GiB/s from a warm cache against 1.1-1.8 for O_DIRECT loaders). Returns
+/// every CPU beats direct I/O re-reading the disk (more than twice as fast
+/// on the H100 machine: docs/benchmarks.md, "Figures behind the defaults"). Returns
 /// the options for that, and the note the report carries.
 pub(crate) fn cached_source_options(
     file: &OpenFile,

@@ -263,9 +263,9 @@ impl MemoryFacts {
     /// shmem THP policy gives them, else a 4 KiB memfd. Unlike
     /// [`Self::choose`], the cost to populate does not decide (nor does
     /// free page reporting): a page is populated once but faulted into
-    /// every client, and a client's first pass over 4 KiB pages costs about
-    /// 25 times what it costs over 2 MiB ones (110 against 4 ms per GiB on
-    /// the development VM). Never hugetlb: each client's private
+    /// every client, and a client's first pass over 4 KiB pages costs many
+    /// times what it costs over 2 MiB ones (docs/benchmarks.md, "Figures behind the defaults").
+    /// Never hugetlb: each client's private
     /// copy-on-write mapping of a hugetlb memfd reserves the whole size in
     /// the pool again, so a pool sized for the cache would refuse clients.
     pub fn choose_shared(&self) -> MemoryChoice {

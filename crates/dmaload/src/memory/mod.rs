@@ -50,8 +50,8 @@ pub enum MemoryKind {
     AnonymousThp,
     /// Private anonymous memory in 4 KiB pages (`MADV_NOHUGEPAGE`): no fd
     /// to share, but the cheapest 4 KiB pages to populate, with no page
-    /// cache entry or shmem accounting per page (0.4 against 0.75 s/GiB
-    /// for a memfd on the development VM). Works everywhere.
+    /// cache entry or shmem accounting per page (about half a memfd's cost;
+    /// docs/benchmarks.md, "Figures behind the defaults"). Works everywhere.
     Anonymous,
 }
 

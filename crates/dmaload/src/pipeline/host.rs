@@ -90,10 +90,10 @@ static HOST_RING: std::sync::Mutex<Option<StagingRing>> = std::sync::Mutex::new(
 /// where that makes reads of the load's size at least
 /// [`RING_MIN_REQUEST_SAVING`] times fewer requests. On the development
 /// VM's virtio disk (254 entries, 4 MiB a request: a 4 MiB read is 5
-/// requests into 4 KiB pages, 1 into the ring), the same run: staged 2.30
-/// GiB/s, in place 1.57, fio's best 2.10 (docs/benchmarks.md), for the same
-/// CPU (the copy costs about what the in-place registration of 4 KiB pages
-/// does). Where the device's queue cannot be read, or requests are bounded
+/// requests into 4 KiB pages, 1 into the ring) the ring was clearly faster
+/// than in place for the same CPU (the copy costs about what the in-place
+/// registration of 4 KiB pages does; docs/benchmarks.md, "Figures behind the defaults").
+/// Where the device's queue cannot be read, or requests are bounded
 /// by their bytes rather than their entries (NVMe with `max_sectors_kb`
 /// 128, say), the load stays in place and copies nothing.
 fn through_ring(

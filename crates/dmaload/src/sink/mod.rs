@@ -29,7 +29,7 @@ use crate::types::Fallback;
 pub const DEFAULT_SLOTS: usize = 32;
 /// Bytes per staging slot by default: one 16 MiB read each, the request
 /// size at which O_DIRECT reads reached the disk's best on the H100
-/// machine (1.71 GiB/s at 64 × 16 MiB against 1.52 at 32 × 4 MiB).
+/// machine (docs/benchmarks.md, "Figures behind the defaults").
 pub const DEFAULT_SLOT_SIZE: usize = 16 << 20;
 
 /// One filled staging slot, handed to [`Sink::deliver`]: file bytes

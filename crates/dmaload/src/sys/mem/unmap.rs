@@ -2,9 +2,9 @@
 //! dropping thread, and waited for before a fork and on demand.
 
 /// Mappings at least this large are unmapped on a background thread: giving
-/// back 2 GiB of 4 KiB pages takes the dropping thread 0.5-0.8 s on the
-/// 2-vCPU VM (2 s for 13 GiB on the 16-vCPU machine), which a caller
-/// dropping a buffer should not wait for (2 MiB pages take milliseconds).
+/// back gigabytes of 4 KiB pages takes the dropping thread a large part of
+/// a second per GiB, which a caller dropping a buffer should not wait for
+/// (2 MiB pages take milliseconds; docs/benchmarks.md, "Figures behind the defaults").
 /// Smaller ones are unmapped at once.
 pub const BACKGROUND_UNMAP_MIN: usize = 64 << 20;
 
