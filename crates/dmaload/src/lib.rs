@@ -42,7 +42,8 @@ pub use dmabuf::{load_dmabuf, LoadedDmaBuf};
 pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
-pub use into::{load_into, load_open_into};
+pub use into::{load_into, load_into_raw, load_open_into};
+pub use sys::mem::RawBytesMut;
 pub use load::{
     load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to_sink, Destination, Fallback,
     IoMode, LoadOptions, LoadReport,
