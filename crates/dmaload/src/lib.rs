@@ -43,7 +43,6 @@ pub use engine::{CachePolicy, Engine};
 pub use error::{Error, ErrorKind, Result};
 pub use heap::MemoryKind;
 pub use into::{load_into, load_into_raw, load_open_into};
-pub use sys::mem::RawBytesMut;
 pub use load::{
     load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to_sink, Destination, Fallback,
     IoMode, LoadOptions, LoadReport,
@@ -52,3 +51,4 @@ pub use many::{load_many, load_many_safetensors};
 pub use save::{save, save_raw, SaveOptions, SaveReport};
 pub use sink::{DmaHeapSink, HostSink, Sink, SlotData, StagingRing};
 pub use source::OpenFile;
+pub use sys::mem::RawBytesMut;

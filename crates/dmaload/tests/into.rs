@@ -130,7 +130,10 @@ fn memory_others_read_during_the_load_is_filled_through_raw_bytes() {
                 while !done.load(Relaxed) {
                     for (i, byte) in dst.iter().enumerate().step_by(4093) {
                         let value = byte.load(Relaxed);
-                        assert!(value == 0 || value == common::pattern_byte(i as u64), "byte {i} is {value:#x}");
+                        assert!(
+                            value == 0 || value == common::pattern_byte(i as u64),
+                            "byte {i} is {value:#x}"
+                        );
                         seen += 1;
                     }
                 }
