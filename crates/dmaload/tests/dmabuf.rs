@@ -113,7 +113,7 @@ fn a_loaded_memfd_is_sealed_against_writes_from_whoever_receives_it() {
     // ...and so is a new writable shared mapping.
     let rw = libc::PROT_READ | libc::PROT_WRITE;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&received);
-    // SAFETY (test): a mapping the kernel places; it is refused here.
+    // SAFETY: a mapping the kernel places; it is refused here.
     let map = unsafe { libc::mmap(std::ptr::null_mut(), 4096, rw, libc::MAP_SHARED, fd, 0) };
     let err = std::io::Error::last_os_error();
     assert_eq!((map, err.raw_os_error()), (libc::MAP_FAILED, Some(libc::EPERM)), "{err}");

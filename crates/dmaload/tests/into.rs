@@ -139,7 +139,7 @@ fn memory_others_read_during_the_load_is_filled_through_raw_bytes() {
                 }
                 seen
             });
-            // SAFETY (test): `dst` stays allocated for the call; the other
+            // SAFETY: `dst` stays allocated for the call; the other
             // thread touches it through atomics only, no Rust reference to
             // plain bytes.
             let raw = unsafe { dmaload::RawBytesMut::from_raw_parts(dst.as_ptr() as *mut u8, size) };

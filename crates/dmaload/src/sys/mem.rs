@@ -856,7 +856,7 @@ impl<'a> RawBytesMut<'a> {
     pub fn split_at(self, mid: usize) -> (RawBytesMut<'a>, RawBytesMut<'a>) {
         assert!(mid <= self.len, "split at {mid} of {} bytes", self.len);
         // SAFETY: mid <= len: inside (or one past) the borrowed memory.
-        let rest = unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(mid)) };
+        let rest = unsafe { self.ptr.add(mid) };
         (
             RawBytesMut { ptr: self.ptr, len: mid, _borrow: PhantomData },
             RawBytesMut { ptr: rest, len: self.len - mid, _borrow: PhantomData },
