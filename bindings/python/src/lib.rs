@@ -898,7 +898,7 @@ fn load_into<'py>(
             relay
         });
         let dst = staged::writable_bytes(&mut export);
-        let result = run_cancellable(py, &cancel, || dmaload::load_into(&path, offset, dst, &options))?;
+        let result = run_cancellable(py, &cancel, || dmaload::load_into_raw(&path, offset, dst, &options))?;
         Progress::raised(relay.as_ref())?;
         let report = result.map_err(|e| os_error(&e))?;
         Progress::finish(relay.as_ref())?;

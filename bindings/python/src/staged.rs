@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
 use dmaload::sink::{CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
-use dmaload::{OpenFile, StagingRing};
+use dmaload::{OpenFile, RawBytesMut, StagingRing};
 
 use crate::FileArg;
 use pyo3::buffer::PyBuffer;
@@ -85,7 +85,7 @@ pub fn open_safetensors(
 /// Where one file's data section goes.
 enum Target<'d> {
     Device(DeviceRange<'d>),
-    Host(&'d mut [u8]),
+    Host(RawBytesMut<'d>),
 }
 
 /// Device destinations: each address the start of `lens[i]` bytes of
@@ -143,21 +143,22 @@ fn host_buffer(target: &Bound<'_, PyAny>, len: usize) -> PyResult<PyBuffer<u8>> 
     Ok(buffer)
 }
 
-/// The bytes of a [`writable_buffer`], for the loader to fill.
+/// The bytes of a [`writable_buffer`], for the loader to fill with the GIL
+/// released: any Python thread may read or write the same object
+/// meanwhile, so they are a [`RawBytesMut`] (raw copies and kernel reads
+/// only), never a Rust slice.
 #[allow(unsafe_code)]
-pub fn writable_bytes(buffer: &mut PyBuffer<u8>) -> &mut [u8] {
-    let len = buffer.len_bytes();
-    if len == 0 {
-        return &mut [];
-    }
-    // SAFETY: the export (held by `buffer`, mutably borrowed for the
-    // slice's lifetime, so no second slice of it exists) keeps `len` bytes
-    // at `buf_ptr` valid and writable (checked in writable_buffer).
-    unsafe { std::slice::from_raw_parts_mut(buffer.buf_ptr().cast::<u8>(), len) }
+pub fn writable_bytes(buffer: &mut PyBuffer<u8>) -> RawBytesMut<'_> {
+    // SAFETY: the export, held by `buffer` and borrowed mutably for the
+    // result's lifetime, keeps `len_bytes` bytes at `buf_ptr` mapped and
+    // writable (checked in writable_buffer); this crate forms no Rust
+    // reference to them. Python code touching them meanwhile forms none
+    // either: it can only see or leave unspecified bytes.
+    unsafe { RawBytesMut::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes()) }
 }
 
-/// Refuses host destinations that share bytes: each becomes a `&mut [u8]`,
-/// and two of those must never alias.
+/// Refuses host destinations that share bytes: two loads must not write
+/// the same memory, whose bytes would then be neither file's.
 fn disjoint(buffers: &[PyBuffer<u8>]) -> PyResult<()> {
     let mut spans: Vec<(usize, usize)> =
         buffers.iter().map(|b| (b.buf_ptr() as usize, b.len_bytes())).filter(|&(_, len)| len > 0).collect();
@@ -316,7 +317,7 @@ pub fn _load_staged(
                     dmaload::load_open_to_sink(&file.file, offset, len, &mut ring, &mut sink, &options)
                 }
                 Target::Host(dst) => {
-                    let mut sink = HostSink::new(dst, offset);
+                    let mut sink = HostSink::raw(dst, offset);
                     dmaload::load_open_to_sink(&file.file, offset, len, &mut ring, &mut sink, &options)
                 }
             };

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,36 +22,38 @@ def write_random(path: Path, size: int, seed: int = 1) -> bytes:
     return data
 
 
-def run_beside_a_spinner(call: Callable[[], Any], what: str) -> Any:
-    """Runs ``call`` while a second Python thread ticks about every
-    millisecond, and asserts it kept ticking throughout: ``call`` released
-    the GIL. Returns what ``call`` returned."""
-    stamps: list[float] = []
-    stop = threading.Event()
+def run_beside_a_python_thread(call: Callable[[Callable[[int, int], None]], Any], what: str) -> Any:
+    """Runs ``call(progress)`` and asserts that another Python thread ran
+    while it did, so ``call`` released the GIL: the first progress report
+    made on a thread of the core's (a load reports from its own thread,
+    the last report included, before it returns) waits for a second Python
+    thread to answer. Neither could run while ``call`` held the GIL; the
+    process would then hang, so faulthandler ends it (with every thread's
+    traceback) instead. No clock is read: the waits' timeouts only bound a
+    failure. Returns what ``call`` returned."""
+    in_call = threading.Event()
+    answered = threading.Event()
+    seen: list[bool] = []
 
-    def spin() -> None:
-        while not stop.is_set():
-            stamps.append(time.perf_counter())
-            time.sleep(0.001)
+    def progress(done: int, total: int) -> None:
+        if threading.current_thread() is not threading.main_thread() and not in_call.is_set():
+            in_call.set()
+            seen.append(answered.wait(timeout=300))
 
-    t = threading.Thread(target=spin)
-    t.start()
-    time.sleep(0.02)
+    def answer() -> None:
+        if in_call.wait(timeout=300) and not seen:
+            answered.set()
+
+    other = threading.Thread(target=answer)
+    other.start()
+    faulthandler.dump_traceback_later(600, exit=True)
     try:
-        start = time.perf_counter()
-        result = call()
-        end = time.perf_counter()
+        result = call(progress)
     finally:
-        stop.set()
-        t.join()
-    duration = end - start
-    inside = [s for s in stamps if start <= s <= end]
-    # With the GIL held for the whole call the spinner would stall for all
-    # of it; released, it ticks about every millisecond throughout.
-    assert duration > 0.05, f"{what} too fast ({duration:.3f} s) to judge"
-    assert len(inside) >= max(5, int(duration / 0.001 * 0.2)), (len(inside), duration)
-    gaps = [b - a for a, b in zip([start, *inside], [*inside, end])]
-    assert max(gaps) < duration / 2, (max(gaps), duration)
+        faulthandler.cancel_dump_traceback_later()
+        in_call.set()
+        other.join()
+    assert seen == [True], f"{what}: no other Python thread ran in the middle of it (reports: {seen})"
     return result
 
 

@@ -19,7 +19,10 @@ def test_auto_keeps_an_fd_for_load_and_says_why(data_file: tuple[Path, bytes]) -
     path, data = data_file
     with dmaload.load(path, to="auto") as buf:
         assert buf.memory in ("memfd", "memfd-huge", "hugetlb"), buf.report.memory_reason
-        assert buf.report.memory_reason and buf.fileno() >= 0
+        assert buf.report.memory_reason
+        # The fd is the memfd holding the bytes.
+        assert os.readlink(f"/proc/self/fd/{buf.fileno()}").startswith("/memfd:")
+        assert os.pread(buf.fileno(), len(data), 0) == data
         assert bytes(memoryview(buf)) == data
 
 

@@ -71,7 +71,7 @@ def test_a_load_without_options_uses_the_cores_defaults(data_file: tuple[Path, b
         assert report.engine == defaults["engine"] and defaults["to"] == "auto"
         assert report.memory in ("memfd", "memfd-huge", "hugetlb") and report.memory_reason
         assert report.destination == report.memory == buf.memory
-        assert buf.fileno() >= 0
+        assert os.readlink(f"/proc/self/fd/{buf.fileno()}").startswith("/memfd:")
         assert (report.chunk_size, report.queue_depth) == (defaults["chunk_size"], defaults["queue_depth"])
 
 

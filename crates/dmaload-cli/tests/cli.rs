@@ -11,9 +11,7 @@ use serde_json::Value;
 
 mod common;
 
-fn dmaload() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_dmaload"))
-}
+use common::{dmaload, have, is_root, skip};
 
 fn scratch() -> tempfile::TempDir {
     tempfile::Builder::new().prefix("dmaload-cli-").tempdir_in(std::env::temp_dir()).unwrap()
@@ -32,21 +30,6 @@ fn json_of(out: &Output) -> Value {
     assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
-}
-
-fn skip(test: &str, reason: &str) {
-    eprintln!("SKIP {test}: {reason}");
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-}
-
-fn have(tool: &str) -> bool {
-    Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success())
 }
 
 #[test]
@@ -571,10 +554,12 @@ fn bench_fio_reads_the_whole_file_once_per_depth() {
     for row in &rows {
         assert_eq!(row["bytes"], 1 << 20, "{row}");
         assert!(row["gib_per_second"].as_f64().unwrap() > 0.0, "{row}");
-        // fio's own CPU seconds for the job: at most its runtime times the CPUs it could use.
+        // fio's own CPU seconds for the job, (usr_cpu + sys_cpu)% of its
+        // runtime: a number (a parse of a missing field gives NaN), and at
+        // most that runtime times the CPUs it could use.
         let cpu = row["cpu_seconds"].as_f64().unwrap();
         let cpus = std::thread::available_parallelism().unwrap().get() as f64;
-        assert!(cpu >= 0.0 && cpu <= row["seconds"].as_f64().unwrap() * cpus + 0.002, "{row}");
+        assert!(cpu.is_finite() && cpu <= row["seconds"].as_f64().unwrap() * cpus + 0.002, "{row}");
     }
 }
 
@@ -602,4 +587,38 @@ fn load_and_copy_offer_every_flag_of_the_option_table() {
             );
         }
     }
+}
+
+/// Not a test of its own: run by `a_skip_panics_where_skips_are_refused`
+/// with `DMALOAD_TEST_SKIP_PROBE` set.
+#[test]
+fn skip_probe() {
+    if std::env::var_os("DMALOAD_TEST_SKIP_PROBE").is_some() {
+        skip("skip_probe", "probing how a skip behaves");
+    }
+}
+
+/// A skip is a failure where the run exists to run everything (the VM
+/// guest sets `DMALOAD_TEST_NO_SKIP=1`), and only a log line elsewhere.
+#[test]
+fn a_skip_panics_where_skips_are_refused() {
+    let probe = |no_skip: &str| {
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "skip_probe", "--nocapture", "--test-threads=1"])
+            .env("DMALOAD_TEST_SKIP_PROBE", "1")
+            .env("DMALOAD_TEST_NO_SKIP", no_skip)
+            .output()
+            .unwrap()
+    };
+    let refused = probe("1");
+    assert!(!refused.status.success(), "a skip passed under DMALOAD_TEST_NO_SKIP=1");
+    let said = [refused.stdout, refused.stderr].concat();
+    assert!(
+        String::from_utf8_lossy(&said).contains("cannot be skipped here"),
+        "{}",
+        String::from_utf8_lossy(&said)
+    );
+    let allowed = probe("0");
+    assert!(allowed.status.success(), "{}", String::from_utf8_lossy(&allowed.stderr));
+    assert!(String::from_utf8_lossy(&allowed.stderr).contains("SKIP skip_probe: probing"));
 }

@@ -113,7 +113,8 @@ impl Buffer {
     /// `None` for anonymous memory. Before handing it out this turns this
     /// buffer's own mapping private copy-on-write, so that nothing here
     /// writes the shared pages any more, then seals the memfd
-    /// ([`SHARING_SEALS`]: no resizing, no writes at all, no further seals):
+    /// (`F_SEAL_SHRINK|GROW|WRITE|FUTURE_WRITE|SEAL`: no resizing, no writes
+    /// at all, no further seals):
     /// whoever receives the fd sees the bytes as they are now, forever, and
     /// writes through this buffer stay in this process. The kernel refuses
     /// `F_SEAL_WRITE` (EBUSY) while another writable shared mapping of the

@@ -26,7 +26,7 @@ use crate::plan::Plan;
 use crate::sink::{HostSink, StagingRing};
 use crate::source::OpenFile;
 use crate::sys;
-use crate::sys::mem::MappingWriter;
+use crate::sys::mem::RawBytesMut;
 use crate::types::{Fallback, IoMode};
 
 /// Loads `dst.len()` bytes of the file at `path`, from byte `offset`, into
@@ -39,18 +39,34 @@ pub fn load_into(
     dst: &mut [u8],
     options: &LoadOptions,
 ) -> Result<LoadReport> {
+    load_into_raw(path, offset, dst.into(), options)
+}
+
+/// [`load_into`] of memory that others may touch during the load (a
+/// Python buffer export filled with the GIL released; see
+/// [`RawBytesMut::from_raw_parts`] for what the caller promises): the load
+/// writes it by raw copies and kernel reads only, never through a Rust
+/// slice.
+pub fn load_into_raw(
+    path: impl AsRef<Path>,
+    offset: u64,
+    dst: RawBytesMut<'_>,
+    options: &LoadOptions,
+) -> Result<LoadReport> {
     let file = OpenFile::open(path.as_ref())?;
     load_open_into(&file, offset, dst, options)
 }
 
 /// [`load_into`] from a file opened beforehand: the same open file is read,
-/// and a change to it since it was opened is an error.
-pub fn load_open_into(
+/// and a change to it since it was opened is an error. `dst` is a
+/// `&mut [u8]` or a [`RawBytesMut`].
+pub fn load_open_into<'d>(
     file: &OpenFile,
     offset: u64,
-    dst: &mut [u8],
+    dst: impl Into<RawBytesMut<'d>>,
     options: &LoadOptions,
 ) -> Result<LoadReport> {
+    let mut dst = dst.into();
     let path = file.path();
     validate(path, options)?;
     let len = dst.len() as u64;
@@ -77,9 +93,9 @@ pub fn load_open_into(
     let plan_for =
         |align| Plan::new(body_offset, body as u64, align, options.chunk_size, options.gather_size, page);
     let in_place = opened.read(options, plan_for, |setup, plan, options| {
-        let (head_bytes, rest) = dst.split_at_mut(head);
-        let (body_bytes, tail_bytes) = rest.split_at_mut(body);
-        let filled = fill_mapping(path, setup, plan, body as u64, options, MappingWriter::over(body_bytes))?;
+        let (head_bytes, rest) = dst.reborrow().split_at(head);
+        let (mut body_bytes, tail_bytes) = rest.split_at(body);
+        let filled = fill_mapping(path, setup, plan, body as u64, options, body_bytes.writer())?;
         read_edge(file, offset, head_bytes, block, options)?;
         read_edge(file, body_offset + body as u64, tail_bytes, block, options)?;
         Ok(filled)
@@ -112,7 +128,7 @@ pub fn load_open_into(
 fn read_edge(
     file: &OpenFile,
     offset: u64,
-    dst: &mut [u8],
+    dst: RawBytesMut<'_>,
     block: usize,
     options: &LoadOptions,
 ) -> Result<()> {
@@ -123,7 +139,7 @@ fn read_edge(
     let mut ring =
         StagingRing::new(2, block, page).map_err(|e| Error::io("allocate staging ring", file.path(), e))?;
     let quiet = LoadOptions { progress: None, ..options.clone() };
-    staged_load(file, offset, Some(dst.len() as u64), &mut ring, &mut HostSink::new(dst, offset), &quiet)?;
+    staged_load(file, offset, Some(dst.len() as u64), &mut ring, &mut HostSink::raw(dst, offset), &quiet)?;
     Ok(())
 }
 
@@ -132,14 +148,14 @@ fn read_edge(
 fn staged(
     file: &OpenFile,
     offset: u64,
-    dst: &mut [u8],
+    dst: RawBytesMut<'_>,
     options: &LoadOptions,
     fallback: Option<Fallback>,
 ) -> Result<LoadReport> {
     let len = dst.len() as u64;
     let (mut report, geometry) = with_kept_ring(file.path(), options.chunk_size, |ring| {
         let geometry = (ring.slots(), ring.slot_len());
-        let sink = &mut HostSink::new(dst, offset);
+        let sink = &mut HostSink::raw(dst, offset);
         staged_load(file, offset, Some(len), ring, sink, options).map(|r| (r, geometry))
     })?;
     report.fallbacks.extend(fallback);

@@ -43,7 +43,7 @@ pub use buffer::{Buffer, Segment};
 pub use cancel::CancelToken;
 pub use dmabuf::{load_dmabuf, LoadedDmaBuf};
 pub use error::{Error, ErrorKind, Result};
-pub use into::{load_into, load_open_into};
+pub use into::{load_into, load_into_raw, load_open_into};
 pub use load::{
     load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to, load_to_sink, Destination,
     LoadOptions, LoadReport, Loaded,
@@ -54,4 +54,5 @@ pub use options::{OptionFronts, Spelling, LOAD_OPTION_FRONTS};
 pub use save::{save, save_raw, SaveOptions, SaveReport};
 pub use sink::{DmaHeapSink, HostSink, Sink, SlotData, StagingRing};
 pub use source::OpenFile;
+pub use sys::mem::RawBytesMut;
 pub use types::{CachePolicy, Engine, Fallback, IoMode, ProgressFn};

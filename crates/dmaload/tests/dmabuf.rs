@@ -111,8 +111,12 @@ fn a_loaded_memfd_is_sealed_against_writes_from_whoever_receives_it() {
     assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
     assert!(received.set_len(1 << 20).is_err());
     // ...and so is a new writable shared mapping.
-    let err = dmaload::heap::SharedMapping::new(std::os::fd::AsFd::as_fd(&received), 4096).unwrap_err();
-    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+    let rw = libc::PROT_READ | libc::PROT_WRITE;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&received);
+    // SAFETY: a mapping the kernel places; it is refused here.
+    let map = unsafe { libc::mmap(std::ptr::null_mut(), 4096, rw, libc::MAP_SHARED, fd, 0) };
+    let err = std::io::Error::last_os_error();
+    assert_eq!((map, err.raw_os_error()), (libc::MAP_FAILED, Some(libc::EPERM)), "{err}");
     assert_pattern(&buffer, 0);
     // udmabuf refuses such a memfd: the export says why instead of EINVAL.
     let (err, buffer) = *buffer.into_dmabuf().unwrap_err();

@@ -8,7 +8,7 @@ use std::io::{Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
@@ -243,24 +243,43 @@ fn a_slow_progress_callback_does_not_serialize_the_reads() {
     let path = dir.path().join("f.bin");
     let size = 32u64 << 20;
     write_pattern_file(&path, size);
-    let calls = Arc::new(AtomicUsize::new(0));
-    let counter = calls.clone();
-    let chunk = 256usize << 10;
+    dmaload::pagecache::evict(&path).unwrap();
+    // The first progress call blocks until every byte of the file has been
+    // read (buffered reads leave it in the page cache, which another thread
+    // watches): called on the read path, it would stop the reads behind it
+    // and never be released.
+    let (read_all, released) = mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let waited_for_the_reads = Arc::new(AtomicBool::new(false));
+    let first = Arc::new(AtomicBool::new(true));
+    let (flag, is_first) = (waited_for_the_reads.clone(), first.clone());
     let opts = LoadOptions {
-        chunk_size: chunk,
+        mode: dmaload::IoMode::Buffered,
+        chunk_size: 256 << 10,
         progress: Some(Arc::new(move |_, _| {
-            counter.fetch_add(1, Ordering::SeqCst);
-            std::thread::sleep(Duration::from_millis(200));
+            if is_first.swap(false, Ordering::SeqCst) {
+                // The timeout only bounds a failure.
+                let outcome = released.lock().unwrap().recv_timeout(Duration::from_secs(120));
+                flag.store(outcome.is_ok(), Ordering::SeqCst);
+            }
         })),
         ..LoadOptions::default()
     };
+    let watcher = {
+        let path = path.clone();
+        std::thread::spawn(move || loop {
+            if dmaload::pagecache::residency(&path).unwrap().resident_bytes == size {
+                let _ = read_all.send(());
+                return;
+            }
+            std::thread::yield_now();
+        })
+    };
     let (buffer, _) = dmaload::load(&path, &opts).unwrap();
     assert_pattern(&buffer, 0);
-    // Called once per completed read, the callback would have run 128
-    // times; from the reporting thread it runs once per interval at most.
-    let chunks = size as usize / chunk;
-    let calls = calls.load(Ordering::SeqCst);
-    assert!(calls >= 1 && calls < chunks / 2, "{calls} callbacks for {chunks} reads");
+    assert!(!first.load(Ordering::SeqCst), "the callback was never called");
+    assert!(waited_for_the_reads.load(Ordering::SeqCst), "the reads stopped while the progress callback ran");
+    watcher.join().unwrap();
 }
 
 #[test]

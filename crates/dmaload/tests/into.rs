@@ -106,3 +106,51 @@ fn a_warm_file_is_copied_from_the_page_cache_in_place() {
     assert_eq!(report.destination, "caller memory (in place)");
     assert!(report.fallbacks.iter().any(|f| f.to == "page cache"), "{:?}", report.fallbacks);
 }
+
+/// `load_into_raw` fills memory another thread reads during the load (as a
+/// Python thread may read a numpy array that `load_into` fills with the
+/// GIL released): the loader forms no Rust slice over it, and the reader,
+/// whose accesses are atomic, only ever sees a byte as it was (zero) or as
+/// the file has it, in place and through the staging ring alike.
+#[test]
+fn memory_others_read_during_the_load_is_filled_through_raw_bytes() {
+    use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    let size = 4 * M + 321;
+    write_cold(&path, size as u64);
+    for misalign in [0, 1] {
+        let memory: Vec<AtomicU8> = (0..size + PAGE).map(|_| AtomicU8::new(0)).collect();
+        let start = (memory.as_ptr() as usize).next_multiple_of(PAGE) - memory.as_ptr() as usize + misalign;
+        let dst = &memory[start..start + size];
+        let done = AtomicBool::new(false);
+        let report = std::thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                let mut seen = 0u64;
+                while !done.load(Relaxed) {
+                    for (i, byte) in dst.iter().enumerate().step_by(4093) {
+                        let value = byte.load(Relaxed);
+                        assert!(
+                            value == 0 || value == common::pattern_byte(i as u64),
+                            "byte {i} is {value:#x}"
+                        );
+                        seen += 1;
+                    }
+                }
+                seen
+            });
+            // SAFETY: `dst` stays allocated for the call; the other
+            // thread touches it through atomics only, no Rust reference to
+            // plain bytes.
+            let raw = unsafe { dmaload::RawBytesMut::from_raw_parts(dst.as_ptr() as *mut u8, size) };
+            let report = dmaload::load_into_raw(&path, 0, raw, &options(Engine::UringFixed, IoMode::Auto));
+            done.store(true, Relaxed);
+            assert!(reader.join().unwrap() > 0);
+            report
+        })
+        .unwrap();
+        assert_eq!(report.bytes, size as u64);
+        let loaded: Vec<u8> = dst.iter().map(|b| b.load(Relaxed)).collect();
+        assert_pattern(&loaded, 0);
+    }
+}

@@ -32,13 +32,13 @@ fn child_process_role() {
         // writes through that mapping once the receiver has answered.
         "forger" => {
             let conn = Connection::connect(Path::new(&arg)).unwrap();
-            // SAFETY (test): memfd_create with a static name.
+            // SAFETY: memfd_create with a static name.
             let fd = unsafe { libc::memfd_create(c"forged".as_ptr(), libc::MFD_ALLOW_SEALING) };
             assert!(fd >= 0, "{}", std::io::Error::last_os_error());
-            // SAFETY (test): the fd was just created and is owned here only.
+            // SAFETY: the fd was just created and is owned here only.
             let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
             std::fs::File::from(memfd.try_clone().unwrap()).set_len(PAGE as u64).unwrap();
-            // SAFETY (test): a fresh shared mapping of a memfd of one page.
+            // SAFETY: a fresh shared mapping of a memfd of one page.
             let map = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
@@ -50,9 +50,9 @@ fn child_process_role() {
                 )
             };
             assert_ne!(map, libc::MAP_FAILED);
-            // SAFETY (test): the page is mapped read-write above.
+            // SAFETY: the page is mapped read-write above.
             unsafe { std::ptr::write_bytes(map.cast::<u8>(), b'A', PAGE) };
-            // SAFETY (test): F_ADD_SEALS takes an integer.
+            // SAFETY: F_ADD_SEALS takes an integer.
             let write_seal = unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
             let err = std::io::Error::last_os_error();
             assert_eq!(
@@ -62,13 +62,13 @@ fn child_process_role() {
             );
             let seals =
                 libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
-            // SAFETY (test): as above.
+            // SAFETY: as above.
             assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) }, 0);
             let info = BufferInfo { offset: 0, len: PAGE as u64, served: None, note: None };
             conn.send(&protocol::encode(&Reply::Buffer(info)), &[memfd.as_fd()]).unwrap();
             let mut answer = [0u8; 16];
             conn.recv(&mut answer).unwrap();
-            // SAFETY (test): still mapped; no Rust reference covers it here.
+            // SAFETY: still mapped; no Rust reference covers it here.
             unsafe { std::ptr::write_bytes(map.cast::<u8>(), b'B', PAGE) };
             conn.send(b"written", &[]).unwrap();
         }
@@ -76,7 +76,7 @@ fn child_process_role() {
         // says so, and keeps the mapping until its stdin closes.
         "mapper" => {
             let file = std::fs::File::options().read(true).write(true).open(&arg).unwrap();
-            // SAFETY (test): a fresh shared mapping of one page of the memfd.
+            // SAFETY: a fresh shared mapping of one page of the memfd.
             let map = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
@@ -153,7 +153,7 @@ fn a_buffer_sent_by_dmaload_arrives_sealed_against_every_write() {
     assert_eq!(buffer.len(), (3 << 20) + 123);
     assert_pattern(&buffer, 0);
     let memfd = buffer.memfd().unwrap().unwrap();
-    // SAFETY (test): F_GET_SEALS takes no argument.
+    // SAFETY: F_GET_SEALS takes no argument.
     let seals = unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_GET_SEALS) };
     assert_eq!(seals & libc::F_SEAL_WRITE, libc::F_SEAL_WRITE, "seals {seals:#x}");
     conn.send(b"done", &[]).unwrap();
@@ -185,7 +185,7 @@ fn a_buffer_another_process_maps_writable_is_not_handed_out() {
     assert!(mapper.wait().unwrap().success());
     // Once the other mapping is gone the memfd can be sealed and handed out.
     let memfd = buffer.memfd().unwrap().unwrap();
-    // SAFETY (test): F_GET_SEALS takes no argument.
+    // SAFETY: F_GET_SEALS takes no argument.
     let seals = unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_GET_SEALS) };
     assert_eq!(seals & libc::F_SEAL_WRITE, libc::F_SEAL_WRITE, "seals {seals:#x}");
 }

@@ -51,7 +51,7 @@ use super::Connection;
 use crate::sys::dmabuf::{self, SyncAccess};
 use crate::sys::eventfd::{poll_two, EventFd, Readiness};
 use crate::sys::mem::{self, Seals};
-use crate::sys::shm::{PeerMapping, SharedBytes, SharedBytesMut};
+use crate::sys::shm::{BlockWriter, PeerMapping, SharedBytes, SharedBytesMut};
 
 /// Smallest block: one page.
 pub const MIN_BLOCK_SIZE: usize = 4 << 10;
@@ -221,6 +221,8 @@ pub struct BlockQueue {
     control: PeerMapping,
     /// Shared with writers of [`HeldRun`]s ([`Self::ring`]).
     data: Arc<PeerMapping>,
+    /// Producer: the right to write `data`, lent only to a [`FreeBlock`].
+    writer: Option<BlockWriter>,
     /// The blocks' dma-buf, for the CPU-access brackets.
     dmabuf: Option<OwnedFd>,
     /// Signalled by the producer after an enqueue, waited on by the consumer.
@@ -282,8 +284,7 @@ impl BlockQueue {
                 (fd.try_clone()?, Some(fd))
             }
         };
-        let data =
-            Arc::new(PeerMapping::new(data_fd.as_fd(), data_len, options.memory == QueueMemory::Memfd)?);
+        let (data, writer) = map_blocks(data_fd.as_fd(), data_len, options.memory, role)?;
         let (filled, freed) = (EventFd::new()?, EventFd::new()?);
         conn.set_timeouts(timeout)?;
         let header = encode_header(options, role);
@@ -308,6 +309,7 @@ impl BlockQueue {
             options: options.clone(),
             control,
             data,
+            writer,
             dmabuf,
             filled,
             freed,
@@ -359,13 +361,14 @@ impl BlockQueue {
         if control.word(W_MAGIC).load(Acquire) != MAGIC {
             return Err(corrupt("the control page lacks its magic word".into()));
         }
-        let data = Arc::new(PeerMapping::new(data_fd.as_fd(), data_len, memory == QueueMemory::Memfd)?);
+        let (data, writer) = map_blocks(data_fd.as_fd(), data_len, memory, creator.other())?;
         let queue = BlockQueue {
             id: next_queue_id(),
             role: creator.other(),
             options,
             control,
             data,
+            writer,
             dmabuf: memory.is_dmabuf().then_some(data_fd),
             filled: EventFd::from_fd(filled)?,
             freed: EventFd::from_fd(freed)?,
@@ -763,7 +766,9 @@ impl BlockQueue {
     }
 
     /// The blocks' mapping, for writing held runs from other threads (as
-    /// the kernel's to read: [`PeerMapping::raw_bytes`]).
+    /// the kernel's to read: [`PeerMapping::raw_bytes`]). A consumer's:
+    /// its queue has no [`BlockWriter`], so nothing in this process writes
+    /// the mapping those threads read.
     pub(crate) fn ring(&self) -> Arc<PeerMapping> {
         Arc::clone(&self.data)
     }
@@ -840,6 +845,24 @@ fn attach_error(what: &str, err: io::Error) -> io::Error {
     }
 }
 
+/// Maps the blocks for `role`: a producer gets the mapping's writer, a
+/// consumer (whose mapping other threads read: [`BlockQueue::ring`]) none.
+fn map_blocks(
+    fd: BorrowedFd<'_>,
+    len: usize,
+    memory: QueueMemory,
+    role: Role,
+) -> io::Result<(Arc<PeerMapping>, Option<BlockWriter>)> {
+    let huge_pages = memory == QueueMemory::Memfd;
+    Ok(match role {
+        Role::Producer => {
+            let (data, writer) = PeerMapping::with_writer(fd, len, huge_pages)?;
+            (Arc::new(data), Some(writer))
+        }
+        Role::Consumer => (Arc::new(PeerMapping::new(fd, len, huge_pages)?), None),
+    })
+}
+
 /// Refuses a received object that could shrink under the mapping (SIGBUS on
 /// the next touch) or that is not the size announced: a memfd must be
 /// sealed against shrinking and growing; a dma-buf never changes size, and
@@ -892,10 +915,19 @@ impl FreeBlock<'_> {
         self.queue.options.block_size
     }
 
+    /// The blocks' mapping and the right to write it, which only a free
+    /// block lends.
+    fn writable(&mut self) -> (&PeerMapping, &mut BlockWriter) {
+        let queue = &mut *self.queue;
+        // dequeue_free requires the producer role, whose queue has the writer.
+        (&queue.data, queue.writer.as_mut().expect("a free block's queue is a producer's"))
+    }
+
     /// Copies `data` into the block at `offset`.
     pub fn write_at(&mut self, offset: usize, data: &[u8]) -> io::Result<()> {
         let range = self.queue.block_span(self.slot, offset, data.len())?;
-        self.queue.data.copy_in(range.start, data);
+        let (data_map, writer) = self.writable();
+        data_map.copy_in(writer, range.start, data);
         Ok(())
     }
 
@@ -911,15 +943,17 @@ impl FreeBlock<'_> {
     /// fills it, no copy through this process. Returns the count (0: EOF).
     pub fn read_from(&mut self, fd: BorrowedFd<'_>, range: Range<usize>) -> io::Result<usize> {
         let range = self.queue.block_range(self.slot, range)?;
-        self.queue.data.read_from(fd, range)
+        let (data, writer) = self.writable();
+        data.read_from(writer, fd, range)
     }
 
     /// The whole block, for copies in and out and, on the caller's
     /// promise that the consumer keeps to the protocol (it does not touch a
     /// block until it is enqueued), an `unsafe` mutable slice.
     pub fn bytes_mut(&mut self) -> SharedBytesMut<'_> {
-        let size = self.queue.options.block_size;
-        self.queue.data.shared_bytes_mut(self.slot * size..(self.slot + 1) * size)
+        let (size, slot) = (self.queue.options.block_size, self.slot);
+        let (data, writer) = self.writable();
+        data.shared_bytes_mut(writer, slot * size..(slot + 1) * size)
     }
 
     /// Hands the first `len` bytes of the block to the consumer, with `tag`

@@ -21,7 +21,7 @@ use std::sync::{Condvar, Mutex, PoisonError};
 use crate::cuda::{Context, PinnedStaging};
 use crate::plan::Plan;
 use crate::sys;
-use crate::sys::mem::{HugePageAdvice, Mapping, MappingWriter, Prefault, SharedMapping};
+use crate::sys::mem::{HugePageAdvice, Mapping, MappingWriter, Prefault, RawBytesMut, SharedMapping};
 use crate::types::Fallback;
 
 /// Staging slots by default: deep enough to keep a fast disk busy (the
@@ -63,6 +63,13 @@ impl<'a> SlotData<'a> {
     pub fn copy_to(&self, part: Range<usize>, dst: &mut [u8]) {
         assert!(part.end <= self.len(), "part {part:?} outside a slot of {} bytes", self.len());
         self.memory.copy_out(self.range.start + part.start..self.range.start + part.end, dst);
+    }
+
+    /// [`SlotData::copy_to`] into memory others may touch meanwhile: no
+    /// slice of `dst` is formed.
+    pub fn copy_to_raw(&self, part: Range<usize>, dst: RawBytesMut<'_>) {
+        assert!(part.end <= self.len(), "part {part:?} outside a slot of {} bytes", self.len());
+        self.memory.copy_out_raw(self.range.start + part.start..self.range.start + part.end, dst);
     }
 
     /// Copies bytes `part` of the slot (relative to its start) into `dst`
@@ -263,7 +270,7 @@ impl StagingRing {
 /// it populates itself before copying. Memory the caller has not touched
 /// yet thus needs no populating pass of its own.
 pub struct HostSink<'a> {
-    dst: &'a mut [u8],
+    dst: RawBytesMut<'a>,
     first_offset: u64,
     /// The populating threads' progress, while [`Sink::feed`] runs them.
     ahead: Option<&'a Ahead<'a>>,
@@ -281,6 +288,12 @@ const POPULATE_STEP: usize = 2 << 20;
 impl<'a> HostSink<'a> {
     /// File bytes `first_offset..first_offset + dst.len()` go into `dst`.
     pub fn new(dst: &'a mut [u8], first_offset: u64) -> Self {
+        HostSink::raw(dst.into(), first_offset)
+    }
+
+    /// [`HostSink::new`] for memory others may touch meanwhile (see
+    /// [`RawBytesMut`]): written by raw copies only.
+    pub fn raw(dst: RawBytesMut<'a>, first_offset: u64) -> Self {
         HostSink { dst, first_offset, ahead: None }
     }
 
@@ -314,13 +327,13 @@ impl Sink for HostSink<'_> {
             None => place.clone(),
         };
         // Advice only: a page it could not populate is faulted in by the copy.
-        let _ = sys::mem::populate_bytes(&mut self.dst[unclaimed]);
-        data.copy_to(0..data.len(), &mut self.dst[place]);
+        let _ = self.dst.range(unclaimed).populate();
+        data.copy_to_raw(0..data.len(), self.dst.range(place));
         Ok(())
     }
 
     fn feed(&mut self, threads: usize, deliveries: &mut dyn FnMut(&mut dyn Sink)) -> Vec<Fallback> {
-        let (dst, pages) = Prefault::split(&mut *self.dst);
+        let (dst, pages) = self.dst.reborrow().prefault();
         // No thread for less than a step: the deliveries populate it as cheaply.
         let threads = threads.min(dst.len() / POPULATE_STEP);
         let ahead = Ahead::new(pages);

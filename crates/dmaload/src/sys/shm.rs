@@ -29,12 +29,27 @@ pub struct PeerMapping {
 // may move between threads.
 unsafe impl Send for PeerMapping {}
 // SAFETY: shared references give out only atomics, raw copies and kernel
-// addresses. Writes into the bytes (`copy_in`, `read_from`,
-// `SharedBytesMut`) are made only through a block queue's free block, which
-// holds the queue's `&mut` borrow, so two threads of this process never
-// write the same bytes at once, nor read what one writes; what the peer
-// process does is outside this process's memory model either way.
+// addresses. Every write into the bytes (`copy_in`, `read_from`,
+// `SharedBytesMut`) takes the mapping's one `BlockWriter` by `&mut`, so two
+// threads of this process never write them at once; the writer exists
+// only on the side that fills blocks, whose mapping is read only through
+// the holder of that same writer (a block queue lends it to a free block,
+// which holds the queue's `&mut` borrow), while the side that reads blocks
+// from other threads has no writer at all. What the peer process does is
+// outside this process's memory model either way.
 unsafe impl Sync for PeerMapping {}
+
+/// The right to write the bytes of one [`PeerMapping`]: made with it
+/// ([`PeerMapping::with_writer`]), never cloned, and taken by `&mut` by
+/// every write. A block queue keeps it on the producing side and lends it
+/// only to a free block, so no safe call writes a block the consumer may
+/// be reading: the type, not a protocol elsewhere in the crate, says who
+/// may write.
+#[derive(Debug)]
+pub struct BlockWriter {
+    /// The address of the mapping it writes.
+    mapping: usize,
+}
 
 impl PeerMapping {
     /// Maps `len` bytes of `fd` from offset 0, read-write, shared; with
@@ -45,6 +60,27 @@ impl PeerMapping {
     /// mapped (seals on a memfd; a dma-buf never shrinks): touching a page
     /// past the end of the object would raise SIGBUS.
     pub fn new(fd: BorrowedFd<'_>, len: usize, huge_pages: bool) -> io::Result<PeerMapping> {
+        Self::map(fd, len, huge_pages)
+    }
+
+    /// [`PeerMapping::new`], with the one [`BlockWriter`] of the mapping.
+    pub fn with_writer(
+        fd: BorrowedFd<'_>,
+        len: usize,
+        huge_pages: bool,
+    ) -> io::Result<(PeerMapping, BlockWriter)> {
+        let map = Self::map(fd, len, huge_pages)?;
+        let writer = BlockWriter { mapping: map.ptr.as_ptr() as usize };
+        Ok((map, writer))
+    }
+
+    /// Panics unless `writer` is this mapping's: a writer of another
+    /// mapping proves nothing about this one.
+    fn check_writer(&self, writer: &BlockWriter) {
+        assert_eq!(writer.mapping, self.ptr.as_ptr() as usize, "a BlockWriter of another mapping");
+    }
+
+    fn map(fd: BorrowedFd<'_>, len: usize, huge_pages: bool) -> io::Result<PeerMapping> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "an empty shared mapping"));
         }
@@ -111,7 +147,8 @@ impl PeerMapping {
     }
 
     /// Copies `data` into the mapping at `offset`.
-    pub fn copy_in(&self, offset: usize, data: &[u8]) {
+    pub fn copy_in(&self, writer: &mut BlockWriter, offset: usize, data: &[u8]) {
+        self.check_writer(writer);
         let dst = self.raw_range(&(offset..offset + data.len()));
         // SAFETY: as in `copy_out`, in the other direction.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
@@ -119,7 +156,13 @@ impl PeerMapping {
 
     /// One `read(2)` from `fd` into `range`: the kernel writes the bytes,
     /// no Rust reference covers them. Returns the count read (0 at EOF).
-    pub fn read_from(&self, fd: BorrowedFd<'_>, range: Range<usize>) -> io::Result<usize> {
+    pub fn read_from(
+        &self,
+        writer: &mut BlockWriter,
+        fd: BorrowedFd<'_>,
+        range: Range<usize>,
+    ) -> io::Result<usize> {
+        self.check_writer(writer);
         let dst = self.raw_range(&range);
         // SAFETY: dst..dst+len lies inside the live mapping (checked); read
         // writes at most that many bytes.
@@ -256,10 +299,16 @@ impl PeerMapping {
         SharedBytes { ptr, len: range.end - range.start, _borrow: PhantomData }
     }
 
-    /// `range` for writing. Copies through it are sound whatever else
-    /// touches the bytes; its `unsafe` slice needs the caller's promise
-    /// that nothing else (peer, device, other view) does.
-    pub fn shared_bytes_mut(&self, range: Range<usize>) -> SharedBytesMut<'_> {
+    /// `range` for writing, for as long as `writer` is lent. Copies through
+    /// it are sound whatever else touches the bytes; its `unsafe` slice
+    /// needs the caller's promise that nothing else (peer, device, other
+    /// view) does.
+    pub fn shared_bytes_mut<'a>(
+        &'a self,
+        writer: &'a mut BlockWriter,
+        range: Range<usize>,
+    ) -> SharedBytesMut<'a> {
+        self.check_writer(writer);
         let ptr = self.raw_range(&range);
         SharedBytesMut { ptr, len: range.end - range.start, _borrow: PhantomData }
     }
@@ -345,5 +394,38 @@ impl SharedBytesMut<'_> {
         // SAFETY: inside the live mapping; exclusive while the slice lives
         // by `&mut self` in-process and the caller's promise for the rest.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::mem;
+    use std::os::fd::AsFd;
+
+    fn memfd(len: usize) -> std::os::fd::OwnedFd {
+        let fd = mem::memfd_create(c"dmaload-shm-test", mem::MemfdPages::Shmem).unwrap();
+        mem::set_len(fd.as_fd(), len as u64).unwrap();
+        fd
+    }
+
+    #[test]
+    fn writes_need_the_mappings_own_writer() {
+        let fd = memfd(8192);
+        let (ours, mut writer) = PeerMapping::with_writer(fd.as_fd(), 8192, false).unwrap();
+        let peer = PeerMapping::new(fd.as_fd(), 8192, false).unwrap();
+        ours.copy_in(&mut writer, 4096, b"block");
+        let mut out = [0u8; 5];
+        peer.copy_out(4096, &mut out);
+        assert_eq!(&out, b"block", "the peer's mapping sees the write");
+        // A writer proves the right to write its own mapping only.
+        let (other, mut others_writer) = PeerMapping::with_writer(memfd(4096).as_fd(), 4096, false).unwrap();
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ours.copy_in(&mut others_writer, 0, b"x");
+        }));
+        assert!(refused.is_err(), "a writer of another mapping was accepted");
+        other.copy_in(&mut others_writer, 0, b"x");
+        ours.copy_out(0, &mut out[..1]);
+        assert_eq!(out[0], 0, "the refused write left the bytes alone");
     }
 }

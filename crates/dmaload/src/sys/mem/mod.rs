@@ -857,8 +857,8 @@ mod tests {
             *byte = (i % 251) as u8 + 1;
         }
         // Unaligned both ends, and a slice inside one page: nothing to do.
-        populate_bytes(&mut bytes[page / 2..7 * page + 3]).unwrap();
-        populate_bytes(&mut bytes[10..20]).unwrap();
+        RawBytesMut::from(&mut bytes[page / 2..7 * page + 3]).populate().unwrap();
+        RawBytesMut::from(&mut bytes[10..20]).populate().unwrap();
         assert!(bytes[..5 * page].iter().enumerate().all(|(i, &b)| b == (i % 251) as u8 + 1));
         assert!(bytes[5 * page..].iter().all(|&b| b == 0));
         let (resident, pages) = page_cache_residency_of_anonymous(bytes);

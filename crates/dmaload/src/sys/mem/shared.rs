@@ -14,6 +14,17 @@ use super::*;
 /// bytes are copied in and out through raw pointers, and slices are
 /// `unsafe` with the caller's promise that nothing else writes meanwhile
 /// (memmap2's rule).
+///
+/// Only this crate makes one, over objects that cannot shrink under it (a
+/// dma-buf, checked by its filesystem: [`DmaBuf::map`](crate::heap::DmaBuf::map)):
+/// a mapping of any fd would raise SIGBUS on the first read past the end of
+/// a file another process truncated. So this does not compile:
+///
+/// ```compile_fail
+/// fn map(fd: std::os::fd::BorrowedFd<'_>) {
+///     let _ = dmaload::heap::SharedMapping::new(fd, 4096);
+/// }
+/// ```
 #[derive(Debug)]
 pub struct SharedMapping {
     mapping: Mapping,
@@ -22,8 +33,10 @@ pub struct SharedMapping {
 }
 
 impl SharedMapping {
-    /// `mmap(MAP_SHARED)` of `len` bytes of `fd`, read-write.
-    pub fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<SharedMapping> {
+    /// `mmap(MAP_SHARED)` of `len` bytes of `fd`, read-write. The caller
+    /// makes sure `fd` cannot shrink below `len` while mapped (a dma-buf,
+    /// or a memfd sealed `F_SEAL_SHRINK`): a page past the end raises SIGBUS.
+    pub(crate) fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<SharedMapping> {
         Ok(SharedMapping { mapping: Mapping::shared(fd, len)?, _not_sync: PhantomData })
     }
 

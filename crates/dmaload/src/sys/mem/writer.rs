@@ -137,6 +137,18 @@ impl<'m> MappingWriter<'m> {
         unsafe { std::ptr::copy_nonoverlapping(ptr.cast_const(), dst.as_mut_ptr(), len) };
     }
 
+    /// Copies `range` of the mapping into `dst` (of the same length),
+    /// pointer to pointer: neither side is ever a Rust slice.
+    pub fn copy_out_raw(&self, range: Range<usize>, mut dst: RawBytesMut<'_>) {
+        let (ptr, len) = self.raw_range(&range);
+        assert_eq!(len, dst.len(), "copy_out_raw needs a destination of the range's length");
+        // SAFETY: ptr..ptr+len lies inside the live mapping (checked by
+        // raw_range), dst..dst+len inside memory its borrow keeps mapped;
+        // `copy` allows the two to overlap, and no reference to either is
+        // formed, so a racing writer can only leave unspecified bytes.
+        unsafe { std::ptr::copy(ptr.cast_const(), dst.writer().ptr.as_ptr(), len) };
+    }
+
     /// The `iovec` of `range`, for registering it with io_uring.
     pub(in crate::sys) fn iovec(&self, range: &Range<usize>) -> libc::iovec {
         let (ptr, len) = self.raw_range(range);
@@ -144,26 +156,122 @@ impl<'m> MappingWriter<'m> {
     }
 }
 
-/// `madvise(MADV_POPULATE_WRITE)` (Linux 5.14) over the whole pages inside
-/// `bytes`: allocates and maps them in one call instead of one fault per
-/// page on first write. Contents do not change (a write fault, never a
-/// write). Pages only partly inside `bytes` are left to first touch.
-pub fn populate_bytes(bytes: &mut [u8]) -> io::Result<()> {
-    let page = page_size();
-    let start = (bytes.as_ptr() as usize).next_multiple_of(page);
-    let end = (bytes.as_ptr() as usize + bytes.len()) / page * page;
-    if end <= start {
-        return Ok(());
-    }
-    // SAFETY: start..end lies inside `bytes`, memory this exclusive borrow
-    // owns and keeps mapped for the call; MADV_POPULATE_WRITE only faults
-    // pages in, it changes no byte.
-    check(unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_POPULATE_WRITE) })
-        .map(drop)
+/// Memory a load writes that Rust code never reads or writes through a
+/// reference: either an ordinary `&mut [u8]`, or memory another thread may
+/// touch meanwhile (a Python buffer export filled while the GIL is
+/// released, which any Python thread can reach), for which a `&mut [u8]`
+/// would be unsound. The loader writes it only through raw copies and the
+/// kernel (`read`, io_uring); a racing access can only see or leave
+/// unspecified bytes. The borrow keeps the memory mapped.
+#[derive(Debug)]
+pub struct RawBytesMut<'a> {
+    ptr: NonNull<u8>,
+    len: usize,
+    _borrow: PhantomData<&'a mut [u8]>,
 }
 
-/// The pages of a byte slice, for faulting them in from other threads
-/// while the slice's owner writes to it: `madvise(MADV_POPULATE_WRITE)`
+// SAFETY: only addresses travel; every write is a raw copy or the kernel's,
+// and the memory lives for 'a.
+unsafe impl Send for RawBytesMut<'_> {}
+// SAFETY: see above; `&RawBytesMut` gives out only the address and length.
+unsafe impl Sync for RawBytesMut<'_> {}
+
+impl<'a> From<&'a mut [u8]> for RawBytesMut<'a> {
+    fn from(bytes: &'a mut [u8]) -> RawBytesMut<'a> {
+        // A slice's pointer is never null (dangling but non-null when empty).
+        RawBytesMut { ptr: NonNull::from(&mut *bytes).cast(), len: bytes.len(), _borrow: PhantomData }
+    }
+}
+
+impl<'a> RawBytesMut<'a> {
+    /// The `len` bytes at `ptr`, for a load to fill: memory another thread
+    /// may read or write meanwhile (a Python buffer's export), which no
+    /// `&mut [u8]` may cover.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must stay mapped, writable and not freed for `'a`
+    /// (`ptr` non-null, any address when `len` is 0), and must not overlap
+    /// memory this program lends as a Rust reference during `'a`. Accesses
+    /// by code that forms no Rust reference (another thread's raw or
+    /// foreign code, a device) are allowed: they can only see partly
+    /// loaded bytes or leave bytes the load then overwrites.
+    pub unsafe fn from_raw_parts(ptr: *mut u8, len: usize) -> RawBytesMut<'a> {
+        let ptr = NonNull::new(ptr).unwrap_or(NonNull::dangling());
+        RawBytesMut { ptr, len, _borrow: PhantomData }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address of the first byte (for alignment checks; never read
+    /// through).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The same memory, borrowed for a shorter time.
+    pub fn reborrow(&mut self) -> RawBytesMut<'_> {
+        RawBytesMut { ptr: self.ptr, len: self.len, _borrow: PhantomData }
+    }
+
+    /// The bytes before `mid` and from it; panics when `mid > len`, as
+    /// slices do.
+    pub fn split_at(self, mid: usize) -> (RawBytesMut<'a>, RawBytesMut<'a>) {
+        assert!(mid <= self.len, "split at {mid} of {} bytes", self.len);
+        // SAFETY: mid <= len: inside (or one past) the borrowed memory.
+        let rest = unsafe { self.ptr.add(mid) };
+        (
+            RawBytesMut { ptr: self.ptr, len: mid, _borrow: PhantomData },
+            RawBytesMut { ptr: rest, len: self.len - mid, _borrow: PhantomData },
+        )
+    }
+
+    /// Bytes `range`, borrowed for a shorter time; panics when out of
+    /// bounds.
+    pub fn range(&mut self, range: Range<usize>) -> RawBytesMut<'_> {
+        assert!(range.start <= range.end && range.end <= self.len, "range {range:?} of {} bytes", self.len);
+        let (_, rest) = self.reborrow().split_at(range.start);
+        rest.split_at(range.end - range.start).0
+    }
+
+    /// Copies `data` in at `offset`; panics when it does not fit.
+    pub fn write_at(&mut self, offset: usize, data: &[u8]) {
+        let dst = self.range(offset..offset + data.len());
+        // SAFETY: `dst` lies inside the borrowed memory, which `data` (a
+        // Rust reference) cannot overlap by this type's contract; no
+        // reference to the destination is formed.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst.ptr.as_ptr(), data.len()) };
+    }
+
+    /// Write access for syscalls and io_uring, for as long as this borrow.
+    pub(crate) fn writer(&mut self) -> MappingWriter<'_> {
+        MappingWriter { ptr: self.ptr, len: self.len, _borrow: PhantomData }
+    }
+
+    /// The memory back, for writing, and its pages, for faulting in beside.
+    pub(crate) fn prefault(self) -> (RawBytesMut<'a>, Prefault<'a>) {
+        let pages = Prefault { start: self.ptr.as_ptr() as usize, len: self.len, _memory: PhantomData };
+        (self, pages)
+    }
+
+    /// Faults in the whole pages inside the memory now
+    /// (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14: one call instead of a
+    /// fault per page on first write); no byte changes. Pages only partly
+    /// inside are left to first touch.
+    pub fn populate(&mut self) -> io::Result<()> {
+        let (_, pages) = self.reborrow().prefault();
+        pages.populate(0..pages.len())
+    }
+}
+
+/// The pages of memory a load writes ([`RawBytesMut::prefault`]), for
+/// faulting them in from other threads while the load writes to it: `madvise(MADV_POPULATE_WRITE)`
 /// maps a page without changing a byte and forms no Rust reference, so it
 /// is no access to the bytes in Rust's sense, and it never falls back to
 /// touching them. The borrow keeps the memory mapped while a copy lives.
@@ -175,12 +283,6 @@ pub struct Prefault<'a> {
 }
 
 impl<'a> Prefault<'a> {
-    /// `bytes` back, for writing, and its pages, for faulting in beside.
-    pub fn split(bytes: &'a mut [u8]) -> (&'a mut [u8], Prefault<'a>) {
-        let pages = Prefault { start: bytes.as_ptr() as usize, len: bytes.len(), _memory: PhantomData };
-        (bytes, pages)
-    }
-
     /// Address of the first byte, for aligning ranges to the pages.
     pub fn address(&self) -> usize {
         self.start
