@@ -10,6 +10,8 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 mod common;
+#[path = "../../dmaload/tests/common/cuda_driver.rs"]
+mod cuda_driver;
 
 fn dmaload() -> Command {
     Command::new(env!("CARGO_BIN_EXE_dmaload"))
@@ -342,6 +344,8 @@ fn direct_flag_refuses_to_fall_back_on_tmpfs() {
 
 #[test]
 fn info_reports_kernel_io_uring_and_path_facts() {
+    // The driver this process and the `dmaload info` it starts both see.
+    let _ = cuda_driver::cuda_driver();
     let dir = scratch();
     let path = sample_file(dir.path(), "f", 10);
     let info = json_of(&dmaload().args(["info", "--json"]).arg(&path).output().unwrap());
@@ -576,4 +580,24 @@ fn bench_fio_reads_the_whole_file_once_per_depth() {
         let cpus = std::thread::available_parallelism().unwrap().get() as f64;
         assert!(cpu >= 0.0 && cpu <= row["seconds"].as_f64().unwrap() * cpus + 0.002, "{row}");
     }
+}
+
+/// `dmaload load FILE --to cuda:0 --hash` copies the device buffer back
+/// and hashes it: equal to the hash of a host load of the same file. Runs
+/// on the NVIDIA driver where one loads, else on the emulator (strict).
+#[test]
+fn a_load_to_cuda_hashes_equal_to_a_host_load() {
+    let test = "a_load_to_cuda_hashes_equal_to_a_host_load";
+    if let Err(reason) = cuda_driver::cuda_driver() {
+        return skip(test, &reason);
+    }
+    let dir = scratch();
+    // Past one 16 MiB staging slot, and not a whole number of pages.
+    let path = sample_file(dir.path(), "model.bin", (40 << 20) + 4093);
+    let hash_of = |args: &[&str]| {
+        let out = dmaload().args(["load", "--json", "--hash"]).args(args).arg(&path).output().unwrap();
+        json_of(&out)["hash"]["xxh3_64"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(hash_of(&["--to", "cuda:0"]), hash_of(&[]));
+    assert_eq!(hash_of(&["--to", "cuda:0", "--offset", "4097"]), hash_of(&["--offset", "4097"]));
 }
