@@ -84,13 +84,13 @@ static const struct {
 #define DEVICE_BASE 0xd00d000000000000ull
 #define DEVICE_SPAN (1ull << 40)
 
-enum fault_kind { FAULT_RETURN, FAULT_STICKY, FAULT_HANG, FAULT_HOLD };
+enum fault_kind { FAULT_RETURN, FAULT_STICKY, FAULT_HANG, FAULT_HOLD, FAULT_DELAY };
 
 struct fault {
     enum fault_kind kind;
     char symbol[48]; /* FAULT_RETURN: the function; else "copy" */
     unsigned long nth;
-    CUresult code;
+    CUresult code; /* FAULT_DELAY: microseconds */
 };
 
 static struct {
@@ -122,7 +122,7 @@ struct op {
     unsigned char *staged; /* the driver's own copy of a pageable source */
     struct allocation *alloc;
     enum fault_kind fault; /* FAULT_RETURN: none */
-    CUresult fault_code;
+    CUresult fault_code; /* FAULT_DELAY: microseconds */
 };
 
 #define STREAM_MAGIC 0x5354524d
@@ -268,8 +268,10 @@ static void parse_faults(void)
                 f->kind = FAULT_HOLD;
             else if (sscanf(action, "sticky:%d%n", &f->code, &used) == 1 && !action[used] && f->code)
                 f->kind = FAULT_STICKY;
+            else if (sscanf(action, "delay:%d%n", &f->code, &used) == 1 && !action[used] && f->code > 0)
+                f->kind = FAULT_DELAY;
             else
-                die("DMALOAD_EMU_FAULTS: '%s': copy#N takes hang, hold or sticky:CODE", item);
+                die("DMALOAD_EMU_FAULTS: '%s': copy#N takes hang, hold, sticky:CODE or delay:US", item);
         } else if (sscanf(action, "%d%n", &f->code, &used) == 1 && !action[used] && f->code) {
             f->kind = FAULT_RETURN;
         } else {
@@ -368,9 +370,11 @@ static struct registration *find_registration(const void *p, size_t len)
 /* Moves one op's bytes over the modelled link, in pieces, without the lock. */
 static void transfer(struct context *ctx, struct op *op)
 {
-    uint64_t start = now_ns();
-    if (cfg.copy_latency_ns)
-        sleep_until(start + cfg.copy_latency_ns);
+    uint64_t latency = cfg.copy_latency_ns;
+    if (op->fault == FAULT_DELAY)
+        latency += (uint64_t)op->fault_code * 1000;
+    if (latency)
+        sleep_until(now_ns() + latency);
     for (size_t off = 0; off < op->len; off += PIECE) {
         size_t piece = op->len - off < PIECE ? op->len - off : PIECE;
         if (cfg.link_bytes_per_ns > 0) {

@@ -601,3 +601,22 @@ fn a_load_to_cuda_hashes_equal_to_a_host_load() {
     assert_eq!(hash_of(&["--to", "cuda:0"]), hash_of(&[]));
     assert_eq!(hash_of(&["--to", "cuda:0", "--offset", "4097"]), hash_of(&["--offset", "4097"]));
 }
+
+/// `DMALOAD_LIBCUDA` naming a file that is not there: the error names the
+/// variable and the file, not the usual driver advice.
+#[test]
+fn a_missing_dmaload_libcuda_is_named_in_the_error() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "model.bin", 4096);
+    let missing = dir.path().join("no-such-libcuda.so.1");
+    let out = dmaload()
+        .args(["load", "--to", "cuda:0"])
+        .arg(&path)
+        .env("DMALOAD_LIBCUDA", &missing)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("DMALOAD_LIBCUDA={}", missing.display())), "{stderr}");
+    assert!(stderr.contains("dlopen failed"), "{stderr}");
+}
