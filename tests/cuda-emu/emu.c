@@ -377,17 +377,21 @@ static void transfer(struct context *ctx, struct op *op)
         sleep_until(now_ns() + latency);
     for (size_t off = 0; off < op->len; off += PIECE) {
         size_t piece = op->len - off < PIECE ? op->len - off : PIECE;
+        uint64_t end = 0;
         if (cfg.link_bytes_per_ns > 0) {
+            /* The piece's turn on the link; the host's memcpy runs inside
+             * it, so only the modelled time counts. */
             pthread_mutex_lock(&lock);
             uint64_t begin = now_ns();
             if (link_free_at[ctx->device] > begin)
                 begin = link_free_at[ctx->device];
-            uint64_t end = begin + (uint64_t)((double)piece / cfg.link_bytes_per_ns);
+            end = begin + (uint64_t)((double)piece / cfg.link_bytes_per_ns);
             link_free_at[ctx->device] = end;
             pthread_mutex_unlock(&lock);
-            sleep_until(end);
         }
         memcpy(op->dst + off, op->src + off, piece);
+        if (end)
+            sleep_until(end);
     }
 }
 
@@ -638,7 +642,8 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
     size_t rounded = (size + 511) & ~(size_t)511; /* the driver's 512-byte granule */
     if (rounded > cfg.memory - allocated[device])
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
-    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    /* Backed at once, as device memory is: copies do not pay page faults. */
+    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (host == MAP_FAILED)
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     struct allocation *a = calloc(1, sizeof *a);
