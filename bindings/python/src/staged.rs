@@ -327,7 +327,7 @@ pub fn _load_staged(
                     // ring is idle and can serve the next load, unless the
                     // device's context is broken (a sticky error, a lost
                     // device), whose pinned memory must not be used again.
-                    if context.as_ref().is_none_or(|ctx| ctx.synchronize().is_ok()) {
+                    if context.as_ref().map_or(true, |ctx| ctx.synchronize().is_ok()) {
                         keep_ring(ordinal, ring);
                     }
                     return Err(os_error(&err));
