@@ -325,8 +325,12 @@ pub fn _load_staged(
                 Ok(report) => reports.push(report),
                 Err(err) => {
                     // Every sink finished before the error came back: the
-                    // ring is idle and can serve the next load.
-                    keep_ring(ordinal, ring);
+                    // ring is idle and can serve the next load, unless the
+                    // device's context is broken (a sticky error, a lost
+                    // device), whose pinned memory must not be used again.
+                    if context.as_ref().map_or(true, |ctx| ctx.synchronize().is_ok()) {
+                        keep_ring(ordinal, ring);
+                    }
                     return Err(os_error(&err));
                 }
             }

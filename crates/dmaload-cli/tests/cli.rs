@@ -10,6 +10,8 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 mod common;
+#[path = "../../dmaload/tests/common/cuda_driver.rs"]
+mod cuda_driver;
 
 use common::{dmaload, have, is_root, skip};
 
@@ -325,6 +327,8 @@ fn direct_flag_refuses_to_fall_back_on_tmpfs() {
 
 #[test]
 fn info_reports_kernel_io_uring_and_path_facts() {
+    // The driver this process and the `dmaload info` it starts both see.
+    let _ = cuda_driver::cuda_driver();
     let dir = scratch();
     let path = sample_file(dir.path(), "f", 10);
     let info = json_of(&dmaload().args(["info", "--json"]).arg(&path).output().unwrap());
@@ -621,4 +625,42 @@ fn a_skip_panics_where_skips_are_refused() {
     let allowed = probe("0");
     assert!(allowed.status.success(), "{}", String::from_utf8_lossy(&allowed.stderr));
     assert!(String::from_utf8_lossy(&allowed.stderr).contains("SKIP skip_probe: probing"));
+
+/// `dmaload load FILE --to cuda:0 --hash` copies the device buffer back
+/// and hashes it: equal to the hash of a host load of the same file. Runs
+/// on the NVIDIA driver where one loads, else on the emulator (strict).
+#[test]
+fn a_load_to_cuda_hashes_equal_to_a_host_load() {
+    let test = "a_load_to_cuda_hashes_equal_to_a_host_load";
+    if let Err(reason) = cuda_driver::cuda_driver() {
+        return skip(test, &reason);
+    }
+    let dir = scratch();
+    // Past one 16 MiB staging slot, and not a whole number of pages.
+    let path = sample_file(dir.path(), "model.bin", (40 << 20) + 4093);
+    let hash_of = |args: &[&str]| {
+        let out = dmaload().args(["load", "--json", "--hash"]).args(args).arg(&path).output().unwrap();
+        json_of(&out)["hash"]["xxh3_64"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(hash_of(&["--to", "cuda:0"]), hash_of(&[]));
+    assert_eq!(hash_of(&["--to", "cuda:0", "--offset", "4097"]), hash_of(&["--offset", "4097"]));
+}
+
+/// `DMALOAD_LIBCUDA` naming a file that is not there: the error names the
+/// variable and the file, not the usual driver advice.
+#[test]
+fn a_missing_dmaload_libcuda_is_named_in_the_error() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "model.bin", 4096);
+    let missing = dir.path().join("no-such-libcuda.so.1");
+    let out = dmaload()
+        .args(["load", "--to", "cuda:0"])
+        .arg(&path)
+        .env("DMALOAD_LIBCUDA", &missing)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("DMALOAD_LIBCUDA={}", missing.display())), "{stderr}");
+    assert!(stderr.contains("dlopen failed"), "{stderr}");
 }

@@ -1,6 +1,8 @@
-//! The CUDA driver layer. On a machine without the NVIDIA driver or a GPU
-//! the GPU tests print "SKIP cuda: <reason>" and return, and the errors
-//! themselves are checked; on a GPU machine everything runs for real.
+//! The CUDA driver layer. Runs against the installed NVIDIA driver where
+//! one loads, else against the emulator in tests/cuda-emu (built by the
+//! test itself, strict mode); "SKIP cuda: <reason>" only where neither can
+//! run. The no-driver errors are checked in a child process that has no
+//! driver.
 
 mod common;
 
@@ -9,31 +11,38 @@ use dmaload::cuda::{self, Context, DeviceBuffer, DeviceRange, Event, PinnedStagi
 
 /// cuda:0, or `None` after printing why the test cannot run here.
 fn gpu(test: &str) -> Option<Context> {
+    if let Err(reason) = common::cuda_driver() {
+        common::skip(&format!("cuda: {test}"), &reason);
+        return None;
+    }
     match cuda::device_count() {
-        Err(err) => eprintln!("SKIP cuda: {test}: {err}"),
-        Ok(0) => eprintln!("SKIP cuda: {test}: the driver reports no CUDA device"),
+        Err(err) => common::skip(&format!("cuda: {test}"), &err.to_string()),
+        Ok(0) => common::skip(&format!("cuda: {test}"), "the driver reports no CUDA device"),
         Ok(_) => return Some(Context::primary(0).expect("cuda:0 exists when device_count() > 0")),
     }
     None
 }
 
-/// Whether the dynamic loader finds `libcuda.so.1`, asked without dmaload.
-fn libcuda_loads() -> bool {
-    // SAFETY: a NUL-terminated name; the handle is closed below and no
-    // symbol from it is used.
-    let handle = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-    if handle.is_null() {
-        return false;
-    }
-    // SAFETY: `handle` came from the dlopen above and is not used after.
-    unsafe { libc::dlclose(handle) };
-    true
-}
+/// Set in the child process that checks the no-driver errors.
+const NO_DRIVER_CHILD: &str = "DMALOAD_TEST_NO_DRIVER_CHILD";
 
 #[test]
 fn without_libcuda_every_entry_point_names_the_missing_library() {
-    if libcuda_loads() {
-        eprintln!("SKIP cuda: libcuda.so.1 loads here, so the no-driver errors cannot be seen");
+    const TEST: &str = "without_libcuda_every_entry_point_names_the_missing_library";
+    if std::env::var_os(NO_DRIVER_CHILD).is_none() {
+        if common::installed_libcuda_loads() {
+            return common::skip(TEST, "libcuda.so.1 loads here, so the no-driver errors cannot be seen");
+        }
+        // This process may be using the emulator: look from a child without it.
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
+            .env(NO_DRIVER_CHILD, "1")
+            .env_remove("DMALOAD_LIBCUDA")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(stdout.contains("1 passed"), "{stdout}");
         return;
     }
     let err = Context::primary(0).unwrap_err();

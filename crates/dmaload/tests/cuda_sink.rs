@@ -1,6 +1,8 @@
 //! The CUDA destination end to end: a file read through a pinned staging
 //! ring into device memory, compared byte for byte after copying it back.
-//! Prints "SKIP cuda_sink: <reason>" where no CUDA device can be used.
+//! Runs on the NVIDIA driver where one loads, else on the emulator in
+//! tests/cuda-emu in strict mode (see `common::cuda_driver`); prints
+//! "SKIP <test>: <reason>" only where neither can be used.
 
 mod common;
 
@@ -10,6 +12,10 @@ use dmaload::sink::CudaSink;
 use dmaload::{Engine, LoadOptions, StagingRing};
 
 fn context(test: &str) -> Option<Context> {
+    if let Err(reason) = common::cuda_driver() {
+        skip(test, &reason);
+        return None;
+    }
     match Context::primary(0) {
         Ok(ctx) => Some(ctx),
         Err(err) => {

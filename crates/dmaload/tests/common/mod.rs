@@ -153,3 +153,6 @@ pub fn is_root() -> bool {
     let dir = scratch_dir();
     std::fs::metadata(dir.path()).is_ok_and(|m| m.uid() == 0)
 }
+
+mod cuda_driver;
+pub use cuda_driver::{cuda_driver, installed_libcuda_loads};

@@ -3,6 +3,11 @@
 //! dmaload calls, so the crate builds and runs without CUDA and only the
 //! calls that need a GPU fail, saying why.
 //!
+//! `DMALOAD_LIBCUDA=PATH` in the environment makes dmaload open that file
+//! instead (a test driver such as the emulator in `tests/cuda-emu`); it is
+//! never set by default, and only dmaload's own handle is affected, unlike
+//! `LD_LIBRARY_PATH`, which would also hand it to PyTorch's CUDA runtime.
+//!
 //! Symbols are the versioned names `cuda.h` maps the API names to
 //! (`cuMemAlloc` is `cuMemAlloc_v2`, ...); the newest of them,
 //! `cuDevicePrimaryCtxRelease_v2`, needs CUDA 11.0 (driver R450) or newer.
@@ -195,23 +200,37 @@ struct Driver {
 
 static DRIVER: OnceLock<Result<Driver, CudaError>> = OnceLock::new();
 
-/// `dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL)`, every symbol resolved,
-/// then `cuInit(0)`.
+/// The environment variable naming a driver library to open instead of
+/// `libcuda.so.1`.
+const LIBCUDA_OVERRIDE: &str = "DMALOAD_LIBCUDA";
+
+/// `dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL)` (or of `$DMALOAD_LIBCUDA`),
+/// every symbol resolved, then `cuInit(0)`.
 fn load_driver() -> Result<Driver, CudaError> {
+    let chosen = std::env::var_os(LIBCUDA_OVERRIDE).filter(|path| !path.is_empty());
+    let name = match &chosen {
+        Some(path) => std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()))
+            .map_err(|_| {
+                CudaError::invalid("dlopen", format!("{LIBCUDA_OVERRIDE}={path:?} contains a NUL byte"))
+            })?,
+        None => LIBCUDA.to_owned(),
+    };
     // SAFETY: the name is NUL-terminated; loading runs the library's
     // initialisers, which need nothing from the caller.
-    let lib = unsafe { libc::dlopen(LIBCUDA.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    let lib = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     let Some(lib) = NonNull::new(lib) else {
-        return Err(CudaError::new(
-            "dlopen",
-            format!(
+        let why = match &chosen {
+            Some(path) => {
+                format!("{} (the driver {LIBCUDA_OVERRIDE}={} names)", dlerror_text(), path.to_string_lossy())
+            }
+            None => format!(
                 "{} (no NVIDIA driver is installed, or its {} is not where the dynamic loader looks: \
                  ldconfig, LD_LIBRARY_PATH)",
                 dlerror_text(),
                 LIBCUDA.to_string_lossy()
             ),
-            libc::ENODEV,
-        ));
+        };
+        return Err(CudaError::new("dlopen", why, libc::ENODEV));
     };
     let api = Api::resolve(lib)?;
     // SAFETY: cuInit takes a flags word (0 is the only valid one) and no pointers.

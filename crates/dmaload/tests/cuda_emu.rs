@@ -1,0 +1,214 @@
+//! The CUDA path under the emulator's race detector and fault injection
+//! (tests/cuda-emu): each case runs in a child process of this test binary,
+//! since the emulator reads its settings once, at `cuInit`, and a caught
+//! race aborts the process. Skips (printing why) where a real NVIDIA
+//! driver is installed, whose faults cannot be injected, or where the
+//! emulator cannot be built.
+
+mod common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Output};
+
+use common::{scratch_dir, skip, write_pattern_file};
+use dmaload::cuda::{Context, DeviceBuffer, Event, PinnedStaging, Stream};
+use dmaload::sink::CudaSink;
+use dmaload::{Engine, LoadOptions, StagingRing};
+
+/// In a child: the case to run (a function below).
+const CHILD_CASE: &str = "DMALOAD_TEST_EMU_CASE";
+/// In a child: the file it loads.
+const CHILD_FILE: &str = "DMALOAD_TEST_EMU_FILE";
+
+/// Whether this process can run the cases: the emulator, not a real driver.
+fn emulator(test: &str) -> bool {
+    if let Err(reason) = common::cuda_driver() {
+        skip(test, &reason);
+        return false;
+    }
+    if std::env::var_os("DMALOAD_LIBCUDA").is_none() {
+        skip(test, "the installed NVIDIA driver is in use: faults cannot be injected into it");
+        return false;
+    }
+    true
+}
+
+/// Runs `case` in a child of this test binary (`child_cases` dispatches it)
+/// with the emulator settings `env`.
+fn run_child(case: &str, env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command.args(["child_cases", "--exact", "--nocapture", "--test-threads=1"]).env(CHILD_CASE, case);
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command.output().unwrap()
+}
+
+fn text(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// The entry point of every child; a no-op in the parent's own run.
+#[test]
+fn child_cases() {
+    let Some(case) = std::env::var_os(CHILD_CASE) else { return };
+    match case.to_str().unwrap() {
+        "rewrite_before_event" => rewrite_slot(false),
+        "rewrite_after_event" => rewrite_slot(true),
+        "load" => load_through_two_slots(),
+        other => panic!("no child case {other}"),
+    }
+}
+
+/// A pinned slot copied to the device, then rewritten: after waiting for
+/// its event (the correct release), or before (the bug the race detector
+/// must catch). The first copy is held until a wait reaches it
+/// (`copy#1=hold`), so the rewrite surely lands while it is pending.
+fn rewrite_slot(wait_first: bool) {
+    let ctx = Context::primary(0).unwrap();
+    let mut slot = PinnedStaging::new(&ctx, 1 << 16).unwrap();
+    let mut device = DeviceBuffer::new(&ctx, 1 << 16).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let event = Event::new(&ctx).unwrap();
+    slot.write(0, &[1u8; 1 << 16]).unwrap();
+    slot.copy_to_device(0..1 << 16, &device.range(), 0, &stream).unwrap();
+    event.record(&stream).unwrap();
+    if wait_first {
+        event.synchronize().unwrap();
+    }
+    slot.write(0, &[2u8; 1 << 16]).unwrap();
+    stream.synchronize().unwrap();
+    let mut back = vec![0u8; 1 << 16];
+    device.copy_to_host(0, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 1), "the device holds the bytes of the copy");
+    println!("CHILD OK");
+}
+
+/// Loads `$DMALOAD_TEST_EMU_FILE` to cuda:0 through a ring of two 1 MiB
+/// slots; prints the error a fault gave, then checks the context drains
+/// and that a second load through the same ring fails rather than reuse
+/// it silently after a sticky error.
+fn load_through_two_slots() {
+    let path = std::path::PathBuf::from(std::env::var_os(CHILD_FILE).unwrap());
+    let len = std::fs::metadata(&path).unwrap().len() as usize;
+    let ctx = match Context::primary(0) {
+        Ok(ctx) => ctx,
+        Err(err) => return println!("LOAD ERROR: {err}"),
+    };
+    let mut gpu = match DeviceBuffer::new(&ctx, len) {
+        Ok(gpu) => gpu,
+        Err(err) => return println!("LOAD ERROR: {err}"),
+    };
+    let mut ring = StagingRing::pinned(&ctx, 2, 1 << 20, 1 << 20).unwrap();
+    let options = LoadOptions { engine: Engine::UringFixed, chunk_size: 1 << 20, ..LoadOptions::default() };
+    let first = {
+        let mut sink = CudaSink::new(&ctx, vec![(0, gpu.range())]).unwrap();
+        dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options)
+    };
+    match first {
+        Ok(_) => {
+            let mut back = vec![0u8; len];
+            gpu.copy_to_host(0, &mut back).unwrap();
+            common::assert_pattern(&back, 0);
+            println!("LOAD OK");
+        }
+        Err(err) => {
+            println!("LOAD ERROR: {err}");
+            // The load returned, so every stream it used was drained; a
+            // context with a sticky error refuses the next load too.
+            let again = match CudaSink::new(&ctx, vec![(0, gpu.range())]) {
+                Ok(mut sink) => dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options)
+                    .map(drop)
+                    .map_err(|err| err.to_string()),
+                Err(err) => Err(err.to_string()),
+            };
+            match again {
+                Ok(_) => println!("SECOND LOAD OK"),
+                Err(err) => println!("SECOND LOAD ERROR: {err}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_race_detector_catches_a_slot_rewritten_before_its_event_completes() {
+    let test = "the_race_detector_catches_a_slot_rewritten_before_its_event_completes";
+    if !emulator(test) {
+        return;
+    }
+    let env = [("DMALOAD_EMU_STRICT", "1"), ("DMALOAD_EMU_FAULTS", "copy#1=hold")];
+    let correct = run_child("rewrite_after_event", &env);
+    assert!(correct.status.success() && text(&correct).contains("CHILD OK"), "{}", text(&correct));
+    let broken = run_child("rewrite_before_event", &env);
+    let output = text(&broken);
+    assert_eq!(broken.status.signal(), Some(libc::SIGABRT), "{output}");
+    assert!(output.contains("strict: the 65536-byte copy source at 0x"), "{output}");
+    assert!(output.contains("was rewritten while its copy"), "{output}");
+}
+
+/// A file of 8 MiB: eight slot fills, four copies per stream.
+fn fault_file() -> (tempfile::TempDir, String) {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 8 << 20);
+    let path = path.to_str().unwrap().to_owned();
+    (dir, path)
+}
+
+#[test]
+fn a_two_slot_ring_loads_bit_exact_under_strict_mode_and_a_slow_link() {
+    let test = "a_two_slot_ring_loads_bit_exact_under_strict_mode_and_a_slow_link";
+    if !emulator(test) {
+        return;
+    }
+    let (_dir, path) = fault_file();
+    let env = [
+        ("DMALOAD_EMU_STRICT", "1"),
+        ("DMALOAD_EMU_LINK_GIBS", "2"),
+        ("DMALOAD_EMU_COPY_LATENCY_US", "200"),
+        (CHILD_FILE, path.as_str()),
+    ];
+    let out = run_child("load", &env);
+    assert!(out.status.success() && text(&out).contains("LOAD OK"), "{}", text(&out));
+}
+
+#[test]
+fn every_injected_fault_fails_the_load_cleanly_naming_the_cuda_error() {
+    let test = "every_injected_fault_fails_the_load_cleanly_naming_the_cuda_error";
+    if !emulator(test) {
+        return;
+    }
+    let (_dir, path) = fault_file();
+    // (faults, what the error must say, whether a second load through the
+    // same ring must fail too: after a sticky error or a lost device).
+    let cases: [(&str, &[&str], bool); 8] = [
+        ("cuMemcpyHtoDAsync_v2#5=999", &["cuMemcpyHtoDAsync failed", "CUDA_ERROR_UNKNOWN", &path], false),
+        ("cuMemAlloc_v2#1=2", &["cuMemAlloc failed", "CUDA_ERROR_OUT_OF_MEMORY"], false),
+        ("copy#3=sticky:700", &["CUDA_ERROR_ILLEGAL_ADDRESS", &path], true),
+        ("lost=3145728", &["CUDA_ERROR_UNKNOWN", &path], true),
+        (
+            "cuEventSynchronize#2=719",
+            &["cuEventSynchronize failed", "CUDA_ERROR_LAUNCH_FAILED", &path],
+            false,
+        ),
+        ("cuInit#1=100", &["cuInit failed", "CUDA_ERROR_NO_DEVICE", "no NVIDIA GPU is visible"], false),
+        ("cuInit#1=34", &["cuInit failed", "CUDA_ERROR_STUB_LIBRARY", "stub"], false),
+        ("cuInit#1=803", &["cuInit failed", "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH"], false),
+    ];
+    for (faults, needles, sticky) in cases {
+        let env = [("DMALOAD_EMU_STRICT", "1"), ("DMALOAD_EMU_FAULTS", faults), (CHILD_FILE, path.as_str())];
+        let out = run_child("load", &env);
+        let output = text(&out);
+        assert!(out.status.success(), "{faults}: {output}");
+        let error = output
+            .lines()
+            .find(|l| l.contains("LOAD ERROR: ") && !l.contains("SECOND"))
+            .unwrap_or_else(|| panic!("{faults}: {output}"));
+        for needle in needles {
+            assert!(error.contains(needle), "{faults}: no {needle:?} in {error}");
+        }
+        if sticky {
+            assert!(output.contains("SECOND LOAD ERROR"), "{faults}: the ring was reused: {output}");
+        }
+    }
+}
