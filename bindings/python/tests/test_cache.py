@@ -138,7 +138,7 @@ def test_a_buffer_crosses_to_another_process_bit_exact_and_private(data_file: tu
 
 def test_forged_handoffs_are_refused(tmp_path: Path) -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    message = json.dumps({"version": 1, "body": {"reply": "buffer", "offset": 0, "len": 10}}).encode()
+    message = json.dumps({"version": 2, "body": {"reply": "buffer", "offset": 0, "len": 10}}).encode()
     with open(tmp_path / "f", "wb+") as f:
         f.write(bytes(8192))
         f.flush()
