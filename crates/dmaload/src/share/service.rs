@@ -604,7 +604,7 @@ impl State {
             clients: self.clients.load(Ordering::Relaxed) as u64,
             files: ready
                 .iter()
-                .filter(|r| viewer.is_none_or(|uid| r.served_to.contains(&uid)))
+                .filter(|r| viewer.map_or(true, |uid| r.served_to.contains(&uid)))
                 .take(MAX_STATUS_ENTRIES)
                 .map(|r| CachedFile {
                     path: r.loaded.path.clone(),
