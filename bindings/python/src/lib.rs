@@ -924,9 +924,13 @@ fn load_cached(
 ) -> PyResult<(Option<Buffer>, Option<&'static str>, Option<String>)> {
     guard(move || {
         let options = Opts::from_dict(options.as_ref())?.to_options()?;
+        // Ctrl-C ends the connect, the waits for the service and a direct
+        // load alike (each looks at the token within 20 ms).
+        let cancel = options.cancel.clone();
         if !fallback {
-            let served = detached(py, || dmaload::share::from_service(&file.open()?, &socket, &options))?
-                .map_err(|e| os_error(&e))?;
+            let served =
+                run_cancellable(py, &cancel, || dmaload::share::from_service(&file.open()?, &socket, &options))?
+                    .map_err(|e| os_error(&e))?;
             return Ok(match served {
                 Ok((buffer, report, served, note)) => {
                     (Some(Buffer::new(buffer, report)), Some(served.name()), note)
@@ -935,7 +939,7 @@ fn load_cached(
             });
         }
         let (buffer, report, outcome) =
-            detached(py, || dmaload::share::load_cached_open(&file.open()?, &socket, &options))?
+            run_cancellable(py, &cancel, || dmaload::share::load_cached_open(&file.open()?, &socket, &options))?
                 .map_err(|e| os_error(&e))?;
         let (served, message) = match outcome {
             dmaload::share::CacheOutcome::Service { served, note } => (Some(served.name()), note),

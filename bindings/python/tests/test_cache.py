@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -138,7 +139,7 @@ def test_a_buffer_crosses_to_another_process_bit_exact_and_private(data_file: tu
 
 def test_forged_handoffs_are_refused(tmp_path: Path) -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    message = json.dumps({"version": 1, "body": {"reply": "buffer", "offset": 0, "len": 10}}).encode()
+    message = json.dumps({"version": 2, "body": {"reply": "buffer", "offset": 0, "len": 10}}).encode()
     with open(tmp_path / "f", "wb+") as f:
         f.write(bytes(8192))
         f.flush()
@@ -373,3 +374,83 @@ def test_a_malformed_file_from_the_cache_path_is_named_in_the_error(tmp_path: Pa
         with pytest.raises(dmaload.SafetensorError) as info:
             dst.load_file(path, cache=tmp_path / "absent.sock")
     assert str(info.value) == str(expected.value)
+
+
+def test_a_stopped_service_is_a_prompt_fallback(tmp_path: Path, data_file: tuple[Path, bytes]) -> None:
+    """A service stopped with SIGSTOP (Ctrl-Z) after it started: the kernel
+    still queues the connection, but no acknowledgement comes, and the load
+    goes direct within seconds, saying why, instead of waiting for a reply."""
+    path, data = data_file
+    svc = Service(tmp_path / "cache.sock")
+    code = (
+        "import sys, warnings, dmaload\n"
+        "with warnings.catch_warnings(record=True) as said:\n"
+        "    warnings.simplefilter('always')\n"
+        "    buf = dmaload.load(sys.argv[1], cache=sys.argv[2])\n"
+        "print(buf.report.destination, len(bytes(buf)), '|'.join(str(w.message) for w in said))\n"
+    )
+    svc.proc.send_signal(signal.SIGSTOP)
+    try:
+        out = _fresh(code, str(path), str(svc.socket))  # bounded by _fresh's generous timeout
+    finally:
+        svc.proc.send_signal(signal.SIGCONT)
+        svc.stop()
+    destination, length, said = out.split(" ", 2)
+    assert (destination, int(length)) == ("memfd", len(data)), out
+    assert "stopped or stuck" in said and "loaded directly" in said, out
+
+
+def test_ctrl_c_interrupts_the_wait_for_the_cache_service(tmp_path: Path, data_file: tuple[Path, bytes]) -> None:
+    """A service that accepted the request and keeps saying it works on it
+    (a long load) holds the client, but a real SIGINT ends the wait with
+    KeyboardInterrupt, leaving no descriptor or thread behind."""
+    path, _ = data_file
+    sock_path = tmp_path / "fake.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(sock_path))
+    listener.listen(1)
+    code = (
+        "import os, sys, dmaload\n"
+        "def count(what): return len(os.listdir(f'/proc/self/{what}'))\n"
+        "before = count('fd'), count('task')\n"
+        "try:\n"
+        "    dmaload.load(sys.argv[1], cache=sys.argv[2])\n"
+        "    print('LOADED', flush=True)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('INTERRUPTED', (count('fd'), count('task')) == before, flush=True)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(path), str(sock_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+    def message(reply: str) -> bytes:
+        return json.dumps({"version": 2, "body": {"reply": reply}}).encode()
+
+    stop_keepalives = False
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            request, fds, _, _ = socket.recv_fds(conn, 1024, 4)  # the child now waits for the reply
+            for fd in fds:
+                os.close(fd)
+            assert json.loads(request)["body"] == {"op": "get"}
+            conn.send(message("accepted"))
+            def keepalives() -> None:
+                while not stop_keepalives:
+                    try:
+                        conn.send(message("working"))
+                    except OSError:
+                        return
+                    time.sleep(0.5)  # the service's pace, not synchronisation
+
+            beat = threading.Thread(target=keepalives, daemon=True)
+            beat.start()
+            child.send_signal(signal.SIGINT)
+            out, err = child.communicate(timeout=60)
+            stop_keepalives = True
+            beat.join()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        listener.close()
+    assert out.strip() == "INTERRUPTED True", f"{out}\n{err}"

@@ -26,7 +26,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE|PERCENT", default_value = "50%", value_parser = parse_memory_limit)]
     memory_limit: u64,
     /// Also serve this user (repeatable; the service's own uid and root
-    /// always are).
+    /// always are). With --allow-uid or --allow-gid the socket is mode
+    /// 0666 in a directory others can enter (e.g. --socket
+    /// /run/dmaload/dmaload.sock): the peer's credentials decide whom the
+    /// service serves.
     #[arg(long, value_name = "UID")]
     allow_uid: Vec<u32>,
     /// Also serve users whose primary group is this one (repeatable).

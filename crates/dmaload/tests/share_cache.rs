@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_pattern, file_hash, scratch_dir, write_pattern_file};
 use dmaload::share::protocol::{self, Reply, Request};
-use dmaload::share::service::DEFAULT_IDLE_TIMEOUT;
+use dmaload::share::service::{DEFAULT_IDLE_TIMEOUT, MAX_CLIENTS_PER_UID};
 use dmaload::share::{
     load_cached, CacheOutcome, Client, Connection, Listener, Served, Service, ServiceConfig,
 };
@@ -87,6 +87,24 @@ fn process_role() {
             conn.send(&protocol::encode_request(Request::Get), &[file.as_fd()]).unwrap();
             println!("OUT sent");
             std::thread::sleep(Duration::from_secs(120));
+        }
+        "status" => {
+            let status = Client::connect(&socket).unwrap().status().unwrap();
+            let paths: Vec<String> = status.files.iter().map(|f| f.path.display().to_string()).collect();
+            println!("OUT files={} paths={}", status.files_cached, paths.join(","));
+        }
+        "hold" => {
+            // As many connections as one user may hold, each counted by
+            // the service (it answered a status on it), until stdin closes.
+            let held: Vec<Client> = (0..MAX_CLIENTS_PER_UID)
+                .map(|_| {
+                    let client = Client::connect(&socket).unwrap();
+                    client.status().unwrap();
+                    client
+                })
+                .collect();
+            println!("OUT held {}", held.len());
+            std::io::copy(&mut std::io::stdin(), &mut std::io::sink()).unwrap();
         }
         "load-cached" => {
             let (buffer, _, outcome) = load_cached(file.unwrap(), &socket, &LoadOptions::default()).unwrap();
@@ -481,7 +499,12 @@ fn idle_connections_cannot_lock_a_client_out() {
     // Their threads start in the service: full once a client is refused.
     let refused = |result: Result<(), dmaload::Error>| match result {
         Ok(()) => false,
-        Err(err) if err.to_string().contains("clients are connected already") => true,
+        Err(err)
+            if err.to_string().contains("clients are connected already")
+                || err.to_string().contains("connections already, as many as one user may hold") =>
+        {
+            true
+        }
         Err(err) => panic!("{err}"),
     };
     while !refused(Client::connect(&socket).and_then(|client| client.status()).map(drop)) {
@@ -538,19 +561,22 @@ fn a_service_out_of_descriptors_logs_accept_failures_once_per_interval() {
     let idle: Vec<Connection> = (0..NOFILE + 16).map(|_| Connection::connect(&socket).unwrap()).collect();
     let first = log.recv_timeout(Duration::from_secs(60)).expect("accept never failed");
     assert!(first.contains("Too many open files"), "{first}");
-    // About 20 failed tries a second: none of them logged. (A descriptor
-    // the service frees meanwhile, a departing probe's, makes one work
-    // again: then a new stretch of failures begins with a line.)
-    std::thread::sleep(Duration::from_millis(1500));
+    // About 20 failed tries a second, none of them logged: every line up
+    // to the first summary (10 s later) is a stretch's first failure or
+    // the line saying accept works again (a descriptor the service frees
+    // meanwhile, a departing probe's, makes one work again, and a new
+    // stretch begins with a line).
     let mut lines = vec![first];
-    lines.extend(log.try_iter());
+    let summary = loop {
+        let line = log.recv_timeout(Duration::from_secs(60)).expect("no summary line");
+        if line.starts_with(": still failing") {
+            break line;
+        }
+        lines.push(line);
+    };
     for pair in lines.windows(2) {
         assert!(pair[0].starts_with(" works again") || pair[1].starts_with(" works again"), "{lines:?}");
     }
-    // Then one line per 10 s, counting the tries since.
-    let summary = std::iter::from_fn(|| log.recv_timeout(Duration::from_secs(60)).ok())
-        .find(|line| line.starts_with(": still failing"))
-        .expect("no summary line");
     let tries: u64 = summary
         .strip_prefix(": still failing, ")
         .and_then(|rest| rest.split(' ').next()?.parse().ok())
@@ -573,7 +599,13 @@ fn forged_requests_are_refused_and_the_service_goes_on() {
     conn.set_timeouts(Some(Duration::from_secs(60))).unwrap();
     let ask = |bytes: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]| -> String {
         conn.send(bytes, fds).unwrap();
-        match protocol::receive_reply(&conn).unwrap().unwrap().0 {
+        // A get is acknowledged before the service looks at its descriptor.
+        let mut reply = protocol::receive_reply(&conn).unwrap().unwrap().0;
+        if fds.len() == 1 {
+            assert_eq!(reply, Reply::Accepted);
+            reply = protocol::receive_reply(&conn).unwrap().unwrap().0;
+        }
+        match reply {
             Reply::Error(err) => {
                 // A request that is not one is named by the service's socket.
                 if err.op == "request" {
@@ -598,7 +630,7 @@ fn forged_requests_are_refused_and_the_service_goes_on() {
     assert!(ask(&get, &[write_only.as_fd()]).contains("not open for reading"));
     assert!(ask(&get, &[o_path.as_fd()]).contains("not open for reading"));
     assert!(ask(&get, &[]).contains("0 descriptors"));
-    assert!(ask(b"{\"version\": 1, \"body\": {\"op\": \"get\", \"path\": \"/etc/shadow\"}}", &[])
+    assert!(ask(b"{\"version\": 2, \"body\": {\"op\": \"get\", \"path\": \"/etc/shadow\"}}", &[])
         .contains("malformed"));
     assert!(ask(b"\xff\xfe", &[]).contains("malformed"));
     assert!(ask(&vec![b' '; 100_000], &[]).contains("longer than"));
@@ -706,13 +738,119 @@ fn another_user_is_refused() {
     let status = service.status();
     assert_eq!((status.refused, status.misses), (1, 0));
 
-    // --allow-uid 65534: served, from the descriptor it sent.
-    let allowing = dir.path().join("allowing.sock");
+    // --allow-uid 65534: the service makes its directory and socket
+    // reachable by others itself, and serves uid 65534 from the
+    // descriptor it sent.
+    let allowing = dir.path().join("shared").join("allowing.sock");
     let cmd = &mut role("service", &allowing);
     let service = ServiceProcess::start_with(cmd.env(LIMIT, "1000000000").env(ALLOW_UID, "65534"), &allowing);
-    std::fs::set_permissions(&allowing, std::fs::Permissions::from_mode(0o666)).unwrap();
     assert_eq!(as_nobody(&allowing), format!("service miss {}", file_hash(&path)));
     assert_eq!(service.status().refused, 0);
+
+    // Its status names only the files it was handed, not one another user
+    // had cached (a file uid 65534 cannot open).
+    let private = dir.path().join("private.bin");
+    write_pattern_file(&private, 50_000);
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o600)).unwrap();
+    assert!(Client::connect(&allowing).unwrap().get(&private).is_ok());
+    let status = role("status", &allowing);
+    let out =
+        through(&["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"], &status).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        role_output(&String::from_utf8_lossy(&out.stdout)),
+        format!("files=2 paths={}", path.display())
+    );
+    let all = service.status().files.iter().map(|f| f.path.clone()).collect::<Vec<_>>();
+    assert_eq!(all, [private.clone(), path.clone()], "root sees every path");
+}
+
+#[test]
+fn a_shared_socket_in_a_directory_others_cannot_enter_is_refused_at_bind() {
+    let dir = scratch_dir();
+    let closed = dir.path().join("closed");
+    std::fs::create_dir(&closed).unwrap();
+    std::fs::set_permissions(&closed, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let config = |socket: PathBuf, allow_uids: Vec<u32>| ServiceConfig {
+        socket,
+        memory_limit: 1 << 20,
+        allow_uids,
+        allow_gids: Vec::new(),
+        load_options: LoadOptions::default(),
+        idle_timeout: DEFAULT_IDLE_TIMEOUT,
+        log: Arc::new(|_| {}),
+    };
+    let err = Service::bind(config(closed.join("s.sock"), vec![65534])).err().expect("bound");
+    assert!(err.to_string().contains("keeps other users out"), "{err}");
+    // Serving only its own user, the same place is fine, and private.
+    let service = Service::bind(config(closed.join("s.sock"), Vec::new())).unwrap();
+    let mode = std::fs::metadata(service.socket()).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+#[test]
+fn one_user_cannot_hold_every_client_slot() {
+    if !can_become_nobody() {
+        return common::skip("one_user_cannot_hold_every_client_slot", "needs root and setpriv (util-linux)");
+    }
+    let dir = scratch_dir();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 100_000);
+    let socket = dir.path().join("cache.sock");
+    let mut cmd = role("service", &socket);
+    cmd.env(LIMIT, (1u64 << 30).to_string()).env(IDLE_MS, "600000").env(ALLOW_UID, "65534");
+    let service = ServiceProcess::start_with(&mut cmd, &socket);
+    let nobody =
+        |cmd: &Command| through(&["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"], cmd);
+    let mut holder =
+        nobody(&role("hold", &socket)).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    assert_eq!(read_role_line(&mut holder), format!("held {MAX_CLIENTS_PER_UID}"));
+    // That user's next connection is refused, and says why...
+    let out = nobody(role("load-cached", &socket).env(FILE, &path)).output().unwrap();
+    let stdout = role_output(&String::from_utf8_lossy(&out.stdout));
+    assert!(stdout.contains(&format!("uid 65534 has {MAX_CLIENTS_PER_UID} connections already")), "{stdout}");
+    // ...while another user is served.
+    let fetched = Client::connect(&socket).unwrap().get(&path).unwrap();
+    assert_eq!(fetched.served, Served::Miss);
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
+    service.stop();
+}
+
+#[test]
+fn a_stopped_service_is_a_prompt_fallback() {
+    // A service that accepted the connection (the kernel did, into the
+    // backlog) but is stopped: the client hears no acknowledgement and
+    // loads directly, saying so, instead of waiting for the reply.
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 100_000);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    let signal = |name: &str| {
+        assert!(Command::new("kill").args([name, &service.pid().to_string()]).status().unwrap().success());
+    };
+    signal("-STOP");
+    let client = role("load-cached", &socket).env(FILE, &path).stdout(Stdio::piped()).spawn().unwrap();
+    let client_pid = client.id();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done.send(client.wait_with_output().unwrap()));
+    // Generous: the fallback comes after a few seconds, the old wait after 30 minutes.
+    let out = finished.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| {
+        let _ = Command::new("kill").args(["-KILL", &client_pid.to_string()]).status();
+        signal("-CONT");
+        panic!("the client still waited for a stopped service after 120 s");
+    });
+    signal("-CONT");
+    let stdout = role_output(&String::from_utf8_lossy(&out.stdout));
+    assert!(stdout.starts_with(&format!("direct {} (", file_hash(&path))), "{stdout}");
+    assert!(stdout.contains("stopped or stuck"), "{stdout}");
+    // Running again, it serves (a hit if it has meanwhile answered the
+    // request the client gave up on).
+    let again = run_client("load-cached", &socket, &path);
+    assert!(again.starts_with("service ") && again.ends_with(&file_hash(&path).to_string()), "{again}");
+    service.stop();
 }
 
 /// Whether this process is root and `setpriv` runs (the test binary must

@@ -5,15 +5,16 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::buffer::Buffer;
+use crate::cancel::CancelToken;
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{load_open, LoadOptions, LoadReport};
 use crate::share::protocol::{self, Reply, Request, Served, Status};
-use crate::share::Connection;
+use crate::share::{Connection, CONNECT_TIMEOUT};
 use crate::source::OpenFile;
 use crate::types::CachePolicy;
 use crate::{source, sys, system};
@@ -22,9 +23,10 @@ use crate::{source, sys, system};
 /// and `dmaload load`: `1` for the default socket, or a socket path.
 pub const CACHE_ENV: &str = "DMALOAD_CACHE";
 
-/// How long a client waits for a reply: a cold load of a large file
-/// through the service takes as long as the disk needs.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// How long one wait on the socket lasts before the client looks at its
+/// [`CancelToken`] again: the bound on how late a cancel (Python's
+/// Ctrl-C) takes effect.
+const WAIT_SLICE: Duration = Duration::from_millis(20);
 
 /// The default socket: `$XDG_RUNTIME_DIR/dmaload.sock`, else
 /// `/run/user/UID/dmaload.sock`.
@@ -97,9 +99,20 @@ pub fn handoff_report(
 /// sends no request for its idle timeout (5 s by default): the next request
 /// of a `Client` kept idle longer fails naming the closed connection, so
 /// connect again for it ([`load_cached`] connects for each load).
+///
+/// No wait is long: connecting waits at most [`crate::share::CONNECT_TIMEOUT`]
+/// for room in the listener's backlog; a get waits
+/// [`protocol::ACK_TIMEOUT`] for the service to accept it, then at most
+/// [`protocol::KEEPALIVE_TIMEOUT`] for each of the messages the service
+/// sends while it loads; a status waits [`protocol::ACK_TIMEOUT`]. A
+/// service that is stopped (SIGSTOP, Ctrl-Z) or stuck fails the request
+/// with `TimedOut` within those bounds, whatever the size of the file. Each
+/// wait also ends within 20 ms of the client's [`CancelToken`] being
+/// cancelled, with [`ErrorKind::Cancelled`].
 pub struct Client {
     conn: Connection,
     socket: PathBuf,
+    cancel: CancelToken,
 }
 
 /// A file's bytes from the service.
@@ -115,23 +128,41 @@ pub struct Fetched {
 
 impl Client {
     /// Connects to the service at `socket`. The service must run as this
-    /// user or as root (its `SO_PEERCRED`): a socket anyone else serves is
-    /// refused, as its memory could change under the mappings it hands out.
+    /// user, as root, or as the user that owns the socket's directory when
+    /// no one else may write there (a directory set up for a shared
+    /// service, such as `/run/dmaload` of a `dmaload` user, mode 0755): its
+    /// `SO_PEERCRED` says which. A socket another user could have put in
+    /// place is refused, as the bytes it hands out would be that user's.
     pub fn connect(socket: impl AsRef<Path>) -> Result<Client> {
+        Self::connect_cancellable(socket, &CancelToken::new())
+    }
+
+    /// [`Client::connect`] whose waits, this one and those of its
+    /// requests, end when `cancel` is cancelled.
+    pub fn connect_cancellable(socket: impl AsRef<Path>, cancel: &CancelToken) -> Result<Client> {
         let socket = socket.as_ref();
-        let conn = Connection::connect(socket).map_err(|e| Error::io("connect", socket, e))?;
+        let conn = Connection::connect_until(socket, CONNECT_TIMEOUT, &|| cancel.is_cancelled()).map_err(
+            |e| match e.kind() {
+                io::ErrorKind::Interrupted if cancel.is_cancelled() => cancelled("connect", socket),
+                _ => Error::io("connect", socket, e),
+            },
+        )?;
         let peer = conn.peer_credentials().map_err(|e| Error::io("SO_PEERCRED", socket, e))?;
         let own = sys::process::effective_uid();
-        if peer.uid != own && peer.uid != 0 {
+        if peer.uid != own && peer.uid != 0 && directory_owner(socket) != Some(peer.uid) {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 "connect",
                 socket,
-                format!("the service there runs as uid {}, neither this user ({own}) nor root", peer.uid),
+                format!(
+                    "the service there runs as uid {}, neither this user ({own}) nor root, nor the owner \
+                     of a socket directory no one else may write to",
+                    peer.uid
+                ),
             ));
         }
-        conn.set_timeouts(Some(REPLY_TIMEOUT)).map_err(|e| Error::io("setsockopt", socket, e))?;
-        Ok(Client { conn, socket: socket.to_owned() })
+        conn.set_timeouts(Some(WAIT_SLICE)).map_err(|e| Error::io("setsockopt", socket, e))?;
+        Ok(Client { conn, socket: socket.to_owned(), cancel: cancel.clone() })
     }
 
     pub fn socket(&self) -> &Path {
@@ -152,13 +183,26 @@ impl Client {
         let started = Instant::now();
         let request = protocol::encode_request(Request::Get);
         self.conn.send(&request, &[file.as_fd()]).map_err(|e| Error::io("send request", &self.socket, e))?;
-        let (info, memfd) =
-            protocol::receive_buffer(&self.conn, &self.socket).map_err(|err| match err.op() {
-                // Errors of the socket and of the service name the socket; a
-                // failed load names the file as this client knows it.
-                "receive buffer" | "connect" | "request" => err,
-                _ => protocol::WireError::from_error(&err).into_error(Some(path)),
-            })?;
+        let mut timeout = protocol::ACK_TIMEOUT;
+        let (info, memfd) = loop {
+            match self.receive_within(timeout, "receive buffer")? {
+                (Reply::Accepted | Reply::Working, _) => timeout = protocol::KEEPALIVE_TIMEOUT,
+                (Reply::Buffer(info), fds) => {
+                    let count = fds.len();
+                    let [memfd]: [OwnedFd; 1] = fds.try_into().map_err(|_| {
+                        self.refused(format!("a buffer message carried {count} descriptors, not one"))
+                    })?;
+                    break (info, memfd);
+                }
+                // Errors of the service's own name the socket; a failed load
+                // names the file as this client knows it.
+                (Reply::Error(err), _) if matches!(err.op.as_str(), "connect" | "request") => {
+                    return Err(err.into_error(None))
+                }
+                (Reply::Error(err), _) => return Err(err.into_error(Some(path))),
+                (Reply::Status(_), _) => return Err(self.refused("a status reply to a get".into())),
+            }
+        };
         let buffer = Buffer::from_sealed_memfd(memfd, info.offset, info.len, &self.socket)?;
         let served = info.served.ok_or_else(|| {
             Error::new(
@@ -175,19 +219,69 @@ impl Client {
     pub fn status(&self) -> Result<Status> {
         let request = protocol::encode_request(Request::Status);
         self.conn.send(&request, &[]).map_err(|e| Error::io("send request", &self.socket, e))?;
-        match protocol::receive_reply(&self.conn).map_err(|e| Error::io("receive status", &self.socket, e))? {
-            Some((Reply::Status(status), _)) => Ok(status),
-            Some((Reply::Error(err), _)) => Err(err.into_error(None)),
-            Some(_) => {
+        match self.receive_within(protocol::ACK_TIMEOUT, "receive status")? {
+            (Reply::Status(status), _) => Ok(status),
+            (Reply::Error(err), _) => Err(err.into_error(None)),
+            _ => {
                 Err(Error::new(ErrorKind::InvalidInput, "receive status", &self.socket, "not a status reply"))
             }
-            None => Err(Error::io(
-                "receive status",
-                &self.socket,
-                io::Error::new(io::ErrorKind::UnexpectedEof, "the service closed the connection"),
-            )),
         }
     }
+
+    /// The next message, if it comes within `timeout`: else `TimedOut`, or
+    /// `Cancelled` once the client's token is; `op` names the wait.
+    fn receive_within(&self, timeout: Duration, op: &'static str) -> Result<(Reply, Vec<OwnedFd>)> {
+        let started = Instant::now();
+        loop {
+            match protocol::receive_reply(&self.conn) {
+                Ok(Some(message)) => return Ok(message),
+                Ok(None) => {
+                    return Err(Error::io(
+                        op,
+                        &self.socket,
+                        io::Error::new(io::ErrorKind::UnexpectedEof, "the service closed the connection"),
+                    ))
+                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+                Err(err) => return Err(Error::io(op, &self.socket, err)),
+            }
+            if self.cancel.is_cancelled() {
+                return Err(cancelled(op, &self.socket));
+            }
+            if started.elapsed() >= timeout {
+                return Err(Error::io(
+                    op,
+                    &self.socket,
+                    io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!(
+                            "the service said nothing for {} s: it is stopped or stuck",
+                            timeout.as_secs_f64()
+                        ),
+                    ),
+                ));
+            }
+        }
+    }
+
+    fn refused(&self, message: String) -> Error {
+        Error::new(ErrorKind::InvalidInput, "receive buffer", &self.socket, message)
+    }
+}
+
+/// The error of a wait ended by the client's [`CancelToken`].
+fn cancelled(op: &'static str, socket: &Path) -> Error {
+    Error::new(ErrorKind::Cancelled, op, socket, "cancelled")
+}
+
+/// The owner of `socket`'s directory, if no one else may write there (no
+/// group or other write bit): only that user (or root) can have put the
+/// socket there.
+fn directory_owner(socket: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = socket.parent().filter(|dir| !dir.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let meta = std::fs::metadata(dir).ok()?;
+    (meta.mode() & 0o022 == 0).then_some(meta.uid())
 }
 
 /// Where a [`load_cached`] buffer came from.
@@ -254,12 +348,14 @@ pub fn from_service(
         return Ok(Err(format!("a {} is not cached, only regular files", source::type_name(&meta))));
     }
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-    let client = match Client::connect(socket) {
+    let client = match Client::connect_cancellable(socket, &options.cancel) {
         Ok(client) => client,
+        Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
         Err(err) => return Ok(Err(format!("no cache service: {err}"))),
     };
     let fetched = match client.get_file(file, path) {
         Ok(fetched) => fetched,
+        Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
         Err(err) if service_unusable(&err) => return Ok(Err(format!("the cache service failed: {err}"))),
         Err(err) => return Err(err),
     };

@@ -1,5 +1,5 @@
 //! The messages that cross a `share` socket: one JSON object per
-//! `SOCK_SEQPACKET` message, `{"version": 1, "body": ...}`, plus the
+//! `SOCK_SEQPACKET` message, `{"version": 2, "body": ...}`, plus the
 //! descriptors the message carries. Everything received is untrusted: a
 //! message longer than its limit is refused whole (the socket layer closes
 //! its descriptors), a version other than [`VERSION`] is refused by name,
@@ -9,11 +9,16 @@
 //! client's open file (read access proven by the descriptor, never a
 //! path); `{"op": "status"}` with none. Replies: a buffer (its memfd
 //! attached), the status, or an error with the same detail as a direct
-//! load's (kind, operation, path, offset, errno, message).
+//! load's (kind, operation, path, offset, errno, message). Before a get's
+//! reply the service sends `accepted` as soon as it has read the request,
+//! then `working` every [`KEEPALIVE_INTERVAL`] while the load runs: a
+//! client that hears neither in time ([`ACK_TIMEOUT`],
+//! [`KEEPALIVE_TIMEOUT`]) knows the service is stopped or stuck.
 
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -21,7 +26,14 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::share::Connection;
 
 /// The protocol version this build speaks.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
+/// How long a client waits for `accepted` after sending a get (the
+/// service sends it before it looks at the file).
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(3);
+/// How often the service says `working` while a get's load runs.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(500);
+/// How long a client waits for the next message once a get was accepted.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest request a service accepts.
 pub const MAX_REQUEST_BYTES: usize = 1024;
 /// Longest reply a client accepts (a status lists at most
@@ -175,6 +187,10 @@ pub struct WireError {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "kebab-case")]
 pub enum Reply {
+    /// A get was received; its reply follows.
+    Accepted,
+    /// A get's load still runs.
+    Working,
     Buffer(BufferInfo),
     Status(Status),
     Error(WireError),
@@ -236,7 +252,9 @@ pub fn receive_buffer(conn: &Connection, socket: &Path) -> Result<(BufferInfo, O
             Ok((info, memfd))
         }
         Reply::Error(err) => Err(err.into_error(None)),
-        Reply::Status(_) => Err(refused("a status reply where a buffer was expected".into())),
+        Reply::Status(_) | Reply::Accepted | Reply::Working => {
+            Err(refused("a reply of another kind where a buffer was expected".into()))
+        }
     }
 }
 
@@ -327,15 +345,15 @@ mod tests {
     #[test]
     fn untrusted_messages_are_refused_by_name() {
         assert_eq!(decode_request(&encode_request(Request::Get)).unwrap(), Request::Get);
-        assert_eq!(decode_request(br#"{"version": 1, "body": {"op": "status"}}"#).unwrap(), Request::Status);
-        let other = br#"{"version": 2, "body": {"op": "get"}}"#;
-        assert!(decode_request(other).unwrap_err().to_string().contains("protocol version 2"));
-        for bad in [&b"not json"[..], br#"{"version": 1}"#, br#"{"version": 1, "body": {"op": "rm"}}"#] {
+        assert_eq!(decode_request(br#"{"version": 2, "body": {"op": "status"}}"#).unwrap(), Request::Status);
+        let other = br#"{"version": 3, "body": {"op": "get"}}"#;
+        assert!(decode_request(other).unwrap_err().to_string().contains("protocol version 3"));
+        for bad in [&b"not json"[..], br#"{"version": 2}"#, br#"{"version": 2, "body": {"op": "rm"}}"#] {
             assert_eq!(decode_request(bad).unwrap_err().kind(), io::ErrorKind::InvalidData);
         }
-        let extra = br#"{"version": 1, "body": {"op": "get", "path": "/etc/shadow"}}"#;
+        let extra = br#"{"version": 2, "body": {"op": "get", "path": "/etc/shadow"}}"#;
         assert!(decode_request(extra).is_err(), "a request names no path");
-        let outside = br#"{"version": 1, "body": {"op": "get"}, "path": "/etc/shadow"}"#;
+        let outside = br#"{"version": 2, "body": {"op": "get"}, "path": "/etc/shadow"}"#;
         assert!(decode_request(outside).is_err());
     }
 

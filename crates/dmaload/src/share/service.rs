@@ -52,6 +52,9 @@ use crate::sys::mem::{page_size, HugePageCollapse, HUGE_PAGE_ALIGN};
 
 /// Clients served at once; more are refused with an error.
 const MAX_CLIENTS: usize = 256;
+/// Connections one uid may hold at once, so that one user's idle or stuck
+/// connections leave the other users most of [`MAX_CLIENTS`].
+pub const MAX_CLIENTS_PER_UID: usize = 64;
 /// [`ServiceConfig::idle_timeout`] unless set otherwise: a client sends
 /// its request as soon as it connects, so a few seconds is plenty.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -287,6 +290,10 @@ fn collapse_windows(file: &Weak<Loaded>) -> CollapseEnd {
 
 struct Ready {
     loaded: Arc<Loaded>,
+    /// The users it was handed to: each proved it may read the file, and
+    /// only they (besides the service's own user and root) see its path
+    /// in a status.
+    served_to: Vec<u32>,
     hits: u64,
     handoffs: u64,
     last_used: u64,
@@ -359,6 +366,8 @@ struct State {
     /// the service holds one such copy at a time, not one per request.
     uncached_turn: Mutex<()>,
     clients: AtomicUsize,
+    /// Connections each uid holds now (only uids with some).
+    clients_per_uid: Mutex<HashMap<u32, usize>>,
 }
 
 /// A file to send a client, and, for one not cached, its turn
@@ -377,14 +386,20 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Service {
-    /// Binds the socket (mode 0600; its directory is created 0700 when
-    /// missing). A socket file left by a service that is gone is replaced;
+    /// Binds the socket. Serving only its own user, it is mode 0600 and a
+    /// missing directory is created 0700. With `allow_uids`/`allow_gids` it
+    /// is mode 0666 (a missing directory is created 0755), and every
+    /// directory above it must let others through (`o+x`), else the
+    /// allowed users could not connect: an error says so. The mode only
+    /// lets users reach the socket; `SO_PEERCRED` decides whom the service
+    /// serves. A socket file left by a service that is gone is replaced;
     /// one that answers is an error, as is any other file at the path.
     pub fn bind(config: ServiceConfig) -> Result<Service> {
         let path = config.socket.clone();
+        let shared = !config.allow_uids.is_empty() || !config.allow_gids.is_empty();
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
             std::fs::DirBuilder::new()
-                .mode(0o700)
+                .mode(if shared { 0o755 } else { 0o700 })
                 .create(dir)
                 .map_err(|e| Error::io("create socket directory", dir, e))?;
         }
@@ -414,10 +429,13 @@ impl Service {
             Err(err) if err.kind() == io::ErrorKind::NotFound => {}
             Err(err) => return Err(Error::io("stat", &path, err)),
         }
+        if shared {
+            unreachable_by_others(&path)?;
+        }
         let listener = Listener::bind(&path, 128).map_err(|e| Error::io("bind", &path, e))?;
-        // Created 0600 less the umask (never wider); made exactly 0600 in
-        // case the umask took the owner's bits too.
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        // Created 0600 less the umask (never wider); then made exactly the
+        // mode this service needs.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(if shared { 0o666 } else { 0o600 }))
             .map_err(|e| Error::io("chmod", &path, e))?;
         let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
         let facts = MemoryFacts::read();
@@ -442,6 +460,7 @@ impl Service {
             }),
             uncached_turn: Mutex::new(()),
             clients: AtomicUsize::new(0),
+            clients_per_uid: Mutex::new(HashMap::new()),
         };
         Ok(Service { listener, socket_id: (meta.dev(), meta.ino()), state: Arc::new(state) })
     }
@@ -532,7 +551,7 @@ impl Service {
 
     /// What the service holds now.
     pub fn status(&self) -> Status {
-        self.state.status()
+        self.state.status(None)
     }
 
     fn log(&self, line: &str) {
@@ -552,7 +571,10 @@ impl State {
             || self.config.allow_gids.contains(&peer.gid)
     }
 
-    fn status(&self) -> Status {
+    /// What the service holds, as `viewer` may see it: a user other than
+    /// the service's own and root (`Some(uid)`) sees the paths of only the
+    /// files handed to it; the totals are everyone's.
+    fn status(&self, viewer: Option<u32>) -> Status {
         let cache = lock(&self.cache);
         let mut ready: Vec<&Ready> = cache
             .files
@@ -582,6 +604,7 @@ impl State {
             clients: self.clients.load(Ordering::Relaxed) as u64,
             files: ready
                 .iter()
+                .filter(|r| viewer.map_or(true, |uid| r.served_to.contains(&uid)))
                 .take(MAX_STATUS_ENTRIES)
                 .map(|r| CachedFile {
                     path: r.loaded.path.clone(),
@@ -595,7 +618,8 @@ impl State {
     }
 
     /// The bytes of the file `fd` is open on: from the cache, or loaded now.
-    fn get(&self, fd: OwnedFd) -> std::result::Result<Handoff<'_>, Error> {
+    /// `uid` is the client's, recorded as one that may see the file's path.
+    fn get(&self, fd: OwnedFd, uid: u32) -> std::result::Result<Handoff<'_>, Error> {
         let fd_path = Path::new("fd");
         let file = File::from(fd);
         let meta = file.metadata().map_err(|e| Error::io("fstat", fd_path, e))?;
@@ -630,6 +654,9 @@ impl State {
                     ready.hits += 1;
                     ready.handoffs += 1;
                     ready.last_used = now;
+                    if !ready.served_to.contains(&uid) {
+                        ready.served_to.push(uid);
+                    }
                     let loaded = Arc::clone(&ready.loaded);
                     cache.counters.hits += 1;
                     return Ok(Handoff { loaded, served: Served::Hit, note: None, turn: None });
@@ -667,13 +694,16 @@ impl State {
                     ready.hits += 1;
                     ready.handoffs += 1;
                     ready.last_used = now;
+                    if !ready.served_to.contains(&uid) {
+                        ready.served_to.push(uid);
+                    }
                 }
                 cache.counters.hits += 1;
                 Ok(Handoff { loaded, served: Served::Hit, note: None, turn: None })
             }
             Next::Load(pending) => {
                 // Completes the waiters even if the load panics.
-                let mut finish = Finish { state: self, key, bytes, pending, outcome: None };
+                let mut finish = Finish { state: self, key, bytes, uid, pending, outcome: None };
                 let loaded = self.load(&file, key).map(Arc::new);
                 finish.outcome = Some(match &loaded {
                     Ok(loaded) => Ok(Arc::clone(loaded)),
@@ -777,6 +807,8 @@ struct Finish<'s> {
     state: &'s State,
     key: Key,
     bytes: u64,
+    /// The client whose request loaded it.
+    uid: u32,
     pending: Arc<Pending>,
     outcome: Option<std::result::Result<Arc<Loaded>, WireError>>,
 }
@@ -800,7 +832,13 @@ impl Drop for Finish<'_> {
                     cache.counters.misses += 1;
                     // The reservation becomes the entry's (pages, as reserved).
                     cache.used = cache.used - self.bytes + loaded.bytes;
-                    let ready = Ready { loaded: Arc::clone(loaded), hits: 0, handoffs: 1, last_used: now };
+                    let ready = Ready {
+                        loaded: Arc::clone(loaded),
+                        served_to: vec![self.uid],
+                        hits: 0,
+                        handoffs: 1,
+                        last_used: now,
+                    };
                     cache.files.insert(self.key, Slot::Ready(ready));
                 }
                 Err(_) => {
@@ -840,10 +878,10 @@ fn serve_client(state: &State, conn: Connection) {
             peer.uid, peer.gid, state.own_uid
         ));
     }
-    let _counted = ClientCount::enter(&state.clients);
-    if state.clients.load(Ordering::Acquire) > MAX_CLIENTS {
-        return refuse(format!("{MAX_CLIENTS} clients are connected already"));
-    }
+    let _counted = match ClientCount::enter(state, peer.uid) {
+        Ok(counted) => counted,
+        Err(why) => return refuse(why),
+    };
     let mut buf = vec![0u8; MAX_REQUEST_BYTES];
     loop {
         let (len, mut fds) = match conn.recv(&mut buf) {
@@ -868,7 +906,10 @@ fn serve_client(state: &State, conn: Connection) {
         let sent = match (request, fds.len()) {
             (Ok(Request::Get), 1) => {
                 let fd = fds.remove(0);
-                match state.get(fd) {
+                if conn.send(&protocol::encode(&Reply::Accepted), &[]).is_err() {
+                    break;
+                }
+                match with_keepalives(&conn, || state.get(fd, peer.uid)) {
                     Ok(Handoff { loaded, served, note, turn }) => {
                         let info = BufferInfo {
                             offset: loaded.offset,
@@ -913,7 +954,8 @@ fn serve_client(state: &State, conn: Connection) {
             }
             (Ok(Request::Status), 0) => {
                 state.log(&format!("{who}: status"));
-                let mut status = state.status();
+                let viewer = (peer.uid != state.own_uid && peer.uid != 0).then_some(peer.uid);
+                let mut status = state.status(viewer);
                 let mut reply = protocol::encode(&Reply::Status(status.clone()));
                 // Long paths could make the list outgrow what a client takes.
                 while reply.len() > protocol::MAX_REPLY_BYTES && status.files.pop().is_some() {
@@ -943,20 +985,72 @@ fn serve_client(state: &State, conn: Connection) {
     }
 }
 
-/// Counts a connected client for as long as it lives, even if serving it
-/// panics.
-struct ClientCount<'a>(&'a AtomicUsize);
+/// Runs `work` while a thread of its own tells the client, every
+/// [`protocol::KEEPALIVE_INTERVAL`], that its request is still being worked
+/// on: a client hears from a live service however long the load takes, and
+/// one that hears nothing for [`protocol::KEEPALIVE_TIMEOUT`] knows the
+/// service is stopped or stuck. The thread has stopped when this returns,
+/// so the reply that follows is the last message.
+fn with_keepalives<T>(conn: &Connection, work: impl FnOnce() -> T) -> T {
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        let keepalive =
+            std::thread::Builder::new().name("dmaload-keepalive".into()).spawn_scoped(scope, move || {
+                let working = protocol::encode(&Reply::Working);
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    finished.recv_timeout(protocol::KEEPALIVE_INTERVAL)
+                {
+                    if conn.send(&working, &[]).is_err() {
+                        break;
+                    }
+                }
+            });
+        // Without a thread the client hears nothing until the reply, and
+        // falls back if the load outlasts its patience: nothing worse.
+        let outcome = work();
+        drop(done);
+        drop(keepalive);
+        outcome
+    })
+}
+
+/// Counts a connected client, in all and for its uid, for as long as it
+/// lives, even if serving it panics.
+struct ClientCount<'a> {
+    state: &'a State,
+    uid: u32,
+}
 
 impl<'a> ClientCount<'a> {
-    fn enter(clients: &'a AtomicUsize) -> ClientCount<'a> {
-        clients.fetch_add(1, Ordering::AcqRel);
-        ClientCount(clients)
+    /// Counts the client in, or says which limit it would pass
+    /// ([`MAX_CLIENTS`], [`MAX_CLIENTS_PER_UID`]).
+    fn enter(state: &'a State, uid: u32) -> std::result::Result<ClientCount<'a>, String> {
+        let mut per_uid = lock(&state.clients_per_uid);
+        let mine = per_uid.entry(uid).or_insert(0);
+        if *mine >= MAX_CLIENTS_PER_UID {
+            return Err(format!(
+                "uid {uid} has {MAX_CLIENTS_PER_UID} connections already, as many as one user may hold"
+            ));
+        }
+        if state.clients.load(Ordering::Acquire) >= MAX_CLIENTS {
+            return Err(format!("{MAX_CLIENTS} clients are connected already"));
+        }
+        *mine += 1;
+        state.clients.fetch_add(1, Ordering::AcqRel);
+        Ok(ClientCount { state, uid })
     }
 }
 
 impl Drop for ClientCount<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        let mut per_uid = lock(&self.state.clients_per_uid);
+        if let Some(count) = per_uid.get_mut(&self.uid) {
+            *count -= 1;
+            if *count == 0 {
+                per_uid.remove(&self.uid);
+            }
+        }
+        self.state.clients.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -966,6 +1060,30 @@ fn reply_error(state: &State, conn: &Connection, who: &str, err: &Error) -> bool
     state.log(&format!("{who}: error: {err}"));
     let reply = protocol::encode(&Reply::Error(WireError::from_error(err)));
     conn.send(&reply, &[]).is_ok()
+}
+
+/// An error when a directory above `socket` keeps other users out (no
+/// `o+x`): the users a service allows could not reach its socket.
+fn unreachable_by_others(socket: &Path) -> Result<()> {
+    let absolute = std::path::absolute(socket).map_err(|e| Error::io("resolve", socket, e))?;
+    for dir in absolute.ancestors().skip(1) {
+        let meta = std::fs::metadata(dir).map_err(|e| Error::io("stat", dir, e))?;
+        if meta.mode() & 0o001 == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "bind",
+                socket,
+                format!(
+                    "{} (mode {:o}) keeps other users out, so the users --allow-uid/--allow-gid name \
+                     could not connect: put the socket in a directory they can reach, such as \
+                     /run/dmaload/dmaload.sock",
+                    dir.display(),
+                    meta.mode() & 0o7777
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `percent` of the memory available now (`MemAvailable`, or the memory

@@ -148,43 +148,63 @@ impl AsFd for SeqpacketListener {
 /// backlog, which fills only when the listening process has stopped
 /// accepting (stopped, hung or overwhelmed).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one try of [`SeqpacketConn::connect_until`] waits before it
+/// looks at its `stop` again.
+pub const CONNECT_SLICE: Duration = Duration::from_millis(20);
 
 impl SeqpacketConn {
     /// Connects to the listener bound at `path`, waiting at most
     /// [`CONNECT_TIMEOUT`] for room in its backlog (then `TimedOut`).
     pub fn connect(path: &Path) -> io::Result<SeqpacketConn> {
-        Self::connect_within(path, CONNECT_TIMEOUT)
+        Self::connect_until(path, CONNECT_TIMEOUT, &|| false)
     }
 
-    /// [`SeqpacketConn::connect`], waiting at most `timeout`.
-    fn connect_within(path: &Path, timeout: Duration) -> io::Result<SeqpacketConn> {
-        let conn = SeqpacketConn { fd: new_socket()? };
+    /// [`SeqpacketConn::connect`], waiting at most `timeout`, and giving up
+    /// with `Interrupted` within [`CONNECT_SLICE`] of `stop()` turning
+    /// true (a caller's Ctrl-C).
+    pub fn connect_until(
+        path: &Path,
+        timeout: Duration,
+        stop: &dyn Fn() -> bool,
+    ) -> io::Result<SeqpacketConn> {
         let (addr, len) = socket_address(path)?;
-        // A Unix connect waits for room in the listener's backlog for as
-        // long as the send timeout allows: for ever by default.
-        conn.set_timeout(libc::SO_SNDTIMEO, Some(timeout))?;
-        // A connect interrupted while it waited left the socket unconnected,
-        // so calling again is a fresh attempt.
-        let connected = restarting(|| {
-            // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that
-            // lives across the call.
-            check(unsafe { libc::connect(conn.fd.as_raw_fd(), std::ptr::addr_of!(addr).cast(), len) })
-        });
-        match connected {
-            Err(err) if err.raw_os_error() == Some(libc::EAGAIN) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!(
-                        "no room in the listener's backlog after {} s: the process listening is not \
-                         accepting (stopped, hung or overwhelmed)",
-                        timeout.as_secs_f64()
-                    ),
-                ))
+        let started = std::time::Instant::now();
+        loop {
+            if stop() {
+                return Err(io::Error::new(io::ErrorKind::Interrupted, "connect cancelled"));
             }
-            other => other?,
-        };
-        conn.set_timeout(libc::SO_SNDTIMEO, None)?;
-        Ok(conn)
+            let conn = SeqpacketConn { fd: new_socket()? };
+            // A Unix connect waits for room in the listener's backlog for as
+            // long as the send timeout allows (for ever by default): a slice
+            // at a time, each on a fresh socket, so `stop` is looked at.
+            conn.set_timeout(libc::SO_SNDTIMEO, Some(CONNECT_SLICE.min(timeout)))?;
+            // A connect interrupted while it waited left the socket unconnected,
+            // so calling again is a fresh attempt.
+            let connected = restarting(|| {
+                // SAFETY: `addr` is a valid sockaddr_un of `len` bytes that
+                // lives across the call.
+                check(unsafe { libc::connect(conn.fd.as_raw_fd(), std::ptr::addr_of!(addr).cast(), len) })
+            });
+            match connected {
+                Err(err) if err.raw_os_error() == Some(libc::EAGAIN) => {
+                    if started.elapsed() >= timeout {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!(
+                                "no room in the listener's backlog after {} s: the process listening is \
+                                 not accepting (stopped, hung or overwhelmed)",
+                                timeout.as_secs_f64()
+                            ),
+                        ));
+                    }
+                }
+                other => {
+                    other?;
+                    conn.set_timeout(libc::SO_SNDTIMEO, None)?;
+                    return Ok(conn);
+                }
+            }
+        }
     }
 
     /// Two connected ends (`socketpair(2)`), e.g. one for a child process.
@@ -460,7 +480,7 @@ mod tests {
         let _listener = SeqpacketListener::bind(&path, 1).unwrap();
         let mut queued = Vec::new();
         let err = loop {
-            match SeqpacketConn::connect_within(&path, Duration::from_millis(100)) {
+            match SeqpacketConn::connect_until(&path, Duration::from_millis(100), &|| false) {
                 Ok(conn) => queued.push(conn),
                 Err(err) => break err,
             }
@@ -470,6 +490,32 @@ mod tests {
         assert!(!queued.is_empty(), "{err}");
         assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
         assert!(err.to_string().contains("backlog"), "{err}");
+    }
+
+    /// A connect waiting for room in a full backlog gives up, unconnected,
+    /// once its `stop` says so, long before its timeout.
+    #[test]
+    fn a_connect_waiting_for_a_full_backlog_stops_when_asked() {
+        let dir = std::env::temp_dir().join(format!("dmaload-connect-stop-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s");
+        let _ = std::fs::remove_file(&path);
+        let _listener = SeqpacketListener::bind(&path, 0).unwrap();
+        let mut queued = Vec::new();
+        while let Ok(conn) = SeqpacketConn::connect_until(&path, Duration::from_millis(50), &|| false) {
+            queued.push(conn);
+            assert!(queued.len() < 64, "the backlog never filled");
+        }
+        // Asked to stop on its third look: after two slices of waiting.
+        let looks = std::cell::Cell::new(0);
+        let stop = || {
+            looks.set(looks.get() + 1);
+            looks.get() >= 3
+        };
+        let err = SeqpacketConn::connect_until(&path, Duration::from_secs(3600), &stop).unwrap_err();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(err.kind(), io::ErrorKind::Interrupted, "{err}");
+        assert_eq!(looks.get(), 3);
     }
 
     #[test]
