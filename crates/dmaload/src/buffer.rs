@@ -25,6 +25,13 @@ pub(crate) const SHARING_SEALS: Seals =
 
 /// The name errors give a buffer's memfd.
 const MEMFD: &str = "memfd";
+/// Where the kernel says which pages of a mapping are private copies.
+const PAGEMAP: &str = "/proc/self/pagemap";
+/// Why a buffer's memfd is not handed out after the buffer was written.
+const WRITTEN_SINCE_PRIVATE: &str =
+    "the buffer was written in place after its memory became private to this process (it was \
+     received, its memfd was handed out before, or the process forked since the load), so its \
+     memfd no longer holds the bytes the buffer shows: copy them into a new buffer to share them";
 
 /// A contiguous piece of a buffer that was populated and filled as one unit
 /// (one "gather" of the pipelined load).
@@ -55,8 +62,18 @@ pub struct Buffer {
 
 impl Buffer {
     /// A buffer over `data` of a filled allocation, whose gathers (ranges of
-    /// the mapping) are `gathers`.
-    pub(crate) fn new(alloc: Allocation, data: Range<usize>, gathers: &[Range<usize>]) -> Buffer {
+    /// the mapping) are `gathers`. A memfd's mapping is registered to be
+    /// made private before a fork ([`Mapping::private_on_fork`]): a forked
+    /// child gets its own copy of the bytes, as of any other memory; this
+    /// fails only where no descriptor is left for the registry's copy.
+    pub(crate) fn new(
+        mut alloc: Allocation,
+        data: Range<usize>,
+        gathers: &[Range<usize>],
+    ) -> std::io::Result<Buffer> {
+        if let Some(memfd) = &alloc.memfd {
+            alloc.mapping.private_on_fork(memfd.as_fd())?;
+        }
         let segments = gathers
             .iter()
             .filter_map(|g| {
@@ -65,14 +82,14 @@ impl Buffer {
                 (start < end).then(|| Segment { offset: start - data.start, len: end - start })
             })
             .collect();
-        Buffer {
+        Ok(Buffer {
             mapping: alloc.mapping,
             memfd: alloc.memfd,
             kind: alloc.kind,
             data,
             segments,
             sharing: Mutex::new(()),
-        }
+        })
     }
 
     /// A buffer over `data` of a memfd another process sealed for sharing,
@@ -130,7 +147,20 @@ impl Buffer {
             return Ok(None);
         };
         self.seal_for_sharing(fd).map_err(|e| self.sealing_error(Path::new(MEMFD), e))?;
+        self.check_memfd_holds_the_bytes("hand out memfd", Path::new(MEMFD))?;
         Ok(Some(fd))
+    }
+
+    /// An error where the memfd no longer holds the bytes this buffer
+    /// shows: its mapping is private (received, its memfd handed out
+    /// before, or a fork since the load) and this process has written some
+    /// of its pages since, which went to private copies. Handing the memfd
+    /// out then would give others bytes this buffer does not show.
+    fn check_memfd_holds_the_bytes(&self, op: &'static str, path: &Path) -> Result<()> {
+        if self.mapping.has_private_copies().map_err(|e| Error::io(op, Path::new(PAGEMAP), e))? {
+            return Err(Error::new(ErrorKind::InvalidInput, op, path, WRITTEN_SINCE_PRIVATE));
+        }
+        Ok(())
     }
 
     /// The error of a failed [`Buffer::seal_for_sharing`], saying what the
@@ -182,6 +212,7 @@ impl Buffer {
             ));
         };
         self.seal_for_sharing(fd).map_err(|e| self.sealing_error(socket, e))?;
+        self.check_memfd_holds_the_bytes(op, socket)?;
         Ok((fd, self.data.clone()))
     }
 
@@ -260,6 +291,7 @@ impl Buffer {
                  udmabuf refuses: export before sharing the fd",
             ));
         }
+        self.check_memfd_holds_the_bytes("export", Path::new(heap::UDMABUF_DEVICE))?;
         let page = page_size();
         let start = self.data.start / page * page;
         let end = self.data.end.div_ceil(page) * page;
@@ -284,9 +316,18 @@ impl Buffer {
         Ok((memfd, data))
     }
 
-    /// Gives up the mapping and returns the memfd, which keeps the bytes.
-    pub fn into_memfd(self) -> Option<OwnedFd> {
-        self.memfd
+    /// Gives up the mapping and returns the memfd, which keeps the bytes
+    /// (`None` for anonymous memory). Refused, the buffer coming back with
+    /// the error, where the memfd no longer holds the bytes the buffer
+    /// shows: a private mapping (received, its memfd handed out before,
+    /// or a fork since the load) written in place since.
+    pub fn into_memfd(self) -> std::result::Result<Option<OwnedFd>, Box<(Error, Buffer)>> {
+        if self.memfd.is_some() {
+            if let Err(err) = self.check_memfd_holds_the_bytes("take memfd", Path::new(MEMFD)) {
+                return Err(Box::new((err, self)));
+            }
+        }
+        Ok(self.memfd)
     }
 }
 

@@ -135,14 +135,30 @@ fn peer_process_role() {
             let mut header = [0u8; 64];
             let (_, fds) = conn.recv(&mut header).unwrap();
             conn.send(b"dmaload block queue attached", &[]).unwrap();
-            let mut fds_rest = fds;
-            let control = File::from(fds_rest.remove(0));
-            std::thread::sleep(Duration::from_millis(300));
+            // The descriptors: control page, data, `filled`, `freed`.
+            let [control, _data, filled, freed] = <[OwnedFd; 4]>::try_from(fds).unwrap().map(File::from);
+            // Waits as a consumer would for the ring (4 blocks) to fill:
+            // `consumer waiting` (word 6) asks the producer to signal
+            // `filled` once it has produced 4 blocks, after which it waits
+            // for a free block.
+            control.write_all_at(&5u64.to_le_bytes(), 6 * 8).unwrap();
+            let mut ready = [libc::pollfd {
+                fd: std::os::fd::AsRawFd::as_raw_fd(&filled),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            // Armed, then checked once more (`produced`, word 1): blocks
+            // produced before the arming signal nothing.
+            let mut produced = [0u8; 8];
+            control.read_exact_at(&mut produced, 8).unwrap();
+            if u64::from_le_bytes(produced) < 4 {
+                // SAFETY: one valid pollfd living across the call.
+                assert_eq!(unsafe { libc::poll(ready.as_mut_ptr(), 1, 60_000) }, 1, "the ring never filled");
+            }
             // `consumed` (word 2) beyond anything produced, and a wake-up
             // on the `freed` eventfd.
-            control.write_all_at(&u64::MAX.to_le_bytes(), 16).unwrap();
-            let mut freed = File::from(fds_rest.pop().unwrap());
-            std::io::Write::write_all(&mut freed, &1u64.to_le_bytes()).unwrap();
+            control.write_all_at(&u64::MAX.to_le_bytes(), 2 * 8).unwrap();
+            std::io::Write::write_all(&mut &freed, &1u64.to_le_bytes()).unwrap();
             std::thread::sleep(Duration::from_secs(30));
         }
         other => panic!("unknown role {other}"),

@@ -4,7 +4,7 @@ use std::ffi::CStr;
 use std::io;
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
 use super::check;
@@ -86,6 +86,9 @@ pub struct Mapping {
     /// The huge-page advice the kernel took for it, which
     /// [`Mapping::make_private`] gives the mapping that replaces it.
     advice: Option<HugePageAdvice>,
+    /// Its entry in the fork registry, where [`Mapping::private_on_fork`]
+    /// put it: a fork makes it private first (see [`PRIVATE_ON_FORK`]).
+    fork_entry: Option<u64>,
 }
 
 // SAFETY: a Mapping is plain memory; ownership can move between threads, and
@@ -144,7 +147,23 @@ impl Mapping {
     /// needs Linux 5.16 (mremap of hugetlb mappings): before, it is
     /// `Unsupported`. Calls on one mapping must not overlap (a buffer's
     /// sharing lock orders them).
+    ///
+    /// A mapping registered with [`Mapping::private_on_fork`] that a fork
+    /// has already made private is left as it is (mapping it private again
+    /// would drop this process's writes since).
     pub fn make_private(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        let Some(id) = self.fork_entry else { return self.remap_private(fd) };
+        let mut registry = fork_registry();
+        let Some(at) = registry.iter().position(|entry| entry.id == id) else {
+            return Ok(()); // a fork made it private
+        };
+        self.remap_private(fd)?;
+        registry.swap_remove(at);
+        Ok(())
+    }
+
+    /// The remapping of [`Mapping::make_private`].
+    fn remap_private(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
         if self.len == 0 {
             return Ok(());
         }
@@ -281,6 +300,7 @@ impl Mapping {
     /// about to be sealed and shared), or to time what a drop would hand
     /// to the background thread.
     pub fn unmap_now(&mut self) {
+        self.leave_fork_registry();
         unmap(Unmap { addr: self.ptr.as_ptr() as usize, len: self.len });
         self.ptr = NonNull::dangling();
         self.len = 0;
@@ -298,7 +318,7 @@ impl Mapping {
     ) -> io::Result<Mapping> {
         if len == 0 {
             // A zero-length mmap is EINVAL; an empty buffer needs no pages.
-            return Ok(Mapping { ptr: NonNull::dangling(), len: 0, advice: None });
+            return Ok(Mapping { ptr: NonNull::dangling(), len: 0, advice: None, fork_entry: None });
         }
         if placement == Placement::HugeAligned && len >= HUGE_PAGE_ALIGN {
             for _ in 0..ALIGNED_PLACEMENT_TRIES {
@@ -349,7 +369,7 @@ impl Mapping {
             return Err(io::Error::last_os_error());
         }
         let ptr = NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
-        Ok(Mapping { ptr, len, advice: None })
+        Ok(Mapping { ptr, len, advice: None, fork_entry: None })
     }
 
     pub fn as_slice(&self) -> &[u8] {
@@ -372,6 +392,8 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        // Before the range is unmapped: a fork must not remap it after.
+        self.leave_fork_registry();
         if self.len >= BACKGROUND_UNMAP_MIN {
             if let Some(unmapper) = unmapper() {
                 // Nothing can reach the region any more (this value owned it
@@ -381,6 +403,154 @@ impl Drop for Mapping {
             }
         }
         unmap(Unmap { addr: self.ptr.as_ptr() as usize, len: self.len });
+    }
+}
+
+/// Shared mappings of memfds that a `fork` turns private before the child
+/// is made ([`Mapping::private_on_fork`]), each with its own copy of the
+/// memfd's descriptor: after the fork neither process's writes reach the
+/// memfd or the other process, as with any other memory of a process. Held
+/// from the `pthread_atfork` prepare handler until the fork is over in
+/// both processes, so no mapping joins, leaves or is remapped meanwhile.
+static PRIVATE_ON_FORK: std::sync::Mutex<Vec<ForkEntry>> = std::sync::Mutex::new(Vec::new());
+
+/// One mapping of [`PRIVATE_ON_FORK`]: what [`Mapping::make_private`] needs.
+struct ForkEntry {
+    id: u64,
+    addr: usize,
+    len: usize,
+    advice: Option<HugePageAdvice>,
+    memfd: OwnedFd,
+}
+
+fn fork_registry() -> std::sync::MutexGuard<'static, Vec<ForkEntry>> {
+    PRIVATE_ON_FORK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+std::thread_local! {
+    /// The registry's lock, held by the forking thread from the prepare
+    /// handler to the parent's and the child's handler (the same thread in
+    /// both processes).
+    static HELD_ACROSS_FORK: std::cell::RefCell<Option<std::sync::MutexGuard<'static, Vec<ForkEntry>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The `pthread_atfork` prepare handler: makes every registered mapping
+/// private, and keeps the registry locked until the fork is over.
+extern "C" fn make_shared_mappings_private_before_fork() {
+    let mut registry = fork_registry();
+    registry.retain(|entry| {
+        // A view of the registered range, never dropped: the mapping's
+        // owner unregisters it (under this lock) before unmapping it.
+        let mapping = std::mem::ManuallyDrop::new(Mapping {
+            ptr: NonNull::new(entry.addr as *mut u8).unwrap_or(NonNull::dangling()),
+            len: entry.len,
+            advice: entry.advice,
+            fork_entry: None,
+        });
+        match mapping.remap_private(entry.memfd.as_fd()) {
+            Ok(()) => false,
+            Err(err) => {
+                // The fork cannot be refused from here: say what the child shares.
+                eprintln!(
+                    "dmaload: a buffer of {} bytes could not be made private before fork ({err}): the \
+                     child shares its memory with this process",
+                    entry.len
+                );
+                true
+            }
+        }
+    });
+    HELD_ACROSS_FORK.with(|held| *held.borrow_mut() = Some(registry));
+}
+
+/// The `pthread_atfork` parent and child handler: the fork is over.
+extern "C" fn fork_done() {
+    // `try_with`: nothing to release where the thread-local is gone.
+    let _ = HELD_ACROSS_FORK.try_with(|held| held.borrow_mut().take());
+}
+
+impl Mapping {
+    /// Registers this mapping, a `MAP_SHARED` mapping of `fd` from offset 0
+    /// (as [`Mapping::memfd`] and [`Mapping::hugetlb`] make), to be made
+    /// private by [`Mapping::make_private`] before every `fork` of the
+    /// process, so the child gets its own copy of the bytes: a forked child
+    /// no longer writes this process's memory, nor this process the
+    /// child's. Until a fork (or `make_private`) the memfd still shows
+    /// writes through the mapping. Where the private mapping cannot be made
+    /// at fork time (a hugetlb pool without free pages for it, a kernel
+    /// before 5.16 for hugetlb memory), the fork goes on with it shared and
+    /// says so on stderr.
+    pub fn private_on_fork(&mut self, fd: BorrowedFd<'_>) -> io::Result<()> {
+        static HANDLERS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        if self.len == 0 || self.fork_entry.is_some() {
+            return Ok(());
+        }
+        let installed = *HANDLERS.get_or_init(|| {
+            // SAFETY: the handlers are plain `extern "C"` functions that do
+            // not unwind; prepare runs before fork in the forking thread,
+            // the other two after it in that same thread.
+            unsafe {
+                libc::pthread_atfork(
+                    Some(make_shared_mappings_private_before_fork),
+                    Some(fork_done),
+                    Some(fork_done),
+                ) == 0
+            }
+        });
+        if !installed {
+            return Err(io::Error::other("pthread_atfork could not register the fork handlers"));
+        }
+        let memfd = fd.try_clone_to_owned()?;
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        fork_registry().push(ForkEntry {
+            id,
+            addr: self.address(),
+            len: self.len,
+            advice: self.advice,
+            memfd,
+        });
+        self.fork_entry = Some(id);
+        Ok(())
+    }
+
+    /// Takes this mapping out of the fork registry.
+    fn leave_fork_registry(&mut self) {
+        if let Some(id) = self.fork_entry.take() {
+            fork_registry().retain(|entry| entry.id != id);
+        }
+    }
+
+    /// Whether some page of this mapping is a private copy this process
+    /// wrote (copy-on-write), so the file it maps no longer holds the bytes
+    /// it shows: a present page that is not the file's, or one swapped out
+    /// (a file's own pages are never swap entries of a mapping), read from
+    /// `/proc/self/pagemap` (bits 61 to 63, Linux 3.5). A shared mapping
+    /// has none.
+    pub fn has_private_copies(&self) -> io::Result<bool> {
+        const PRESENT: u64 = 1 << 63;
+        const SWAPPED: u64 = 1 << 62;
+        const FILE_OR_SHARED: u64 = 1 << 61;
+        use std::os::unix::fs::FileExt;
+        let page = page_size();
+        let pagemap = std::fs::File::open("/proc/self/pagemap")?;
+        let (first, pages) = (self.address() / page, self.len / page);
+        let mut entries = vec![0u8; 8 * pages.min(1 << 14)];
+        let mut done = 0;
+        while done < pages {
+            let n = (pages - done).min(entries.len() / 8);
+            pagemap.read_exact_at(&mut entries[..8 * n], ((first + done) * 8) as u64)?;
+            let private = entries[..8 * n].chunks_exact(8).any(|raw| {
+                let entry = u64::from_ne_bytes(raw.try_into().unwrap_or_default());
+                entry & SWAPPED != 0 || (entry & PRESENT != 0 && entry & FILE_OR_SHARED == 0)
+            });
+            if private {
+                return Ok(true);
+            }
+            done += n;
+        }
+        Ok(false)
     }
 }
 
