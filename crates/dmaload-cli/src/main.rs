@@ -18,6 +18,7 @@ mod plot;
 mod sample;
 mod save_cmd;
 mod serve;
+mod sums;
 mod units;
 
 use std::path::PathBuf;
@@ -81,6 +82,14 @@ enum Command {
     /// Benchmarks, with baselines run side by side in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Write SHA256SUMS for `load --verify`: for a directory, of every
+    /// regular file in it (by name, in byte order); for files, in each
+    /// one's directory, in the order given. The same bytes `sha256sum`
+    /// prints for those names there.
+    Sums {
+        #[arg(required = true, value_name = "DIR_OR_FILES")]
+        paths: Vec<PathBuf>,
+    },
 }
 
 #[derive(Args)]
@@ -160,6 +169,12 @@ pub struct LoadArgs {
     /// machine's CPUs, 1 to 4).
     #[arg(long, default_value_t = dmaload::load::default_populate_threads())]
     populate_threads: usize,
+    /// Check the file against the SHA-256 that the SHA256SUMS file beside
+    /// it records (`dmaload sums` writes one), hashing as the bytes arrive:
+    /// a mismatch, a missing sums file or a file it does not list fails the
+    /// load. Whole files only; not through the cache service.
+    #[arg(long)]
+    verify: bool,
 }
 
 impl LoadArgs {
@@ -173,6 +188,7 @@ impl LoadArgs {
             queue_depth: self.queue_depth,
             threads: self.threads,
             populate_threads: self.populate_threads,
+            verify: self.verify,
             ..LoadOptions::default()
         }
     }
@@ -220,7 +236,7 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     // The buffer is dropped once the report is out: no fd to share, so
     // `auto` may choose anonymous memory.
     options.needs_fd = false;
-    let whole_host_file = cmd.offset == 0 && cmd.length.is_none() && options.to.is_host();
+    let cacheable = cmd.offset == 0 && cmd.length.is_none() && options.to.is_host() && !options.verify;
     // The report this command prints shows the page cache: measured unless
     // --no-page-cache (the library measures only when asked); a load the
     // cache service cannot take is measured the same way.
@@ -228,18 +244,20 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
     let mut socket = cache_socket(cmd);
-    if socket.is_some() && !whole_host_file {
-        const WHY: &str = "the cache service serves whole files to host memory";
+    if socket.is_some() && !cacheable {
+        const WHY: &str = "the cache service serves whole files to host memory, unverified";
         if cmd.cache.is_some() {
             return Err(dmaload::Error::new(
                 dmaload::ErrorKind::InvalidInput,
                 "load",
                 &cmd.file,
-                format!("{WHY}: drop --cache for a range or a device"),
+                format!("{WHY}: drop --cache for a range, a device or --verify"),
             ));
         }
         // Only the environment asked: it means "where the cache can serve".
-        eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a range or a device; loading directly");
+        eprintln!(
+            "dmaload: DMALOAD_CACHE left aside: {WHY}, not a range, a device or --verify; loading directly"
+        );
         socket = None;
     }
     let result = if let Some(socket) = socket {
@@ -303,6 +321,7 @@ fn main() -> ExitCode {
         Command::Capture(cmd) => capture::run(cmd),
         Command::Evict { files } => files.iter().try_for_each(|file| benchkit::evict(file)),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Sums { paths } => sums::run(paths),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -27,6 +27,9 @@ pub enum ErrorKind {
     /// The caller cancelled the operation (a [`crate::CancelToken`]); nothing
     /// it produced was handed out.
     Cancelled,
+    /// The bytes do not match the SHA-256 digest their `SHA256SUMS` file
+    /// records (a load with `verify`); nothing was handed out.
+    Corrupt,
 }
 
 /// A failed operation on a file.
@@ -131,6 +134,7 @@ fn default_errno(kind: ErrorKind) -> i32 {
         ErrorKind::DirectIoUnavailable | ErrorKind::InvalidInput => libc::EINVAL,
         ErrorKind::Cancelled => libc::ECANCELED,
         ErrorKind::Changed => libc::ESTALE,
+        ErrorKind::Corrupt => libc::EBADMSG,
     }
 }
 

@@ -15,7 +15,7 @@
 
 use std::path::Path;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::heap::MemoryKind;
 use crate::load::{cached_source_options, load_open_to_sink, open_range, with_kept_ring, LoadReport};
 use crate::memory::{MemoryChoice, MemoryFacts};
@@ -51,6 +51,15 @@ pub fn load_open_into(
 ) -> Result<LoadReport> {
     let path = file.path();
     validate(path, options)?;
+    if options.verify {
+        // Its edges are read apart from its body: not one stream in file order.
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "verify",
+            path,
+            "a load into the caller's memory is not verified: load the whole file with verify instead",
+        ));
+    }
     let len = dst.len() as u64;
     let page = sys::mem::page_size();
     let address = dst.as_ptr() as usize;

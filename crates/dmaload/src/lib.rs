@@ -34,6 +34,7 @@ pub mod source;
 #[allow(unsafe_code)]
 mod sys;
 pub mod system;
+pub mod verify;
 pub mod vm;
 
 pub use buffer::{Buffer, Segment};

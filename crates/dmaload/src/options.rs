@@ -300,6 +300,12 @@ pub struct LoadOptions {
     pub progress: Option<Arc<ProgressFn>>,
     /// Cancels the load from another thread (see [`CancelToken`]).
     pub cancel: CancelToken,
+    /// Check the file against the SHA-256 digest that the `SHA256SUMS`
+    /// file beside it records ([`crate::verify`]), hashing the bytes as
+    /// they arrive: a mismatch ([`crate::ErrorKind::Corrupt`]), a missing
+    /// sums file or a file it does not list is an error, and no buffer is
+    /// handed out. Whole files only (a range or `load_into` is an error).
+    pub verify: bool,
 }
 
 impl Default for LoadOptions {
@@ -317,6 +323,7 @@ impl Default for LoadOptions {
             measure_page_cache: false,
             progress: None,
             cancel: CancelToken::default(),
+            verify: false,
         }
     }
 }
@@ -336,6 +343,7 @@ impl fmt::Debug for LoadOptions {
             .field("measure_page_cache", &self.measure_page_cache)
             .field("progress", &self.progress.is_some())
             .field("cancelled", &self.cancel.is_cancelled())
+            .field("verify", &self.verify)
             .finish()
     }
 }
