@@ -114,7 +114,8 @@ impl Error {
     /// The errno that best describes this error, for bindings that need one
     /// (Python's OSError): the OS error when there is one, else one chosen
     /// per kind (ENODATA for a truncated file, ESTALE for one written during
-    /// the load, ECANCELED, ENOMEM, EINVAL).
+    /// the load, EBADMSG for bytes that fail verification, ECANCELED, ENOMEM,
+    /// EINVAL).
     pub fn errno(&self) -> i32 {
         self.source.raw_os_error().unwrap_or(default_errno(self.kind))
     }
