@@ -172,7 +172,7 @@ pub struct LoadArgs {
     /// Check the file against the SHA-256 that the SHA256SUMS file beside
     /// it records (`dmaload sums` writes one), hashing as the bytes arrive:
     /// a mismatch, a missing sums file or a file it does not list fails the
-    /// load. Whole files only; not through the cache service.
+    /// load. Whole files only (with --cache, loaded directly, saying so).
     #[arg(long)]
     verify: bool,
 }
@@ -236,7 +236,7 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     // The buffer is dropped once the report is out: no fd to share, so
     // `auto` may choose anonymous memory.
     options.needs_fd = false;
-    let cacheable = cmd.offset == 0 && cmd.length.is_none() && options.to.is_host() && !options.verify;
+    let whole_host_file = cmd.offset == 0 && cmd.length.is_none() && options.to.is_host();
     // The report this command prints shows the page cache: measured unless
     // --no-page-cache (the library measures only when asked); a load the
     // cache service cannot take is measured the same way.
@@ -244,20 +244,18 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
     let mut socket = cache_socket(cmd);
-    if socket.is_some() && !cacheable {
-        const WHY: &str = "the cache service serves whole files to host memory, unverified";
+    if socket.is_some() && !whole_host_file {
+        const WHY: &str = "the cache service serves whole files to host memory";
         if cmd.cache.is_some() {
             return Err(dmaload::Error::new(
                 dmaload::ErrorKind::InvalidInput,
                 "load",
                 &cmd.file,
-                format!("{WHY}: drop --cache for a range, a device or --verify"),
+                format!("{WHY}: drop --cache for a range or a device"),
             ));
         }
         // Only the environment asked: it means "where the cache can serve".
-        eprintln!(
-            "dmaload: DMALOAD_CACHE left aside: {WHY}, not a range, a device or --verify; loading directly"
-        );
+        eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a range or a device; loading directly");
         socket = None;
     }
     let result = if let Some(socket) = socket {

@@ -304,7 +304,8 @@ pub struct LoadOptions {
     /// file beside it records ([`crate::verify`]), hashing the bytes as
     /// they arrive: a mismatch ([`crate::ErrorKind::Corrupt`]), a missing
     /// sums file or a file it does not list is an error, and no buffer is
-    /// handed out. Whole files only (a range or `load_into` is an error).
+    /// handed out. Whole files only (a range or `load_into` is an error);
+    /// a cached load ([`crate::share::load_cached`]) loads directly.
     pub verify: bool,
 }
 
