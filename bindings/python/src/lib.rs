@@ -703,6 +703,7 @@ pub(crate) struct Opts {
     threads: Option<usize>,
     populate_threads: Option<usize>,
     measure_page_cache: Option<bool>,
+    verify: Option<bool>,
     staging_slots: Option<usize>,
     staging_slot_size: Option<usize>,
 }
@@ -742,6 +743,7 @@ impl Opts {
                 "threads" => o.threads = Some(number()?),
                 "populate_threads" => o.populate_threads = Some(number()?),
                 "measure_page_cache" => o.measure_page_cache = Some(value.extract().map_err(typed)?),
+                "verify" => o.verify = Some(value.extract().map_err(typed)?),
                 "staging_slots" => o.staging_slots = Some(number()?),
                 "staging_slot_size" => o.staging_slot_size = Some(number()?),
                 _ => return Err(PyTypeError::new_err(format!("unknown {what} option {name:?}"))),
@@ -771,6 +773,7 @@ impl Opts {
         o.threads = self.threads.unwrap_or(o.threads);
         o.populate_threads = self.populate_threads.unwrap_or(o.populate_threads);
         o.measure_page_cache = self.measure_page_cache.unwrap_or(o.measure_page_cache);
+        o.verify = self.verify.unwrap_or(o.verify);
         Ok(o)
     }
 
@@ -784,6 +787,7 @@ impl Opts {
             ("gather_size", self.gather_size.is_some()),
             ("populate_threads", self.populate_threads.is_some()),
             ("measure_page_cache", self.measure_page_cache.is_some()),
+            ("verify", self.verify.is_some()),
             ("staging_slots", self.staging_slots.is_some()),
             ("staging_slot_size", self.staging_slot_size.is_some()),
         ];
@@ -1110,6 +1114,7 @@ fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
             threads,
             populate_threads,
             measure_page_cache,
+            verify,
             needs_fd: _,
             progress: _,
             cancel: _,
@@ -1124,6 +1129,7 @@ fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
             ("threads", DefaultValue::Number(threads)),
             ("populate_threads", DefaultValue::Number(populate_threads)),
             ("measure_page_cache", DefaultValue::Flag(measure_page_cache)),
+            ("verify", DefaultValue::Flag(verify)),
             ("staging_slots", DefaultValue::Number(dmaload::sink::DEFAULT_SLOTS)),
             ("staging_slot_size", DefaultValue::Number(dmaload::sink::DEFAULT_SLOT_SIZE)),
         ]))

@@ -70,6 +70,13 @@ typedef struct dmaload_load_options {
   // Non-zero: after the load, measure how much of the range is in the
   // page cache (in the report's JSON, `page_cache`).
   uint32_t measure_page_cache;
+  // Non-zero: check the file against the SHA-256 that the `SHA256SUMS`
+  // file beside it records (what `sha256sum` writes), hashing the bytes
+  // as they arrive. A mismatch fails with errno `EBADMSG` (the message
+  // names the file and both digests); a missing sums file or a file it
+  // does not list with `EINVAL`. No buffer is returned either way.
+  // Whole files only (`dmaload_load`).
+  uint32_t verify;
 } dmaload_load_options;
 
 // What a load did. Strings are NUL-terminated and owned by the report.

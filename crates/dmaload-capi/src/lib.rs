@@ -73,6 +73,13 @@ pub struct dmaload_load_options {
     /// Non-zero: after the load, measure how much of the range is in the
     /// page cache (in the report's JSON, `page_cache`).
     pub measure_page_cache: u32,
+    /// Non-zero: check the file against the SHA-256 that the `SHA256SUMS`
+    /// file beside it records (what `sha256sum` writes), hashing the bytes
+    /// as they arrive. A mismatch fails with errno `EBADMSG` (the message
+    /// names the file and both digests); a missing sums file or a file it
+    /// does not list with `EINVAL`. No buffer is returned either way.
+    /// Whole files only (`dmaload_load`).
+    pub verify: u32,
 }
 
 /// Options of a save. Start from `dmaload_save_options_default()`.
@@ -358,6 +365,7 @@ fn load_options(
         threads: o.threads as usize,
         populate_threads: o.populate_threads as usize,
         measure_page_cache: o.measure_page_cache != 0,
+        verify: o.verify != 0,
         // Not in C (LOAD_OPTION_FRONTS says why); no `..` here, so a new
         // core option is a compile error until C decides about it.
         needs_fd: true,
@@ -404,6 +412,7 @@ pub extern "C" fn dmaload_load_options_default() -> dmaload_load_options {
         threads: u32::try_from(d.threads).unwrap_or(u32::MAX),
         populate_threads: u32::try_from(d.populate_threads).unwrap_or(u32::MAX),
         measure_page_cache: u32::from(d.measure_page_cache),
+        verify: u32::from(d.verify),
     }
 }
 

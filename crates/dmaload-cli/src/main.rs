@@ -16,6 +16,7 @@ mod plot;
 mod sample;
 mod save_cmd;
 mod serve;
+mod sums;
 mod units;
 
 use std::path::PathBuf;
@@ -79,6 +80,14 @@ enum Command {
     /// Benchmarks, with baselines run side by side in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Write SHA256SUMS for `load --verify`: for a directory, of every
+    /// regular file in it (by name, in byte order); for files, in each
+    /// one's directory, in the order given. The same bytes `sha256sum`
+    /// prints for those names there.
+    Sums {
+        #[arg(required = true, value_name = "DIR_OR_FILES")]
+        paths: Vec<PathBuf>,
+    },
 }
 
 #[derive(Args)]
@@ -158,6 +167,12 @@ pub struct LoadArgs {
     /// machine's CPUs, 1 to 4).
     #[arg(long, default_value_t = dmaload::load::default_populate_threads())]
     populate_threads: usize,
+    /// Check the file against the SHA-256 that the SHA256SUMS file beside
+    /// it records (`dmaload sums` writes one), hashing as the bytes arrive:
+    /// a mismatch, a missing sums file or a file it does not list fails the
+    /// load. Whole files only (with --cache, loaded directly, saying so).
+    #[arg(long)]
+    verify: bool,
 }
 
 impl LoadArgs {
@@ -171,6 +186,7 @@ impl LoadArgs {
             queue_depth: self.queue_depth,
             threads: self.threads,
             populate_threads: self.populate_threads,
+            verify: self.verify,
             // Each command sets these for itself (`load` hands out no fd and
             // measures the page cache unless --no-page-cache; a terminal
             // gets a progress bar); no `..` here, so a new core option is a
@@ -297,6 +313,7 @@ fn main() -> ExitCode {
         Command::Capture(cmd) => capture::run(cmd),
         Command::Evict { files } => files.iter().try_for_each(|file| benchkit::evict(file)),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Sums { paths } => sums::run(paths),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

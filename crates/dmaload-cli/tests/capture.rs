@@ -290,7 +290,8 @@ fn a_killed_consumer_stops_the_producer_and_leaves_the_old_file() {
     std::fs::write(&to, b"the previous capture").unwrap();
     let mut consumer = start_long_capture(&to);
     let producer = producer_of(&consumer);
-    std::thread::sleep(Duration::from_millis(700));
+    // Killed mid-stream: once a block is on disk.
+    wait_for_bytes_written(consumer.id(), dir.path());
     consumer.kill().unwrap();
     consumer.wait().unwrap();
     // The producer is not our child: wait for its /proc entry to go.
@@ -324,6 +325,74 @@ fn a_killed_producer_leaves_every_block_it_delivered() {
     assert!(verdict["blocks"].as_u64().unwrap() > 0);
     assert_eq!(verdict["missing"], 0);
     assert_eq!(verdict["ok"], true, "every block delivered before the kill is whole and in order");
+}
+
+/// Waits until process `pid` sleeps reading an empty FIFO (`path`): every
+/// byte written to it has been read and enqueued. Its state, wait channel
+/// (`pipe_read`, or `anon_pipe_read` on newer kernels) and current syscall are the
+/// marker, not a pause.
+fn wait_blocked_reading(pid: u32, path: &Path, writer: &std::fs::File) {
+    use std::os::fd::AsRawFd;
+    let started = Instant::now();
+    loop {
+        let mut unread: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one c_int to the pointer given.
+        assert_eq!(unsafe { libc::ioctl(writer.as_raw_fd(), libc::FIONREAD, &mut unread) }, 0);
+        let fd =
+            std::fs::read_dir(format!("/proc/{pid}/fd")).into_iter().flatten().flatten().find_map(|fd| {
+                (std::fs::read_link(fd.path()).ok()? == path)
+                    .then(|| fd.file_name().to_string_lossy().into_owned())
+            });
+        let syscall = std::fs::read_to_string(format!("/proc/{pid}/syscall")).unwrap_or_default();
+        let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let reading = fd.is_some_and(|fd| {
+            let mut words = syscall.split_whitespace();
+            // read(2) is syscall 0 on x86_64, 63 on aarch64.
+            let read_nr = if cfg!(target_arch = "aarch64") { "63" } else { "0" };
+            words.next() == Some(read_nr)
+                && words.next() == Some(&format!("0x{:x}", fd.parse::<u32>().unwrap()))
+        });
+        if unread == 0 && reading && wchan.trim().ends_with("pipe_read") && stat.contains(") S ") {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "the producer never waited on the FIFO");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The producer killed after delivering 11 blocks, fewer than a run (8 of
+/// a 32-block ring) past the last whole run: all 11 are in the file, and
+/// the message counts 11.
+#[test]
+fn a_killed_producer_leaves_the_blocks_short_of_a_run_too() {
+    let dir = open_scratch("dmaload-capture-");
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let to = dir.path().join("cap");
+    let mut consumer = dmaload()
+        .args(["capture", "--block-size", "64K", "--blocks", "32", "--source"])
+        .arg(&fifo)
+        .arg("--to")
+        .arg(&to)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let producer = producer_of(&consumer);
+    // Blocks until the producer opens the FIFO; kept open, so it sees no end.
+    let mut writer = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    let data: Vec<u8> = (0..11 * 65536u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    writer.write_all(&data).unwrap();
+    wait_blocked_reading(producer, &fifo, &writer);
+    kill(producer);
+    let status = wait_bounded(&mut consumer);
+    let out = consumer.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!status.success());
+    assert!(stderr.contains("the capture stopped after 11 blocks"), "{stderr}");
+    assert!(stderr.contains("without finishing the stream, after 11 blocks"), "{stderr}");
+    assert!(std::fs::read(&to).unwrap() == data, "the file holds every delivered block: {stderr}");
 }
 
 #[test]

@@ -625,6 +625,7 @@ fn a_skip_panics_where_skips_are_refused() {
     let allowed = probe("0");
     assert!(allowed.status.success(), "{}", String::from_utf8_lossy(&allowed.stderr));
     assert!(String::from_utf8_lossy(&allowed.stderr).contains("SKIP skip_probe: probing"));
+}
 
 /// `dmaload load FILE --to cuda:0 --hash` copies the device buffer back
 /// and hashes it: equal to the hash of a host load of the same file. Runs
@@ -663,4 +664,47 @@ fn a_missing_dmaload_libcuda_is_named_in_the_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("DMALOAD_LIBCUDA={}", missing.display())), "{stderr}");
     assert!(stderr.contains("dlopen failed"), "{stderr}");
+}
+
+/// `dmaload sums` writes what `sha256sum` prints for the same names, for a
+/// directory and for files; `load --verify` passes on a good file and
+/// fails on a flipped byte naming both digests, or without a sums file.
+#[test]
+fn sums_match_coreutils_and_load_verify_checks_them() {
+    let dir = scratch();
+    let names = ["a.safetensors", "b c", "back\\slash", "d"];
+    for (i, name) in names.iter().enumerate() {
+        common::sample(dir.path(), std::ffi::OsStr::new(name), 100_000 * (i + 1) + 7);
+    }
+    let out = common::output_or_hang(dmaload().arg("sums").arg(dir.path()));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut sorted = names.to_vec();
+    sorted.sort();
+    let coreutils = Command::new("sha256sum").args(&sorted).current_dir(dir.path()).output().unwrap();
+    assert_eq!(std::fs::read(dir.path().join("SHA256SUMS")).unwrap(), coreutils.stdout);
+    // Files: listed in the order given, in their directory's sums file.
+    let out =
+        common::output_or_hang(dmaload().arg("sums").arg(dir.path().join("d")).arg(dir.path().join("b c")));
+    assert!(out.status.success());
+    let coreutils = Command::new("sha256sum").args(["d", "b c"]).current_dir(dir.path()).output().unwrap();
+    assert_eq!(std::fs::read(dir.path().join("SHA256SUMS")).unwrap(), coreutils.stdout);
+
+    let file = dir.path().join("d");
+    let ok = common::output_or_hang(dmaload().args(["load", "--verify", "--json"]).arg(&file));
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[250_000] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    let bad = common::output_or_hang(dmaload().args(["load", "--verify"]).arg(&file));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success());
+    let expected = String::from_utf8_lossy(&coreutils.stdout[..64]).into_owned();
+    assert!(stderr.contains("SHA-256 mismatch") && stderr.contains(&expected), "{stderr}");
+    let unlisted =
+        common::output_or_hang(dmaload().args(["load", "--verify"]).arg(dir.path().join("a.safetensors")));
+    assert!(String::from_utf8_lossy(&unlisted.stderr).contains("is not listed"));
+    std::fs::remove_file(dir.path().join("SHA256SUMS")).unwrap();
+    let missing = common::output_or_hang(dmaload().args(["load", "--verify"]).arg(&file));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no "), "{:?}", missing);
+    assert!(!missing.status.success());
 }

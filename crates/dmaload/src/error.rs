@@ -27,6 +27,9 @@ pub enum ErrorKind {
     /// The caller cancelled the operation (a [`crate::CancelToken`]); nothing
     /// it produced was handed out.
     Cancelled,
+    /// The bytes do not match the SHA-256 digest their `SHA256SUMS` file
+    /// records (a load with `verify`); nothing was handed out.
+    Corrupt,
 }
 
 /// A failed operation on a file.
@@ -136,7 +139,8 @@ impl Error {
     /// The errno that best describes this error, for bindings that need one
     /// (Python's OSError): the OS error when there is one, else one chosen
     /// per kind (ENODATA for a truncated file, ESTALE for one written during
-    /// the load, ECANCELED, ENOMEM, EINVAL).
+    /// the load, EBADMSG for bytes that fail verification, ECANCELED, ENOMEM,
+    /// EINVAL).
     pub fn errno(&self) -> i32 {
         self.raw_os_error().unwrap_or(default_errno(self.kind))
     }
@@ -156,6 +160,7 @@ fn default_errno(kind: ErrorKind) -> i32 {
         ErrorKind::DirectIoUnavailable | ErrorKind::InvalidInput => libc::EINVAL,
         ErrorKind::Cancelled => libc::ECANCELED,
         ErrorKind::Changed => libc::ESTALE,
+        ErrorKind::Corrupt => libc::EBADMSG,
     }
 }
 

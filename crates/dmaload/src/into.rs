@@ -15,7 +15,7 @@
 
 use std::path::Path;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::load::LoadReport;
 use crate::memory::MemoryKind;
 use crate::memory::{MemoryChoice, MemoryFacts};
@@ -69,6 +69,15 @@ pub fn load_open_into<'d>(
     let mut dst = dst.into();
     let path = file.path();
     validate(path, options)?;
+    if options.verify {
+        // Its edges are read apart from its body: not one stream in file order.
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "verify",
+            path,
+            "a load into the caller's memory is not verified: load the whole file with verify instead",
+        ));
+    }
     let len = dst.len() as u64;
     let page = sys::mem::page_size();
     let address = dst.as_ptr() as usize;

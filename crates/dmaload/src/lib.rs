@@ -37,6 +37,7 @@ pub mod source;
 mod sys;
 pub mod system;
 mod types;
+pub mod verify;
 pub mod vm;
 
 pub use buffer::{Buffer, Segment};

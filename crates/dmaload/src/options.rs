@@ -250,6 +250,13 @@ pub struct LoadOptions {
     pub progress: Option<Arc<ProgressFn>>,
     /// Cancels the load from another thread (see [`CancelToken`]).
     pub cancel: CancelToken,
+    /// Check the file against the SHA-256 digest that the `SHA256SUMS`
+    /// file beside it records ([`crate::verify`]), hashing the bytes as
+    /// they arrive: a mismatch ([`crate::ErrorKind::Corrupt`]), a missing
+    /// sums file or a file it does not list is an error, and no buffer is
+    /// handed out. Whole files only (a range or `load_into` is an error);
+    /// a cached load ([`crate::share::load_cached`]) loads directly.
+    pub verify: bool,
 }
 
 /// How one front end offers a load option.
@@ -314,6 +321,7 @@ pub const LOAD_OPTION_FRONTS: &[OptionFronts] = {
             c: Absent("a C load runs to its end or its error"),
             python: Absent("KeyboardInterrupt cancels the load"),
         },
+        same("verify", "--verify"),
     ]
 };
 
@@ -332,6 +340,7 @@ impl Default for LoadOptions {
             measure_page_cache: false,
             progress: None,
             cancel: CancelToken::default(),
+            verify: false,
         }
     }
 }
@@ -351,6 +360,7 @@ impl fmt::Debug for LoadOptions {
             .field("measure_page_cache", &self.measure_page_cache)
             .field("progress", &self.progress.is_some())
             .field("cancelled", &self.cancel.is_cancelled())
+            .field("verify", &self.verify)
             .finish()
     }
 }

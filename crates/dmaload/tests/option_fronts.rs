@@ -49,6 +49,7 @@ fn the_table_has_one_row_per_field_in_order() {
         measure_page_cache,
         progress,
         cancel,
+        verify,
     );
     let rows: Vec<&str> = LOAD_OPTION_FRONTS.iter().map(|row| row.field).collect();
     assert_eq!(rows, fields, "LOAD_OPTION_FRONTS must list every LoadOptions field once, in order");

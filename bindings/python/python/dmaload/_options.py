@@ -55,6 +55,13 @@ class LoadOptions(TypedDict, total=False):
         the page cache (``mincore`` over the whole range, outside the timed
         load) into ``report.page_cache`` (default ``False``: not measured,
         ``report.page_cache`` is ``None``).
+    verify: check each file against the SHA-256 that the ``SHA256SUMS``
+        file beside it records (what ``sha256sum`` writes; ``dmaload sums``
+        writes one), hashing the bytes as they arrive (default ``False``).
+        A mismatch is an ``OSError`` (errno ``EBADMSG``) naming the file and
+        both digests; a missing sums file or a file it does not list is an
+        ``OSError`` (``EINVAL``); either way no buffer or tensor is returned.
+        Whole files only; with ``cache=`` the file is loaded directly.
     staging_slots, staging_slot_size: the pinned staging ring of a device
         load (``device="cuda:N"``; default 32 slots of 16 MiB, one read
         each); host loads ignore them.
@@ -69,6 +76,7 @@ class LoadOptions(TypedDict, total=False):
     threads: int
     populate_threads: int
     measure_page_cache: bool
+    verify: bool
     staging_slots: int
     staging_slot_size: Size
 
@@ -97,6 +105,7 @@ class DmabufLoadOptions(TypedDict, total=False):
     threads: int
     populate_threads: int
     measure_page_cache: bool
+    verify: bool
 
 
 class SaveOptions(TypedDict, total=False):

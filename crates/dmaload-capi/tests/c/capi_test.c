@@ -195,6 +195,37 @@ int main(int argc, char **argv)
 	dmaload_report_free(NULL);
 	dmaload_save_report_free(NULL);
 
+	/* Verified loads, against the sums coreutils' sha256sum writes. */
+	{
+		char command[8300], sums[4200];
+		snprintf(sums, sizeof sums, "%s/SHA256SUMS", argv[1]);
+		check(options.verify == 0, "verify is off by default");
+		dmaload_load_options verified = options;
+		verified.verify = 1;
+		check_error(dmaload_load(file, &verified, &buffer), EINVAL, "SHA256SUMS", "verify without a sums file");
+		snprintf(command, sizeof command, "cd '%s' && sha256sum pattern > SHA256SUMS", argv[1]);
+		check(system(command) == 0, "sha256sum writes the sums file");
+		check(dmaload_load(file, &verified, &buffer) == 0 && dmaload_buffer_len(buffer) == len,
+		      "a good file verifies");
+		dmaload_buffer_free(buffer);
+		buffer = NULL;
+		for (int round = 0; round < 2; round++) {
+			/* Flipped, then flipped back for the tests below. */
+			FILE *f = fopen(file, "r+b");
+			fseek(f, 2 << 20, SEEK_SET);
+			int byte = fgetc(f);
+			fseek(f, 2 << 20, SEEK_SET);
+			fputc(byte ^ 1, f);
+			fclose(f);
+			if (round == 0) {
+				check_error(dmaload_load(file, &verified, &buffer), EBADMSG, "SHA-256 mismatch",
+					    "one flipped byte fails verification");
+				check(buffer == NULL, "a failed verification returns no buffer");
+			}
+		}
+		unlink(sums);
+	}
+
 	/* A call failing while its thread exits: an error, not an abort. */
 	{
 		pthread_key_t key;

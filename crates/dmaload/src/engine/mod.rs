@@ -63,7 +63,8 @@ struct GateState {
     reached: usize,
     registration_refused: Option<String>,
     failure: Option<(Option<i32>, String)>,
-    /// Gathers whose every byte has arrived (staged loads only).
+    /// Gathers whose every byte has arrived (for a staged destination, or
+    /// a verified load's hashing).
     filled: Vec<bool>,
 }
 

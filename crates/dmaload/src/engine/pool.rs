@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout};
+use super::{Engine, EngineResult, EngineRun, GatherTally, Job};
 use crate::error::{Error, Result};
 use crate::plan::ReadOutcome;
 use crate::sys::file::pread_into;
@@ -84,7 +84,7 @@ fn worker(
                 ReadOutcome::Partial { credited, resume_at } => (credited, Some(resume_at)),
             };
             job.progress.add(credited);
-            if tally.credit(g, credited) && matches!(job.layout, Layout::Staged { .. }) {
+            if tally.credit(g, credited) {
                 job.gate.mark_filled(g);
             }
             match resume_at {

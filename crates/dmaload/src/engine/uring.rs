@@ -98,13 +98,12 @@ pub(crate) fn run(
             job.progress.add(credited);
             let g = plan.gather_of(req.start);
             if tally.credit(g, credited) {
-                match job.layout {
-                    // A failure to unpin early only means the pages stay pinned
-                    // until the ring closes.
-                    Layout::InPlace if job.gate.retire(g) => drop(ring.unregister(g as u32)),
-                    Layout::InPlace => {}
-                    Layout::Staged { .. } => job.gate.mark_filled(g),
+                // A failure to unpin early only means the pages stay pinned
+                // until the ring closes.
+                if job.layout == Layout::InPlace && job.gate.retire(g) {
+                    drop(ring.unregister(g as u32));
                 }
+                job.gate.mark_filled(g);
             }
         }
     }

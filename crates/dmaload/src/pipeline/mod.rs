@@ -26,6 +26,7 @@ use crate::source::ReadSetup;
 use crate::sys::mem::MappingWriter;
 use crate::sys::uring::{Registrar, Ring};
 use crate::types::{Engine, Fallback};
+use crate::verify::Verifier;
 
 /// Time spent on the helper thread: populating the buffer, and
 /// registering it with io_uring.
@@ -188,11 +189,30 @@ pub(crate) fn fill_mapping(
     options: &LoadOptions,
     dst: MappingWriter<'_>,
 ) -> Result<(EngineRun, PopulateTimes)> {
+    let verifier = Verifier::for_load(path, &setup.file, plan, options.verify)?;
     let populate = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
         populate_gathers(dst, registrar, plan, gate, options.populate_threads)
     };
-    let (run, times) = run_pipeline(path, setup, plan, len, options, dst, Layout::InPlace, populate);
-    Ok((run?, times.unwrap_or_default()))
+    let (run, times) =
+        run_pipeline(path, setup, plan, len, options, dst, Layout::InPlace, verifier.as_ref(), populate);
+    let run = run?;
+    if let Some(verifier) = verifier {
+        verifier.check(path)?;
+    }
+    Ok((run, times.unwrap_or_default()))
+}
+
+/// Hashes each gather of an in-place load in file order as the engine
+/// completes it (the verifier's thread beside the engine); stops quietly
+/// when the load fails or is cancelled.
+fn hash_gathers(verifier: &Verifier, dst: MappingWriter<'_>, plan: &Plan, gate: &Gate) {
+    for g in 0..plan.gather_count() {
+        if gate.wait_filled(g).is_err() {
+            return;
+        }
+        let data = plan.gather_data(g);
+        verifier.add(dst, (data.start - plan.file_start) as usize..(data.end - plan.file_start) as usize);
+    }
 }
 
 /// What feeding a sink cost, on the helper thread.
@@ -220,6 +240,7 @@ pub(crate) fn fill_staged(
     ring: &mut StagingRing,
     sink: &mut dyn Sink,
 ) -> Result<(EngineRun, DeliverTimes)> {
+    let verifier = Verifier::for_load(path, &setup.file, plan, options.verify)?;
     let (ring_slots, slot_len) = (ring.slots(), ring.slot_len());
     let layout = Layout::Staged { slots: ring_slots, slot_len };
     let dst = ring.writer();
@@ -227,9 +248,10 @@ pub(crate) fn fill_staged(
     let feed = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
         let mut sink = sink.lock().unwrap_or_else(|p| p.into_inner());
         let slots = (ring_slots, slot_len);
-        feed_sink(path, dst, registrar, plan, slots, options.populate_threads, gate, &mut **sink)
+        let hash = verifier.as_ref();
+        feed_sink(path, dst, registrar, plan, slots, options.populate_threads, gate, hash, &mut **sink)
     };
-    let (run, fed) = run_pipeline(path, setup, plan, len, options, dst, layout, feed);
+    let (run, fed) = run_pipeline(path, setup, plan, len, options, dst, layout, None, feed);
     let finished = sink.into_inner().unwrap_or_else(|p| p.into_inner()).finish();
     // The sink's own error is the cause; the engine only saw it stop.
     let mut times = match fed {
@@ -241,6 +263,9 @@ pub(crate) fn fill_staged(
     };
     let mut run = run?;
     finished.map_err(|e| Error::io("finish delivery", path, e))?;
+    if let Some(verifier) = verifier {
+        verifier.check(path)?;
+    }
     run.fallbacks.append(&mut times.fallbacks);
     Ok((run, times))
 }
@@ -250,8 +275,9 @@ pub(crate) fn fill_staged(
 /// `threads` threads of its own beside, see [`Sink::feed`]) the loop that
 /// hands it each filled gather and the slot of the one before it back to
 /// the engine (one behind, so the sink's copy of a slot overlaps with
-/// waiting for the next). Fails only with the sink's own errors; it stops
-/// quietly when the engine does.
+/// waiting for the next). A verified load hashes each slot as the sink
+/// receives it. Fails only with the sink's own errors; it stops quietly
+/// when the engine does.
 #[allow(clippy::too_many_arguments)]
 fn feed_sink(
     path: &Path,
@@ -261,6 +287,7 @@ fn feed_sink(
     (slots, slot_len): (usize, usize),
     threads: usize,
     gate: &Gate,
+    verifier: Option<&Verifier>,
     sink: &mut dyn Sink,
 ) -> Result<DeliverTimes> {
     let count = plan.gather_count();
@@ -297,6 +324,9 @@ fn feed_sink(
                 let slot = g % slots;
                 let into = (data.start - plan.file_start) as usize - plan.gather_range(g).start;
                 let range = slot * slot_len + into..slot * slot_len + into + (data.end - data.start) as usize;
+                if let Some(verifier) = verifier {
+                    verifier.add(dst, range.clone());
+                }
                 sink.deliver(slot, SlotData::new(dst, range, data.start))
                     .map_err(|e| fail(e, "deliver", g))?;
                 if g >= 1 && g - 1 + slots < count {
@@ -316,8 +346,10 @@ fn feed_sink(
 
 /// Runs one pipeline: the engine on this thread, `helper` (populating a
 /// destination, or feeding a sink) on a thread beside it (or first, when
-/// no thread can be created), and the progress reporter. Returns the
-/// engine's result and the helper's (`None` if it panicked).
+/// no thread can be created), the progress reporter, and for an in-place
+/// verified load the hashing of each gather as it completes (on a thread
+/// beside, or after the reads without one). Returns the engine's result
+/// and the helper's (`None` if it panicked).
 #[allow(clippy::too_many_arguments)]
 fn run_pipeline<'m, T: Send>(
     path: &Path,
@@ -327,6 +359,7 @@ fn run_pipeline<'m, T: Send>(
     options: &LoadOptions,
     dst: MappingWriter<'m>,
     layout: Layout,
+    verifier: Option<&Verifier>,
     helper: impl FnOnce(Option<Registrar<MappingWriter<'m>>>, &Gate) -> T + Send,
 ) -> (Result<EngineRun>, Option<T>) {
     let gate = Gate::new(options.cancel.clone(), layout.table_len(plan) as usize);
@@ -404,6 +437,11 @@ fn run_pipeline<'m, T: Send>(
         let reporter = std::thread::Builder::new()
             .name("dmaload-progress".into())
             .spawn_scoped(scope, || progress.report());
+        let hash = |verifier: &Verifier| hash_gathers(verifier, dst, plan, &gate);
+        let hasher = verifier.map(|verifier| {
+            let thread = std::thread::Builder::new().name("dmaload-verify".into());
+            (verifier, thread.spawn_scoped(scope, move || hash(verifier)))
+        });
         let result = prepared.and_then(|prepared| match prepared {
             Prepared::Uring(ring) => engine::uring::run(&job, *ring, fixed, inline),
             Prepared::Pool { threads, engine } => engine::pool::run(&job, dst, threads, engine),
@@ -411,6 +449,18 @@ fn run_pipeline<'m, T: Send>(
         if result.is_err() {
             gate.cancel();
         }
+        // Without a thread of its own, the hashing follows the reads.
+        let hashed = match hasher {
+            None => true,
+            Some((_, Ok(thread))) => thread.join().is_ok(),
+            Some((verifier, Err(_))) => {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hash(verifier))).is_ok()
+            }
+        };
+        let result = match result {
+            Ok(_) if !hashed => Err(Error::new(ErrorKind::Io, "verify", path, "the hashing thread panicked")),
+            other => other,
+        };
         progress.finish();
         // A panicking reporter only means a callback panicked: no bytes are at stake.
         let _ = reporter.map(|r| r.join());

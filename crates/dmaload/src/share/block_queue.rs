@@ -559,9 +559,13 @@ impl BlockQueue {
                         Role::Consumer => self.filled.drain()?,
                     };
                 }
-                // What the peer did before it went is still taken.
+                // What the peer did before it went is still taken: a
+                // consumer takes every block delivered, even fewer than it
+                // wanted (they are all there will be).
                 Readiness::Peer => {
-                    return if self.ready()? { Ok(()) } else { Err(self.peer_gone()) };
+                    let ready = self.ready()?;
+                    let delivered = self.role == Role::Consumer && self.peer > self.taken;
+                    return if ready || delivered { Ok(()) } else { Err(self.peer_gone()) };
                 }
                 Readiness::TimedOut => {
                     return if self.ready()? { Ok(()) } else { Err(self.timed_out(timeout)) };
@@ -708,7 +712,9 @@ impl BlockQueue {
     }
 
     /// [`Self::dequeue_filled`], waiting until `min_blocks` are filled
-    /// (fewer when the ring's end comes first, or the stream ends): a
+    /// (fewer when the ring's end comes first, the stream ends, or the
+    /// producer goes away: every block it delivered is still taken, and
+    /// only the call after the last is the error): a
     /// writer that batches its blocks keeps its writes large while the
     /// producer refills the rest of the ring.
     pub fn dequeue_run(

@@ -341,6 +341,9 @@ pub fn from_service(
     socket: &Path,
     options: &LoadOptions,
 ) -> Result<std::result::Result<ServedFile, String>> {
+    if options.verify {
+        return Ok(Err("the cache service does not verify: a verified load reads the file itself".into()));
+    }
     let path = file.path();
     let file = &file.source().file;
     let meta = file.metadata().map_err(|e| Error::io("fstat", path, e))?;

@@ -258,7 +258,7 @@ pub fn receive_buffer(conn: &Connection, socket: &Path) -> Result<(BufferInfo, O
     }
 }
 
-const KINDS: [(ErrorKind, &str); 7] = [
+const KINDS: [(ErrorKind, &str); 8] = [
     (ErrorKind::Io, "io"),
     (ErrorKind::Truncated, "truncated"),
     (ErrorKind::OutOfMemory, "out-of-memory"),
@@ -266,6 +266,7 @@ const KINDS: [(ErrorKind, &str); 7] = [
     (ErrorKind::InvalidInput, "invalid-input"),
     (ErrorKind::Changed, "changed"),
     (ErrorKind::Cancelled, "cancelled"),
+    (ErrorKind::Corrupt, "corrupt"),
 ];
 
 /// Characters of a received error's operation kept.

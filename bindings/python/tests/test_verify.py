@@ -1,0 +1,79 @@
+"""``verify=True``: every file checked against the ``SHA256SUMS`` beside it
+(written here by coreutils' ``sha256sum``), hashed as the bytes arrive; a
+flipped byte, a missing sums file or an unlisted file is an OSError and
+hands out no buffer or tensors."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dmaload
+import dmaload.safetensors as dst
+from conftest import write_random
+
+st_numpy = pytest.importorskip("safetensors.numpy")
+
+
+def _sums(directory: Path, *names: str) -> None:
+    out = subprocess.run(["sha256sum", *names], cwd=directory, check=True, capture_output=True).stdout
+    (directory / "SHA256SUMS").write_bytes(out)
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_load_verifies_and_a_flipped_byte_is_ebadmsg(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    data = write_random(path, (5 << 20) + 123)
+    _sums(tmp_path, "weights.bin")
+    with dmaload.load(path, verify=True) as buffer:
+        assert bytes(memoryview(buffer)) == data
+    expected = hashlib.sha256(data).hexdigest()
+    _flip(path, 4 << 20)
+    computed = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(OSError) as raised:
+        dmaload.load(path, verify=True)
+    assert raised.value.errno == errno.EBADMSG
+    message = str(raised.value)
+    assert "weights.bin" in message and expected in message and computed in message
+
+
+def test_a_missing_sums_file_or_an_unlisted_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    write_random(path, 100_000)
+    with pytest.raises(OSError) as raised:
+        dmaload.load(path, verify=True)
+    assert raised.value.errno == errno.EINVAL and "SHA256SUMS" in str(raised.value)
+    (tmp_path / "g").write_bytes(b"g")
+    _sums(tmp_path, "g")
+    with pytest.raises(OSError, match="is not listed"):
+        dmaload.load(path, verify=True)
+
+
+def test_a_sharded_model_with_one_corrupt_shard_gives_no_tensors(tmp_path: Path) -> None:
+    names = []
+    for i in range(3):
+        name = f"model-{i + 1:05d}-of-00003.safetensors"
+        tensors = {f"layer{i}.w": np.arange(4096, dtype=np.float32) * (i + 1)}
+        st_numpy.save_file(tensors, tmp_path / name)
+        names.append(name)
+    _sums(tmp_path, *names)
+    for framework in ("np", "pt"):
+        out = dst.load_file(tmp_path, framework=framework, verify=True)  # type: ignore[arg-type]
+        assert set(out) == {"layer0.w", "layer1.w", "layer2.w"}
+    corrupt = tmp_path / names[1]
+    _flip(corrupt, corrupt.stat().st_size - 5)  # a tensor byte: the header still parses
+    assert len(dst.load_file(tmp_path)) == 3  # unverified, it loads silently
+    for concurrency in (1, 3):
+        with pytest.raises(OSError) as raised:
+            dst.load_file(tmp_path, verify=True, concurrency=concurrency)
+        assert raised.value.errno == errno.EBADMSG and names[1] in str(raised.value)
