@@ -2,6 +2,10 @@
 //! at run time, so dmaload needs no CUDA to build and only calls that need
 //! a GPU fail, with a [`CudaError`] that says why.
 //!
+//! `DMALOAD_LIBCUDA=PATH` in the environment (read once, at the first CUDA
+//! call) loads that file instead of `libcuda.so.1`: the tests point it at
+//! the driver emulator in `tests/cuda-emu`. It is never set by default.
+//!
 //! ```no_run
 //! use dmaload::cuda::{Context, DeviceBuffer, Event, PinnedStaging, Stream};
 //!

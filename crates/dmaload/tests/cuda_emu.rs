@@ -11,7 +11,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Output};
 
 use common::{scratch_dir, skip, write_pattern_file};
-use dmaload::cuda::{Context, DeviceBuffer, Event, PinnedStaging, Stream};
+use dmaload::cuda::{Context, DeviceBuffer, DeviceRange, Event, PinnedStaging, Stream};
 use dmaload::sink::CudaSink;
 use dmaload::{Engine, LoadOptions, StagingRing};
 
@@ -56,6 +56,7 @@ fn child_cases() {
         "rewrite_before_event" => rewrite_slot(false),
         "rewrite_after_event" => rewrite_slot(true),
         "load" => load_through_two_slots(),
+        "two_devices" => two_devices(),
         other => panic!("no child case {other}"),
     }
 }
@@ -81,6 +82,51 @@ fn rewrite_slot(wait_first: bool) {
     let mut back = vec![0u8; 1 << 16];
     device.copy_to_host(0, &mut back).unwrap();
     assert!(back.iter().all(|&b| b == 1), "the device holds the bytes of the copy");
+    println!("CHILD OK");
+}
+
+/// The thread's current context, asked of the emulator directly (the same
+/// library dmaload opened: dlopen of the same path shares it).
+fn current_context() -> *mut libc::c_void {
+    let path = std::ffi::CString::new(std::env::var("DMALOAD_LIBCUDA").unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path of a library already loaded by dmaload;
+    // the handle is never closed.
+    let lib = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    assert!(!lib.is_null());
+    // SAFETY: `lib` is a live handle; the name is NUL-terminated.
+    let symbol = unsafe { libc::dlsym(lib, c"cuCtxGetCurrent".as_ptr()) };
+    assert!(!symbol.is_null());
+    // SAFETY: cuCtxGetCurrent's cuda.h prototype is CUresult (CUcontext *).
+    let get: extern "C" fn(*mut *mut libc::c_void) -> libc::c_int = unsafe { std::mem::transmute(symbol) };
+    let mut current = std::ptr::null_mut();
+    assert_eq!(get(&mut current), 0);
+    current
+}
+
+/// With two devices: work on cuda:0 leaves the thread's current context
+/// (cuda:1, made current by the caller) as it was, and memory of cuda:1
+/// is refused as a destination on cuda:0.
+fn two_devices() {
+    let (zero, one) = (Context::primary(0).unwrap(), Context::primary(1).unwrap());
+    assert!(current_context().is_null(), "no context is current before the first call");
+    one.make_current().unwrap();
+    let before = current_context();
+    assert!(!before.is_null());
+    let mut on_zero = DeviceBuffer::new(&zero, 4096).unwrap();
+    on_zero.fill(7).unwrap();
+    let stream = Stream::new(&zero).unwrap();
+    let mut staging = PinnedStaging::new(&zero, 4096).unwrap();
+    staging.write(0, &[9u8; 4096]).unwrap();
+    staging.copy_to_device(0..4096, &on_zero.range(), 0, &stream).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(current_context(), before, "dmaload changed the thread's current context");
+    let on_one = DeviceBuffer::new(&one, 4096).unwrap();
+    let err = DeviceRange::validate(&zero, on_one.ptr(), 4096).unwrap_err();
+    assert!(err.to_string().contains("is memory of cuda:1, not of cuda:0"), "{err}");
+    let mut back = [0u8; 4096];
+    on_zero.copy_to_host(0, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 9));
+    assert_eq!(current_context(), before);
     println!("CHILD OK");
 }
 
@@ -144,6 +190,16 @@ fn the_race_detector_catches_a_slot_rewritten_before_its_event_completes() {
     assert_eq!(broken.status.signal(), Some(libc::SIGABRT), "{output}");
     assert!(output.contains("strict: the 65536-byte copy source at 0x"), "{output}");
     assert!(output.contains("was rewritten while its copy"), "{output}");
+}
+
+#[test]
+fn work_on_one_device_leaves_the_threads_current_context_and_refuses_the_others_memory() {
+    let test = "work_on_one_device_leaves_the_threads_current_context_and_refuses_the_others_memory";
+    if !emulator(test) {
+        return;
+    }
+    let out = run_child("two_devices", &[("DMALOAD_EMU_STRICT", "1"), ("DMALOAD_EMU_DEVICES", "2")]);
+    assert!(out.status.success() && text(&out).contains("CHILD OK"), "{}", text(&out));
 }
 
 /// A file of 8 MiB: eight slot fills, four copies per stream.

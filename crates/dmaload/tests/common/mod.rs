@@ -155,4 +155,5 @@ pub fn is_root() -> bool {
 }
 
 mod cuda_driver;
+#[allow(unused_imports)] // each test binary uses a different subset
 pub use cuda_driver::{cuda_driver, installed_libcuda_loads};
