@@ -233,11 +233,13 @@ const uint8_t *dmaload_buffer_data(const struct dmaload_buffer *buffer);
 size_t dmaload_buffer_len(const struct dmaload_buffer *buffer);
 
 // The memfd holding the buffer's bytes, for passing to another process
-// (sealed against writes first, so a receiver cannot change the bytes
-// this buffer shows), or -1 for anonymous memory or a NULL buffer, and
-// -1 with an errno and `dmaload_last_error` where it cannot be sealed
-// (ENOMEM where hugetlb memory's pool cannot back the buffer's private
-// copy-on-write mapping, which sealing needs). The fd
+// (sealed against every write first, F_SEAL_WRITE, so no one can change
+// the bytes this buffer or a receiver shows), or -1 for anonymous memory
+// or a NULL buffer, and -1 with an errno and `dmaload_last_error` where it
+// cannot be sealed (EBUSY while another process maps the memfd writable
+// and shared, a forked child say, or a page is pinned; ENOMEM where
+// hugetlb memory's pool cannot back the buffer's private copy-on-write
+// mapping, which sealing needs). The fd
 // stays the buffer's: `dup()` it to keep it past `dmaload_buffer_free`,
 // never `close()` it. The bytes start at `dmaload_buffer_memfd_offset` in
 // it. Thread-safe.
