@@ -819,6 +819,35 @@ fn one_user_cannot_hold_every_client_slot() {
 }
 
 #[test]
+fn a_service_whose_loads_read_nothing_is_a_fallback() {
+    // A stand-in for a service that is alive (it acknowledges and keeps
+    // sending keepalives) but whose load is stuck (a silent network or FUSE
+    // server): its keepalives say no byte was read, and after
+    // STALL_TIMEOUT the client loads directly, saying so.
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 10_000);
+    let socket = dir.path().join("cache.sock");
+    let listener = Listener::bind(&socket, 1).unwrap();
+    let stuck = std::thread::spawn(move || {
+        let conn = listener.accept().unwrap();
+        conn.recv(&mut [0u8; 1024]).unwrap();
+        conn.send(&protocol::encode(&Reply::Accepted), &[]).unwrap();
+        // Until the client hangs up: the pace of a real service's keepalives.
+        while conn.send(&protocol::encode(&Reply::Working { loaded: 7 }), &[]).is_ok() {
+            std::thread::sleep(protocol::KEEPALIVE_INTERVAL);
+        }
+    });
+    let (buffer, _, outcome) = load_cached(&path, &socket, &LoadOptions::default()).unwrap();
+    assert_pattern(&buffer, 0);
+    match outcome {
+        CacheOutcome::Direct { reason } => assert!(reason.contains("have read nothing"), "{reason}"),
+        other => panic!("a stuck service must load directly: {other:?}"),
+    }
+    stuck.join().unwrap();
+}
+
+#[test]
 fn a_stopped_service_is_a_prompt_fallback() {
     // A service that accepted the connection (the kernel did, into the
     // backlog) but is stopped: the client hears no acknowledgement and

@@ -35,7 +35,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -366,6 +366,8 @@ struct State {
     /// the service holds one such copy at a time, not one per request.
     uncached_turn: Mutex<()>,
     clients: AtomicUsize,
+    /// Bytes every load of the service has read (what keepalives carry).
+    loaded: Arc<AtomicU64>,
     /// Connections each uid holds now (only uids with some).
     clients_per_uid: Mutex<HashMap<u32, usize>>,
 }
@@ -460,6 +462,7 @@ impl Service {
             }),
             uncached_turn: Mutex::new(()),
             clients: AtomicUsize::new(0),
+            loaded: Arc::new(AtomicU64::new(0)),
             clients_per_uid: Mutex::new(HashMap::new()),
         };
         Ok(Service { listener, socket_id: (meta.dev(), meta.ino()), state: Arc::new(state) })
@@ -720,7 +723,12 @@ impl State {
     /// after the load as when the request came: else the bytes might not
     /// be those of the key they would be cached under.
     fn load(&self, file: &File, key: Key) -> Result<Loaded> {
-        let (buffer, report) = load_fd(file.as_fd(), 0, None, &self.config.load_options)?;
+        let mut options = self.config.load_options.clone();
+        let (loaded, this_load) = (Arc::clone(&self.loaded), AtomicU64::new(0));
+        options.progress = Some(Arc::new(move |done, _total| {
+            loaded.fetch_add(done.saturating_sub(this_load.swap(done, Ordering::Relaxed)), Ordering::Relaxed);
+        }));
+        let (buffer, report) = load_fd(file.as_fd(), 0, None, &options)?;
         let after = file.metadata().map_err(|e| Error::io("fstat", &report.path, e))?;
         if Key::of(&after) != key {
             return Err(Error::new(
@@ -909,7 +917,7 @@ fn serve_client(state: &State, conn: Connection) {
                 if conn.send(&protocol::encode(&Reply::Accepted), &[]).is_err() {
                     break;
                 }
-                match with_keepalives(&conn, || state.get(fd, peer.uid)) {
+                match with_keepalives(&conn, &state.loaded, || state.get(fd, peer.uid)) {
                     Ok(Handoff { loaded, served, note, turn }) => {
                         let info = BufferInfo {
                             offset: loaded.offset,
@@ -987,20 +995,22 @@ fn serve_client(state: &State, conn: Connection) {
 
 /// Runs `work` while a thread of its own tells the client, every
 /// [`protocol::KEEPALIVE_INTERVAL`], that its request is still being worked
-/// on: a client hears from a live service however long the load takes, and
-/// one that hears nothing for [`protocol::KEEPALIVE_TIMEOUT`] knows the
-/// service is stopped or stuck. The thread has stopped when this returns,
+/// on, and how many bytes the service's loads have read (`loaded`): a
+/// client hears from a live service however long the load takes, one that
+/// hears nothing for [`protocol::KEEPALIVE_TIMEOUT`] knows the service is
+/// stopped or stuck, and one that sees `loaded` stand still for
+/// [`protocol::STALL_TIMEOUT`] knows its loads are. The thread has stopped when this returns,
 /// so the reply that follows is the last message.
-fn with_keepalives<T>(conn: &Connection, work: impl FnOnce() -> T) -> T {
+fn with_keepalives<T>(conn: &Connection, loaded: &AtomicU64, work: impl FnOnce() -> T) -> T {
     let (done, finished) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|scope| {
         let keepalive =
             std::thread::Builder::new().name("dmaload-keepalive".into()).spawn_scoped(scope, move || {
-                let working = protocol::encode(&Reply::Working);
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
                     finished.recv_timeout(protocol::KEEPALIVE_INTERVAL)
                 {
-                    if conn.send(&working, &[]).is_err() {
+                    let working = Reply::Working { loaded: loaded.load(Ordering::Relaxed) };
+                    if conn.send(&protocol::encode(&working), &[]).is_err() {
                         break;
                     }
                 }
