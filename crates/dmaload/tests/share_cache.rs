@@ -1099,3 +1099,27 @@ fn a_file_dropped_from_the_cache_stops_collapsing() {
     assert_eq!(client.get(&b).unwrap().served, Served::Hit);
     service.stop();
 }
+
+#[test]
+fn a_file_replaced_by_rename_with_the_same_size_and_times_is_loaded_again() {
+    // A writer that builds a new file beside the old one, gives it the old
+    // one's size and mtime, and renames it over the old one: a new inode,
+    // so the key differs and the client gets the new bytes, never the
+    // cached old ones.
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 100_000);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    let client = || Client::connect(&socket).unwrap();
+    assert_eq!(client().get(&path).unwrap().served, Served::Miss);
+    let old = std::fs::metadata(&path).unwrap();
+    let staged = dir.path().join("model.bin.new");
+    std::fs::write(&staged, vec![0x5Au8; 100_000]).unwrap();
+    File::options().write(true).open(&staged).unwrap().set_modified(old.modified().unwrap()).unwrap();
+    std::fs::rename(&staged, &path).unwrap();
+    let fetched = client().get(&path).unwrap();
+    assert_eq!(fetched.served, Served::Miss);
+    assert!(fetched.buffer.iter().all(|&b| b == 0x5A));
+    service.stop();
+}

@@ -8,9 +8,12 @@
 //! client's behalf); the descriptor must be a regular file open for
 //! reading. The cache key is `(st_dev, st_ino, size, mtime, ctime)` of
 //! that descriptor, so a file rewritten or replaced is loaded again, never
-//! served stale. Only the service's own uid and root are served unless
-//! `allow_uids`/`allow_gids` widen it (`SO_PEERCRED`, the peer's primary
-//! gid). Requests are length-limited and parsed as untrusted input.
+//! served stale (where timestamps move: README, "Staleness"). Only the
+//! service's own uid and root are served unless `allow_uids`/`allow_gids`
+//! widen it (`SO_PEERCRED`, the peer's primary gid); the socket's mode
+//! only lets them reach it ([`Service::bind`]). A status shows a user other
+//! than the service's own and root only the paths of files handed to it.
+//! Requests are length-limited and parsed as untrusted input.
 //!
 //! Memory: files are dropped least recently used first when a new load
 //! would pass the limit (clients that map a dropped file keep their pages
@@ -23,9 +26,12 @@
 //!
 //! Robustness: each client has its own thread; a client that dies, sends
 //! garbage or asks for a file that fails to load gets (or misses) an error
-//! reply, and the service goes on. A connection idle for
-//! [`ServiceConfig::idle_timeout`] is closed, so connections that never
-//! send cannot keep the client slots from clients that do. Descriptors
+//! reply, and the service goes on. A get is acknowledged at once and kept
+//! alive while it loads (see [`protocol`]), so a client tells a slow load
+//! from a stopped service. A connection idle for
+//! [`ServiceConfig::idle_timeout`] is closed, and one uid holds at most
+//! [`MAX_CLIENTS_PER_UID`] connections, so connections that never send
+//! cannot keep the client slots from clients that do. Descriptors
 //! are owned values: a memfd is closed when it leaves the cache and no
 //! handoff is sending it.
 
