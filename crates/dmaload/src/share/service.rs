@@ -59,7 +59,7 @@ use crate::sys::mem::{page_size, HugePageCollapse, HUGE_PAGE_ALIGN};
 /// Clients served at once; more are refused with an error.
 const MAX_CLIENTS: usize = 256;
 /// Connections one uid may hold at once, so that one user's idle or stuck
-/// connections leave the other users most of [`MAX_CLIENTS`].
+/// connections leave the other users most of the 256 served at once.
 pub const MAX_CLIENTS_PER_UID: usize = 64;
 /// [`ServiceConfig::idle_timeout`] unless set otherwise: a client sends
 /// its request as soon as it connects, so a few seconds is plenty.
