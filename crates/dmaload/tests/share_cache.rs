@@ -1123,3 +1123,55 @@ fn a_file_replaced_by_rename_with_the_same_size_and_times_is_loaded_again() {
     assert!(fetched.buffer.iter().all(|&b| b == 0x5A));
     service.stop();
 }
+
+#[test]
+fn cached_memory_is_charged_to_the_service_and_a_client_can_keep_it_past_the_limit() {
+    // The service runs in a memory cgroup of its own. A cached file's pages
+    // are charged there (the service populated them), not to the client
+    // that maps them; a client that still maps a file the service dropped
+    // keeps those pages, and their charge, past --memory-limit until it
+    // unmaps. (What the README promises under "Memory charged".)
+    const NAME: &str = "cached_memory_is_charged_to_the_service_and_a_client_can_keep_it_past_the_limit";
+    let Some(cgroup) = common::memory_cgroup_child("dmaload-cache-charge", 1 << 30) else {
+        return common::skip(
+            NAME,
+            "cannot create a child memory cgroup here (needs root and a memory controller)",
+        );
+    };
+    let mib = 1u64 << 20;
+    let dir = scratch_dir();
+    let files: Vec<PathBuf> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let path = dir.path().join(name);
+            write_pattern_file(&path, 8 * mib);
+            path
+        })
+        .collect();
+    let socket = dir.path().join("cache.sock");
+    let mut cmd = cgroup.command(role("service", &socket).env(LIMIT, (12 * mib).to_string()));
+    let service = ServiceProcess::start_with(&mut cmd, &socket);
+    let before = cgroup.usage();
+    let client = Client::connect(&socket).unwrap();
+    let held = client.get(&files[0]).unwrap();
+    assert_eq!(held.served, Served::Miss);
+    let with_a = cgroup.usage();
+    assert!(with_a >= before + 8 * mib, "a's pages are not charged to the service: {before} -> {with_a}");
+    // b evicts a (16 MiB would pass the 12 MiB limit), but `held` maps a.
+    assert_eq!(client.get(&files[1]).unwrap().served, Served::Miss);
+    let status = service.status();
+    assert_eq!((status.files_cached, status.evictions), (1, 1), "{status:?}");
+    assert!(status.memory_used <= status.memory_limit);
+    let with_both = cgroup.usage();
+    assert!(with_both >= before + 16 * mib, "a's pages left with its eviction: {before} -> {with_both}");
+    assert_pattern(&held.buffer, 0);
+    // Unmapped, a's memfd has no user left: its pages and charge go.
+    drop(held);
+    let started = Instant::now();
+    while cgroup.usage() > with_both - 6 * mib {
+        assert!(started.elapsed() < Duration::from_secs(60), "a's pages outlived the last mapping");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(client);
+    service.stop();
+}
