@@ -423,8 +423,8 @@ def test_ctrl_c_interrupts_the_wait_for_the_cache_service(tmp_path: Path, data_f
         [sys.executable, "-c", code, str(path), str(sock_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
-    def message(reply: str) -> bytes:
-        return json.dumps({"version": 2, "body": {"reply": reply}}).encode()
+    def message(reply: str, **fields: int) -> bytes:
+        return json.dumps({"version": 2, "body": {"reply": reply, **fields}}).encode()
 
     stop_keepalives = False
     try:
@@ -436,9 +436,11 @@ def test_ctrl_c_interrupts_the_wait_for_the_cache_service(tmp_path: Path, data_f
             assert json.loads(request)["body"] == {"op": "get"}
             conn.send(message("accepted"))
             def keepalives() -> None:
+                sent = 0
                 while not stop_keepalives:
                     try:
-                        conn.send(message("working"))
+                        conn.send(message("working", loaded=sent))
+                        sent += 1  # bytes read: the load is moving
                     except OSError:
                         return
                     time.sleep(0.5)  # the service's pace, not synchronisation

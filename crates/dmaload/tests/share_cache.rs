@@ -819,6 +819,35 @@ fn one_user_cannot_hold_every_client_slot() {
 }
 
 #[test]
+fn a_service_whose_loads_read_nothing_is_a_fallback() {
+    // A stand-in for a service that is alive (it acknowledges and keeps
+    // sending keepalives) but whose load is stuck (a silent network or FUSE
+    // server): its keepalives say no byte was read, and after
+    // STALL_TIMEOUT the client loads directly, saying so.
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 10_000);
+    let socket = dir.path().join("cache.sock");
+    let listener = Listener::bind(&socket, 1).unwrap();
+    let stuck = std::thread::spawn(move || {
+        let conn = listener.accept().unwrap();
+        conn.recv(&mut [0u8; 1024]).unwrap();
+        conn.send(&protocol::encode(&Reply::Accepted), &[]).unwrap();
+        // Until the client hangs up: the pace of a real service's keepalives.
+        while conn.send(&protocol::encode(&Reply::Working { loaded: 7 }), &[]).is_ok() {
+            std::thread::sleep(protocol::KEEPALIVE_INTERVAL);
+        }
+    });
+    let (buffer, _, outcome) = load_cached(&path, &socket, &LoadOptions::default()).unwrap();
+    assert_pattern(&buffer, 0);
+    match outcome {
+        CacheOutcome::Direct { reason } => assert!(reason.contains("have read nothing"), "{reason}"),
+        other => panic!("a stuck service must load directly: {other:?}"),
+    }
+    stuck.join().unwrap();
+}
+
+#[test]
 fn a_stopped_service_is_a_prompt_fallback() {
     // A service that accepted the connection (the kernel did, into the
     // backlog) but is stopped: the client hears no acknowledgement and
@@ -1068,5 +1097,81 @@ fn a_file_dropped_from_the_cache_stops_collapsing() {
     assert_eq!(service.memfds(), 1);
     assert_eq!(xxh3(&got.buffer), hash_a);
     assert_eq!(client.get(&b).unwrap().served, Served::Hit);
+    service.stop();
+}
+
+#[test]
+fn a_file_replaced_by_rename_with_the_same_size_and_times_is_loaded_again() {
+    // A writer that builds a new file beside the old one, gives it the old
+    // one's size and mtime, and renames it over the old one: a new inode,
+    // so the key differs and the client gets the new bytes, never the
+    // cached old ones.
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 100_000);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    let client = || Client::connect(&socket).unwrap();
+    assert_eq!(client().get(&path).unwrap().served, Served::Miss);
+    let old = std::fs::metadata(&path).unwrap();
+    let staged = dir.path().join("model.bin.new");
+    std::fs::write(&staged, vec![0x5Au8; 100_000]).unwrap();
+    File::options().write(true).open(&staged).unwrap().set_modified(old.modified().unwrap()).unwrap();
+    std::fs::rename(&staged, &path).unwrap();
+    let fetched = client().get(&path).unwrap();
+    assert_eq!(fetched.served, Served::Miss);
+    assert!(fetched.buffer.iter().all(|&b| b == 0x5A));
+    service.stop();
+}
+
+#[test]
+fn cached_memory_is_charged_to_the_service_and_a_client_can_keep_it_past_the_limit() {
+    // The service runs in a memory cgroup of its own. A cached file's pages
+    // are charged there (the service populated them), not to the client
+    // that maps them; a client that still maps a file the service dropped
+    // keeps those pages, and their charge, past --memory-limit until it
+    // unmaps. (What the README promises under "Memory charged".)
+    const NAME: &str = "cached_memory_is_charged_to_the_service_and_a_client_can_keep_it_past_the_limit";
+    let Some(cgroup) = common::memory_cgroup_child("dmaload-cache-charge", 1 << 30) else {
+        return common::skip(
+            NAME,
+            "cannot create a child memory cgroup here (needs root and a memory controller)",
+        );
+    };
+    let mib = 1u64 << 20;
+    let dir = scratch_dir();
+    let files: Vec<PathBuf> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let path = dir.path().join(name);
+            write_pattern_file(&path, 8 * mib);
+            path
+        })
+        .collect();
+    let socket = dir.path().join("cache.sock");
+    let mut cmd = cgroup.command(role("service", &socket).env(LIMIT, (12 * mib).to_string()));
+    let service = ServiceProcess::start_with(&mut cmd, &socket);
+    let before = cgroup.usage();
+    let client = Client::connect(&socket).unwrap();
+    let held = client.get(&files[0]).unwrap();
+    assert_eq!(held.served, Served::Miss);
+    let with_a = cgroup.usage();
+    assert!(with_a >= before + 8 * mib, "a's pages are not charged to the service: {before} -> {with_a}");
+    // b evicts a (16 MiB would pass the 12 MiB limit), but `held` maps a.
+    assert_eq!(client.get(&files[1]).unwrap().served, Served::Miss);
+    let status = service.status();
+    assert_eq!((status.files_cached, status.evictions), (1, 1), "{status:?}");
+    assert!(status.memory_used <= status.memory_limit);
+    let with_both = cgroup.usage();
+    assert!(with_both >= before + 16 * mib, "a's pages left with its eviction: {before} -> {with_both}");
+    assert_pattern(&held.buffer, 0);
+    // Unmapped, a's memfd has no user left: its pages and charge go.
+    drop(held);
+    let started = Instant::now();
+    while cgroup.usage() > with_both - 6 * mib {
+        assert!(started.elapsed() < Duration::from_secs(60), "a's pages outlived the last mapping");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(client);
     service.stop();
 }

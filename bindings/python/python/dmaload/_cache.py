@@ -5,7 +5,10 @@ file descriptor (never a path) and receives the file's bytes as a private
 copy-on-write mapping of the service's memory: the same :class:`Buffer` a
 direct load returns, in milliseconds, and writes to it stay in this
 process. Without a service the file is loaded directly and the reason is
-said once (a ``RuntimeWarning``).
+said once (a ``RuntimeWarning``); so it is when the service does not
+acknowledge the request within 3 s, goes silent for 5 s (stopped, or
+stuck), or its loads read nothing for 15 s. Ctrl-C interrupts the connect
+and every wait for the service (``KeyboardInterrupt``).
 """
 
 from __future__ import annotations

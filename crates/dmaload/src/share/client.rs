@@ -106,7 +106,8 @@ pub fn handoff_report(
 /// [`protocol::KEEPALIVE_TIMEOUT`] for each of the messages the service
 /// sends while it loads; a status waits [`protocol::ACK_TIMEOUT`]. A
 /// service that is stopped (SIGSTOP, Ctrl-Z) or stuck fails the request
-/// with `TimedOut` within those bounds, whatever the size of the file. Each
+/// with `TimedOut` within those bounds, whatever the size of the file, as
+/// does one whose loads read nothing for [`protocol::STALL_TIMEOUT`]. Each
 /// wait also ends within 20 ms of the client's [`CancelToken`] being
 /// cancelled, with [`ErrorKind::Cancelled`].
 pub struct Client {
@@ -184,9 +185,29 @@ impl Client {
         let request = protocol::encode_request(Request::Get);
         self.conn.send(&request, &[file.as_fd()]).map_err(|e| Error::io("send request", &self.socket, e))?;
         let mut timeout = protocol::ACK_TIMEOUT;
+        // The service's bytes read, and when they last moved.
+        let mut progress = (0, Instant::now());
         let (info, memfd) = loop {
             match self.receive_within(timeout, "receive buffer")? {
-                (Reply::Accepted | Reply::Working, _) => timeout = protocol::KEEPALIVE_TIMEOUT,
+                (Reply::Accepted, _) => {
+                    timeout = protocol::KEEPALIVE_TIMEOUT;
+                    progress.1 = Instant::now();
+                }
+                (Reply::Working { loaded }, _) if loaded != progress.0 => progress = (loaded, Instant::now()),
+                (Reply::Working { .. }, _) if progress.1.elapsed() >= protocol::STALL_TIMEOUT => {
+                    return Err(Error::io(
+                        "receive buffer",
+                        &self.socket,
+                        io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!(
+                                "the service's loads have read nothing for {} s: it is stuck",
+                                protocol::STALL_TIMEOUT.as_secs()
+                            ),
+                        ),
+                    ));
+                }
+                (Reply::Working { .. }, _) => {}
                 (Reply::Buffer(info), fds) => {
                     let count = fds.len();
                     let [memfd]: [OwnedFd; 1] = fds.try_into().map_err(|_| {

@@ -11,9 +11,11 @@
 //! attached), the status, or an error with the same detail as a direct
 //! load's (kind, operation, path, offset, errno, message). Before a get's
 //! reply the service sends `accepted` as soon as it has read the request,
-//! then `working` every [`KEEPALIVE_INTERVAL`] while the load runs: a
-//! client that hears neither in time ([`ACK_TIMEOUT`],
-//! [`KEEPALIVE_TIMEOUT`]) knows the service is stopped or stuck.
+//! then `working` every [`KEEPALIVE_INTERVAL`] while the load runs, with
+//! the bytes its loads have read: a client that hears neither in time
+//! ([`ACK_TIMEOUT`], [`KEEPALIVE_TIMEOUT`]) knows the service is stopped
+//! or stuck, and one that sees no byte read for [`STALL_TIMEOUT`] knows
+//! its loads are.
 
 use std::io;
 use std::os::fd::OwnedFd;
@@ -34,6 +36,9 @@ pub const ACK_TIMEOUT: Duration = Duration::from_secs(3);
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(500);
 /// How long a client waits for the next message once a get was accepted.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a client waits while the service's loads read nothing (a load
+/// stuck on a silent network or FUSE server) before it loads directly.
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(15);
 /// Longest request a service accepts.
 pub const MAX_REQUEST_BYTES: usize = 1024;
 /// Longest reply a client accepts (a status lists at most
@@ -189,8 +194,11 @@ pub struct WireError {
 pub enum Reply {
     /// A get was received; its reply follows.
     Accepted,
-    /// A get's load still runs.
-    Working,
+    /// A get's load still runs; `loaded` counts the bytes every load of
+    /// the service has read so far.
+    Working {
+        loaded: u64,
+    },
     Buffer(BufferInfo),
     Status(Status),
     Error(WireError),
@@ -252,7 +260,7 @@ pub fn receive_buffer(conn: &Connection, socket: &Path) -> Result<(BufferInfo, O
             Ok((info, memfd))
         }
         Reply::Error(err) => Err(err.into_error(None)),
-        Reply::Status(_) | Reply::Accepted | Reply::Working => {
+        Reply::Status(_) | Reply::Accepted | Reply::Working { .. } => {
             Err(refused("a reply of another kind where a buffer was expected".into()))
         }
     }

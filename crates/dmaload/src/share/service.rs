@@ -8,9 +8,12 @@
 //! client's behalf); the descriptor must be a regular file open for
 //! reading. The cache key is `(st_dev, st_ino, size, mtime, ctime)` of
 //! that descriptor, so a file rewritten or replaced is loaded again, never
-//! served stale. Only the service's own uid and root are served unless
-//! `allow_uids`/`allow_gids` widen it (`SO_PEERCRED`, the peer's primary
-//! gid). Requests are length-limited and parsed as untrusted input.
+//! served stale (where timestamps move: README, "Staleness"). Only the
+//! service's own uid and root are served unless `allow_uids`/`allow_gids`
+//! widen it (`SO_PEERCRED`, the peer's primary gid); the socket's mode
+//! only lets them reach it ([`Service::bind`]). A status shows a user other
+//! than the service's own and root only the paths of files handed to it.
+//! Requests are length-limited and parsed as untrusted input.
 //!
 //! Memory: files are dropped least recently used first when a new load
 //! would pass the limit (clients that map a dropped file keep their pages
@@ -23,9 +26,12 @@
 //!
 //! Robustness: each client has its own thread; a client that dies, sends
 //! garbage or asks for a file that fails to load gets (or misses) an error
-//! reply, and the service goes on. A connection idle for
-//! [`ServiceConfig::idle_timeout`] is closed, so connections that never
-//! send cannot keep the client slots from clients that do. Descriptors
+//! reply, and the service goes on. A get is acknowledged at once and kept
+//! alive while it loads (see [`protocol`]), so a client tells a slow load
+//! from a stopped service. A connection idle for
+//! [`ServiceConfig::idle_timeout`] is closed, and one uid holds at most
+//! [`MAX_CLIENTS_PER_UID`] connections, so connections that never send
+//! cannot keep the client slots from clients that do. Descriptors
 //! are owned values: a memfd is closed when it leaves the cache and no
 //! handoff is sending it.
 
@@ -35,7 +41,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -53,7 +59,7 @@ use crate::sys::mem::{page_size, HugePageCollapse, HUGE_PAGE_ALIGN};
 /// Clients served at once; more are refused with an error.
 const MAX_CLIENTS: usize = 256;
 /// Connections one uid may hold at once, so that one user's idle or stuck
-/// connections leave the other users most of [`MAX_CLIENTS`].
+/// connections leave the other users most of the 256 served at once.
 pub const MAX_CLIENTS_PER_UID: usize = 64;
 /// [`ServiceConfig::idle_timeout`] unless set otherwise: a client sends
 /// its request as soon as it connects, so a few seconds is plenty.
@@ -366,6 +372,8 @@ struct State {
     /// the service holds one such copy at a time, not one per request.
     uncached_turn: Mutex<()>,
     clients: AtomicUsize,
+    /// Bytes every load of the service has read (what keepalives carry).
+    loaded: Arc<AtomicU64>,
     /// Connections each uid holds now (only uids with some).
     clients_per_uid: Mutex<HashMap<u32, usize>>,
 }
@@ -460,6 +468,7 @@ impl Service {
             }),
             uncached_turn: Mutex::new(()),
             clients: AtomicUsize::new(0),
+            loaded: Arc::new(AtomicU64::new(0)),
             clients_per_uid: Mutex::new(HashMap::new()),
         };
         Ok(Service { listener, socket_id: (meta.dev(), meta.ino()), state: Arc::new(state) })
@@ -720,7 +729,12 @@ impl State {
     /// after the load as when the request came: else the bytes might not
     /// be those of the key they would be cached under.
     fn load(&self, file: &File, key: Key) -> Result<Loaded> {
-        let (buffer, report) = load_fd(file.as_fd(), 0, None, &self.config.load_options)?;
+        let mut options = self.config.load_options.clone();
+        let (loaded, this_load) = (Arc::clone(&self.loaded), AtomicU64::new(0));
+        options.progress = Some(Arc::new(move |done, _total| {
+            loaded.fetch_add(done.saturating_sub(this_load.swap(done, Ordering::Relaxed)), Ordering::Relaxed);
+        }));
+        let (buffer, report) = load_fd(file.as_fd(), 0, None, &options)?;
         let after = file.metadata().map_err(|e| Error::io("fstat", &report.path, e))?;
         if Key::of(&after) != key {
             return Err(Error::new(
@@ -909,7 +923,7 @@ fn serve_client(state: &State, conn: Connection) {
                 if conn.send(&protocol::encode(&Reply::Accepted), &[]).is_err() {
                     break;
                 }
-                match with_keepalives(&conn, || state.get(fd, peer.uid)) {
+                match with_keepalives(&conn, &state.loaded, || state.get(fd, peer.uid)) {
                     Ok(Handoff { loaded, served, note, turn }) => {
                         let info = BufferInfo {
                             offset: loaded.offset,
@@ -987,20 +1001,22 @@ fn serve_client(state: &State, conn: Connection) {
 
 /// Runs `work` while a thread of its own tells the client, every
 /// [`protocol::KEEPALIVE_INTERVAL`], that its request is still being worked
-/// on: a client hears from a live service however long the load takes, and
-/// one that hears nothing for [`protocol::KEEPALIVE_TIMEOUT`] knows the
-/// service is stopped or stuck. The thread has stopped when this returns,
+/// on, and how many bytes the service's loads have read (`loaded`): a
+/// client hears from a live service however long the load takes, one that
+/// hears nothing for [`protocol::KEEPALIVE_TIMEOUT`] knows the service is
+/// stopped or stuck, and one that sees `loaded` stand still for
+/// [`protocol::STALL_TIMEOUT`] knows its loads are. The thread has stopped when this returns,
 /// so the reply that follows is the last message.
-fn with_keepalives<T>(conn: &Connection, work: impl FnOnce() -> T) -> T {
+fn with_keepalives<T>(conn: &Connection, loaded: &AtomicU64, work: impl FnOnce() -> T) -> T {
     let (done, finished) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|scope| {
         let keepalive =
             std::thread::Builder::new().name("dmaload-keepalive".into()).spawn_scoped(scope, move || {
-                let working = protocol::encode(&Reply::Working);
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
                     finished.recv_timeout(protocol::KEEPALIVE_INTERVAL)
                 {
-                    if conn.send(&working, &[]).is_err() {
+                    let working = Reply::Working { loaded: loaded.load(Ordering::Relaxed) };
+                    if conn.send(&protocol::encode(&working), &[]).is_err() {
                         break;
                     }
                 }

@@ -160,7 +160,7 @@ impl SeqpacketConn {
     }
 
     /// [`SeqpacketConn::connect`], waiting at most `timeout`, and giving up
-    /// with `Interrupted` within [`CONNECT_SLICE`] of `stop()` turning
+    /// with `Interrupted` within 20 ms (`CONNECT_SLICE`) of `stop()` turning
     /// true (a caller's Ctrl-C).
     pub fn connect_until(
         path: &Path,

@@ -84,6 +84,11 @@ pub struct MemoryCgroup {
 impl MemoryCgroup {
     /// Runs `cmd` inside the cgroup (a shell moves itself in, then execs it).
     pub fn run(&self, cmd: &mut std::process::Command) -> std::io::Result<std::process::Output> {
+        self.command(cmd).output()
+    }
+
+    /// `cmd` as a command that runs it inside the cgroup, to spawn.
+    pub fn command(&self, cmd: &std::process::Command) -> std::process::Command {
         let mut wrapped = std::process::Command::new("sh");
         wrapped
             .arg("-c")
@@ -96,7 +101,17 @@ impl MemoryCgroup {
                 wrapped.env(key, value);
             }
         }
-        wrapped.output()
+        wrapped
+    }
+
+    /// Bytes of memory charged to the cgroup now (v2 `memory.current`,
+    /// v1 `memory.usage_in_bytes`).
+    pub fn usage(&self) -> u64 {
+        ["memory.current", "memory.usage_in_bytes"]
+            .iter()
+            .find_map(|name| std::fs::read_to_string(self.dir.join(name)).ok())
+            .and_then(|text| text.trim().parse().ok())
+            .expect("the cgroup's memory usage")
     }
 }
 
