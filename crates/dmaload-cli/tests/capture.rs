@@ -338,9 +338,11 @@ fn wait_blocked_reading(pid: u32, path: &Path, writer: &std::fs::File) {
         let mut unread: libc::c_int = 0;
         // SAFETY: FIONREAD writes one c_int to the pointer given.
         assert_eq!(unsafe { libc::ioctl(writer.as_raw_fd(), libc::FIONREAD, &mut unread) }, 0);
-        let fd = std::fs::read_dir(format!("/proc/{pid}/fd")).into_iter().flatten().flatten().find_map(|fd| {
-            (std::fs::read_link(fd.path()).ok()? == path).then(|| fd.file_name().to_string_lossy().into_owned())
-        });
+        let fd =
+            std::fs::read_dir(format!("/proc/{pid}/fd")).into_iter().flatten().flatten().find_map(|fd| {
+                (std::fs::read_link(fd.path()).ok()? == path)
+                    .then(|| fd.file_name().to_string_lossy().into_owned())
+            });
         let syscall = std::fs::read_to_string(format!("/proc/{pid}/syscall")).unwrap_or_default();
         let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -348,7 +350,8 @@ fn wait_blocked_reading(pid: u32, path: &Path, writer: &std::fs::File) {
             let mut words = syscall.split_whitespace();
             // read(2) is syscall 0 on x86_64, 63 on aarch64.
             let read_nr = if cfg!(target_arch = "aarch64") { "63" } else { "0" };
-            words.next() == Some(read_nr) && words.next() == Some(&format!("0x{:x}", fd.parse::<u32>().unwrap()))
+            words.next() == Some(read_nr)
+                && words.next() == Some(&format!("0x{:x}", fd.parse::<u32>().unwrap()))
         });
         if unread == 0 && reading && wchan.trim().ends_with("pipe_read") && stat.contains(") S ") {
             return;

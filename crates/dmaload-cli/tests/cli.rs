@@ -595,7 +595,8 @@ fn sums_match_coreutils_and_load_verify_checks_them() {
     let coreutils = Command::new("sha256sum").args(&sorted).current_dir(dir.path()).output().unwrap();
     assert_eq!(std::fs::read(dir.path().join("SHA256SUMS")).unwrap(), coreutils.stdout);
     // Files: listed in the order given, in their directory's sums file.
-    let out = common::output_or_hang(dmaload().arg("sums").arg(dir.path().join("d")).arg(dir.path().join("b c")));
+    let out =
+        common::output_or_hang(dmaload().arg("sums").arg(dir.path().join("d")).arg(dir.path().join("b c")));
     assert!(out.status.success());
     let coreutils = Command::new("sha256sum").args(["d", "b c"]).current_dir(dir.path()).output().unwrap();
     assert_eq!(std::fs::read(dir.path().join("SHA256SUMS")).unwrap(), coreutils.stdout);
@@ -611,7 +612,8 @@ fn sums_match_coreutils_and_load_verify_checks_them() {
     assert!(!bad.status.success());
     let expected = String::from_utf8_lossy(&coreutils.stdout[..64]).into_owned();
     assert!(stderr.contains("SHA-256 mismatch") && stderr.contains(&expected), "{stderr}");
-    let unlisted = common::output_or_hang(dmaload().args(["load", "--verify"]).arg(dir.path().join("a.safetensors")));
+    let unlisted =
+        common::output_or_hang(dmaload().args(["load", "--verify"]).arg(dir.path().join("a.safetensors")));
     assert!(String::from_utf8_lossy(&unlisted.stderr).contains("is not listed"));
     std::fs::remove_file(dir.path().join("SHA256SUMS")).unwrap();
     let missing = common::output_or_hang(dmaload().args(["load", "--verify"]).arg(&file));

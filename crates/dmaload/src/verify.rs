@@ -61,7 +61,12 @@ pub fn expected_digest(path: &Path) -> Result<Sha256Digest> {
         }
     }
     found.ok_or_else(|| {
-        Error::new(ErrorKind::InvalidInput, "verify", path, format!("{name:?} is not listed in {}", sums.display()))
+        Error::new(
+            ErrorKind::InvalidInput,
+            "verify",
+            path,
+            format!("{name:?} is not listed in {}", sums.display()),
+        )
     })
 }
 

@@ -15,7 +15,14 @@ use dmaload::{Engine, ErrorKind, HostSink, IoMode, LoadOptions, StagingRing};
 const M: usize = 1 << 20;
 
 fn verified(engine: Engine, mode: IoMode) -> LoadOptions {
-    LoadOptions { engine, mode, verify: true, gather_size: 2 * M, chunk_size: 256 << 10, ..LoadOptions::default() }
+    LoadOptions {
+        engine,
+        mode,
+        verify: true,
+        gather_size: 2 * M,
+        chunk_size: 256 << 10,
+        ..LoadOptions::default()
+    }
 }
 
 /// `sha256sum NAMES > SHA256SUMS` in `dir`: the sums come from coreutils,
@@ -87,8 +94,8 @@ fn a_staged_load_into_a_sink_verifies_each_slot_as_it_is_delivered() {
     dmaload::load_to_sink(&path, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &options).unwrap();
     assert_eq!(dst, std::fs::read(&path).unwrap());
     flip_byte(&path, 6 * M as u64);
-    let err =
-        dmaload::load_to_sink(&path, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &options).unwrap_err();
+    let err = dmaload::load_to_sink(&path, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &options)
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
 }
 
@@ -132,7 +139,8 @@ fn sums_in_every_form_sha256sum_writes_are_read() {
     for args in modes {
         let mut listed: Vec<String> = names.iter().map(|n| n.to_string()).collect();
         listed[0] = "./plain".into();
-        let out = Command::new("sha256sum").args(args).args(&listed).current_dir(dir.path()).output().unwrap();
+        let out =
+            Command::new("sha256sum").args(args).args(&listed).current_dir(dir.path()).output().unwrap();
         std::fs::write(dir.path().join("SHA256SUMS"), out.stdout).unwrap();
         for name in names {
             let path: PathBuf = dir.path().join(name);
