@@ -68,7 +68,7 @@ def test_a_sharded_model_with_one_corrupt_shard_gives_no_tensors(tmp_path: Path)
         names.append(name)
     _sums(tmp_path, *names)
     for framework in ("np", "pt"):
-        out = dst.load_file(tmp_path, framework=framework, verify=True)  # type: ignore[arg-type]
+        out = dst.load_file(tmp_path, framework=framework, verify=True)
         assert set(out) == {"layer0.w", "layer1.w", "layer2.w"}
     corrupt = tmp_path / names[1]
     _flip(corrupt, corrupt.stat().st_size - 5)  # a tensor byte: the header still parses

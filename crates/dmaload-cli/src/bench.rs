@@ -36,6 +36,11 @@ pub enum BenchCommand {
         /// against (no baseline, other engines or fio).
         #[arg(long)]
         staged_only: bool,
+        /// Only the in-place default and the same load verified against
+        /// the SHA256SUMS beside FILE (`dmaload sums` writes it), hashing
+        /// as the bytes arrive.
+        #[arg(long, conflicts_with = "staged_only")]
+        verified_only: bool,
     },
     /// Seed 001's table: memory type × method × buffered/direct, both directions.
     Matrix(crate::bench_matrix::MatrixArgs),
@@ -169,8 +174,13 @@ struct Table {
 
 pub fn run(cmd: &BenchCommand) -> Result<(), String> {
     match cmd {
-        BenchCommand::Load { file, repeat, json, no_fio, staged_only } => {
-            bench_load(file, (*repeat).max(1), *json, *no_fio, *staged_only)
+        BenchCommand::Load { file, repeat, json, no_fio, staged_only, verified_only } => {
+            let only = match (staged_only, verified_only) {
+                (true, _) => Only::Staged,
+                (_, true) => Only::Verified,
+                _ => Only::All,
+            };
+            bench_load(file, (*repeat).max(1), *json, *no_fio, only)
         }
         BenchCommand::Matrix(args) => crate::bench_matrix::run(args),
         BenchCommand::Sizes(args) => crate::bench_sizes::run(args),
@@ -221,6 +231,25 @@ fn staged_methods() -> Vec<Method> {
     vec![Method::Dmaload { name: in_place_default(), options: measured() }, staged_method()]
 }
 
+/// The in-place default unverified and verified, side by side.
+fn verified_methods() -> Vec<Method> {
+    vec![
+        Method::Dmaload { name: in_place_default(), options: measured() },
+        Method::Dmaload {
+            name: format!("{}, verified (SHA-256 beside the reads)", in_place_default()),
+            options: LoadOptions { verify: true, ..measured() },
+        },
+    ]
+}
+
+/// Which rows `bench load` runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Only {
+    All,
+    Staged,
+    Verified,
+}
+
 fn staged_method() -> Method {
     Method::Staged {
         name: format!("dmaload {} staging ring → host buffer", Engine::default().name()),
@@ -265,7 +294,7 @@ fn methods(with_fio: bool, facts: &MemoryFacts, bytes: u64) -> Vec<Method> {
     methods
 }
 
-fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only: bool) -> Result<(), String> {
+fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, only: Only) -> Result<(), String> {
     // The same checks as a load (no FIFO, device or pseudo-file), before any run.
     let opened = dmaload::source::open_for_reading(file).map_err(|e| e.to_string())?;
     let bytes = opened.metadata().map_err(|e| format!("stat {}: {e}", file.display()))?.len();
@@ -276,15 +305,20 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, staged_only:
         ));
     }
     let gib = bytes as f64 / (1u64 << 30) as f64;
-    let fio = if no_fio || staged_only { None } else { fio::available() };
+    let fio = if no_fio || only != Only::All { None } else { fio::available() };
     let fio_note = match (&fio, no_fio) {
         (Some(v), _) => v.clone(),
         (None, true) => "skipped (--no-fio)".into(),
-        (None, false) if staged_only => "skipped (--staged-only)".into(),
+        (None, false) if only == Only::Staged => "skipped (--staged-only)".into(),
+        (None, false) if only == Only::Verified => "skipped (--verified-only)".into(),
         (None, false) => "not installed (apt-get install fio): no ceiling row".into(),
     };
     let facts = MemoryFacts::read();
-    let methods = if staged_only { staged_methods() } else { methods(fio.is_some(), &facts, bytes) };
+    let methods = match only {
+        Only::Staged => staged_methods(),
+        Only::Verified => verified_methods(),
+        Only::All => methods(fio.is_some(), &facts, bytes),
+    };
     let settle = facts.reporting_settle();
     // Populated once and reused by every staged run, as a ring is meant to
     // be; each run allocates its own destination.

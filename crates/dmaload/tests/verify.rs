@@ -154,3 +154,26 @@ fn sums_in_every_form_sha256sum_writes_are_read() {
         assert_eq!(dmaload::verify::sums_line(&digest, name).as_bytes(), out.stdout);
     }
 }
+
+/// A cached load with `verify` reads the file itself (the service does not
+/// verify), says so, and still fails on a flipped byte.
+#[test]
+fn a_cached_load_with_verify_loads_directly_and_verifies() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_pattern_file(&path, 2 * M as u64 + 1);
+    coreutils_sums(dir.path(), &["f"]);
+    let socket = dir.path().join("no-service");
+    let options = verified(Engine::UringFixed, IoMode::Auto);
+    let (buffer, _, outcome) = dmaload::share::load_cached(&path, &socket, &options).unwrap();
+    assert_eq!(buffer.len(), 2 * M + 1);
+    match outcome {
+        dmaload::share::CacheOutcome::Direct { reason } => {
+            assert!(reason.contains("does not verify"), "{reason}")
+        }
+        dmaload::share::CacheOutcome::Service { .. } => panic!("a verified load was served"),
+    }
+    flip_byte(&path, M as u64);
+    let err = dmaload::share::load_cached(&path, &socket, &options).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+}
