@@ -617,7 +617,7 @@ impl Progress {
 
 /// How often a thread waiting for a load looks for a pending signal
 /// (Ctrl-C): the bound on how late `KeyboardInterrupt` is raised.
-const SIGNAL_POLL: Duration = Duration::from_millis(20);
+pub(crate) const SIGNAL_POLL: Duration = Duration::from_millis(20);
 
 /// Runs `work` with the GIL released on a thread of its own while this
 /// thread checks for signals every [`SIGNAL_POLL`]: a pending one (Ctrl-C)

@@ -247,8 +247,12 @@ class BlockQueue:
     in): the peer may write a block at any moment if it breaks the protocol,
     so no view of the shared ring is handed out. Waits release the GIL, and
     a call on an end another thread is using waits for it with the GIL
-    released (other threads run on). A timeout is TimeoutError, a peer that
-    went away BrokenPipeError, a corrupt control page OSError(EPROTO).
+    released (other threads run on). ``put``, ``get`` and ``wait_drained``
+    answer Ctrl-C: the wait looks for signals every 20 ms and raises
+    ``KeyboardInterrupt`` (or a signal handler's exception), having taken
+    no block, so the queue is left as it was (``create`` and ``attach``
+    wait for the peer without looking). A timeout is TimeoutError, a peer
+    that went away BrokenPipeError, a corrupt control page OSError(EPROTO).
     """
 
     @staticmethod
