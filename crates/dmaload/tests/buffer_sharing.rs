@@ -105,10 +105,11 @@ fn a_forked_child_and_its_parent_each_write_their_own_copy() {
         // Tells the parent it wrote, then waits for the parent's writes.
         let mut byte = [1u8];
         let fd = std::os::fd::AsRawFd::as_raw_fd(&child_end);
-        // SAFETY: one byte to and from a socket this process owns.
-        let moved =
-            unsafe { libc::write(fd, byte.as_ptr().cast(), 1) + libc::read(fd, byte.as_mut_ptr().cast(), 1) };
-        if moved != 2 {
+        // SAFETY: one byte to a socket this process owns, from a live buffer.
+        let sent = unsafe { libc::write(fd, byte.as_ptr().cast(), 1) };
+        // SAFETY: one byte from that socket into a live buffer.
+        let got = unsafe { libc::read(fd, byte.as_mut_ptr().cast(), 1) };
+        if (sent, got) != (1, 1) {
             return 2;
         }
         i32::from(!buffer.iter().all(|&b| b == 0xAA))

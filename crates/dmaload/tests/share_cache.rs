@@ -251,7 +251,7 @@ fn forged_handoffs_are_refused() {
 
     // A memfd nobody sealed: its owner could write it under the receiver.
     let (loaded, _) = dmaload::load(dir.path().join("f"), &LoadOptions::default()).unwrap();
-    let unsealed = loaded.into_memfd().unwrap();
+    let unsealed = loaded.into_memfd().map_err(|refused| refused.0).unwrap().unwrap();
     a.send(&message(0, 10), &[unsealed.as_fd()]).unwrap();
     let err = Buffer::receive(&b).unwrap_err();
     assert!(err.to_string().contains("not sealed"), "{err}");
