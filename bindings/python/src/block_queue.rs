@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::io;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dmaload::share::{self, BlockQueueOptions, Connection, QueueMemory, Role};
 use pyo3::buffer::PyBuffer;
@@ -14,7 +14,7 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::{detached, guard};
+use crate::{detached, guard, SIGNAL_POLL};
 
 /// An OSError whose errno picks the Python subclass: TimeoutError,
 /// BrokenPipeError, ...; bad arguments are ValueError.
@@ -84,6 +84,33 @@ impl BlockQueue {
             f(queue).map_err(queue_error)
         })?
     }
+
+    /// Runs `wait`, a queue wait that takes a timeout, in slices of at most
+    /// [`SIGNAL_POLL`] up to `timeout` (None: for ever), with the GIL
+    /// released, checking for signals between slices: Ctrl-C raises
+    /// `KeyboardInterrupt` within a slice, and, as a slice that times out
+    /// has taken no block, leaves the queue as it was.
+    fn interruptible<T: Send>(
+        &self,
+        py: Python<'_>,
+        timeout: Option<Duration>,
+        mut wait: impl FnMut(&mut share::BlockQueue, Option<Duration>) -> io::Result<T> + Send,
+    ) -> PyResult<T> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let slice = left.map_or(SIGNAL_POLL, |left| left.min(SIGNAL_POLL));
+            let last = left.is_some_and(|left| left <= SIGNAL_POLL);
+            let wait = &mut wait;
+            match self.with(py, move |q| match wait(q, Some(slice)) {
+                Err(err) if err.kind() == io::ErrorKind::TimedOut && !last => Ok(None),
+                other => other.map(Some),
+            })? {
+                Some(done) => return Ok(done),
+                None => py.check_signals()?,
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -137,7 +164,7 @@ impl BlockQueue {
     fn put(&self, py: Python<'_>, data: &Bound<'_, PyAny>, tag: u64, timeout: Option<f64>) -> PyResult<u64> {
         let timeout = seconds(timeout)?;
         let data = &*block_data(py, data)?;
-        self.with(py, |q| {
+        self.interruptible(py, timeout, |q, slice| {
             // Refused before the wait: no free block would ever take it.
             if data.len() > q.block_size() {
                 return Err(io::Error::new(
@@ -145,7 +172,7 @@ impl BlockQueue {
                     format!("{} bytes of data for a block of {} bytes", data.len(), q.block_size()),
                 ));
             }
-            let mut block = q.dequeue_free(timeout)?;
+            let mut block = q.dequeue_free(slice)?;
             let sequence = block.sequence();
             block.write_at(0, data)?;
             block.enqueue(data.len(), tag)?;
@@ -173,8 +200,8 @@ impl BlockQueue {
     #[pyo3(signature = (timeout = None))]
     fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(u64, Py<PyBytes>)>> {
         let timeout = seconds(timeout)?;
-        let block = self.with(py, |q| {
-            let Some(run) = q.dequeue_filled(1, timeout)? else { return Ok(None) };
+        let block = self.interruptible(py, timeout, |q, slice| {
+            let Some(run) = q.dequeue_filled(1, slice)? else { return Ok(None) };
             let (len, tag) = run.block(0);
             let mut bytes = vec![0u8; len];
             run.read_at(0, 0, &mut bytes)?;
@@ -193,7 +220,7 @@ impl BlockQueue {
     #[pyo3(signature = (timeout = None))]
     fn wait_drained(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = seconds(timeout)?;
-        self.with(py, |q| q.wait_drained(timeout))
+        self.interruptible(py, timeout, |q, slice| q.wait_drained(slice))
     }
 
     /// The descriptor this end waits on, for select/poll/asyncio: call

@@ -75,6 +75,20 @@ fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> PyResult<T
 /// `torch.frombuffer` releases its export at once and keeps only a
 /// reference to the object, so `close()` cannot know that nothing reaches
 /// the bytes any more, but the last reference going away can.
+///
+/// A process forked after the load (`os.fork()`, multiprocessing's
+/// `fork` start method, DataLoader workers) gets its own copy of the bytes,
+/// as of any other object: just before the fork the buffer's mapping is made
+/// private copy-on-write, so neither process's later in-place writes reach
+/// the other, and views made before the fork keep working in both. (Where
+/// that cannot be done, hugetlb memory whose pool lacks the pages a private
+/// mapping reserves or a kernel before 5.16, the fork goes on with the memory
+/// shared and a line on stderr says so.) The memfd (`fileno()`,
+/// `dup_memfd()`, `send()`) is handed out only while it holds the bytes
+/// the buffer shows: once the buffer's memory is private (received, its
+/// memfd handed out before, or a fork since the load) and written in place,
+/// these raise OSError rather than give others bytes the buffer does not
+/// show; copy the bytes into a new buffer to share them.
 #[pyclass(module = "dmaload._dmaload", name = "Buffer", weakref)]
 pub struct Buffer {
     /// Owns the mapping and the memfd until the object is deallocated.
@@ -617,7 +631,7 @@ impl Progress {
 
 /// How often a thread waiting for a load looks for a pending signal
 /// (Ctrl-C): the bound on how late `KeyboardInterrupt` is raised.
-const SIGNAL_POLL: Duration = Duration::from_millis(20);
+pub(crate) const SIGNAL_POLL: Duration = Duration::from_millis(20);
 
 /// Runs `work` with the GIL released on a thread of its own while this
 /// thread checks for signals every [`SIGNAL_POLL`]: a pending one (Ctrl-C)

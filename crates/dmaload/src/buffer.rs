@@ -48,6 +48,15 @@ pub struct Segment {
 /// The memory is page-aligned and may start with a few bytes before the
 /// requested range (direct I/O reads whole aligned blocks); those are not
 /// part of the slice but are part of the memfd: see [`Buffer::memfd_offset`].
+///
+/// A process forked after the load gets its own copy of the bytes: just
+/// before a fork the mapping of a loaded memfd buffer is made private
+/// copy-on-write, so neither process's later writes reach the other
+/// (where that cannot be done, hugetlb memory whose pool lacks the pages a
+/// private mapping reserves or a kernel before 5.16, the fork goes on with
+/// the memory shared and says so on stderr). The memfd is handed out ([`Buffer::memfd`], [`Buffer::send`],
+/// [`Buffer::into_memfd`], [`Buffer::into_dmabuf`]) only while it holds
+/// the bytes the buffer shows.
 pub struct Buffer {
     mapping: Mapping,
     memfd: Option<OwnedFd>,

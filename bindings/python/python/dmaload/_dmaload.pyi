@@ -65,6 +65,20 @@ class Buffer:
     the last reference to the Buffer goes, and every view holds one.
     Cannot be pickled or copied (TypeError). Any internal failure of the
     native code is a RuntimeError, never a PanicException.
+
+    A process forked after the load (``os.fork()``, multiprocessing's
+    ``fork`` start method, DataLoader workers) gets its own copy of the bytes,
+    as of any other object: just before the fork the buffer's mapping is made
+    private copy-on-write, so neither process's later in-place writes reach
+    the other, and views made before the fork keep working in both. (Where
+    that cannot be done, hugetlb memory whose pool lacks the pages a private
+    mapping reserves or a kernel before 5.16, the fork goes on with the memory
+    shared and a line on stderr says so.) The memfd (``fileno()``,
+    ``dup_memfd()``, ``send()``) is handed out only while it holds the bytes
+    the buffer shows: once the buffer's memory is private (received, its
+    memfd handed out before, or a fork since the load) and written in place,
+    these raise OSError rather than give others bytes the buffer does not
+    show; copy the bytes into a new buffer to share them.
     """
 
     def __len__(self) -> int: ...
@@ -247,8 +261,12 @@ class BlockQueue:
     in): the peer may write a block at any moment if it breaks the protocol,
     so no view of the shared ring is handed out. Waits release the GIL, and
     a call on an end another thread is using waits for it with the GIL
-    released (other threads run on). A timeout is TimeoutError, a peer that
-    went away BrokenPipeError, a corrupt control page OSError(EPROTO).
+    released (other threads run on). ``put``, ``get`` and ``wait_drained``
+    answer Ctrl-C: the wait looks for signals every 20 ms and raises
+    ``KeyboardInterrupt`` (or a signal handler's exception), having taken
+    no block, so the queue is left as it was (``create`` and ``attach``
+    wait for the peer without looking). A timeout is TimeoutError, a peer
+    that went away BrokenPipeError, a corrupt control page OSError(EPROTO).
     """
 
     @staticmethod

@@ -64,6 +64,9 @@ def load(
     service holds the file. Without a service it loads directly and says
     so once (``RuntimeWarning``); ``progress`` is not called for a file
     the service serves.
+
+    A process forked after the load gets its own copy of the buffer's
+    bytes: see :class:`Buffer`.
     """
     file = _file(path)
     socket = socket_for(cache)

@@ -1,0 +1,111 @@
+"""Ctrl-C in a real child process blocked in a BlockQueue wait: a real
+SIGINT raises KeyboardInterrupt and leaves nothing behind (no thread, no
+descriptor, no block taken or half put). The child says when it is about
+to wait; the parent then waits until the child's main thread sleeps in the
+kernel (/proc/PID/wchan), so the signal lands in the wait. How late the
+exception came is printed, not asserted."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+# Builds a queue of 2 blocks between two ends in this one process.
+SETUP = """
+import os, signal, socket, sys, threading, time, dmaload
+signal.signal(signal.SIGINT, signal.default_int_handler)
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+ends = {}
+creator = threading.Thread(target=lambda: ends.setdefault(
+    "producer", dmaload.BlockQueue.create(a, "producer", block_size=4096, blocks=2)))
+creator.start()
+consumer = dmaload.BlockQueue.attach(b)
+creator.join()
+producer = ends["producer"]
+def state():
+    return sorted(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+"""
+
+# Each wait: what comes before it, the blocking call, and the checks after
+# the KeyboardInterrupt that the queue is as it was.
+WAITS = {
+    "get on an empty queue": (
+        "",
+        "consumer.get()",
+        "producer.put(b'x', tag=1); assert consumer.get(timeout=60) == (1, b'x')",
+    ),
+    "put on a full queue": (
+        "producer.put(b'a', tag=0); producer.put(b'b', tag=1)",
+        "producer.put(b'c', tag=2)",
+        "producer.finish(); assert [consumer.get(timeout=60) for _ in range(3)] == [(0, b'a'), (1, b'b'), None]",
+    ),
+    "wait_drained with a block left": (
+        "producer.put(b'a', tag=0); producer.finish()",
+        "producer.wait_drained()",
+        "assert consumer.get(timeout=60) == (0, b'a') and consumer.get(timeout=60) is None",
+    ),
+}
+
+
+def _sleeping_in_the_kernel(pid: int) -> bool:
+    with open(f"/proc/{pid}/wchan") as f:
+        return f.read().strip() not in ("", "0")
+
+
+@pytest.mark.parametrize("wait", sorted(WAITS))
+def test_ctrl_c_ends_a_block_queue_wait_and_leaves_the_queue_as_it_was(wait: str) -> None:
+    before, call, after = WAITS[wait]
+    code = SETUP + textwrap.dedent(
+        f"""
+        {before}
+        held = state()
+        print("WAITING", flush=True)
+        try:
+            {call}
+        except KeyboardInterrupt:
+            print("INTERRUPTED", time.monotonic(), flush=True)
+        else:
+            sys.exit("the wait ended without the signal")
+        assert state() == held, (state(), held)
+        {after}
+        print("INTACT", flush=True)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    try:
+        line = child.stdout.readline()
+        assert line == "WAITING\n", line + (child.stderr.read() if child.stderr else "")
+        deadline = time.monotonic() + 60
+        while not _sleeping_in_the_kernel(child.pid):
+            assert time.monotonic() < deadline, "the child never blocked"
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=5)  # generous: the wait answers in milliseconds
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0 and "INTACT" in out, f"{child.returncode}\n{out}\n{err}"
+    raised = float(next(line.split()[1] for line in out.splitlines() if line.startswith("INTERRUPTED")))
+    print(f"{wait}: KeyboardInterrupt {1000 * (raised - sent):.1f} ms after SIGINT")
+
+
+def test_the_waits_still_time_out(tmp_path: Path) -> None:
+    """Slicing the waits keeps their timeout: a get on an empty queue with
+    a timeout is TimeoutError, not None or a hang."""
+    code = SETUP + textwrap.dedent(
+        """
+        try:
+            consumer.get(timeout=0.05)
+        except TimeoutError:
+            print("TIMED OUT", flush=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "TIMED OUT" in out.stdout, out.stdout + out.stderr
