@@ -4,7 +4,6 @@
 
 use std::io;
 use std::os::fd::AsFd;
-use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
