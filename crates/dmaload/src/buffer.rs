@@ -8,6 +8,7 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::types::Fallback;
 use crate::heap::{self, DmaBuf};
 use crate::memory::{Allocation, MemoryKind, NEEDS_A_MEMFD};
 use crate::sys;
@@ -73,16 +74,29 @@ impl Buffer {
     /// A buffer over `data` of a filled allocation, whose gathers (ranges of
     /// the mapping) are `gathers`. A memfd's mapping is registered to be
     /// made private before a fork ([`Mapping::private_on_fork`]): a forked
-    /// child gets its own copy of the bytes, as of any other memory; this
-    /// fails only where no descriptor is left for the registry's copy.
+    /// child gets its own copy of the bytes, as of any other memory. Where no
+    /// descriptor is left for the registry's copy (RLIMIT_NOFILE), the
+    /// buffer stays shared across a fork and the returned fallback says so.
     pub(crate) fn new(
         mut alloc: Allocation,
         data: Range<usize>,
         gathers: &[Range<usize>],
-    ) -> std::io::Result<Buffer> {
-        if let Some(memfd) = &alloc.memfd {
-            alloc.mapping.private_on_fork(memfd.as_fd())?;
-        }
+    ) -> (Buffer, Option<Fallback>) {
+        // The registry keeps a descriptor of its own: where none is left
+        // (RLIMIT_NOFILE), the buffer is still handed out, shared across a
+        // fork as before, and the load says so.
+        let unregistered = alloc.memfd.as_ref().and_then(|memfd| {
+            alloc.mapping.private_on_fork(memfd.as_fd()).err().map(|err| {
+                Fallback::new(
+                    "private on fork",
+                    "shared across fork",
+                    format!(
+                        "no descriptor for the fork registry's copy of the memfd ({err}): a forked child \
+                         shares this buffer's pages"
+                    ),
+                )
+            })
+        });
         let segments = gathers
             .iter()
             .filter_map(|g| {
@@ -91,14 +105,15 @@ impl Buffer {
                 (start < end).then(|| Segment { offset: start - data.start, len: end - start })
             })
             .collect();
-        Ok(Buffer {
+        let buffer = Buffer {
             mapping: alloc.mapping,
             memfd: alloc.memfd,
             kind: alloc.kind,
             data,
             segments,
             sharing: Mutex::new(()),
-        })
+        };
+        (buffer, unregistered)
     }
 
     /// A buffer over `data` of a memfd another process sealed for sharing,

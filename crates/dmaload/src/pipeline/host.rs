@@ -60,11 +60,11 @@ pub(crate) fn load_source(
         sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)
             .map_err(|e| Error::io("seal memfd", path, e))?;
     }
-    let buffer = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges())
-        .map_err(|e| Error::io("dup memfd", path, e))?;
+    let (buffer, unregistered) = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges());
     debug_assert_eq!(len, buffer.len() as u64);
     let waited = run.waited_for_memory;
     let mut report = opened.report(&plan, run, options, memory, &facts)?;
+    report.fallbacks.extend(unregistered);
     report.alloc_seconds = times.all.as_secs_f64();
     report.register_seconds = times.register.as_secs_f64();
     report.first_gather_seconds = times.first.as_secs_f64();
@@ -200,7 +200,7 @@ fn load_through_ring(
     report.huge_pages = false;
     report.alloc_seconds += alloc_seconds;
     let whole = 0..bytes;
-    let buffer = Buffer::new(alloc, whole.clone(), std::slice::from_ref(&whole))
-        .map_err(|e| Error::io("dup memfd", path, e))?;
+    let (buffer, unregistered) = Buffer::new(alloc, whole.clone(), std::slice::from_ref(&whole));
+    report.fallbacks.extend(unregistered);
     Ok((buffer, report))
 }
