@@ -11,11 +11,13 @@ rank count and page-cache state, each engine a fresh process
 
 Reported per format, ranks and state: vLLM's own "Loading weights took"
 (the slowest rank's; runai_streamer's loader prints none: "-"), the time to the first token from the process's start
-(vLLM's import and engine start included), and the bytes read from storage
-by the whole engine (this process's /proc/self/io read_bytes across the run:
-the kernel adds each reaped child's counts to its parent; an engine with
-dummy weights runs first so that vLLM's own files are in the page cache and
-the bytes counted are the checkpoint's). A format whose
+(vLLM's import and engine start included), and the bytes read from the
+block device holding the checkpoint during the run (/sys/dev/block/.../stat:
+the whole machine's reads, since an engine's worker processes are not all
+reaped by their parents, whose /proc/self/io would count them; an engine
+with dummy weights runs first for each rank count, so that vLLM's own files
+are in the page cache and the bytes counted are the checkpoint's). With
+dmaload each rank also logs what it read itself. A format whose
 engine fails is reported with its error once and not run again. A run
 whose tokens differ from the safetensors run's with the same ranks is
 marked.
@@ -48,9 +50,12 @@ ERROR = re.compile(r"\b\w+Error: ")
 NOT_CAUSES = ("Tokenizer not available", "Engine core initialization failed", "Worker failed with error")
 
 
-def read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+def device_read_bytes(model: Path) -> int:
+    """Bytes read so far from the block device holding ``model`` (its
+    /sys/dev/block/MAJ:MIN/stat, sectors read: the whole machine's reads)."""
+    dev = os.stat(model).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+    return int(stat[2]) * 512
 
 
 def make_model(out: Path, size_gib: float, shard: str) -> Path:
@@ -89,7 +94,7 @@ def serve(python: str, model: Path, fmt: str, ranks: int, memory: float, timeout
     if ranks > 1:
         cpus = sorted(os.sched_getaffinity(0))[:ranks]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cpus))
-    before = read_bytes()
+    before = device_read_bytes(model)
     started = time.perf_counter()
     run = subprocess.run(
         [python, str(ENGINES / "generate.py"), str(model), fmt, "{}", str(ranks), str(memory)],
@@ -100,7 +105,7 @@ def serve(python: str, model: Path, fmt: str, ranks: int, memory: float, timeout
     )
     wall = time.perf_counter() - started
     output = run.stdout + run.stderr
-    result: dict[str, object] = {"read": read_bytes() - before, "wall_s": wall}
+    result: dict[str, object] = {"read": device_read_bytes(model) - before, "wall_s": wall}
     line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
     loads = [float(m) for m in LOADING.findall(output)]
     if run.returncode != 0 or line is None:
@@ -147,7 +152,8 @@ def main() -> None:
     broken: dict[str, str] = {}
     # One engine with dummy weights first: vLLM's own files are then in the
     # page cache, so the reads counted below are the checkpoint's.
-    serve(sys.executable, model, "dummy", 1, a.memory, a.timeout)
+    for n in ranks:
+        serve(sys.executable, model, "dummy", n, a.memory, a.timeout)
     for rnd in range(a.rounds):
         for state in states:
             for n in ranks:
@@ -167,7 +173,7 @@ def main() -> None:
 
     print(f"\nmodel: {len(shards(model))} shards, {total / 2**30:.2f} GiB; {a.rounds} round(s); machine: "
           f"{os.cpu_count()} CPUs")
-    print("| format | ranks | state | Loading weights took, s | first token from start, s | read from storage, GiB | tokens |")
+    print("| format | ranks | state | Loading weights took, s | first token from start, s | device reads, GiB | tokens |")
     print("|---|---|---|---|---|---|---|")
     for fmt in formats:
         if fmt in broken:

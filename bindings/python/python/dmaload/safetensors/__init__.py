@@ -765,7 +765,7 @@ def iter_tensors(
     ``DMALOAD_CACHE``), each file comes whole from the model-cache service
     and the group is not used.
 
-    ``recycle=True`` reuses a ring of four window buffers instead of new
+    ``recycle=True`` reuses a ring of three window buffers instead of new
     memory for each window (whose first touch costs more than the read
     where memory is slow to fault in): each tensor then stays valid only
     until the iterator hands out a tensor two windows later, so the caller

@@ -172,9 +172,9 @@ class _Group:
         self.dist.all_gather_into_tensor(buffer, mine, group=self.group)
 
 
-RING = 4
+RING = 3
 """Window buffers that ``recycle`` reuses: the one before the window being
-handed out, that one, the next (read, waiting) and the one being read."""
+handed out, that one, and the next (being read, then waiting)."""
 
 
 class _Stopped(Exception):
@@ -183,24 +183,27 @@ class _Stopped(Exception):
 
 class _Buffers:
     """Where windows are read: new memory for each, or with ``recycle`` a
-    ring of ``RING`` buffers reused once the consumer is two windows past
-    them (so the pages are touched once, not once per window)."""
+    ring of ``RING`` buffers of the largest window's size (pages a smaller
+    window leaves untouched are never faulted in), reused once the consumer
+    is two windows past them, so each page is touched once, not once per
+    window."""
 
-    def __init__(self, recycle: bool, make: Callable[[int], Any]) -> None:
-        self._recycle, self._make = recycle, make
+    def __init__(self, recycle: bool, make: Callable[[int], Any], largest: int) -> None:
+        self._recycle, self._make, self._largest = recycle, make, largest
         self._free: queue.Queue[Any] = queue.Queue()
         self._made = 0
 
     def take(self, n: int) -> tuple[Any, Any]:
         """(the buffer to give back, a view of its first ``n`` bytes)."""
-        base = None
-        if self._recycle and self._made >= RING:
+        if not self._recycle:
+            base = self._make(n)
+        elif self._made < RING:
+            base = self._make(self._largest)
+            self._made += 1
+        else:
             base = self._free.get()
             if base is None:
                 raise _Stopped
-        if base is None or base.numel() < n:
-            base = self._make(n)
-            self._made += 1
         return base, base[:n]
 
     def give(self, base: Any) -> None:
@@ -271,7 +274,8 @@ class Stream:
             raise ValueError(f"device={device!r}: this NCCL group exchanges on {self._group.device}: load there")
         self._progress = progress
         device_of_buffers = self._group.device if self._group else self._target
-        self._buffers = _Buffers(recycle, lambda n: _aligned_empty(torch, n, device_of_buffers))
+        self._recycle = recycle
+        self._make_buffer: Callable[[int], Any] = lambda n: _aligned_empty(torch, n, device_of_buffers)
         self.paths = paths
         self._fds: list[int] = []
         self.headers: list[Header] = []
@@ -300,6 +304,7 @@ class Stream:
                 raise failure
             wanted = [bool(self._wants(t.name)) for h in self.headers for t in h.tensors]
             self.windows = _windows(self.headers, wanted, self._window, 1)
+            self._buffers = self._ring(1)
             return
         where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
         digest = -1 if failure is not None else _digest(self.paths, self.headers)
@@ -317,6 +322,11 @@ class Stream:
         everyone = _collective(group, doing, group.gather_ints, mine) if mine else []
         wanted = [any(row[k] for row in everyone) for k in range(len(mine))]
         self.windows = _windows(self.headers, wanted, self._window, group.size)
+        self._buffers = self._ring(group.size)
+
+    def _ring(self, ranks: int) -> _Buffers:
+        largest = max((ranks * w.slot for w in self.windows), default=0)
+        return _Buffers(self._recycle, self._make_buffer, largest)
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
