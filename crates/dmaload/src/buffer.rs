@@ -8,11 +8,11 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::types::Fallback;
 use crate::heap::{self, DmaBuf};
 use crate::memory::{Allocation, MemoryKind, NEEDS_A_MEMFD};
 use crate::sys;
 use crate::sys::mem::{page_size, Mapping, Seals};
+use crate::types::Fallback;
 
 /// The seals a memfd carries before it leaves the process, and that a
 /// receiver checks: no shrinking or growing, no writes at all
