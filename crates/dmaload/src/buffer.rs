@@ -91,8 +91,8 @@ impl Buffer {
                     "private on fork",
                     "shared across fork",
                     format!(
-                        "no descriptor for the fork registry's copy of the memfd ({err}): a forked child \
-                         shares this buffer's pages"
+                        "no descriptor under RLIMIT_NOFILE for the fork registry's copy of the memfd ({err}): a \
+                         forked child shares this buffer's pages"
                     ),
                 )
             })

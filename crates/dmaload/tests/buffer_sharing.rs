@@ -13,6 +13,17 @@ use dmaload::{Buffer, ErrorKind, LoadOptions, MemoryKind};
 
 const LEN: u64 = 3 * 1024 * 1024 + 5;
 
+/// Held by every test of this file: a fork copies every mapping the
+/// process has, so a buffer another test is still loading (shared, not yet
+/// registered to turn private) would reach the child as a writable shared
+/// mapping, and the kernel would refuse that buffer's `F_SEAL_WRITE` until
+/// the child exits.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn loaded(dir: &tempfile::TempDir) -> Buffer {
     let path = dir.path().join("f");
     write_pattern_file(&path, LEN);
@@ -48,6 +59,7 @@ fn assert_every_way_out_refused(buffer: Buffer) {
 
 #[test]
 fn a_buffer_written_after_its_memfd_went_out_does_not_hand_it_out_again() {
+    let _serial = one_at_a_time();
     let dir = scratch_dir();
     let mut buffer = loaded(&dir);
     assert!(memfd_bytes(&buffer) == buffer[..]);
@@ -57,6 +69,7 @@ fn a_buffer_written_after_its_memfd_went_out_does_not_hand_it_out_again() {
 
 #[test]
 fn a_received_buffer_written_in_place_is_not_passed_on_with_the_senders_bytes() {
+    let _serial = one_at_a_time();
     let dir = scratch_dir();
     let buffer = loaded(&dir);
     let (a, b) = Connection::pair().unwrap();
@@ -97,6 +110,7 @@ fn exit_status(pid: libc::pid_t) -> i32 {
 
 #[test]
 fn a_forked_child_and_its_parent_each_write_their_own_copy() {
+    let _serial = one_at_a_time();
     let dir = scratch_dir();
     let mut buffer = loaded(&dir);
     let (child_end, parent_end) = std::os::unix::net::UnixStream::pair().unwrap();

@@ -27,7 +27,7 @@
 //! Robustness: each client has its own thread; a client that dies, sends
 //! garbage or asks for a file that fails to load gets (or misses) an error
 //! reply, and the service goes on. A get is acknowledged at once and kept
-//! alive while it loads (see [`protocol`]), so a client tells a slow load
+//! alive while it loads (see [`super::protocol`]), so a client tells a slow load
 //! from a stopped service. A connection idle for
 //! [`ServiceConfig::idle_timeout`] is closed, and one uid holds at most
 //! [`MAX_CLIENTS_PER_UID`] connections, so connections that never send
