@@ -1,7 +1,7 @@
 //! `dmaload._dmaload`: the native half of the `dmaload` Python package.
 //!
 //! The pure-Python package in `python/dmaload` is the public API; this
-//! module holds what must be native: the [`Buffer`] type with the buffer
+//! module holds what must be native: the `Buffer` type with the buffer
 //! protocol, and loads and saves that run with the GIL released.
 //!
 //! `unsafe` code is allowed item by item, each with its SAFETY contract:
