@@ -34,15 +34,7 @@ pub type Sha256Digest = [u8; 32];
 pub fn expected_digest(path: &Path) -> Result<Sha256Digest> {
     let sums = sums_path(path);
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let text = std::fs::read_to_string(&sums).map_err(|e| match e.kind() {
-        io::ErrorKind::NotFound => Error::new(
-            ErrorKind::InvalidInput,
-            "verify",
-            path,
-            format!("no {} beside it to verify against (`dmaload sums` writes one)", sums.display()),
-        ),
-        _ => Error::io("read the sums file", &sums, e),
-    })?;
+    let text = read_sums_file(path, &sums)?;
     let mut found = None;
     for (number, line) in text.lines().enumerate() {
         if line.is_empty() {
@@ -128,10 +120,47 @@ pub fn sums_line(digest: &Sha256Digest, name: &str) -> String {
     }
 }
 
+/// A sums file is one line a file: more than this is not one.
+const MAX_SUMS_BYTES: u64 = 16 << 20;
+
+/// The text of the sums file `sums` beside `path`: a regular file of at
+/// most [`MAX_SUMS_BYTES`], opened without blocking (a FIFO or a device
+/// put there is refused, not read forever).
+fn read_sums_file(path: &Path, sums: &Path) -> Result<String> {
+    let meta = match std::fs::metadata(sums) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "verify",
+                path,
+                format!("no {} beside it to verify against (`dmaload sums` writes one)", sums.display()),
+            ))
+        }
+        Err(e) => return Err(Error::io("read the sums file", sums, e)),
+        Ok(meta) => meta,
+    };
+    if !meta.is_file() || meta.len() > MAX_SUMS_BYTES {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "read the sums file",
+            sums,
+            format!("not a regular file of at most {MAX_SUMS_BYTES} bytes (the digests `sha256sum` writes)"),
+        ));
+    }
+    let mut text = String::new();
+    crate::source::open_for_reading(sums)?
+        .take(MAX_SUMS_BYTES)
+        .read_to_string(&mut text)
+        .map_err(|e| Error::io("read the sums file", sums, e))?;
+    Ok(text)
+}
+
 /// The SHA-256 of the file at `path`, read through once (what `dmaload
 /// sums` records).
 pub fn file_digest(path: &Path) -> Result<Sha256Digest> {
-    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    // Regular files and block devices only, opened without blocking: a
+    // FIFO named here is refused, not waited on.
+    let mut file = crate::source::open_for_reading(path)?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {

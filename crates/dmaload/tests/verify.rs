@@ -177,3 +177,49 @@ fn a_cached_load_with_verify_loads_directly_and_verifies() {
     let err = dmaload::share::load_cached(&path, &socket, &options).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
 }
+
+/// A FIFO or a device named as the sums file, or as a file to sum, is
+/// refused at once, never read forever (each call runs on a thread the test
+/// gives up on after 30 s, so a regression fails instead of hanging).
+#[test]
+fn a_fifo_or_device_in_place_of_a_file_is_refused_not_read_forever() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 100_000);
+    let sums = dir.path().join(dmaload::verify::SUMS_FILE);
+    let within = |what: &str, call: Box<dyn FnOnce() -> String + Send>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(call()).ok());
+        let err =
+            rx.recv_timeout(std::time::Duration::from_secs(30)).unwrap_or_else(|_| panic!("{what} hung"));
+        assert!(!err.is_empty(), "{what} was not refused");
+        err
+    };
+    let load = |path: PathBuf| -> Box<dyn FnOnce() -> String + Send> {
+        Box::new(move || {
+            match dmaload::load(&path, &LoadOptions { verify: true, ..LoadOptions::default() }) {
+                Ok(_) => String::new(),
+                Err(err) => {
+                    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+                    err.to_string()
+                }
+            }
+        })
+    };
+    assert!(Command::new("mkfifo").arg(&sums).status().unwrap().success());
+    let err = within("a FIFO sums file", load(path.clone()));
+    assert!(err.contains("not a regular file"), "{err}");
+    std::fs::remove_file(&sums).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &sums).unwrap();
+    let err = within("/dev/zero as the sums file", load(path.clone()));
+    assert!(err.contains("not a regular file"), "{err}");
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let err = within(
+        "summing a FIFO",
+        Box::new(move || {
+            dmaload::verify::file_digest(&fifo).err().map(|e| e.to_string()).unwrap_or_default()
+        }),
+    );
+    assert!(err.contains("FIFO"), "{err}");
+}
