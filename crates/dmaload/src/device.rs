@@ -7,7 +7,7 @@ use std::io;
 use crate::cuda::{Context, CudaError, DeviceBuffer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::LoadOptions;
-use crate::pipeline::{range_len, staged_load};
+use crate::pipeline::{load_open_to_sink, range_len};
 use crate::report::LoadReport;
 use crate::sink::{CudaSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use crate::source::OpenFile;
@@ -75,7 +75,7 @@ pub(crate) fn load_open_device(
     let mut report = {
         let mut sink =
             CudaSink::new(&context, vec![(offset, memory.range())]).map_err(cuda("cuStreamCreate"))?;
-        staged_load(file, offset, Some(len), &mut ring, &mut sink, &options)?
+        load_open_to_sink(file, offset, Some(len), &mut ring, &mut sink, &options)?
     };
     report.destination =
         format!("cuda:{ordinal} ({}) via {}", context.device_name().unwrap_or_default(), report.destination);

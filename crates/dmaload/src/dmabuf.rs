@@ -15,7 +15,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::heap::DEFAULT_DMA_HEAP;
 use crate::heap::{self, CpuAccess, DmaBuf, DmaHeap};
 use crate::options::{validate, Destination, LoadOptions};
-use crate::pipeline::{check_memory, load_source, range_len, staged_load};
+use crate::pipeline::{check_memory, load_open_to_sink, load_source, range_len};
 use crate::report::LoadReport;
 use crate::sink::{DmaHeapSink, StagingRing};
 use crate::source::OpenFile;
@@ -232,7 +232,7 @@ fn load_heap(
     let chunk = options.chunk_size.min(slot_size);
     let mut ring = StagingRing::new(slots, slot_size, chunk)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
-    let loaded = staged_load(file, offset, Some(len), &mut ring, &mut sink, options);
+    let loaded = load_open_to_sink(file, offset, Some(len), &mut ring, &mut sink, options);
     let mut report = match loaded {
         Ok(report) => report,
         // The allocation's own error is the cause: the load saw only that

@@ -66,14 +66,7 @@ impl Error {
     /// [`Error::raw_os_error`] and [`Error::errno`] give `errno`.
     pub fn with_errno(op: &'static str, path: &Path, errno: i32, message: impl Into<String>) -> Self {
         let source = io::Error::new(io::Error::from_raw_os_error(errno).kind(), message.into());
-        Error {
-            kind: ErrorKind::Io,
-            op: Cow::Borrowed(op),
-            path: path.to_owned(),
-            offset: None,
-            source,
-            errno: Some(errno),
-        }
+        Error { errno: Some(errno), ..Error::io(op, path, source) }
     }
 
     /// An error of `kind` with a message instead of an OS error.

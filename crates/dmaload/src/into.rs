@@ -21,7 +21,7 @@ use crate::memory::MemoryKind;
 use crate::memory::{MemoryChoice, MemoryFacts};
 use crate::options::{validate, LoadOptions};
 use crate::pagecache::cached_source_options;
-use crate::pipeline::{fill_mapping, open_range, staged_load, with_kept_ring};
+use crate::pipeline::{fill_mapping, load_open_to_sink, open_range, with_kept_ring};
 use crate::plan::Plan;
 use crate::sink::{HostSink, StagingRing};
 use crate::source::OpenFile;
@@ -148,7 +148,14 @@ fn read_edge(
     let mut ring =
         StagingRing::new(2, block, page).map_err(|e| Error::io("allocate staging ring", file.path(), e))?;
     let quiet = LoadOptions { progress: None, ..options.clone() };
-    staged_load(file, offset, Some(dst.len() as u64), &mut ring, &mut HostSink::raw(dst, offset), &quiet)?;
+    load_open_to_sink(
+        file,
+        offset,
+        Some(dst.len() as u64),
+        &mut ring,
+        &mut HostSink::raw(dst, offset),
+        &quiet,
+    )?;
     Ok(())
 }
 
@@ -165,7 +172,7 @@ fn staged(
     let (mut report, geometry) = with_kept_ring(file.path(), options.chunk_size, |ring| {
         let geometry = (ring.slots(), ring.slot_len());
         let sink = &mut HostSink::raw(dst, offset);
-        staged_load(file, offset, Some(len), ring, sink, options).map(|r| (r, geometry))
+        load_open_to_sink(file, offset, Some(len), ring, sink, options).map(|r| (r, geometry))
     })?;
     report.fallbacks.extend(fallback);
     report.destination = format!("caller memory (staged through {} x {} bytes)", geometry.0, geometry.1);

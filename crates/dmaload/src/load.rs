@@ -23,7 +23,8 @@ pub use crate::options::{
     default_populate_threads, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE,
     DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
 };
-use crate::pipeline::{load_source, staged_load};
+pub use crate::pipeline::load_open_to_sink;
+use crate::pipeline::load_source;
 pub use crate::report::LoadReport;
 use crate::sink::{Sink, StagingRing};
 use crate::source::OpenFile;
@@ -116,20 +117,6 @@ pub fn load_to_sink(
 ) -> Result<LoadReport> {
     let file = OpenFile::open(path.as_ref())?;
     load_open_to_sink(&file, offset, len, ring, sink, options)
-}
-
-/// [`load_to_sink`] from a file opened beforehand (whose header, say, the
-/// caller read to size the destination): the same open file is read, and a
-/// change to it since it was opened is an error.
-pub fn load_open_to_sink(
-    file: &OpenFile,
-    offset: u64,
-    len: Option<u64>,
-    ring: &mut StagingRing,
-    sink: &mut dyn Sink,
-    options: &LoadOptions,
-) -> Result<LoadReport> {
-    staged_load(file, offset, len, ring, sink, options)
 }
 
 /// What a load made, by the kind of destination `LoadOptions::to` named.

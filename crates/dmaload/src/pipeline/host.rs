@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use super::range::open_range;
-use super::staged::staged_load;
+use super::staged::load_open_to_sink;
 use super::{allocation_error, fill, Filled};
 use crate::buffer::Buffer;
 use crate::error::{Error, ErrorKind, Result};
@@ -184,7 +184,7 @@ fn load_through_ring(
     let alloc_seconds = started.elapsed().as_secs_f64();
     let dst = &mut alloc.mapping.as_mut_slice()[..bytes];
     let mut report = with_kept_ring(path, options.chunk_size, |ring| {
-        staged_load(file, offset, Some(len), ring, &mut HostSink::new(dst, offset), options)
+        load_open_to_sink(file, offset, Some(len), ring, &mut HostSink::new(dst, offset), options)
     })?;
     if let Some(memfd) = &alloc.memfd {
         sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)

@@ -9,7 +9,7 @@ mod staged;
 
 pub(crate) use host::{load_source, with_kept_ring};
 pub(crate) use range::{check_memory, open_range, range_len};
-pub(crate) use staged::staged_load;
+pub use staged::load_open_to_sink;
 
 use std::io;
 use std::os::fd::AsFd;

@@ -17,9 +17,11 @@ use crate::sink::{Sink, StagingRing};
 use crate::source::OpenFile;
 use crate::sys;
 
-/// [`crate::load_open_to_sink`]: the range read through `ring`'s slots
-/// into `sink`.
-pub(crate) fn staged_load(
+/// [`crate::load_to_sink`] from a file opened beforehand (whose header,
+/// say, the caller read to size the destination): the same open file is
+/// read through `ring`'s slots into `sink`, and a change to it since it was
+/// opened is an error.
+pub fn load_open_to_sink(
     file: &OpenFile,
     offset: u64,
     len: Option<u64>,

@@ -52,6 +52,17 @@ class LoaderConfig:
         return cls(window, collective, cache, mine)
 
 
+def world_device_group(get_world_group: Callable[[], Any]) -> Any:
+    """An engine's world device group (its ``get_world_group()``) when there
+    are several ranks, else None; None too where no world group exists (a
+    loader used outside an engine)."""
+    try:
+        world = get_world_group()
+    except AssertionError:
+        return None
+    return world.device_group if world.world_size > 1 else None
+
+
 def storage_read_bytes() -> int | None:
     """This process's bytes read from storage so far (``/proc/self/io``
     ``read_bytes``), or None where the kernel does not count them."""

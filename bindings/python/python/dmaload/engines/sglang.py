@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._weights import LoaderConfig, weights
+from ._weights import LoaderConfig, weights, world_device_group
 
 __all__ = ["LOAD_FORMAT", "loader_class", "register"]
 
@@ -99,11 +99,7 @@ def _world_device_group() -> Any:
     """SGLang's world device group when there are several ranks, else None."""
     from sglang.srt.distributed.parallel_state import get_world_group
 
-    try:
-        world = get_world_group()
-    except AssertionError:  # no world group: a loader used outside an engine
-        return None
-    return world.device_group if world.world_size > 1 else None
+    return world_device_group(get_world_group)
 
 
 def _is_first_rank() -> bool:

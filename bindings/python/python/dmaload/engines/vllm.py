@@ -41,7 +41,7 @@ from vllm.model_executor.model_loader.weight_utils import (
     filter_safetensors_files_by_weight_name,
 )
 
-from ._weights import LoaderConfig, weights
+from ._weights import LoaderConfig, weights, world_device_group
 
 __all__ = ["LOAD_FORMAT", "DmaloadModelLoader", "register"]
 
@@ -109,11 +109,7 @@ def _world_device_group() -> Any:
     """vLLM's world device group when there are several ranks, else None."""
     from vllm.distributed import get_world_group
 
-    try:
-        world = get_world_group()
-    except AssertionError:  # no world group: a loader used outside an engine
-        return None
-    return world.device_group if world.world_size > 1 else None
+    return world_device_group(get_world_group)
 
 
 def _expert_filter(local_expert_ids: set[int] | None) -> Any:
