@@ -205,13 +205,21 @@ impl ServiceProcess {
         io.lines().find_map(|l| l.strip_prefix("read_bytes: ")).unwrap().trim().parse().unwrap()
     }
 
-    /// The memfds the service holds open.
+    /// The memfds the service holds open, each counted once however many
+    /// descriptors it has open on it (a loaded buffer's fork registry keeps
+    /// a second one).
     fn memfds(&self) -> usize {
+        use std::os::unix::fs::MetadataExt;
         std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
             .unwrap()
-            .filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
-            .filter(|target| target.to_string_lossy().starts_with("/memfd:"))
-            .count()
+            .filter_map(|entry| {
+                let path = entry.ok()?.path();
+                let target = std::fs::read_link(&path).ok()?;
+                let memfd = target.to_string_lossy().starts_with("/memfd:");
+                memfd.then(|| std::fs::metadata(&path).ok().map(|meta| meta.ino())).flatten()
+            })
+            .collect::<std::collections::BTreeSet<u64>>()
+            .len()
     }
 
     fn stop(mut self) {
