@@ -12,7 +12,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::{cache_name, detached, guard, os_error, DefaultValue, Opts, Progress};
+use crate::{cache_name, guard, os_error, run_cancellable, DefaultValue, Opts, Progress};
 
 /// The bytes of `export`, for the kernel alone to read.
 #[allow(unsafe_code)]
@@ -50,26 +50,19 @@ pub fn save<'py>(
         if !export.is_c_contiguous() {
             return Err(PyBufferError::new_err("dmaload.save needs a C-contiguous buffer (copy it first)"));
         }
-        // The core's save cannot be stopped midway: nothing watches the
-        // token, and Ctrl-C is raised when the save returns.
+        // Ctrl-C, or an exception in the callback, cancels the save (as a
+        // load's): it ends as a failed save does, and the exception is raised.
+        let cancel = dmaload::CancelToken::new();
+        options.cancel = cancel.clone();
         let relay = progress.map(|callback| {
-            let relay = Progress::new(callback, export.len_bytes() as u64, dmaload::CancelToken::new());
+            let relay = Progress::new(callback, export.len_bytes() as u64, cancel.clone());
             options.progress = Some(relay.for_load());
             relay
         });
         let bytes = exported_bytes(&export);
-        let result = detached(py, || dmaload::save_raw(bytes, &path, &options))?;
-        // The callback's exception did not stop the save, so it outranks
-        // only a success; a failed save's OSError carries it as its cause.
-        let report = match (result, relay.as_ref().and_then(|relay| relay.take_error())) {
-            (Ok(_), Some(raised)) => return Err(raised),
-            (Err(err), raised) => {
-                let err = os_error(&err);
-                err.set_cause(py, raised);
-                return Err(err);
-            }
-            (Ok(report), None) => report,
-        };
+        let result = run_cancellable(py, &cancel, || dmaload::save_raw(bytes, &path, &options))?;
+        Progress::raised(relay.as_ref())?;
+        let report = result.map_err(|e| os_error(&e))?;
         Progress::finish(relay.as_ref())?;
         save_report_object(py, &report)
     })
@@ -133,11 +126,11 @@ fn save_report_object<'py>(py: Python<'py>, report: &SaveReport) -> PyResult<Bou
 /// Every save option the binding takes, with the core's default: the
 /// fields of [`SaveOptions`] (all named, so a field the core adds is a
 /// compile error here until it crosses) less the callback, which Python
-/// passes as `progress`.
+/// passes as `progress`, and the token, which Ctrl-C cancels.
 #[pyfunction]
 pub fn _save_option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
     guard(|| {
-        let SaveOptions { engine, mode, sync, chunk_size, queue_depth, threads, progress: _ } =
+        let SaveOptions { engine, mode, sync, chunk_size, queue_depth, threads, progress: _, cancel: _ } =
             SaveOptions::default();
         Ok(BTreeMap::from([
             ("engine", DefaultValue::Name(engine.name().to_owned())),

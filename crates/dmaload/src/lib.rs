@@ -21,6 +21,7 @@ pub mod format;
 pub mod heap;
 pub mod info;
 mod into;
+mod lead;
 pub mod load;
 pub mod many;
 pub mod memory;

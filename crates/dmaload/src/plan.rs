@@ -1,17 +1,21 @@
-//! How a load is cut up: the file range in aligned chunks (one I/O each),
-//! grouped into gathers (populated, and registered with io_uring, as a unit).
+//! How a transfer is cut up: the file range in aligned chunks (one I/O
+//! each), grouped into gathers (populated, and registered with io_uring, as
+//! a unit). A load's plan reads; a save's writes ([`Plan::write`]).
 
 use std::ops::Range;
 use std::path::Path;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::types::Direction;
 
-/// The byte layout of one load. Mapping offset 0 holds file offset
+/// The byte layout of one transfer. Mapping offset 0 holds file offset
 /// `file_start`; reads cover `file_start..read_end`, of which
 /// `file_start..data_end` must arrive. The caller asked for
-/// `data_start..data_end`; the rest is alignment padding.
+/// `data_start..data_end`; the rest is alignment padding. A write's plan
+/// has no padding: its memory is exactly the bytes to write.
 #[derive(Debug, Clone)]
 pub struct Plan {
+    pub direction: Direction,
     pub file_start: u64,
     pub data_start: u64,
     pub data_end: u64,
@@ -94,6 +98,7 @@ impl Plan {
         }
         let gather_bounds = ramped_bounds(mapping_len, chunk, gather);
         Plan {
+            direction: Direction::Read,
             file_start,
             data_start: offset,
             data_end,
@@ -120,6 +125,19 @@ impl Plan {
             .map(|g| g * gather)
             .chain(std::iter::once(plan.mapping_len))
             .collect();
+        plan
+    }
+
+    /// Plans writing `len` bytes of memory to the file at `offset`, in
+    /// requests of `chunk` bytes (whole pages and whole `align` blocks, so
+    /// that each direct write is aligned when `offset` is) grouped in
+    /// windows of at most `window` bytes, registered one after another as
+    /// a load's gathers are. The memory is exactly the `len` bytes.
+    pub fn write(offset: u64, len: u64, align: usize, chunk: usize, window: usize, page: usize) -> Plan {
+        let mut plan = Plan::new(offset, len, 1, Self::request_len(chunk, align, page), window, page);
+        plan.direction = Direction::Write;
+        plan.mapping_len = len as usize;
+        plan.gather_bounds = ramped_bounds(plan.mapping_len, plan.chunk, plan.gather);
         plan
     }
 
@@ -214,29 +232,39 @@ impl Plan {
         (req.start - self.file_start) as usize..(req.end - self.file_start) as usize
     }
 
-    /// Interprets `got` bytes read for `req`. A read that returns less than
-    /// needed is resumed, except at end of file (0 bytes) or, for direct
-    /// I/O, an unaligned count (the kernel stopped at end of file): then the
-    /// file is shorter than planned, which is an error naming the offset.
+    /// Interprets `got` bytes transferred for `req`. A short transfer is
+    /// resumed, except a read at end of file (0 bytes) or, for direct I/O,
+    /// an unaligned count (the kernel stopped at end of file): then the file
+    /// is shorter than planned, which is an error naming the offset. A
+    /// write of 0 bytes is an error too (`WriteZero`).
     pub fn outcome(&self, path: &Path, req: &Request, got: u64) -> Result<ReadOutcome> {
         if got >= req.need {
             return Ok(ReadOutcome::Done { credited: self.requested_bytes(req.start, req.start + req.need) });
         }
-        let eof_at = req.start + got;
-        if got == 0 || got % self.align as u64 != 0 {
-            return Err(Error::new(
-                ErrorKind::Truncated,
-                "read",
-                path,
-                format!(
-                    "file ended at offset {eof_at} but data was expected up to offset {} \
-                     (file shorter than expected, or truncated during the load)",
-                    self.data_end
-                ),
-            )
-            .at(eof_at));
+        let stopped_at = req.start + got;
+        match self.direction {
+            Direction::Write if got == 0 => {
+                return Err(Error::io("write", path, std::io::ErrorKind::WriteZero.into()).at(stopped_at));
+            }
+            Direction::Read if got == 0 || got % self.align as u64 != 0 => {
+                return Err(Error::new(
+                    ErrorKind::Truncated,
+                    "read",
+                    path,
+                    format!(
+                        "file ended at offset {stopped_at} but data was expected up to offset {} \
+                         (file shorter than expected, or truncated during the load)",
+                        self.data_end
+                    ),
+                )
+                .at(stopped_at));
+            }
+            _ => {}
         }
-        Ok(ReadOutcome::Partial { credited: self.requested_bytes(req.start, eof_at), resume_at: eof_at })
+        Ok(ReadOutcome::Partial {
+            credited: self.requested_bytes(req.start, stopped_at),
+            resume_at: stopped_at,
+        })
     }
 }
 
@@ -333,6 +361,35 @@ mod tests {
             assert_eq!(req.start % M as u64, 0);
             assert!(req.need > 0, "chunk {i} reads only padding");
         }
+    }
+
+    #[test]
+    fn a_write_plan_covers_exactly_its_bytes_in_ramped_windows() {
+        const M: usize = 1 << 20;
+        let len = 10 * M as u64 + 100;
+        let plan = Plan::write(3 * M as u64, len, 4096, M, 4 * M, P);
+        assert_eq!(
+            (plan.file_start, plan.data_end, plan.read_end),
+            (3 * M as u64, 3 * M as u64 + len, 3 * M as u64 + len)
+        );
+        assert_eq!(plan.mapping_len, len as usize);
+        assert_eq!(plan.data_range(), 0..len as usize);
+        let sizes: Vec<usize> = plan.gather_ranges().iter().map(|r| r.len()).collect();
+        assert_eq!(sizes, [M, M, 2 * M, 4 * M, 2 * M + 100]);
+        let last = plan.chunk_request(plan.chunk_count() - 1);
+        assert_eq!((last.end - last.start, last.need), (100, 100));
+        // Short writes resume; a write of nothing is an error at its offset.
+        let path = Path::new("f");
+        let req = plan.chunk_request(0);
+        assert_eq!(
+            plan.outcome(path, &req, 100).unwrap(),
+            ReadOutcome::Partial { credited: 100, resume_at: req.start + 100 }
+        );
+        let err = plan.outcome(path, &req, 0).unwrap_err();
+        assert_eq!((err.raw_os_error(), err.offset()), (None, Some(req.start)));
+        assert!(err.to_string().contains("write"), "{err}");
+        // Requests are whole alignment blocks.
+        assert_eq!(Plan::write(0, 1 << 30, 64 << 10, 100_000, 128 * M, P).chunk, 128 << 10);
     }
 
     #[test]

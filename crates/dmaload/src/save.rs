@@ -65,10 +65,11 @@ use std::time::{Instant, SystemTime};
 
 use serde::Serialize;
 
-use crate::engine::write::{WriteJob, WriteRun};
-use crate::engine::Progress;
+use crate::cancel::CancelToken;
+use crate::engine::{EngineParams, EngineRun, Progress, CANCEL_POLL};
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::{DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use crate::pipeline::write_at as write_through_engine;
 use crate::source::direct_io_alignment;
 use crate::source::type_name;
 pub use crate::sys::shm::RawBytes;
@@ -101,8 +102,14 @@ pub struct SaveOptions {
     /// thread, about every 50 ms while writes complete (all of them may
     /// be reported while the sync still runs), then once with
     /// `done == total` when the save has succeeded, after the sync and
-    /// rename. A FIFO or character device reports only that last call.
+    /// rename. A FIFO or character device is reported as it takes bytes.
     pub progress: Option<Arc<ProgressFn>>,
+    /// Stops the save from another thread (as [`crate::LoadOptions::cancel`]
+    /// does a load): it ends with [`ErrorKind::Cancelled`] within a few
+    /// requests, or within 20 ms while a FIFO or character device is not
+    /// taking bytes, and leaves what a failed save leaves (a previous file
+    /// untouched, no temporary file; a FIFO or device keeps what reached it).
+    pub cancel: CancelToken,
 }
 
 impl fmt::Debug for SaveOptions {
@@ -115,6 +122,7 @@ impl fmt::Debug for SaveOptions {
             .field("queue_depth", &self.queue_depth)
             .field("threads", &self.threads)
             .field("progress", &self.progress.is_some())
+            .field("cancel", &self.cancel.is_cancelled())
             .finish()
     }
 }
@@ -129,6 +137,7 @@ impl Default for SaveOptions {
             queue_depth: DEFAULT_QUEUE_DEPTH,
             threads: DEFAULT_POOL_THREADS,
             progress: None,
+            cancel: CancelToken::new(),
         }
     }
 }
@@ -499,17 +508,21 @@ pub fn write_at(
     options: &SaveOptions,
 ) -> Result<Vec<Fallback>> {
     validate(path, options)?;
-    let job = WriteJob {
-        path,
-        file,
-        src: data.into(),
-        file_offset: offset,
-        chunk: options.chunk_size,
+    let progress = Progress::new(data.len() as u64, None);
+    let params = engine_params(options);
+    let run =
+        write_through_engine(path, file, data.into(), offset, 1, options.chunk_size, &params, &progress)?;
+    Ok(run.fallbacks)
+}
+
+/// The engine's parameters for a save with `options`.
+fn engine_params(options: &SaveOptions) -> EngineParams {
+    EngineParams {
+        engine: options.engine,
         queue_depth: options.queue_depth,
         threads: options.threads,
-        progress: None,
-    };
-    Ok(job.run(options.engine)?.fallbacks)
+        cancel: options.cancel.clone(),
+    }
 }
 
 /// Writes `data` to `path`: replaces a regular file atomically, writes a
@@ -530,29 +543,13 @@ pub fn save_raw(data: RawBytes<'_>, path: impl AsRef<Path>, options: &SaveOption
     let started = Instant::now();
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let (target, existing) = resolve(path)?;
-    let progress = Progress::new(data.len() as u64, options.progress.as_deref());
-    let saved = std::thread::scope(|scope| {
-        let reporter = match options.progress {
-            // Without a thread (RLIMIT_NPROC), only the last report is made.
-            Some(_) => std::thread::Builder::new()
-                .name("dmaload-progress".into())
-                .spawn_scoped(scope, || progress.report())
-                .ok(),
-            None => None,
-        };
-        let saved = match existing {
+    let mut report =
+        Progress::reporting(data.len() as u64, options.progress.as_deref(), |progress| match existing {
             Some(meta) if !meta.file_type().is_file() => {
-                save_in_place(data, path, target, &meta, options, &progress)
+                save_in_place(data, path, target, &meta, options, progress)
             }
-            previous => save_replacing(data, path, target, previous, options, &progress),
-        };
-        progress.finish();
-        // A panicking reporter only means a callback panicked: the file is saved or not as it says.
-        let _ = reporter.map(|r| r.join());
-        saved
-    });
-    let mut report = saved?;
-    progress.report_complete();
+            previous => save_replacing(data, path, target, previous, options, progress),
+        })?;
     let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let total = started.elapsed().as_secs_f64();
     report.total_seconds = total;
@@ -593,7 +590,7 @@ fn report(path: &Path, target: PathBuf, file_type: &'static str, len: u64, engin
 
 /// What [`write_body`] did: the engine run, and the O_DIRECT alignment used.
 struct Body {
-    run: WriteRun,
+    run: EngineRun,
     direct: Option<usize>,
     direct_bytes: u64,
 }
@@ -611,19 +608,10 @@ fn write_body(
     fallbacks: &mut Vec<Fallback>,
 ) -> Result<Body> {
     let mut direct = choose_direct(target, file, data, magic, options.mode, fallbacks)?;
+    let params = engine_params(options);
     // Requests are whole multiples of the alignment, so each direct write is aligned.
     let write = |part: RawBytes<'_>, align: usize| {
-        WriteJob {
-            path: target,
-            file,
-            src: part,
-            file_offset: 0,
-            chunk: options.chunk_size.div_ceil(align) * align,
-            queue_depth: options.queue_depth,
-            threads: options.threads,
-            progress: Some(progress),
-        }
-        .run(options.engine)
+        write_through_engine(target, file, part, 0, align, options.chunk_size, &params, progress)
     };
     let aligned = direct.map_or(data.len(), |a| data.len() / a * a);
     let run = match write(data.range(0..aligned), direct.unwrap_or(1)) {
@@ -806,11 +794,11 @@ fn save_in_place(
             format!("the {} was replaced while it was opened", type_name(meta)),
         ));
     }
-    sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", &target, e))?;
     let mut out = report(path, target.clone(), type_name(meta), len, options.engine);
     out.in_place = true;
     let writing = Instant::now();
     if kind.is_block_device() {
+        sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", &target, e))?;
         let size = (&file).seek(SeekFrom::End(0)).map_err(|e| Error::io("lseek", &target, e))?;
         if len > size {
             return Err(Error::new(
@@ -856,20 +844,38 @@ fn save_in_place(
         ));
     }
     // A reader that leaves gives EPIPE here, never the SIGPIPE that would
-    // kill a host whose SIGPIPE is at its default action.
+    // kill a host whose SIGPIPE is at its default action. The file stays
+    // non-blocking: a full FIFO is waited on in slices, looking at the
+    // caller's token between them.
     let mut written = 0;
     sys::signal::without_sigpipe(|| {
         while written < data.len() {
+            if options.cancel.is_cancelled() {
+                return Err(io::Error::from_raw_os_error(libc::ECANCELED));
+            }
             match data.range(written..data.len()).write_to(file.as_fd()) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
-                Ok(n) => written += n,
+                Ok(n) => {
+                    written += n;
+                    progress.add(n as u64);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    sys::eventfd::poll_writable(file.as_fd(), CANCEL_POLL)?;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
         }
         Ok(())
     })
-    .map_err(|e| Error::io("write", &target, e).at(written as u64))?;
+    .map_err(|e| match options.cancel.is_cancelled() && e.raw_os_error() == Some(libc::ECANCELED) {
+        true => {
+            let why =
+                format!("cancelled by the caller; the {} took the first {written} bytes", type_name(meta));
+            Error::new(ErrorKind::Cancelled, "save", &target, why).at(written as u64)
+        }
+        false => Error::io("write", &target, e).at(written as u64),
+    })?;
     out.write_seconds = writing.elapsed().as_secs_f64();
     out.engine = Engine::Read;
     out.filesystem = type_name(meta);

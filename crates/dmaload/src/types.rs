@@ -7,6 +7,27 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
+/// Which way the engine moves bytes between a file and memory: a load
+/// reads, a save (or a capture) writes. A plan carries it; the memory an
+/// engine runs over has it too (`sys::uring::RingMemory::DIRECTION`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// File → memory.
+    Read,
+    /// Memory → file.
+    Write,
+}
+
+impl Direction {
+    /// The system call's name, for errors: `read` or `write`.
+    pub fn op(self) -> &'static str {
+        match self {
+            Direction::Read => "read",
+            Direction::Write => "write",
+        }
+    }
+}
+
 /// Which engine reads the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "kebab-case")]

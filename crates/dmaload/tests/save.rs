@@ -514,3 +514,70 @@ fn a_save_reports_progress_with_every_engine_and_ends_with_every_byte() {
         assert_eq!(*calls.lock().unwrap(), [], "{engine:?}: nothing written, nothing reported");
     }
 }
+
+/// A token cancelled before the save starts: every engine stops before its
+/// first write, with `Cancelled`, and the previous file and the directory
+/// are as they were.
+#[test]
+fn a_cancelled_save_keeps_the_previous_file_and_leaves_no_temporary() {
+    let dir = scratch_dir();
+    let buffer = loaded_pattern(dir.path(), (8 << 20) + 7);
+    let target = dir.path().join("saved.bin");
+    std::fs::write(&target, b"previous").unwrap();
+    for engine in Engine::ALL {
+        let cancel = dmaload::CancelToken::new();
+        cancel.cancel();
+        let options = SaveOptions { engine, cancel, ..SaveOptions::default() };
+        let err = dmaload::save(&buffer, &target, &options).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Cancelled, "{engine:?}: {err}");
+        assert_eq!(err.errno(), libc::ECANCELED, "{engine:?}: {err}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"previous", "{engine:?}");
+        assert_eq!(strays(dir.path(), &["saved.bin"]), Vec::<String>::new(), "{engine:?}");
+    }
+}
+
+/// A FIFO whose reader holds it open but never reads fills after 64 KiB:
+/// the save then waits, and its token still stops it (cancelled here from
+/// the progress callback once bytes have gone in), with the count that
+/// reached the FIFO. Before saves took a token this hung for good.
+#[test]
+fn a_save_waiting_on_a_full_fifo_is_cancelled_by_its_token() {
+    const TEST: &str = "a_save_waiting_on_a_full_fifo_is_cancelled_by_its_token";
+    let dir = scratch_dir();
+    let fifo = dir.path().join("fifo");
+    if let Err(e) = run(Command::new("mkfifo").arg(&fifo)) {
+        return skip(TEST, &e);
+    }
+    // Opened read-write, the FIFO has a reader at once; it never reads.
+    let mut holder = Command::new("sh")
+        .arg("-c")
+        .arg("exec 3<>\"$0\"; echo open; exec sleep 600")
+        .arg(&fifo)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(holder.stdout.take().unwrap()), &mut line)
+        .unwrap();
+    assert_eq!(line, "open\n");
+    let buffer = loaded_pattern(dir.path(), 4 << 20);
+    let cancel = dmaload::CancelToken::new();
+    let stop = cancel.clone();
+    let options = SaveOptions {
+        cancel,
+        progress: Some(std::sync::Arc::new(move |done, _| {
+            if done > 0 {
+                stop.cancel();
+            }
+        })),
+        ..SaveOptions::default()
+    };
+    let saved = dmaload::save(&buffer, &fifo, &options);
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    let err = saved.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Cancelled, "{err}");
+    let written = err.offset().unwrap();
+    assert!(written > 0 && written < buffer.len() as u64, "{err}");
+    assert!(err.to_string().contains(&format!("took the first {written} bytes")), "{err}");
+}

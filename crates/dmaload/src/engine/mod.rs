@@ -1,10 +1,10 @@
-//! Engines move bytes between a file and a buffer. Each runs one planned
-//! load: it waits for gathers to be populated (the crate's `Gate`), issues
-//! the chunk reads of the plan, checks every result and reports progress.
+//! Engines move bytes between a file and memory, in the plan's direction:
+//! reads for a load, writes for a save or a capture. Each runs one plan: it
+//! waits for gathers to be ready (the crate's `Gate`), issues the plan's
+//! chunk requests, checks every result and reports progress.
 
 pub(crate) mod pool;
 pub(crate) mod uring;
-pub(crate) mod write;
 
 use std::io;
 use std::ops::Range;
@@ -16,14 +16,16 @@ use std::time::{Duration, Instant};
 
 use crate::cancel::CancelToken;
 use crate::error::{Error, ErrorKind, Result};
+use crate::lead::Lead;
 use crate::plan::{Plan, Request};
 use crate::sys;
 use crate::sys::uring::{Registrar, RingMemory};
-use crate::types::{CachePolicy, Engine, Fallback, ProgressFn};
+use crate::types::{CachePolicy, Direction, Engine, Fallback, ProgressFn};
 
-/// How often a thread blocked on the gate looks at the caller's
-/// [`CancelToken`]: the bound on how late a cancellation is noticed there.
-const CANCEL_POLL: Duration = Duration::from_millis(20);
+/// How often a thread blocked on the gate (or on a FIFO a save writes) looks
+/// at the caller's [`CancelToken`]: the bound on how late a cancellation is
+/// noticed there.
+pub(crate) const CANCEL_POLL: Duration = Duration::from_millis(20);
 
 /// Passes units of memory (a load's gathers, a save's windows) between the
 /// engine and the helper thread beside it, both ways: the helper says how
@@ -43,6 +45,9 @@ pub(crate) struct Gate {
     /// Each registered-buffer slot: [`SLOT_EMPTY`], [`SLOT_REGISTERED`] or
     /// [`SLOT_RETIRED`].
     slots: Vec<AtomicU8>,
+    /// Which slots are due for registration: those within
+    /// [`REGISTER_AHEAD`] of the unit the engine has reached.
+    registering: Lead,
 }
 
 /// A slot the helper has not registered (yet).
@@ -59,8 +64,6 @@ const REGISTER_AHEAD: usize = 2;
 
 struct GateState {
     ready: usize,
-    /// The unit the engine is queueing requests for.
-    reached: usize,
     registration_refused: Option<String>,
     failure: Option<(Option<i32>, String)>,
     /// Gathers whose every byte has arrived (for a staged destination, or
@@ -75,7 +78,6 @@ impl Gate {
             token,
             state: Mutex::new(GateState {
                 ready: 0,
-                reached: 0,
                 registration_refused: None,
                 failure: None,
                 filled: Vec::new(),
@@ -83,6 +85,7 @@ impl Gate {
             changed: Condvar::new(),
             cancelled: AtomicBool::new(false),
             slots: (0..slots).map(|_| AtomicU8::new(SLOT_EMPTY)).collect(),
+            registering: Lead::new(slots, REGISTER_AHEAD + 1),
         }
     }
 
@@ -113,19 +116,12 @@ impl Gate {
     /// The engine is now queueing requests for unit `unit` (called when it
     /// moves on, not per request).
     pub fn reach(&self, unit: usize) {
-        self.lock().reached = unit;
-        self.changed.notify_all();
+        self.registering.advance(unit);
     }
 
-    /// Whether unit `unit` is within [`REGISTER_AHEAD`] of the engine.
-    fn is_due(&self, unit: usize) -> bool {
-        unit <= self.lock().reached + REGISTER_AHEAD
-    }
-
-    /// Blocks until unit `unit` is due for registration; false when the
-    /// operation failed or was cancelled first.
-    fn wait_due(&self, unit: usize) -> bool {
-        self.wait_until(|state| (unit <= state.reached + REGISTER_AHEAD).then_some(Ok(()))).is_ok()
+    /// The engine has finished, well or not: nothing more is registered.
+    pub fn engine_done(&self) {
+        self.registering.stop();
     }
 
     /// Registering stopped: later units use plain addresses.
@@ -153,9 +149,10 @@ impl Gate {
         self.changed.notify_all();
     }
 
-    /// The load failed: stop populating.
+    /// The load failed: stop populating and registering.
     pub fn cancel(&self) {
         self.cancelled.store(true, Ordering::Relaxed);
+        self.registering.stop();
         self.changed.notify_all();
     }
 
@@ -231,52 +228,50 @@ impl Gate {
 /// The registering side of the register-ahead coordination, the same in
 /// both directions: unit `u` (gather `u` of an in-place load, window `u` of
 /// a save) is registered in slot `u` once the engine has reached unit
-/// `u - REGISTER_AHEAD`, so pinning runs beside the I/O yet only a few units
-/// are pinned at a time (the engine unregisters each unit it finishes, see
-/// [`Gate::retire`]). Runs on the helper thread beside the engine or,
-/// without one, on the engine's own thread between its requests
-/// ([`RegisterAhead::register_due`] after each [`Gate::reach`]). The first
-/// refusal (RLIMIT_MEMLOCK) is kept on the gate and nothing more is
-/// registered: later units use plain addresses.
+/// `u - REGISTER_AHEAD` (the gate's [`Lead`]), so pinning runs beside the
+/// I/O yet only a few units are pinned at a time (the engine unregisters
+/// each unit it finishes, see [`Gate::retire`]). Runs on the helper thread
+/// beside the engine or, without one, on the engine's own thread between
+/// its requests ([`RegisterAhead::register_due`] after each
+/// [`Gate::reach`]). The first refusal (RLIMIT_MEMLOCK) is kept on the gate
+/// and nothing more is registered: later units use plain addresses.
 pub(crate) struct RegisterAhead<'a, M: RingMemory> {
     gate: &'a Gate,
     registrar: Option<&'a Registrar<M>>,
     /// The memory range of each unit.
     range_of: &'a dyn Fn(usize) -> Range<usize>,
-    units: usize,
-    next: usize,
     /// Time spent in registration calls.
     pub took: Duration,
 }
 
 impl<'a, M: RingMemory> RegisterAhead<'a, M> {
+    /// Registers the gate's slots (one per unit) with `registrar`.
     pub fn new(
         gate: &'a Gate,
         registrar: &'a Registrar<M>,
-        units: usize,
         range_of: &'a dyn Fn(usize) -> Range<usize>,
     ) -> Self {
-        RegisterAhead { gate, registrar: Some(registrar), range_of, units, next: 0, took: Duration::ZERO }
+        RegisterAhead { gate, registrar: Some(registrar), range_of, took: Duration::ZERO }
     }
 
     /// Registers the units below `limit` that are due now, without waiting.
     pub fn register_due(&mut self, limit: usize) {
-        while self.registrar.is_some() && self.next < limit.min(self.units) && self.gate.is_due(self.next) {
-            self.register_next();
+        while self.registrar.is_some() {
+            let Some(unit) = self.gate.registering.claim_due(limit) else { return };
+            self.register(unit);
         }
     }
 
     /// Registers every remaining unit as it falls due; returns after the last
     /// one, a refusal, or when the operation stops.
     pub fn register_rest(&mut self) {
-        while self.registrar.is_some() && self.next < self.units && self.gate.wait_due(self.next) {
-            self.register_next();
+        while self.registrar.is_some() {
+            let Some(unit) = self.gate.registering.claim_next() else { return };
+            self.register(unit);
         }
     }
 
-    fn register_next(&mut self) {
-        let unit = self.next;
-        self.next += 1;
+    fn register(&mut self, unit: usize) {
         let Some(registrar) = self.registrar else { return };
         if self.gate.is_retired(unit) {
             return; // the engine finished it unregistered: pinning it now is waste
@@ -353,6 +348,31 @@ impl<'a> Progress<'a> {
         }
     }
 
+    /// Runs `work` with a reporting thread beside it ([`Progress::report`];
+    /// none without a callback, or when no thread can be created: then only
+    /// the last report is made), and once `work` succeeded, the last report
+    /// ([`Progress::report_complete`]).
+    pub fn reporting<T>(
+        total: u64,
+        callback: Option<&ProgressFn>,
+        work: impl FnOnce(&Progress<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let progress = Progress::new(total, callback);
+        let done = std::thread::scope(|scope| {
+            let reporter = callback.and_then(|_| {
+                let thread = std::thread::Builder::new().name("dmaload-progress".into());
+                thread.spawn_scoped(scope, || progress.report()).ok()
+            });
+            let done = work(&progress);
+            progress.finish();
+            // A panicking reporter only means a callback panicked: no bytes are at stake.
+            let _ = reporter.map(|r| r.join());
+            done
+        })?;
+        progress.report_complete();
+        Ok(done)
+    }
+
     /// Ends the reporting loop (within one callback's time).
     pub fn finish(&self) {
         *self.finished.lock().unwrap_or_else(|p| p.into_inner()) = true;
@@ -377,6 +397,10 @@ pub(crate) enum Layout {
     /// (one slot's worth) in slot `g % slots`, which is registered buffer
     /// `g % slots` for the whole load.
     Staged { slots: usize, slot_len: usize },
+    /// At `base`: plan offset `x` at memory offset `base + x`, inside
+    /// memory registered once as buffer 0 by its owner (a capture's block
+    /// ring, written run by run through one kept ring).
+    Placed { base: usize },
 }
 
 impl Layout {
@@ -391,6 +415,7 @@ impl Layout {
                 let into = range.start - plan.gather_range(g).start;
                 base + into..base + into + range.len()
             }
+            Layout::Placed { base } => base + range.start..base + range.end,
         }
     }
 
@@ -399,6 +424,7 @@ impl Layout {
         match *self {
             Layout::InPlace => g as u16,
             Layout::Staged { slots, .. } => (g % slots) as u16,
+            Layout::Placed { .. } => 0,
         }
     }
 
@@ -407,6 +433,7 @@ impl Layout {
         match *self {
             Layout::InPlace => plan.gather_count() as u32,
             Layout::Staged { slots, .. } => slots.min(plan.gather_count()) as u32,
+            Layout::Placed { .. } => 1,
         }
     }
 }
@@ -428,7 +455,35 @@ impl GatherTally {
     }
 }
 
-/// Everything an engine needs to run one load.
+/// How an engine runs, whichever its direction: which engine, how many
+/// requests in flight (io_uring) or threads (the pool), and the caller's
+/// token.
+#[derive(Debug, Clone)]
+pub(crate) struct EngineParams {
+    pub engine: Engine,
+    pub queue_depth: usize,
+    pub threads: usize,
+    pub cancel: CancelToken,
+}
+
+impl EngineParams {
+    /// The same, on the pread pool: after io_uring could not run (see
+    /// [`workers_refused`]).
+    pub fn on_pool(&self) -> EngineParams {
+        EngineParams { engine: Engine::PreadPool, ..self.clone() }
+    }
+
+    /// The threads an engine of the pool kind uses.
+    pub fn pool_threads(&self) -> usize {
+        if self.engine == Engine::Read {
+            1
+        } else {
+            self.threads
+        }
+    }
+}
+
+/// Everything an engine needs to run one plan.
 pub(crate) struct Job<'a> {
     pub path: &'a Path,
     pub file: BorrowedFd<'a>,
@@ -456,8 +511,9 @@ impl Job<'_> {
         }
     }
 
-    pub fn read_error(&self, offset: u64, err: io::Error) -> Error {
-        Error::io("read", self.path, err).at(offset)
+    /// A failed request of the plan's direction at file `offset`.
+    pub fn transfer_error(&self, offset: u64, err: io::Error) -> Error {
+        Error::io(self.plan.direction.op(), self.path, err).at(offset)
     }
 
     /// A failed wait for gather memory: the populating error, or the caller's
@@ -469,10 +525,14 @@ impl Job<'_> {
         Error::io("populate memory", self.path, err).at(offset)
     }
 
-    /// The error of a load the caller cancelled, `offset` being the first
-    /// byte not yet requested.
+    /// The error of a transfer the caller cancelled, `offset` being the
+    /// first byte not yet requested.
     pub fn cancelled(&self, offset: u64) -> Error {
-        cancelled_error("load", self.path, offset)
+        let op = match self.plan.direction {
+            Direction::Read => "load",
+            Direction::Write => "save",
+        };
+        cancelled_error(op, self.path, offset)
     }
 }
 
@@ -520,6 +580,21 @@ pub(crate) fn no_registrar(err: &io::Error) -> Fallback {
 /// the way [`io_uring_unavailable`] accepts: the pread pool, with why.
 pub(crate) fn no_uring(from: Engine, err: &io::Error) -> Fallback {
     Fallback::new(from.name(), Engine::PreadPool.name(), uring_unavailable_reason(err))
+}
+
+/// The fallback taken when io_uring cancelled a request (`err`) because
+/// its io-wq could not create a worker thread (RLIMIT_NPROC, the cgroup's
+/// pids.max): the same transfer again on the pread pool.
+pub(crate) fn workers_refused(from: Engine, direction: Direction, err: &Error) -> Fallback {
+    Fallback::new(
+        from.name(),
+        Engine::PreadPool.name(),
+        format!(
+            "io_uring cancelled a {} ({err}): its worker threads could not be created \
+             (RLIMIT_NPROC or the cgroup's pids.max)",
+            direction.op()
+        ),
+    )
 }
 
 /// Whether a failed `io_uring_setup` means io_uring is unavailable to this
@@ -579,7 +654,7 @@ mod tests {
         let registrar = ring.registrar().unwrap();
         let gate = Gate::new(CancelToken::new(), 8);
         let range_of = |u: usize| u * UNIT..(u + 1) * UNIT;
-        let mut ahead = RegisterAhead::new(&gate, &registrar, 8, &range_of);
+        let mut ahead = RegisterAhead::new(&gate, &registrar, &range_of);
         let registered = || (0..8).filter(|&u| gate.is_registered(u)).collect::<Vec<_>>();
 
         ahead.register_due(8);

@@ -1,6 +1,6 @@
-//! Blocking-read engines: a pool of threads each taking the next chunk and
-//! reading it with `preadv2`; with one thread this is a plain sequential
-//! read loop.
+//! Blocking engines: a pool of threads each taking the next chunk and
+//! transferring it with `preadv2` (a load) or `pwritev2` (a save); with one
+//! thread this is a plain sequential loop.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -10,10 +10,11 @@ use std::time::Duration;
 use super::{Engine, EngineResult, EngineRun, GatherTally, Job};
 use crate::error::{Error, Result};
 use crate::plan::ReadOutcome;
-use crate::sys::file::pread_into;
-use crate::sys::mem::MappingWriter;
+use crate::sys::uring::RingMemory;
 
-pub(crate) fn run(job: &Job<'_>, dst: MappingWriter<'_>, threads: usize, engine: Engine) -> EngineResult {
+/// Runs the job's plan over `mem` on `threads` threads (the calling one
+/// among them), reporting the run as `engine`.
+pub(crate) fn run<M: RingMemory>(job: &Job<'_>, mem: M, threads: usize, engine: Engine) -> EngineResult {
     let next_chunk = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
@@ -21,7 +22,7 @@ pub(crate) fn run(job: &Job<'_>, dst: MappingWriter<'_>, threads: usize, engine:
     let tally = GatherTally::new(job.plan);
 
     let work = || {
-        if let Err(err) = worker(job, dst, &tally, &next_chunk, &stop, &longest_wait) {
+        if let Err(err) = worker(job, mem, &tally, &next_chunk, &stop, &longest_wait) {
             stop.store(true, Ordering::Relaxed);
             // The cause goes in before the gate is cancelled: the workers the
             // cancellation wakes fail with ECANCELED, which must not win.
@@ -35,7 +36,8 @@ pub(crate) fn run(job: &Job<'_>, dst: MappingWriter<'_>, threads: usize, engine:
         // The calling thread is one of the workers; helpers the process may
         // not create (RLIMIT_NPROC, cgroup pids.max) leave fewer of them.
         for _ in 1..threads.max(1) {
-            if std::thread::Builder::new().name("dmaload-read".into()).spawn_scoped(scope, work).is_err() {
+            let name = format!("dmaload-{}", M::DIRECTION.op());
+            if std::thread::Builder::new().name(name).spawn_scoped(scope, work).is_err() {
                 break;
             }
         }
@@ -48,9 +50,9 @@ pub(crate) fn run(job: &Job<'_>, dst: MappingWriter<'_>, threads: usize, engine:
     Ok(EngineRun { waited_for_memory, fallbacks: Vec::new(), engine })
 }
 
-fn worker(
+fn worker<M: RingMemory>(
     job: &Job<'_>,
-    dst: MappingWriter<'_>,
+    mem: M,
     tally: &GatherTally,
     next_chunk: &AtomicUsize,
     stop: &AtomicBool,
@@ -71,10 +73,10 @@ fn worker(
         let g = plan.gather_of(req.start);
         waited += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
         loop {
-            let got = match pread_into(job.file, dst, job.layout.target(plan, &req), req.start, rw_flags) {
+            let got = match mem.transfer_at(job.file, job.layout.target(plan, &req), req.start, rw_flags) {
                 Ok(got) => got as u64,
                 Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-                Err(err) => return Err(job.read_error(req.start, err)),
+                Err(err) => return Err(job.transfer_error(req.start, err)),
             };
             let (credited, resume_at) = match plan.outcome(job.path, &req, got)? {
                 ReadOutcome::Done { credited } => {

@@ -1,33 +1,36 @@
-//! io_uring engine: keeps `queue_depth` chunk reads in flight from one
-//! thread. In place, with registered buffers, each gather is registered
-//! (pinned) a little ahead of the reads ([`super::RegisterAhead`]) and
-//! unregistered when its last chunk arrives, so pinned memory stays at a few
+//! io_uring engine: keeps `queue_depth` chunk requests in flight from one
+//! thread, reads or writes as the memory's direction says. In place, with
+//! registered buffers, each gather (a save's window) is registered (pinned)
+//! a little ahead of the requests ([`super::RegisterAhead`]) and
+//! unregistered when its last chunk is done, so pinned memory stays at a few
 //! gathers whatever the file size, and pinning runs beside the I/O instead
 //! of before it. Staged, the slots stay registered for the whole load and
-//! each filled gather is handed to the destination through the gate.
+//! each filled gather is handed to the destination through the gate;
+//! placed, the memory's owner registered it once for many runs.
 
 use std::io;
 
 use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout, RegisterAhead};
 use crate::error::Error;
 use crate::plan::{ReadOutcome, Request};
-use crate::sys::mem::MappingWriter;
-use crate::sys::uring::{Completion, Registrar, Ring};
+use crate::sys::uring::{Completion, Registrar, Ring, RingMemory};
 use crate::types::Fallback;
 
-/// Runs the load on `ring`. With `fixed`, the gathers are registered in the
-/// ring's sparse buffer table a little ahead of the reads (see
+/// Runs the job's plan on `ring`. With `fixed`, the gathers are registered
+/// in the ring's sparse buffer table a little ahead of the requests (see
 /// [`RegisterAhead`]): by the helper thread, or by this thread between its
-/// reads when a registrar is given as `inline` (no helper thread could be
-/// created); in place, this thread unregisters each gather once its last
-/// chunk has arrived.
-pub(crate) fn run(
+/// requests when a registrar is given as `inline` (no helper thread could
+/// be created); in place, this thread unregisters each gather once its last
+/// chunk is done. A failure may leave requests in flight: the ring waits
+/// for them when it drops.
+pub(crate) fn run<M: RingMemory>(
     job: &Job<'_>,
-    mut ring: Ring<MappingWriter<'_>>,
+    ring: &mut Ring<M>,
     fixed: bool,
-    inline: Option<Registrar<MappingWriter<'_>>>,
+    inline: Option<Registrar<M>>,
 ) -> EngineResult {
     let plan = job.plan;
+    debug_assert_eq!(plan.direction, M::DIRECTION, "a plan runs on memory of its direction");
     let mut run = EngineRun { engine: Engine::Uring, ..EngineRun::default() };
     let tally = GatherTally::new(plan);
     let mut next_chunk = 0;
@@ -35,15 +38,15 @@ pub(crate) fn run(
     let mut completions: Vec<Completion> = Vec::with_capacity(job.queue_depth);
     let rw_flags = job.cache.rw_flags();
     let range_of = |g| plan.gather_range(g);
-    let mut inline = inline.as_ref().map(|r| RegisterAhead::new(job.gate, r, plan.gather_count(), &range_of));
+    let mut inline = inline.as_ref().map(|r| RegisterAhead::new(job.gate, r, &range_of));
     // The gather the gate was last told the engine has reached.
     let mut reached = None;
 
-    let queue = |ring: &mut Ring<MappingWriter<'_>>, req: &Request| -> io::Result<()> {
+    let queue = |ring: &mut Ring<M>, req: &Request| -> io::Result<()> {
         let g = plan.gather_of(req.start);
         let index = job.layout.buffer_index(g);
         let slot = job.gate.is_registered(index.into()).then_some(index);
-        ring.queue_read(job.file, job.layout.target(plan, req), req.start, slot, rw_flags, req.start)
+        ring.queue_transfer(job.file, job.layout.target(plan, req), req.start, slot, rw_flags, req.start)
     };
 
     loop {
@@ -53,7 +56,7 @@ pub(crate) fn run(
             return Err(job.cancelled(next));
         }
         for req in retries.drain(..) {
-            queue(&mut ring, &req).map_err(|e| job.read_error(req.start, e))?;
+            queue(ring, &req).map_err(|e| job.transfer_error(req.start, e))?;
         }
         while ring.in_flight() < job.queue_depth && next_chunk < plan.chunk_count() {
             let req = plan.chunk_request(next_chunk);
@@ -71,7 +74,7 @@ pub(crate) fn run(
                 }
                 run.waited_for_memory += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
             }
-            queue(&mut ring, &req).map_err(|e| job.read_error(req.start, e))?;
+            queue(ring, &req).map_err(|e| job.transfer_error(req.start, e))?;
             next_chunk += 1;
         }
         if ring.in_flight() == 0 {
@@ -83,7 +86,7 @@ pub(crate) fn run(
         for done in &completions {
             let req = plan.request_from(done.tag);
             if done.result < 0 {
-                return Err(job.read_error(req.start, io::Error::from_raw_os_error(-done.result)));
+                return Err(job.transfer_error(req.start, io::Error::from_raw_os_error(-done.result)));
             }
             let credited = match plan.outcome(job.path, &req, done.result as u64)? {
                 ReadOutcome::Done { credited } => {

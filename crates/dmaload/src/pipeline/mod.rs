@@ -1,22 +1,26 @@
-//! The pipeline of one fill: helper threads populate (and register) the
-//! destination gather by gather behind a [`Gate`], the engine reads the
-//! plan's chunks into what is ready, and a reporting thread passes
-//! progress on; see docs/architecture.md.
+//! The pipeline of one transfer, in either direction: a helper thread
+//! makes the memory ready gather by gather behind a [`Gate`] (populating
+//! and registering a load's destination, feeding a sink from staging
+//! slots, registering a save's windows), the engine runs the plan's chunk
+//! requests over what is ready, and a reporting thread passes progress on;
+//! see docs/architecture.md.
 
 mod host;
 mod range;
 mod staged;
+mod write;
 
 pub(crate) use host::{load_source, with_kept_ring};
 pub(crate) use range::{check_memory, open_range, range_len};
 pub use staged::load_open_to_sink;
+pub(crate) use write::{write_at, KeptWriteRing};
 
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::engine::{self, EngineRun, Gate, Job, Layout, Progress, RegisterAhead};
+use crate::engine::{self, EngineParams, EngineRun, Gate, Job, Layout, Progress, RegisterAhead};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Allocation, MemoryKind};
 use crate::options::LoadOptions;
@@ -24,8 +28,8 @@ use crate::plan::Plan;
 use crate::sink::{Sink, SlotData, StagingRing};
 use crate::source::ReadSetup;
 use crate::sys::mem::MappingWriter;
-use crate::sys::uring::{Registrar, Ring};
-use crate::types::{Engine, Fallback};
+use crate::sys::uring::{Registrar, Ring, RingMemory};
+use crate::types::{CachePolicy, Direction, Engine, Fallback};
 use crate::verify::Verifier;
 
 /// Time spent on the helper thread: populating the buffer, and
@@ -51,7 +55,7 @@ fn populate_gathers(
     let mut times = PopulateTimes::default();
     let count = plan.gather_count();
     let range_of = |g| plan.gather_range(g);
-    let mut ahead = registrar.as_ref().map(|r| RegisterAhead::new(gate, r, count, &range_of));
+    let mut ahead = registrar.as_ref().map(|r| RegisterAhead::new(gate, r, &range_of));
     for g in 0..count {
         if gate.is_cancelled() {
             break;
@@ -93,47 +97,43 @@ pub(crate) fn allocation_error(path: &Path, e: io::Error) -> Error {
     }
 }
 
-/// An engine ready to run, chosen from the options and what the process
+/// An engine ready to run, chosen from the parameters and what the process
 /// may do.
-enum Prepared<'m> {
-    Uring(Box<Ring<MappingWriter<'m>>>),
+enum Prepared<M: RingMemory> {
+    Uring(Box<Ring<M>>),
     Pool { threads: usize, engine: Engine },
 }
 
-/// Sets up the engine the options ask for: the ring and, for registered
-/// buffers, its sparse buffer table and a registrar for the populating
-/// thread. Falls back to the pread pool when io_uring is unavailable to this
+/// Sets up the engine the parameters ask for: the ring and, for registered
+/// buffers, its sparse buffer table and a registrar for the helper thread.
+/// Falls back to the pread pool when io_uring is unavailable to this
 /// process, and to plain addresses when the table is.
-fn prepare_engine<'m>(
+fn prepare_engine<M: RingMemory>(
     path: &Path,
     plan: &Plan,
     layout: Layout,
-    dst: MappingWriter<'m>,
-    options: &LoadOptions,
+    mem: M,
+    params: &EngineParams,
     fallbacks: &mut Vec<Fallback>,
-) -> Result<(Prepared<'m>, Option<Registrar<MappingWriter<'m>>>)> {
-    let pool = |engine: Engine| Prepared::Pool {
-        threads: if engine == Engine::Read { 1 } else { options.threads },
-        engine,
-    };
-    if matches!(options.engine, Engine::PreadPool | Engine::Read) {
-        return Ok((pool(options.engine), None));
+) -> Result<(Prepared<M>, Option<Registrar<M>>)> {
+    if matches!(params.engine, Engine::PreadPool | Engine::Read) {
+        return Ok((Prepared::Pool { threads: params.pool_threads(), engine: params.engine }, None));
     }
     if plan.chunk_count() == 0 {
-        // Nothing to read (an empty file or range): no ring, no buffers to
-        // register, and no fallback to report.
-        return Ok((Prepared::Pool { threads: 1, engine: options.engine }, None));
+        // Nothing to transfer (an empty file or range): no ring, no buffers
+        // to register, and no fallback to report.
+        return Ok((Prepared::Pool { threads: 1, engine: params.engine }, None));
     }
-    let entries = (options.queue_depth as u32).next_power_of_two();
-    let mut ring = match Ring::new(entries, dst) {
+    let entries = (params.queue_depth as u32).next_power_of_two();
+    let mut ring = match Ring::new(entries, mem) {
         Ok(ring) => ring,
         Err(err) if engine::io_uring_unavailable(&err) => {
-            fallbacks.push(engine::no_uring(options.engine, &err));
-            return Ok((pool(Engine::PreadPool), None));
+            fallbacks.push(engine::no_uring(params.engine, &err));
+            return Ok((Prepared::Pool { threads: params.threads, engine: Engine::PreadPool }, None));
         }
         Err(err) => return Err(Error::io("io_uring_setup", path, err)),
     };
-    let registrar = if options.engine == Engine::UringFixed {
+    let registrar = if params.engine == Engine::UringFixed {
         match ring.register_slots(layout.table_len(plan)).map(|()| ring.registrar()) {
             Ok(Ok(registrar)) => Some(registrar),
             Ok(Err(err)) => {
@@ -149,6 +149,16 @@ fn prepare_engine<'m>(
         None
     };
     Ok((Prepared::Uring(Box::new(ring)), registrar))
+}
+
+/// The engine's parameters for a load with `options`.
+fn load_params(options: &LoadOptions) -> EngineParams {
+    EngineParams {
+        engine: options.engine,
+        queue_depth: options.queue_depth,
+        threads: options.threads,
+        cancel: options.cancel.clone(),
+    }
 }
 
 /// What one successful fill produced.
@@ -193,9 +203,20 @@ pub(crate) fn fill_mapping(
     let populate = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
         populate_gathers(dst, registrar, plan, gate, options.populate_threads)
     };
-    let (run, times) =
-        run_pipeline(path, setup, plan, len, options, dst, Layout::InPlace, verifier.as_ref(), populate);
-    let run = run?;
+    let hash = |gate: &Gate| {
+        if let Some(verifier) = &verifier {
+            hash_gathers(verifier, dst, plan, gate);
+        }
+    };
+    let beside: Option<&(dyn Fn(&Gate) + Sync)> = verifier.as_ref().map(|_| &hash as _);
+    let params = load_params(options);
+    let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
+        let transfer =
+            Transfer { path, file: setup.file.as_fd(), cache: setup.cache, plan, params: &params, progress };
+        let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, beside, populate);
+        debug_assert!(run.is_err() || progress.done() == len);
+        run.map(|run| (run, times))
+    })?;
     if let Some(verifier) = verifier {
         verifier.check(path)?;
     }
@@ -251,7 +272,16 @@ pub(crate) fn fill_staged(
         let hash = verifier.as_ref();
         feed_sink(path, dst, registrar, plan, slots, options.populate_threads, gate, hash, &mut **sink)
     };
-    let (run, fed) = run_pipeline(path, setup, plan, len, options, dst, layout, None, feed);
+    let params = load_params(options);
+    let mut fed = None;
+    let run = Progress::reporting(len, options.progress.as_deref(), |progress| {
+        let transfer =
+            Transfer { path, file: setup.file.as_fd(), cache: setup.cache, plan, params: &params, progress };
+        let (run, helped) = run_pipeline(&transfer, dst, layout, None, feed);
+        debug_assert!(run.is_err() || progress.done() == len);
+        fed = helped;
+        run
+    });
     let finished = sink.into_inner().unwrap_or_else(|p| p.into_inner()).finish();
     // The sink's own error is the cause; the engine only saw it stop.
     let mut times = match fed {
@@ -344,38 +374,46 @@ fn feed_sink(
     Ok(times)
 }
 
-/// Runs one pipeline: the engine on this thread, `helper` (populating a
-/// destination, or feeding a sink) on a thread beside it (or first, when
-/// no thread can be created), the progress reporter, and for an in-place
-/// verified load the hashing of each gather as it completes (on a thread
-/// beside, or after the reads without one). Returns the engine's result
-/// and the helper's (`None` if it panicked).
-#[allow(clippy::too_many_arguments)]
-fn run_pipeline<'m, T: Send>(
-    path: &Path,
-    setup: &ReadSetup,
-    plan: &Plan,
-    len: u64,
-    options: &LoadOptions,
-    dst: MappingWriter<'m>,
+/// What one run of the pipeline moves: the plan's bytes between the open
+/// file and memory, with the engine the parameters name, counting into
+/// `progress` (whose reporting the caller runs, [`Progress::reporting`]).
+pub(crate) struct Transfer<'a> {
+    pub path: &'a Path,
+    pub file: BorrowedFd<'a>,
+    pub cache: CachePolicy,
+    pub plan: &'a Plan,
+    pub params: &'a EngineParams,
+    pub progress: &'a Progress<'a>,
+}
+
+/// Runs one pipeline over `mem` in the plan's direction: the engine on this
+/// thread, `helper` (populating a destination, feeding a sink, registering
+/// a save's windows) on a thread beside it (or first, when no thread can be
+/// created), and `beside`, a task that follows the engine's completions
+/// (the hashing of a verified load: on a thread of its own, or after the
+/// engine without one). Returns the engine's result and the helper's
+/// (`None` if it panicked).
+fn run_pipeline<M: RingMemory, T: Send>(
+    transfer: &Transfer<'_>,
+    mem: M,
     layout: Layout,
-    verifier: Option<&Verifier>,
-    helper: impl FnOnce(Option<Registrar<MappingWriter<'m>>>, &Gate) -> T + Send,
+    beside: Option<&(dyn Fn(&Gate) + Sync)>,
+    helper: impl FnOnce(Option<Registrar<M>>, &Gate) -> T + Send,
 ) -> (Result<EngineRun>, Option<T>) {
-    let gate = Gate::new(options.cancel.clone(), layout.table_len(plan) as usize);
-    let progress = Progress::new(len, options.progress.as_deref());
+    let Transfer { path, plan, params, .. } = *transfer;
+    let gate = Gate::new(params.cancel.clone(), layout.table_len(plan) as usize);
     let job = Job {
         path,
-        file: setup.file.as_fd(),
+        file: transfer.file,
         plan,
         layout,
-        cache: setup.cache,
+        cache: transfer.cache,
         gate: &gate,
-        progress: &progress,
-        queue_depth: options.queue_depth,
+        progress: transfer.progress,
+        queue_depth: params.queue_depth,
     };
     let mut fallbacks = Vec::new();
-    let (prepared, registrar) = match prepare_engine(path, plan, layout, dst, options, &mut fallbacks) {
+    let (prepared, registrar) = match prepare_engine(path, plan, layout, mem, params, &mut fallbacks) {
         Ok((prepared, registrar)) => (Ok(prepared), registrar),
         Err(err) => (Err(err), None),
     };
@@ -390,22 +428,29 @@ fn run_pipeline<'m, T: Send>(
             helped.inspect_err(|_| gate.fail(&io::Error::other("the helper thread panicked"))).ok()
         };
         let helper_thread =
-            std::thread::Builder::new().name("dmaload-populate".into()).spawn_scoped(scope, help);
+            std::thread::Builder::new().name("dmaload-helper".into()).spawn_scoped(scope, help);
         // Without a thread of its own (RLIMIT_NPROC, cgroup pids.max) the
-        // memory is populated before the reads instead of beside them.
+        // memory is made ready before the engine runs instead of beside it.
         let mut deliver_after = false;
         // The registrar for the engine's own thread, when no helper can take it.
         let mut inline = None;
         let (helper_thread, helped_first) = match helper_thread {
             Ok(handle) => (Some(handle), None),
             Err(err) if layout == Layout::InPlace => {
-                fallbacks.push(Fallback::new(
-                    "populate beside the reads",
-                    "populate before the reads",
-                    format!("cannot create a thread: {err}"),
-                ));
+                fallbacks.push(match plan.direction {
+                    Direction::Read => Fallback::new(
+                        "populate beside the reads",
+                        "populate before the reads",
+                        format!("cannot create a thread: {err}"),
+                    ),
+                    Direction::Write => Fallback::new(
+                        "register beside the writes",
+                        "register between the writes",
+                        format!("cannot create a thread: {err}"),
+                    ),
+                });
                 // Registering waits for the engine to come near each gather:
-                // the engine does it itself, between its reads.
+                // the engine does it itself, between its requests.
                 if let Some((_, registrar)) = helper.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
                     inline = registrar.take();
                 }
@@ -434,36 +479,32 @@ fn run_pipeline<'m, T: Send>(
                 return (Err(err), None);
             }
         };
-        let reporter = std::thread::Builder::new()
-            .name("dmaload-progress".into())
-            .spawn_scoped(scope, || progress.report());
-        let hash = |verifier: &Verifier| hash_gathers(verifier, dst, plan, &gate);
-        let hasher = verifier.map(|verifier| {
+        let follower = beside.map(|task| {
             let thread = std::thread::Builder::new().name("dmaload-verify".into());
-            (verifier, thread.spawn_scoped(scope, move || hash(verifier)))
+            (task, thread.spawn_scoped(scope, || task(&gate)))
         });
         let result = prepared.and_then(|prepared| match prepared {
-            Prepared::Uring(ring) => engine::uring::run(&job, *ring, fixed, inline),
-            Prepared::Pool { threads, engine } => engine::pool::run(&job, dst, threads, engine),
+            Prepared::Uring(mut ring) => engine::uring::run(&job, &mut ring, fixed, inline),
+            Prepared::Pool { threads, engine } => engine::pool::run(&job, mem, threads, engine),
         });
+        gate.engine_done();
         if result.is_err() {
             gate.cancel();
         }
-        // Without a thread of its own, the hashing follows the reads.
-        let hashed = match hasher {
+        // Without a thread of its own, the task follows the engine.
+        let followed = match follower {
             None => true,
             Some((_, Ok(thread))) => thread.join().is_ok(),
-            Some((verifier, Err(_))) => {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hash(verifier))).is_ok()
+            Some((task, Err(_))) => {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(&gate))).is_ok()
             }
         };
         let result = match result {
-            Ok(_) if !hashed => Err(Error::new(ErrorKind::Io, "verify", path, "the hashing thread panicked")),
+            Ok(_) if !followed => {
+                Err(Error::new(ErrorKind::Io, "verify", path, "the hashing thread panicked"))
+            }
             other => other,
         };
-        progress.finish();
-        // A panicking reporter only means a callback panicked: no bytes are at stake.
-        let _ = reporter.map(|r| r.join());
         let helped = match helper_thread {
             Some(handle) => handle.join().ok().flatten(),
             None if deliver_after => help(),
@@ -474,8 +515,6 @@ fn run_pipeline<'m, T: Send>(
     let result = result.map(|mut run| {
         fallbacks.append(&mut run.fallbacks);
         run.fallbacks = fallbacks;
-        debug_assert_eq!(progress.done(), len);
-        progress.report_complete();
         run
     });
     (result, helped)

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use crate::engine::EngineRun;
+use crate::engine::{self, EngineRun};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{MemoryChoice, MemoryFacts};
 use crate::options::{Destination, LoadOptions};
@@ -13,7 +13,7 @@ use crate::pagecache;
 use crate::plan::Plan;
 use crate::report::LoadReport;
 use crate::source::{buffered, cache_name, choose_read_setup, no_residue_policy, ReadSetup, Source};
-use crate::types::{CachePolicy, Engine, Fallback, IoMode};
+use crate::types::{CachePolicy, Direction, Engine, Fallback, IoMode};
 use crate::{sys, system};
 
 /// The length of the range `offset..offset + len` (to the end of the file
@@ -153,14 +153,7 @@ impl Opened<'_> {
                     && err.raw_os_error() == Some(libc::ECANCELED)
                     && !options.cancel.is_cancelled() =>
             {
-                self.fallbacks.push(Fallback::new(
-                    options.engine.name(),
-                    Engine::PreadPool.name(),
-                    format!(
-                        "io_uring cancelled a read ({err}): its worker threads could not be created \
-                         (RLIMIT_NPROC or the cgroup's pids.max)"
-                    ),
-                ));
+                self.fallbacks.push(engine::workers_refused(options.engine, Direction::Read, &err));
                 let pool = LoadOptions { engine: Engine::PreadPool, ..options.clone() };
                 attempt(&self.setup, &plan, &pool).map(|done| (done, plan))
             }

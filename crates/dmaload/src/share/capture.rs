@@ -42,9 +42,11 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::{BlockQueue, Filled, HeldRun, Role};
-use crate::engine::write::{SharedWriteRing, WriteJob, WriteRun};
+use crate::cancel::CancelToken;
+use crate::engine::{EngineParams, EngineRun, Progress};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use crate::pipeline::{write_at, KeptWriteRing};
 use crate::save::{
     check_sticky, choose_direct, keep_owner_and_mode, parent_dir, remove_stale_tmpfiles, resolve, TmpFile,
 };
@@ -215,21 +217,27 @@ pub fn capture_to_file(
         let mut writers = Vec::with_capacity(in_flight);
         let mut refused = None;
         for _ in 0..in_flight {
-            let (jobs, job_queue) = mpsc::channel::<(WriteJob<'_>, usize)>();
-            let (done, results) = mpsc::channel::<Result<WriteRun>>();
+            let (jobs, job_queue) = mpsc::channel::<RunWrite>();
+            let (done, results) = mpsc::channel::<Result<EngineRun>>();
             let (engine, depth) = (options.engine, options.queue_depth);
+            let (params, target, file, chunk) = (writer.params(), writer.target, writer.file, writer.chunk());
             let write_runs = move || {
-                let mut shared = match engine {
-                    // Without io_uring here, each job falls back on its own.
+                let mut kept = match engine {
+                    // Without io_uring here, each run falls back on its own.
                     Engine::UringFixed | Engine::Uring => {
-                        SharedWriteRing::new(whole, depth, engine == Engine::UringFixed).ok()
+                        KeptWriteRing::new(whole, depth, engine == Engine::UringFixed).ok()
                     }
                     Engine::PreadPool | Engine::Read => None,
                 };
-                for (job, base) in job_queue {
-                    let result = match shared.as_mut() {
-                        Some(ring) => job.run_on(ring, base),
-                        None => job.run(engine),
+                for run in job_queue {
+                    let RunWrite { base, len, offset, align } = run;
+                    let result = match kept.as_mut() {
+                        Some(ring) => ring.write(target, file, base, len, offset, align, chunk, &params),
+                        None => {
+                            let bytes = whole.range(base..base + len);
+                            let progress = Progress::new(len as u64, None);
+                            write_at(target, file, bytes, offset, align, chunk, &params, &progress)
+                        }
                     };
                     // A failed ring may still hold requests: stop using it
                     // (dropping it waits for them).
@@ -317,12 +325,17 @@ pub fn capture_to_file(
                         break Err(Error::io("give back blocks of", &target, e));
                     }
                 } else {
-                    let job = writer.job(bytes, offset);
+                    let run = RunWrite {
+                        base: range.start,
+                        len: bytes.len(),
+                        offset,
+                        align: writer.direct.unwrap_or(1),
+                    };
                     if writer.direct.is_some() {
                         // Counted when queued: a failed write fails the capture.
                         writer.direct_bytes += bytes.len() as u64;
                     }
-                    if writers[turn].0.send((job, range.start)).is_err() {
+                    if writers[turn].0.send(run).is_err() {
                         break Err(Error::new(ErrorKind::Io, "write", &target, "a writing thread stopped"));
                     }
                     pending.push_back((held, turn, offset));
@@ -410,8 +423,18 @@ pub fn capture_to_file(
     })
 }
 
-/// Writes runs to the capture file through the save path's write engine,
-/// each at the offset it was given when dequeued.
+/// One run for a writer thread: `len` bytes at `base` of the block ring,
+/// to file offset `offset`, in requests whole `align` blocks long.
+struct RunWrite {
+    base: usize,
+    len: usize,
+    offset: u64,
+    align: usize,
+}
+
+/// Writes runs to the capture file through the pipeline's write direction
+/// (the engines a save and a load use), each at the offset it was given
+/// when dequeued.
 struct RunWriter<'a> {
     target: &'a Path,
     file: &'a File,
@@ -452,25 +475,31 @@ impl<'a> RunWriter<'a> {
         self.direct.is_some_and(|align| offset % align as u64 != 0 || bytes.len() % align != 0)
     }
 
-    fn job<'b>(&self, bytes: RawBytes<'b>, offset: u64) -> WriteJob<'b>
-    where
-        'a: 'b,
-    {
-        WriteJob {
-            path: self.target,
-            file: self.file,
-            src: bytes,
-            file_offset: offset,
-            chunk: WRITE_CHUNK.max(self.block_size),
+    /// The engine's parameters for every write of the capture.
+    fn params(&self) -> EngineParams {
+        EngineParams {
+            engine: self.options.engine,
             queue_depth: self.options.queue_depth,
             threads: DEFAULT_POOL_THREADS,
-            progress: None,
+            cancel: CancelToken::new(),
         }
+    }
+
+    /// Bytes per write request: [`WRITE_CHUNK`], or one block if larger.
+    fn chunk(&self) -> usize {
+        WRITE_CHUNK.max(self.block_size)
+    }
+
+    /// Writes `bytes` at `offset` on this thread, through the pipeline.
+    fn write_here(&self, bytes: RawBytes<'_>, offset: u64) -> Result<EngineRun> {
+        let progress = Progress::new(bytes.len() as u64, None);
+        let align = self.direct.unwrap_or(1);
+        write_at(self.target, self.file, bytes, offset, align, self.chunk(), &self.params(), &progress)
     }
 
     /// Takes a run's write result (`None`: its thread stopped) and keeps
     /// what its engine reported.
-    fn finish(&mut self, result: Option<Result<WriteRun>>) -> Result<()> {
+    fn finish(&mut self, result: Option<Result<EngineRun>>) -> Result<()> {
         let mut run = result.unwrap_or_else(|| {
             Err(Error::new(ErrorKind::Io, "write", self.target, "a writing thread stopped"))
         })?;
@@ -490,14 +519,13 @@ impl<'a> RunWriter<'a> {
         let Some(align) = self.direct else { return Ok(()) };
         let aligned = if offset % align as u64 == 0 { bytes.len() / align * align } else { 0 };
         if aligned > 0 {
-            let run = self.job(bytes.range(0..aligned), offset).run(self.options.engine)?;
+            let run = self.write_here(bytes.range(0..aligned), offset)?;
             self.engine = run.engine;
             self.direct_bytes += aligned as u64;
         }
         self.direct = None;
         sys::file::set_direct(self.file.as_fd(), false).map_err(|e| Error::io("fcntl", self.target, e))?;
-        let run =
-            self.job(bytes.range(aligned..bytes.len()), offset + aligned as u64).run(self.options.engine)?;
+        let run = self.write_here(bytes.range(aligned..bytes.len()), offset + aligned as u64)?;
         self.engine = run.engine;
         Ok(())
     }

@@ -16,9 +16,8 @@ mod dma_heap;
 pub use cuda::CudaSink;
 pub use dma_heap::DmaHeapSink;
 
-use std::sync::{Condvar, Mutex, PoisonError};
-
 use crate::cuda::{Context, PinnedStaging};
+use crate::lead::Lead;
 use crate::plan::Plan;
 use crate::sys;
 use crate::sys::mem::{HugePageAdvice, Mapping, MappingWriter, Prefault, RawBytesMut, SharedMapping};
@@ -364,25 +363,38 @@ impl Sink for HostSink<'_> {
 }
 
 /// The destination of a [`HostSink`] as its populating threads share it:
-/// bytes below `claimed` are populated (or being populated) by a thread or
-/// were delivered; a thread claims the next [`POPULATE_STEP`] while that
-/// stays within [`POPULATE_AHEAD`] of the last delivery.
+/// steps of [`POPULATE_STEP`] bytes (aligned in the address space; the
+/// first may be shorter), claimed through a [`Lead`] whose consumer is the
+/// delivering thread, at most [`POPULATE_AHEAD`] bytes ahead of it.
 struct Ahead<'a> {
     pages: Prefault<'a>,
-    state: Mutex<AheadState>,
-    moved: Condvar,
-}
-
-#[derive(Default)]
-struct AheadState {
-    claimed: usize,
-    delivered: usize,
-    stopped: bool,
+    lead: Lead,
+    /// Bytes of the first step (up to the first aligned address).
+    head: usize,
 }
 
 impl<'a> Ahead<'a> {
     fn new(pages: Prefault<'a>) -> Self {
-        Ahead { pages, state: Mutex::new(AheadState::default()), moved: Condvar::new() }
+        let len = pages.len();
+        let head = (POPULATE_STEP - pages.address() % POPULATE_STEP).min(len);
+        let steps = if len == 0 { 0 } else { 1 + (len - head).div_ceil(POPULATE_STEP) };
+        Ahead { pages, lead: Lead::new(steps, POPULATE_AHEAD / POPULATE_STEP), head }
+    }
+
+    /// The bytes of step `k`.
+    fn step(&self, k: usize) -> Range<usize> {
+        let start = if k == 0 { 0 } else { self.head + (k - 1) * POPULATE_STEP };
+        let end = if k == 0 { self.head } else { start + POPULATE_STEP };
+        start..end.min(self.pages.len())
+    }
+
+    /// The step that byte `at` falls in.
+    fn step_of(&self, at: usize) -> usize {
+        if at < self.head {
+            0
+        } else {
+            1 + (at - self.head) / POPULATE_STEP
+        }
     }
 
     /// One populating thread: claims and faults in step after step until
@@ -390,49 +402,30 @@ impl<'a> Ahead<'a> {
     /// before 5.14, a memory limit) stops them all: the copy faults in
     /// whatever they left, as it would have without them.
     fn populate(&self) {
-        let len = self.pages.len();
-        let lock = || self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        loop {
-            let part = {
-                let mut state = lock();
-                while !state.stopped
-                    && state.claimed < len
-                    && state.claimed >= state.delivered + POPULATE_AHEAD
-                {
-                    state = self.moved.wait(state).unwrap_or_else(PoisonError::into_inner);
-                }
-                if state.stopped || state.claimed >= len {
-                    return;
-                }
-                let start = state.claimed;
-                let address = self.pages.address() + start;
-                let end = (start + (address / POPULATE_STEP + 1) * POPULATE_STEP - address).min(len);
-                state.claimed = end;
-                start..end
-            };
-            if self.pages.populate(part).is_err() {
-                self.stop();
+        while let Some(k) = self.lead.claim_next() {
+            if self.pages.populate(self.step(k)).is_err() {
+                self.lead.stop();
                 return;
             }
         }
     }
 
     /// Records a delivery into `place` (which moves the populating threads'
-    /// bound on) and returns the part of it no thread claimed, which the
-    /// delivering thread populates itself.
+    /// bound on) and returns the part of it (whole steps) that no thread
+    /// claimed, which the delivering thread populates itself.
     fn claim_delivered(&self, place: Range<usize>) -> Range<usize> {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let unclaimed = state.claimed.max(place.start)..place.end.max(state.claimed);
-        state.claimed = state.claimed.max(place.end);
-        state.delivered = place.end;
-        drop(state);
-        self.moved.notify_all();
-        unclaimed
+        if place.is_empty() {
+            return place;
+        }
+        let taken = self.lead.take_through(self.step_of(place.end - 1) + 1);
+        match taken.is_empty() {
+            true => place.start..place.start,
+            false => self.step(taken.start).start..self.step(taken.end - 1).end,
+        }
     }
 
     fn stop(&self) {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner).stopped = true;
-        self.moved.notify_all();
+        self.lead.stop();
     }
 }
 

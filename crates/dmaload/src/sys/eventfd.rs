@@ -119,9 +119,20 @@ pub fn poll_two(
 /// `poll(2)` for input on one descriptor until it is readable or `timeout`
 /// passes; true when readable (or hung up). EINTR resumes the wait.
 pub fn poll_readable(fd: BorrowedFd<'_>, timeout: Duration) -> io::Result<bool> {
+    poll_one(fd, libc::POLLIN, timeout)
+}
+
+/// `poll(2)` for output on one descriptor until it takes bytes or `timeout`
+/// passes; true when writable (or in error, which the next write reports).
+/// EINTR resumes the wait.
+pub fn poll_writable(fd: BorrowedFd<'_>, timeout: Duration) -> io::Result<bool> {
+    poll_one(fd, libc::POLLOUT, timeout)
+}
+
+fn poll_one(fd: BorrowedFd<'_>, events: libc::c_short, timeout: Duration) -> io::Result<bool> {
     let deadline = Instant::now() + timeout;
     loop {
-        let mut pollfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let mut pollfd = libc::pollfd { fd: fd.as_raw_fd(), events, revents: 0 };
         let left = deadline.saturating_duration_since(Instant::now());
         let millis = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
         // SAFETY: `pollfd` is one writable pollfd living across the call.

@@ -252,6 +252,16 @@ impl<'a> RawBytes<'a> {
         check_size(ret)
     }
 
+    /// One `pwritev2(2)` of the bytes at `offset` with `flags`; returns the
+    /// count written, which may be short.
+    pub fn pwrite_at(&self, fd: BorrowedFd<'_>, offset: u64, flags: libc::c_int) -> io::Result<usize> {
+        let iov = libc::iovec { iov_base: self.ptr as *mut libc::c_void, iov_len: self.len };
+        // SAFETY: the iovec lies inside memory the borrow keeps mapped;
+        // pwritev2 only reads it.
+        let ret = unsafe { libc::pwritev2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+        check_size(ret)
+    }
+
     /// `pwrite(2)` of all the bytes at `offset`, resuming short writes; a
     /// write of zero bytes is `WriteZero`.
     pub fn write_all_at(&self, fd: BorrowedFd<'_>, offset: u64) -> io::Result<()> {

@@ -11,6 +11,7 @@ use io_uring::{opcode, register, squeue, types, IoUring};
 
 use super::mem::MappingWriter;
 use super::shm::RawBytes;
+use crate::types::Direction;
 
 /// One finished request: the caller's tag and the kernel's result (bytes
 /// transferred, or a negative errno).
@@ -215,28 +216,66 @@ mod sealed {
     impl Sealed for super::RawBytes<'_> {}
 }
 
-/// The memory a [`Ring`]'s requests use: a [`MappingWriter`] that the
-/// kernel writes into (reads from a file, [`Ring::queue_read`]) or
-/// [`RawBytes`] that it only reads (writes to a file, [`Ring::queue_write`]).
-/// Sealed: [`Ring`] and [`Registrar`] trust `iovec` to stay inside memory
-/// that is mapped for as long as the value's borrow lasts.
+/// The memory a [`Ring`]'s requests use, which fixes their direction: a
+/// [`MappingWriter`] that the kernel writes into (reads from a file) or
+/// [`RawBytes`] that it only reads (writes to a file). Sealed: [`Ring`] and
+/// [`Registrar`] trust `iovec` to stay inside memory that is mapped for as
+/// long as the value's borrow lasts.
 pub trait RingMemory: sealed::Sealed + Copy + Send + Sync {
+    /// Which way requests on this memory move bytes.
+    const DIRECTION: Direction;
+
     /// The address and length of `range`; panics when `range` is outside the
     /// memory (ranges come from the caller's plan: that is a bug).
     fn iovec(&self, range: Range<usize>) -> libc::iovec;
+
+    /// One blocking transfer between `range` of the memory and `fd` at
+    /// `offset` (`preadv2` into a writer, `pwritev2` from raw bytes), with
+    /// `rw_flags`; returns the bytes moved, which may be fewer.
+    fn transfer_at(
+        &self,
+        fd: BorrowedFd<'_>,
+        range: Range<usize>,
+        offset: u64,
+        rw_flags: i32,
+    ) -> io::Result<usize>;
 }
 
 impl RingMemory for MappingWriter<'_> {
+    const DIRECTION: Direction = Direction::Read;
+
     fn iovec(&self, range: Range<usize>) -> libc::iovec {
         let (ptr, len) = self.raw_range(&range);
         libc::iovec { iov_base: ptr.cast(), iov_len: len }
     }
+
+    fn transfer_at(
+        &self,
+        fd: BorrowedFd<'_>,
+        range: Range<usize>,
+        offset: u64,
+        rw_flags: i32,
+    ) -> io::Result<usize> {
+        super::file::pread_into(fd, *self, range, offset, rw_flags)
+    }
 }
 
 impl RingMemory for RawBytes<'_> {
+    const DIRECTION: Direction = Direction::Write;
+
     fn iovec(&self, range: Range<usize>) -> libc::iovec {
         let bytes = self.range(range);
         libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() }
+    }
+
+    fn transfer_at(
+        &self,
+        fd: BorrowedFd<'_>,
+        range: Range<usize>,
+        offset: u64,
+        rw_flags: i32,
+    ) -> io::Result<usize> {
+        self.range(range).pwrite_at(fd, offset, rw_flags)
     }
 }
 
@@ -312,10 +351,11 @@ impl<M: RingMemory> Ring<M> {
     }
 }
 
-impl Ring<MappingWriter<'_>> {
-    /// Queues a read of `range.len()` bytes at file `offset` into `range` of
-    /// the mapping, through registered buffer `slot` when given.
-    pub fn queue_read(
+impl<M: RingMemory> Ring<M> {
+    /// Queues a transfer of `range` of the memory at file `offset`, in the
+    /// memory's direction (a read into a writer, a write from raw bytes),
+    /// through registered buffer `slot` when given.
+    pub fn queue_transfer(
         &mut self,
         fd: BorrowedFd<'_>,
         range: Range<usize>,
@@ -325,30 +365,19 @@ impl Ring<MappingWriter<'_>> {
         tag: u64,
     ) -> io::Result<()> {
         let fd = types::Fd(fd.as_raw_fd());
-        self.queue(range, slot, tag, |ptr, len, slot| match slot {
-            Some(index) => {
+        self.queue(range, slot, tag, |ptr, len, slot| match (M::DIRECTION, slot) {
+            (Direction::Read, Some(index)) => {
                 opcode::ReadFixed::new(fd, ptr, len, index).offset(offset).rw_flags(rw_flags).build()
             }
-            None => opcode::Read::new(fd, ptr, len).offset(offset).rw_flags(rw_flags).build(),
-        })
-    }
-}
-
-impl Ring<RawBytes<'_>> {
-    /// Queues a write of `range` of the bytes at file `offset`, through
-    /// registered buffer `slot` when given.
-    pub fn queue_write(
-        &mut self,
-        fd: BorrowedFd<'_>,
-        range: Range<usize>,
-        offset: u64,
-        slot: Option<u16>,
-        tag: u64,
-    ) -> io::Result<()> {
-        let fd = types::Fd(fd.as_raw_fd());
-        self.queue(range, slot, tag, |ptr, len, slot| match slot {
-            Some(index) => opcode::WriteFixed::new(fd, ptr, len, index).offset(offset).build(),
-            None => opcode::Write::new(fd, ptr, len).offset(offset).build(),
+            (Direction::Read, None) => {
+                opcode::Read::new(fd, ptr, len).offset(offset).rw_flags(rw_flags).build()
+            }
+            (Direction::Write, Some(index)) => {
+                opcode::WriteFixed::new(fd, ptr, len, index).offset(offset).rw_flags(rw_flags).build()
+            }
+            (Direction::Write, None) => {
+                opcode::Write::new(fd, ptr, len).offset(offset).rw_flags(rw_flags).build()
+            }
         })
     }
 }
