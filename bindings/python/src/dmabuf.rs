@@ -5,6 +5,7 @@ use std::os::fd::{AsRawFd, IntoRawFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use dmaload::source::OpenFile;
 use dmaload::{Destination, LoadedDmaBuf};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -158,8 +159,12 @@ pub fn load_dmabuf(
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
         let offset = offset.unwrap_or(0);
-        let result = run_cancellable(py, &cancel, || dmaload::load_dmabuf(&path, offset, length, &options))?;
-        let (loaded, report) = result.map_err(|e| os_error(&e))?;
+        let file = detached(py, || OpenFile::open(&path))?.map_err(|e| os_error(&e))?;
+        let result = run_cancellable(py, &cancel, || dmaload::load_to(&file, offset, length, &options))?;
+        let (loaded, report) = match result.map_err(|e| os_error(&e))? {
+            (dmaload::Loaded::DmaBuf(loaded), report) => (loaded, report),
+            _ => return Err(PyValueError::new_err(format!("{} did not load into a dma-buf", options.to))),
+        };
         Ok(DmaBuf {
             size: loaded.dmabuf.len(),
             data_offset: loaded.data_offset,

@@ -549,9 +549,13 @@ fn load(
             options.progress = Some(relay.for_load());
             relay
         });
-        let result = run_cancellable(py, &cancel, || dmaload::load_open(&file, offset, length, &options))?;
+        options.check_host(file.path()).map_err(|e| os_error(&e))?;
+        let result = run_cancellable(py, &cancel, || dmaload::load_to(&file, offset, length, &options))?;
         Progress::raised(relay.as_ref())?;
-        let (buffer, report) = result.map_err(|e| os_error(&e))?;
+        let (buffer, report) = match result.map_err(|e| os_error(&e))? {
+            (dmaload::Loaded::Host(buffer), report) => (buffer, report),
+            _ => return Err(PyValueError::new_err(format!("{} did not load into a host buffer", options.to))),
+        };
         Progress::finish(relay.as_ref())?;
         Ok(Buffer::new(buffer, report))
     })

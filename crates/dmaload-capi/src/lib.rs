@@ -25,7 +25,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 
 use dmaload::heap::DmaBuf;
-use dmaload::{Buffer, Destination, Engine, IoMode, LoadOptions, LoadReport, LoadedDmaBuf, SaveOptions};
+use dmaload::source::OpenFile;
+use dmaload::{
+    Buffer, Destination, Engine, IoMode, LoadOptions, LoadReport, Loaded, LoadedDmaBuf, SaveOptions,
+};
 
 /// `engine`: io_uring reads into registered buffers (the default).
 pub const DMALOAD_ENGINE_URING_FIXED: u32 = 0;
@@ -429,9 +432,11 @@ fn load_impl(
         }
         let path = path_arg(op, path)?;
         let options = load_options(op, options, None)?;
-        let (buffer, loaded) = match range {
-            Some((offset, len)) => dmaload::load_range(path, offset, len, &options)?,
-            None => dmaload::load(path, &options)?,
+        options.check_host(path)?;
+        let (offset, len) = range.map_or((0, None), |(offset, len)| (offset, Some(len)));
+        let (buffer, loaded) = match dmaload::load_to(&OpenFile::open(path)?, offset, len, &options)? {
+            (Loaded::Host(buffer), loaded) => (buffer, loaded),
+            _ => return Err(invalid(op, format!("{} did not load into a host buffer", options.to))),
         };
         let report = report(&loaded);
         let handle = Box::into_raw(Box::new(dmaload_buffer { buffer, report }));
@@ -637,13 +642,12 @@ fn load_dmabuf_impl(
         let path = path_arg(op, path)?;
         let to = destination(op, target)?.unwrap_or(Destination::Dmabuf);
         let options = load_options(op, options, Some(to))?;
-        if !options.to.is_dmabuf() {
-            return Err(invalid(
-                op,
-                format!("target {} is not a dma-buf (expected udmabuf, dmabuf or dma-heap:NAME)", options.to),
-            ));
-        }
-        let (loaded, loaded_report) = dmaload::load_dmabuf(path, range.0, range.1, &options)?;
+        options.check_dmabuf(path)?;
+        let (loaded, loaded_report) =
+            match dmaload::load_to(&OpenFile::open(path)?, range.0, range.1, &options)? {
+                (Loaded::DmaBuf(loaded), report) => (loaded, report),
+                _ => return Err(invalid(op, format!("{} did not load into a dma-buf", options.to))),
+            };
         let result = dmaload_dmabuf {
             fd: -1,
             size: loaded.dmabuf.len(),
@@ -843,6 +847,8 @@ pub unsafe extern "C" fn dmaload_save(
             queue_depth: o.queue_depth as usize,
             threads: o.threads as usize,
             progress: None,
+            // C has no cancellation, for saves as for loads.
+            cancel: dmaload::CancelToken::default(),
         };
         let bytes: &[u8] = if len == 0 {
             &[]

@@ -18,7 +18,7 @@ use crate::buffer::Buffer;
 use crate::device::{load_open_device, LoadedDevice};
 use crate::dmabuf::{load_open_dmabuf, LoadedDmaBuf};
 use crate::error::Result;
-use crate::options::{check_host, validate};
+use crate::options::validate;
 pub use crate::options::{
     default_populate_threads, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE,
     DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
@@ -67,7 +67,7 @@ pub fn load_fd(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     validate(Path::new("fd"), options)?;
-    check_host(Path::new("fd"), options)?;
+    options.check_host(Path::new("fd"))?;
     load_open(&OpenFile::from_fd(fd)?, offset, len, options)
 }
 
@@ -82,7 +82,7 @@ pub fn load_open(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     validate(file.path(), options)?;
-    check_host(file.path(), options)?;
+    options.check_host(file.path())?;
     load_source(file, offset, len, options)
 }
 
@@ -93,7 +93,7 @@ fn load_impl(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     validate(path, options)?;
-    check_host(path, options)?;
+    options.check_host(path)?;
     load_source(&OpenFile::open(path)?, offset, len, options)
 }
 

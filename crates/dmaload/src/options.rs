@@ -365,30 +365,47 @@ impl fmt::Debug for LoadOptions {
     }
 }
 
-/// Fails unless the options' destination is host memory: a load into a
-/// host [`crate::Buffer`] checks this before it opens the file.
-pub(crate) fn check_host(path: &Path, o: &LoadOptions) -> Result<()> {
-    if o.to.is_host() {
-        return Ok(());
+impl LoadOptions {
+    /// Fails unless `to` names host memory (`auto` or a memory kind): what
+    /// a front end whose load returns a host buffer checks before it calls
+    /// [`crate::load_to`]; the error says where the other kinds go.
+    pub fn check_host(&self, path: &Path) -> Result<()> {
+        if self.to.is_host() {
+            return Ok(());
+        }
+        let why = if self.to.is_dmabuf() {
+            format!(
+                "a dma-buf ({to}) is an fd the caller owns, not a host Buffer: load it with load_dmabuf",
+                to = self.to
+            )
+        } else {
+            format!(
+                "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and the \
+                 CUDA sink (load_to_sink with sink::CudaSink)",
+                to = self.to
+            )
+        };
+        Err(Error::new(
+            ErrorKind::InvalidInput,
+            "load",
+            path,
+            format!("{why}, or run `dmaload load --to {}`", self.to),
+        ))
     }
-    let why = if o.to.is_dmabuf() {
-        format!(
-            "a dma-buf ({to}) is an fd the caller owns, not a host Buffer: load it with load_dmabuf",
-            to = o.to
-        )
-    } else {
-        format!(
-            "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and the \
-             CUDA sink (load_to_sink with sink::CudaSink)",
-            to = o.to
-        )
-    };
-    Err(Error::new(
-        ErrorKind::InvalidInput,
-        "load",
-        path,
-        format!("{why}, or run `dmaload load --to {}`", o.to),
-    ))
+
+    /// Fails unless `to` names a dma-buf (`udmabuf`, `dma-heap:NAME`,
+    /// `dmabuf`): the check of a front end whose load returns a dma-buf.
+    pub fn check_dmabuf(&self, path: &Path) -> Result<()> {
+        if self.to.is_dmabuf() {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::InvalidInput,
+            "load",
+            path,
+            format!("{} is not a dma-buf (expected udmabuf, dmabuf or dma-heap:NAME)", self.to),
+        ))
+    }
 }
 
 /// The memory kind a load of `len` bytes into a host [`crate::Buffer`]
@@ -400,7 +417,7 @@ pub(crate) fn host_memory(
     len: u64,
     facts: &crate::memory::MemoryFacts,
 ) -> Result<crate::memory::MemoryChoice> {
-    check_host(path, o)?;
+    o.check_host(path)?;
     Ok(match o.to.host_memory() {
         Some(kind) => crate::memory::MemoryChoice { kind, reason: format!("asked for ({kind})") },
         None => facts.choose(len, o.needs_fd),
