@@ -109,3 +109,52 @@ def test_the_waits_still_time_out(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "TIMED OUT" in out.stdout, out.stdout + out.stderr
+
+
+def test_ctrl_c_ends_a_save_blocked_on_a_full_fifo(tmp_path: Path) -> None:
+    """A FIFO whose reader never reads fills after 64 KiB and the save waits
+    for room: Ctrl-C ends it with KeyboardInterrupt and leaves no thread or
+    descriptor behind (before saves took a token, this wait was for good).
+    The child's progress callback says when bytes have gone in."""
+    fifo = tmp_path / "fifo"
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys, time, dmaload
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.mkfifo({str(fifo)!r})
+        holder = os.open({str(fifo)!r}, os.O_RDWR)  # a reader that never reads
+        def state():
+            return sorted(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+        held = state()
+        said = []
+        def progress(done, total):
+            if done and not said:
+                said.append(done)
+                print("FILLED", flush=True)
+        try:
+            dmaload.save(bytes(4 << 20), {str(fifo)!r}, progress=progress)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", time.monotonic(), flush=True)
+        else:
+            sys.exit("the save ended without the signal")
+        assert state() == held, (state(), held)
+        print("INTACT", flush=True)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    try:
+        line = child.stdout.readline()
+        assert line == "FILLED\n", line + (child.stderr.read() if child.stderr else "")
+        deadline = time.monotonic() + 60
+        while not _sleeping_in_the_kernel(child.pid):
+            assert time.monotonic() < deadline, "the child never blocked"
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=5)  # generous: the wait answers in milliseconds
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0 and "INTACT" in out, f"{child.returncode}\n{out}\n{err}"
+    raised = float(next(line.split()[1] for line in out.splitlines() if line.startswith("INTERRUPTED")))
+    print(f"save to a full FIFO: KeyboardInterrupt {1000 * (raised - sent):.1f} ms after SIGINT")

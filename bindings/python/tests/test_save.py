@@ -195,9 +195,9 @@ def test_progress_sees_the_final_total(tmp_path: Path) -> None:
 
 
 def test_a_raising_progress_callback_is_raised_not_lost(tmp_path: Path) -> None:
-    """As for a load, the callback's exception is what the call raises;
-    the save still completes (it cannot be stopped midway) and leaves no
-    temporary file."""
+    """As for a load, the callback's exception is what the call raises: it
+    cancels the save, which ends as a failed one (no file, no temporary
+    file) unless every byte was already in (then the file is complete)."""
 
     def boom(done: int, total: int) -> None:
         raise RuntimeError("stop the save")

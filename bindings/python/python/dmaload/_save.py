@@ -41,10 +41,11 @@ def save(data: Any, path: StrPath, *, progress: Progress = None, **options: Unpa
     ``OSError`` (EINVAL), as for :func:`load`. ``progress`` is a callable
     ``(bytes_written, bytes_total)`` or ``True`` for a tqdm bar, as for
     :func:`load`; the last call, ``(total, total)``, comes once the file
-    is complete. A save cannot be stopped midway: an exception the callback
-    raises stops further calls and is raised when the save returns (the
-    file may have been written by then); if the save failed too, its
-    ``OSError`` is raised with the callback's exception as ``__cause__``.
+    is complete. Ctrl-C stops a save midway (a FIFO or device that waits
+    for room included) and raises ``KeyboardInterrupt``, and an exception
+    the callback raises stops it the same way and is raised: either way the
+    save ends as a failed one does (the old file as it was, no temporary
+    file; a FIFO or device keeps the bytes it took).
     """
     sync, native = native_save_options(options)
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
