@@ -113,6 +113,25 @@ impl BlockQueue {
     }
 }
 
+/// Waits for the peer's message on `conn` in [`SIGNAL_POLL`] slices with
+/// the GIL released, checking for signals between them (Ctrl-C raises and
+/// drops what the caller made), up to `timeout` (None: for ever). Returns
+/// the time left for the receive that follows: the message is there then,
+/// or the wait ran out and the receive reports the timeout as before.
+fn wait_for_peer(py: Python<'_>, conn: &Connection, timeout: Option<Duration>) -> PyResult<Option<Duration>> {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let slice = left.map_or(SIGNAL_POLL, |left| left.min(SIGNAL_POLL));
+        if detached(py, || conn.wait_readable(slice))?.map_err(queue_error)?
+            || left.is_some_and(|l| l <= slice)
+        {
+            return Ok(deadline.map(|d| d.saturating_duration_since(Instant::now())));
+        }
+        py.check_signals()?;
+    }
+}
+
 #[pymethods]
 impl BlockQueue {
     /// Creates a queue of `blocks` blocks of `block_size` bytes, sends it
@@ -139,7 +158,10 @@ impl BlockQueue {
             let options = BlockQueueOptions { block_size, blocks, memory };
             let conn = connection(sock)?;
             let timeout = seconds(timeout)?;
-            let queue = detached(py, || share::BlockQueue::create(conn, role, &options, timeout))?;
+            let offered =
+                detached(py, || share::BlockQueue::offer(conn, role, &options))?.map_err(queue_error)?;
+            let left = wait_for_peer(py, offered.connection(), timeout)?;
+            let queue = detached(py, || offered.accept(left))?;
             queue.map(BlockQueue::wrap).map_err(queue_error)
         })
     }
@@ -152,7 +174,8 @@ impl BlockQueue {
         guard(|| {
             let conn = connection(sock)?;
             let timeout = seconds(timeout)?;
-            let queue = detached(py, || share::BlockQueue::attach(conn, timeout))?;
+            let left = wait_for_peer(py, &conn, timeout)?;
+            let queue = detached(py, || share::BlockQueue::attach(conn, left))?;
             queue.map(BlockQueue::wrap).map_err(queue_error)
         })
     }

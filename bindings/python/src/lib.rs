@@ -554,7 +554,9 @@ fn load(
         Progress::raised(relay.as_ref())?;
         let (buffer, report) = match result.map_err(|e| os_error(&e))? {
             (dmaload::Loaded::Host(buffer), report) => (buffer, report),
-            _ => return Err(PyValueError::new_err(format!("{} did not load into a host buffer", options.to))),
+            _ => {
+                return Err(PyValueError::new_err(format!("{} did not load into a host buffer", options.to)))
+            }
         };
         Progress::finish(relay.as_ref())?;
         Ok(Buffer::new(buffer, report))

@@ -158,3 +158,52 @@ def test_ctrl_c_ends_a_save_blocked_on_a_full_fifo(tmp_path: Path) -> None:
     assert child.returncode == 0 and "INTACT" in out, f"{child.returncode}\n{out}\n{err}"
     raised = float(next(line.split()[1] for line in out.splitlines() if line.startswith("INTERRUPTED")))
     print(f"save to a full FIFO: KeyboardInterrupt {1000 * (raised - sent):.1f} ms after SIGINT")
+
+
+HANDSHAKES = {
+    "create waiting for the peer to attach": "dmaload.BlockQueue.create(a, 'producer', block_size=4096, blocks=2)",
+    "attach waiting for a queue": "dmaload.BlockQueue.attach(b)",
+}
+
+
+@pytest.mark.parametrize("call", sorted(HANDSHAKES))
+def test_ctrl_c_ends_a_block_queue_handshake_and_leaves_nothing(call: str) -> None:
+    """Ctrl-C in create (no peer attaches) or attach (no queue comes): the
+    wait ends with KeyboardInterrupt, and the process has the descriptors
+    and threads it had before (a created queue's memfds are closed)."""
+    code = textwrap.dedent(
+        f"""
+        import os, signal, socket, sys, time, dmaload
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        def state():
+            return sorted(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+        held = state()
+        print("WAITING", flush=True)
+        try:
+            {HANDSHAKES[call]}
+        except KeyboardInterrupt:
+            print("INTERRUPTED", time.monotonic(), flush=True)
+        else:
+            sys.exit("the wait ended without the signal")
+        assert state() == held, (state(), held)
+        print("INTACT", flush=True)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    try:
+        line = child.stdout.readline()
+        assert line == "WAITING\n", line + (child.stderr.read() if child.stderr else "")
+        deadline = time.monotonic() + 60
+        while not _sleeping_in_the_kernel(child.pid):
+            assert time.monotonic() < deadline, "the child never blocked"
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=5)  # generous: the wait answers in milliseconds
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0 and "INTACT" in out, f"{child.returncode}\n{out}\n{err}"
+    raised = float(next(line.split()[1] for line in out.splitlines() if line.startswith("INTERRUPTED")))
+    print(f"{call}: KeyboardInterrupt {1000 * (raised - sent):.1f} ms after SIGINT")

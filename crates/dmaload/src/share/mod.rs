@@ -18,8 +18,8 @@ pub use crate::sys::socket::{
     MAX_FDS_PER_MESSAGE,
 };
 pub use block_queue::{
-    BlockQueue, BlockQueueOptions, Filled, ForeignRun, FreeBlock, HeldRun, QueueMemory, Role, MAX_BLOCKS,
-    MAX_BLOCK_SIZE, MAX_RING_BYTES, MIN_BLOCK_SIZE,
+    BlockQueue, BlockQueueOptions, Filled, ForeignRun, FreeBlock, HeldRun, OfferedQueue, QueueMemory, Role,
+    MAX_BLOCKS, MAX_BLOCK_SIZE, MAX_RING_BYTES, MIN_BLOCK_SIZE,
 };
 pub use capture::{capture_to_file, process_cpu_seconds, CaptureOptions, CaptureReport};
 pub use client::{

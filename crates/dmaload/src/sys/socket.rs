@@ -246,6 +246,13 @@ impl SeqpacketConn {
         Self::from_fd(unsafe { OwnedFd::from_raw_fd(dup) })
     }
 
+    /// Waits up to `timeout` for a message (or the peer's hang-up); true
+    /// when one is there to [`Self::recv`] without blocking. For a caller
+    /// that waits in slices, looking at something else between them.
+    pub fn wait_readable(&self, timeout: Duration) -> io::Result<bool> {
+        super::eventfd::poll_readable(self.fd.as_fd(), timeout)
+    }
+
     /// The credentials of the process at the other end.
     pub fn peer_credentials(&self) -> io::Result<PeerCredentials> {
         let mut cred = MaybeUninit::<libc::ucred>::zeroed();

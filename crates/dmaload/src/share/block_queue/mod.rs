@@ -147,6 +147,41 @@ pub struct BlockQueue {
     cpu_syncs: u64,
 }
 
+/// A queue created and sent to the peer, not yet attached there
+/// ([`BlockQueue::offer`]).
+pub struct OfferedQueue {
+    queue: BlockQueue,
+}
+
+impl OfferedQueue {
+    /// The connection the peer answers on.
+    pub fn connection(&self) -> &Connection {
+        &self.queue.conn
+    }
+
+    /// Waits up to `timeout` for the peer's attachment: the queue, ready.
+    pub fn accept(self, timeout: Option<Duration>) -> io::Result<BlockQueue> {
+        self.queue.conn.set_timeouts(timeout)?;
+        let mut reply = [0u8; 64];
+        let (len, fds) = self
+            .queue
+            .conn
+            .recv(&mut reply)
+            .map_err(|e| attach_error("waiting for the peer to attach", e))?;
+        if !fds.is_empty() || &reply[..len] != ATTACHED {
+            return Err(if len == 0 && fds.is_empty() {
+                io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    "block queue: the peer hung up instead of attaching",
+                )
+            } else {
+                corrupt("the peer answered something else than its attachment".into())
+            });
+        }
+        Ok(self.queue)
+    }
+}
+
 impl BlockQueue {
     /// Creates a queue, sends it over `conn` and waits up to `timeout` for
     /// the peer to attach. This process takes `role`, the peer the other.
@@ -157,6 +192,16 @@ impl BlockQueue {
         options: &BlockQueueOptions,
         timeout: Option<Duration>,
     ) -> io::Result<BlockQueue> {
+        BlockQueue::offer(conn, role, options)?.accept(timeout)
+    }
+
+    /// The first half of [`Self::create`]: creates the queue and sends it
+    /// over `conn`, without waiting for the peer. A caller that must stay
+    /// interruptible waits for the answer in slices
+    /// ([`OfferedQueue::connection`]'s `wait_readable`), then
+    /// [`OfferedQueue::accept`]s it; dropping the offer instead frees
+    /// everything, and the peer finds the creator gone.
+    pub fn offer(conn: Connection, role: Role, options: &BlockQueueOptions) -> io::Result<OfferedQueue> {
         options.validate()?;
         let data_len = options.block_size * options.blocks;
         let control_fd = mem::memfd_create(c"dmaload-queue-control", mem::MemfdPages::Shmem)?;
@@ -185,40 +230,28 @@ impl BlockQueue {
         };
         let (data, writer) = map_blocks(data_fd.as_fd(), data_len, options.memory, role)?;
         let (filled, freed) = (EventFd::new()?, EventFd::new()?);
-        conn.set_timeouts(timeout)?;
         let header = encode_header(options, role);
         conn.send(&header, &[control_fd.as_fd(), data_fd.as_fd(), filled.as_fd(), freed.as_fd()])?;
-        let mut reply = [0u8; 64];
-        let (len, fds) =
-            conn.recv(&mut reply).map_err(|e| attach_error("waiting for the peer to attach", e))?;
-        if !fds.is_empty() || &reply[..len] != ATTACHED {
-            return Err(if len == 0 && fds.is_empty() {
-                io::Error::new(
-                    io::ErrorKind::BrokenPipe,
-                    "block queue: the peer hung up instead of attaching",
-                )
-            } else {
-                corrupt("the peer answered something else than its attachment".into())
-            });
-        }
-        Ok(BlockQueue {
-            id: next_queue_id(),
-            conn,
-            role,
-            options: options.clone(),
-            control,
-            data,
-            writer,
-            dmabuf,
-            filled,
-            freed,
-            own: 0,
-            peer: 0,
-            ended: false,
-            want: 1,
-            taken: 0,
-            done: BTreeMap::new(),
-            cpu_syncs: 0,
+        Ok(OfferedQueue {
+            queue: BlockQueue {
+                id: next_queue_id(),
+                conn,
+                role,
+                options: options.clone(),
+                control,
+                data,
+                writer,
+                dmabuf,
+                filled,
+                freed,
+                own: 0,
+                peer: 0,
+                ended: false,
+                want: 1,
+                taken: 0,
+                done: BTreeMap::new(),
+                cpu_syncs: 0,
+            },
         })
     }
 
