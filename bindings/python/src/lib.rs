@@ -368,6 +368,68 @@ fn run_cancellable<T: Send>(
     result.map_err(panic_error)
 }
 
+/// How long a load that Ctrl-C cancelled is waited for before
+/// [`run_abandonable`] leaves it to its thread: long enough for an engine
+/// to notice its token and drain requests that complete, short enough that
+/// `KeyboardInterrupt` comes within 100 ms.
+const ABANDON_AFTER: Duration = Duration::from_millis(60);
+
+/// [`run_cancellable`] for work that owns everything the kernel can still
+/// touch (a load into memory it allocates itself): once Ctrl-C has
+/// cancelled it, it is waited for at most [`ABANDON_AFTER`]; a read still
+/// in flight then (a FUSE or NFS server that does not answer, which no
+/// cancellation reaches) is left to the work's thread, which frees what the
+/// load made once the read ends, and `KeyboardInterrupt` is raised at once.
+/// Nothing the caller can reach is written after it returns. Where no
+/// thread can be created the work runs on this thread without signal checks.
+fn run_abandonable<T: Send + 'static>(
+    py: Python<'_>,
+    cancel: &dmaload::CancelToken,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> PyResult<T> {
+    type Outcome<T> = std::thread::Result<T>;
+    // Taken by the load thread, or by this one if that cannot be created.
+    let slot = Arc::new(Mutex::new(Some(move || std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)))));
+    let take = |slot: &Mutex<Option<_>>| slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Outcome<T>>(1);
+    let theirs = Arc::clone(&slot);
+    let spawned = std::thread::Builder::new().name("dmaload-load".into()).spawn(move || {
+        if let Some(work) = take(&theirs) {
+            // The receiver is gone when the caller was interrupted: the
+            // result (a buffer, say) is dropped here.
+            let _ = tx.send(work());
+        }
+    });
+    if spawned.is_err() {
+        return match take(&slot) {
+            Some(work) => py.detach(work).map_err(panic_error),
+            None => Err(PyRuntimeError::new_err("the load thread started and vanished")),
+        };
+    }
+    let wait = |rx: std::sync::mpsc::Receiver<Outcome<T>>, timeout: Duration| {
+        py.detach(move || (rx.recv_timeout(timeout), rx))
+    };
+    let mut rx = rx;
+    loop {
+        let (received, back) = wait(rx, SIGNAL_POLL);
+        rx = back;
+        match received {
+            Ok(result) => return result.map_err(panic_error),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(PyRuntimeError::new_err("the load thread ended without a result"));
+            }
+        }
+        if let Err(interrupted) = py.check_signals() {
+            cancel.cancel();
+            // A result that comes in time is dropped here; one that does not
+            // is dropped by the load thread.
+            drop(wait(rx, ABANDON_AFTER));
+            return Err(interrupted);
+        }
+    }
+}
+
 /// The load options of every native entry point, passed as one dict
 /// (`dmaload._options.native_options` builds it): the core's
 /// [`LoadOptions`], names and values as the core spells them (see
@@ -550,13 +612,12 @@ fn load(
             relay
         });
         options.check_host(file.path()).map_err(|e| os_error(&e))?;
-        let result = run_cancellable(py, &cancel, || dmaload::load_to(&file, offset, length, &options))?;
+        let to = options.to.clone();
+        let result = run_abandonable(py, &cancel, move || dmaload::load_to(&file, offset, length, &options))?;
         Progress::raised(relay.as_ref())?;
         let (buffer, report) = match result.map_err(|e| os_error(&e))? {
             (dmaload::Loaded::Host(buffer), report) => (buffer, report),
-            _ => {
-                return Err(PyValueError::new_err(format!("{} did not load into a host buffer", options.to)))
-            }
+            _ => return Err(PyValueError::new_err(format!("{to} did not load into a host buffer"))),
         };
         Progress::finish(relay.as_ref())?;
         Ok(Buffer::new(buffer, report))

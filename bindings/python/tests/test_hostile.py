@@ -5,11 +5,13 @@ refused without hanging, names that are not UTF-8 round-trip."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -343,3 +345,74 @@ def test_the_report_of_a_name_that_is_not_utf8_is_complete(tmp_path: Path) -> No
     with dmaload.load_range(os.fsdecode(raw), 4096, 100) as part:
         assert part.report.offset == 4096 and part.report.bytes == 100
         assert os.fsencode(part.report.path) == raw
+
+
+FAULTY_FUSE = Path(__file__).resolve().parents[3] / "crates/dmaload/tests/support/faulty_fuse.py"
+
+
+def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path) -> None:
+    """A FUSE server that never answers one read (no cancellation reaches
+    it): Ctrl-C still raises KeyboardInterrupt in the loading process at
+    once; the read is left to the load's own thread, which frees the
+    buffer when it ends (here: when the process exits). Before, the load
+    waited for the read for good."""
+    if os.geteuid() != 0 or not Path("/dev/fuse").exists():
+        pytest.skip("mounting FUSE needs root and /dev/fuse")
+    if subprocess.run(["python3", "-c", "import fuse"], capture_output=True).returncode != 0:
+        pytest.skip("python3 with fusepy and libfuse2 is not installed")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    size, bad = 64 << 20, 40 << 20
+    server = subprocess.Popen(
+        ["python3", str(FAULTY_FUSE), str(mnt), str(size), str(bad), "4096", "hang"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout is not None
+    child = None
+    try:
+        deadline = time.monotonic() + 20
+        while not (mnt / "data").exists():
+            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            assert time.monotonic() < deadline, "the FUSE mount did not appear"
+            time.sleep(0.05)
+        code = textwrap.dedent(
+            """
+            import signal, sys, time, dmaload
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                dmaload.load(sys.argv[1])
+            except KeyboardInterrupt:
+                print("INTERRUPTED", time.monotonic(), flush=True)
+                sys.exit(3)
+            print("FINISHED", flush=True)
+            """
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, str(mnt / "data")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        line = server.stdout.readline()  # the server holds the read now
+        assert line == "HANGING\n", line
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        # Read the line, not to the end: the process cannot finish exiting
+        # while the kernel holds its read (a thread in the FUSE request).
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], 30)
+        assert ready, "no KeyboardInterrupt within 30 s: the load waited for the held read"
+        said = child.stdout.readline()
+        assert said.startswith("INTERRUPTED"), said + (child.stderr.read() if child.stderr else "")
+        print(f"KeyboardInterrupt {1000 * (float(said.split()[1]) - sent):.1f} ms after SIGINT, a read still held")
+    finally:
+        # The server first: its end fails the held read, so the child can exit.
+        server.kill()
+        server.wait()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        if child is not None:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    assert child.returncode == 3, child.returncode

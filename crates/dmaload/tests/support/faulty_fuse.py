@@ -1,24 +1,27 @@
 """A read-only FUSE filesystem with one file, `data`, whose reads fail with
 EIO wherever they cover BAD_OFFSET: a real device-style I/O error for the
-loader's error tests. Needs fusepy (pip) and libfuse2. BLKSIZE (default
+loader's error tests. With MODE `hang`, such a read never answers instead
+(a server that went silent): the server prints HANGING and blocks. Needs fusepy (pip) and libfuse2. BLKSIZE (default
 4096) is the file's st_blksize: FUSE reports no STATX_DIOALIGN, so it is
 the direct-I/O alignment a loader falls back to.
 
-usage: faulty_fuse.py MOUNTPOINT SIZE BAD_OFFSET [BLKSIZE]
+usage: faulty_fuse.py MOUNTPOINT SIZE BAD_OFFSET [BLKSIZE [MODE]]
 """
 
 import errno
 import stat
 import sys
+import threading
 
 from fuse import FUSE, FuseOSError, Operations
 
 
 class Faulty(Operations):
-    def __init__(self, size: int, bad_offset: int, blksize: int) -> None:
+    def __init__(self, size: int, bad_offset: int, blksize: int, hang: bool) -> None:
         self.size = size
         self.bad_offset = bad_offset
         self.blksize = blksize
+        self.hang = hang
 
     def getattr(self, path, fh=None):
         if path == "/":
@@ -33,6 +36,9 @@ class Faulty(Operations):
 
     def read(self, path, size, offset, fh):
         if offset <= self.bad_offset < offset + size:
+            if self.hang:
+                print("HANGING", flush=True)
+                threading.Event().wait()
             raise FuseOSError(errno.EIO)
         end = min(offset + size, self.size)
         return bytes(max(0, end - offset))
@@ -41,4 +47,5 @@ class Faulty(Operations):
 if __name__ == "__main__":
     mountpoint, size, bad_offset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     blksize = int(sys.argv[4]) if len(sys.argv) > 4 else 4096
-    FUSE(Faulty(size, bad_offset, blksize), mountpoint, foreground=True, nothreads=True, ro=True)
+    hang = len(sys.argv) > 5 and sys.argv[5] == "hang"
+    FUSE(Faulty(size, bad_offset, blksize, hang), mountpoint, foreground=True, nothreads=True, ro=True)
