@@ -58,6 +58,30 @@ def _sleeping_in_the_kernel(pid: int) -> bool:
         return f.read().strip() not in ("", "0")
 
 
+def _interrupt(code: str, ready: str) -> float:
+    """Runs `code` in a child, waits for its `ready` line and for its main
+    thread to sleep in the kernel, sends SIGINT, and checks that the child
+    printed INTERRUPTED then INTACT and exited 0. Returns how many ms after
+    the signal the exception came (printed by the callers, not asserted)."""
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    try:
+        line = child.stdout.readline()
+        assert line == ready + "\n", line + (child.stderr.read() if child.stderr else "")
+        deadline = time.monotonic() + 60
+        while not _sleeping_in_the_kernel(child.pid):
+            assert time.monotonic() < deadline, "the child never blocked"
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=5)  # generous: the wait answers in milliseconds
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0 and "INTACT" in out, f"{child.returncode}\n{out}\n{err}"
+    raised = float(next(line.split()[1] for line in out.splitlines() if line.startswith("INTERRUPTED")))
+    return 1000 * (raised - sent)
+
+
 @pytest.mark.parametrize("wait", sorted(WAITS))
 def test_ctrl_c_ends_a_block_queue_wait_and_leaves_the_queue_as_it_was(wait: str) -> None:
     before, call, after = WAITS[wait]
@@ -77,23 +101,7 @@ def test_ctrl_c_ends_a_block_queue_wait_and_leaves_the_queue_as_it_was(wait: str
         print("INTACT", flush=True)
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    try:
-        line = child.stdout.readline()
-        assert line == "WAITING\n", line + (child.stderr.read() if child.stderr else "")
-        deadline = time.monotonic() + 60
-        while not _sleeping_in_the_kernel(child.pid):
-            assert time.monotonic() < deadline, "the child never blocked"
-        sent = time.monotonic()
-        child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=5)  # generous: the wait answers in milliseconds
-    finally:
-        child.kill()
-        child.wait()
-    assert child.returncode == 0 and "INTACT" in out, f"{child.returncode}\n{out}\n{err}"
-    raised = float(next(line.split()[1] for line in out.splitlines() if line.startswith("INTERRUPTED")))
-    print(f"{wait}: KeyboardInterrupt {1000 * (raised - sent):.1f} ms after SIGINT")
+    print(f"{wait}: KeyboardInterrupt {_interrupt(code, 'WAITING'):.1f} ms after SIGINT")
 
 
 def test_the_waits_still_time_out(tmp_path: Path) -> None:
@@ -141,23 +149,7 @@ def test_ctrl_c_ends_a_save_blocked_on_a_full_fifo(tmp_path: Path) -> None:
         print("INTACT", flush=True)
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    try:
-        line = child.stdout.readline()
-        assert line == "FILLED\n", line + (child.stderr.read() if child.stderr else "")
-        deadline = time.monotonic() + 60
-        while not _sleeping_in_the_kernel(child.pid):
-            assert time.monotonic() < deadline, "the child never blocked"
-        sent = time.monotonic()
-        child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=5)  # generous: the wait answers in milliseconds
-    finally:
-        child.kill()
-        child.wait()
-    assert child.returncode == 0 and "INTACT" in out, f"{child.returncode}\n{out}\n{err}"
-    raised = float(next(line.split()[1] for line in out.splitlines() if line.startswith("INTERRUPTED")))
-    print(f"save to a full FIFO: KeyboardInterrupt {1000 * (raised - sent):.1f} ms after SIGINT")
+    print(f"save to a full FIFO: KeyboardInterrupt {_interrupt(code, 'FILLED'):.1f} ms after SIGINT")
 
 
 HANDSHAKES = {
@@ -190,20 +182,4 @@ def test_ctrl_c_ends_a_block_queue_handshake_and_leaves_nothing(call: str) -> No
         print("INTACT", flush=True)
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    try:
-        line = child.stdout.readline()
-        assert line == "WAITING\n", line + (child.stderr.read() if child.stderr else "")
-        deadline = time.monotonic() + 60
-        while not _sleeping_in_the_kernel(child.pid):
-            assert time.monotonic() < deadline, "the child never blocked"
-        sent = time.monotonic()
-        child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=5)  # generous: the wait answers in milliseconds
-    finally:
-        child.kill()
-        child.wait()
-    assert child.returncode == 0 and "INTACT" in out, f"{child.returncode}\n{out}\n{err}"
-    raised = float(next(line.split()[1] for line in out.splitlines() if line.startswith("INTERRUPTED")))
-    print(f"{call}: KeyboardInterrupt {1000 * (raised - sent):.1f} ms after SIGINT")
+    print(f"{call}: KeyboardInterrupt {_interrupt(code, 'WAITING'):.1f} ms after SIGINT")
