@@ -19,6 +19,14 @@
 #                                 SGLang is installed, each serving a tiny
 #                                 Llama with dmaload (tests/engines; SGLang's
 #                                 PyPI build needs CUDA, so its check is here)
+#   bench/gpu-kit.sh next         there: issue 25's device run in one call
+#                                 (at most 9 minutes, each part under
+#                                 `timeout`): the CUDA tests, the pinned
+#                                 ring's set-up in a fresh process,
+#                                 bench/gpu.py at 4 GiB cold and warm
+#                                 (dmaload, fastsafetensors nogds, raw read,
+#                                 pinned H2D), a 64-slot ring variant, and
+#                                 gpu_register.py under a 100 s budget
 #   bench/gpu-kit.sh register [SIZE]
 #                                 there: copies straight from registered
 #                                 page-cache and memfd pages to the GPU
@@ -44,7 +52,7 @@ site=/tmp/gpu-kit-site
 # The peers bench/gpu.py runs, and what pytest needs.
 wheels=(safetensors fastsafetensors runai-model-streamer pytest pluggy iniconfig packaging)
 
-usage() { sed -n '2,37s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,45s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 
 build() {
     rm -rf "$kit" && mkdir -p "$kit/wheels"
@@ -178,6 +186,52 @@ register() {
     python3 "$root/bench/gpu_register.py" --size "${1:-8G}" --dir "$root/.dev" | tee "$out/register.md"
 }
 
+# The pinned ring's set-up, outside the load's own timing: one load of a
+# 1 GiB file to the device in a fresh process, the process's wall time
+# against the report's total_seconds (the difference is driver start-up,
+# the device allocation and pinning the ring).
+ring_setup() {
+    local file=$root/.dev/next/ring-setup.bin report started wall
+    head -c $((1 << 30)) /dev/urandom >"$file"
+    "$kit/dmaload" evict "$file"
+    started=$EPOCHREALTIME
+    report=$("$kit/dmaload" load "$file" --to cuda:0 --json)
+    wall=$(python3 -c "print($EPOCHREALTIME - $started)")
+    rm -f "$file"
+    python3 -c 'import json, sys
+r = json.loads(sys.argv[2]); wall = float(sys.argv[1]); load = r["total_seconds"]
+print("process %.3f s, load %.3f s (%.2f GiB/s), set-up outside it %.3f s, %s"
+      % (wall, load, r["gib_per_second"], wall - load, r["destination"]))' "$wall" "$report"
+}
+
+# Issue 25's run: every part under its own timeout (their sum, 520 s, is
+# under 9 minutes), logs in $out; exits non-zero when a part failed.
+next() {
+    install
+    local dir=$root/.dev/next started=$SECONDS model
+    rm -rf "$dir" && mkdir -p "$dir"
+    part cuda-tests timeout -k 5 90 "$kit/cuda" --test-threads 1
+    part cuda-sink-tests timeout -k 5 60 "$kit/cuda_sink" --test-threads 1
+    part ring-setup timeout -k 5 40 bash -c "$(declare -f ring_setup); root='$root' kit='$kit' ring_setup"
+    part gpu-4g timeout -k 5 200 python3 "$root/bench/gpu.py" --size 4G --dir "$dir" --keep --rounds 1 \
+        --cache cold,warm --loaders dmaload,fastsafetensors,raw,h2d --timeout 60 --json "$out/gpu-4g.json"
+    model=$(find "$dir" -name '*.safetensors' | head -n 1)
+    if [[ -n $model ]]; then
+        part gpu-4g-ring64 timeout -k 5 60 python3 "$root/bench/gpu.py" --file "$model" --rounds 1 --cache cold,warm \
+            --loaders dmaload --dmaload-opt staging_slots=64,queue_depth=64 --timeout 25 --json "$out/gpu-4g-ring64.json"
+    else
+        failed+=(gpu-4g-ring64)
+    fi
+    rm -rf "$dir"
+    part register timeout -k 5 120 python3 "$root/bench/gpu_register.py" --size 2G --dir "$root/.dev" \
+        --windows 16M,64M --threads 1,8 --rounds 1 --budget 100
+    echo "next: $((SECONDS - started)) s, logs in $out"
+    if ((${#failed[@]})); then
+        echo "failed: ${failed[*]}" >&2
+        exit 1
+    fi
+}
+
 [[ $# -ge 1 ]] || usage
 command=$1
 shift
@@ -189,5 +243,6 @@ case $command in
     cache) cache "$@" ;;
     engines) engines ;;
     register) register "$@" ;;
+    next) next ;;
     *) usage ;;
 esac

@@ -70,13 +70,16 @@ pub(crate) fn load_open_device(
     if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
         options.chunk_size = DEFAULT_SLOT_SIZE;
     }
+    let ring_started = std::time::Instant::now();
     let mut ring = StagingRing::pinned(&context, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE, options.chunk_size)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
+    let ring_setup = ring_started.elapsed();
     let mut report = {
         let mut sink =
             CudaSink::new(&context, vec![(offset, memory.range())]).map_err(cuda("cuStreamCreate"))?;
         load_open_to_sink(file, offset, Some(len), &mut ring, &mut sink, &options)?
     };
+    report.alloc_seconds = ring_setup.as_secs_f64();
     report.destination =
         format!("cuda:{ordinal} ({}) via {}", context.device_name().unwrap_or_default(), report.destination);
     Ok((LoadedDevice { memory, len }, report))

@@ -45,7 +45,9 @@ pub struct LoadReport {
     pub queue_depth: usize,
     pub fallbacks: Vec<Fallback>,
     /// Populating (allocating and zeroing) all of the buffer's pages, on the
-    /// helper thread.
+    /// helper thread. For a load to a `cuda:N` device, allocating and
+    /// pinning its staging ring, before the load (outside
+    /// `total_seconds`).
     pub alloc_seconds: f64,
     /// Registering (pinning) the buffer's gathers with io_uring, on the
     /// helper thread, beside the I/O.

@@ -6,9 +6,10 @@
 pub(crate) mod pool;
 pub(crate) mod uring;
 
+use std::collections::VecDeque;
 use std::io;
 use std::ops::Range;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -19,6 +20,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::lead::Lead;
 use crate::plan::{Plan, Request};
 use crate::sys;
+use crate::sys::eventfd::EventFd;
 use crate::sys::uring::{Registrar, RingMemory};
 use crate::types::{CachePolicy, Direction, Engine, Fallback, ProgressFn};
 
@@ -48,6 +50,14 @@ pub(crate) struct Gate {
     /// Which slots are due for registration: those within
     /// [`REGISTER_AHEAD`] of the unit the engine has reached.
     registering: Lead,
+    /// A staged load's gathers take staging slots from a free list (see
+    /// [`Gate::staged`]) instead of waiting for `ready`.
+    staged: bool,
+    /// Signalled whenever a staging slot frees, for an engine that sleeps
+    /// in the kernel on its reads to poll beside them ([`Gate::wake_fd`]);
+    /// `None` where no eventfd could be made (the engine then notices a
+    /// freed slot at its next completion).
+    wake: Option<EventFd>,
 }
 
 /// A slot the helper has not registered (yet).
@@ -69,7 +79,17 @@ struct GateState {
     /// Gathers whose every byte has arrived (for a staged destination, or
     /// a verified load's hashing).
     filled: Vec<bool>,
+    /// Staged: filled gathers not yet taken by the destination, in the
+    /// order their last read completed.
+    filled_order: VecDeque<usize>,
+    /// Staged: the staging slots no gather holds.
+    free: VecDeque<usize>,
+    /// Staged: the slot each gather took ([`NO_SLOT`] before it took one).
+    slot_of: Vec<usize>,
 }
+
+/// A gather that holds no staging slot (yet).
+const NO_SLOT: usize = usize::MAX;
 
 impl Gate {
     /// A gate for an operation with `slots` registered-buffer slots.
@@ -81,11 +101,118 @@ impl Gate {
                 registration_refused: None,
                 failure: None,
                 filled: Vec::new(),
+                filled_order: VecDeque::new(),
+                free: VecDeque::new(),
+                slot_of: Vec::new(),
             }),
             changed: Condvar::new(),
             cancelled: AtomicBool::new(false),
             slots: (0..slots).map(|_| AtomicU8::new(SLOT_EMPTY)).collect(),
             registering: Lead::new(slots, REGISTER_AHEAD + 1),
+            staged: false,
+            wake: None,
+        }
+    }
+
+    /// A gate for a staged load through `slots` staging slots, all taken
+    /// until [`Gate::free_slot`] frees them: a gather is ready once it holds
+    /// a slot, any free one (in the order they were freed), and filled
+    /// gathers are taken in completion order ([`Gate::next_filled`]).
+    pub fn staged(token: CancelToken, slots: usize) -> Gate {
+        Gate { staged: true, wake: EventFd::new().ok(), ..Gate::new(token, slots) }
+    }
+
+    /// The eventfd signalled when a staging slot frees, if any.
+    pub fn wake_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.wake.as_ref().map(|wake| wake.as_fd())
+    }
+
+    /// Resets the wake eventfd once its signal has been seen.
+    pub fn drain_wake(&self) {
+        // A failed read only leaves it readable: one spurious wake-up.
+        if let Some(wake) = &self.wake {
+            drop(wake.drain());
+        }
+    }
+
+    /// Signals the wake eventfd (a freed slot, or an engine ending whose
+    /// pending poll must complete before its ring can close).
+    pub fn wake(&self) {
+        // A failed signal (never, for a counter far from its maximum) only
+        // leaves the engine to notice at its next completion.
+        if let Some(wake) = &self.wake {
+            drop(wake.signal());
+        }
+    }
+
+    /// Staging slot `slot` may be read into again (its bytes have left,
+    /// or it was never used): the next gather may take it.
+    pub fn free_slot(&self, slot: usize) {
+        self.lock().free.push_back(slot);
+        self.changed.notify_all();
+        self.wake();
+    }
+
+    /// The staging slot gather `g` holds (staged loads, once it is ready).
+    pub fn slot_of(&self, g: usize) -> usize {
+        self.lock().slot_of[g]
+    }
+
+    /// Whether gather `g` may be read into now; a staged gather takes a
+    /// free slot here if it holds none.
+    fn take_ready(&self, state: &mut GateState, g: usize) -> bool {
+        if !self.staged {
+            return state.ready > g;
+        }
+        if state.slot_of.len() <= g {
+            state.slot_of.resize(g + 1, NO_SLOT);
+        }
+        if state.slot_of[g] == NO_SLOT {
+            match state.free.pop_front() {
+                Some(slot) => state.slot_of[g] = slot,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// The next filled gather for a staged destination: the first to
+    /// complete, or with `in_file_order` the lowest not yet taken (a
+    /// verified load hashes the file in order). Waits at most `timeout`
+    /// (`None`: until one is filled); `Ok(None)` when it ran out,
+    /// `ECANCELED` when the load failed or was cancelled first.
+    pub fn next_filled(
+        &self,
+        in_file_order: Option<usize>,
+        timeout: Option<Duration>,
+    ) -> io::Result<Option<usize>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut state = self.lock();
+        loop {
+            let found = match in_file_order {
+                None => state.filled_order.pop_front(),
+                Some(g) => {
+                    state.filled_order.iter().position(|&f| f == g).and_then(|i| state.filled_order.remove(i))
+                }
+            };
+            if found.is_some() {
+                return Ok(found);
+            }
+            if self.is_cancelled() {
+                return Err(io::Error::from_raw_os_error(libc::ECANCELED));
+            }
+            let wait = match deadline {
+                Some(deadline) => match deadline.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => left.min(CANCEL_POLL),
+                    _ => return Ok(None),
+                },
+                None => CANCEL_POLL,
+            };
+            state = self
+                .changed
+                .wait_timeout(state, wait)
+                .map(|(state, _)| state)
+                .unwrap_or_else(|poisoned| poisoned.into_inner().0);
         }
     }
 
@@ -166,9 +293,11 @@ impl Gate {
         self.token.is_cancelled()
     }
 
-    /// Whether gather `g` is ready, without blocking.
+    /// Whether gather `g` is ready, without blocking (a staged gather
+    /// takes a free slot if one is, see [`Gate::staged`]).
     pub fn is_ready(&self, g: usize) -> bool {
-        self.lock().ready > g
+        let mut state = self.lock();
+        self.take_ready(&mut state, g)
     }
 
     /// The engine has every byte of gather `g`.
@@ -178,6 +307,9 @@ impl Gate {
             state.filled.resize(g + 1, false);
         }
         state.filled[g] = true;
+        if self.staged {
+            state.filled_order.push_back(g);
+        }
         drop(state);
         self.changed.notify_all();
     }
@@ -194,7 +326,7 @@ impl Gate {
     pub fn wait_for(&self, g: usize) -> io::Result<Duration> {
         let started = Instant::now();
         self.wait_until(|state| {
-            if state.ready > g {
+            if self.take_ready(state, g) {
                 return Some(Ok(started.elapsed()));
             }
             let (errno, message) = state.failure.as_ref()?;
@@ -207,10 +339,13 @@ impl Gate {
 
     /// Waits on the gate until `outcome` of its state is `Some`, or the load
     /// is cancelled (`ECANCELED`), looking at the token every [`CANCEL_POLL`].
-    fn wait_until<T>(&self, outcome: impl Fn(&GateState) -> Option<io::Result<T>>) -> io::Result<T> {
+    fn wait_until<T>(
+        &self,
+        mut outcome: impl FnMut(&mut GateState) -> Option<io::Result<T>>,
+    ) -> io::Result<T> {
         let mut state = self.lock();
         loop {
-            if let Some(out) = outcome(&state) {
+            if let Some(out) = outcome(&mut state) {
                 return out;
             }
             if self.is_cancelled() {
@@ -394,8 +529,8 @@ pub(crate) enum Layout {
     /// registered buffer `g`, registered when populated.
     InPlace,
     /// A ring of `slots` staging slots of `slot_len` bytes each: gather `g`
-    /// (one slot's worth) in slot `g % slots`, which is registered buffer
-    /// `g % slots` for the whole load.
+    /// (one slot's worth) in whichever slot it took from the gate's free
+    /// list ([`Gate::slot_of`]), which is registered buffer `slot`.
     Staged { slots: usize, slot_len: usize },
     /// At `base`: plan offset `x` at memory offset `base + x`, inside
     /// memory registered once as buffer 0 by its owner (a capture's block
@@ -404,14 +539,15 @@ pub(crate) enum Layout {
 }
 
 impl Layout {
-    /// The mapping range that request `req` reads into.
-    pub fn target(&self, plan: &Plan, req: &Request) -> Range<usize> {
+    /// The mapping range that request `req` reads into (`gate` says which
+    /// slot a staged gather holds).
+    pub fn target(&self, plan: &Plan, gate: &Gate, req: &Request) -> Range<usize> {
         let range = plan.mapping_range(req);
         match *self {
             Layout::InPlace => range,
-            Layout::Staged { slots, slot_len } => {
+            Layout::Staged { slot_len, .. } => {
                 let g = plan.gather_of(req.start);
-                let base = (g % slots) * slot_len;
+                let base = gate.slot_of(g) * slot_len;
                 let into = range.start - plan.gather_range(g).start;
                 base + into..base + into + range.len()
             }
@@ -420,10 +556,10 @@ impl Layout {
     }
 
     /// The registered buffer that holds gather `g`.
-    pub fn buffer_index(&self, g: usize) -> u16 {
+    pub fn buffer_index(&self, gate: &Gate, g: usize) -> u16 {
         match *self {
             Layout::InPlace => g as u16,
-            Layout::Staged { slots, .. } => (g % slots) as u16,
+            Layout::Staged { .. } => gate.slot_of(g) as u16,
             Layout::Placed { .. } => 0,
         }
     }

@@ -73,11 +73,13 @@ fn worker<M: RingMemory>(
         let g = plan.gather_of(req.start);
         waited += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
         loop {
-            let got = match mem.transfer_at(job.file, job.layout.target(plan, &req), req.start, rw_flags) {
-                Ok(got) => got as u64,
-                Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-                Err(err) => return Err(job.transfer_error(req.start, err)),
-            };
+            let got =
+                match mem.transfer_at(job.file, job.layout.target(plan, job.gate, &req), req.start, rw_flags)
+                {
+                    Ok(got) => got as u64,
+                    Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(err) => return Err(job.transfer_error(req.start, err)),
+                };
             let (credited, resume_at) = match plan.outcome(job.path, &req, got)? {
                 ReadOutcome::Done { credited } => {
                     job.finish_request(&req);

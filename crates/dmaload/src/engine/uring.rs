@@ -44,10 +44,23 @@ pub(crate) fn run<M: RingMemory>(
 
     let queue = |ring: &mut Ring<M>, req: &Request| -> io::Result<()> {
         let g = plan.gather_of(req.start);
-        let index = job.layout.buffer_index(g);
+        let index = job.layout.buffer_index(job.gate, g);
         let slot = job.gate.is_registered(index.into()).then_some(index);
-        ring.queue_transfer(job.file, job.layout.target(plan, req), req.start, slot, rw_flags, req.start)
+        ring.queue_transfer(
+            job.file,
+            job.layout.target(plan, job.gate, req),
+            req.start,
+            slot,
+            rw_flags,
+            req.start,
+        )
     };
+    // A poll of the gate's wake eventfd beside the reads, armed while the
+    // next gather waits for a staging slot: a slot freeing ends the wait in
+    // `submit` at once, not at the next read's completion. Signalled on the
+    // way out (also on an error), so the ring's drain sees it complete.
+    let mut wake_armed = false;
+    let _disarm = WakeOnExit(job.gate);
 
     loop {
         if job.gate.caller_cancelled() {
@@ -69,7 +82,12 @@ pub(crate) fn run<M: RingMemory>(
                 }
             }
             if !job.gate.is_ready(g) {
-                if ring.in_flight() > 0 {
+                if ring.in_flight() > usize::from(wake_armed) {
+                    if let Some(wake) = job.gate.wake_fd().filter(|_| !wake_armed) {
+                        ring.queue_poll_readable(wake, WAKE_TAG)
+                            .map_err(|e| job.transfer_error(req.start, e))?;
+                        wake_armed = true;
+                    }
                     break; // reap what is running while the gather populates
                 }
                 run.waited_for_memory += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
@@ -77,13 +95,18 @@ pub(crate) fn run<M: RingMemory>(
             queue(ring, &req).map_err(|e| job.transfer_error(req.start, e))?;
             next_chunk += 1;
         }
-        if ring.in_flight() == 0 {
+        if ring.in_flight() == usize::from(wake_armed) {
             break;
         }
         ring.submit(1).map_err(|e| Error::io("io_uring_enter", job.path, e))?;
         completions.clear();
         ring.reap(&mut completions);
         for done in &completions {
+            if done.tag == WAKE_TAG {
+                wake_armed = false;
+                job.gate.drain_wake();
+                continue;
+            }
             let req = plan.request_from(done.tag);
             if done.result < 0 {
                 return Err(job.transfer_error(req.start, io::Error::from_raw_os_error(-done.result)));
@@ -117,6 +140,19 @@ pub(crate) fn run<M: RingMemory>(
         }
     }
     Ok(run)
+}
+
+/// The tag of the wake poll's completion (no read starts at this offset).
+const WAKE_TAG: u64 = u64::MAX;
+
+/// Signals the gate's wake eventfd when the engine returns, so a wake poll
+/// still armed completes and the ring (dropped after this) can drain.
+struct WakeOnExit<'a>(&'a super::Gate);
+
+impl Drop for WakeOnExit<'_> {
+    fn drop(&mut self) {
+        self.0.wake();
+    }
 }
 
 /// Why registering a buffer failed, in words a user can act on.

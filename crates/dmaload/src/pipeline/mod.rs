@@ -300,14 +300,16 @@ pub(crate) fn fill_staged(
     Ok((run, times))
 }
 
-/// The helper thread of a staged load: registers the slots, lets the
-/// engine read into all of them, then has the sink run (with up to
-/// `threads` threads of its own beside, see [`Sink::feed`]) the loop that
-/// hands it each filled gather and the slot of the one before it back to
-/// the engine (one behind, so the sink's copy of a slot overlaps with
-/// waiting for the next). A verified load hashes each slot as the sink
-/// receives it. Fails only with the sink's own errors; it stops quietly
-/// when the engine does.
+/// The helper thread of a staged load. It registers a few slots for the
+/// engine's fixed reads and frees them to it, then the rest one at a time
+/// between deliveries (pinning beside the reads, not before them), and has
+/// the sink run (with up to `threads` threads of its own beside, see
+/// [`Sink::feed`]) the loop that hands it each filled gather as its reads
+/// complete (in file order for a verified load, which hashes the file in
+/// order) and gives each slot back to the engine once the sink's copy from
+/// it has landed ([`Sink::is_released`], polled: a copy still running
+/// never holds back a delivery or a read into another slot). Fails only
+/// with the sink's own errors; it stops quietly when the engine does.
 #[allow(clippy::too_many_arguments)]
 fn feed_sink(
     path: &Path,
@@ -321,22 +323,15 @@ fn feed_sink(
     sink: &mut dyn Sink,
 ) -> Result<DeliverTimes> {
     let count = plan.gather_count();
+    let used = slots.min(count);
     let mut times = DeliverTimes::default();
-    if let Some(reg) = registrar {
-        let started = Instant::now();
-        // Every slot at once, for the whole load: the slots are reused.
-        for s in 0..slots.min(count) {
-            match reg.register(s as u32, s * slot_len..(s + 1) * slot_len) {
-                Ok(()) => _ = gate.mark_registered(s),
-                Err(err) => {
-                    gate.refuse_registration(engine::uring::register_refusal(&err));
-                    break;
-                }
-            }
-        }
-        times.register = started.elapsed();
+    let mut registrar = registrar;
+    // Slots `opened..used` are neither registered nor free yet.
+    let mut opened = 0;
+    while opened < used.min(SLOTS_BEFORE_THE_FIRST_READ) {
+        open_slot(opened, slot_len, &mut registrar, gate, &mut times);
+        opened += 1;
     }
-    gate.publish(slots.min(count));
     let fail = |err: io::Error, op: &'static str, g: usize| {
         gate.fail(&err);
         gate.cancel();
@@ -345,13 +340,43 @@ fn feed_sink(
     let mut delivered = Ok(());
     let mut deliveries = |sink: &mut dyn Sink| {
         delivered = (|| {
-            for g in 0..count {
-                if gate.wait_filled(g).is_err() {
-                    break; // the engine failed or was cancelled: its error says why
+            // Delivered gathers whose slot the sink may still be reading.
+            let mut copying: Vec<(usize, usize)> = Vec::new();
+            let mut taken = 0;
+            while taken < count {
+                let mut released = Ok(());
+                copying.retain(|&(slot, g)| match released.is_ok().then(|| sink.is_released(slot)) {
+                    Some(Ok(true)) => {
+                        gate.free_slot(slot);
+                        false
+                    }
+                    Some(Err(err)) => {
+                        released = Err(fail(err, "release staging slot", g));
+                        true
+                    }
+                    _ => true,
+                });
+                released?;
+                if opened < used {
+                    open_slot(opened, slot_len, &mut registrar, gate, &mut times);
+                    opened += 1;
+                    continue;
                 }
+                // With copies running, look at their events again soon;
+                // without, only a fill can change anything. (The copies
+                // still running after the last delivery are the sink's
+                // finish to wait for.)
+                let wait = (!copying.is_empty()).then_some(RELEASE_POLL);
+                let in_file_order = verifier.is_some().then_some(taken);
+                let g = match gate.next_filled(in_file_order, wait) {
+                    Ok(Some(g)) => g,
+                    Ok(None) => continue,
+                    Err(_) => break, // the engine failed or was cancelled: its error says why
+                };
+                taken += 1;
                 let started = Instant::now();
                 let data = plan.gather_data(g);
-                let slot = g % slots;
+                let slot = gate.slot_of(g);
                 let into = (data.start - plan.file_start) as usize - plan.gather_range(g).start;
                 let range = slot * slot_len + into..slot * slot_len + into + (data.end - data.start) as usize;
                 if let Some(verifier) = verifier {
@@ -359,10 +384,7 @@ fn feed_sink(
                 }
                 sink.deliver(slot, SlotData::new(dst, range, data.start))
                     .map_err(|e| fail(e, "deliver", g))?;
-                if g >= 1 && g - 1 + slots < count {
-                    sink.release((g - 1) % slots).map_err(|e| fail(e, "release staging slot", g - 1))?;
-                    gate.publish(g + slots);
-                }
+                copying.push((slot, g));
                 times.deliver += started.elapsed();
             }
             Ok(())
@@ -373,6 +395,37 @@ fn feed_sink(
     times.fallbacks = fallbacks;
     Ok(times)
 }
+
+/// Registers staging slot `slot` for fixed reads (until a registration is
+/// refused: the rest use plain addresses) and frees it to the engine.
+fn open_slot(
+    slot: usize,
+    slot_len: usize,
+    registrar: &mut Option<Registrar<MappingWriter<'_>>>,
+    gate: &Gate,
+    times: &mut DeliverTimes,
+) {
+    if let Some(reg) = registrar {
+        let started = Instant::now();
+        match reg.register(slot as u32, slot * slot_len..(slot + 1) * slot_len) {
+            Ok(()) => _ = gate.mark_registered(slot),
+            Err(err) => {
+                gate.refuse_registration(engine::uring::register_refusal(&err));
+                *registrar = None;
+            }
+        }
+        times.register += started.elapsed();
+    }
+    gate.free_slot(slot);
+}
+
+/// Staging slots registered and handed to the engine before its first
+/// read; the rest follow beside the reads.
+const SLOTS_BEFORE_THE_FIRST_READ: usize = 2;
+
+/// How often the delivery loop looks at the copies still running from its
+/// slots when nothing else wakes it (a fill does).
+const RELEASE_POLL: Duration = Duration::from_micros(200);
 
 /// What one run of the pipeline moves: the plan's bytes between the open
 /// file and memory, with the engine the parameters name, counting into
@@ -401,7 +454,11 @@ fn run_pipeline<M: RingMemory, T: Send>(
     helper: impl FnOnce(Option<Registrar<M>>, &Gate) -> T + Send,
 ) -> (Result<EngineRun>, Option<T>) {
     let Transfer { path, plan, params, .. } = *transfer;
-    let gate = Gate::new(params.cancel.clone(), layout.table_len(plan) as usize);
+    let table = layout.table_len(plan) as usize;
+    let gate = match layout {
+        Layout::Staged { .. } => Gate::staged(params.cancel.clone(), table),
+        Layout::InPlace | Layout::Placed { .. } => Gate::new(params.cancel.clone(), table),
+    };
     let job = Job {
         path,
         file: transfer.file,
@@ -469,7 +526,7 @@ fn run_pipeline<M: RingMemory, T: Send>(
                     *registrar = None;
                 }
                 fixed = false;
-                gate.publish(plan.gather_count());
+                (0..plan.gather_count()).for_each(|slot| gate.free_slot(slot));
                 deliver_after = true;
                 (None, None)
             }

@@ -76,6 +76,13 @@ impl Sink for CudaSink<'_> {
         }
     }
 
+    fn is_released(&mut self, slot: usize) -> io::Result<bool> {
+        match self.events.get(slot) {
+            Some(Some(event)) => Ok(event.is_complete()?),
+            _ => Ok(true),
+        }
+    }
+
     fn finish(&mut self) -> io::Result<()> {
         // Every stream, even after an error on one: no copy may still read
         // the slots when the load returns.

@@ -137,6 +137,15 @@ pub trait Sink: Send + dyn_sink::AsDynSink {
         Ok(())
     }
 
+    /// Whether the last delivery from `slot` no longer reads it, without
+    /// blocking where the sink can tell (a CUDA sink queries the slot's
+    /// event): the pipeline polls this to reuse each slot as soon as its
+    /// copy lands, in whatever order copies land. By default,
+    /// [`Sink::release`] then `true`.
+    fn is_released(&mut self, slot: usize) -> io::Result<bool> {
+        self.release(slot).map(|()| true)
+    }
+
     /// Blocks until every delivery started has landed. Called once at the
     /// end of every load, also a failed one, before the slots can be reused
     /// or freed.

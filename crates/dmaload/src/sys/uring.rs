@@ -335,6 +335,19 @@ impl<M: RingMemory> Ring<M> {
         unsafe { self.core.push(entry) }
     }
 
+    /// Queues a one-shot poll for `fd` becoming readable (an eventfd that
+    /// another thread signals), completing with `tag`: a wait in
+    /// [`Ring::submit`] then also ends when that thread signals. The ring
+    /// drains it like any request, so whoever signals must do so before
+    /// the ring drops.
+    pub fn queue_poll_readable(&mut self, fd: BorrowedFd<'_>, tag: u64) -> io::Result<()> {
+        let entry =
+            opcode::PollAdd::new(types::Fd(fd.as_raw_fd()), libc::POLLIN as u32).build().user_data(tag);
+        // SAFETY: a poll names no memory of ours; the kernel holds its own
+        // reference to the file from submission on.
+        unsafe { self.core.push(entry) }
+    }
+
     /// Requests queued or running in the kernel.
     pub fn in_flight(&self) -> usize {
         self.core.in_flight
