@@ -389,7 +389,8 @@ fn run_abandonable<T: Send + 'static>(
 ) -> PyResult<T> {
     type Outcome<T> = std::thread::Result<T>;
     // Taken by the load thread, or by this one if that cannot be created.
-    let slot = Arc::new(Mutex::new(Some(move || std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)))));
+    let slot =
+        Arc::new(Mutex::new(Some(move || std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)))));
     let take = |slot: &Mutex<Option<_>>| slot.lock().unwrap_or_else(|e| e.into_inner()).take();
     let (tx, rx) = std::sync::mpsc::sync_channel::<Outcome<T>>(1);
     let theirs = Arc::clone(&slot);
