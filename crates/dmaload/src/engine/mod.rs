@@ -718,6 +718,16 @@ pub(crate) fn no_uring(from: Engine, err: &io::Error) -> Fallback {
     Fallback::new(from.name(), Engine::PreadPool.name(), uring_unavailable_reason(err))
 }
 
+/// Whether `err`, from a run of `engine` with the caller's token `cancel`,
+/// is io_uring cancelling a request for want of io-wq worker threads
+/// (RLIMIT_NPROC, the cgroup's pids.max) rather than the caller's
+/// cancellation: the run may go again on the pread pool.
+pub(crate) fn io_wq_refused(engine: Engine, cancel: &CancelToken, err: &Error) -> bool {
+    matches!(engine, Engine::UringFixed | Engine::Uring)
+        && err.raw_os_error() == Some(libc::ECANCELED)
+        && !cancel.is_cancelled()
+}
+
 /// The fallback taken when io_uring cancelled a request (`err`) because
 /// its io-wq could not create a worker thread (RLIMIT_NPROC, the cgroup's
 /// pids.max): the same transfer again on the pread pool.

@@ -148,11 +148,7 @@ impl Opened<'_> {
                 let plan = plan_for(1);
                 attempt(&self.setup, &plan, options).map(|done| (done, plan))
             }
-            Err(err)
-                if matches!(options.engine, Engine::UringFixed | Engine::Uring)
-                    && err.raw_os_error() == Some(libc::ECANCELED)
-                    && !options.cancel.is_cancelled() =>
-            {
+            Err(err) if engine::io_wq_refused(options.engine, &options.cancel, &err) => {
                 self.fallbacks.push(engine::workers_refused(options.engine, Direction::Read, &err));
                 let pool = LoadOptions { engine: Engine::PreadPool, ..options.clone() };
                 attempt(&self.setup, &plan, &pool).map(|done| (done, plan))

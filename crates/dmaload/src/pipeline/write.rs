@@ -52,21 +52,13 @@ pub(crate) fn write_at(
         .0
     };
     match attempt(params) {
-        Err(err) if workers_were_refused(params, &err) => {
+        Err(err) if engine::io_wq_refused(params.engine, &params.cancel, &err) => {
             let mut run = attempt(&params.on_pool())?;
             run.fallbacks.insert(0, engine::workers_refused(params.engine, Direction::Write, &err));
             Ok(run)
         }
         other => other,
     }
-}
-
-/// Whether `err` is io_uring cancelling a request for want of worker
-/// threads (RLIMIT_NPROC, the cgroup's pids.max), not the caller's token.
-fn workers_were_refused(params: &EngineParams, err: &Error) -> bool {
-    matches!(params.engine, Engine::UringFixed | Engine::Uring)
-        && err.raw_os_error() == Some(libc::ECANCELED)
-        && !params.cancel.is_cancelled()
 }
 
 /// The helper of a write: every window may be written at once; with a
@@ -152,7 +144,7 @@ impl<'s> KeptWriteRing<'s> {
             return Ok(run);
         }
         match engine::uring::run(&job, &mut self.ring, self.registered, None) {
-            Err(err) if workers_were_refused(params, &err) => {
+            Err(err) if engine::io_wq_refused(params.engine, &params.cancel, &err) => {
                 self.wait_idle().map_err(|e| Error::io("io_uring_enter", path, e))?;
                 self.on_pool = Some(engine::workers_refused(params.engine, Direction::Write, &err));
                 self.write(path, file, base, len, file_offset, align, chunk, params)
