@@ -1,5 +1,6 @@
 """``verify=True``: every file checked against the ``SHA256SUMS`` beside it
-(written here by coreutils' ``sha256sum``), hashed as the bytes arrive; a
+(written here by coreutils' ``sha256sum``) or the ``B3SUMS`` (written by
+``b3sum``), hashed as the bytes arrive; a
 flipped byte, a missing sums file or an unlisted file is an OSError and
 hands out no buffer or tensors."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -45,6 +47,28 @@ def test_load_verifies_and_a_flipped_byte_is_ebadmsg(tmp_path: Path) -> None:
     assert raised.value.errno == errno.EBADMSG
     message = str(raised.value)
     assert "weights.bin" in message and expected in message and computed in message
+
+
+def test_b3sums_verify_a_sharded_safetensors_load(tmp_path: Path) -> None:
+    """A B3SUMS written by ``b3sum`` verifies every shard; a flipped byte in
+    one fails the whole load naming BLAKE3, its file and B3SUMS."""
+    if shutil.which("b3sum") is None:
+        pytest.skip("b3sum is not installed (apt-get install b3sum)")
+    names = []
+    for i in range(2):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        st_numpy.save_file({f"w{i}": np.arange(300_000, dtype=np.float32) * (i + 1)}, str(tmp_path / name))
+        names.append(name)
+    out = subprocess.run(["b3sum", *names], cwd=tmp_path, check=True, capture_output=True).stdout
+    (tmp_path / "B3SUMS").write_bytes(out)
+    tensors = dst.load_file(tmp_path, framework="np", verify=True)
+    assert sorted(tensors) == ["w0", "w1"]
+    _flip(tmp_path / names[1], 200_000)
+    with pytest.raises(OSError) as raised:
+        dst.load_file(tmp_path, framework="np", verify=True)
+    assert raised.value.errno == errno.EBADMSG
+    message = str(raised.value)
+    assert "BLAKE3 mismatch" in message and names[1] in message and "B3SUMS" in message
 
 
 def test_a_missing_sums_file_or_an_unlisted_file_is_an_error(tmp_path: Path) -> None:

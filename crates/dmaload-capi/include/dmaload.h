@@ -70,8 +70,9 @@ typedef struct dmaload_load_options {
   // Non-zero: after the load, measure how much of the range is in the
   // page cache (in the report's JSON, `page_cache`).
   uint32_t measure_page_cache;
-  // Non-zero: check the file against the SHA-256 that the `SHA256SUMS`
-  // file beside it records (what `sha256sum` writes), hashing the bytes
+  // Non-zero: check the file against the digest that the `B3SUMS` or
+  // `SHA256SUMS` file beside it records (what `b3sum` or `sha256sum`
+  // writes; BLAKE3 first when both list it), hashing the bytes
   // as they arrive. A mismatch fails with errno `EBADMSG` (the message
   // names the file and both digests); a missing sums file or a file it
   // does not list with `EINVAL`. No buffer is returned either way.

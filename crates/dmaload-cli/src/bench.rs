@@ -37,8 +37,8 @@ pub enum BenchCommand {
         #[arg(long)]
         staged_only: bool,
         /// Only the in-place default and the same load verified against
-        /// the SHA256SUMS beside FILE (`dmaload sums` writes it), hashing
-        /// as the bytes arrive.
+        /// the B3SUMS or SHA256SUMS beside FILE (`dmaload sums` writes
+        /// them), hashing as the bytes arrive.
         #[arg(long, conflicts_with = "staged_only")]
         verified_only: bool,
     },
@@ -231,15 +231,17 @@ fn staged_methods() -> Vec<Method> {
     vec![Method::Dmaload { name: in_place_default(), options: measured() }, staged_method()]
 }
 
-/// The in-place default unverified and verified, side by side.
-fn verified_methods() -> Vec<Method> {
-    vec![
+/// The in-place default unverified and verified against the sums file
+/// beside `file`, side by side.
+fn verified_methods(file: &Path) -> Result<Vec<Method>, String> {
+    let (digest, _) = dmaload::verify::expected_digest(file).map_err(|e| format!("bench load: {e}"))?;
+    Ok(vec![
         Method::Dmaload { name: in_place_default(), options: measured() },
         Method::Dmaload {
-            name: format!("{}, verified (SHA-256 beside the reads)", in_place_default()),
+            name: format!("{}, verified ({} beside the reads)", in_place_default(), digest.name()),
             options: LoadOptions { verify: true, ..measured() },
         },
-    ]
+    ])
 }
 
 /// Which rows `bench load` runs.
@@ -316,7 +318,7 @@ fn bench_load(file: &Path, repeat: usize, json: bool, no_fio: bool, only: Only) 
     let facts = MemoryFacts::read();
     let methods = match only {
         Only::Staged => staged_methods(),
-        Only::Verified => verified_methods(),
+        Only::Verified => verified_methods(file)?,
         Only::All => methods(fio.is_some(), &facts, bytes),
     };
     let settle = facts.reporting_settle();

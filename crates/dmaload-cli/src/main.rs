@@ -80,13 +80,18 @@ enum Command {
     /// Benchmarks, with baselines run side by side in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
-    /// Write SHA256SUMS for `load --verify`: for a directory, of every
-    /// regular file in it (by name, in byte order); for files, in each
-    /// one's directory, in the order given. The same bytes `sha256sum`
-    /// prints for those names there.
+    /// Write SHA256SUMS (or B3SUMS) for `load --verify`: for a directory,
+    /// of every regular file in it (by name, in byte order); for files, in
+    /// each one's directory, in the order given. The same bytes `sha256sum`
+    /// (or `b3sum`) prints for those names there.
     Sums {
         #[arg(required = true, value_name = "DIR_OR_FILES")]
         paths: Vec<PathBuf>,
+        /// The digest: sha256 (SHA256SUMS, what every system can check) or
+        /// blake3 (B3SUMS: a verified load then runs at the disk's speed
+        /// where SHA-256 on one core cannot keep up with it).
+        #[arg(long, value_enum, default_value = "sha256")]
+        digest: sums::DigestArg,
     },
 }
 
@@ -167,8 +172,9 @@ pub struct LoadArgs {
     /// machine's CPUs, 1 to 4).
     #[arg(long, default_value_t = dmaload::load::default_populate_threads())]
     populate_threads: usize,
-    /// Check the file against the SHA-256 that the SHA256SUMS file beside
-    /// it records (`dmaload sums` writes one), hashing as the bytes arrive:
+    /// Check the file against the digest that the B3SUMS (BLAKE3) or
+    /// SHA256SUMS file beside it records (`dmaload sums` writes them;
+    /// BLAKE3 first when both list it), hashing as the bytes arrive:
     /// a mismatch, a missing sums file or a file it does not list fails the
     /// load. Whole files only (with --cache, loaded directly, saying so).
     #[arg(long)]
@@ -313,7 +319,7 @@ fn main() -> ExitCode {
         Command::Capture(cmd) => capture::run(cmd),
         Command::Evict { files } => files.iter().try_for_each(|file| benchkit::evict(file)),
         Command::Bench(cmd) => bench::run(cmd),
-        Command::Sums { paths } => sums::run(paths),
+        Command::Sums { paths, digest } => sums::run(paths, (*digest).into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,14 +1,31 @@
-//! `dmaload sums`: writes the `SHA256SUMS` files that `load --verify`
-//! checks against, line for line what `sha256sum` prints.
+//! `dmaload sums`: writes the `SHA256SUMS` (or `B3SUMS`) files that
+//! `load --verify` checks against, line for line what `sha256sum` (or
+//! `b3sum`) prints.
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use dmaload::verify::{file_digest, sums_line, SUMS_FILE};
+use dmaload::verify::{file_digest, sums_line, DigestKind};
 
-pub fn run(paths: &[PathBuf]) -> Result<(), String> {
+/// `--digest`'s values.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum DigestArg {
+    Sha256,
+    Blake3,
+}
+
+impl From<DigestArg> for DigestKind {
+    fn from(arg: DigestArg) -> DigestKind {
+        match arg {
+            DigestArg::Sha256 => DigestKind::Sha256,
+            DigestArg::Blake3 => DigestKind::Blake3,
+        }
+    }
+}
+
+pub fn run(paths: &[PathBuf], kind: DigestKind) -> Result<(), String> {
     // Each directory's names, in the order its sums file lists them.
     let mut by_dir: BTreeMap<PathBuf, Vec<String>> = BTreeMap::new();
     for path in paths {
@@ -18,7 +35,7 @@ pub fn run(paths: &[PathBuf]) -> Result<(), String> {
             for entry in std::fs::read_dir(path).map_err(|e| format!("sums {}: {e}", path.display()))? {
                 let entry = entry.map_err(|e| format!("sums {}: {e}", path.display()))?;
                 let is_file = entry.file_type().is_ok_and(|t| t.is_file());
-                if is_file && entry.file_name() != SUMS_FILE {
+                if is_file && !DigestKind::is_sums_file(&entry.file_name()) {
                     names.push(name_of(path, &entry.path())?);
                 }
             }
@@ -36,11 +53,12 @@ pub fn run(paths: &[PathBuf]) -> Result<(), String> {
     for (dir, names) in by_dir {
         let mut text = String::new();
         for name in &names {
-            let digest = file_digest(&dir.join(name)).map_err(|e| e.to_string())?;
+            let digest = file_digest(&dir.join(name), kind).map_err(|e| e.to_string())?;
             text.push_str(&sums_line(&digest, name));
         }
-        write_replacing(&dir.join(SUMS_FILE), text.as_bytes())?;
-        println!("{}: {} files", dir.join(SUMS_FILE).display(), names.len());
+        let sums = dir.join(kind.sums_file());
+        write_replacing(&sums, text.as_bytes())?;
+        println!("{}: {} files", sums.display(), names.len());
     }
     Ok(())
 }
@@ -57,7 +75,8 @@ fn name_of(arg: &Path, path: &Path) -> Result<String, String> {
 /// Writes `bytes` to `path` through a temporary file beside it, fsynced
 /// and renamed over it: a reader never sees half a sums file.
 fn write_replacing(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    let tmp = path.with_file_name(format!(".{SUMS_FILE}.{}.tmp", std::process::id()));
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
     let written = (|| {
         let mut file = std::fs::File::create(&tmp)?;
         file.write_all(bytes)?;

@@ -713,3 +713,37 @@ fn sums_match_coreutils_and_load_verify_checks_them() {
     assert!(String::from_utf8_lossy(&missing.stderr).contains("no "), "{:?}", missing);
     assert!(!missing.status.success());
 }
+
+/// `sums --digest blake3` writes what `b3sum` prints, as B3SUMS, and
+/// `load --verify` checks the file against it.
+#[test]
+fn sums_digest_blake3_matches_b3sum_and_load_verify_checks_it() {
+    let dir = scratch();
+    let names = ["a.safetensors", "b c", "d"];
+    for (i, name) in names.iter().enumerate() {
+        common::sample(dir.path(), std::ffi::OsStr::new(name), 300_000 * (i + 1) + 11);
+    }
+    let b3sum = match Command::new("b3sum").args(names).current_dir(dir.path()).output() {
+        Ok(out) => out,
+        Err(err) => return skip("sums_digest_blake3_matches_b3sum", &format!("b3sum cannot run: {err}")),
+    };
+    let out = common::output_or_hang(dmaload().args(["sums", "--digest", "blake3"]).arg(dir.path()));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(dir.path().join("B3SUMS")).unwrap(), b3sum.stdout);
+    assert!(!dir.path().join("SHA256SUMS").exists());
+    // A second run over the directory leaves the sums file itself out.
+    let out = common::output_or_hang(dmaload().args(["sums", "--digest", "blake3"]).arg(dir.path()));
+    assert!(out.status.success());
+    assert_eq!(std::fs::read(dir.path().join("B3SUMS")).unwrap(), b3sum.stdout);
+
+    let file = dir.path().join("d");
+    let ok = common::output_or_hang(dmaload().args(["load", "--verify"]).arg(&file));
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[700_000] ^= 4;
+    std::fs::write(&file, &bytes).unwrap();
+    let bad = common::output_or_hang(dmaload().args(["load", "--verify"]).arg(&file));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success());
+    assert!(stderr.contains("BLAKE3 mismatch") && stderr.contains("B3SUMS"), "{stderr}");
+}

@@ -27,8 +27,8 @@ pub enum ErrorKind {
     /// The caller cancelled the operation (a [`crate::CancelToken`]); nothing
     /// it produced was handed out.
     Cancelled,
-    /// The bytes do not match the SHA-256 digest their `SHA256SUMS` file
-    /// records (a load with `verify`); nothing was handed out.
+    /// The bytes do not match the digest their `B3SUMS` or `SHA256SUMS`
+    /// file records (a load with `verify`); nothing was handed out.
     Corrupt,
 }
 

@@ -250,8 +250,8 @@ pub struct LoadOptions {
     pub progress: Option<Arc<ProgressFn>>,
     /// Cancels the load from another thread (see [`CancelToken`]).
     pub cancel: CancelToken,
-    /// Check the file against the SHA-256 digest that the `SHA256SUMS`
-    /// file beside it records ([`crate::verify`]), hashing the bytes as
+    /// Check the file against the digest that the `B3SUMS` (BLAKE3) or
+    /// `SHA256SUMS` file beside it records ([`crate::verify`]), hashing the bytes as
     /// they arrive: a mismatch ([`crate::ErrorKind::Corrupt`]), a missing
     /// sums file or a file it does not list is an error, and no buffer is
     /// handed out. Whole files only (a range or `load_into` is an error);

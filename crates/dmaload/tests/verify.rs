@@ -1,8 +1,9 @@
 //! Verified loads (`LoadOptions::verify`): every engine and both pipeline
 //! shapes (in place, and through a staging ring into a sink) check the
 //! bytes against the `SHA256SUMS` file beside the file, written by
-//! coreutils' `sha256sum`; a flipped byte, a missing sums file and an
-//! unlisted file are errors that hand out no buffer.
+//! coreutils' `sha256sum`, or the `B3SUMS` file written by `b3sum`; a
+//! flipped byte, a missing sums file and an unlisted file are errors that
+//! hand out no buffer.
 
 mod common;
 
@@ -10,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{scratch_dir, write_pattern_file};
+use dmaload::verify::DigestKind;
 use dmaload::{Engine, ErrorKind, HostSink, IoMode, LoadOptions, StagingRing};
 
 const M: usize = 1 << 20;
@@ -31,6 +33,22 @@ fn coreutils_sums(dir: &Path, names: &[&str]) {
     let out = Command::new("sha256sum").args(names).current_dir(dir).output().unwrap();
     assert!(out.status.success());
     std::fs::write(dir.join("SHA256SUMS"), out.stdout).unwrap();
+}
+
+/// `b3sum NAMES > B3SUMS` in `dir`, or `false` (the test skipped, saying
+/// why) where `b3sum` is not installed.
+fn b3sum_sums(test: &str, dir: &Path, names: &[&str]) -> bool {
+    match Command::new("b3sum").args(names).current_dir(dir).output() {
+        Ok(out) => {
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            std::fs::write(dir.join("B3SUMS"), out.stdout).unwrap();
+            true
+        }
+        Err(err) => {
+            common::skip(test, &format!("b3sum cannot run ({err}); apt-get install b3sum"));
+            false
+        }
+    }
 }
 
 fn flip_byte(path: &Path, at: u64) {
@@ -126,6 +144,49 @@ fn a_missing_sums_file_or_an_unlisted_file_is_an_error() {
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
 }
 
+/// `B3SUMS` (BLAKE3, as `b3sum` writes it) is checked on every engine, is
+/// preferred to `SHA256SUMS` when both list the file, and is passed over
+/// for `SHA256SUMS` when it does not list the file.
+#[test]
+fn b3sums_written_by_b3sum_verify_and_come_first() {
+    let test = "b3sums_written_by_b3sum_verify_and_come_first";
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    let len = 9 * M as u64 + 777;
+    write_pattern_file(&path, len);
+    if !b3sum_sums(test, dir.path(), &["model.bin"]) {
+        return;
+    }
+    for (engine, mode) in engines() {
+        let (buffer, _) = dmaload::load(&path, &verified(engine, mode)).unwrap();
+        assert_eq!(buffer.len() as u64, len);
+    }
+    let digest = dmaload::verify::file_digest(&path, DigestKind::Blake3).unwrap();
+    let b3sums = std::fs::read_to_string(dir.path().join("B3SUMS")).unwrap();
+    assert_eq!(dmaload::verify::sums_line(&digest, "model.bin"), b3sums);
+    assert_eq!(dmaload::verify::expected_digest(&path).unwrap(), (DigestKind::Blake3, digest));
+
+    // Both list it, only B3SUMS is wrong: the load checks BLAKE3, and fails.
+    coreutils_sums(dir.path(), &["model.bin"]);
+    let wrong = format!("{}  model.bin\n", "0".repeat(64));
+    std::fs::write(dir.path().join("B3SUMS"), &wrong).unwrap();
+    let err = dmaload::load(&path, &verified(Engine::UringFixed, IoMode::Auto)).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    let text = err.to_string();
+    assert!(text.contains("BLAKE3 mismatch") && text.contains("B3SUMS"), "{text}");
+    assert!(text.contains(&dmaload::verify::hex(&digest)), "{text}");
+
+    // B3SUMS lists other files only: SHA256SUMS, which lists it, decides.
+    std::fs::write(dir.path().join("B3SUMS"), format!("{}  other\n", "0".repeat(64))).unwrap();
+    dmaload::load(&path, &verified(Engine::Uring, IoMode::Buffered)).unwrap();
+    flip_byte(&path, 5 * M as u64 + 3);
+    let err = dmaload::load(&path, &verified(Engine::Uring, IoMode::Buffered)).unwrap_err();
+    assert!(err.to_string().contains("SHA-256 mismatch"), "{err}");
+    std::fs::remove_file(dir.path().join("SHA256SUMS")).unwrap();
+    let err = dmaload::load(&path, &verified(Engine::Uring, IoMode::Buffered)).unwrap_err();
+    assert!(err.to_string().contains("\"model.bin\" is not listed in"), "{err}");
+}
+
 /// `sha256sum`'s binary-mode marker (`*`), `./` names and escaped names
 /// (a backslash in the name) are read as `sha256sum -c` reads them.
 #[test]
@@ -149,7 +210,7 @@ fn sums_in_every_form_sha256sum_writes_are_read() {
     }
     // The sums file's own line for each name is what sha256sum prints.
     for name in names {
-        let digest = dmaload::verify::file_digest(&dir.path().join(name)).unwrap();
+        let digest = dmaload::verify::file_digest(&dir.path().join(name), DigestKind::Sha256).unwrap();
         let out = Command::new("sha256sum").arg(name).current_dir(dir.path()).output().unwrap();
         assert_eq!(dmaload::verify::sums_line(&digest, name).as_bytes(), out.stdout);
     }
@@ -186,7 +247,7 @@ fn a_fifo_or_device_in_place_of_a_file_is_refused_not_read_forever() {
     let dir = scratch_dir();
     let path = dir.path().join("model.bin");
     write_pattern_file(&path, 100_000);
-    let sums = dir.path().join(dmaload::verify::SUMS_FILE);
+    let sums = dir.path().join(DigestKind::Sha256.sums_file());
     let within = |what: &str, call: Box<dyn FnOnce() -> String + Send>| {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || tx.send(call()).ok());
@@ -218,7 +279,10 @@ fn a_fifo_or_device_in_place_of_a_file_is_refused_not_read_forever() {
     let err = within(
         "summing a FIFO",
         Box::new(move || {
-            dmaload::verify::file_digest(&fifo).err().map(|e| e.to_string()).unwrap_or_default()
+            dmaload::verify::file_digest(&fifo, DigestKind::Sha256)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
         }),
     );
     assert!(err.contains("FIFO"), "{err}");

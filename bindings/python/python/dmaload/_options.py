@@ -55,9 +55,11 @@ class LoadOptions(TypedDict, total=False):
         the page cache (``mincore`` over the whole range, outside the timed
         load) into ``report.page_cache`` (default ``False``: not measured,
         ``report.page_cache`` is ``None``).
-    verify: check each file against the SHA-256 that the ``SHA256SUMS``
-        file beside it records (what ``sha256sum`` writes; ``dmaload sums``
-        writes one), hashing the bytes as they arrive (default ``False``).
+    verify: check each file against the digest that the ``B3SUMS``
+        (BLAKE3) or ``SHA256SUMS`` file beside it records (what ``b3sum``
+        or ``sha256sum`` writes; ``dmaload sums [--digest blake3]`` writes
+        one; BLAKE3 first when both list the file), hashing the bytes as
+        they arrive (default ``False``).
         A mismatch is an ``OSError`` (errno ``EBADMSG``) naming the file and
         both digests; a missing sums file or a file it does not list is an
         ``OSError`` (``EINVAL``); either way no buffer or tensor is returned.
