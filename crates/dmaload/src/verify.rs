@@ -142,7 +142,7 @@ fn listed_digest(path: &Path, sums: &Path, text: &str) -> Result<Option<Digest>>
             Error::new(
                 ErrorKind::InvalidInput,
                 "read the sums file",
-                &sums,
+                sums,
                 format!("line {} is not `<64 hex digits>  <name>`", number + 1),
             )
         })?;
