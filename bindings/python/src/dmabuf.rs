@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3::types::PyDict;
 
-use crate::{detached, guard, os_error, report_object, run_cancellable, Opts};
+use crate::{detached, guard, os_error, report_object, run_abandonable, Opts};
 
 /// A dma-buf holding a range of a file: an fd that devices import
 /// (`fileno()`), owned by this object until `close()` or `detach()`. Its
@@ -160,10 +160,13 @@ pub fn load_dmabuf(
         options.cancel = cancel.clone();
         let offset = offset.unwrap_or(0);
         let file = detached(py, || OpenFile::open(&path))?.map_err(|e| os_error(&e))?;
-        let result = run_cancellable(py, &cancel, || dmaload::load_to(&file, offset, length, &options))?;
+        let to = options.to.to_string();
+        // The load owns the dma-buf it fills: a read that Ctrl-C cannot
+        // stop is left behind (see run_abandonable).
+        let result = run_abandonable(py, &cancel, move || dmaload::load_to(&file, offset, length, &options))?;
         let (loaded, report) = match result.map_err(|e| os_error(&e))? {
             (dmaload::Loaded::DmaBuf(loaded), report) => (loaded, report),
-            _ => return Err(PyValueError::new_err(format!("{} did not load into a dma-buf", options.to))),
+            _ => return Err(PyValueError::new_err(format!("{to} did not load into a dma-buf"))),
         };
         Ok(DmaBuf {
             size: loaded.dmabuf.len(),

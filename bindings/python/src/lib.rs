@@ -375,14 +375,19 @@ fn run_cancellable<T: Send>(
 const ABANDON_AFTER: Duration = Duration::from_millis(60);
 
 /// [`run_cancellable`] for work that owns everything the kernel can still
-/// touch (a load into memory it allocates itself): once Ctrl-C has
-/// cancelled it, it is waited for at most [`ABANDON_AFTER`]; a read still
-/// in flight then (a FUSE or NFS server that does not answer, which no
-/// cancellation reaches) is left to the work's thread, which frees what the
-/// load made once the read ends, and `KeyboardInterrupt` is raised at once.
-/// Nothing the caller can reach is written after it returns. Where no
-/// thread can be created the work runs on this thread without signal checks.
-fn run_abandonable<T: Send + 'static>(
+/// touch: memory it allocates itself, or the export of a caller's buffer
+/// moved into it (which keeps that memory mapped while the work lives).
+/// Once Ctrl-C has cancelled it, it is waited for at most
+/// [`ABANDON_AFTER`]; a read still in flight then (a FUSE or NFS server
+/// that does not answer, which no cancellation reaches) is left to the
+/// work's thread, which frees what the load made, or releases the export,
+/// once the read ends, and `KeyboardInterrupt` is raised at once. Memory
+/// the load allocated is never reached by the caller; a caller's exported
+/// buffer may still receive that one read's bytes (its contents are
+/// unspecified after a failed load anyway) and stays exported until then.
+/// Where no thread can be created the work runs on this thread without
+/// signal checks.
+pub(crate) fn run_abandonable<T: Send + 'static>(
     py: Python<'_>,
     cancel: &dmaload::CancelToken,
     work: impl FnOnce() -> T + Send + 'static,
@@ -647,14 +652,18 @@ fn load_into<'py>(
         let mut options = opts.to_options()?;
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
-        let mut export = staged::writable_buffer(target)?;
+        let export = staged::writable_buffer(target)?;
         let relay = progress.map(|callback| {
             let relay = Progress::new(callback, export.len_bytes() as u64, cancel.clone());
             options.progress = Some(relay.for_load());
             relay
         });
-        let dst = staged::writable_bytes(&mut export);
-        let result = run_cancellable(py, &cancel, || dmaload::load_into_raw(&path, offset, dst, &options))?;
+        // The load owns the export: a read that Ctrl-C cannot stop keeps
+        // the target mapped until it ends (see run_abandonable).
+        let result = run_abandonable(py, &cancel, move || {
+            let mut export = export;
+            dmaload::load_into_raw(&path, offset, staged::writable_bytes(&mut export), &options)
+        })?;
         Progress::raised(relay.as_ref())?;
         let report = result.map_err(|e| os_error(&e))?;
         Progress::finish(relay.as_ref())?;
@@ -681,13 +690,15 @@ fn load_cached(
     guard(move || {
         let options = Opts::from_dict(options.as_ref())?.to_options()?;
         // Ctrl-C ends the connect, the waits for the service and a direct
-        // load alike (each looks at the token within 20 ms).
+        // load alike (each looks at the token within 20 ms, a read no
+        // cancellation reaches is left behind: see run_abandonable).
         let cancel = options.cancel.clone();
+        // Opened here, before the caller can close a descriptor it named.
+        let file = detached(py, || file.open())?.map_err(|e| os_error(&e))?;
         if !fallback {
-            let served = run_cancellable(py, &cancel, || {
-                dmaload::share::from_service(&file.open()?, &socket, &options)
-            })?
-            .map_err(|e| os_error(&e))?;
+            let served =
+                run_abandonable(py, &cancel, move || dmaload::share::from_service(&file, &socket, &options))?
+                    .map_err(|e| os_error(&e))?;
             return Ok(match served {
                 Ok((buffer, report, served, note)) => {
                     (Some(Buffer::new(buffer, report)), Some(served.name()), note)
@@ -695,10 +706,9 @@ fn load_cached(
                 Err(reason) => (None, None, Some(reason)),
             });
         }
-        let (buffer, report, outcome) = run_cancellable(py, &cancel, || {
-            dmaload::share::load_cached_open(&file.open()?, &socket, &options)
-        })?
-        .map_err(|e| os_error(&e))?;
+        let (buffer, report, outcome) =
+            run_abandonable(py, &cancel, move || dmaload::share::load_cached_open(&file, &socket, &options))?
+                .map_err(|e| os_error(&e))?;
         let (served, message) = match outcome {
             dmaload::share::CacheOutcome::Service { served, note } => (Some(served.name()), note),
             dmaload::share::CacheOutcome::Direct { reason } => (None, Some(reason)),
@@ -805,9 +815,9 @@ fn load_safetensors<'py>(
         options.cancel = cancel.clone();
         let relay = progress.map(|callback| Progress::new(callback, total, cancel.clone()));
         options.progress = relay.as_ref().map(|relay| relay.for_load());
-        let loaded =
-            run_cancellable(py, &cancel, || dmaload::load_many_safetensors(&paths, &options, concurrency))?;
-        options.progress = None;
+        let loaded = run_abandonable(py, &cancel, move || {
+            dmaload::load_many_safetensors(&paths, &options, concurrency)
+        })?;
         Progress::raised(relay.as_ref())?;
         let out = loaded
             .map_err(|err| format_error(&err))?

@@ -12,7 +12,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::{cache_name, guard, os_error, run_cancellable, DefaultValue, Opts, Progress};
+use crate::{cache_name, guard, os_error, run_abandonable, DefaultValue, Opts, Progress};
 
 /// The bytes of `export`, for the kernel alone to read.
 #[allow(unsafe_code)]
@@ -59,8 +59,13 @@ pub fn save<'py>(
             options.progress = Some(relay.for_load());
             relay
         });
-        let bytes = exported_bytes(&export);
-        let result = run_cancellable(py, &cancel, || dmaload::save_raw(bytes, &path, &options))?;
+        // The save owns the export: a write that Ctrl-C cannot stop (a
+        // silent FUSE or NFS server) keeps the memory mapped until it ends,
+        // and the cancelled save then leaves no file (see run_abandonable).
+        let result = run_abandonable(py, &cancel, move || {
+            let export = export;
+            dmaload::save_raw(exported_bytes(&export), &path, &options)
+        })?;
         Progress::raised(relay.as_ref())?;
         let report = result.map_err(|e| os_error(&e))?;
         Progress::finish(relay.as_ref())?;

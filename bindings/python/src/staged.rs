@@ -17,7 +17,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::{
-    detached, format_error, guard, header_object, os_error, report_object, run_cancellable, Opts, Progress,
+    detached, format_error, guard, header_object, os_error, report_object, run_abandonable, run_cancellable,
+    Opts, Progress,
 };
 
 /// A safetensors file opened once, its header read and validated; the
@@ -257,22 +258,21 @@ pub fn _load_staged(
     // One read per slot and every slot in flight, unless asked otherwise.
     options.chunk_size = opts.chunk_size.unwrap_or(slot_size);
     options.queue_depth = opts.queue_depth.unwrap_or(slots);
-    let files: Vec<&SafetensorsFile> = files.iter().map(|f| f.get()).collect();
     let lens = files
         .iter()
-        .map(|f| usize::try_from(f.data_len).map_err(|_| PyValueError::new_err("file too large")))
+        .map(|f| usize::try_from(f.get().data_len).map_err(|_| PyValueError::new_err("file too large")))
         .collect::<PyResult<Vec<usize>>>()?;
     let cancel = dmaload::CancelToken::new();
     options.cancel = cancel.clone();
-    let total = files.iter().map(|f| f.data_len).sum();
+    let total = files.iter().map(|f| f.get().data_len).sum();
     let relay = progress.map(|callback| Progress::new(callback, total, cancel.clone()));
     let ordinal = match device {
         -1 => None,
         d => Some(usize::try_from(d).map_err(|_| PyValueError::new_err(format!("no device {d}")))?),
     };
-    // Host destinations are buffer exports, held until the loads return;
+    // Host destinations are buffer exports, held until the loads end;
     // device ones are pointers.
-    let (mut host, addresses) = match ordinal {
+    let (host, addresses) = match ordinal {
         None => {
             let host = targets
                 .iter()
@@ -284,7 +284,10 @@ pub fn _load_staged(
         }
         Some(_) => (Vec::new(), targets.iter().map(|t| t.extract::<u64>()).collect::<PyResult<Vec<u64>>>()?),
     };
-    let outcome = run_cancellable(py, &cancel, || -> Result<Vec<dmaload::LoadReport>, PyErr> {
+    let work_relay = relay.clone();
+    let work = move || -> Result<Vec<dmaload::LoadReport>, PyErr> {
+        let (relay, mut host) = (work_relay, host);
+        let files: Vec<&SafetensorsFile> = files.iter().map(|f| f.get()).collect();
         let context = match ordinal {
             Some(ordinal) => {
                 Some(Context::primary(ordinal).map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))?)
@@ -337,7 +340,15 @@ pub fn _load_staged(
         }
         keep_ring(ordinal, ring);
         Ok(reports)
-    })?;
+    };
+    let outcome = match ordinal {
+        // The work owns the host exports: a read that Ctrl-C cannot stop
+        // keeps them mapped until it ends (see run_abandonable).
+        None => run_abandonable(py, &cancel, work)?,
+        // Device destinations are pointers into tensors the caller frees
+        // once KeyboardInterrupt unwinds its frame: the load is waited for.
+        Some(_) => run_cancellable(py, &cancel, work)?,
+    };
     Progress::raised(relay.as_ref())?;
     let reports = outcome?;
     Progress::finish(relay.as_ref())?;

@@ -350,12 +350,33 @@ def test_the_report_of_a_name_that_is_not_utf8_is_complete(tmp_path: Path) -> No
 FAULTY_FUSE = Path(__file__).resolve().parents[3] / "crates/dmaload/tests/support/faulty_fuse.py"
 
 
-def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path) -> None:
+# Each call that reads the FUSE file `p` (64 MiB: a safetensors header,
+# then zeros): into memory it allocates, into the caller's, through the
+# cache-service path with no service, and the safetensors loader.
+SILENT_SERVER_CALLS = {
+    "load": "dmaload.load(p)",
+    "load_into": "dmaload.load_into(p, bytearray(64 << 20))",
+    "load with cache": "dmaload.load(p, cache='/nonexistent/dmaload.sock')",
+    "safetensors load_file": "dmaload.safetensors.numpy.load_file(p)",
+}
+
+
+def _safetensors_header(size: int) -> bytes:
+    """A safetensors header whose one U8 tensor fills a file of ``size``."""
+    json_len = 128
+    data = size - 8 - json_len
+    text = '{"w":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}' % (data, data)
+    return json_len.to_bytes(8, "little") + text.ljust(json_len).encode()
+
+
+@pytest.mark.parametrize("call", sorted(SILENT_SERVER_CALLS))
+def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path, call: str) -> None:
     """A FUSE server that never answers one read (no cancellation reaches
     it): Ctrl-C still raises KeyboardInterrupt in the loading process at
-    once; the read is left to the load's own thread, which frees the
-    buffer when it ends (here: when the process exits). Before, the load
-    waited for the read for good."""
+    once (not a BufferError over the caller's still-exported memory); the
+    read is left to the load's own thread, which frees the buffer, or
+    releases the caller's, when it ends (here: when the process exits).
+    Before, the load waited for the read for good."""
     if os.geteuid() != 0 or not Path("/dev/fuse").exists():
         pytest.skip("mounting FUSE needs root and /dev/fuse")
     if subprocess.run(["python3", "-c", "import fuse"], capture_output=True).returncode != 0:
@@ -363,8 +384,10 @@ def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path) 
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     size, bad = 64 << 20, 40 << 20
+    prefix = tmp_path / "header"
+    prefix.write_bytes(_safetensors_header(size))
     server = subprocess.Popen(
-        ["python3", str(FAULTY_FUSE), str(mnt), str(size), str(bad), "4096", "hang"],
+        ["python3", str(FAULTY_FUSE), str(mnt), str(size), str(bad), "4096", "hang", str(prefix)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -379,10 +402,11 @@ def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path) 
             time.sleep(0.05)
         code = textwrap.dedent(
             """
-            import signal, sys, time, dmaload
+            import signal, sys, time, dmaload, dmaload.safetensors.numpy
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            p = sys.argv[1]
             try:
-                dmaload.load(sys.argv[1])
+                eval(sys.argv[2])
             except KeyboardInterrupt:
                 print("INTERRUPTED", time.monotonic(), flush=True)
                 sys.exit(3)
@@ -390,7 +414,10 @@ def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path) 
             """
         )
         child = subprocess.Popen(
-            [sys.executable, "-c", code, str(mnt / "data")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-c", code, str(mnt / "data"), SILENT_SERVER_CALLS[call]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         line = server.stdout.readline()  # the server holds the read now
         assert line == "HANGING\n", line

@@ -1,4 +1,5 @@
-"""Python-side helpers of the native Buffer type."""
+"""Python-side helpers of the native Buffer type, and of the memoryviews
+the native calls are given."""
 
 from __future__ import annotations
 
@@ -29,3 +30,16 @@ def dlpack(
         if v is not None
     }
     return array.__dlpack__(**kwargs)
+
+
+def release_views(*views: memoryview) -> None:
+    """Releases ``views`` in order. A view whose export a native call still
+    holds is left to the garbage collector: after Ctrl-C, a load or save
+    whose read or write a silent FUSE or NFS server holds keeps its export
+    until that request ends (the call raised ``KeyboardInterrupt`` without
+    waiting), and ``BufferError`` must not replace that exception."""
+    for view in views:
+        try:
+            view.release()
+        except BufferError:
+            pass

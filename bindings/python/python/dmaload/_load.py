@@ -6,6 +6,7 @@ import os
 from typing import Any, Protocol, Union, Unpack
 
 from . import _dmaload
+from ._buffer import release_views
 from ._cache import Cache, load_cached, socket_for
 from ._dmaload import Buffer, DmaBuf
 from ._options import DmabufLoadOptions, LoadOptions, native_options
@@ -129,10 +130,12 @@ def load_into(
     # Bytes of any element type: a C-contiguous view casts to unsigned bytes
     # (a writable one with a 0 in its shape cannot be cast, and holds none).
     try:
-        with memoryview(target) as view, (
-            view.cast("B") if view.nbytes or view.readonly else memoryview(bytearray())
-        ) as raw:
+        view = raw = memoryview(target)
+        try:
+            raw = view.cast("B") if view.nbytes or view.readonly else memoryview(bytearray())
             return _dmaload.load_into(path, raw, offset, options=native, progress=callback)
+        finally:
+            release_views(raw, view)
     finally:
         finish()
 

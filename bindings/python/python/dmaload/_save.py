@@ -6,6 +6,7 @@ import os
 from typing import Any, Union, Unpack
 
 from . import _dmaload
+from ._buffer import release_views
 from ._options import SaveOptions, native_save_options
 from ._progress import Progress, resolve
 from ._report import SaveReport
@@ -50,12 +51,15 @@ def save(data: Any, path: StrPath, *, progress: Progress = None, **options: Unpa
     sync, native = native_save_options(options)
     callback, finish = resolve(progress, os.path.basename(os.fspath(path)))
     try:
-        with memoryview(data) as view:
+        view = raw = memoryview(data)
+        try:
             if not view.c_contiguous:
                 raise BufferError("dmaload.save needs a C-contiguous buffer (numpy.ascontiguousarray copies one)")
             # Bytes of any element type: a C-contiguous view casts to unsigned
             # bytes (but for one with a 0 in its shape, which has none).
-            with view.cast("B") if view.nbytes else memoryview(b"") as raw:
-                return _dmaload.save(raw, path, sync=sync, options=native, progress=callback)
+            raw = view.cast("B") if view.nbytes else memoryview(b"")
+            return _dmaload.save(raw, path, sync=sync, options=native, progress=callback)
+        finally:
+            release_views(raw, view)
     finally:
         finish()

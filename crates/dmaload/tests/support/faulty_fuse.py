@@ -1,11 +1,13 @@
 """A read-only FUSE filesystem with one file, `data`, whose reads fail with
 EIO wherever they cover BAD_OFFSET: a real device-style I/O error for the
 loader's error tests. With MODE `hang`, such a read never answers instead
-(a server that went silent): the server prints HANGING and blocks. Needs fusepy (pip) and libfuse2. BLKSIZE (default
-4096) is the file's st_blksize: FUSE reports no STATX_DIOALIGN, so it is
-the direct-I/O alignment a loader falls back to.
+(a server that went silent): the server prints HANGING and blocks. Needs
+fusepy (pip) and libfuse2. BLKSIZE (default 4096) is the file's st_blksize:
+FUSE reports no STATX_DIOALIGN, so it is the direct-I/O alignment a loader
+falls back to. The file's bytes are zeros, after the bytes of the file
+PREFIX where one is named (a safetensors header, say).
 
-usage: faulty_fuse.py MOUNTPOINT SIZE BAD_OFFSET [BLKSIZE [MODE]]
+usage: faulty_fuse.py MOUNTPOINT SIZE BAD_OFFSET [BLKSIZE [MODE [PREFIX]]]
 """
 
 import errno
@@ -17,8 +19,9 @@ from fuse import FUSE, FuseOSError, Operations
 
 
 class Faulty(Operations):
-    def __init__(self, size: int, bad_offset: int, blksize: int, hang: bool) -> None:
+    def __init__(self, size: int, bad_offset: int, blksize: int, hang: bool, prefix: bytes) -> None:
         self.size = size
+        self.prefix = prefix
         self.bad_offset = bad_offset
         self.blksize = blksize
         self.hang = hang
@@ -41,11 +44,13 @@ class Faulty(Operations):
                 threading.Event().wait()
             raise FuseOSError(errno.EIO)
         end = min(offset + size, self.size)
-        return bytes(max(0, end - offset))
+        head = self.prefix[offset:end]
+        return head + bytes(max(0, end - offset - len(head)))
 
 
 if __name__ == "__main__":
     mountpoint, size, bad_offset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     blksize = int(sys.argv[4]) if len(sys.argv) > 4 else 4096
     hang = len(sys.argv) > 5 and sys.argv[5] == "hang"
-    FUSE(Faulty(size, bad_offset, blksize, hang), mountpoint, foreground=True, nothreads=True, ro=True)
+    prefix = open(sys.argv[6], "rb").read() if len(sys.argv) > 6 else b""
+    FUSE(Faulty(size, bad_offset, blksize, hang, prefix), mountpoint, foreground=True, nothreads=True, ro=True)
