@@ -32,6 +32,10 @@
 #                                 page-cache and memfd pages to the GPU
 #                                 (bench/gpu_register.py, SIZE file,
 #                                 default 8G), against pinned H2D
+#   bench/gpu-kit.sh verify [SIZE] there: verified cold loads against
+#                                 unverified ones, SHA-256 and BLAKE3
+#                                 (bench/verify.py, SIZE random file,
+#                                 default 4G, 2 rounds; about 2 minutes)
 #
 # build: the CLI and the CUDA test programs (release, stripped), the Python
 # wheel, and the peer loaders' wheels with the test tools (pip download for
@@ -52,7 +56,7 @@ site=/tmp/gpu-kit-site
 # The peers bench/gpu.py runs, and what pytest needs.
 wheels=(safetensors fastsafetensors runai-model-streamer pytest pluggy iniconfig packaging)
 
-usage() { sed -n '2,45s/^# \{0,1\}//p' "$0" >&2; exit 2; }
+usage() { sed -n '2,49s/^# \{0,1\}//p' "$0" >&2; exit 2; }
 
 build() {
     rm -rf "$kit" && mkdir -p "$kit/wheels"
@@ -204,6 +208,15 @@ print("process %.3f s, load %.3f s (%.2f GiB/s), set-up outside it %.3f s, %s"
       % (wall, load, r["gib_per_second"], wall - load, r["destination"]))' "$wall" "$report"
 }
 
+verify() {
+    local size=${1:-4G} dir=$root/.dev/verify
+    rm -rf "$dir" && mkdir -p "$dir"
+    head -c "$size" /dev/urandom >"$dir/model.bin"
+    nproc | sed 's/^/CPUs: /' | tee "$out/verify.md"
+    python3 "$root/bench/verify.py" "$dir/model.bin" --rounds 2 --cli "$kit/dmaload" | tee -a "$out/verify.md"
+    rm -rf "$dir"
+}
+
 # Issue 25's run: every part under its own timeout (their sum, 520 s, is
 # under 9 minutes), logs in $out; exits non-zero when a part failed.
 next() {
@@ -244,5 +257,6 @@ case $command in
     engines) engines ;;
     register) register "$@" ;;
     next) next ;;
+    verify) verify "$@" ;;
     *) usage ;;
 esac
