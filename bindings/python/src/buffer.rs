@@ -226,13 +226,35 @@ impl Buffer {
 
     /// Receives a buffer another process sent with `Buffer.send` over
     /// `socket`: the memfd's seals and size are checked, then it is mapped
-    /// private copy-on-write (writes stay in this process). Blocks until
-    /// a message arrives (or the socket's timeout passes).
+    /// private copy-on-write (writes stay in this process). Waits until a
+    /// message arrives, or a socket object's timeout (`settimeout`) passes
+    /// (`TimeoutError`); Ctrl-C ends the wait.
     #[staticmethod]
     fn receive(py: Python<'_>, socket: &Bound<'_, PyAny>) -> PyResult<Buffer> {
         let conn = connection(socket)?;
+        let timeout = match socket.getattr("gettimeout") {
+            Ok(gettimeout) => gettimeout.call0()?.extract::<Option<f64>>()?,
+            Err(_) => None,
+        };
+        let timeout = timeout
+            .map(|t| {
+                std::time::Duration::try_from_secs_f64(t)
+                    .map_err(|e| PyValueError::new_err(format!("the socket's timeout {t}: {e}")))
+            })
+            .transpose()?;
         guard(|| {
             let started = Instant::now();
+            // In slices that look for Ctrl-C: a sender that never sends
+            // must not hold this thread beyond the user's patience.
+            let left = crate::block_queue::wait_for_peer(py, &conn, timeout)?;
+            if left.is_some_and(|left| left.is_zero())
+                && !conn.wait_readable(std::time::Duration::ZERO).map_err(crate::block_queue::queue_error)?
+            {
+                return Err(PyOSError::new_err((
+                    libc::ETIMEDOUT,
+                    format!("receive: no buffer arrived within {:?}", timeout.unwrap_or_default()),
+                )));
+            }
             let buffer = detached(py, || dmaload::Buffer::receive(&conn))?.map_err(|e| os_error(&e))?;
             let report = dmaload::share::handoff_report(
                 std::path::Path::new("socket"),

@@ -406,12 +406,18 @@ pub(crate) fn run_abandonable<T: Send + 'static>(
             let _ = tx.send(work());
         }
     });
-    if spawned.is_err() {
-        return match take(&slot) {
-            Some(work) => py.detach(work).map_err(panic_error),
-            None => Err(PyRuntimeError::new_err("the load thread started and vanished")),
-        };
-    }
+    let thread = match spawned {
+        Ok(thread) => thread,
+        Err(_) => {
+            return match take(&slot) {
+                Some(work) => py.detach(work).map_err(panic_error),
+                None => Err(PyRuntimeError::new_err("the load thread started and vanished")),
+            }
+        }
+    };
+    // A thread that sent its result is ending: joined (without the GIL,
+    // which what it drops last may take), so none is left behind.
+    let joined = |thread: std::thread::JoinHandle<()>| drop(py.detach(move || thread.join()));
     let wait = |rx: std::sync::mpsc::Receiver<Outcome<T>>, timeout: Duration| {
         py.detach(move || (rx.recv_timeout(timeout), rx))
     };
@@ -420,17 +426,23 @@ pub(crate) fn run_abandonable<T: Send + 'static>(
         let (received, back) = wait(rx, SIGNAL_POLL);
         rx = back;
         match received {
-            Ok(result) => return result.map_err(panic_error),
+            Ok(result) => {
+                joined(thread);
+                return result.map_err(panic_error);
+            }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                joined(thread);
                 return Err(PyRuntimeError::new_err("the load thread ended without a result"));
             }
         }
         if let Err(interrupted) = py.check_signals() {
             cancel.cancel();
-            // A result that comes in time is dropped here; one that does not
-            // is dropped by the load thread.
-            drop(wait(rx, ABANDON_AFTER));
+            // A result that comes in time is dropped here, its thread
+            // joined; one that does not is dropped by the load thread.
+            if wait(rx, ABANDON_AFTER).0.is_ok() {
+                joined(thread);
+            }
             return Err(interrupted);
         }
     }
