@@ -18,7 +18,7 @@ use crate::{detached, guard, SIGNAL_POLL};
 
 /// An OSError whose errno picks the Python subclass: TimeoutError,
 /// BrokenPipeError, ...; bad arguments are ValueError.
-pub(crate) fn queue_error(err: io::Error) -> PyErr {
+fn queue_error(err: io::Error) -> PyErr {
     let errno = match err.kind() {
         io::ErrorKind::InvalidInput => return PyValueError::new_err(err.to_string()),
         io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => libc::ETIMEDOUT,
@@ -118,11 +118,7 @@ impl BlockQueue {
 /// drops what the caller made), up to `timeout` (None: for ever). Returns
 /// the time left for the receive that follows: the message is there then,
 /// or the wait ran out and the receive reports the timeout as before.
-pub(crate) fn wait_for_peer(
-    py: Python<'_>,
-    conn: &Connection,
-    timeout: Option<Duration>,
-) -> PyResult<Option<Duration>> {
+fn wait_for_peer(py: Python<'_>, conn: &Connection, timeout: Option<Duration>) -> PyResult<Option<Duration>> {
     let deadline = timeout.map(|t| Instant::now() + t);
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));

@@ -6,7 +6,7 @@ use std::os::fd::{AsRawFd, IntoRawFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use dmaload::{LoadOptions, LoadReport};
 use pyo3::exceptions::{PyBufferError, PyOSError, PyTypeError, PyValueError};
@@ -15,6 +15,45 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::*;
+
+/// A socket object's timeout (`settimeout`); `None` for a descriptor
+/// number or a socket without one.
+fn socket_timeout(socket: &Bound<'_, PyAny>) -> PyResult<Option<Duration>> {
+    let Ok(gettimeout) = socket.getattr("gettimeout") else { return Ok(None) };
+    gettimeout
+        .call0()?
+        .extract::<Option<f64>>()?
+        .map(|t| {
+            Duration::try_from_secs_f64(t)
+                .map_err(|e| PyValueError::new_err(format!("the socket's timeout {t}: {e}")))
+        })
+        .transpose()
+}
+
+/// Waits until `ready(slice)` says so, in [`SIGNAL_POLL`] slices with the
+/// GIL released and a look for signals between them (Ctrl-C raises), up
+/// to `timeout` (`None`: for ever; then `TimeoutError` saying `what`).
+fn wait_in_slices(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    what: &str,
+    ready: impl Fn(Duration) -> std::io::Result<bool> + Sync,
+) -> PyResult<()> {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let slice = left.map_or(SIGNAL_POLL, |left| left.min(SIGNAL_POLL));
+        let readied = detached(py, || ready(slice))?;
+        if readied.map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(libc::EIO), e.to_string())))? {
+            return Ok(());
+        }
+        if left.is_some_and(|left| left <= slice) {
+            let waited = timeout.unwrap_or_default().as_secs_f64();
+            return Err(PyOSError::new_err((libc::ETIMEDOUT, format!("{what} within {waited} s"))));
+        }
+        py.check_signals()?;
+    }
+}
 
 /// Bytes loaded from a file, in memfd (or anonymous) memory.
 ///
@@ -218,8 +257,14 @@ impl Buffer {
     /// receiver's do.
     fn send(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> PyResult<()> {
         let conn = connection(socket)?;
+        let timeout = socket_timeout(socket)?;
         guard(|| {
             let buffer = self.open()?;
+            // A receiver that never reads fills the socket: wait for room
+            // in slices that answer Ctrl-C, up to the socket's timeout.
+            wait_in_slices(py, timeout, "send: the receiver took nothing", |slice| {
+                conn.wait_writable(slice)
+            })?;
             detached(py, || buffer.send(&conn))?.map_err(|e| os_error(&e))
         })
     }
@@ -232,29 +277,12 @@ impl Buffer {
     #[staticmethod]
     fn receive(py: Python<'_>, socket: &Bound<'_, PyAny>) -> PyResult<Buffer> {
         let conn = connection(socket)?;
-        let timeout = match socket.getattr("gettimeout") {
-            Ok(gettimeout) => gettimeout.call0()?.extract::<Option<f64>>()?,
-            Err(_) => None,
-        };
-        let timeout = timeout
-            .map(|t| {
-                std::time::Duration::try_from_secs_f64(t)
-                    .map_err(|e| PyValueError::new_err(format!("the socket's timeout {t}: {e}")))
-            })
-            .transpose()?;
+        let timeout = socket_timeout(socket)?;
         guard(|| {
             let started = Instant::now();
-            // In slices that look for Ctrl-C: a sender that never sends
-            // must not hold this thread beyond the user's patience.
-            let left = crate::block_queue::wait_for_peer(py, &conn, timeout)?;
-            if left.is_some_and(|left| left.is_zero())
-                && !conn.wait_readable(std::time::Duration::ZERO).map_err(crate::block_queue::queue_error)?
-            {
-                return Err(PyOSError::new_err((
-                    libc::ETIMEDOUT,
-                    format!("receive: no buffer arrived within {:?}", timeout.unwrap_or_default()),
-                )));
-            }
+            // A sender that never sends must not hold this thread past
+            // Ctrl-C: wait in slices that answer it.
+            wait_in_slices(py, timeout, "receive: no buffer arrived", |slice| conn.wait_readable(slice))?;
             let buffer = detached(py, || dmaload::Buffer::receive(&conn))?.map_err(|e| os_error(&e))?;
             let report = dmaload::share::handoff_report(
                 std::path::Path::new("socket"),

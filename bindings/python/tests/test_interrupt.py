@@ -222,3 +222,56 @@ def test_buffer_receive_keeps_the_sockets_timeout() -> None:
                 assert bytes(memoryview(received)) == data
         finally:
             source.unlink()
+
+
+def _filled_socket_code(path: Path) -> str:
+    """A child's set-up: a loaded buffer, and a socket whose receiver has
+    taken nothing until no message fits any more."""
+    return textwrap.dedent(
+        f"""
+        import os, signal, socket, sys, time, dmaload
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        buffer = dmaload.load({str(path)!r})
+        a.setblocking(False)
+        try:
+            while True:
+                a.send(b"x" * 4096)
+        except BlockingIOError:
+            pass
+        a.setblocking(True)
+        def state():
+            return sorted(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+        """
+    )
+
+
+def test_ctrl_c_ends_a_buffer_send_to_a_receiver_that_takes_nothing(tmp_path: Path) -> None:
+    """Buffer.send on a socket the receiver never reads waits for room;
+    Ctrl-C ends the wait with KeyboardInterrupt and nothing is left behind,
+    and a socket object's timeout ends it with TimeoutError."""
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(1 << 16))
+    code = _filled_socket_code(path) + textwrap.dedent(
+        """
+        a.settimeout(0.2)
+        try:
+            buffer.send(a)
+        except TimeoutError as e:
+            assert "the receiver took nothing" in str(e), e
+        else:
+            sys.exit("the send did not time out")
+        a.settimeout(None)
+        held = state()
+        print("WAITING", flush=True)
+        try:
+            buffer.send(a)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", time.monotonic(), flush=True)
+        else:
+            sys.exit("the send ended without the signal")
+        assert state() == held, (state(), held)
+        print("INTACT", flush=True)
+        """
+    )
+    print(f"Buffer.send: KeyboardInterrupt {_interrupt(code, 'WAITING'):.1f} ms after SIGINT")

@@ -253,6 +253,13 @@ impl SeqpacketConn {
         super::eventfd::poll_readable(self.fd.as_fd(), timeout)
     }
 
+    /// Waits up to `timeout` for room to send a message (or the peer's
+    /// hang-up, which the send then reports); true when there is. For a
+    /// caller that waits in slices, as [`Self::wait_readable`].
+    pub fn wait_writable(&self, timeout: Duration) -> io::Result<bool> {
+        super::eventfd::poll_writable(self.fd.as_fd(), timeout)
+    }
+
     /// The credentials of the process at the other end.
     pub fn peer_credentials(&self) -> io::Result<PeerCredentials> {
         let mut cred = MaybeUninit::<libc::ucred>::zeroed();
