@@ -945,7 +945,12 @@ EXPORT CUresult cuEventQuery(CUevent e)
         RETURN(CUDA_ERROR_INVALID_HANDLE);
     if (e->ctx->sticky)
         RETURN(e->ctx->sticky);
-    RETURN(!e->stream || e->stream->done >= e->target ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY);
+    if (!e->stream || e->stream->done >= e->target)
+        RETURN(CUDA_SUCCESS);
+    /* Asking is waiting (a poller with a deadline): a held copy runs. */
+    e->stream->waited = 1;
+    pthread_cond_broadcast(&changed);
+    RETURN(CUDA_ERROR_NOT_READY);
 }
 
 EXPORT CUresult cuEventSynchronize(CUevent e)

@@ -178,8 +178,8 @@ fn load_through_two_slots() {
 }
 
 /// A CUDA sink that counts the deliveries made while the copy of the
-/// second one (`copy#2=hold` in the emulator: done only once something
-/// waits on its stream) is still running.
+/// second one (`copy#2=delay:1000000` in the emulator: it starts a second
+/// late) is still running.
 struct PastHeld<'d> {
     inner: CudaSink<'d>,
     deliveries: usize,
@@ -216,8 +216,8 @@ impl Sink for PastHeld<'_> {
 }
 
 /// Loads `$DMALOAD_TEST_EMU_FILE` through three 1 MiB slots while the
-/// emulator holds the second copy until a wait: prints how many of the
-/// later deliveries went ahead while it was held.
+/// emulator delays the second copy: prints how many of the later
+/// deliveries went ahead while it was running.
 fn load_past_a_held_copy() {
     let path = std::path::PathBuf::from(std::env::var_os(CHILD_FILE).unwrap());
     let len = std::fs::metadata(&path).unwrap().len() as usize;
@@ -238,19 +238,23 @@ fn load_past_a_held_copy() {
 }
 
 /// One slow copy delays the load by at most its own latency: while the
-/// emulator holds one slot's copy, every later gather is read and
+/// emulator delays one slot's copy, every later gather is read and
 /// delivered through the other slots (a file-order release would wait on
-/// the held copy before the next reuse). Counted, not timed.
+/// the slow copy before the next reuse). Counted, not timed.
 #[test]
-fn a_held_copy_holds_back_only_its_own_slot() {
-    let test = "a_held_copy_holds_back_only_its_own_slot";
+fn a_slow_copy_holds_back_only_its_own_slot() {
+    let test = "a_slow_copy_holds_back_only_its_own_slot";
     if !emulator(test) {
         return;
     }
     let (_dir, path) = fault_file();
-    // A hold applies to one copy of the process: the first load's second.
-    let env =
-        [("DMALOAD_EMU_STRICT", "1"), ("DMALOAD_EMU_FAULTS", "copy#2=hold"), (CHILD_FILE, path.as_str())];
+    // One copy of the process, the first load's second, starts a second
+    // late: long beyond the six other 1 MiB reads and copies.
+    let env = [
+        ("DMALOAD_EMU_STRICT", "1"),
+        ("DMALOAD_EMU_FAULTS", "copy#2=delay:1000000"),
+        (CHILD_FILE, path.as_str()),
+    ];
     let out = run_child("held_copy", &env);
     let output = text(&out);
     assert!(out.status.success(), "{output}");
@@ -344,4 +348,50 @@ fn every_injected_fault_fails_the_load_cleanly_naming_the_cuda_error() {
             assert!(output.contains("SECOND LOAD ERROR"), "{faults}: the ring was reused: {output}");
         }
     }
+}
+
+/// A copy that never completes (`copy#3=hang`): the load fails once the
+/// copy timeout passes (`DMALOAD_CUDA_TIMEOUT`, 1 s here), naming the file
+/// and the timeout; the device is given up, so the next load on it fails
+/// at once; and the child process ends (nothing waits on the hung copy in
+/// a drop). Before, the final stream wait never returned.
+#[test]
+fn a_copy_that_never_completes_fails_the_load_after_the_timeout_and_nothing_hangs() {
+    let test = "a_copy_that_never_completes_fails_the_load_after_the_timeout_and_nothing_hangs";
+    if !emulator(test) {
+        return;
+    }
+    let (_dir, path) = fault_file();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["child_cases", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_CASE, "load")
+        .env("DMALOAD_EMU_FAULTS", "copy#3=hang")
+        .env("DMALOAD_CUDA_TIMEOUT", "1")
+        .env(CHILD_FILE, &path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let output = text(&child.wait_with_output().unwrap());
+            panic!("the child hung on the copy that never completes: {output}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let output = text(&out);
+    assert!(out.status.success(), "{output}");
+    let error = output
+        .lines()
+        .find(|l| l.contains("LOAD ERROR: ") && !l.contains("SECOND"))
+        .unwrap_or_else(|| panic!("{output}"));
+    for needle in ["did not complete within 1 s", "DMALOAD_CUDA_TIMEOUT", &path] {
+        assert!(error.contains(needle), "no {needle:?} in {error}");
+    }
+    let again =
+        output.lines().find(|l| l.contains("SECOND LOAD ERROR: ")).unwrap_or_else(|| panic!("{output}"));
+    assert!(again.contains("stopped answering"), "{again}");
 }

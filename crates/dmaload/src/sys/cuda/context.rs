@@ -4,6 +4,7 @@ use std::ffi::{c_int, c_uint, CStr};
 use std::fmt;
 use std::marker::PhantomData;
 use std::ptr::{self};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::*;
@@ -14,6 +15,28 @@ pub(super) struct ContextInner {
     pub(super) raw: CUcontext,
     pub(super) device: CUdevice,
     pub(super) ordinal: usize,
+}
+
+/// Per device (the last entry standing for every ordinal past it): set
+/// when a copy did not complete within [`copy_timeout`], for the rest of
+/// the process (see [`Context::is_wedged`]).
+static WEDGED: [AtomicBool; 64] = [const { AtomicBool::new(false) }; 64];
+
+fn wedged_flag(ordinal: usize) -> &'static AtomicBool {
+    &WEDGED[ordinal.min(WEDGED.len() - 1)]
+}
+
+/// The error of every call on a device given up for this process.
+fn wedged_error(ordinal: usize) -> CudaError {
+    CudaError::new(
+        "cuda",
+        format!(
+            "cuda:{ordinal} stopped answering (a copy did not complete within {} s): dmaload does not use it \
+             again in this process; restart the process",
+            copy_timeout().as_secs_f64()
+        ),
+        libc::ETIMEDOUT,
+    )
 }
 
 // SAFETY: a CUcontext is a handle the driver API accepts from any thread;
@@ -72,6 +95,9 @@ impl Context {
         if ordinal >= count {
             return Err(no_such_device(ordinal, count));
         }
+        if wedged_flag(ordinal).load(Ordering::Acquire) {
+            return Err(wedged_error(ordinal));
+        }
         // `ordinal < count`, which is a c_int.
         let index = c_int::try_from(ordinal).unwrap_or(c_int::MAX);
         let mut device: CUdevice = 0;
@@ -81,6 +107,29 @@ impl Context {
         // SAFETY: `raw` is a valid out-pointer and `device` a handle from cuDeviceGet.
         api.check("cuDevicePrimaryCtxRetain", unsafe { (api.primary_ctx_retain)(&mut raw, device) })?;
         Ok(Context { inner: Arc::new(ContextInner { api, raw, device, ordinal }) })
+    }
+
+    /// Whether a copy in this context did not complete within
+    /// [`copy_timeout`]. The device is then given up for this process:
+    /// every later call in the context fails at once, and the streams,
+    /// events, device allocations and pinned memory dmaload made in it are
+    /// left to the driver rather than waited for (a wait would never end)
+    /// or freed (a late copy could still read or write them).
+    pub fn is_wedged(&self) -> bool {
+        wedged_flag(self.inner.ordinal).load(Ordering::Acquire)
+    }
+
+    /// Gives the device up (see [`Context::is_wedged`]).
+    pub(super) fn wedge(&self) {
+        wedged_flag(self.inner.ordinal).store(true, Ordering::Release);
+    }
+
+    /// The error of any call in a wedged context.
+    pub(super) fn check_not_wedged(&self) -> Result<(), CudaError> {
+        if self.is_wedged() {
+            return Err(wedged_error(self.inner.ordinal));
+        }
+        Ok(())
     }
 
     /// The device's index: this is cuda:`ordinal()`.
@@ -146,6 +195,7 @@ impl Context {
     /// `cuCtxSynchronize`: waits for all work in the context, other
     /// libraries' included.
     pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.check_not_wedged()?;
         let _current = self.enter()?;
         self.synchronize_current()
     }
@@ -160,6 +210,9 @@ impl Context {
     /// Waits for the context (if it can still be made current) before a
     /// resource is freed; errors are the caller's to ignore.
     pub(super) fn enter_and_drain(&self) -> Option<Current> {
+        if self.is_wedged() {
+            return None;
+        }
         let current = self.enter().ok()?;
         let _ = self.synchronize_current();
         Some(current)

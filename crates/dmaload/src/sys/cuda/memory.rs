@@ -231,7 +231,8 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.len == 0 {
+        if self.len == 0 || self.ctx.is_wedged() {
+            // A late copy could still write it: left to the driver.
             return;
         }
         let api = self.ctx.inner.api;
@@ -258,13 +259,19 @@ unsafe fn register_host(ctx: &Context, ptr: *mut u8, len: usize) -> Result<(), C
 }
 
 /// Waits for `ctx`, then `cuMemHostUnregister` of memory [`register_host`]
-/// pinned (errors ignored: this runs in drops).
-fn unregister_host(ctx: &Context, ptr: *mut u8) {
+/// pinned (errors ignored: this runs in drops). In a wedged context the
+/// pin stays (a late copy may read the pages) and `false` says the caller
+/// must leave the memory mapped too.
+fn unregister_host(ctx: &Context, ptr: *mut u8) -> bool {
+    if ctx.is_wedged() {
+        return false;
+    }
     let api = ctx.inner.api;
     let _current = ctx.enter_and_drain();
     // SAFETY: `ptr` starts a registration made by `register_host`, which
     // is still mapped; the wait above let every copy from it finish.
     unsafe { (api.mem_host_unregister)(ptr.cast()) };
+    true
 }
 
 /// A range of a [`Mapping`] pinned for DMA (`cuMemHostRegister` with
@@ -320,6 +327,8 @@ impl<'m> HostRegistration<'m> {
 
 impl Drop for HostRegistration<'_> {
     fn drop(&mut self) {
+        // In a wedged context the pin stays: the driver keeps holding the
+        // pages a late copy may read, whatever their mapping's owner does.
         if self.len > 0 {
             unregister_host(&self.ctx, self.ptr);
         }
@@ -486,8 +495,12 @@ impl PinnedStaging {
 
 impl Drop for PinnedStaging {
     fn drop(&mut self) {
-        if !self.is_empty() {
-            unregister_host(&self.ctx, self.ptr);
+        if !self.is_empty() && !unregister_host(&self.ctx, self.ptr) {
+            // Still pinned for a copy that may yet read it: the address
+            // range stays mapped, never reused for another registration.
+            if let Ok(empty) = Mapping::anonymous(0, HugePageAdvice::Small) {
+                std::mem::forget(std::mem::replace(&mut self.memory, empty));
+            }
         }
     }
 }

@@ -33,11 +33,18 @@
 //!   it). Both wait for their context before unpinning, so no copy reads
 //!   pages the driver no longer holds; an unpinned source is copied by the
 //!   driver into its own staging memory before the copy call returns.
+//! * Waiting for copies is bounded: a copy that does not complete within
+//!   [`copy_timeout`] (`DMALOAD_CUDA_TIMEOUT` seconds, default 60) fails
+//!   the wait with ETIMEDOUT and gives the device up for the process
+//!   ([`Context::is_wedged`]). From then on nothing made in it is waited
+//!   for or freed: streams, events, device allocations, pinned memory and
+//!   its mapping are leaked to the driver, as a copy may still touch them.
 
 use std::ffi::{c_char, c_int, c_uchar, c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr::{self, NonNull};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use super::mem::{HugePageAdvice, Mapping, MappingWriter};
 
@@ -63,6 +70,23 @@ const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
 const CUDA_ERROR_NOT_READY: CUresult = 600;
 const CUDA_ERROR_SYSTEM_DRIVER_MISMATCH: CUresult = 803;
 const CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE: CUresult = 804;
+
+/// How long dmaload waits for one copy (an event or a stream) before it
+/// gives the device up: `DMALOAD_CUDA_TIMEOUT` in seconds (a positive
+/// number), else 60. A 16 MiB copy takes well under a millisecond over
+/// PCIe; a copy queued a minute ago that has not run means a device or
+/// driver that stopped answering, and waiting on would hang the caller.
+pub fn copy_timeout() -> Duration {
+    static TIMEOUT: OnceLock<Duration> = OnceLock::new();
+    *TIMEOUT.get_or_init(|| {
+        std::env::var("DMALOAD_CUDA_TIMEOUT")
+            .ok()
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .filter(|d| !d.is_zero())
+            .unwrap_or(Duration::from_secs(60))
+    })
+}
 
 /// `CU_STREAM_NON_BLOCKING` (`CUstream_flags`): no implicit ordering with
 /// the legacy default stream, which other libraries' work may be on.
@@ -157,7 +181,6 @@ driver_api! {
     event_create = c"cuEventCreate" (*mut CUevent, c_uint);
     event_record = c"cuEventRecord" (CUevent, CUstream);
     event_query = c"cuEventQuery" (CUevent);
-    event_synchronize = c"cuEventSynchronize" (CUevent);
     event_destroy = c"cuEventDestroy_v2" (CUevent);
 }
 
