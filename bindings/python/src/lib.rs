@@ -794,7 +794,9 @@ fn parse_safetensors_header<'py>(
 /// Reads and validates the header of a safetensors file without loading it.
 #[pyfunction]
 fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyAny>> {
-    let (header, _) = detached(py, || st::read_header(&path))?.map_err(|e| format_error(&e))?;
+    // A read no cancellation reaches does not hold Ctrl-C (see run_abandonable).
+    let read = run_abandonable(py, &dmaload::CancelToken::new(), move || st::read_header(&path))?;
+    let (header, _) = read.map_err(|e| format_error(&e))?;
     guard(|| header_object(py, header))
 }
 

@@ -64,8 +64,12 @@ pub fn open_safetensors(
     length: Option<u64>,
     name: Option<PathBuf>,
 ) -> PyResult<SafetensorsFile> {
-    let opened = detached(py, || -> Result<_, st::Error> {
-        let mut file = file.open()?;
+    // Opened here, before the caller can close a descriptor it named; the
+    // header is read by work that a read no cancellation reaches (a silent
+    // FUSE or NFS server) does not hold past Ctrl-C (see run_abandonable).
+    let file = detached(py, || file.open())?.map_err(|e| format_error(&e.into()))?;
+    let opened = run_abandonable(py, &dmaload::CancelToken::new(), move || -> Result<_, st::Error> {
+        let mut file = file;
         if let Some(name) = name {
             file = file.named(name);
         }

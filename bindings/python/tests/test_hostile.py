@@ -351,13 +351,17 @@ FAULTY_FUSE = Path(__file__).resolve().parents[3] / "crates/dmaload/tests/suppor
 
 
 # Each call that reads the FUSE file `p` (64 MiB: a safetensors header,
-# then zeros): into memory it allocates, into the caller's, through the
-# cache-service path with no service, and the safetensors loader.
+# then zeros), and the offset of the read the server never answers: into
+# memory the load allocates, into the caller's, through the cache-service
+# path with no service, the safetensors loader, and the header reads that
+# multi-shard and device loads begin with (native entry points).
 SILENT_SERVER_CALLS = {
-    "load": "dmaload.load(p)",
-    "load_into": "dmaload.load_into(p, bytearray(64 << 20))",
-    "load with cache": "dmaload.load(p, cache='/nonexistent/dmaload.sock')",
-    "safetensors load_file": "dmaload.safetensors.numpy.load_file(p)",
+    "load": ("dmaload.load(p)", 40 << 20),
+    "load_into": ("dmaload.load_into(p, bytearray(64 << 20))", 40 << 20),
+    "load with cache": ("dmaload.load(p, cache='/nonexistent/dmaload.sock')", 40 << 20),
+    "safetensors load_file": ("dmaload.safetensors.numpy.load_file(p)", 40 << 20),
+    "read_safetensors_header": ("dmaload._dmaload.read_safetensors_header(p)", 0),
+    "open_safetensors": ("dmaload._dmaload.open_safetensors(p)", 0),
 }
 
 
@@ -383,7 +387,8 @@ def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path, 
         pytest.skip("python3 with fusepy and libfuse2 is not installed")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    size, bad = 64 << 20, 40 << 20
+    expression, bad = SILENT_SERVER_CALLS[call]
+    size = 64 << 20
     prefix = tmp_path / "header"
     prefix.write_bytes(_safetensors_header(size))
     server = subprocess.Popen(
@@ -414,7 +419,7 @@ def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path, 
             """
         )
         child = subprocess.Popen(
-            [sys.executable, "-c", code, str(mnt / "data"), SILENT_SERVER_CALLS[call]],
+            [sys.executable, "-c", code, str(mnt / "data"), expression],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
