@@ -17,8 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::{
-    detached, format_error, guard, header_object, os_error, report_object, run_abandonable, run_cancellable,
-    Opts, Progress,
+    detached, format_error, guard, header_object, os_error, report_object, run_abandonable, Opts, Progress,
 };
 
 /// A safetensors file opened once, its header read and validated; the
@@ -239,9 +238,12 @@ pub fn release_staging(py: Python<'_>) -> PyResult<usize> {
 /// pointers (ints) on CUDA device `device`, or, when `device` is -1,
 /// writable buffer-protocol objects in host memory. Each destination holds
 /// `file.data_len` bytes and shares none with another (ValueError
-/// otherwise). Returns the reports.
+/// otherwise). `keep` holds the objects that own device destinations (the
+/// tensors): the load keeps them alive while it runs, past a Ctrl-C that
+/// leaves it to its thread. Returns the reports.
 #[pyfunction]
-#[pyo3(signature = (files, targets, device, *, options=None, progress=None))]
+#[pyo3(signature = (files, targets, device, *, options=None, progress=None, keep=None))]
+#[allow(clippy::too_many_arguments)] // the Python signature
 pub fn _load_staged(
     py: Python<'_>,
     files: Vec<Py<SafetensorsFile>>,
@@ -249,6 +251,7 @@ pub fn _load_staged(
     device: i64,
     options: Option<Bound<'_, PyDict>>,
     progress: Option<Py<PyAny>>,
+    keep: Option<Vec<Py<PyAny>>>,
 ) -> PyResult<Vec<Py<PyAny>>> {
     if files.len() != targets.len() {
         return Err(PyValueError::new_err("one destination per file is needed"));
@@ -290,6 +293,9 @@ pub fn _load_staged(
     };
     let work_relay = relay.clone();
     let work = move || -> Result<Vec<dmaload::LoadReport>, PyErr> {
+        // Dropped when the work ends: the owners of device memory stay
+        // alive while a copy into it may run.
+        let _owners = keep;
         let (relay, mut host) = (work_relay, host);
         let files: Vec<&SafetensorsFile> = files.iter().map(|f| f.get()).collect();
         let context = match ordinal {
@@ -345,14 +351,10 @@ pub fn _load_staged(
         keep_ring(ordinal, ring);
         Ok(reports)
     };
-    let outcome = match ordinal {
-        // The work owns the host exports: a read that Ctrl-C cannot stop
-        // keeps them mapped until it ends (see run_abandonable).
-        None => run_abandonable(py, &cancel, work)?,
-        // Device destinations are pointers into tensors the caller frees
-        // once KeyboardInterrupt unwinds its frame: the load is waited for.
-        Some(_) => run_cancellable(py, &cancel, work)?,
-    };
+    // The work owns the host exports and the device memory's owners
+    // (`keep`): a read that Ctrl-C cannot stop keeps them alive until it
+    // ends (see run_abandonable); the cancelled delivery copies no more.
+    let outcome = run_abandonable(py, &cancel, work)?;
     Progress::raised(relay.as_ref())?;
     let reports = outcome?;
     Progress::finish(relay.as_ref())?;

@@ -177,13 +177,16 @@ def _load_staged(
     *,
     options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
+    keep: list[Any] | None = None,
 ) -> list[LoadReport]:
     """Loads each file's data section through a staging ring into ``targets``:
     device pointers (ints) of CUDA device ``device``, each ``file.data_len``
     bytes of device memory alive and unused by anything else until the call
-    returns; or, when ``device`` is -1, writable C-contiguous buffers
-    (``tensor.numpy()``, ``bytearray``) of exactly ``file.data_len`` bytes,
-    no two sharing a byte (``ValueError``)."""
+    returns, or, when Ctrl-C left a held read to the load's thread, until
+    that thread ends: pass their owners (the tensors) as ``keep``, which
+    the load holds until then; or, when ``device`` is -1, writable
+    C-contiguous buffers (``tensor.numpy()``, ``bytearray``) of exactly
+    ``file.data_len`` bytes, no two sharing a byte (``ValueError``)."""
 
 def release_staging() -> int:
     """Frees the staging rings kept for later device loads (one per device,

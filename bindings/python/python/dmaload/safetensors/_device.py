@@ -117,10 +117,11 @@ def load_files(
     desc = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
     callback, finish = resolve(progress, desc)
     try:
-        # Device memory goes as pointers (these tensors stay referenced
-        # until the call returns); host memory as writable buffer exports.
+        # Device memory goes as pointers, its tensors as `keep` (held by the
+        # load, even one Ctrl-C leaves to its thread, until it ends); host
+        # memory as writable buffer exports.
         targets = [d.data_ptr() for d in data] if ordinal >= 0 else [d.numpy() for d in data]
-        reports = _dmaload._load_staged(files, targets, ordinal, options=native, progress=callback)
+        reports = _dmaload._load_staged(files, targets, ordinal, options=native, progress=callback, keep=data)
     finally:
         finish()
     return [
