@@ -33,8 +33,10 @@ export PATH="$venv/bin:$PATH"
 "$py" -m pip install --quiet --upgrade pip
 
 step "test dependencies from PyPI"
+# fusepy: the silent-server tests' FUSE server (with libfuse2, which
+# .ci/run installs), run by this venv's python.
 "$py" -m pip install --quiet \
-    "maturin>=1.9,<2" pytest mypy numpy safetensors tqdm ml_dtypes torch
+    "maturin>=1.9,<2" pytest mypy numpy safetensors tqdm ml_dtypes torch fusepy
 
 step "build the extension (maturin develop --release)"
 (cd "$here" && "$venv/bin/maturin" develop --release --quiet)

@@ -383,8 +383,8 @@ def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path, 
     Before, the load waited for the read for good."""
     if os.geteuid() != 0 or not Path("/dev/fuse").exists():
         pytest.skip("mounting FUSE needs root and /dev/fuse")
-    if subprocess.run(["python3", "-c", "import fuse"], capture_output=True).returncode != 0:
-        pytest.skip("python3 with fusepy and libfuse2 is not installed")
+    if subprocess.run([sys.executable, "-c", "import fuse"], capture_output=True).returncode != 0:
+        pytest.skip("fusepy (pip) and libfuse2 are not installed")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     expression, bad = SILENT_SERVER_CALLS[call]
@@ -392,7 +392,7 @@ def test_ctrl_c_returns_while_a_silent_fuse_server_holds_a_read(tmp_path: Path, 
     prefix = tmp_path / "header"
     prefix.write_bytes(_safetensors_header(size))
     server = subprocess.Popen(
-        ["python3", str(FAULTY_FUSE), str(mnt), str(size), str(bad), "4096", "hang", str(prefix)],
+        [sys.executable, str(FAULTY_FUSE), str(mnt), str(size), str(bad), "4096", "hang", str(prefix)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
