@@ -308,7 +308,7 @@ fn a_direct_load_starts_from_the_depth_remembered_for_its_device_and_reports_it(
     let cache = dir.path().join("cache");
     let memory = cache.join("dmaload");
     std::fs::create_dir_all(&memory).unwrap();
-    std::fs::write(memory.join("tuning"), format!("8:99 queue_depth=64\n{key} queue_depth=8\n")).unwrap();
+    std::fs::write(memory.join("tuning"), format!("8:99 queue_depth=64\n{key} queue_depth=16\n")).unwrap();
     let mode =
         |path: &Path, mode| std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
     mode(&memory.join("tuning"), 0o444);
@@ -321,9 +321,9 @@ fn a_direct_load_starts_from_the_depth_remembered_for_its_device_and_reports_it(
             .arg(env!("CARGO_BIN_EXE_dmaload"));
     }
     let report = direct(&mut cmd, &cache, &[]);
-    assert_eq!(report["queue_depth"], 8, "{report}");
-    let explicit = direct(&mut dmaload(), &cache, &["--queue-depth", "16"]);
-    assert_eq!(explicit["queue_depth"], 16, "{explicit}");
+    assert_eq!(report["queue_depth"], 16, "{report}");
+    let explicit = direct(&mut dmaload(), &cache, &["--queue-depth", "24"]);
+    assert_eq!(explicit["queue_depth"], 24, "{explicit}");
     assert_eq!(std::fs::read_dir(&memory).unwrap().count(), 1, "nothing written beside the memory");
     mode(&cache, 0o755);
     mode(&memory, 0o755);

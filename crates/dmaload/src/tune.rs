@@ -5,10 +5,13 @@
 //! kept one, or half once doubling did not pay) alternates windows at the
 //! kept depth and at the trial one, kept, trial, kept, trial, so a disk
 //! whose speed drifts during the load favours neither; the trial depth is
-//! kept only when its windows read at least [`GAIN`] times faster than the
-//! kept depth's, and the climb goes on in that direction; the first trial
-//! that gains too little (after the other direction was tried, if the
-//! first trial lost) ends it. The depth kept is the report's `queue_depth`,
+//! kept only when its slower window reads at least [`GAIN`] times faster
+//! than the kept depth's faster one (a clear gain, not one lucky window),
+//! and the climb goes on in that direction; the first trial that gains too
+//! little (after the other direction was tried, if the first trial lost)
+//! ends it, and so does the engine waiting for memory (a free slot, a
+//! gather being populated): the reads are then not what limits the load,
+//! and no depth can be measured. The depth kept is the report's `queue_depth`,
 //! and is remembered for the device in `$XDG_CACHE_HOME/dmaload/tuning`
 //! when it is not the depth the load started from. Request size is not
 //! tuned: the plan fixes it before the reads.
@@ -29,7 +32,7 @@ const GAIN: f64 = 1.10;
 /// development VM's disk now and then collapses for a whole load (0.14 and
 /// 0.20 GiB/s at depths 128 and 256, against 1.2-2.2 GiB/s at 32-64;
 /// docs/benchmarks.md), which a trial of a few windows cannot see coming.
-const MIN_DEPTH: usize = 4;
+const MIN_DEPTH: usize = 16;
 pub(crate) const MAX_DEPTH: usize = 64;
 /// The memory file is this small; a larger one is not ours to trust.
 const MEMORY_LIMIT: u64 = 64 << 10;
@@ -113,16 +116,18 @@ enum Step {
 /// Windows of one trial: the kept depth's and the trial depth's, alternately.
 const TRIAL_WINDOWS: usize = 4;
 
-/// Bytes and seconds of the windows run at one depth.
-#[derive(Debug, Default, Clone, Copy)]
+/// The slowest and the fastest window run at one depth (bytes per second).
+#[derive(Debug, Clone, Copy)]
 struct Windows {
-    bytes: u64,
-    seconds: f64,
+    slowest: f64,
+    fastest: f64,
 }
 
 impl Windows {
-    fn rate(&self) -> f64 {
-        self.bytes as f64 / self.seconds.max(1e-9)
+    const NONE: Windows = Windows { slowest: f64::INFINITY, fastest: 0.0 };
+
+    fn add(&mut self, rate: f64) {
+        (self.slowest, self.fastest) = (self.slowest.min(rate), self.fastest.max(rate));
     }
 }
 
@@ -149,8 +154,8 @@ impl DepthTuner {
             trial: depth,
             step: Step::WarmUp,
             window: 0,
-            at_kept: Windows::default(),
-            at_trial: Windows::default(),
+            at_kept: Windows::NONE,
+            at_trial: Windows::NONE,
             window_bytes: 0,
             window_started: now,
         }
@@ -179,20 +184,17 @@ impl DepthTuner {
         if self.window_bytes < WINDOW {
             return self.depth();
         }
-        let measured = Windows {
-            bytes: self.window_bytes,
-            seconds: now.saturating_duration_since(self.window_started).as_secs_f64(),
-        };
+        let seconds = now.saturating_duration_since(self.window_started).as_secs_f64();
+        let rate = self.window_bytes as f64 / seconds.max(1e-9);
         (self.window_bytes, self.window_started) = (0, now);
         match self.step {
             Step::WarmUp => self.start_trial(true, false),
             Step::Trial { up, moved } => {
                 let into = if self.window % 2 == 0 { &mut self.at_kept } else { &mut self.at_trial };
-                into.bytes += measured.bytes;
-                into.seconds += measured.seconds;
+                into.add(rate);
                 self.window += 1;
                 if self.window == TRIAL_WINDOWS {
-                    if self.at_trial.rate() >= self.at_kept.rate() * GAIN {
+                    if self.at_trial.slowest >= self.at_kept.fastest * GAIN {
                         self.kept = self.trial;
                         self.start_trial(up, true);
                     } else if up && !moved {
@@ -207,6 +209,15 @@ impl DepthTuner {
         self.depth()
     }
 
+    /// The engine waited for memory, not for reads: past the warm-up the
+    /// climb ends at the kept depth. Returns the depth to keep in flight.
+    pub fn memory_bound(&mut self) -> usize {
+        if self.step != Step::WarmUp {
+            self.step = Step::Settled;
+        }
+        self.depth()
+    }
+
     /// Starts trying the next depth from the kept one, deeper when `up`;
     /// where that leaves the limits, the other direction (when no trial
     /// moved yet), else the climb ends.
@@ -216,7 +227,7 @@ impl DepthTuner {
             self.trial = next;
             self.step = Step::Trial { up, moved };
             self.window = 0;
-            (self.at_kept, self.at_trial) = (Windows::default(), Windows::default());
+            (self.at_kept, self.at_trial) = (Windows::NONE, Windows::NONE);
         } else if up && !moved {
             self.start_trial(false, false);
         } else {
@@ -248,8 +259,8 @@ mod tests {
     #[test]
     fn a_deeper_queue_that_reads_clearly_faster_is_kept_and_the_climb_stops_where_gains_end() {
         // Faster up to 32, flat beyond.
-        let (windows, tuner) = climb(8, |d| d.min(32) as f64 * 1e7);
-        assert_eq!(windows, [8, 8, 16, 8, 16, 16, 32, 16, 32, 32, 64, 32, 64]);
+        let (windows, tuner) = climb(16, |d| d.min(32) as f64 * 1e7);
+        assert_eq!(windows, [16, 16, 32, 16, 32, 32, 64, 32, 64]);
         assert_eq!((tuner.depth(), tuner.kept()), (32, 32));
     }
 
@@ -270,19 +281,18 @@ mod tests {
 
     #[test]
     fn a_shallower_queue_that_reads_clearly_faster_is_kept() {
-        let (windows, tuner) = climb(16, |d| 1e9 / d as f64);
-        assert_eq!(windows, [16, 16, 32, 16, 32, 16, 8, 16, 8, 8, 4, 8, 4]);
-        assert_eq!(tuner.kept(), 4);
+        let (windows, tuner) = climb(64, |d| 1e9 / d as f64);
+        assert_eq!(windows, [64, 64, 32, 64, 32, 32, 16, 32, 16]);
+        assert_eq!(tuner.kept(), MIN_DEPTH);
     }
 
     #[test]
     fn a_trial_that_wins_one_window_by_chance_and_loses_the_other_is_not_kept() {
-        // The disk's speed drifts: the trial's first window lands on a
-        // fast spell, its second on a slow one; the kept depth's windows
-        // straddle them, so the pairs show no clear gain.
+        // The trial's first window lands on a fast spell (30% faster than
+        // the kept depth's), its second does not.
         let mut now = Instant::now();
         let mut tuner = DepthTuner::new(32, now);
-        let seconds = [0.1, 0.1, 0.07, 0.1, 0.13];
+        let seconds = [0.1, 0.1, 0.077, 0.1, 0.095];
         for s in seconds {
             now += Duration::from_secs_f64(s);
             tuner.observe(WINDOW, now);
@@ -290,6 +300,18 @@ mod tests {
         assert_eq!(tuner.kept(), 32);
         assert_eq!(tuner.depth(), 32, "the next trial starts at the kept depth");
         assert_eq!(tuner.trial, 16, "and tries half of it");
+    }
+
+    #[test]
+    fn waiting_for_memory_ends_the_climb_at_the_kept_depth() {
+        let now = Instant::now();
+        let mut tuner = DepthTuner::new(32, now);
+        assert_eq!(tuner.memory_bound(), 32, "waits in the warm-up (the first gathers) do not count");
+        tuner.observe(WINDOW, now + Duration::from_millis(10));
+        assert_eq!(tuner.observe(WINDOW, now + Duration::from_millis(20)), 64);
+        assert_eq!(tuner.memory_bound(), 32);
+        assert_eq!(tuner.observe(WINDOW, now + Duration::from_millis(21)), 32, "settled");
+        assert_eq!(tuner.kept(), 32);
     }
 
     #[test]
@@ -335,8 +357,8 @@ mod tests {
         assert_eq!(remembered(&path, device()), None);
         std::fs::write(&path, [0xff, 0xfe, 0x00]).unwrap(); // not UTF-8
         assert_eq!(remembered(&path, device()), None);
-        remember(&path, device(), 8).unwrap();
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "259:3 queue_depth=8\n");
+        remember(&path, device(), 16).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "259:3 queue_depth=16\n");
     }
 
     #[test]

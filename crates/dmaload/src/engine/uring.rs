@@ -87,6 +87,9 @@ pub(crate) fn run<M: RingMemory>(
                 }
             }
             if !job.gate.is_ready(g) {
+                if let Some(tuner) = tuner.as_mut() {
+                    depth = tuner.memory_bound();
+                }
                 if ring.in_flight() > usize::from(wake_armed) {
                     if let Some(wake) = job.gate.wake_fd().filter(|_| !wake_armed) {
                         ring.queue_poll_readable(wake, WAKE_TAG)
