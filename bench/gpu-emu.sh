@@ -2,7 +2,7 @@
 # The GPU path's two emulated targets (issue 25), side by side in one run,
 # against the CUDA driver emulator (tests/cuda-emu), no GPU needed:
 #
-#   bench/gpu-emu.sh [SIZE] [ROUNDS] [LINK_GIBS]
+#   bench/gpu-emu.sh [SIZE] [ROUNDS] [LINK_GIBS] [DELAY_MS]
 #
 #   link-bound:   `dmaload load F --to cuda:0` with the file in the page
 #                 cache and the emulated link at LINK_GIBS (default 0.5):
@@ -10,8 +10,12 @@
 #   source-bound: `dmaload load F --mode direct --to cuda:0` over an
 #                 unlimited link against `dmaload load F --mode direct`
 #                 (host memory), the page cache evicted before each
+#   slow copy:    the link-bound load with one copy in the middle of the
+#                 load (`copy#N=delay:US`, DELAY_MS, default 200) starting
+#                 late: the seconds it adds to the link-bound load's
+#                 against its own delay (target: at most 1x)
 #
-# ROUNDS (default 3) interleave the three runs, alternating which of the
+# ROUNDS (default 3) interleave the four runs, alternating which of the
 # two cold runs goes first; the ratios printed are of the medians. SIZE
 # (default 1G) is the test file's, kept under .dev/gpu-emu/ between runs.
 # Strict mode is off (its hashing would compete with the reads).
@@ -22,6 +26,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 size=${1:-1G}
 rounds=${2:-3}
 link=${3:-0.5}
+delay_ms=${4:-200}
 dir=$root/.dev/gpu-emu
 cli=${DMALOAD_CLI:-$root/target/release/dmaload}
 mkdir -p "$dir"
@@ -34,28 +39,35 @@ fi
 
 evict() { python3 -c 'import os,sys; fd=os.open(sys.argv[1],os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd,0,0,os.POSIX_FADV_DONTNEED)' "$file"; }
 warm() { cat "$file" >/dev/null; }
-# GiB/s of one load, from its --json report.
-rate() { "$@" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["gib_per_second"])'; }
-host_cold() { evict; rate "$cli" load "$file" --mode direct; }
-gpu_cold() { evict; DMALOAD_LIBCUDA=$emu rate "$cli" load "$file" --mode direct --to cuda:0; }
-gpu_link() { warm; DMALOAD_LIBCUDA=$emu DMALOAD_EMU_LINK_GIBS=$link rate "$cli" load "$file" --to cuda:0; }
+# A field of one load's --json report (gib_per_second, total_seconds).
+field() { local key=$1; shift; "$@" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[sys.argv[1]])' "$key"; }
+host_cold() { evict; field gib_per_second "$cli" load "$file" --mode direct; }
+gpu_cold() { evict; DMALOAD_LIBCUDA=$emu field gib_per_second "$cli" load "$file" --mode direct --to cuda:0; }
+gpu_link() { warm; DMALOAD_LIBCUDA=$emu DMALOAD_EMU_LINK_GIBS=$link field total_seconds "$cli" load "$file" --to cuda:0; }
+# The middle copy of the load: one per 16 MiB slot.
+slow_copy=$(($(stat -Lc %s "$file") / (16 << 20) / 2 + 1))
+gpu_slow() { DMALOAD_EMU_FAULTS=copy#$slow_copy=delay:$((delay_ms * 1000)) gpu_link; }
 
-link_runs=() host_runs=() gpu_runs=()
+link_runs=() slow_runs=() host_runs=() gpu_runs=()
 for ((r = 0; r < rounds; r++)); do
-    link_runs+=("$(gpu_link)")
+    link_runs+=("$(gpu_link)") slow_runs+=("$(gpu_slow)")
     if ((r % 2)); then
         gpu_runs+=("$(gpu_cold)") host_runs+=("$(host_cold)")
     else
         host_runs+=("$(host_cold)") gpu_runs+=("$(gpu_cold)")
     fi
-    echo "round $((r + 1)): link-bound ${link_runs[r]} GiB/s, cold to device ${gpu_runs[r]}, cold host ${host_runs[r]}" >&2
+    echo "round $((r + 1)): link-bound ${link_runs[r]} s, with a slow copy ${slow_runs[r]} s," \
+        "cold to device ${gpu_runs[r]} GiB/s, cold host ${host_runs[r]} GiB/s" >&2
 done
 
-python3 - "$link" "${link_runs[*]}" "${gpu_runs[*]}" "${host_runs[*]}" <<'EOF'
+python3 - "$link" "$(stat -Lc %s "$file")" "$delay_ms" "${link_runs[*]}" "${slow_runs[*]}" \
+    "${gpu_runs[*]}" "${host_runs[*]}" <<'EOF'
 import statistics, sys
-link = float(sys.argv[1])
-med = [statistics.median(map(float, a.split())) for a in sys.argv[2:]]
-print(f"{'target':<14}{'measured GiB/s':>16}{'against GiB/s':>15}{'ratio':>8}")
-print(f"{'link-bound':<14}{med[0]:>16.3f}{link:>15.3f}{med[0] / link:>8.2f}")
-print(f"{'source-bound':<14}{med[1]:>16.3f}{med[2]:>15.3f}{med[1] / med[2]:>8.2f}")
+link, size, delay = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]) / 1000
+link_s, slow_s, gpu, host = [statistics.median(map(float, a.split())) for a in sys.argv[4:]]
+link_rate = size / 2**30 / link_s
+print(f"{'target':<14}{'measured':>16}{'against':>16}{'ratio':>8}")
+print(f"{'link-bound':<14}{link_rate:>10.3f} GiB/s{link:>10.3f} GiB/s{link_rate / link:>8.2f}")
+print(f"{'source-bound':<14}{gpu:>10.3f} GiB/s{host:>10.3f} GiB/s{gpu / host:>8.2f}")
+print(f"{'slow copy':<14}{slow_s - link_s:>14.3f} s{delay:>14.3f} s{(slow_s - link_s) / delay:>8.2f}")
 EOF

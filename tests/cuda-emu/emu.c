@@ -49,6 +49,8 @@ enum {
 /* CUpointer_attribute and CUmemorytype values. */
 enum { ATTR_MEMORY_TYPE = 2, ATTR_DEVICE_ORDINAL = 9, ATTR_RANGE_START = 11, ATTR_RANGE_SIZE = 12 };
 enum { MEMORYTYPE_HOST = 1, MEMORYTYPE_DEVICE = 2 };
+/* CU_MEMHOSTREGISTER_READ_ONLY */
+enum { MEMHOSTREGISTER_READ_ONLY = 0x08 };
 
 static const struct {
     CUresult code;
@@ -790,7 +792,6 @@ EXPORT CUresult cuMemHostRegister_v2(void *ptr, size_t len, unsigned flags)
     CUresult code = check_current();
     if (code)
         RETURN(code);
-    (void)flags;
     long page = sysconf(_SC_PAGESIZE);
     if (!ptr || !len)
         RETURN(CUDA_ERROR_INVALID_VALUE);
@@ -798,10 +799,21 @@ EXPORT CUresult cuMemHostRegister_v2(void *ptr, size_t len, unsigned flags)
     for (struct registration *r = registrations; r; r = r->next)
         if (start < r->start + r->len && r->start < start + len)
             RETURN(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
-    /* Pinning faults every page in, at a cost per page. */
-    size_t pages = (len + (size_t)page - 1) / (size_t)page;
-    for (size_t i = 0; i < pages; i++)
-        (void)*(volatile unsigned char *)(start + i * (size_t)page);
+    /* Pinning faults every page in, at a cost per page, as the driver's
+     * pin_user_pages does: writable unless the registration is read-only,
+     * so memory registered fresh is allocated here, not at its first write
+     * (a read would only map the shared zero page). */
+    uintptr_t first = (uintptr_t)start & ~(uintptr_t)(page - 1);
+    size_t span = (size_t)((uintptr_t)start + len - first);
+    size_t pages = (span + (size_t)page - 1) / (size_t)page;
+    int advice = flags & MEMHOSTREGISTER_READ_ONLY ? MADV_POPULATE_READ : MADV_POPULATE_WRITE;
+    if (madvise((void *)first, pages * (size_t)page, advice)) {
+        if (errno != EINVAL) /* not mapped (or not writable), or no memory left */
+            RETURN(errno == ENOMEM ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_INVALID_VALUE);
+        /* A kernel before 5.14: touching is the closest there is. */
+        for (size_t i = 0; i < pages; i++)
+            (void)*(volatile unsigned char *)(first + i * (size_t)page);
+    }
     if (cfg.pin_ns_per_page)
         sleep_until(now_ns() + pages * cfg.pin_ns_per_page);
     struct registration *r = calloc(1, sizeof *r);

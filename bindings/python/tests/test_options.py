@@ -62,8 +62,12 @@ def test_option_names_and_defaults_are_the_cores() -> None:
         assert text in doc, text
 
 
-def test_a_load_without_options_uses_the_cores_defaults(data_file: tuple[Path, bytes]) -> None:
+def test_a_load_without_options_uses_the_cores_defaults(
+    data_file: tuple[Path, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, _ = data_file
+    # No depth remembered for the disk (a direct load would start there).
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     defaults = _dmaload._option_defaults()
     with dmaload.load(path) as buf:
         report = buf.report

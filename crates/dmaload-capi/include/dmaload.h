@@ -61,7 +61,8 @@ typedef struct dmaload_load_options {
   uint64_t gather_size;
   // Bytes per read request.
   uint64_t chunk_size;
-  // Requests in flight (io_uring engines).
+  // Requests in flight (io_uring engines); left at the default, direct
+  // reads tune it per block device.
   uint32_t queue_depth;
   // Threads of the pread-pool engine.
   uint32_t threads;

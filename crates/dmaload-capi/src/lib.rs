@@ -67,7 +67,8 @@ pub struct dmaload_load_options {
     pub gather_size: u64,
     /// Bytes per read request.
     pub chunk_size: u64,
-    /// Requests in flight (io_uring engines).
+    /// Requests in flight (io_uring engines); left at the default, direct
+    /// reads tune it per block device.
     pub queue_depth: u32,
     /// Threads of the pread-pool engine.
     pub threads: u32,

@@ -162,7 +162,8 @@ pub struct LoadArgs {
     /// file's direct-I/O alignment when reading direct).
     #[arg(long, default_value_t = Size(DEFAULT_CHUNK_SIZE as u64))]
     chunk_size: Size,
-    /// Requests in flight (io_uring engines).
+    /// Requests in flight (io_uring engines); left at the default, direct
+    /// reads tune it per block device.
     #[arg(long, default_value_t = DEFAULT_QUEUE_DEPTH)]
     queue_depth: usize,
     /// Threads (pread-pool engine).

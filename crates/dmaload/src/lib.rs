@@ -37,7 +37,9 @@ pub mod source;
 #[allow(unsafe_code)]
 mod sys;
 pub mod system;
+mod tune;
 mod types;
+mod user_cache;
 pub mod verify;
 pub mod vm;
 

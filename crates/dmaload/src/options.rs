@@ -229,7 +229,9 @@ pub struct LoadOptions {
     /// Bytes per read request (rounded up to whole pages, and to the
     /// file's direct-I/O alignment when reading direct).
     pub chunk_size: usize,
-    /// Requests in flight for the io_uring engines.
+    /// Requests in flight for the io_uring engines. Left at the default,
+    /// direct reads tune it per block device from the depth remembered for
+    /// it (the report's `queue_depth` is the depth kept).
     pub queue_depth: usize,
     /// Threads of the pread-pool engine.
     pub threads: usize,

@@ -42,6 +42,9 @@ pub struct LoadReport {
     pub alignment: usize,
     pub chunk_size: usize,
     pub gather_size: usize,
+    /// io_uring requests kept in flight: for direct reads at the default
+    /// depth, the depth the load's tuning kept, which starts from the one
+    /// remembered for the device (docs/cli.md).
     pub queue_depth: usize,
     pub fallbacks: Vec<Fallback>,
     /// Populating (allocating and zeroing) all of the buffer's pages, on the

@@ -522,6 +522,7 @@ fn engine_params(options: &SaveOptions) -> EngineParams {
         queue_depth: options.queue_depth,
         threads: options.threads,
         cancel: options.cancel.clone(),
+        tune: None,
     }
 }
 

@@ -47,7 +47,8 @@ class LoadOptions(TypedDict, total=False):
         cpu load.)
     gather_size, chunk_size: bytes (an int, or a string such as ``"128M"``;
         default 128 MiB and 4 MiB), rounded as ``dmaload load --help`` says.
-    queue_depth: requests in flight (io_uring engines; default 32).
+    queue_depth: requests in flight (io_uring engines, tuned per block
+        device for direct reads when left at the default; default 32).
     threads: threads of the pread-pool engine (default 8).
     populate_threads: threads populating memory ahead of the reads
         (default: one per CPU, 1 to 4).

@@ -600,6 +600,9 @@ pub(crate) struct EngineParams {
     pub queue_depth: usize,
     pub threads: usize,
     pub cancel: CancelToken,
+    /// The device whose reads tune the depth (io_uring only, see
+    /// [`crate::tune`]), starting from `queue_depth`.
+    pub tune: Option<crate::tune::Device>,
 }
 
 impl EngineParams {
@@ -629,6 +632,10 @@ pub(crate) struct Job<'a> {
     pub gate: &'a Gate,
     pub progress: &'a Progress<'a>,
     pub queue_depth: usize,
+    /// Whether io_uring tunes the depth from `queue_depth` as it reads
+    /// ([`crate::tune::DepthTuner`]; the ring must have room for
+    /// [`crate::tune::MAX_DEPTH`]).
+    pub tune: bool,
 }
 
 impl Job<'_> {
@@ -687,6 +694,8 @@ pub(crate) struct EngineRun {
     pub fallbacks: Vec<Fallback>,
     /// The engine that actually did the work.
     pub engine: Engine,
+    /// How the depth was tuned, when it was.
+    pub tuner: Option<crate::tune::DepthTuner>,
 }
 
 pub(crate) type EngineResult = Result<EngineRun>;

@@ -1,5 +1,6 @@
 //! io_uring engine: keeps `queue_depth` chunk requests in flight from one
-//! thread, reads or writes as the memory's direction says. In place, with
+//! thread (a depth a load's reads may tune, [`crate::tune`]), reads or
+//! writes as the memory's direction says. In place, with
 //! registered buffers, each gather (a save's window) is registered (pinned)
 //! a little ahead of the requests ([`super::RegisterAhead`]) and
 //! unregistered when its last chunk is done, so pinned memory stays at a few
@@ -9,11 +10,13 @@
 //! placed, the memory's owner registered it once for many runs.
 
 use std::io;
+use std::time::Instant;
 
 use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout, RegisterAhead};
 use crate::error::Error;
 use crate::plan::{ReadOutcome, Request};
 use crate::sys::uring::{Completion, Registrar, Ring, RingMemory};
+use crate::tune::DepthTuner;
 use crate::types::Fallback;
 
 /// Runs the job's plan on `ring`. With `fixed`, the gathers are registered
@@ -41,6 +44,8 @@ pub(crate) fn run<M: RingMemory>(
     let mut inline = inline.as_ref().map(|r| RegisterAhead::new(job.gate, r, &range_of));
     // The gather the gate was last told the engine has reached.
     let mut reached = None;
+    let mut tuner = job.tune.then(|| DepthTuner::new(job.queue_depth, Instant::now()));
+    let mut depth = tuner.as_ref().map_or(job.queue_depth, DepthTuner::depth);
 
     let queue = |ring: &mut Ring<M>, req: &Request| -> io::Result<()> {
         let g = plan.gather_of(req.start);
@@ -71,7 +76,7 @@ pub(crate) fn run<M: RingMemory>(
         for req in retries.drain(..) {
             queue(ring, &req).map_err(|e| job.transfer_error(req.start, e))?;
         }
-        while ring.in_flight() < job.queue_depth && next_chunk < plan.chunk_count() {
+        while ring.in_flight() < depth && next_chunk < plan.chunk_count() {
             let req = plan.chunk_request(next_chunk);
             let g = plan.gather_of(req.start);
             if fixed && reached != Some(g) {
@@ -82,6 +87,9 @@ pub(crate) fn run<M: RingMemory>(
                 }
             }
             if !job.gate.is_ready(g) {
+                if let Some(tuner) = tuner.as_mut() {
+                    depth = tuner.memory_bound();
+                }
                 if ring.in_flight() > usize::from(wake_armed) {
                     if let Some(wake) = job.gate.wake_fd().filter(|_| !wake_armed) {
                         ring.queue_poll_readable(wake, WAKE_TAG)
@@ -122,6 +130,9 @@ pub(crate) fn run<M: RingMemory>(
                 }
             };
             job.progress.add(credited);
+            if let Some(tuner) = tuner.as_mut() {
+                depth = tuner.observe(credited, Instant::now());
+            }
             let g = plan.gather_of(req.start);
             if tally.credit(g, credited) {
                 // A failure to unpin early only means the pages stay pinned
@@ -139,6 +150,7 @@ pub(crate) fn run<M: RingMemory>(
             None => run.engine = Engine::UringFixed,
         }
     }
+    run.tuner = tuner;
     Ok(run)
 }
 

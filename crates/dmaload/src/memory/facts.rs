@@ -345,11 +345,7 @@ const REPORTING_SETTLE: std::time::Duration = std::time::Duration::from_secs(3);
 /// Where the probe's figures are kept: `$XDG_CACHE_HOME/dmaload`, else
 /// `~/.cache/dmaload`.
 pub fn probe_path() -> Option<PathBuf> {
-    let absolute = |v: std::ffi::OsString| Some(PathBuf::from(v)).filter(|p| p.is_absolute());
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .and_then(absolute)
-        .or_else(|| std::env::var_os("HOME").and_then(absolute).map(|home| home.join(".cache")))?;
-    Some(cache.join("dmaload").join("memory-probe.json"))
+    crate::user_cache::path("memory-probe.json")
 }
 
 impl MemoryProbe {
@@ -441,14 +437,7 @@ impl MemoryProbe {
     /// Writes the figures to `path` (its directory created if needed) by a
     /// temporary file renamed into place, so a reader never sees half.
     pub fn save(&self, path: &Path) -> io::Result<()> {
-        if let Some(dir) = path.parent() {
-            fs::create_dir_all(dir)?;
-        }
-        let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-        fs::write(&tmp, serde_json::to_vec_pretty(self).map_err(io::Error::other)?)?;
-        fs::rename(&tmp, path).inspect_err(|_| {
-            let _ = fs::remove_file(&tmp);
-        })
+        crate::user_cache::replace(path, &serde_json::to_vec_pretty(self).map_err(io::Error::other)?)
     }
 
     /// The figures recorded at `path`; `None` when there are none. A file

@@ -23,12 +23,13 @@ use std::time::{Duration, Instant};
 use crate::engine::{self, EngineParams, EngineRun, Gate, Job, Layout, Progress, RegisterAhead};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Allocation, MemoryKind};
-use crate::options::LoadOptions;
+use crate::options::{LoadOptions, DEFAULT_QUEUE_DEPTH};
 use crate::plan::Plan;
 use crate::sink::{Sink, SlotData, StagingRing};
 use crate::source::ReadSetup;
 use crate::sys::mem::MappingWriter;
 use crate::sys::uring::{Registrar, Ring, RingMemory};
+use crate::tune;
 use crate::types::{CachePolicy, Direction, Engine, Fallback};
 use crate::verify::Verifier;
 
@@ -124,7 +125,10 @@ fn prepare_engine<M: RingMemory>(
         // to register, and no fallback to report.
         return Ok((Prepared::Pool { threads: 1, engine: params.engine }, None));
     }
-    let entries = (params.queue_depth as u32).next_power_of_two();
+    // A tuned depth may climb up to the tuner's limit.
+    let most =
+        if params.tune.is_some() { params.queue_depth.max(tune::MAX_DEPTH) } else { params.queue_depth };
+    let entries = (most as u32).next_power_of_two();
     let mut ring = match Ring::new(entries, mem) {
         Ok(ring) => ring,
         Err(err) if engine::io_uring_unavailable(&err) => {
@@ -151,13 +155,34 @@ fn prepare_engine<M: RingMemory>(
     Ok((Prepared::Uring(Box::new(ring)), registrar))
 }
 
-/// The engine's parameters for a load with `options`.
-fn load_params(options: &LoadOptions) -> EngineParams {
+/// The engine's parameters for a load with `options` through `setup`:
+/// direct reads by io_uring at the default depth are tuned
+/// ([`crate::tune`]), from the depth remembered for the file's device.
+fn load_params(options: &LoadOptions, setup: &ReadSetup) -> EngineParams {
+    let tuned = setup.cache == CachePolicy::Bypass
+        && options.queue_depth == DEFAULT_QUEUE_DEPTH
+        && matches!(options.engine, Engine::Uring | Engine::UringFixed);
+    let tune = tuned.then(|| tune::Device::of(&setup.file).ok()).flatten();
+    let remembered = tune.and_then(|device| tune::remembered(&tune::memory_file()?, device));
     EngineParams {
         engine: options.engine,
-        queue_depth: options.queue_depth,
+        queue_depth: remembered.unwrap_or(options.queue_depth),
         threads: options.threads,
         cancel: options.cancel.clone(),
+        tune,
+    }
+}
+
+/// After a load that tuned its depth: remembers the depth it kept for the
+/// device when it is not the one the load started from (a window measured
+/// it faster). The memory is a cache: a failure to write it (a read-only
+/// home, say) loses nothing.
+fn remember_tuned(params: &EngineParams, run: &EngineRun) {
+    let (Some(device), Some(tuner)) = (params.tune, run.tuner.as_ref()) else { return };
+    if tuner.kept() != params.queue_depth {
+        if let Some(path) = tune::memory_file() {
+            let _ = tune::remember(&path, device, tuner.kept());
+        }
     }
 }
 
@@ -209,7 +234,7 @@ pub(crate) fn fill_mapping(
         }
     };
     let beside: Option<&(dyn Fn(&Gate) + Sync)> = verifier.as_ref().map(|_| &hash as _);
-    let params = load_params(options);
+    let params = load_params(options, setup);
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
         let transfer =
             Transfer { path, file: setup.file.as_fd(), cache: setup.cache, plan, params: &params, progress };
@@ -220,6 +245,7 @@ pub(crate) fn fill_mapping(
     if let Some(verifier) = verifier {
         verifier.check(path)?;
     }
+    remember_tuned(&params, &run);
     Ok((run, times.unwrap_or_default()))
 }
 
@@ -272,7 +298,7 @@ pub(crate) fn fill_staged(
         let hash = verifier.as_ref();
         feed_sink(path, dst, registrar, plan, slots, options.populate_threads, gate, hash, &mut **sink)
     };
-    let params = load_params(options);
+    let params = load_params(options, setup);
     let mut fed = None;
     let run = Progress::reporting(len, options.progress.as_deref(), |progress| {
         let transfer =
@@ -296,6 +322,7 @@ pub(crate) fn fill_staged(
     if let Some(verifier) = verifier {
         verifier.check(path)?;
     }
+    remember_tuned(&params, &run);
     run.fallbacks.append(&mut times.fallbacks);
     Ok((run, times))
 }
@@ -468,6 +495,7 @@ fn run_pipeline<M: RingMemory, T: Send>(
         gate: &gate,
         progress: transfer.progress,
         queue_depth: params.queue_depth,
+        tune: params.tune.is_some(),
     };
     let mut fallbacks = Vec::new();
     let (prepared, registrar) = match prepare_engine(path, plan, layout, mem, params, &mut fallbacks) {

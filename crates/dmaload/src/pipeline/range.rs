@@ -205,7 +205,7 @@ impl Opened<'_> {
             alignment: self.setup.align,
             chunk_size: plan.chunk,
             gather_size: plan.gather,
-            queue_depth: options.queue_depth,
+            queue_depth: run.tuner.as_ref().map_or(options.queue_depth, |tuner| tuner.kept()),
             fallbacks,
             alloc_seconds: 0.0,
             register_seconds: 0.0,

@@ -137,6 +137,7 @@ impl<'s> KeptWriteRing<'s> {
             gate: &gate,
             progress: &progress,
             queue_depth: params.queue_depth,
+            tune: false,
         };
         if let Some(on_pool) = &self.on_pool {
             let mut run = engine::pool::run(&job, self.src, params.threads, Engine::PreadPool)?;

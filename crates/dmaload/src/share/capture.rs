@@ -482,6 +482,7 @@ impl<'a> RunWriter<'a> {
             queue_depth: self.options.queue_depth,
             threads: DEFAULT_POOL_THREADS,
             cancel: CancelToken::new(),
+            tune: None,
         }
     }
 

@@ -1,0 +1,375 @@
+//! The io_uring queue depth, tuned by measurement: a direct-I/O load left
+//! at the default depth starts at the depth remembered for its block
+//! device (the default on a device not seen before) and hill-climbs it.
+//! After a first window of warm-up, each trial of a new depth (double the
+//! kept one, or half once doubling did not pay) alternates windows at the
+//! kept depth and at the trial one, kept, trial, kept, trial, so a disk
+//! whose speed drifts during the load favours neither; the trial depth is
+//! kept only when its slower window reads at least [`GAIN`] times faster
+//! than the kept depth's faster one (a clear gain, not one lucky window),
+//! and the climb goes on in that direction; the first trial that gains too
+//! little (after the other direction was tried, if the first trial lost)
+//! ends it, and so does the engine waiting for memory (a free slot, a
+//! gather being populated): the reads are then not what limits the load,
+//! and no depth can be measured. The depth kept is the report's `queue_depth`,
+//! and is remembered for the device in `$XDG_CACHE_HOME/dmaload/tuning`
+//! when it is not the depth the load started from. Request size is not
+//! tuned: the plan fixes it before the reads.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::sys;
+
+/// Bytes of one measured window.
+const WINDOW: u64 = 128 << 20;
+/// How much faster a window must read to keep a depth change.
+const GAIN: f64 = 1.10;
+/// The depths the climb stays between. Above 64 requests of 4 MiB the
+/// development VM's disk now and then collapses for a whole load (0.14 and
+/// 0.20 GiB/s at depths 128 and 256, against 1.2-2.2 GiB/s at 32-64;
+/// docs/benchmarks.md), which a trial of a few windows cannot see coming.
+const MIN_DEPTH: usize = 16;
+pub(crate) const MAX_DEPTH: usize = 64;
+/// The memory file is this small; a larger one is not ours to trust.
+const MEMORY_LIMIT: u64 = 64 << 10;
+
+/// A block device, by its numbers: what a depth is remembered for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Device {
+    major: u32,
+    minor: u32,
+}
+
+impl Device {
+    /// The device `file` is read from: itself for a block device, else the
+    /// one holding its filesystem.
+    pub fn of(file: &File) -> io::Result<Device> {
+        let meta = file.metadata()?;
+        let dev = if meta.file_type().is_block_device() { meta.rdev() } else { meta.dev() };
+        let (major, minor) = sys::file::device_numbers(dev);
+        Ok(Device { major, minor })
+    }
+
+    fn key(&self) -> String {
+        format!("{}:{}", self.major, self.minor)
+    }
+}
+
+/// Where depths are remembered (see [`crate::user_cache::path`]).
+pub(crate) fn memory_file() -> Option<PathBuf> {
+    crate::user_cache::path("tuning")
+}
+
+/// Each `MAJOR:MINOR queue_depth=N` line of the memory file that parses
+/// (others are skipped: the file is a cache, never an error).
+fn entries(path: &Path) -> Vec<(String, usize)> {
+    let mut text = String::new();
+    let read = File::open(path).and_then(|f| f.take(MEMORY_LIMIT + 1).read_to_string(&mut text));
+    if read.is_err() || text.len() as u64 > MEMORY_LIMIT {
+        return Vec::new();
+    }
+    let parse = |line: &str| {
+        let (key, value) = line.split_once(" queue_depth=")?;
+        let depth = value.trim().parse().ok().filter(|d| (MIN_DEPTH..=MAX_DEPTH).contains(d))?;
+        let (major, minor) = key.split_once(':')?;
+        (major.parse::<u32>().is_ok() && minor.parse::<u32>().is_ok()).then(|| (key.to_owned(), depth))
+    };
+    text.lines().filter_map(parse).collect()
+}
+
+/// The depth remembered for `device` in the memory file at `path`.
+pub(crate) fn remembered(path: &Path, device: Device) -> Option<usize> {
+    let key = device.key();
+    entries(path).into_iter().find(|(k, _)| *k == key).map(|(_, depth)| depth)
+}
+
+/// Remembers `depth` for `device` in the memory file at `path`, creating
+/// its directory; the other devices' depths are kept (see
+/// [`crate::user_cache::replace`] for concurrent writers).
+pub(crate) fn remember(path: &Path, device: Device, depth: usize) -> io::Result<()> {
+    let key = device.key();
+    let mut entries = entries(path);
+    entries.retain(|(k, _)| *k != key);
+    entries.push((key, depth));
+    let text: String = entries.iter().map(|(k, d)| format!("{k} queue_depth={d}\n")).collect();
+    crate::user_cache::replace(path, text.as_bytes())
+}
+
+/// Where the climb is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// The first window: requests ramping up, not measured.
+    WarmUp,
+    /// Trying `trial` against the kept depth, deeper when `up`; `moved`
+    /// once a trial in this direction was kept.
+    Trial {
+        up: bool,
+        moved: bool,
+    },
+    Settled,
+}
+
+/// Windows of one trial: the kept depth's and the trial depth's, alternately.
+const TRIAL_WINDOWS: usize = 4;
+
+/// The slowest and the fastest window run at one depth (bytes per second).
+#[derive(Debug, Clone, Copy)]
+struct Windows {
+    slowest: f64,
+    fastest: f64,
+}
+
+impl Windows {
+    const NONE: Windows = Windows { slowest: f64::INFINITY, fastest: 0.0 };
+
+    fn add(&mut self, rate: f64) {
+        (self.slowest, self.fastest) = (self.slowest.min(rate), self.fastest.max(rate));
+    }
+}
+
+/// The hill-climb of one load's queue depth (see the module's comment).
+#[derive(Debug)]
+pub(crate) struct DepthTuner {
+    kept: usize,
+    trial: usize,
+    step: Step,
+    /// Windows of the current trial so far; even ones run at `kept`.
+    window: usize,
+    at_kept: Windows,
+    at_trial: Windows,
+    window_bytes: u64,
+    window_started: Instant,
+}
+
+impl DepthTuner {
+    /// A climb from `depth`, its first window starting at `now`.
+    pub fn new(depth: usize, now: Instant) -> DepthTuner {
+        let depth = depth.clamp(MIN_DEPTH, MAX_DEPTH);
+        DepthTuner {
+            kept: depth,
+            trial: depth,
+            step: Step::WarmUp,
+            window: 0,
+            at_kept: Windows::NONE,
+            at_trial: Windows::NONE,
+            window_bytes: 0,
+            window_started: now,
+        }
+    }
+
+    /// The depth to keep in flight now.
+    pub fn depth(&self) -> usize {
+        match self.step {
+            Step::Trial { .. } if self.window % 2 == 1 => self.trial,
+            _ => self.kept,
+        }
+    }
+
+    /// The best depth measured so far (the start one until a trial gains).
+    pub fn kept(&self) -> usize {
+        self.kept
+    }
+
+    /// Counts `bytes` done at `now`; at a window's end, moves the climb
+    /// on. Returns the depth to keep in flight from now.
+    pub fn observe(&mut self, bytes: u64, now: Instant) -> usize {
+        if self.step == Step::Settled {
+            return self.kept;
+        }
+        self.window_bytes += bytes;
+        if self.window_bytes < WINDOW {
+            return self.depth();
+        }
+        let seconds = now.saturating_duration_since(self.window_started).as_secs_f64();
+        let rate = self.window_bytes as f64 / seconds.max(1e-9);
+        (self.window_bytes, self.window_started) = (0, now);
+        match self.step {
+            Step::WarmUp => self.start_trial(true, false),
+            Step::Trial { up, moved } => {
+                let into = if self.window % 2 == 0 { &mut self.at_kept } else { &mut self.at_trial };
+                into.add(rate);
+                self.window += 1;
+                if self.window == TRIAL_WINDOWS {
+                    if self.at_trial.slowest >= self.at_kept.fastest * GAIN {
+                        self.kept = self.trial;
+                        self.start_trial(up, true);
+                    } else if up && !moved {
+                        self.start_trial(false, false);
+                    } else {
+                        self.step = Step::Settled;
+                    }
+                }
+            }
+            Step::Settled => {}
+        }
+        self.depth()
+    }
+
+    /// The engine waited for memory, not for reads: past the warm-up the
+    /// climb ends at the kept depth. Returns the depth to keep in flight.
+    pub fn memory_bound(&mut self) -> usize {
+        if self.step != Step::WarmUp {
+            self.step = Step::Settled;
+        }
+        self.depth()
+    }
+
+    /// Starts trying the next depth from the kept one, deeper when `up`;
+    /// where that leaves the limits, the other direction (when no trial
+    /// moved yet), else the climb ends.
+    fn start_trial(&mut self, up: bool, moved: bool) {
+        let next = if up { self.kept * 2 } else { self.kept / 2 };
+        if (MIN_DEPTH..=MAX_DEPTH).contains(&next) {
+            self.trial = next;
+            self.step = Step::Trial { up, moved };
+            self.window = 0;
+            (self.at_kept, self.at_trial) = (Windows::NONE, Windows::NONE);
+        } else if up && !moved {
+            self.start_trial(false, false);
+        } else {
+            self.step = Step::Settled;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Runs windows through a tuner whose reads go at `rate_of(depth)`
+    /// bytes per second until it settles; returns the depth of each
+    /// window and the tuner.
+    fn climb(start: usize, rate_of: impl Fn(usize) -> f64) -> (Vec<usize>, DepthTuner) {
+        let mut now = Instant::now();
+        let mut tuner = DepthTuner::new(start, now);
+        let mut windows = Vec::new();
+        while tuner.step != Step::Settled && windows.len() < 64 {
+            windows.push(tuner.depth());
+            now += Duration::from_secs_f64(WINDOW as f64 / rate_of(tuner.depth()));
+            tuner.observe(WINDOW, now);
+        }
+        (windows, tuner)
+    }
+
+    #[test]
+    fn a_deeper_queue_that_reads_clearly_faster_is_kept_and_the_climb_stops_where_gains_end() {
+        // Faster up to 32, flat beyond.
+        let (windows, tuner) = climb(16, |d| d.min(32) as f64 * 1e7);
+        assert_eq!(windows, [16, 16, 32, 16, 32, 32, 64, 32, 64]);
+        assert_eq!((tuner.depth(), tuner.kept()), (32, 32));
+    }
+
+    #[test]
+    fn without_a_clear_gain_either_way_the_start_depth_stays() {
+        // 5% faster deeper, 5% slower shallower: neither is clear.
+        let (windows, tuner) = climb(32, |d| 1e9 * if d > 32 { 1.05 } else { d as f64 / 32.0 * 0.05 + 0.95 });
+        assert_eq!(windows, [32, 32, 64, 32, 64, 32, 16, 32, 16]);
+        assert_eq!((tuner.depth(), tuner.kept()), (32, 32));
+    }
+
+    #[test]
+    fn the_climb_ends_at_its_limit() {
+        let (windows, tuner) = climb(32, |d| d as f64 * 1e7);
+        assert_eq!(windows, [32, 32, 64, 32, 64]);
+        assert_eq!(tuner.kept(), MAX_DEPTH);
+    }
+
+    #[test]
+    fn a_shallower_queue_that_reads_clearly_faster_is_kept() {
+        let (windows, tuner) = climb(64, |d| 1e9 / d as f64);
+        assert_eq!(windows, [64, 64, 32, 64, 32, 32, 16, 32, 16]);
+        assert_eq!(tuner.kept(), MIN_DEPTH);
+    }
+
+    #[test]
+    fn a_trial_that_wins_one_window_by_chance_and_loses_the_other_is_not_kept() {
+        // The trial's first window lands on a fast spell (30% faster than
+        // the kept depth's), its second does not.
+        let mut now = Instant::now();
+        let mut tuner = DepthTuner::new(32, now);
+        let seconds = [0.1, 0.1, 0.077, 0.1, 0.095];
+        for s in seconds {
+            now += Duration::from_secs_f64(s);
+            tuner.observe(WINDOW, now);
+        }
+        assert_eq!(tuner.kept(), 32);
+        assert_eq!(tuner.depth(), 32, "the next trial starts at the kept depth");
+        assert_eq!(tuner.trial, 16, "and tries half of it");
+    }
+
+    #[test]
+    fn waiting_for_memory_ends_the_climb_at_the_kept_depth() {
+        let now = Instant::now();
+        let mut tuner = DepthTuner::new(32, now);
+        assert_eq!(tuner.memory_bound(), 32, "waits in the warm-up (the first gathers) do not count");
+        tuner.observe(WINDOW, now + Duration::from_millis(10));
+        assert_eq!(tuner.observe(WINDOW, now + Duration::from_millis(20)), 64);
+        assert_eq!(tuner.memory_bound(), 32);
+        assert_eq!(tuner.observe(WINDOW, now + Duration::from_millis(21)), 32, "settled");
+        assert_eq!(tuner.kept(), 32);
+    }
+
+    #[test]
+    fn a_load_shorter_than_a_trial_keeps_its_start_depth() {
+        let now = Instant::now();
+        let mut tuner = DepthTuner::new(32, now);
+        for k in 1..=4 {
+            tuner.observe(WINDOW, now + Duration::from_millis(10 * k));
+        }
+        assert_eq!((tuner.depth(), tuner.kept()), (64, 32));
+    }
+
+    fn device() -> Device {
+        Device { major: 259, minor: 3 }
+    }
+
+    #[test]
+    fn a_remembered_depth_is_read_back_and_other_devices_are_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing/dir/tuning");
+        assert_eq!(remembered(&path, device()), None);
+        remember(&path, Device { major: 8, minor: 0 }, 16).unwrap();
+        remember(&path, device(), 32).unwrap();
+        remember(&path, device(), 64).unwrap();
+        assert_eq!(remembered(&path, device()), Some(64));
+        assert_eq!(remembered(&path, Device { major: 8, minor: 0 }), Some(16));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "8:0 queue_depth=16\n259:3 queue_depth=64\n");
+        let left: Vec<_> =
+            std::fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, ["tuning"], "no temporary file is left");
+    }
+
+    #[test]
+    fn a_corrupt_memory_file_is_ignored_and_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tuning");
+        let junk =
+            "259:3 queue_depth=banana\n259:3 queue_depth=999999\nx:y queue_depth=8\n\u{0}\u{1}garbage\n";
+        std::fs::write(&path, junk).unwrap();
+        assert_eq!(remembered(&path, device()), None);
+        std::fs::write(&path, vec![b'a'; MEMORY_LIMIT as usize + 1]).unwrap();
+        assert_eq!(remembered(&path, device()), None);
+        std::fs::write(&path, [0xff, 0xfe, 0x00]).unwrap(); // not UTF-8
+        assert_eq!(remembered(&path, device()), None);
+        remember(&path, device(), 16).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "259:3 queue_depth=16\n");
+    }
+
+    #[test]
+    fn a_cache_directory_that_cannot_be_made_refuses_the_write_and_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        // A file where the directory should be: refused for any user (root
+        // too, unlike a read-only directory; the CLI's test covers that).
+        std::fs::write(dir.path().join("dmaload"), b"").unwrap();
+        let path = dir.path().join("dmaload/tuning");
+        assert!(remember(&path, device(), 64).is_err());
+        assert_eq!(remembered(&path, device()), None);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file is left");
+    }
+}
