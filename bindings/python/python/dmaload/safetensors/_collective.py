@@ -574,7 +574,9 @@ def _stream_ahead(
         _stop_reader(thread, stop, wake, ready)
 
 
-def _stop_reader(thread: threading.Thread, stop: threading.Event, wake: Callable[[], None], ready: queue.Queue[Any]) -> None:
+def _stop_reader(
+    thread: threading.Thread, stop: threading.Event, wake: Callable[[], None], ready: queue.Queue[Any]
+) -> None:
     """Stops a reader thread once its consumer has left, and waits for it."""
     stop.set()
     wake()
