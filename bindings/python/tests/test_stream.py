@@ -9,6 +9,7 @@ there until the consumer has done what is checked."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -156,6 +157,37 @@ def test_a_load_failing_mid_file_raises_and_hands_out_nothing_after_it(
     order = [n for n in _data_order(model) if reference[n].numel()]
     handed = [n for n in got if reference[n].numel()]
     assert handed == order[: len(handed)] and len(handed) < len(order) // 2, handed
+
+
+def test_a_load_failing_after_its_last_byte_still_fails_the_iteration(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that reported every byte and then failed (as its end check
+    fails for a file written during it) raises before the next file's
+    tensors, and also when it is the last file's."""
+    load_into = _dmaload.load_into
+    files = sorted(model.glob("*.safetensors"))
+    reference = _reference(model)
+    for failing in files:
+
+        def failing_after(path: str, target: Any, offset: int = 0, _bad: Path = failing, **kwargs: Any) -> Any:
+            report = load_into(path, target, offset, **kwargs)
+            if os.path.realpath(path) == os.path.realpath(_bad):
+                raise OSError(errno.ESTALE, "the file was written during the load", path)
+            return report
+
+        monkeypatch.setattr(_collective._dmaload, "load_into", failing_after)
+        got = []
+        with pytest.raises(_collective.CollectiveLoadError, match="written during the load"):
+            for name, t in iter_tensors(model):
+                assert _same_bytes(t, reference[name]), name
+                got.append(name)
+        later = [n for f in files[files.index(failing) + 1 :] for n in _names_in(f) if reference[n].numel()]
+        assert not set(got) & set(later), failing
+
+
+def _names_in(path: Path) -> list[str]:
+    return [t.name for t in _dmaload.read_safetensors_header(str(path)).tensors]
 
 
 def test_ctrl_c_reaches_a_consumer_waiting_for_bytes(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -447,6 +447,10 @@ class Stream:
                         done += t.nbytes
                         if callback is not None:
                             callback(done, total)
+                if arrival is not None:
+                    # A load that fails after its last byte (its end check)
+                    # fails the iteration before the next window's tensors.
+                    arrival.wait_done()
         finally:
             # The reader thread stops (after the window it is on) before
             # the files it reads are closed.
@@ -463,6 +467,7 @@ class _Arrival:
         self._stop = stop
         self._changed = threading.Condition()
         self._n = 0
+        self._done = False
         self._failure: BaseException | None = None
 
     def arrived(self, n: int) -> None:
@@ -477,11 +482,26 @@ class _Arrival:
             self._failure = failure
             self._changed.notify_all()
 
+    def finish(self) -> None:
+        """The load succeeded."""
+        with self._changed:
+            self._done = True
+            self._changed.notify_all()
+
     def wait(self, n: int) -> None:
         """Blocks (the GIL released, Ctrl-C raising KeyboardInterrupt) until
         bytes ``0..n`` are in; raises the load's failure once there is one."""
         with self._changed:
             while self._n < n and self._failure is None:
+                self._changed.wait()
+            if self._failure is not None:
+                raise self._failure
+
+    def wait_done(self) -> None:
+        """Blocks until the load has ended; raises its failure (one that
+        came after its last byte, at its end check, included)."""
+        with self._changed:
+            while not self._done and self._failure is None:
                 self._changed.wait()
             if self._failure is not None:
                 raise self._failure
@@ -541,8 +561,8 @@ def _stream_ahead(
     """``(window, buffer to give back, its bytes, its arrival)`` in order,
     each handed over as its load starts: a thread loads the windows one
     after the other, so the caller takes each tensor as soon as
-    ``arrival.wait`` says its bytes are in. A failure is raised by that
-    wait; ``wake`` unblocks a reader waiting for a buffer when the caller
+    ``arrival.wait`` says its bytes are in, and ``arrival.wait_done`` before
+    the next window. A failure is raised by those waits; ``wake`` unblocks a reader waiting for a buffer when the caller
     leaves, and the load under way is cancelled at its next arrival."""
     if not windows:
         return
@@ -564,6 +584,7 @@ def _stream_ahead(
             except BaseException as exc:  # raised to the consumer by its wait
                 arrival.fail(exc)
                 return
+            arrival.finish()
 
     thread = threading.Thread(target=work, name="dmaload-window-loader", daemon=True)
     thread.start()
