@@ -89,7 +89,9 @@ def set_cache(model: Path, state: str) -> None:
                     pass
 
 
-def serve(python: str, model: Path, fmt: str, ranks: int, memory: float, timeout: int) -> dict[str, object]:
+def serve(
+    python: str, model: Path, fmt: str, ranks: int, memory: float, timeout: int, extra: str = "{}"
+) -> dict[str, object]:
     env = dict(os.environ)
     if ranks > 1:
         cpus = sorted(os.sched_getaffinity(0))[:ranks]
@@ -97,7 +99,7 @@ def serve(python: str, model: Path, fmt: str, ranks: int, memory: float, timeout
     before = device_read_bytes(model)
     started = time.perf_counter()
     run = subprocess.run(
-        [python, str(ENGINES / "generate.py"), str(model), fmt, "{}", str(ranks), str(memory)],
+        [python, str(ENGINES / "generate.py"), str(model), fmt, extra, str(ranks), str(memory)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -120,6 +122,15 @@ def serve(python: str, model: Path, fmt: str, ranks: int, memory: float, timeout
     return result
 
 
+OWN_READ = re.compile(r"this process read ([0-9.]+) GiB from storage")
+
+
+def own_reads(run: dict[str, object]) -> float:
+    """GiB the dmaload ranks of ``run`` say they read from storage
+    (``/proc/self/io`` of each worker), summed over the ranks."""
+    return sum(float(m) for line in run["dmaload_lines"] for m in OWN_READ.findall(line))  # type: ignore[attr-defined]
+
+
 def median_range(values: list[float]) -> str:
     if not values:
         return "-"
@@ -140,6 +151,8 @@ def main() -> None:
     ap.add_argument("--memory", type=float, default=0.3,
                     help="vLLM's gpu_memory_utilization: on the CPU build the share of host memory for weights and KV cache")
     ap.add_argument("--timeout", type=int, default=900, help="seconds one engine may take")
+    ap.add_argument("--dmaload-config", default="{}",
+                    help="dmaload's --model-loader-extra-config (JSON), e.g. '{\"mode\": \"direct\"}'")
     ap.add_argument("--json", type=Path, help="write every run here")
     a = ap.parse_args()
 
@@ -162,7 +175,8 @@ def main() -> None:
                     if fmt in broken:
                         continue
                     set_cache(model, state)
-                    r = serve(sys.executable, model, fmt, n, a.memory, a.timeout)
+                    extra = a.dmaload_config if fmt == "dmaload" else "{}"
+                    r = serve(sys.executable, model, fmt, n, a.memory, a.timeout, extra)
                     r.update(format=fmt, ranks=n, state=state, round=rnd)
                     runs.append(r)
                     print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), file=sys.stderr, flush=True)
@@ -172,9 +186,10 @@ def main() -> None:
         a.json.write_text(json.dumps({"model_bytes": total, "runs": runs}, indent=1))
 
     print(f"\nmodel: {len(shards(model))} shards, {total / 2**30:.2f} GiB; {a.rounds} round(s); machine: "
-          f"{os.cpu_count()} CPUs")
-    print("| format | ranks | state | Loading weights took, s | first token from start, s | device reads, GiB | tokens |")
-    print("|---|---|---|---|---|---|---|")
+          f"{os.cpu_count()} CPUs; dmaload's extra config: {a.dmaload_config}")
+    print("| format | ranks | state | Loading weights took, s | first token from start, s | device reads, GiB "
+          "| dmaload ranks' own reads, x checkpoint | tokens |")
+    print("|---|---|---|---|---|---|---|---|")
     for fmt in formats:
         if fmt in broken:
             continue
@@ -182,12 +197,13 @@ def main() -> None:
             for state in states:
                 mine = [r for r in runs if (r["format"], r["ranks"], r["state"]) == (fmt, n, state) and "error" not in r]
                 reference = [r["tokens"] for r in runs if (r["format"], r["ranks"]) == ("safetensors", n) and "tokens" in r]
-                same = "same" if all(r["tokens"] == reference[0] for r in mine) and reference else "DIFFER" if reference else "-"
+                same = ("same" if all(r["tokens"] == reference[0] for r in mine) else "DIFFER") if reference else "-"
                 reads = [int(r["read"]) / 2**30 for r in mine]  # type: ignore[call-overload]
+                own = [own_reads(r) * 2**30 / total for r in mine if r.get("dmaload_lines")]
                 print(
                     f"| {fmt} | {n} | {state} | {median_range([float(r['load_s']) for r in mine if 'load_s' in r])} | "  # type: ignore[arg-type]
                     f"{median_range([float(r['first_token_s']) for r in mine])} | "  # type: ignore[arg-type]
-                    f"{median_range(reads)} | {same} |"
+                    f"{median_range(reads)} | {median_range(own)} | {same} |"
                 )
     for fmt, error in broken.items():
         print(f"\n{fmt}: not measured: {error}")

@@ -642,12 +642,44 @@ fn load(
     })
 }
 
+/// Relays a load's arrivals (`load_open_into_arriving`) to one Python
+/// callable, on the load's thread beside the engine; the callable raising
+/// cancels the load, and its exception outranks the load's own outcome.
+struct Arrived {
+    callback: Py<PyAny>,
+    cancel: dmaload::CancelToken,
+    error: Mutex<Option<PyErr>>,
+}
+
+impl Arrived {
+    fn call(&self, n: u64) {
+        let mut error = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if error.is_some() {
+            return;
+        }
+        // try_attach: never panic on the core's thread, even if the
+        // interpreter were shutting down (then the report is skipped).
+        let _ = Python::try_attach(|py| {
+            if let Err(err) = self.callback.call1(py, (n,)) {
+                *error = Some(err);
+                self.cancel.cancel();
+            }
+        });
+    }
+
+    fn raised(&self) -> PyResult<()> {
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).take().map_or(Ok(()), Err)
+    }
+}
+
 /// Fills `target` (a writable, C-contiguous buffer-protocol object: a
 /// bytearray, a numpy array, `tensor.numpy()`) with its length's worth of
 /// the file from `offset`, the GIL released; returns the report. In place
 /// where the memory lines up with the file, else through a staging ring.
+/// `arrived(n)` is called (with the GIL, from a thread of the load) each
+/// time bytes `0..n` of `target` have all arrived.
 #[pyfunction]
-#[pyo3(signature = (path, target, offset=0, *, options=None, progress=None))]
+#[pyo3(signature = (path, target, offset=0, *, options=None, progress=None, arrived=None))]
 fn load_into<'py>(
     py: Python<'py>,
     path: PathBuf,
@@ -655,6 +687,7 @@ fn load_into<'py>(
     offset: u64,
     options: Option<Bound<'py, PyDict>>,
     progress: Option<Py<PyAny>>,
+    arrived: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     guard(move || {
         let opts = Opts::from_dict(options.as_ref())?;
@@ -670,12 +703,25 @@ fn load_into<'py>(
             options.progress = Some(relay.for_load());
             relay
         });
+        let arrivals = arrived
+            .map(|callback| Arc::new(Arrived { callback, cancel: cancel.clone(), error: Mutex::new(None) }));
+        let theirs = arrivals.clone();
         // The load owns the export: a read that Ctrl-C cannot stop keeps
         // the target mapped until it ends (see run_abandonable).
         let result = run_abandonable(py, &cancel, move || {
             let mut export = export;
-            dmaload::load_into_raw(&path, offset, staged::writable_bytes(&mut export), &options)
+            let dst = staged::writable_bytes(&mut export);
+            let file = dmaload::OpenFile::open(&path)?;
+            match &theirs {
+                Some(arrivals) => {
+                    dmaload::load_open_into_arriving(&file, offset, dst, &options, &|n| arrivals.call(n))
+                }
+                None => dmaload::load_open_into(&file, offset, dst, &options),
+            }
         })?;
+        if let Some(arrivals) = &arrivals {
+            arrivals.raised()?;
+        }
         Progress::raised(relay.as_ref())?;
         let report = result.map_err(|e| os_error(&e))?;
         Progress::finish(relay.as_ref())?;

@@ -79,6 +79,30 @@ def test_a_failing_progress_callback_stops_the_load(data_file: tuple[Path, bytes
         dmaload.load_into(path, bytearray(len(data)), progress=explode)
 
 
+def test_arrivals_say_how_much_is_in_while_the_load_runs(data_file: tuple[Path, bytes]) -> None:
+    """``arrived`` grows gather by gather (1 MiB gathers of 256 KiB reads) over bytes
+    that are already the file's when it is called, and ends at the whole
+    length; raising from it cancels the load and is raised."""
+    path, data = data_file
+    evict(path)
+    with mmap.mmap(-1, len(data)) as memory:  # page-aligned: read in place from byte 0
+        seen: list[int] = []
+
+        def arrived(n: int) -> None:
+            assert memory[:n] == data[:n], n
+            seen.append(n)
+
+        dmaload.load_into(path, memory, arrived=arrived, gather_size="1M", chunk_size="256K")
+        assert len(seen) > 2 and seen == sorted(set(seen)) and seen[-1] == len(data), seen
+        assert memory[:] == data
+
+    def explode(n: int) -> None:
+        raise KeyError("stop")
+
+    with pytest.raises(KeyError):
+        dmaload.load_into(path, bytearray(len(data)), arrived=explode)
+
+
 def test_evict_drops_a_file_and_names_a_missing_one(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(bytes(range(256)) * 64)

@@ -66,7 +66,43 @@ pub fn load_open_into<'d>(
     dst: impl Into<RawBytesMut<'d>>,
     options: &LoadOptions,
 ) -> Result<LoadReport> {
-    let mut dst = dst.into();
+    fill_into(file, offset, dst.into(), options, None)
+}
+
+/// [`load_open_into`] that says how far the load has come while it runs,
+/// so that a consumer can use the first bytes while later ones are still
+/// being read: `arrived(n)` (called from a thread of the load) means bytes
+/// `0..n` of `dst` all hold the file's bytes, and the file showed no write
+/// since it was opened when they were counted. `n` grows gather by gather
+/// where the engine reads straight into `dst` from its first byte (memory
+/// and offset aligned, as a page-aligned `dst` and an offset that is a
+/// multiple of 4096 are); otherwise it comes once, at the end. A retried
+/// load (buffered after a refused direct read, docs/guarantees.md) counts
+/// from 0 again, rewriting the bytes it reported with the same
+/// ones. A load that fails reports nothing past the bytes it had: the
+/// error is returned as by [`load_open_into`].
+pub fn load_open_into_arriving<'d>(
+    file: &OpenFile,
+    offset: u64,
+    dst: impl Into<RawBytesMut<'d>>,
+    options: &LoadOptions,
+    arrived: &(dyn Fn(u64) + Sync),
+) -> Result<LoadReport> {
+    let dst = dst.into();
+    let total = dst.len() as u64;
+    let report = fill_into(file, offset, dst, options, Some(arrived))?;
+    arrived(total);
+    Ok(report)
+}
+
+fn fill_into(
+    file: &OpenFile,
+    offset: u64,
+    dst: RawBytesMut<'_>,
+    options: &LoadOptions,
+    arrived: Option<&(dyn Fn(u64) + Sync)>,
+) -> Result<LoadReport> {
+    let mut dst = dst;
     let path = file.path();
     validate(path, options)?;
     if options.verify {
@@ -104,7 +140,18 @@ pub fn load_open_into<'d>(
     let in_place = opened.read(options, plan_for, |setup, plan, options| {
         let (head_bytes, rest) = dst.reborrow().split_at(head);
         let (mut body_bytes, tail_bytes) = rest.split_at(body);
-        let filled = fill_mapping(path, setup, plan, body as u64, options, body_bytes.writer())?;
+        // Bytes 0..n of the body are bytes 0..n of `dst` only without a head.
+        let unchanged_to = |n: u64| {
+            if let Some(arrived) = arrived.filter(|_| head == 0) {
+                // Never report bytes of a file written meanwhile: the load
+                // fails at its end, and nothing of it may be used.
+                if file.source().check_unchanged(path, offset + len).is_ok() {
+                    arrived(n);
+                }
+            }
+        };
+        let follow: Option<&(dyn Fn(u64) + Sync)> = arrived.and(Some(&unchanged_to));
+        let filled = fill_mapping(path, setup, plan, body as u64, options, body_bytes.writer(), follow)?;
         read_edge(file, offset, head_bytes, block, options)?;
         read_edge(file, body_offset + body as u64, tail_bytes, block, options)?;
         Ok(filled)

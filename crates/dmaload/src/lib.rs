@@ -47,7 +47,7 @@ pub use buffer::{Buffer, Segment};
 pub use cancel::CancelToken;
 pub use dmabuf::{load_dmabuf, LoadedDmaBuf};
 pub use error::{Error, ErrorKind, Result};
-pub use into::{load_into, load_into_raw, load_open_into};
+pub use into::{load_into, load_into_raw, load_open_into, load_open_into_arriving};
 pub use load::{
     load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to, load_to_sink, Destination,
     LoadOptions, LoadReport, Loaded,

@@ -154,3 +154,72 @@ fn memory_others_read_during_the_load_is_filled_through_raw_bytes() {
         assert_pattern(&loaded, 0);
     }
 }
+
+/// `len` zeroed atomic bytes on a page boundary, inside `storage`, and the
+/// same memory as raw bytes for a load (the test reads it through atomics
+/// only, while the load writes it).
+fn atomic_memory(storage: &[std::sync::atomic::AtomicU8], len: usize) -> &[std::sync::atomic::AtomicU8] {
+    let start = (storage.as_ptr() as usize).next_multiple_of(PAGE) - storage.as_ptr() as usize;
+    &storage[start..start + len]
+}
+
+/// `load_open_into_arriving` says how far the load has come while it
+/// runs: gather by gather, each count larger than the last, the bytes
+/// below it already the file's when it is said (read back from inside the
+/// callback), the last one the whole length.
+#[test]
+fn arrivals_grow_gather_by_gather_over_bytes_already_in() {
+    use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    let size = 6 * M + 555;
+    write_cold(&path, size as u64);
+    for mode in [IoMode::Auto, IoMode::Buffered] {
+        let storage: Vec<AtomicU8> = (0..size + PAGE).map(|_| AtomicU8::new(0)).collect();
+        let dst = atomic_memory(&storage, size);
+        let seen = std::sync::Mutex::new(Vec::new());
+        let arrived = |n: u64| {
+            for (i, byte) in dst[..n as usize].iter().enumerate().step_by(997) {
+                assert_eq!(byte.load(Relaxed), common::pattern_byte(i as u64), "byte {i} below {n}");
+            }
+            seen.lock().unwrap().push(n);
+        };
+        // SAFETY: `dst` outlives the call; this thread and the callback
+        // touch it through atomics only.
+        let raw = unsafe { dmaload::RawBytesMut::from_raw_parts(dst.as_ptr() as *mut u8, size) };
+        let file = dmaload::OpenFile::open(&path).unwrap();
+        let options = LoadOptions { gather_size: M, ..options(Engine::UringFixed, mode) };
+        dmaload::load_open_into_arriving(&file, 0, raw, &options, &arrived).unwrap();
+        let seen = seen.into_inner().unwrap();
+        assert!(seen.len() > 2, "{mode:?}: {seen:?}");
+        assert!(seen.windows(2).all(|w| w[0] < w[1]), "{mode:?}: {seen:?}");
+        assert_eq!(seen.last(), Some(&(size as u64)));
+        let loaded: Vec<u8> = dst.iter().map(|b| b.load(Relaxed)).collect();
+        assert_pattern(&loaded, 0);
+    }
+}
+
+/// A file cut short while it loads: nothing is said to have arrived once
+/// the cut is seen, and the load fails (Truncated) rather than ending.
+#[test]
+fn a_file_cut_mid_load_reports_no_more_arrivals_and_fails() {
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    let size = 6 * M;
+    write_cold(&path, size as u64);
+    let mut memory = Vec::new();
+    let dst = memory_at(&mut memory, 0, size);
+    let seen = std::sync::Mutex::new(Vec::new());
+    let arrived = |n: u64| {
+        let mut seen = seen.lock().unwrap();
+        if seen.is_empty() {
+            std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(M as u64).unwrap();
+        }
+        seen.push(n);
+    };
+    let file = dmaload::OpenFile::open(&path).unwrap();
+    let options = LoadOptions { gather_size: M, ..options(Engine::UringFixed, IoMode::Auto) };
+    let err = dmaload::load_open_into_arriving(&file, 0, dst, &options, &arrived).unwrap_err();
+    assert!(matches!(err.kind(), ErrorKind::Truncated | ErrorKind::Changed), "{err}");
+    assert_eq!(seen.into_inner().unwrap().len(), 1, "arrivals after the cut");
+}

@@ -138,6 +138,7 @@ def load_into(
     *,
     options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
+    arrived: Callable[[int], Any] | None = None,
 ) -> LoadReport: ...
 def load_cached(
     file: str | os.PathLike[str] | int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, Protocol, Union, Unpack
 
 from . import _dmaload
@@ -108,6 +109,7 @@ def load_into(
     offset: int = 0,
     *,
     progress: Progress = None,
+    arrived: Callable[[int], object] | None = None,
     **options: Unpack[LoadOptions],
 ) -> LoadReport:
     """Fills ``target``, memory the caller already has, with as many bytes
@@ -122,6 +124,15 @@ def load_into(
     the end of the file is an ``OSError`` (ENODATA); after any error the
     memory holds a mix of old and new bytes. ``to`` is refused: ``target`` is
     the destination.
+
+    ``arrived(n)``, called from a thread of the load while it runs, says
+    that bytes ``0..n`` of ``target`` already hold the file's bytes (the
+    file unchanged so far), so another thread may use them before the load
+    returns: gather by gather where the file is read straight into
+    ``target`` from its first byte, else once at the end; the last call
+    has the whole length. An exception it raises cancels the load and is
+    raised here. Bytes said to have arrived stay as said, but a load that
+    then fails still fails whole.
     """
     if offset < 0:
         raise ValueError("offset must be non-negative")
@@ -133,7 +144,7 @@ def load_into(
         view = raw = memoryview(target)
         try:
             raw = view.cast("B") if view.nbytes or view.readonly else memoryview(bytearray())
-            return _dmaload.load_into(path, raw, offset, options=native, progress=callback)
+            return _dmaload.load_into(path, raw, offset, options=native, progress=callback, arrived=arrived)
         finally:
             release_views(raw, view)
     finally:

@@ -159,7 +159,11 @@ impl Gate {
     }
 
     /// Whether gather `g` may be read into now; a staged gather takes a
-    /// free slot here if it holds none.
+    /// free slot here if it holds none, and only once the gather before it
+    /// has taken one: with threads of a pool asking out of order, later
+    /// gathers could otherwise hold every slot while the first one unfilled
+    /// waits for a slot, and a destination that takes gathers in file order
+    /// (a verified load) would never free one.
     fn take_ready(&self, state: &mut GateState, g: usize) -> bool {
         if !self.staged {
             return state.ready > g;
@@ -168,10 +172,15 @@ impl Gate {
             state.slot_of.resize(g + 1, NO_SLOT);
         }
         if state.slot_of[g] == NO_SLOT {
+            if g > 0 && state.slot_of[g - 1] == NO_SLOT {
+                return false;
+            }
             match state.free.pop_front() {
                 Some(slot) => state.slot_of[g] = slot,
                 None => return false,
             }
+            // The next gather's readers may be waiting for this one's turn.
+            self.changed.notify_all();
         }
         true
     }
@@ -829,5 +838,26 @@ mod tests {
         ahead.register_rest();
         assert_eq!(registered(), [1, 2, 4, 5, 6, 7]);
         assert!(gate.registration_refused().is_none());
+    }
+
+    /// Staging slots go to gathers in file order, whichever gather's reader
+    /// asks first: a pool thread that reached gather 1 before the one on
+    /// gather 0 asked waits, so gather 0 is never left without a slot
+    /// that later gathers took (a verified load, taking gathers in file
+    /// order, would then wait for ever).
+    #[test]
+    fn staging_slots_go_to_gathers_in_file_order() {
+        let gate = Gate::staged(CancelToken::new(), 2);
+        gate.free_slot(0);
+        gate.free_slot(1);
+        assert!(!gate.is_ready(1), "gather 1 before gather 0 took a slot");
+        assert!(!gate.is_ready(2));
+        assert!(gate.is_ready(0));
+        assert!(gate.is_ready(1));
+        assert!(!gate.is_ready(2), "no slot left");
+        assert_eq!((gate.slot_of(0), gate.slot_of(1)), (0, 1));
+        gate.free_slot(0);
+        assert!(gate.is_ready(2));
+        assert_eq!(gate.slot_of(2), 0);
     }
 }

@@ -208,14 +208,17 @@ pub(crate) fn fill(
     let mut alloc =
         Allocation::with_facts(memory, plan.mapping_len, facts).map_err(|e| allocation_error(path, e))?;
     let started = Instant::now();
-    let (run, times) = fill_mapping(path, setup, plan, len, options, alloc.mapping.writer())?;
+    let (run, times) = fill_mapping(path, setup, plan, len, options, alloc.mapping.writer(), None)?;
     Ok(Filled { alloc, run, times, engine_wall: started.elapsed() })
 }
 
 /// Reads the plan's range into `dst` (at least `plan.mapping_len` bytes)
 /// with the options' engine, a helper thread populating (and registering)
-/// each gather ahead of the reads. On error the memory holds a partial
-/// read, which the caller must not hand out as loaded.
+/// each gather ahead of the reads. `arrived`, when given, is called from a
+/// thread beside the engine with `n` each time the requested bytes `0..n`
+/// have all arrived (gather by gather, in file order; a retried load
+/// starts from 0 again). On error the memory holds a partial read, which
+/// the caller must not hand out as loaded.
 pub(crate) fn fill_mapping(
     path: &Path,
     setup: &ReadSetup,
@@ -223,17 +226,15 @@ pub(crate) fn fill_mapping(
     len: u64,
     options: &LoadOptions,
     dst: MappingWriter<'_>,
+    arrived: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<(EngineRun, PopulateTimes)> {
     let verifier = Verifier::for_load(path, &setup.file, plan, options.verify)?;
     let populate = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
         populate_gathers(dst, registrar, plan, gate, options.populate_threads)
     };
-    let hash = |gate: &Gate| {
-        if let Some(verifier) = &verifier {
-            hash_gathers(verifier, dst, plan, gate);
-        }
-    };
-    let beside: Option<&(dyn Fn(&Gate) + Sync)> = verifier.as_ref().map(|_| &hash as _);
+    let follow = |gate: &Gate| follow_gathers(verifier.as_ref(), arrived, dst, plan, gate);
+    let beside: Option<&(dyn Fn(&Gate) + Sync)> =
+        (verifier.is_some() || arrived.is_some()).then_some(&follow as _);
     let params = load_params(options, setup);
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
         let transfer =
@@ -249,16 +250,28 @@ pub(crate) fn fill_mapping(
     Ok((run, times.unwrap_or_default()))
 }
 
-/// Hashes each gather of an in-place load in file order as the engine
-/// completes it (the verifier's thread beside the engine); stops quietly
-/// when the load fails or is cancelled.
-fn hash_gathers(verifier: &Verifier, dst: MappingWriter<'_>, plan: &Plan, gate: &Gate) {
+/// Follows an in-place load's gathers in file order as the engine
+/// completes them (a thread beside the engine): hashes each for the
+/// verifier and says how far the requested bytes have all arrived; stops
+/// quietly when the load fails or is cancelled.
+fn follow_gathers(
+    verifier: Option<&Verifier>,
+    arrived: Option<&(dyn Fn(u64) + Sync)>,
+    dst: MappingWriter<'_>,
+    plan: &Plan,
+    gate: &Gate,
+) {
     for g in 0..plan.gather_count() {
         if gate.wait_filled(g).is_err() {
             return;
         }
         let data = plan.gather_data(g);
-        verifier.add(dst, (data.start - plan.file_start) as usize..(data.end - plan.file_start) as usize);
+        if let Some(verifier) = verifier {
+            verifier.add(dst, (data.start - plan.file_start) as usize..(data.end - plan.file_start) as usize);
+        }
+        if let Some(arrived) = arrived {
+            arrived(data.end - plan.data_start);
+        }
     }
 }
 
@@ -470,8 +483,8 @@ pub(crate) struct Transfer<'a> {
 /// thread, `helper` (populating a destination, feeding a sink, registering
 /// a save's windows) on a thread beside it (or first, when no thread can be
 /// created), and `beside`, a task that follows the engine's completions
-/// (the hashing of a verified load: on a thread of its own, or after the
-/// engine without one). Returns the engine's result and the helper's
+/// (the hashing of a verified load, the arrival of a load's bytes: on a
+/// thread of its own, or after the engine without one). Returns the engine's result and the helper's
 /// (`None` if it panicked).
 fn run_pipeline<M: RingMemory, T: Send>(
     transfer: &Transfer<'_>,
@@ -565,7 +578,7 @@ fn run_pipeline<M: RingMemory, T: Send>(
             }
         };
         let follower = beside.map(|task| {
-            let thread = std::thread::Builder::new().name("dmaload-verify".into());
+            let thread = std::thread::Builder::new().name("dmaload-follow".into());
             (task, thread.spawn_scoped(scope, || task(&gate)))
         });
         let result = prepared.and_then(|prepared| match prepared {
@@ -585,9 +598,12 @@ fn run_pipeline<M: RingMemory, T: Send>(
             }
         };
         let result = match result {
-            Ok(_) if !followed => {
-                Err(Error::new(ErrorKind::Io, "verify", path, "the hashing thread panicked"))
-            }
+            Ok(_) if !followed => Err(Error::new(
+                ErrorKind::Io,
+                "follow the reads",
+                path,
+                "the thread beside the engine panicked",
+            )),
             other => other,
         };
         let helped = match helper_thread {

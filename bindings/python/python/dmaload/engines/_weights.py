@@ -10,12 +10,14 @@ from typing import Any
 
 from .._cache import Cache
 from .._options import LoadOptions, native_options, parse_size
-from ..safetensors import DEFAULT_WINDOW, TensorFilter, iter_tensors
+from ..safetensors import TensorFilter, iter_tensors
 
 EXTRA_CONFIG_KEYS = ("window", "collective", "cache", *LoadOptions.__annotations__)
 """The keys of ``--model-loader-extra-config`` the loaders take (documented
 in README.md, "Serving engines"): ``window`` (bytes read and exchanged at a
-time, an int or ``"64M"``), ``collective`` (``false``: every rank reads the
+time, an int or ``"64M"``; by default 64 MiB across several ranks, and one
+load per file for one rank, handing out each tensor as its bytes arrive),
+``collective`` (``false``: every rank reads the
 whole checkpoint itself instead of 1/N of it), ``cache`` (``true`` or the
 model-cache service's socket; ``DMALOAD_CACHE`` in the environment does the
 same) and every option of :class:`dmaload.LoadOptions` (``engine``,
@@ -26,7 +28,7 @@ same) and every option of :class:`dmaload.LoadOptions` (``engine``,
 class LoaderConfig:
     """The loader's options, from an engine's extra config."""
 
-    window: int = DEFAULT_WINDOW
+    window: int | None = None
     collective: bool = True
     cache: Cache = None
     options: dict[str, Any] = field(default_factory=dict)
@@ -36,9 +38,11 @@ class LoaderConfig:
         """The options among ``extra``, removed from it (the rest is the
         engine's own); a bad value is a ``ValueError`` naming the key."""
         mine = {k: extra.pop(k) for k in list(extra) if k in EXTRA_CONFIG_KEYS}
-        window = parse_size(mine.pop("window", DEFAULT_WINDOW))
-        if window < 1:
-            raise ValueError(f"dmaload: window must be at least 1 byte, not {window}")
+        window = mine.pop("window", None)
+        if window is not None:
+            window = parse_size(window)
+            if window < 1:
+                raise ValueError(f"dmaload: window must be at least 1 byte, not {window}")
         collective = mine.pop("collective", True)
         if not isinstance(collective, bool):
             raise ValueError(f"dmaload: collective must be true or false, not {collective!r}")

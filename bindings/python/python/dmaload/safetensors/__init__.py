@@ -484,7 +484,7 @@ class SafeOpen:
         cache: Cache = None,
         process_group: Any = None,
         tensor_filter: TensorFilter = None,
-        window: Size = DEFAULT_WINDOW,
+        window: Size | None = None,
         **options: Unpack[LoadOptions],
     ) -> None:
         self._framework = _framework(framework)
@@ -664,7 +664,7 @@ def safe_open(
     cache: Cache = None,
     process_group: Any = None,
     tensor_filter: TensorFilter = None,
-    window: Size = DEFAULT_WINDOW,
+    window: Size | None = None,
     **options: Unpack[LoadOptions],
 ) -> SafeOpen:
     """Opens (loads) a safetensors file or sharded model; see :class:`SafeOpen`
@@ -694,7 +694,7 @@ def load_file(
     cache: Cache = None,
     process_group: Any = None,
     tensor_filter: TensorFilter = None,
-    window: Size = DEFAULT_WINDOW,
+    window: Size | None = None,
     **options: Unpack[LoadOptions],
 ) -> dict[str, Any]:
     """All tensors of a safetensors file (or sharded model) as a dict, like
@@ -719,7 +719,7 @@ def load_file(
     rank of the group calls this with the same path, each reads a disjoint
     1/N of the bytes and the ranks exchange them on the group's backend
     (gloo on the CPU, NCCL between GPUs, where ``device`` must be this
-    rank's GPU), ``window`` bytes at a time; a failure on any rank raises
+    rank's GPU), ``window`` bytes at a time (None: 64 MiB); a failure on any rank raises
     :class:`CollectiveLoadError` on every rank. ``tensor_filter`` (names,
     or a predicate on the name; PyTorch only) keeps only those tensors, and
     bytes that no rank wants are never read. See :func:`iter_tensors` and
@@ -747,7 +747,7 @@ def iter_tensors(
     *,
     process_group: Any = None,
     tensor_filter: TensorFilter = None,
-    window: Size = DEFAULT_WINDOW,
+    window: Size | None = None,
     progress: Progress = None,
     cache: Cache = None,
     recycle: bool = False,
@@ -756,7 +756,11 @@ def iter_tensors(
     """``(name, tensor)`` for each tensor of a safetensors file or sharded
     model (PyTorch tensors on ``device``), in file and data order, handed
     out while later ones are still being read: at most about three windows
-    of ``window`` bytes are held beyond the tensors the caller keeps.
+    are held beyond the tensors the caller keeps. A window is ``window``
+    bytes with a group (64 MiB by default); without one, by default, a
+    file's whole run of wanted tensors, read by one load whose tensors are
+    handed out as soon as their bytes have arrived (waiting for them holds
+    no GIL; Ctrl-C interrupts it).
 
     ``process_group`` shares the reads among the ranks of a
     ``torch.distributed`` group as :func:`load_file` says (every rank must

@@ -33,9 +33,16 @@ collective fail within the group's timeout (``init_process_group(timeout=)``),
 raised the same way. Every rank must consume the whole iterator: the
 collectives are matched across ranks in order.
 
-Without a group the same windowed reader serves one process, so that a
-filter leaves unread what it excludes and the first tensors come while the
-later ones are still on the disk.
+Without a group the same plan serves one process, read differently: a
+window is a whole run of adjacent wanted tensors of a file (unless
+``window`` is given), read by one load (``load_into`` with ``arrived``:
+the pipeline says, gather by gather, that the window's bytes ``0..n`` are
+in) while its tensors are handed out as soon as their bytes are; the next
+window's load starts as soon as this one's ends. So a filter leaves unread
+what it excludes, the disk sees one queue per file instead of one per
+window, and the first tensors come while the rest of the file is still on
+the disk. A failed read raises :class:`CollectiveLoadError` at the next
+tensor: nothing after it is handed out.
 """
 
 from __future__ import annotations
@@ -62,7 +69,9 @@ TensorFilter: TypeAlias = Union[Collection[str], Callable[[str], bool], None]
 name, or None for all."""
 
 DEFAULT_WINDOW = 64 << 20
-"""Bytes of tensors read and exchanged at a time (``window=``)."""
+"""Bytes of tensors read and exchanged at a time with a group
+(``window=None``); without one a window is a file's whole run of wanted
+tensors."""
 
 _ALIGN = 4096
 """Slots start at this multiple of the file offset (direct-I/O alignment)."""
@@ -104,9 +113,10 @@ def wants(tensor_filter: TensorFilter) -> Callable[[str], bool]:
     return names.__contains__
 
 
-def _windows(headers: list[Header], wanted: list[bool], window: int, ranks: int) -> list[_Window]:
+def _windows(headers: list[Header], wanted: list[bool], window: int | None, ranks: int) -> list[_Window]:
     """The windows of the wanted tensors (``wanted`` is indexed like the
-    tensors of all headers in order), in file and data order."""
+    tensors of all headers in order), in file and data order; ``window``
+    None: each run of adjacent wanted tensors is one window."""
     out: list[_Window] = []
     k = 0
     for i, header in enumerate(headers):
@@ -124,7 +134,8 @@ def _windows(headers: list[Header], wanted: list[bool], window: int, ranks: int)
         for t in header.tensors:
             take = wanted[k] and t.nbytes > 0
             k += 1
-            if not take or (run and (t.begin != run[-1].end or t.end - run[0].begin > window)):
+            too_long = window is not None and run and t.end - run[0].begin > window
+            if not take or (run and (t.begin != run[-1].end or too_long)):
                 close()
             if take:
                 run.append(t)
@@ -254,7 +265,7 @@ class Stream:
         *,
         process_group: Any = None,
         tensor_filter: TensorFilter = None,
-        window: Size = DEFAULT_WINDOW,
+        window: Size | None = None,
         progress: Progress = None,
         recycle: bool = False,
         options: dict[str, Any] | None = None,
@@ -264,16 +275,21 @@ class Stream:
         from . import _tensor_index
 
         self._native = native_options(options or {})
-        self._window = parse_size(window)
-        if self._window < 1:
-            raise ValueError(f"window must be at least 1 byte, not {window!r}")
-        self._wants = wants(tensor_filter)
         self._group = _Group(process_group) if process_group is not None else None
+        if window is None:
+            self._window: int | None = DEFAULT_WINDOW if self._group is not None else None
+        else:
+            self._window = parse_size(window)
+            if self._window < 1:
+                raise ValueError(f"window must be at least 1 byte, not {window!r}")
+        self._wants = wants(tensor_filter)
         self._target = torch.device(device if device is not None else "cpu")
         if self._group is not None and self._group.device.type != "cpu" and self._target != self._group.device:
             raise ValueError(f"device={device!r}: this NCCL group exchanges on {self._group.device}: load there")
         self._progress = progress
-        device_of_buffers = self._group.device if self._group else self._target
+        # Without a group a window is read into host memory and each tensor
+        # goes on to the device as it is handed out.
+        device_of_buffers = self._group.device if self._group else torch.device("cpu")
         self._recycle = recycle
         self._make_buffer: Callable[[int], Any] = lambda n: _aligned_empty(torch, n, device_of_buffers)
         self.paths = paths
@@ -340,12 +356,13 @@ class Stream:
         self.close()
 
     def _read(self, w: _Window) -> tuple[Any, Any]:
-        """Window ``w`` read on every rank: (its buffer to give back, its
-        bytes); the reader thread runs this."""
+        """Window ``w`` read on every rank of the group and exchanged: (its
+        buffer to give back, its bytes); the reader thread runs this."""
         import torch
 
         group = self._group
-        ranks, rank = (group.size, group.rank) if group else (1, 0)
+        assert group is not None
+        ranks, rank = group.size, group.rank
         base, buffer = self._buffers.take(ranks * w.slot)
         offset, length = w.share(rank)
         path = self.paths[w.file]
@@ -360,10 +377,6 @@ class Stream:
                 failure, code = exc, (getattr(exc, "errno", None) or errno_codes.EIO)
             if failure is None and host is not part:
                 part.copy_(host)
-        if group is None:
-            if failure is not None:
-                raise CollectiveLoadError(f"read of {path} bytes {offset}..{offset + length} failed: {failure}") from failure
-            return base, buffer
         loading = f"loading {path} bytes {w.start}..{w.end}"
         codes = [row[0] for row in _collective(group, f"{loading} (status exchange)", group.gather_ints, [code])]
         failed = [r for r, c in enumerate(codes) if c]
@@ -375,6 +388,27 @@ class Stream:
         _collective(group, f"{loading} (exchange)", group.gather_slots, buffer, w.slot)
         return base, buffer
 
+    def _take(self, w: _Window) -> tuple[Any, Any]:
+        """A buffer for window ``w`` of a load without a group: (the buffer
+        to give back, a view of the window's bytes)."""
+        return self._buffers.take(w.slot)
+
+    def _load(self, w: _Window, buffer: Any, arrival: _Arrival) -> None:
+        """Reads window ``w`` (no group) into ``buffer`` in one load,
+        telling ``arrival`` how far it has come; the reader thread runs it."""
+        length = w.end - w.start
+        path = self.paths[w.file]
+        try:
+            _dmaload.load_into(
+                f"/proc/self/fd/{self._fds[w.file]}",
+                buffer[:length].numpy(),
+                w.start,
+                options=self._native,
+                arrived=arrival.arrived,
+            )
+        except (OSError, ValueError) as exc:
+            raise CollectiveLoadError(f"read of {path} bytes {w.start}..{w.end} failed: {exc}") from exc
+
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         import torch
 
@@ -385,7 +419,11 @@ class Stream:
         desc = self.paths[0].name if len(self.paths) == 1 else f"{len(self.paths)} files"
         callback, finish = resolve(self._progress, desc)
         done = 0
-        reader = _read_ahead(self.windows, self._read, self._buffers.wake)
+        windows: Generator[tuple[_Window, Any, Any, _Arrival | None], None, None]
+        if self._group is None:
+            windows = _stream_ahead(self.windows, self._take, self._load, self._buffers.wake)
+        else:
+            windows = _without_arrivals(_read_ahead(self.windows, self._read, self._buffers.wake))
         handed: list[Any] = []  # the buffers of the windows handed out, last two
         try:
             # Zero-byte tensors are read by no one; each rank makes its own.
@@ -394,7 +432,7 @@ class Stream:
                 for t in header.tensors:
                     if t.nbytes == 0 and wants(t.name):
                         yield t.name, _File(None, header, device_data=nothing).torch(t.name)
-            for w, (base, buffer) in reader:
+            for w, base, buffer, arrival in windows:
                 handed.append(base)
                 if len(handed) > 2:
                     self._buffers.give(handed.pop(0))
@@ -402,17 +440,71 @@ class Stream:
                 view = _File(None, header, device_data=buffer, data_offset=w.start - header.data_start)
                 for t in w.tensors:
                     if wants(t.name):
+                        if arrival is not None:
+                            arrival.wait(header.data_start + t.end - w.start)
                         tensor = view.torch(t.name)
                         yield t.name, tensor if tensor.device == target else tensor.to(target)
                         done += t.nbytes
                         if callback is not None:
                             callback(done, total)
+                if arrival is not None:
+                    # A load that fails after its last byte (its end check)
+                    # fails the iteration before the next window's tensors.
+                    arrival.wait_done()
         finally:
             # The reader thread stops (after the window it is on) before
             # the files it reads are closed.
-            reader.close()
+            windows.close()
             finish()
             self.close()
+
+
+class _Arrival:
+    """How far the load of one window has come: its bytes ``0..n`` are in
+    (``arrived``, called by the load), or it failed."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self._changed = threading.Condition()
+        self._n = 0
+        self._done = False
+        self._failure: BaseException | None = None
+
+    def arrived(self, n: int) -> None:
+        if self._stop.is_set():
+            raise _Stopped  # the consumer left: the load is cancelled
+        with self._changed:
+            self._n = max(self._n, n)
+            self._changed.notify_all()
+
+    def fail(self, failure: BaseException) -> None:
+        with self._changed:
+            self._failure = failure
+            self._changed.notify_all()
+
+    def finish(self) -> None:
+        """The load succeeded."""
+        with self._changed:
+            self._done = True
+            self._changed.notify_all()
+
+    def wait(self, n: int) -> None:
+        """Blocks (the GIL released, Ctrl-C raising KeyboardInterrupt) until
+        bytes ``0..n`` are in; raises the load's failure once there is one."""
+        with self._changed:
+            while self._n < n and self._failure is None:
+                self._changed.wait()
+            if self._failure is not None:
+                raise self._failure
+
+    def wait_done(self) -> None:
+        """Blocks until the load has ended; raises its failure (one that
+        came after its last byte, at its end check, included)."""
+        with self._changed:
+            while not self._done and self._failure is None:
+                self._changed.wait()
+            if self._failure is not None:
+                raise self._failure
 
 
 def _read_ahead(
@@ -445,12 +537,73 @@ def _read_ahead(
                 raise failure
             yield w, result
     finally:
-        stop.set()
-        wake()
-        # Unblock a reader waiting to put its window, then let it finish.
-        while thread.is_alive():
+        _stop_reader(thread, stop, wake, ready)
+
+
+def _without_arrivals(
+    exchanged: Generator[tuple[_Window, Any], None, None],
+) -> Generator[tuple[_Window, Any, Any, None], None, None]:
+    """A group's windows, each complete when handed over, as
+    :func:`_stream_ahead` hands them (closing this closes ``exchanged``)."""
+    try:
+        for w, (base, buffer) in exchanged:
+            yield w, base, buffer, None
+    finally:
+        exchanged.close()
+
+
+def _stream_ahead(
+    windows: list[_Window],
+    take: Callable[[_Window], tuple[Any, Any]],
+    load: Callable[[_Window, Any, _Arrival], None],
+    wake: Callable[[], None],
+) -> Generator[tuple[_Window, Any, Any, _Arrival], None, None]:
+    """``(window, buffer to give back, its bytes, its arrival)`` in order,
+    each handed over as its load starts: a thread loads the windows one
+    after the other, so the caller takes each tensor as soon as
+    ``arrival.wait`` says its bytes are in, and ``arrival.wait_done`` before
+    the next window. A failure is raised by those waits; ``wake`` unblocks a reader waiting for a buffer when the caller
+    leaves, and the load under way is cancelled at its next arrival."""
+    if not windows:
+        return
+    ready: queue.Queue[tuple[_Window, Any, Any, _Arrival]] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def work() -> None:
+        for w in windows:
+            arrival = _Arrival(stop)
             try:
-                ready.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        thread.join()
+                base, buffer = take(w)
+            except _Stopped:
+                return
+            ready.put((w, base, buffer, arrival))
+            if stop.is_set():
+                return
+            try:
+                load(w, buffer, arrival)
+            except BaseException as exc:  # raised to the consumer by its wait
+                arrival.fail(exc)
+                return
+            arrival.finish()
+
+    thread = threading.Thread(target=work, name="dmaload-window-loader", daemon=True)
+    thread.start()
+    try:
+        for _ in windows:
+            yield ready.get()
+    finally:
+        _stop_reader(thread, stop, wake, ready)
+
+
+def _stop_reader(
+    thread: threading.Thread, stop: threading.Event, wake: Callable[[], None], ready: queue.Queue[Any]
+) -> None:
+    """Stops a reader thread once its consumer has left, and waits for it."""
+    stop.set()
+    wake()
+    # Unblock a reader waiting to put its window, and let it finish.
+    while thread.is_alive():
+        try:
+            ready.get_nowait()
+        except queue.Empty:
+            thread.join(timeout=0.01)

@@ -7,7 +7,7 @@ from typing import Any, Union, Unpack
 
 from .._options import LoadOptions, Size
 from .._progress import Progress
-from . import DEFAULT_CONCURRENCY, DEFAULT_WINDOW, TensorFilter
+from . import DEFAULT_CONCURRENCY, TensorFilter
 from . import load_file as _load_file
 
 __all__ = ["load_file"]
@@ -21,7 +21,7 @@ def load_file(
     concurrency: int = DEFAULT_CONCURRENCY,
     process_group: Any = None,
     tensor_filter: TensorFilter = None,
-    window: Size = DEFAULT_WINDOW,
+    window: Size | None = None,
     **options: Unpack[LoadOptions],
 ) -> dict[str, Any]:
     """Like ``safetensors.torch.load_file``: a dict of PyTorch tensors, each a
