@@ -32,7 +32,8 @@ use std::io;
 
 pub(crate) use crate::sys::cuda::copy_htod_async;
 pub use crate::sys::cuda::{
-    device_count, driver_version, Context, CudaError, DeviceBuffer, DeviceRange, Event, PinnedStaging, Stream,
+    copy_timeout, device_count, driver_version, Context, CudaError, DeviceBuffer, DeviceRange, Event,
+    PinnedStaging, Stream,
 };
 
 /// Keeps the [`CudaError`] (its [`CudaError::errno`] too, through
