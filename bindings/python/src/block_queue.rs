@@ -14,7 +14,7 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::{detached, guard, SIGNAL_POLL};
+use crate::{detached, guard, wait_in_slices, SIGNAL_POLL};
 
 /// An OSError whose errno picks the Python subclass: TimeoutError,
 /// BrokenPipeError, ...; bad arguments are ValueError.
@@ -29,7 +29,9 @@ fn queue_error(err: io::Error) -> PyErr {
     PyOSError::new_err((errno, err.to_string()))
 }
 
-fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+/// A timeout in seconds as a duration (a negative or non-finite one is a
+/// ValueError).
+pub(crate) fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     timeout
         .map(|t| {
             Duration::try_from_secs_f64(t).map_err(|e| PyValueError::new_err(format!("timeout {t}: {e}")))
@@ -120,16 +122,8 @@ impl BlockQueue {
 /// or the wait ran out and the receive reports the timeout as before.
 fn wait_for_peer(py: Python<'_>, conn: &Connection, timeout: Option<Duration>) -> PyResult<Option<Duration>> {
     let deadline = timeout.map(|t| Instant::now() + t);
-    loop {
-        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let slice = left.map_or(SIGNAL_POLL, |left| left.min(SIGNAL_POLL));
-        if detached(py, || conn.wait_readable(slice))?.map_err(queue_error)?
-            || left.is_some_and(|l| l <= slice)
-        {
-            return Ok(deadline.map(|d| d.saturating_duration_since(Instant::now())));
-        }
-        py.check_signals()?;
-    }
+    wait_in_slices(py, timeout, |slice| conn.wait_readable(slice))?.map_err(queue_error)?;
+    Ok(deadline.map(|d| d.saturating_duration_since(Instant::now())))
 }
 
 #[pymethods]

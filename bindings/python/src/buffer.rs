@@ -20,39 +20,23 @@ use super::*;
 /// number or a socket without one.
 fn socket_timeout(socket: &Bound<'_, PyAny>) -> PyResult<Option<Duration>> {
     let Ok(gettimeout) = socket.getattr("gettimeout") else { return Ok(None) };
-    gettimeout
-        .call0()?
-        .extract::<Option<f64>>()?
-        .map(|t| {
-            Duration::try_from_secs_f64(t)
-                .map_err(|e| PyValueError::new_err(format!("the socket's timeout {t}: {e}")))
-        })
-        .transpose()
+    crate::block_queue::seconds(gettimeout.call0()?.extract::<Option<f64>>()?)
 }
 
-/// Waits until `ready(slice)` says so, in [`SIGNAL_POLL`] slices with the
-/// GIL released and a look for signals between them (Ctrl-C raises), up
-/// to `timeout` (`None`: for ever; then `TimeoutError` saying `what`).
-fn wait_in_slices(
+/// Waits until `ready(slice)` says so, as [`wait_in_slices`] does, up to
+/// `timeout` (`None`: for ever; then `TimeoutError` saying `what`).
+fn wait_on_socket(
     py: Python<'_>,
     timeout: Option<Duration>,
     what: &str,
     ready: impl Fn(Duration) -> std::io::Result<bool> + Sync,
 ) -> PyResult<()> {
-    let deadline = timeout.map(|t| Instant::now() + t);
-    loop {
-        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let slice = left.map_or(SIGNAL_POLL, |left| left.min(SIGNAL_POLL));
-        let readied = detached(py, || ready(slice))?;
-        if readied.map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(libc::EIO), e.to_string())))? {
-            return Ok(());
-        }
-        if left.is_some_and(|left| left <= slice) {
-            let waited = timeout.unwrap_or_default().as_secs_f64();
-            return Err(PyOSError::new_err((libc::ETIMEDOUT, format!("{what} within {waited} s"))));
-        }
-        py.check_signals()?;
+    let readied = wait_in_slices(py, timeout, ready)?;
+    if readied.map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(libc::EIO), e.to_string())))? {
+        return Ok(());
     }
+    let waited = timeout.unwrap_or_default().as_secs_f64();
+    Err(PyOSError::new_err((libc::ETIMEDOUT, format!("{what} within {waited} s"))))
 }
 
 /// Bytes loaded from a file, in memfd (or anonymous) memory.
@@ -262,7 +246,7 @@ impl Buffer {
             let buffer = self.open()?;
             // A receiver that never reads fills the socket: wait for room
             // in slices that answer Ctrl-C, up to the socket's timeout.
-            wait_in_slices(py, timeout, "send: the receiver took nothing", |slice| {
+            wait_on_socket(py, timeout, "send: the receiver took nothing", |slice| {
                 conn.wait_writable(slice)
             })?;
             detached(py, || buffer.send(&conn))?.map_err(|e| os_error(&e))
@@ -282,7 +266,7 @@ impl Buffer {
             let started = Instant::now();
             // A sender that never sends must not hold this thread past
             // Ctrl-C: wait in slices that answer it.
-            wait_in_slices(py, timeout, "receive: no buffer arrived", |slice| conn.wait_readable(slice))?;
+            wait_on_socket(py, timeout, "receive: no buffer arrived", |slice| conn.wait_readable(slice))?;
             let buffer = detached(py, || dmaload::Buffer::receive(&conn))?.map_err(|e| os_error(&e))?;
             let report = dmaload::share::handoff_report(
                 std::path::Path::new("socket"),

@@ -303,6 +303,26 @@ impl Progress {
 /// (Ctrl-C): the bound on how late `KeyboardInterrupt` is raised.
 pub(crate) const SIGNAL_POLL: Duration = Duration::from_millis(20);
 
+/// Polls `ready(slice)` (a wait of at most `slice` on a descriptor) in
+/// [`SIGNAL_POLL`] slices with the GIL released, looking for signals
+/// between them (Ctrl-C raises), until it says ready (`Ok(true)`), fails,
+/// or `timeout` runs out (`Ok(false)`; `None`: for ever).
+pub(crate) fn wait_in_slices(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    ready: impl Fn(Duration) -> std::io::Result<bool> + Sync,
+) -> PyResult<std::io::Result<bool>> {
+    let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+        let slice = left.map_or(SIGNAL_POLL, |left| left.min(SIGNAL_POLL));
+        match detached(py, || ready(slice))? {
+            Ok(false) if !left.is_some_and(|left| left <= slice) => py.check_signals()?,
+            other => return Ok(other),
+        }
+    }
+}
+
 /// Runs `work` with the GIL released on a thread of its own while this
 /// thread checks for signals every [`SIGNAL_POLL`]: a pending one (Ctrl-C)
 /// cancels `cancel`, waits for `work` to stop, and is raised. A panic in

@@ -8,7 +8,8 @@
 mod common;
 
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use common::{scratch_dir, skip, write_pattern_file};
 use dmaload::cuda::{Context, DeviceBuffer, DeviceRange, Event, PinnedStaging, Stream};
@@ -34,14 +35,24 @@ fn emulator(test: &str) -> bool {
 }
 
 /// Runs `case` in a child of this test binary (`child_cases` dispatches it)
-/// with the emulator settings `env`.
+/// with the emulator settings `env`; a child still running after two
+/// minutes is killed and fails the test (a hang, never a pass).
 fn run_child(case: &str, env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command.args(["child_cases", "--exact", "--nocapture", "--test-threads=1"]).env(CHILD_CASE, case);
     for (name, value) in env {
         command.env(name, value);
     }
-    command.output().unwrap()
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("child {case} hung: {}", text(&child.wait_with_output().unwrap()));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
 }
 
 fn text(out: &Output) -> String {
@@ -412,26 +423,9 @@ fn a_copy_that_never_completes_fails_the_load_after_the_timeout_and_nothing_hang
         return;
     }
     let (_dir, path) = fault_file();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["child_cases", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_CASE, "load")
-        .env("DMALOAD_EMU_FAULTS", "copy#3=hang")
-        .env("DMALOAD_CUDA_TIMEOUT", "1")
-        .env(CHILD_FILE, &path)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while child.try_wait().unwrap().is_none() {
-        if std::time::Instant::now() > deadline {
-            child.kill().unwrap();
-            let output = text(&child.wait_with_output().unwrap());
-            panic!("the child hung on the copy that never completes: {output}");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
+    let env =
+        [("DMALOAD_EMU_FAULTS", "copy#3=hang"), ("DMALOAD_CUDA_TIMEOUT", "1"), (CHILD_FILE, path.as_str())];
+    let out = run_child("load", &env);
     let output = text(&out);
     assert!(out.status.success(), "{output}");
     let error = output
