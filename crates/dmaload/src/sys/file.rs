@@ -1,13 +1,11 @@
-//! Files: statx alignment, statfs, positioned reads into mappings, fadvise,
+//! Files: statx alignment, statfs, fadvise,
 //! and the in-kernel copies (sendfile, splice, copy_file_range).
 
 use std::io;
 use std::mem::MaybeUninit;
-use std::ops::Range;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use super::check;
-use super::mem::MappingWriter;
 
 /// O_DIRECT alignment of an open file, from `statx(STATX_DIOALIGN)` (Linux 6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,22 +99,6 @@ pub fn filesystem_magic(fd: BorrowedFd<'_>) -> io::Result<i64> {
     check(unsafe { libc::fstatfs(fd.as_raw_fd(), st.as_mut_ptr()) })?;
     // SAFETY: filled by a successful fstatfs.
     Ok(unsafe { st.assume_init() }.f_type)
-}
-
-/// `preadv2(2)` (Linux 4.6) of `range` of the mapping from `offset`, with
-/// per-call `RWF_*` flags (e.g. `RWF_DONTCACHE`, Linux 6.14).
-pub fn pread_into(
-    fd: BorrowedFd<'_>,
-    dst: MappingWriter<'_>,
-    range: Range<usize>,
-    offset: u64,
-    flags: libc::c_int,
-) -> io::Result<usize> {
-    let iov = dst.iovec(&range);
-    // SAFETY: the iovec lies inside a mapping kept alive and free of Rust
-    // references by `dst`'s borrow; preadv2 writes at most iov_len bytes.
-    let ret = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
-    super::check_size(ret)
 }
 
 /// `posix_fadvise(2)` over a byte range.

@@ -256,7 +256,7 @@ impl RingMemory for MappingWriter<'_> {
         offset: u64,
         rw_flags: i32,
     ) -> io::Result<usize> {
-        super::file::pread_into(fd, *self, range, offset, rw_flags)
+        self.pread_at(fd, range, offset, rw_flags)
     }
 }
 

@@ -4,6 +4,7 @@
 use std::io;
 use std::marker::PhantomData;
 use std::ops::Range;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
 
 use super::check;
@@ -45,6 +46,23 @@ impl<'m> MappingWriter<'m> {
         );
         // SAFETY: start <= len, so the offset stays inside (or one past) the mapping.
         (unsafe { self.ptr.as_ptr().add(range.start) }, range.end - range.start)
+    }
+
+    /// One `preadv2(2)` (Linux 4.6) of `fd` at `offset` into `range` of the
+    /// mapping, with per-call `RWF_*` flags (e.g. `RWF_DONTCACHE`, Linux
+    /// 6.14); returns the count read, which may be short.
+    pub fn pread_at(
+        &self,
+        fd: BorrowedFd<'_>,
+        range: Range<usize>,
+        offset: u64,
+        flags: libc::c_int,
+    ) -> io::Result<usize> {
+        let iov = self.iovec(&range);
+        // SAFETY: the iovec lies inside a mapping kept alive and free of Rust
+        // references by this writer's borrow; preadv2 writes at most iov_len bytes.
+        let ret = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, offset as libc::off_t, flags) };
+        crate::sys::check_size(ret)
     }
 
     /// Allocates and maps the pages of `range` on `threads` threads, each
@@ -149,7 +167,8 @@ impl<'m> MappingWriter<'m> {
         unsafe { std::ptr::copy(ptr.cast_const(), dst.writer().ptr.as_ptr(), len) };
     }
 
-    /// The `iovec` of `range`, for registering it with io_uring.
+    /// The `iovec` of `range`, for registering it with io_uring and for
+    /// [`Self::pread_at`].
     pub(in crate::sys) fn iovec(&self, range: &Range<usize>) -> libc::iovec {
         let (ptr, len) = self.raw_range(range);
         libc::iovec { iov_base: ptr.cast(), iov_len: len }
