@@ -10,7 +10,10 @@ rank count and page-cache state, each engine a fresh process
   warm   every shard read once first, so that it is in the page cache
 
 Reported per format, ranks and state: vLLM's own "Loading weights took"
-(the slowest rank's; runai_streamer's loader prints none: "-"), the time to the first token from the process's start
+(the slowest rank's; runai_streamer's loader prints none: "-"); the model
+build and the weights together, vLLM's "Initializing model took" plus
+"Loading weights took" (the slowest rank's sum: dmaload begins its read
+inside the build, which the first line alone leaves out); the time to the first token from the process's start
 (vLLM's import and engine start included), and the bytes read from the
 block device holding the checkpoint during the run (/sys/dev/block/.../stat:
 the whole machine's reads, since an engine's worker processes are not all
@@ -46,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ROOT / "tests" / "engines"
 FORMATS = ["dmaload", "safetensors", "fastsafetensors", "runai_streamer", "instanttensor"]
 LOADING = re.compile(r"Loading weights took ([0-9.]+) seconds")
+BUILDING = re.compile(r"Initializing model took ([0-9.]+) seconds")
 ERROR = re.compile(r"\b\w+Error: ")
 NOT_CAUSES = ("Tokenizer not available", "Engine core initialization failed", "Worker failed with error")
 
@@ -116,8 +120,11 @@ def serve(
         result["error"] = (errors[0] if errors else output[-300:]).strip()[-300:]
         return result
     result.update(json.loads(line[len("RESULT ") :]))
+    builds = [float(m) for m in BUILDING.findall(output)]
     if loads:  # runai_streamer's loader does not print it
         result["load_s"] = max(loads)
+        if len(builds) == len(loads):  # each rank's build + weights, the slowest rank's
+            result["build_and_load_s"] = max(b + w for b, w in zip(builds, loads))
     result["dmaload_lines"] = [x.split("dmaload: ", 1)[1] for x in output.splitlines() if "dmaload: loaded" in x]
     return result
 
@@ -187,9 +194,9 @@ def main() -> None:
 
     print(f"\nmodel: {len(shards(model))} shards, {total / 2**30:.2f} GiB; {a.rounds} round(s); machine: "
           f"{os.cpu_count()} CPUs; dmaload's extra config: {a.dmaload_config}")
-    print("| format | ranks | state | Loading weights took, s | first token from start, s | device reads, GiB "
-          "| dmaload ranks' own reads, x checkpoint | tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | ranks | state | Loading weights took, s | model build + weights, s "
+          "| first token from start, s | device reads, GiB | dmaload ranks' own reads, x checkpoint | tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for fmt in formats:
         if fmt in broken:
             continue
@@ -202,6 +209,7 @@ def main() -> None:
                 own = [own_reads(r) * 2**30 / total for r in mine if r.get("dmaload_lines")]
                 print(
                     f"| {fmt} | {n} | {state} | {median_range([float(r['load_s']) for r in mine if 'load_s' in r])} | "  # type: ignore[arg-type]
+                    f"{median_range([float(r['build_and_load_s']) for r in mine if 'build_and_load_s' in r])} | "  # type: ignore[arg-type]
                     f"{median_range([float(r['first_token_s']) for r in mine])} | "  # type: ignore[arg-type]
                     f"{median_range(reads)} | {median_range(own)} | {same} |"
                 )

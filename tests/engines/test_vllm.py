@@ -63,6 +63,9 @@ def test_dmaload_serves_the_same_tokens_as_safetensors(tiny_llama: Path, safeten
     assert "dmaload: loaded 39 tensors" in output, output[-4000:]
     assert "1 rank(s) shared the reads" in output
     assert "Loading weights took" in output
+    # One rank: the read began in create_model, before vLLM built the
+    # model, and the weights iterator took it over (its summary says so).
+    assert "before the engine asked for the first tensor (before the model was built)" in output, output[-4000:]
     assert "dmaload: loaded" not in reference_output
 
 
@@ -79,6 +82,9 @@ def test_two_tensor_parallel_ranks_share_the_reads(tiny_llama: Path) -> None:
     tokens, output = _serve(tiny_llama, "dmaload", tp=2, env=bind)
     assert tokens == reference
     assert output.count("2 rank(s) shared the reads") == 2, output[-4000:]
+    # Several ranks start reading when vLLM asks for the weights: their
+    # exchanges must not run beside whatever vLLM does building the model.
+    assert "before the model was built" not in output
 
 
 def test_a_restarted_engine_takes_its_weights_from_the_cache_service(

@@ -212,3 +212,53 @@ def test_ctrl_c_reaches_a_consumer_waiting_for_bytes(model: Path, monkeypatch: p
         signal.signal(signal.SIGINT, previous)
     assert count < len(_reference(model))
     assert not [t for t in threading.enumerate() if t.name == "dmaload-window-loader"]
+
+
+def _stream(model: Path) -> _collective.Stream:
+    return _collective.Stream(sorted(model.glob("*.safetensors")), recycle=True)
+
+
+def test_a_stream_started_before_its_iteration_reads_then_hands_out_the_same_tensors(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a serving engine does while it builds its model: ``start()``
+    reads before anyone asks for a tensor (the first bytes come in with no
+    consumer), and the iteration then takes over those bytes."""
+    first_bytes_in = threading.Event()
+    _hold_after_first_arrival(monkeypatch, lambda _arrived: first_bytes_in.set())
+    reference = _reference(model)
+    stream = _stream(model)
+    assert stream.arrived() == 0
+    stream.start()
+    assert first_bytes_in.wait(GUARD_S), "nothing was read before the iteration began"
+    assert stream.arrived() > 0
+    got = {name: t.clone() for name, t in stream}
+    assert sorted(got) == sorted(reference)
+    assert all(_same_bytes(got[n], reference[n]) for n in reference)
+    assert not [t for t in threading.enumerate() if t.name == "dmaload-window-loader"]
+
+
+def test_a_stream_started_and_closed_unread_stops_its_load_and_closes_its_files(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine whose model build fails closes the read it began: the load
+    under way is cancelled (held here until the stream says stop), the
+    thread is waited for and the files are closed."""
+    held = threading.Event()
+
+    def hold_until_stopped(arrived: Callable[[int], Any]) -> None:
+        held.set()
+        stop = arrived.__self__._stop  # type: ignore[attr-defined]  # the _Arrival's: set by close()
+        assert stop.wait(GUARD_S), "close() never stopped the load"
+
+    _hold_after_first_arrival(monkeypatch, hold_until_stopped)
+    stream = _stream(model)
+    fds = list(stream._fds)
+    stream.start()
+    assert held.wait(GUARD_S)
+    stream.close()
+    assert not [t for t in threading.enumerate() if t.name == "dmaload-window-loader"]
+    for fd in fds:
+        with pytest.raises(OSError) as closed:
+            os.fstat(fd)
+        assert closed.value.errno == errno.EBADF

@@ -6,17 +6,20 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from .._cache import Cache
+from .._cache import Cache, socket_for
 from .._options import LoadOptions, native_options, parse_size
 from ..safetensors import TensorFilter, iter_tensors
+from ..safetensors._collective import Stream
 
 EXTRA_CONFIG_KEYS = ("window", "collective", "cache", *LoadOptions.__annotations__)
 """The keys of ``--model-loader-extra-config`` the loaders take (documented
 in README.md, "Serving engines"): ``window`` (bytes read and exchanged at a
-time, an int or ``"64M"``; by default 64 MiB across several ranks, and one
-load per file for one rank, handing out each tensor as its bytes arrive),
+time, an int or ``"64M"``; by default 64 MiB across several ranks, and for
+one rank 64 MiB of a file mostly in the page cache, one load per file of
+any other, handing out each tensor as its bytes arrive),
 ``collective`` (``false``: every rank reads the
 whole checkpoint itself instead of 1/N of it), ``cache`` (``true`` or the
 model-cache service's socket; ``DMALOAD_CACHE`` in the environment does the
@@ -80,6 +83,48 @@ def storage_read_bytes() -> int | None:
     return None
 
 
+@dataclass
+class EarlyRead:
+    """A read of an engine's checkpoint begun before the engine asks for
+    the weights (:func:`start_early`), which :func:`weights` takes over."""
+
+    stream: Stream
+    started: float
+    """``time.perf_counter()`` when it began."""
+    read_before: int | None
+    """This process's storage reads then (:func:`storage_read_bytes`)."""
+    taken: bool = False
+    """Whether :func:`weights` has taken it over (once only)."""
+
+    @property
+    def paths(self) -> list[Path]:
+        return self.stream.paths
+
+    def close(self) -> None:
+        """Stops the read (its thread is waited for) and closes the files."""
+        self.stream.close()
+
+
+def start_early(files: Sequence[str], device: Any, config: LoaderConfig) -> EarlyRead | None:
+    """This process's read of ``files`` (one rank: no group), begun now, in
+    the window buffers :func:`weights` will hand tensors out of (at most
+    three windows, as there), or None where it cannot begin before the
+    engine asks (a model-cache service: the files come whole from it)."""
+    if socket_for(config.cache) is not None:
+        return None
+    read_before = storage_read_bytes()
+    started = time.perf_counter()
+    stream = Stream(
+        [Path(f) for f in files], None, device, window=config.window, recycle=True, options=dict(config.options)
+    )
+    try:
+        stream.start()
+    except BaseException:
+        stream.close()
+        raise
+    return EarlyRead(stream, started, read_before)
+
+
 def weights(
     files: Sequence[str],
     device: Any,
@@ -91,14 +136,17 @@ def weights(
     log: logging.Logger,
     bar_format: str | None = None,
     tqdm_position: Callable[[], int] | None = None,
+    early: EarlyRead | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """``(name, tensor)`` for each tensor of ``files`` this rank wants, on
     ``device``, read once across ``process_group`` (when several ranks load
     the same files); a tqdm bar in bytes (so with GB/s) where
-    ``show_progress``, and one summary line on ``log`` at the end."""
+    ``show_progress``, and one summary line on ``log`` at the end. With
+    ``early`` (the same files, one rank, no filter), the tensors come from
+    that read, begun before: the summary says how far it had come."""
     group = process_group if config.collective else None
     started = time.perf_counter()
-    read_before = storage_read_bytes()
+    read_before = storage_read_bytes() if early is None else early.read_before
     bar = None
     if show_progress:
         try:
@@ -122,8 +170,16 @@ def weights(
             bar.update(done - bar.n)
 
     count = nbytes = 0
-    try:
-        for name, tensor in iter_tensors(
+    early_note = ""
+    if early is not None:
+        early.stream.progress = progress if bar is not None else None
+        tensors: Iterator[tuple[str, Any]] = iter(early.stream)
+        early_note = (
+            f"; the read began {started - early.started:.2f} s before the engine asked for the first tensor "
+            f"(before the model was built) and had {early.stream.arrived() / 2**30:.3f} GiB in by then"
+        )
+    else:
+        tensors = iter_tensors(
             list(files),
             device,
             process_group=group,
@@ -135,7 +191,9 @@ def weights(
             # asks for the next one.
             recycle=True,
             **config.options,
-        ):
+        )
+    try:
+        for name, tensor in tensors:
             count += 1
             nbytes += tensor.numel() * tensor.element_size()
             yield name, tensor
@@ -152,7 +210,7 @@ def weights(
     read = f"{(read_after - read_before) / 2**30:.3f} GiB" if read_before is not None and read_after is not None else "n/a"
     log.info(
         "dmaload: loaded %d tensors, %.3f GiB in %.2f s (%.2f GB/s, including the engine's work between "
-        "tensors) on %s; %d rank(s) shared the reads, this process read %s from storage",
+        "tensors) on %s; %d rank(s) shared the reads, this process read %s from storage%s",
         count,
         nbytes / 2**30,
         seconds,
@@ -160,5 +218,6 @@ def weights(
         device,
         ranks,
         read,
+        early_note,
     )
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from vllm.model_executor.model_loader.weight_utils import (
     filter_safetensors_files_by_weight_name,
 )
 
-from ._weights import LoaderConfig, weights, world_device_group
+from ._weights import EarlyRead, LoaderConfig, start_early, weights, world_device_group
 
 __all__ = ["LOAD_FORMAT", "DmaloadModelLoader", "register"]
 
@@ -60,6 +61,46 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
         # DefaultModelLoader finds the files of the "safetensors" format and
         # refuses extra config keys it does not know: it gets its own.
         super().__init__(dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=extra))
+
+    def create_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+        """vLLM's model build, with this rank's read of the checkpoint's
+        first files started before it (one rank only): the weights
+        iterator then takes over the bytes already in. Started here, inside
+        what vLLM times as "Initializing model took", so that its two lines
+        together still cover everything dmaload does."""
+        self._early = self._start_early(vllm_config, model_config)
+        try:
+            return super().create_model(vllm_config, model_config, prefix)
+        except BaseException:
+            self._drop_early()
+            raise
+
+    def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+        try:
+            return super().load_model(vllm_config, model_config, prefix)
+        finally:
+            self._drop_early()  # a load that failed before its weights
+
+    def _start_early(self, vllm_config: Any, model_config: Any) -> EarlyRead | None:
+        """The read of the model's files begun now, or None where it must
+        wait for ``load_weights``: several ranks (their exchanges run
+        collectives, which must not interleave with any vLLM runs while
+        building the model), a model-cache service, or an expert-parallel
+        MoE (whose filter is known only then)."""
+        expert_parallel = model_config.is_moe and vllm_config.parallel_config.enable_expert_parallel
+        if _world_device_group() is not None or expert_parallel:
+            return None
+        _, files, use_safetensors, _ = self._prepare_weights(
+            model_config.model, None, model_config.revision, True, None
+        )
+        if not use_safetensors:
+            return None
+        return start_early(files, _device(), self.dmaload_config)
+
+    def _drop_early(self) -> None:
+        early, self._early = getattr(self, "_early", None), None
+        if early is not None:
+            early.close()
 
     def _get_weights_iterator(self, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
         hf_folder, files, use_safetensors, index_file = self._prepare_weights(
@@ -81,12 +122,24 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
             )
         if source.is_unused_weight is not None:
             files = filter_safetensors_files_by_weight_name(files, source.is_unused_weight)
+        group, tensor_filter = _world_device_group(), _expert_filter(self.local_expert_ids)
+        # The read begun in create_model, for the files it read; load_model
+        # closes it in the end whatever happens here.
+        early = getattr(self, "_early", None)
+        if early is not None and early.taken:
+            early = None  # a secondary source: a load of its own
+        elif early is not None and (group is not None or tensor_filter is not None or early.paths != [Path(f) for f in files]):
+            self._drop_early()  # not the load that was begun: its reads stop now
+            early = None
+        if early is not None:
+            early.taken = True
         tensors = weights(
             files,
             _device(),
             self.dmaload_config,
-            process_group=_world_device_group(),
-            tensor_filter=_expert_filter(self.local_expert_ids),
+            process_group=group,
+            tensor_filter=tensor_filter,
+            early=early,
             show_progress=enable_tqdm(self.load_config.use_tqdm_on_load),
             log=logger,
             bar_format=_BAR_FORMAT,

@@ -757,8 +757,9 @@ def iter_tensors(
     model (PyTorch tensors on ``device``), in file and data order, handed
     out while later ones are still being read: at most about three windows
     are held beyond the tensors the caller keeps. A window is ``window``
-    bytes with a group (64 MiB by default); without one, by default, a
-    file's whole run of wanted tensors, read by one load whose tensors are
+    bytes with a group (64 MiB by default); without one, by default, 64
+    MiB of a file mostly in the page cache and otherwise a file's whole
+    run of wanted tensors, read by one load whose tensors are
     handed out as soon as their bytes have arrived (waiting for them holds
     no GIL; Ctrl-C interrupts it).
 

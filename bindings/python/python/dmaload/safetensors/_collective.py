@@ -35,14 +35,16 @@ collectives are matched across ranks in order.
 
 Without a group the same plan serves one process, read differently: a
 window is a whole run of adjacent wanted tensors of a file (unless
-``window`` is given), read by one load (``load_into`` with ``arrived``:
+``window`` is given, or the file is mostly in the page cache: then
+``DEFAULT_WINDOW``, see ``Stream._windows_alone``), read by one load (``load_into`` with ``arrived``:
 the pipeline says, gather by gather, that the window's bytes ``0..n`` are
 in) while its tensors are handed out as soon as their bytes are; the next
 window's load starts as soon as this one's ends. So a filter leaves unread
 what it excludes, the disk sees one queue per file instead of one per
 window, and the first tensors come while the rest of the file is still on
 the disk. A failed read raises :class:`CollectiveLoadError` at the next
-tensor: nothing after it is handed out.
+tensor: nothing after it is handed out. ``Stream.start`` begins the reads
+before the iteration (up to two windows ahead of it, in the same buffers).
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ name, or None for all."""
 
 DEFAULT_WINDOW = 64 << 20
 """Bytes of tensors read and exchanged at a time with a group
-(``window=None``); without one a window is a file's whole run of wanted
-tensors."""
+(``window=None``); without one, of a file mostly in the page cache, and
+otherwise a window is a file's whole run of wanted tensors."""
 
 _ALIGN = 4096
 """Slots start at this multiple of the file offset (direct-I/O alignment)."""
@@ -113,13 +115,15 @@ def wants(tensor_filter: TensorFilter) -> Callable[[str], bool]:
     return names.__contains__
 
 
-def _windows(headers: list[Header], wanted: list[bool], window: int | None, ranks: int) -> list[_Window]:
+def _windows(headers: list[Header], wanted: list[bool], windows: list[int | None], ranks: int) -> list[_Window]:
     """The windows of the wanted tensors (``wanted`` is indexed like the
-    tensors of all headers in order), in file and data order; ``window``
-    None: each run of adjacent wanted tensors is one window."""
+    tensors of all headers in order), in file and data order; ``windows``
+    has each file's window size, None: each run of adjacent wanted tensors
+    of that file is one window."""
     out: list[_Window] = []
     k = 0
     for i, header in enumerate(headers):
+        window = windows[i]
         run: list[TensorInfo] = []
 
         def close() -> None:
@@ -286,13 +290,16 @@ class Stream:
         self._target = torch.device(device if device is not None else "cpu")
         if self._group is not None and self._group.device.type != "cpu" and self._target != self._group.device:
             raise ValueError(f"device={device!r}: this NCCL group exchanges on {self._group.device}: load there")
-        self._progress = progress
+        self.progress = progress
+        """Counts the bytes of the tensors handed out (may be set until the
+        iteration begins)."""
         # Without a group a window is read into host memory and each tensor
         # goes on to the device as it is handed out.
         device_of_buffers = self._group.device if self._group else torch.device("cpu")
         self._recycle = recycle
         self._make_buffer: Callable[[int], Any] = lambda n: _aligned_empty(torch, n, device_of_buffers)
         self.paths = paths
+        self._ahead: _StreamAhead | None = None
         self._fds: list[int] = []
         self.headers: list[Header] = []
         failure: BaseException | None = None
@@ -319,7 +326,7 @@ class Stream:
             if failure is not None:
                 raise failure
             wanted = [bool(self._wants(t.name)) for h in self.headers for t in h.tensors]
-            self.windows = _windows(self.headers, wanted, self._window, 1)
+            self.windows = _windows(self.headers, wanted, self._windows_alone(), 1)
             self._buffers = self._ring(1)
             return
         where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
@@ -337,14 +344,52 @@ class Stream:
         mine = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
         everyone = _collective(group, doing, group.gather_ints, mine) if mine else []
         wanted = [any(row[k] for row in everyone) for k in range(len(mine))]
-        self.windows = _windows(self.headers, wanted, self._window, group.size)
+        self.windows = _windows(self.headers, wanted, [self._window] * len(self.headers), group.size)
         self._buffers = self._ring(group.size)
+
+    def _windows_alone(self) -> list[int | None]:
+        """Each file's window size without a group. ``window`` given: that.
+        Otherwise a file mostly in the page cache (``CACHED_SHARE``, the
+        share from which a load copies from the cache) is read in
+        ``DEFAULT_WINDOW`` windows, each its own load, reusing the ring's
+        memory (a page-cache copy keeps no disk queue to keep full, and a
+        whole-file window costs a shard's worth of fresh memory per ring
+        buffer: docs/benchmarks.md); any other file in one load (None)."""
+        if self._window is not None:
+            return [self._window] * len(self.headers)
+        if self._native.get("mode") == "direct":
+            return [None] * len(self.headers)  # the disk is read whatever the cache holds
+        out: list[int | None] = []
+        for fd, header in zip(self._fds, self.headers):
+            length = max((t.end for t in header.tensors), default=0)
+            share = _dmaload.page_cache_share(f"/proc/self/fd/{fd}", header.data_start, length) if length else None
+            out.append(DEFAULT_WINDOW if share is not None and share >= _dmaload.CACHED_SHARE else None)
+        return out
 
     def _ring(self, ranks: int) -> _Buffers:
         largest = max((ranks * w.slot for w in self.windows), default=0)
         return _Buffers(self._recycle, self._make_buffer, largest)
 
+    def start(self) -> _StreamAhead:
+        """Starts reading now, before the iteration asks for a tensor (a
+        load without a group only; the iteration then takes over what has
+        arrived): a thread loads the first windows, up to two ahead, into
+        the buffers the iteration will use, so memory stays bounded as in
+        the iteration. ``close()`` stops it."""
+        if self._group is not None:
+            raise ValueError("a load shared by a group starts with its iteration")
+        if self._ahead is None:
+            self._ahead = _StreamAhead(self.windows, self._take, self._load, self._buffers.wake)
+        return self._ahead
+
+    def arrived(self) -> int:
+        """Bytes read so far by the reading :meth:`start` began (0 before it)."""
+        return self._ahead.arrived() if self._ahead is not None else 0
+
     def close(self) -> None:
+        """Stops the reading (waiting for its thread) and closes the files."""
+        if self._ahead is not None:
+            self._ahead.close()
         fds, self._fds = self._fds, []
         for fd in fds:
             os.close(fd)
@@ -417,11 +462,11 @@ class Stream:
         wants, target = self._wants, self._target
         total = sum(t.nbytes for w in self.windows for t in w.tensors if wants(t.name))
         desc = self.paths[0].name if len(self.paths) == 1 else f"{len(self.paths)} files"
-        callback, finish = resolve(self._progress, desc)
+        callback, finish = resolve(self.progress, desc)
         done = 0
-        windows: Generator[tuple[_Window, Any, Any, _Arrival | None], None, None]
+        windows: _StreamAhead | Generator[tuple[_Window, Any, Any, None], None, None]
         if self._group is None:
-            windows = _stream_ahead(self.windows, self._take, self._load, self._buffers.wake)
+            windows = self.start()
         else:
             windows = _without_arrivals(_read_ahead(self.windows, self._read, self._buffers.wake))
         handed: list[Any] = []  # the buffers of the windows handed out, last two
@@ -488,6 +533,10 @@ class _Arrival:
             self._done = True
             self._changed.notify_all()
 
+    def count(self) -> int:
+        """Bytes ``0..n`` known to be in."""
+        return self._n
+
     def wait(self, n: int) -> None:
         """Blocks (the GIL released, Ctrl-C raising KeyboardInterrupt) until
         bytes ``0..n`` are in; raises the load's failure once there is one."""
@@ -544,7 +593,7 @@ def _without_arrivals(
     exchanged: Generator[tuple[_Window, Any], None, None],
 ) -> Generator[tuple[_Window, Any, Any, None], None, None]:
     """A group's windows, each complete when handed over, as
-    :func:`_stream_ahead` hands them (closing this closes ``exchanged``)."""
+    :class:`_StreamAhead` hands them (closing this closes ``exchanged``)."""
     try:
         for w, (base, buffer) in exchanged:
             yield w, base, buffer, None
@@ -552,47 +601,67 @@ def _without_arrivals(
         exchanged.close()
 
 
-def _stream_ahead(
-    windows: list[_Window],
-    take: Callable[[_Window], tuple[Any, Any]],
-    load: Callable[[_Window, Any, _Arrival], None],
-    wake: Callable[[], None],
-) -> Generator[tuple[_Window, Any, Any, _Arrival], None, None]:
+class _StreamAhead:
     """``(window, buffer to give back, its bytes, its arrival)`` in order,
-    each handed over as its load starts: a thread loads the windows one
-    after the other, so the caller takes each tensor as soon as
-    ``arrival.wait`` says its bytes are in, and ``arrival.wait_done`` before
-    the next window. A failure is raised by those waits; ``wake`` unblocks a reader waiting for a buffer when the caller
-    leaves, and the load under way is cancelled at its next arrival."""
-    if not windows:
-        return
-    ready: queue.Queue[tuple[_Window, Any, Any, _Arrival]] = queue.Queue(maxsize=1)
-    stop = threading.Event()
+    each handed over as its load starts: a thread, started at once, loads
+    the windows one after the other (up to two ahead of the caller), so
+    the caller takes each tensor as soon as ``arrival.wait`` says its bytes
+    are in, and ``arrival.wait_done`` before the next window. A failure is
+    raised by those waits; ``close`` (which ``wake`` helps: it unblocks a
+    reader waiting for a buffer) cancels the load under way at its next
+    arrival and waits for the thread."""
 
-    def work() -> None:
-        for w in windows:
-            arrival = _Arrival(stop)
-            try:
-                base, buffer = take(w)
-            except _Stopped:
-                return
-            ready.put((w, base, buffer, arrival))
-            if stop.is_set():
-                return
-            try:
-                load(w, buffer, arrival)
-            except BaseException as exc:  # raised to the consumer by its wait
-                arrival.fail(exc)
-                return
-            arrival.finish()
+    def __init__(
+        self,
+        windows: list[_Window],
+        take: Callable[[_Window], tuple[Any, Any]],
+        load: Callable[[_Window, Any, _Arrival], None],
+        wake: Callable[[], None],
+    ) -> None:
+        self._left = len(windows)
+        self._wake = wake
+        self._ready: queue.Queue[tuple[_Window, Any, Any, _Arrival]] = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        self._arrivals: list[_Arrival] = []
 
-    thread = threading.Thread(target=work, name="dmaload-window-loader", daemon=True)
-    thread.start()
-    try:
-        for _ in windows:
-            yield ready.get()
-    finally:
-        _stop_reader(thread, stop, wake, ready)
+        def work() -> None:
+            for w in windows:
+                arrival = _Arrival(self._stop)
+                try:
+                    base, buffer = take(w)
+                except _Stopped:
+                    return
+                self._arrivals.append(arrival)
+                self._ready.put((w, base, buffer, arrival))
+                if self._stop.is_set():
+                    return
+                try:
+                    load(w, buffer, arrival)
+                except BaseException as exc:  # raised to the consumer by its wait
+                    arrival.fail(exc)
+                    return
+                arrival.finish()
+
+        self._thread = threading.Thread(target=work, name="dmaload-window-loader", daemon=True)
+        if windows:
+            self._thread.start()
+
+    def arrived(self) -> int:
+        """Bytes of the windows' ranges read so far."""
+        return sum(a.count() for a in list(self._arrivals))
+
+    def __iter__(self) -> _StreamAhead:
+        return self
+
+    def __next__(self) -> tuple[_Window, Any, Any, _Arrival]:
+        if self._left == 0:
+            raise StopIteration
+        self._left -= 1
+        return self._ready.get()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            _stop_reader(self._thread, self._stop, self._wake, self._ready)
 
 
 def _stop_reader(
