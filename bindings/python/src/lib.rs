@@ -102,6 +102,9 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
         register_seconds,
         first_gather_seconds,
         deliver_seconds,
+        ring_bytes,
+        cache_lane_bytes,
+        cache_lane_threads,
         io_seconds,
         waited_for_memory_seconds,
         total_seconds,
@@ -131,6 +134,9 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     kw.set_item("register_seconds", register_seconds)?;
     kw.set_item("first_gather_seconds", first_gather_seconds)?;
     kw.set_item("deliver_seconds", deliver_seconds)?;
+    kw.set_item("ring_bytes", ring_bytes)?;
+    kw.set_item("cache_lane_bytes", cache_lane_bytes)?;
+    kw.set_item("cache_lane_threads", cache_lane_threads)?;
     kw.set_item("io_seconds", io_seconds)?;
     kw.set_item("waited_for_memory_seconds", waited_for_memory_seconds)?;
     kw.set_item("total_seconds", total_seconds)?;

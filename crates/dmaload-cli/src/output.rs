@@ -128,6 +128,15 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
     if (r.deliver_seconds == 0.0 && !r.destination.contains("staging ring")) || host_through_ring {
         let _ = writeln!(s, "memory    {}: {}", r.memory.name(), r.memory_reason);
     }
+    if r.cache_lane_bytes > 0 {
+        let _ = writeln!(
+            s,
+            "lanes     ring {} | cache lane {} on {} threads (from the page cache)",
+            human_bytes(r.ring_bytes),
+            human_bytes(r.cache_lane_bytes),
+            r.cache_lane_threads
+        );
+    }
     for fallback in &r.fallbacks {
         let _ = writeln!(s, "fallback  {fallback}");
     }

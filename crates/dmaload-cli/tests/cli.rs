@@ -692,10 +692,15 @@ fn a_load_to_cuda_hashes_equal_to_a_host_load() {
         if args.contains(&"cuda:0") {
             // The pinned ring's set-up, before the load, is reported.
             assert!(report["alloc_seconds"].as_f64().unwrap() > 0.0, "{report}");
+            // The file was just written, so in the page cache: `auto` takes
+            // the cache lane, `direct` the ring.
+            let lane = if args.contains(&"direct") { "ring_bytes" } else { "cache_lane_bytes" };
+            assert_eq!(report[lane], report["bytes"], "{report}");
         }
         report["hash"]["xxh3_64"].as_str().unwrap().to_owned()
     };
     assert_eq!(hash_of(&["--to", "cuda:0"]), hash_of(&[]));
+    assert_eq!(hash_of(&["--to", "cuda:0", "--mode", "direct"]), hash_of(&[]));
     assert_eq!(hash_of(&["--to", "cuda:0", "--offset", "4097"]), hash_of(&["--offset", "4097"]));
 }
 

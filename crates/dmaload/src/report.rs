@@ -60,6 +60,14 @@ pub struct LoadReport {
     /// Handing filled staging slots to the sink and waiting for it to
     /// release them, on the helper thread, beside the I/O (staged loads).
     pub deliver_seconds: f64,
+    /// Of `bytes`, those a staged load read through its staging ring, and
+    /// those its sink's cache lane carried from the page cache (a `cuda:N`
+    /// load in `auto` mode: the windows found cached); a host load reads
+    /// all of them in place, counted in neither (both 0).
+    pub ring_bytes: u64,
+    pub cache_lane_bytes: u64,
+    /// Threads of the cache lane (0 when it carried nothing).
+    pub cache_lane_threads: usize,
     /// Reading, from the first request to the last completion, less the time
     /// the reads stalled waiting for memory.
     pub io_seconds: f64,

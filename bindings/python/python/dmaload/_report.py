@@ -57,6 +57,11 @@ class LoadReport:
     register_seconds: float = 0.0
     first_gather_seconds: float = 0.0
     deliver_seconds: float = 0.0
+    ring_bytes: int = 0
+    """Of ``bytes``, those a staged load read through its staging ring."""
+    cache_lane_bytes: int = 0
+    """Of ``bytes``, those a device load's cache lane copied from the page cache."""
+    cache_lane_threads: int = 0
     io_seconds: float = 0.0
     waited_for_memory_seconds: float = 0.0
     total_seconds: float = 0.0

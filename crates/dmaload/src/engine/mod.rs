@@ -90,6 +90,8 @@ struct GateState {
 
 /// A gather that holds no staging slot (yet).
 const NO_SLOT: usize = usize::MAX;
+/// A gather that needs no staging slot: a cache lane carries it.
+const IN_CACHE_LANE: usize = usize::MAX - 1;
 
 impl Gate {
     /// A gate for an operation with `slots` registered-buffer slots.
@@ -151,6 +153,16 @@ impl Gate {
         self.lock().free.push_back(slot);
         self.changed.notify_all();
         self.wake();
+    }
+
+    /// Gather `g` is carried by a cache lane, beside the engine: it takes
+    /// no staging slot, and the gathers after it take theirs as if it had.
+    pub fn pass_over(&self, g: usize) {
+        let mut state = self.lock();
+        if state.slot_of.len() <= g {
+            state.slot_of.resize(g + 1, NO_SLOT);
+        }
+        state.slot_of[g] = IN_CACHE_LANE;
     }
 
     /// The staging slot gather `g` holds (staged loads, once it is ready).

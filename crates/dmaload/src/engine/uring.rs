@@ -79,6 +79,10 @@ pub(crate) fn run<M: RingMemory>(
         while ring.in_flight() < depth && next_chunk < plan.chunk_count() {
             let req = plan.chunk_request(next_chunk);
             let g = plan.gather_of(req.start);
+            if plan.in_cache_lane(g) {
+                next_chunk += 1;
+                continue;
+            }
             if fixed && reached != Some(g) {
                 reached = Some(g);
                 job.gate.reach(g);
