@@ -707,3 +707,22 @@ fn run_pipeline<M: RingMemory, T: Send>(
     });
     (result, helped)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_lane_takes_whole_slots_from_the_rings_end_and_leaves_the_engine_two() {
+        let slot = 16 << 20;
+        // Eight threads of 3 x 2 MiB fill three 16 MiB slots.
+        let share = LaneShare::of(32, slot, 8).unwrap();
+        assert_eq!((share.engine_slots, share.pieces.len()), (29, 8));
+        assert!(share.pieces.iter().flatten().all(|p| p.start >= 29 * slot && p.end <= 32 * slot));
+        // A small ring: the engine keeps two, the lane the rest.
+        let share = LaneShare::of(4, slot, 16).unwrap();
+        assert_eq!((share.engine_slots, share.pieces.len()), (2, 5));
+        // Two slots: none to spare.
+        assert!(LaneShare::of(2, slot, 8).is_none());
+    }
+}
