@@ -97,6 +97,7 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
         chunk_size,
         gather_size,
         queue_depth,
+        request_size,
         fallbacks,
         alloc_seconds,
         register_seconds,
@@ -129,6 +130,7 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     kw.set_item("chunk_size", chunk_size)?;
     kw.set_item("gather_size", gather_size)?;
     kw.set_item("queue_depth", queue_depth)?;
+    kw.set_item("request_size", request_size)?;
     kw.set_item("fallbacks", fallback_objects(&module, fallbacks)?)?;
     kw.set_item("alloc_seconds", alloc_seconds)?;
     kw.set_item("register_seconds", register_seconds)?;

@@ -52,6 +52,8 @@ class LoadReport:
     chunk_size: int = 0
     gather_size: int = 0
     queue_depth: int = 0
+    request_size: int = 0
+    """Bytes one read request asked for at most (``chunk_size`` unless tuned)."""
     fallbacks: tuple[Fallback, ...] = ()
     alloc_seconds: float = 0.0
     register_seconds: float = 0.0

@@ -624,6 +624,8 @@ pub(crate) struct EngineParams {
     /// The device whose reads tune the depth (io_uring only, see
     /// [`crate::tune`]), starting from `queue_depth`.
     pub tune: Option<crate::tune::Device>,
+    /// The request size remembered for that device, where one was.
+    pub request_size: Option<usize>,
 }
 
 impl EngineParams {
@@ -654,9 +656,11 @@ pub(crate) struct Job<'a> {
     pub progress: &'a Progress<'a>,
     pub queue_depth: usize,
     /// Whether io_uring tunes the depth from `queue_depth` as it reads
-    /// ([`crate::tune::DepthTuner`]; the ring must have room for
+    /// and then the request size, from `request_size` or the plan's chunk
+    /// ([`crate::tune::Tuner`]; the ring must have room for
     /// [`crate::tune::MAX_DEPTH`]).
     pub tune: bool,
+    pub request_size: Option<usize>,
 }
 
 impl Job<'_> {
@@ -716,7 +720,7 @@ pub(crate) struct EngineRun {
     /// The engine that actually did the work.
     pub engine: Engine,
     /// How the depth was tuned, when it was.
-    pub tuner: Option<crate::tune::DepthTuner>,
+    pub tuner: Option<crate::tune::Tuner>,
 }
 
 pub(crate) type EngineResult = Result<EngineRun>;

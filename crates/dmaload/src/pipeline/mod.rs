@@ -157,7 +157,8 @@ fn prepare_engine<M: RingMemory>(
 
 /// The engine's parameters for a load with `options` through `setup`:
 /// direct reads by io_uring at the default depth are tuned
-/// ([`crate::tune`]), from the depth remembered for the file's device.
+/// ([`crate::tune`]), from the depth and request size remembered for the
+/// file's device.
 fn load_params(options: &LoadOptions, setup: &ReadSetup) -> EngineParams {
     let tuned = setup.cache == CachePolicy::Bypass
         && options.queue_depth == DEFAULT_QUEUE_DEPTH
@@ -166,22 +167,24 @@ fn load_params(options: &LoadOptions, setup: &ReadSetup) -> EngineParams {
     let remembered = tune.and_then(|device| tune::remembered(&tune::memory_file()?, device));
     EngineParams {
         engine: options.engine,
-        queue_depth: remembered.unwrap_or(options.queue_depth),
+        queue_depth: remembered.map_or(options.queue_depth, |tuned| tuned.depth),
         threads: options.threads,
         cancel: options.cancel.clone(),
         tune,
+        request_size: remembered.and_then(|tuned| tuned.request),
     }
 }
 
-/// After a load that tuned its depth: remembers the depth it kept for the
-/// device when it is not the one the load started from (a window measured
-/// it faster). The memory is a cache: a failure to write it (a read-only
-/// home, say) loses nothing.
+/// After a load that tuned its reads: remembers the depth and request
+/// size it kept for the device when they are not the ones the load started
+/// from (a window measured them faster). The memory is a cache: a failure
+/// to write it (a read-only home, say) loses nothing.
 fn remember_tuned(params: &EngineParams, run: &EngineRun) {
     let (Some(device), Some(tuner)) = (params.tune, run.tuner.as_ref()) else { return };
-    if tuner.kept() != params.queue_depth {
+    if tuner.moved() {
         if let Some(path) = tune::memory_file() {
-            let _ = tune::remember(&path, device, tuner.kept());
+            let tuned = tune::Remembered { depth: tuner.kept(), request: tuner.tuned_request() };
+            let _ = tune::remember(&path, device, tuned);
         }
     }
 }
@@ -596,6 +599,7 @@ fn run_pipeline<M: RingMemory, T: Send>(
         progress: transfer.progress,
         queue_depth: params.queue_depth,
         tune: params.tune.is_some(),
+        request_size: params.request_size,
     };
     let mut fallbacks = Vec::new();
     let (prepared, registrar) = match prepare_engine(path, plan, layout, mem, params, &mut fallbacks) {

@@ -206,6 +206,7 @@ impl Opened<'_> {
             chunk_size: plan.chunk,
             gather_size: plan.gather,
             queue_depth: run.tuner.as_ref().map_or(options.queue_depth, |tuner| tuner.kept()),
+            request_size: run.tuner.as_ref().map_or(plan.chunk, |tuner| tuner.kept_request()),
             fallbacks,
             alloc_seconds: 0.0,
             register_seconds: 0.0,

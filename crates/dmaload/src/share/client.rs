@@ -80,6 +80,7 @@ pub fn handoff_report(
         chunk_size: options.chunk_size,
         gather_size: options.gather_size,
         queue_depth: options.queue_depth,
+        request_size: options.chunk_size,
         fallbacks: Vec::new(),
         alloc_seconds: 0.0,
         register_seconds: 0.0,
