@@ -14,8 +14,15 @@
 #                 load (`copy#N=delay:US`, DELAY_MS, default 200) starting
 #                 late: the seconds it adds to the link-bound load's
 #                 against its own delay (target: at most 1x)
+#   warm lane:    `dmaload load F --to cuda:0`, file in the page cache,
+#                 unlimited link: the cache lane carries every window
+#                 (each thread its own small pinned pieces and stream),
+#                 against the ring the same file took before the lane
+#                 (`--mode buffered --engine pread-pool --threads T`: the
+#                 page-cache copy on the lane's T threads through the
+#                 32 x 16 MiB ring): the lane's GiB/s over the ring's
 #
-# ROUNDS (default 3) interleave the four runs, alternating which of the
+# ROUNDS (default 3) interleave the six runs, alternating which of the
 # two cold runs goes first; the ratios printed are of the medians. SIZE
 # (default 1G) is the test file's, kept under .dev/gpu-emu/ between runs.
 # Strict mode is off (its hashing would compete with the reads).
@@ -47,27 +54,42 @@ gpu_link() { warm; DMALOAD_LIBCUDA=$emu DMALOAD_EMU_LINK_GIBS=$link field total_
 # The middle copy of the load: one per 16 MiB slot.
 slow_copy=$(($(stat -Lc %s "$file") / (16 << 20) / 2 + 1))
 gpu_slow() { DMALOAD_EMU_FAULTS=copy#$slow_copy=delay:$((delay_ms * 1000)) gpu_link; }
+# The warm file over an unlimited link: the cache lane, and the ring on as
+# many threads (the lane's, from its report).
+lane_threads=$(warm; DMALOAD_LIBCUDA=$emu field cache_lane_threads "$cli" load "$file" --to cuda:0)
+warm_lane() { warm; DMALOAD_LIBCUDA=$emu field gib_per_second "$cli" load "$file" --to cuda:0; }
+warm_ring() {
+    warm
+    DMALOAD_LIBCUDA=$emu field gib_per_second "$cli" load "$file" --to cuda:0 --mode buffered \
+        --engine pread-pool --threads "$lane_threads"
+}
 
-link_runs=() slow_runs=() host_runs=() gpu_runs=()
+link_runs=() slow_runs=() host_runs=() gpu_runs=() lane_runs=() ring_runs=()
 for ((r = 0; r < rounds; r++)); do
     link_runs+=("$(gpu_link)") slow_runs+=("$(gpu_slow)")
     if ((r % 2)); then
         gpu_runs+=("$(gpu_cold)") host_runs+=("$(host_cold)")
+        ring_runs+=("$(warm_ring)") lane_runs+=("$(warm_lane)")
     else
         host_runs+=("$(host_cold)") gpu_runs+=("$(gpu_cold)")
+        lane_runs+=("$(warm_lane)") ring_runs+=("$(warm_ring)")
     fi
     echo "round $((r + 1)): link-bound ${link_runs[r]} s, with a slow copy ${slow_runs[r]} s," \
-        "cold to device ${gpu_runs[r]} GiB/s, cold host ${host_runs[r]} GiB/s" >&2
+        "cold to device ${gpu_runs[r]} GiB/s, cold host ${host_runs[r]} GiB/s," \
+        "warm lane ${lane_runs[r]} GiB/s, warm ring ${ring_runs[r]} GiB/s" >&2
 done
 
-python3 - "$link" "$(stat -Lc %s "$file")" "$delay_ms" "${link_runs[*]}" "${slow_runs[*]}" \
-    "${gpu_runs[*]}" "${host_runs[*]}" <<'EOF'
+python3 - "$link" "$(stat -Lc %s "$file")" "$delay_ms" "$lane_threads" "${link_runs[*]}" "${slow_runs[*]}" \
+    "${gpu_runs[*]}" "${host_runs[*]}" "${lane_runs[*]}" "${ring_runs[*]}" <<'EOF'
 import statistics, sys
 link, size, delay = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]) / 1000
-link_s, slow_s, gpu, host = [statistics.median(map(float, a.split())) for a in sys.argv[4:]]
+threads = sys.argv[4]
+link_s, slow_s, gpu, host, lane, ring = [statistics.median(map(float, a.split())) for a in sys.argv[5:]]
 link_rate = size / 2**30 / link_s
 print(f"{'target':<14}{'measured':>16}{'against':>16}{'ratio':>8}")
 print(f"{'link-bound':<14}{link_rate:>10.3f} GiB/s{link:>10.3f} GiB/s{link_rate / link:>8.2f}")
 print(f"{'source-bound':<14}{gpu:>10.3f} GiB/s{host:>10.3f} GiB/s{gpu / host:>8.2f}")
 print(f"{'slow copy':<14}{slow_s - link_s:>14.3f} s{delay:>14.3f} s{(slow_s - link_s) / delay:>8.2f}")
+print(f"{'warm lane':<14}{lane:>10.3f} GiB/s{ring:>10.3f} GiB/s{lane / ring:>8.2f}"
+      f"  (the ring: buffered reads on the lane's {threads} threads)")
 EOF

@@ -97,11 +97,15 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
         chunk_size,
         gather_size,
         queue_depth,
+        request_size,
         fallbacks,
         alloc_seconds,
         register_seconds,
         first_gather_seconds,
         deliver_seconds,
+        ring_bytes,
+        cache_lane_bytes,
+        cache_lane_threads,
         io_seconds,
         waited_for_memory_seconds,
         total_seconds,
@@ -126,11 +130,15 @@ fn report_object<'py>(py: Python<'py>, report: &LoadReport) -> PyResult<Bound<'p
     kw.set_item("chunk_size", chunk_size)?;
     kw.set_item("gather_size", gather_size)?;
     kw.set_item("queue_depth", queue_depth)?;
+    kw.set_item("request_size", request_size)?;
     kw.set_item("fallbacks", fallback_objects(&module, fallbacks)?)?;
     kw.set_item("alloc_seconds", alloc_seconds)?;
     kw.set_item("register_seconds", register_seconds)?;
     kw.set_item("first_gather_seconds", first_gather_seconds)?;
     kw.set_item("deliver_seconds", deliver_seconds)?;
+    kw.set_item("ring_bytes", ring_bytes)?;
+    kw.set_item("cache_lane_bytes", cache_lane_bytes)?;
+    kw.set_item("cache_lane_threads", cache_lane_threads)?;
     kw.set_item("io_seconds", io_seconds)?;
     kw.set_item("waited_for_memory_seconds", waited_for_memory_seconds)?;
     kw.set_item("total_seconds", total_seconds)?;

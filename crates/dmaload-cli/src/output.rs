@@ -112,7 +112,7 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
     };
     let _ = writeln!(
         s,
-        "engine    {} | {} | {} | {} | align {} | chunk {} | gather {} | qd {}",
+        "engine    {} | {} | {} | {} | align {} | chunk {} | gather {} | qd {}{}",
         r.engine.name(),
         cache_description(r),
         destination,
@@ -120,13 +120,28 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
         r.alignment,
         human_bytes(r.chunk_size as u64),
         human_bytes(r.gather_size as u64),
-        r.queue_depth
+        r.queue_depth,
+        // A tuned request size smaller than the chunk.
+        if r.request_size != r.chunk_size && r.request_size > 0 {
+            format!(" | requests of {}", human_bytes(r.request_size as u64))
+        } else {
+            String::new()
+        }
     );
     // A sink's report has no memory of its own to explain; a host buffer
     // filled through the kept ring ("KIND (through a staging ring ...)") has.
     let host_through_ring = r.destination.starts_with(r.memory.name());
     if (r.deliver_seconds == 0.0 && !r.destination.contains("staging ring")) || host_through_ring {
         let _ = writeln!(s, "memory    {}: {}", r.memory.name(), r.memory_reason);
+    }
+    if r.cache_lane_bytes > 0 {
+        let _ = writeln!(
+            s,
+            "lanes     ring {} | cache lane {} on {} threads (from the page cache)",
+            human_bytes(r.ring_bytes),
+            human_bytes(r.cache_lane_bytes),
+            r.cache_lane_threads
+        );
     }
     for fallback in &r.fallbacks {
         let _ = writeln!(s, "fallback  {fallback}");

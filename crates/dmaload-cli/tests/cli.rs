@@ -282,9 +282,11 @@ fn to_names_the_destination_and_its_defaults_are_the_cores() {
     assert!(!dir.path().join("copy").exists());
 }
 
-/// Direct reads at the default depth start from the depth remembered for
-/// the file's device (`$XDG_CACHE_HOME/dmaload/tuning`), and the report
-/// shows the depth the load kept; an unknown device gets today's default
+/// Direct reads at the default depth start from the depth and request size
+/// remembered for the file's device (`$XDG_CACHE_HOME/dmaload/tuning`),
+/// and the report shows what the load kept (requests smaller than the
+/// chunk, each chunk read in several, give the same bytes); an unknown
+/// device gets today's default
 /// and a load too short to measure one depth against another remembers
 /// nothing. The memory serves from a directory the user cannot write (as
 /// nobody where the tests run as root); an explicit depth is not tuned.
@@ -296,19 +298,25 @@ fn a_direct_load_starts_from_the_depth_remembered_for_its_device_and_reports_it(
     let dev = std::fs::metadata(&path).unwrap().dev();
     let key = format!("{}:{}", libc::major(dev), libc::minor(dev));
     let direct = |cmd: &mut Command, cache: &Path, depth: &[&str]| {
-        let cmd = cmd.args(["load", "--json", "--mode", "direct"]).args(depth).arg(&path);
+        let cmd = cmd.args(["load", "--json", "--hash", "--mode", "direct"]).args(depth).arg(&path);
         json_of(&cmd.env("XDG_CACHE_HOME", cache).output().unwrap())
     };
     let fresh = dir.path().join("fresh-cache");
     let report = direct(&mut dmaload(), &fresh, &[]);
     assert_eq!(report["cache"], "bypass", "{report}");
     assert_eq!(report["queue_depth"], dmaload::load::DEFAULT_QUEUE_DEPTH, "{report}");
+    assert_eq!(report["request_size"], report["chunk_size"], "{report}");
+    let hash = report["hash"]["xxh3_64"].clone();
     assert!(!fresh.exists(), "a load that compared no depths remembers nothing");
 
     let cache = dir.path().join("cache");
     let memory = cache.join("dmaload");
     std::fs::create_dir_all(&memory).unwrap();
-    std::fs::write(memory.join("tuning"), format!("8:99 queue_depth=64\n{key} queue_depth=16\n")).unwrap();
+    std::fs::write(
+        memory.join("tuning"),
+        format!("8:99 queue_depth=64\n{key} queue_depth=16 request=1048576\n"),
+    )
+    .unwrap();
     let mode =
         |path: &Path, mode| std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
     mode(&memory.join("tuning"), 0o444);
@@ -322,6 +330,11 @@ fn a_direct_load_starts_from_the_depth_remembered_for_its_device_and_reports_it(
     }
     let report = direct(&mut cmd, &cache, &[]);
     assert_eq!(report["queue_depth"], 16, "{report}");
+    assert_eq!(
+        (report["chunk_size"].as_u64(), report["request_size"].as_u64()),
+        (Some(4 << 20), Some(1 << 20))
+    );
+    assert_eq!(report["hash"]["xxh3_64"], hash, "{report}");
     let explicit = direct(&mut dmaload(), &cache, &["--queue-depth", "24"]);
     assert_eq!(explicit["queue_depth"], 24, "{explicit}");
     assert_eq!(std::fs::read_dir(&memory).unwrap().count(), 1, "nothing written beside the memory");
@@ -692,10 +705,15 @@ fn a_load_to_cuda_hashes_equal_to_a_host_load() {
         if args.contains(&"cuda:0") {
             // The pinned ring's set-up, before the load, is reported.
             assert!(report["alloc_seconds"].as_f64().unwrap() > 0.0, "{report}");
+            // The file was just written, so in the page cache: `auto` takes
+            // the cache lane, `direct` the ring.
+            let lane = if args.contains(&"direct") { "ring_bytes" } else { "cache_lane_bytes" };
+            assert_eq!(report[lane], report["bytes"], "{report}");
         }
         report["hash"]["xxh3_64"].as_str().unwrap().to_owned()
     };
     assert_eq!(hash_of(&["--to", "cuda:0"]), hash_of(&[]));
+    assert_eq!(hash_of(&["--to", "cuda:0", "--mode", "direct"]), hash_of(&[]));
     assert_eq!(hash_of(&["--to", "cuda:0", "--offset", "4097"]), hash_of(&["--offset", "4097"]));
 }
 

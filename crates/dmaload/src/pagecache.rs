@@ -98,11 +98,10 @@ pub(crate) fn cached_source_options(
     if len == 0 || cached.is_some_and(|share| share < CACHED_SHARE) {
         return Ok(None);
     }
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let warm = LoadOptions {
         mode: IoMode::Buffered,
         engine: Engine::PreadPool,
-        threads: options.threads.max(cpus.min(MAX_CACHE_COPY_THREADS)),
+        threads: cache_copy_threads(options),
         ..options.clone()
     };
     let threads = warm.threads;
@@ -115,6 +114,14 @@ pub(crate) fn cached_source_options(
         None => format!("the file lives in memory ({}): copied on {threads} threads", file.source().storage),
     };
     Ok(Some((warm, Fallback::new("direct", "page cache", why))))
+}
+
+/// Threads that copy a load's cached bytes from the page cache: the
+/// options' threads, or more, up to one per CPU and at most
+/// [`MAX_CACHE_COPY_THREADS`].
+pub(crate) fn cache_copy_threads(options: &LoadOptions) -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    options.threads.max(cpus.min(MAX_CACHE_COPY_THREADS))
 }
 
 /// Threads copying from the page cache at most: memory bandwidth, not

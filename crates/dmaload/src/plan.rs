@@ -29,6 +29,10 @@ pub struct Plan {
     pub align: usize,
     /// Bytes to reserve: the read span rounded up to whole pages.
     pub mapping_len: usize,
+    /// Staged: the gathers a sink's cache lane carries from the page cache
+    /// ([`Plan::with_cache_lane`]); the engine reads none of them. Empty
+    /// when no gather goes there.
+    cache_lane: Vec<bool>,
 }
 
 /// One read request: file offsets `start..end` into mapping offsets
@@ -108,6 +112,7 @@ impl Plan {
             gather_bounds,
             align,
             mapping_len,
+            cache_lane: Vec::new(),
         }
     }
 
@@ -126,6 +131,30 @@ impl Plan {
             .chain(std::iter::once(plan.mapping_len))
             .collect();
         plan
+    }
+
+    /// The same plan with the gathers whose requested bytes `cached` calls
+    /// in the page cache left to a cache lane ([`crate::sink::CachedRanges`]):
+    /// the engine skips them, the rest it reads as before.
+    pub fn with_cache_lane(mut self, mut cached: impl FnMut(Range<u64>) -> bool) -> Plan {
+        let lane: Vec<bool> = (0..self.gather_count())
+            .map(|g| {
+                let data = self.gather_data(g);
+                !data.is_empty() && cached(data)
+            })
+            .collect();
+        self.cache_lane = if lane.contains(&true) { lane } else { Vec::new() };
+        self
+    }
+
+    /// Whether gather `g` is carried by the cache lane, not read by the engine.
+    pub fn in_cache_lane(&self, g: usize) -> bool {
+        self.cache_lane.get(g).copied().unwrap_or(false)
+    }
+
+    /// The gathers the cache lane carries.
+    pub fn cache_lane_gathers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.cache_lane.iter().enumerate().filter_map(|(g, &lane)| lane.then_some(g))
     }
 
     /// Plans writing `len` bytes of memory to the file at `offset`, in

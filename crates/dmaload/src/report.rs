@@ -46,6 +46,10 @@ pub struct LoadReport {
     /// depth, the depth the load's tuning kept, which starts from the one
     /// remembered for the device (docs/cli.md).
     pub queue_depth: usize,
+    /// Bytes one read request asks for at most: `chunk_size`, or the size
+    /// the load's tuning kept (direct reads at the default depth, which
+    /// also try smaller requests than the chunk; docs/cli.md).
+    pub request_size: usize,
     pub fallbacks: Vec<Fallback>,
     /// Populating (allocating and zeroing) all of the buffer's pages, on the
     /// helper thread. For a load to a `cuda:N` device, allocating and
@@ -60,6 +64,14 @@ pub struct LoadReport {
     /// Handing filled staging slots to the sink and waiting for it to
     /// release them, on the helper thread, beside the I/O (staged loads).
     pub deliver_seconds: f64,
+    /// Of `bytes`, those a staged load read through its staging ring, and
+    /// those its sink's cache lane carried from the page cache (a `cuda:N`
+    /// load in `auto` mode: the windows found cached); a load that fills
+    /// its buffer in place, with no ring, counts them in neither (both 0).
+    pub ring_bytes: u64,
+    pub cache_lane_bytes: u64,
+    /// Threads of the cache lane (0 when it carried nothing).
+    pub cache_lane_threads: usize,
     /// Reading, from the first request to the last completion, less the time
     /// the reads stalled waiting for memory.
     pub io_seconds: f64,

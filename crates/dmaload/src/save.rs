@@ -523,6 +523,7 @@ fn engine_params(options: &SaveOptions) -> EngineParams {
         threads: options.threads,
         cancel: options.cancel.clone(),
         tune: None,
+        request_size: None,
     }
 }
 

@@ -1,6 +1,8 @@
-//! The io_uring queue depth, tuned by measurement: a direct-I/O load left
-//! at the default depth starts at the depth remembered for its block
-//! device (the default on a device not seen before) and hill-climbs it.
+//! The io_uring queue depth and request size, tuned by measurement: a
+//! direct-I/O load left at the default depth starts at the depth and
+//! request size remembered for its block device (the default depth and the
+//! plan's chunk on a device not seen before) and hill-climbs them, the
+//! depth first.
 //! After a first window of warm-up, each trial of a new depth (double the
 //! kept one, or half once doubling did not pay) alternates windows at the
 //! kept depth and at the trial one, kept, trial, kept, trial, so a disk
@@ -11,10 +13,22 @@
 //! little (after the other direction was tried, if the first trial lost)
 //! ends it, and so does the engine waiting for memory (a free slot, a
 //! gather being populated): the reads are then not what limits the load,
-//! and no depth can be measured. The depth kept is the report's `queue_depth`,
-//! and is remembered for the device in `$XDG_CACHE_HOME/dmaload/tuning`
-//! when it is not the depth the load started from. Request size is not
-//! tuned: the plan fixes it before the reads.
+//! and no depth can be measured.
+//!
+//! Once the depth has settled, the request size climbs the same way
+//! (trials of half and double, [`GAIN`] to keep one) between
+//! [`MIN_REQUEST`] and the plan's chunk: never past it, since a request
+//! cannot span two chunks (a staging slot comes from a free list, so the
+//! file's next chunk is not the next memory; a fixed read must stay in one
+//! registered buffer; the plan's gathers and slots are laid out from the
+//! chunk before the first read). A smaller size is the engine asking for
+//! only that much of a chunk's request: the completion is read against the
+//! whole request, and the rest resumed as after a short read. Sizes are
+//! tried only where the chunk is a power of two, so every halving stays
+//! whole pages and alignment blocks. The depth and size kept are the
+//! report's `queue_depth` and `request_size`, and are remembered for the
+//! device in `$XDG_CACHE_HOME/dmaload/tuning` when either is not what the
+//! load started from.
 
 use std::fs::File;
 use std::io::{self, Read};
@@ -34,6 +48,12 @@ const GAIN: f64 = 1.10;
 /// docs/benchmarks.md), which a trial of a few windows cannot see coming.
 const MIN_DEPTH: usize = 16;
 pub(crate) const MAX_DEPTH: usize = 64;
+/// The smallest request size tried: smaller direct reads only add
+/// per-request cost on the disks measured (docs/benchmarks.md).
+const MIN_REQUEST: usize = 1 << 20;
+/// The largest request size a memory file may name (a plan's chunk is never
+/// larger than a staging slot, at most 1 GiB).
+const MAX_REQUEST: usize = 1 << 30;
 /// The memory file is this small; a larger one is not ours to trust.
 const MEMORY_LIMIT: u64 = 64 << 10;
 
@@ -64,9 +84,19 @@ pub(crate) fn memory_file() -> Option<PathBuf> {
     crate::user_cache::path("tuning")
 }
 
-/// Each `MAJOR:MINOR queue_depth=N` line of the memory file that parses
-/// (others are skipped: the file is a cache, never an error).
-fn entries(path: &Path) -> Vec<(String, usize)> {
+/// What a device's reads were tuned to: the depth, and the request size
+/// where one was tuned (a line without it, written before request sizes
+/// were tuned, keeps the plan's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Remembered {
+    pub depth: usize,
+    pub request: Option<usize>,
+}
+
+/// Each `MAJOR:MINOR queue_depth=N[ request=BYTES]` line of the memory
+/// file that parses (others are skipped: the file is a cache, never an
+/// error).
+fn entries(path: &Path) -> Vec<(String, Remembered)> {
     let mut text = String::new();
     let read = File::open(path).and_then(|f| f.take(MEMORY_LIMIT + 1).read_to_string(&mut text));
     if read.is_err() || text.len() as u64 > MEMORY_LIMIT {
@@ -74,37 +104,52 @@ fn entries(path: &Path) -> Vec<(String, usize)> {
     }
     let parse = |line: &str| {
         let (key, value) = line.split_once(" queue_depth=")?;
-        let depth = value.trim().parse().ok().filter(|d| (MIN_DEPTH..=MAX_DEPTH).contains(d))?;
+        let (depth, request) = match value.split_once(" request=") {
+            Some((depth, request)) => {
+                let request: usize = request.trim().parse().ok()?;
+                if !request.is_power_of_two() || !(MIN_REQUEST..=MAX_REQUEST).contains(&request) {
+                    return None;
+                }
+                (depth, Some(request))
+            }
+            None => (value, None),
+        };
+        let depth = depth.trim().parse().ok().filter(|d| (MIN_DEPTH..=MAX_DEPTH).contains(d))?;
         let (major, minor) = key.split_once(':')?;
-        (major.parse::<u32>().is_ok() && minor.parse::<u32>().is_ok()).then(|| (key.to_owned(), depth))
+        (major.parse::<u32>().is_ok() && minor.parse::<u32>().is_ok())
+            .then(|| (key.to_owned(), Remembered { depth, request }))
     };
     text.lines().filter_map(parse).collect()
 }
 
-/// The depth remembered for `device` in the memory file at `path`.
-pub(crate) fn remembered(path: &Path, device: Device) -> Option<usize> {
+/// What is remembered for `device` in the memory file at `path`.
+pub(crate) fn remembered(path: &Path, device: Device) -> Option<Remembered> {
     let key = device.key();
-    entries(path).into_iter().find(|(k, _)| *k == key).map(|(_, depth)| depth)
+    entries(path).into_iter().find(|(k, _)| *k == key).map(|(_, tuned)| tuned)
 }
 
-/// Remembers `depth` for `device` in the memory file at `path`, creating
-/// its directory; the other devices' depths are kept (see
+/// Remembers `tuned` for `device` in the memory file at `path`, creating
+/// its directory; the other devices' lines are kept (see
 /// [`crate::user_cache::replace`] for concurrent writers).
-pub(crate) fn remember(path: &Path, device: Device, depth: usize) -> io::Result<()> {
+pub(crate) fn remember(path: &Path, device: Device, tuned: Remembered) -> io::Result<()> {
     let key = device.key();
     let mut entries = entries(path);
     entries.retain(|(k, _)| *k != key);
-    entries.push((key, depth));
-    let text: String = entries.iter().map(|(k, d)| format!("{k} queue_depth={d}\n")).collect();
+    entries.push((key, tuned));
+    let line = |(k, tuned): &(String, Remembered)| match tuned.request {
+        Some(request) => format!("{k} queue_depth={} request={request}\n", tuned.depth),
+        None => format!("{k} queue_depth={}\n", tuned.depth),
+    };
+    let text: String = entries.iter().map(line).collect();
     crate::user_cache::replace(path, text.as_bytes())
 }
 
-/// Where the climb is.
+/// Where a climb is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
     /// The first window: requests ramping up, not measured.
     WarmUp,
-    /// Trying `trial` against the kept depth, deeper when `up`; `moved`
+    /// Trying `trial` against the kept value, larger when `up`; `moved`
     /// once a trial in this direction was kept.
     Trial {
         up: bool,
@@ -113,10 +158,10 @@ enum Step {
     Settled,
 }
 
-/// Windows of one trial: the kept depth's and the trial depth's, alternately.
+/// Windows of one trial: the kept value's and the trial value's, alternately.
 const TRIAL_WINDOWS: usize = 4;
 
-/// The slowest and the fastest window run at one depth (bytes per second).
+/// The slowest and the fastest window run at one value (bytes per second).
 #[derive(Debug, Clone, Copy)]
 struct Windows {
     slowest: f64,
@@ -131,9 +176,11 @@ impl Windows {
     }
 }
 
-/// The hill-climb of one load's queue depth (see the module's comment).
+/// The hill-climb of one setting (the depth, or the request size) between
+/// `min` and `max` by doubling and halving (see the module's comment).
 #[derive(Debug)]
-pub(crate) struct DepthTuner {
+struct Climb {
+    start: usize,
     kept: usize,
     trial: usize,
     step: Step,
@@ -141,52 +188,36 @@ pub(crate) struct DepthTuner {
     window: usize,
     at_kept: Windows,
     at_trial: Windows,
-    window_bytes: u64,
-    window_started: Instant,
+    min: usize,
+    max: usize,
 }
 
-impl DepthTuner {
-    /// A climb from `depth`, its first window starting at `now`.
-    pub fn new(depth: usize, now: Instant) -> DepthTuner {
-        let depth = depth.clamp(MIN_DEPTH, MAX_DEPTH);
-        DepthTuner {
-            kept: depth,
-            trial: depth,
+impl Climb {
+    fn new(start: usize, min: usize, max: usize) -> Climb {
+        let start = start.clamp(min, max);
+        Climb {
+            start,
+            kept: start,
+            trial: start,
             step: Step::WarmUp,
             window: 0,
             at_kept: Windows::NONE,
             at_trial: Windows::NONE,
-            window_bytes: 0,
-            window_started: now,
+            min,
+            max,
         }
     }
 
-    /// The depth to keep in flight now.
-    pub fn depth(&self) -> usize {
+    /// The value to run at now.
+    fn value(&self) -> usize {
         match self.step {
             Step::Trial { .. } if self.window % 2 == 1 => self.trial,
             _ => self.kept,
         }
     }
 
-    /// The best depth measured so far (the start one until a trial gains).
-    pub fn kept(&self) -> usize {
-        self.kept
-    }
-
-    /// Counts `bytes` done at `now`; at a window's end, moves the climb
-    /// on. Returns the depth to keep in flight from now.
-    pub fn observe(&mut self, bytes: u64, now: Instant) -> usize {
-        if self.step == Step::Settled {
-            return self.kept;
-        }
-        self.window_bytes += bytes;
-        if self.window_bytes < WINDOW {
-            return self.depth();
-        }
-        let seconds = now.saturating_duration_since(self.window_started).as_secs_f64();
-        let rate = self.window_bytes as f64 / seconds.max(1e-9);
-        (self.window_bytes, self.window_started) = (0, now);
+    /// A window ran at [`Climb::value`] at `rate` bytes per second.
+    fn window_done(&mut self, rate: f64) {
         match self.step {
             Step::WarmUp => self.start_trial(true, false),
             Step::Trial { up, moved } => {
@@ -206,24 +237,14 @@ impl DepthTuner {
             }
             Step::Settled => {}
         }
-        self.depth()
     }
 
-    /// The engine waited for memory, not for reads: past the warm-up the
-    /// climb ends at the kept depth. Returns the depth to keep in flight.
-    pub fn memory_bound(&mut self) -> usize {
-        if self.step != Step::WarmUp {
-            self.step = Step::Settled;
-        }
-        self.depth()
-    }
-
-    /// Starts trying the next depth from the kept one, deeper when `up`;
+    /// Starts trying the next value from the kept one, larger when `up`;
     /// where that leaves the limits, the other direction (when no trial
     /// moved yet), else the climb ends.
     fn start_trial(&mut self, up: bool, moved: bool) {
         let next = if up { self.kept * 2 } else { self.kept / 2 };
-        if (MIN_DEPTH..=MAX_DEPTH).contains(&next) {
+        if (self.min..=self.max).contains(&next) {
             self.trial = next;
             self.step = Step::Trial { up, moved };
             self.window = 0;
@@ -236,24 +257,139 @@ impl DepthTuner {
     }
 }
 
+/// The hill-climb of one load's reads: the queue depth first, then, once
+/// it has settled, the request size (see the module's comment).
+#[derive(Debug)]
+pub(crate) struct Tuner {
+    depth: Climb,
+    request: Climb,
+    window_bytes: u64,
+    window_started: Instant,
+}
+
+impl Tuner {
+    /// A climb from `depth` requests of `request` bytes (the size
+    /// remembered for the device, or the plan's chunk), its first window
+    /// starting at `now`. `chunk` is the plan's: no request is larger, and
+    /// sizes are tried only where it is a power of two (so every halving
+    /// stays a whole number of pages and alignment blocks).
+    pub fn new(depth: usize, request: usize, chunk: usize, now: Instant) -> Tuner {
+        let (min, start) = if chunk.is_power_of_two() && chunk >= MIN_REQUEST {
+            let remembered = if request.is_power_of_two() { request } else { chunk };
+            (MIN_REQUEST, remembered)
+        } else {
+            (chunk, chunk)
+        };
+        Tuner {
+            depth: Climb::new(depth, MIN_DEPTH, MAX_DEPTH),
+            request: Climb::new(start, min, chunk),
+            window_bytes: 0,
+            window_started: now,
+        }
+    }
+
+    /// The depth to keep in flight now.
+    pub fn depth(&self) -> usize {
+        self.depth.value()
+    }
+
+    /// The most bytes one request may ask for now.
+    pub fn request(&self) -> usize {
+        self.request.value()
+    }
+
+    /// The best depth measured so far (the start one until a trial gains).
+    pub fn kept(&self) -> usize {
+        self.depth.kept
+    }
+
+    /// The best request size measured so far.
+    pub fn kept_request(&self) -> usize {
+        self.request.kept
+    }
+
+    /// The request size to remember: the kept one, where sizes were tuned.
+    pub fn tuned_request(&self) -> Option<usize> {
+        Some(self.request.kept).filter(|_| self.request.min < self.request.max)
+    }
+
+    /// Whether a trial was kept: the depth or the request size differs
+    /// from where the climb started.
+    pub fn moved(&self) -> bool {
+        self.depth.kept != self.depth.start || self.request.kept != self.request.start
+    }
+
+    fn settled(&self) -> bool {
+        self.depth.step == Step::Settled && self.request.step == Step::Settled
+    }
+
+    /// Counts `bytes` done at `now`; at a window's end, moves the climb
+    /// on. Returns the depth to keep in flight from now ([`Tuner::request`]
+    /// says the request size).
+    pub fn observe(&mut self, bytes: u64, now: Instant) -> usize {
+        if self.settled() {
+            return self.depth();
+        }
+        self.window_bytes += bytes;
+        if self.window_bytes < WINDOW {
+            return self.depth();
+        }
+        let seconds = now.saturating_duration_since(self.window_started).as_secs_f64();
+        let rate = self.window_bytes as f64 / seconds.max(1e-9);
+        (self.window_bytes, self.window_started) = (0, now);
+        if self.depth.step != Step::Settled {
+            self.depth.window_done(rate);
+            if self.depth.step == Step::Settled && self.request.step == Step::WarmUp {
+                // The requests ramped long ago: straight to a trial.
+                self.request.start_trial(true, false);
+            }
+        } else {
+            self.request.window_done(rate);
+        }
+        self.depth()
+    }
+
+    /// The engine waited for memory, not for reads: past the warm-up both
+    /// climbs end at the kept values. Returns the depth to keep in flight.
+    pub fn memory_bound(&mut self) -> usize {
+        if self.depth.step != Step::WarmUp {
+            self.depth.step = Step::Settled;
+            self.request.step = Step::Settled;
+        }
+        self.depth()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// Runs windows through a tuner whose reads go at `rate_of(depth)`
-    /// bytes per second until it settles; returns the depth of each
-    /// window and the tuner.
-    fn climb(start: usize, rate_of: impl Fn(usize) -> f64) -> (Vec<usize>, DepthTuner) {
+    /// Runs windows through a tuner whose reads go at `rate_of(depth,
+    /// request)` bytes per second until it settles; returns the (depth,
+    /// request size) of each window and the tuner. Requests start at
+    /// `request` in a plan of `chunk`-byte chunks.
+    fn climb_both(
+        start: usize,
+        (request, chunk): (usize, usize),
+        rate_of: impl Fn(usize, usize) -> f64,
+    ) -> (Vec<(usize, usize)>, Tuner) {
         let mut now = Instant::now();
-        let mut tuner = DepthTuner::new(start, now);
+        let mut tuner = Tuner::new(start, request, chunk, now);
         let mut windows = Vec::new();
-        while tuner.step != Step::Settled && windows.len() < 64 {
-            windows.push(tuner.depth());
-            now += Duration::from_secs_f64(WINDOW as f64 / rate_of(tuner.depth()));
+        while !tuner.settled() && windows.len() < 64 {
+            windows.push((tuner.depth(), tuner.request()));
+            now += Duration::from_secs_f64(WINDOW as f64 / rate_of(tuner.depth(), tuner.request()));
             tuner.observe(WINDOW, now);
         }
         (windows, tuner)
+    }
+
+    /// [`climb_both`] with the request size fixed (1 MiB chunks, the
+    /// smallest size tried): the depth's climb alone.
+    fn climb(start: usize, rate_of: impl Fn(usize) -> f64) -> (Vec<usize>, Tuner) {
+        let (windows, tuner) = climb_both(start, (1 << 20, 1 << 20), |depth, _| rate_of(depth));
+        (windows.into_iter().map(|(depth, _)| depth).collect(), tuner)
     }
 
     #[test]
@@ -291,7 +427,7 @@ mod tests {
         // The trial's first window lands on a fast spell (30% faster than
         // the kept depth's), its second does not.
         let mut now = Instant::now();
-        let mut tuner = DepthTuner::new(32, now);
+        let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now);
         let seconds = [0.1, 0.1, 0.077, 0.1, 0.095];
         for s in seconds {
             now += Duration::from_secs_f64(s);
@@ -299,13 +435,13 @@ mod tests {
         }
         assert_eq!(tuner.kept(), 32);
         assert_eq!(tuner.depth(), 32, "the next trial starts at the kept depth");
-        assert_eq!(tuner.trial, 16, "and tries half of it");
+        assert_eq!(tuner.depth.trial, 16, "and tries half of it");
     }
 
     #[test]
     fn waiting_for_memory_ends_the_climb_at_the_kept_depth() {
         let now = Instant::now();
-        let mut tuner = DepthTuner::new(32, now);
+        let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now);
         assert_eq!(tuner.memory_bound(), 32, "waits in the warm-up (the first gathers) do not count");
         tuner.observe(WINDOW, now + Duration::from_millis(10));
         assert_eq!(tuner.observe(WINDOW, now + Duration::from_millis(20)), 64);
@@ -317,11 +453,46 @@ mod tests {
     #[test]
     fn a_load_shorter_than_a_trial_keeps_its_start_depth() {
         let now = Instant::now();
-        let mut tuner = DepthTuner::new(32, now);
+        let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now);
         for k in 1..=4 {
             tuner.observe(WINDOW, now + Duration::from_millis(10 * k));
         }
         assert_eq!((tuner.depth(), tuner.kept()), (64, 32));
+    }
+
+    #[test]
+    fn once_the_depth_settles_smaller_requests_that_read_clearly_faster_are_kept() {
+        // Depth flat; each halving down to 4 MiB reads 20% faster, 2 MiB
+        // no faster than 4.
+        let rate = |_, request: usize| 1e9 * 1.2f64.powi(4 - (request.max(4 << 20) >> 20).ilog2() as i32);
+        let (windows, tuner) = climb_both(32, (16 << 20, 16 << 20), rate);
+        let requests: Vec<usize> = windows.iter().map(|&(_, request)| request >> 20).collect();
+        // The depth's climb (flat: up, then down, then settled), then the
+        // request size's: larger is past the chunk, so half, half again,
+        // and a third half that gains nothing.
+        assert_eq!(requests[..9], [16; 9]);
+        assert_eq!(requests[9..], [16, 8, 16, 8, 8, 4, 8, 4, 4, 2, 4, 2]);
+        assert_eq!((tuner.kept(), tuner.kept_request()), (32, 4 << 20));
+    }
+
+    #[test]
+    fn a_remembered_request_size_climbs_back_up_when_larger_reads_faster() {
+        let rate = |_, request: usize| request as f64 * 100.0;
+        let (windows, tuner) = climb_both(32, (4 << 20, 16 << 20), rate);
+        assert_eq!(
+            windows[9..].iter().map(|&(_, r)| r >> 20).collect::<Vec<_>>(),
+            [4, 8, 4, 8, 8, 16, 8, 16]
+        );
+        assert_eq!(tuner.kept_request(), 16 << 20, "never past the plan's chunk");
+    }
+
+    #[test]
+    fn request_sizes_are_tuned_only_in_power_of_two_chunks() {
+        let now = Instant::now();
+        let tuner = Tuner::new(32, 4 << 20, 3 << 20, now);
+        assert_eq!((tuner.request(), tuner.request.min, tuner.request.max), (3 << 20, 3 << 20, 3 << 20));
+        let tuner = Tuner::new(32, 3 << 20, 16 << 20, now);
+        assert_eq!(tuner.request(), 16 << 20, "a remembered size that is no power of two is not used");
     }
 
     fn device() -> Device {
@@ -333,13 +504,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("missing/dir/tuning");
         assert_eq!(remembered(&path, device()), None);
-        remember(&path, Device { major: 8, minor: 0 }, 16).unwrap();
-        remember(&path, device(), 32).unwrap();
-        remember(&path, device(), 64).unwrap();
-        assert_eq!(remembered(&path, device()), Some(64));
-        assert_eq!(remembered(&path, Device { major: 8, minor: 0 }), Some(16));
+        let depth = |depth| Remembered { depth, request: None };
+        remember(&path, Device { major: 8, minor: 0 }, depth(16)).unwrap();
+        remember(&path, device(), depth(32)).unwrap();
+        let tuned = Remembered { depth: 64, request: Some(4 << 20) };
+        remember(&path, device(), tuned).unwrap();
+        assert_eq!(remembered(&path, device()), Some(tuned));
+        assert_eq!(remembered(&path, Device { major: 8, minor: 0 }), Some(depth(16)));
         let text = std::fs::read_to_string(&path).unwrap();
-        assert_eq!(text, "8:0 queue_depth=16\n259:3 queue_depth=64\n");
+        assert_eq!(text, "8:0 queue_depth=16\n259:3 queue_depth=64 request=4194304\n");
         let left: Vec<_> =
             std::fs::read_dir(path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(left, ["tuning"], "no temporary file is left");
@@ -350,14 +523,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tuning");
         let junk =
-            "259:3 queue_depth=banana\n259:3 queue_depth=999999\nx:y queue_depth=8\n\u{0}\u{1}garbage\n";
+            "259:3 queue_depth=banana\n259:3 queue_depth=999999\nx:y queue_depth=8\n\u{0}\u{1}garbage\n\
+                    259:3 queue_depth=32 request=3000000\n259:3 queue_depth=32 request=4096\n";
         std::fs::write(&path, junk).unwrap();
         assert_eq!(remembered(&path, device()), None);
         std::fs::write(&path, vec![b'a'; MEMORY_LIMIT as usize + 1]).unwrap();
         assert_eq!(remembered(&path, device()), None);
         std::fs::write(&path, [0xff, 0xfe, 0x00]).unwrap(); // not UTF-8
         assert_eq!(remembered(&path, device()), None);
-        remember(&path, device(), 16).unwrap();
+        remember(&path, device(), Remembered { depth: 16, request: None }).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "259:3 queue_depth=16\n");
     }
 
@@ -368,7 +542,7 @@ mod tests {
         // too, unlike a read-only directory; the CLI's test covers that).
         std::fs::write(dir.path().join("dmaload"), b"").unwrap();
         let path = dir.path().join("dmaload/tuning");
-        assert!(remember(&path, device(), 64).is_err());
+        assert!(remember(&path, device(), Remembered { depth: 64, request: None }).is_err());
         assert_eq!(remembered(&path, device()), None);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file is left");
     }

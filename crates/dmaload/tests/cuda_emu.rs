@@ -70,6 +70,7 @@ fn child_cases() {
         "held_copy" => load_past_a_held_copy(),
         "two_devices" => two_devices(),
         "write_pinned" => write_pinned(),
+        "lane" => load_through_the_cache_lane(),
         other => panic!("no child case {other}"),
     }
 }
@@ -211,6 +212,53 @@ fn load_through_two_slots() {
                 Err(err) => println!("SECOND LOAD ERROR: {err}"),
             }
         }
+    }
+}
+
+/// In a child: the load's I/O mode ("auto" or "direct"); the lane's cases.
+const CHILD_MODE: &str = "DMALOAD_TEST_EMU_MODE";
+/// In a child: bytes from the file's start to evict from the page cache first.
+const CHILD_EVICT: &str = "DMALOAD_TEST_EMU_EVICT";
+
+/// Loads `$DMALOAD_TEST_EMU_FILE` to cuda:0 through a ring of eight 4 MiB
+/// slots, in `$DMALOAD_TEST_EMU_MODE`, after evicting its first
+/// `$DMALOAD_TEST_EMU_EVICT` bytes from the page cache: prints how many
+/// bytes each lane carried and checks the device's bytes equal a host load
+/// of the file; prints the error a fault gave instead.
+fn load_through_the_cache_lane() {
+    let path = std::path::PathBuf::from(std::env::var_os(CHILD_FILE).unwrap());
+    let len = std::fs::metadata(&path).unwrap().len() as usize;
+    let evict: i64 = std::env::var(CHILD_EVICT).map_or(0, |v| v.parse().unwrap());
+    if evict > 0 {
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: a valid fd and range; fadvise only drops clean pages.
+        let rc = unsafe {
+            libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&file), 0, evict, libc::POSIX_FADV_DONTNEED)
+        };
+        assert_eq!(rc, 0);
+    }
+    let mode = match std::env::var(CHILD_MODE).as_deref() {
+        Ok("direct") => dmaload::IoMode::Direct,
+        _ => dmaload::IoMode::Auto,
+    };
+    let ctx = Context::primary(0).unwrap();
+    let mut gpu = DeviceBuffer::new(&ctx, len).unwrap();
+    let mut ring = StagingRing::pinned(&ctx, 8, 4 << 20, 4 << 20).unwrap();
+    let options = LoadOptions { mode, chunk_size: 4 << 20, ..LoadOptions::default() };
+    let loaded = {
+        let mut sink = CudaSink::new(&ctx, vec![(0, gpu.range())]).unwrap();
+        dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options)
+    };
+    match loaded {
+        Ok(report) => {
+            assert_eq!(report.ring_bytes + report.cache_lane_bytes, len as u64);
+            let mut back = vec![0u8; len];
+            gpu.copy_to_host(0, &mut back).unwrap();
+            let (host, _) = dmaload::load(&path, &LoadOptions::default()).unwrap();
+            assert!(back == host[..], "the device's bytes differ from a host load's");
+            println!("LANE OK ring {} cache lane {}", report.ring_bytes, report.cache_lane_bytes);
+        }
+        Err(err) => println!("LOAD ERROR: {err}"),
     }
 }
 
@@ -438,4 +486,85 @@ fn a_copy_that_never_completes_fails_the_load_after_the_timeout_and_nothing_hang
     let again =
         output.lines().find(|l| l.contains("SECOND LOAD ERROR: ")).unwrap_or_else(|| panic!("{output}"));
     assert!(again.contains("stopped answering"), "{again}");
+}
+
+/// A file of 32 MiB (eight 4 MiB load windows), in the page cache.
+fn lane_file() -> (tempfile::TempDir, String) {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 32 << 20);
+    let path = path.to_str().unwrap().to_owned();
+    (dir, path)
+}
+
+/// The lane's case in a child under strict mode; returns its "LANE OK"
+/// line's (ring bytes, cache-lane bytes).
+fn lane_split(path: &str, mode: &str, evict: u64) -> (u64, u64) {
+    let evict = evict.to_string();
+    let env = [
+        ("DMALOAD_EMU_STRICT", "1"),
+        ("DMALOAD_EMU_LINK_GIBS", "2"),
+        (CHILD_FILE, path),
+        (CHILD_MODE, mode),
+        (CHILD_EVICT, evict.as_str()),
+    ];
+    let out = run_child("lane", &env);
+    let output = text(&out);
+    assert!(out.status.success(), "{output}");
+    let at = output.find("LANE OK").unwrap_or_else(|| panic!("{output}"));
+    let words: Vec<&str> = output[at..].split_whitespace().collect();
+    (words[3].parse().unwrap(), words[6].parse().unwrap())
+}
+
+/// A file in the page cache goes to the device on the cache lane (no byte
+/// through the ring), bit-exact under the race detector; `mode=direct`
+/// forces the ring; with its first half evicted, the ring reads that half
+/// and the lane carries the rest.
+#[test]
+fn cached_windows_take_the_cache_lane_and_the_rest_the_ring_bit_exact_under_strict_mode() {
+    let test = "cached_windows_take_the_cache_lane_and_the_rest_the_ring_bit_exact_under_strict_mode";
+    if !emulator(test) {
+        return;
+    }
+    let (_dir, path) = lane_file();
+    assert_eq!(lane_split(&path, "auto", 0), (0, 32 << 20), "a cached file: all on the cache lane");
+    assert_eq!(lane_split(&path, "direct", 0), (32 << 20, 0), "mode=direct: all through the ring");
+    assert_eq!(lane_split(&path, "auto", 16 << 20), (16 << 20, 16 << 20), "half cached: half each way");
+}
+
+/// A fault on the cache lane (a failed copy, a sticky error, a failed
+/// event query, a copy that never completes) fails the load cleanly: the
+/// error names the file, the offset and the CUDA error, and the child ends
+/// (every stream drained or given up, no thread left waiting).
+#[test]
+fn a_fault_on_the_cache_lane_fails_the_load_cleanly() {
+    let test = "a_fault_on_the_cache_lane_fails_the_load_cleanly";
+    if !emulator(test) {
+        return;
+    }
+    let (_dir, path) = lane_file();
+    let cases: [(&str, &[&str]); 4] = [
+        ("cuMemcpyHtoDAsync_v2#5=999", &["cuMemcpyHtoDAsync failed", "CUDA_ERROR_UNKNOWN"]),
+        ("copy#3=sticky:700", &["CUDA_ERROR_ILLEGAL_ADDRESS"]),
+        ("cuEventQuery#2=719", &["cuEventQuery failed", "CUDA_ERROR_LAUNCH_FAILED"]),
+        ("copy#3=hang", &["did not complete within 1 s", "DMALOAD_CUDA_TIMEOUT"]),
+    ];
+    for (faults, needles) in cases {
+        let env = [
+            ("DMALOAD_EMU_STRICT", "1"),
+            ("DMALOAD_EMU_FAULTS", faults),
+            ("DMALOAD_CUDA_TIMEOUT", "1"),
+            (CHILD_FILE, path.as_str()),
+        ];
+        let out = run_child("lane", &env);
+        let output = text(&out);
+        assert!(out.status.success(), "{faults}: {output}");
+        let error = output
+            .lines()
+            .find(|l| l.contains("LOAD ERROR: "))
+            .unwrap_or_else(|| panic!("{faults}: {output}"));
+        for needle in needles.iter().chain(&["copy from the page cache", path.as_str(), "at offset"]) {
+            assert!(error.contains(needle), "{faults}: no {needle:?} in {error}");
+        }
+    }
 }

@@ -52,11 +52,18 @@ class LoadReport:
     chunk_size: int = 0
     gather_size: int = 0
     queue_depth: int = 0
+    request_size: int = 0
+    """Bytes one read request asked for at most (``chunk_size`` unless tuned)."""
     fallbacks: tuple[Fallback, ...] = ()
     alloc_seconds: float = 0.0
     register_seconds: float = 0.0
     first_gather_seconds: float = 0.0
     deliver_seconds: float = 0.0
+    ring_bytes: int = 0
+    """Of ``bytes``, those a staged load read through its staging ring."""
+    cache_lane_bytes: int = 0
+    """Of ``bytes``, those a device load's cache lane copied from the page cache."""
+    cache_lane_threads: int = 0
     io_seconds: float = 0.0
     waited_for_memory_seconds: float = 0.0
     total_seconds: float = 0.0

@@ -90,6 +90,8 @@ struct GateState {
 
 /// A gather that holds no staging slot (yet).
 const NO_SLOT: usize = usize::MAX;
+/// A gather that needs no staging slot: a cache lane carries it.
+const IN_CACHE_LANE: usize = usize::MAX - 1;
 
 impl Gate {
     /// A gate for an operation with `slots` registered-buffer slots.
@@ -151,6 +153,16 @@ impl Gate {
         self.lock().free.push_back(slot);
         self.changed.notify_all();
         self.wake();
+    }
+
+    /// Gather `g` is carried by a cache lane, beside the engine: it takes
+    /// no staging slot, and the gathers after it take theirs as if it had.
+    pub fn pass_over(&self, g: usize) {
+        let mut state = self.lock();
+        if state.slot_of.len() <= g {
+            state.slot_of.resize(g + 1, NO_SLOT);
+        }
+        state.slot_of[g] = IN_CACHE_LANE;
     }
 
     /// The staging slot gather `g` holds (staged loads, once it is ready).
@@ -612,6 +624,8 @@ pub(crate) struct EngineParams {
     /// The device whose reads tune the depth (io_uring only, see
     /// [`crate::tune`]), starting from `queue_depth`.
     pub tune: Option<crate::tune::Device>,
+    /// The request size remembered for that device, where one was.
+    pub request_size: Option<usize>,
 }
 
 impl EngineParams {
@@ -642,9 +656,11 @@ pub(crate) struct Job<'a> {
     pub progress: &'a Progress<'a>,
     pub queue_depth: usize,
     /// Whether io_uring tunes the depth from `queue_depth` as it reads
-    /// ([`crate::tune::DepthTuner`]; the ring must have room for
+    /// and then the request size, from `request_size` or the plan's chunk
+    /// ([`crate::tune::Tuner`]; the ring must have room for
     /// [`crate::tune::MAX_DEPTH`]).
     pub tune: bool,
+    pub request_size: Option<usize>,
 }
 
 impl Job<'_> {
@@ -704,7 +720,7 @@ pub(crate) struct EngineRun {
     /// The engine that actually did the work.
     pub engine: Engine,
     /// How the depth was tuned, when it was.
-    pub tuner: Option<crate::tune::DepthTuner>,
+    pub tuner: Option<crate::tune::Tuner>,
 }
 
 pub(crate) type EngineResult = Result<EngineRun>;

@@ -71,6 +71,9 @@ fn worker<M: RingMemory>(
             return Err(job.cancelled(req.start));
         }
         let g = plan.gather_of(req.start);
+        if plan.in_cache_lane(g) {
+            continue;
+        }
         waited += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
         loop {
             let got =

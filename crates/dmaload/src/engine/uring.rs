@@ -16,7 +16,7 @@ use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout, RegisterA
 use crate::error::Error;
 use crate::plan::{ReadOutcome, Request};
 use crate::sys::uring::{Completion, Registrar, Ring, RingMemory};
-use crate::tune::DepthTuner;
+use crate::tune::Tuner;
 use crate::types::Fallback;
 
 /// Runs the job's plan on `ring`. With `fixed`, the gathers are registered
@@ -44,21 +44,22 @@ pub(crate) fn run<M: RingMemory>(
     let mut inline = inline.as_ref().map(|r| RegisterAhead::new(job.gate, r, &range_of));
     // The gather the gate was last told the engine has reached.
     let mut reached = None;
-    let mut tuner = job.tune.then(|| DepthTuner::new(job.queue_depth, Instant::now()));
-    let mut depth = tuner.as_ref().map_or(job.queue_depth, DepthTuner::depth);
+    let mut tuner = job.tune.then(|| {
+        Tuner::new(job.queue_depth, job.request_size.unwrap_or(plan.chunk), plan.chunk, Instant::now())
+    });
+    let mut depth = tuner.as_ref().map_or(job.queue_depth, Tuner::depth);
 
-    let queue = |ring: &mut Ring<M>, req: &Request| -> io::Result<()> {
+    // Queues `req`, asking for at most `most` bytes of it: a tuned request
+    // size smaller than the plan's chunk. The completion is read against
+    // the whole request (`request_from` its start), so the rest is resumed
+    // as after a short read, again at most `most` bytes at a time.
+    let queue = |ring: &mut Ring<M>, req: &Request, most: usize| -> io::Result<()> {
         let g = plan.gather_of(req.start);
         let index = job.layout.buffer_index(job.gate, g);
         let slot = job.gate.is_registered(index.into()).then_some(index);
-        ring.queue_transfer(
-            job.file,
-            job.layout.target(plan, job.gate, req),
-            req.start,
-            slot,
-            rw_flags,
-            req.start,
-        )
+        let mut target = job.layout.target(plan, job.gate, req);
+        target.end = target.end.min(target.start.saturating_add(most));
+        ring.queue_transfer(job.file, target, req.start, slot, rw_flags, req.start)
     };
     // A poll of the gate's wake eventfd beside the reads, armed while the
     // next gather waits for a staging slot: a slot freeing ends the wait in
@@ -73,12 +74,17 @@ pub(crate) fn run<M: RingMemory>(
             let next = plan.chunk_request(next_chunk.min(plan.chunk_count().saturating_sub(1))).start;
             return Err(job.cancelled(next));
         }
+        let most = tuner.as_ref().map_or(usize::MAX, Tuner::request);
         for req in retries.drain(..) {
-            queue(ring, &req).map_err(|e| job.transfer_error(req.start, e))?;
+            queue(ring, &req, most).map_err(|e| job.transfer_error(req.start, e))?;
         }
         while ring.in_flight() < depth && next_chunk < plan.chunk_count() {
             let req = plan.chunk_request(next_chunk);
             let g = plan.gather_of(req.start);
+            if plan.in_cache_lane(g) {
+                next_chunk += 1;
+                continue;
+            }
             if fixed && reached != Some(g) {
                 reached = Some(g);
                 job.gate.reach(g);
@@ -100,7 +106,7 @@ pub(crate) fn run<M: RingMemory>(
                 }
                 run.waited_for_memory += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
             }
-            queue(ring, &req).map_err(|e| job.transfer_error(req.start, e))?;
+            queue(ring, &req, most).map_err(|e| job.transfer_error(req.start, e))?;
             next_chunk += 1;
         }
         if ring.in_flight() == usize::from(wake_armed) {

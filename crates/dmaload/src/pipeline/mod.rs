@@ -25,7 +25,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Allocation, MemoryKind};
 use crate::options::{LoadOptions, DEFAULT_QUEUE_DEPTH};
 use crate::plan::Plan;
-use crate::sink::{Sink, SlotData, StagingRing};
+use crate::sink::{CachedRanges, Sink, SlotData, StagingRing, CACHE_LANE_PIECE, CACHE_LANE_PIECES};
 use crate::source::ReadSetup;
 use crate::sys::mem::MappingWriter;
 use crate::sys::uring::{Registrar, Ring, RingMemory};
@@ -157,7 +157,8 @@ fn prepare_engine<M: RingMemory>(
 
 /// The engine's parameters for a load with `options` through `setup`:
 /// direct reads by io_uring at the default depth are tuned
-/// ([`crate::tune`]), from the depth remembered for the file's device.
+/// ([`crate::tune`]), from the depth and request size remembered for the
+/// file's device.
 fn load_params(options: &LoadOptions, setup: &ReadSetup) -> EngineParams {
     let tuned = setup.cache == CachePolicy::Bypass
         && options.queue_depth == DEFAULT_QUEUE_DEPTH
@@ -166,22 +167,24 @@ fn load_params(options: &LoadOptions, setup: &ReadSetup) -> EngineParams {
     let remembered = tune.and_then(|device| tune::remembered(&tune::memory_file()?, device));
     EngineParams {
         engine: options.engine,
-        queue_depth: remembered.unwrap_or(options.queue_depth),
+        queue_depth: remembered.map_or(options.queue_depth, |tuned| tuned.depth),
         threads: options.threads,
         cancel: options.cancel.clone(),
         tune,
+        request_size: remembered.and_then(|tuned| tuned.request),
     }
 }
 
-/// After a load that tuned its depth: remembers the depth it kept for the
-/// device when it is not the one the load started from (a window measured
-/// it faster). The memory is a cache: a failure to write it (a read-only
-/// home, say) loses nothing.
+/// After a load that tuned its reads: remembers the depth and request
+/// size it kept for the device when they are not the ones the load started
+/// from (a window measured them faster). The memory is a cache: a failure
+/// to write it (a read-only home, say) loses nothing.
 fn remember_tuned(params: &EngineParams, run: &EngineRun) {
     let (Some(device), Some(tuner)) = (params.tune, run.tuner.as_ref()) else { return };
-    if tuner.kept() != params.queue_depth {
+    if tuner.moved() {
         if let Some(path) = tune::memory_file() {
-            let _ = tune::remember(&path, device, tuner.kept());
+            let tuned = tune::Remembered { depth: tuner.kept(), request: tuner.tuned_request() };
+            let _ = tune::remember(&path, device, tuned);
         }
     }
 }
@@ -284,52 +287,136 @@ pub(crate) struct DeliverTimes {
     pub deliver: Duration,
     /// What the sink could not do beside its deliveries as it meant to.
     pub fallbacks: Vec<Fallback>,
+    /// Bytes the sink's cache lane carried from the page cache (the rest
+    /// came through the ring), and on how many threads.
+    pub cache_lane_bytes: u64,
+    pub cache_lane_threads: usize,
 }
+
+/// How a staged load shares its ring with the sink's cache lane: the engine
+/// reads through the first `engine_slots` slots, the lane's threads use
+/// `pieces` (whole slots at the ring's end, [`crate::sink::lane_pieces`]).
+#[derive(Debug, Clone)]
+pub(crate) struct LaneShare {
+    pub engine_slots: usize,
+    pub pieces: Vec<Vec<std::ops::Range<usize>>>,
+}
+
+impl LaneShare {
+    /// The share for a lane of up to `threads` threads in a ring of
+    /// `slots` slots of `slot_len` bytes: whole slots from the end, as many
+    /// as the threads' pieces fill, always leaving the engine two (one
+    /// filling while the sink drains the other). `None` where no lane
+    /// thread fits.
+    pub fn of(slots: usize, slot_len: usize, threads: usize) -> Option<LaneShare> {
+        let page = crate::sys::mem::page_size();
+        let spare = slots.checked_sub(SLOTS_THE_ENGINE_KEEPS).filter(|&spare| spare > 0)?;
+        let wanted = (threads * CACHE_LANE_PIECES * CACHE_LANE_PIECE).div_ceil(slot_len).clamp(1, spare);
+        let engine_slots = slots - wanted;
+        let pieces = crate::sink::lane_pieces(engine_slots * slot_len..slots * slot_len, threads, page);
+        (!pieces.is_empty()).then_some(LaneShare { engine_slots, pieces })
+    }
+}
+
+/// Staging slots the engine keeps when the cache lane takes a share.
+const SLOTS_THE_ENGINE_KEEPS: usize = 2;
 
 /// Reads the plan's range through `ring`'s staging slots into `sink`: the
 /// engine fills slots, a helper thread hands each filled slot to the sink
 /// (in file order) and gives it back to the engine once the sink has
-/// released it. Whatever happens, the sink is finished (every delivery it
-/// started has landed) before this returns, so the slots are quiet.
+/// released it. With `lane` (its share of the ring, and the file's own
+/// buffered description), the gathers the plan leaves to the cache lane
+/// ([`Plan::in_cache_lane`]) are carried by the sink's lane threads through
+/// their pieces of the ring's last slots, beside the engine, which reads
+/// the rest through the slots before them. Whatever happens, the sink is
+/// finished (every delivery it started has landed) and every lane thread
+/// has drained its stream before this returns, so the slots are quiet; a
+/// lane failure is the load's error, naming its file offset.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn fill_staged(
     path: &Path,
     setup: &ReadSetup,
     plan: &Plan,
     len: u64,
     options: &LoadOptions,
+    lane: Option<(&LaneShare, BorrowedFd<'_>)>,
     ring: &mut StagingRing,
     sink: &mut dyn Sink,
 ) -> Result<(EngineRun, DeliverTimes)> {
     let verifier = Verifier::for_load(path, &setup.file, plan, options.verify)?;
     let (ring_slots, slot_len) = (ring.slots(), ring.slot_len());
-    let layout = Layout::Staged { slots: ring_slots, slot_len };
+    let cached: Vec<std::ops::Range<u64>> = plan.cache_lane_gathers().map(|g| plan.gather_data(g)).collect();
+    // The gathers the lane carries are the plan's only where the lane has a share.
+    debug_assert!(cached.is_empty() || lane.is_some());
+    let lane = lane.filter(|_| !cached.is_empty());
+    let cached_bytes: u64 = cached.iter().map(|range| range.end - range.start).sum();
+    let engine_slots = lane.map_or(ring_slots, |(share, _)| share.engine_slots);
+    let layout = Layout::Staged { slots: engine_slots, slot_len };
     let dst = ring.writer();
     let sink = std::sync::Mutex::new(sink);
-    let feed = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
-        let mut sink = sink.lock().unwrap_or_else(|p| p.into_inner());
-        let slots = (ring_slots, slot_len);
-        let hash = verifier.as_ref();
-        feed_sink(path, dst, registrar, plan, slots, options.populate_threads, gate, hash, &mut **sink)
-    };
     let params = load_params(options, setup);
     let mut fed = None;
     let run = Progress::reporting(len, options.progress.as_deref(), |progress| {
+        let feed = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
+            let stopped = || gate.is_cancelled();
+            let carried = |bytes| progress.add(bytes);
+            let stop_all = |err: &io::Error| {
+                gate.fail(err);
+                gate.cancel();
+            };
+            let cached = lane.map(|(share, file)| {
+                let pieces = share.pieces.clone();
+                CachedRanges::new(file, cached.clone(), dst, pieces, &stopped, &carried, &stop_all)
+            });
+            let mut sink = sink.lock().unwrap_or_else(|p| p.into_inner());
+            let slots = (engine_slots, slot_len);
+            let hash = verifier.as_ref();
+            let threads = options.populate_threads;
+            let fed = feed_sink(
+                path,
+                dst,
+                registrar,
+                plan,
+                slots,
+                threads,
+                gate,
+                hash,
+                cached.as_ref(),
+                &mut **sink,
+            );
+            let carried = cached.as_ref().map(|c| (c.bytes(), c.threads(), c.take_failure()));
+            (fed, carried)
+        };
         let transfer =
             Transfer { path, file: setup.file.as_fd(), cache: setup.cache, plan, params: &params, progress };
         let (run, helped) = run_pipeline(&transfer, dst, layout, None, feed);
-        debug_assert!(run.is_err() || progress.done() == len);
+        // A lane that stopped short is an error below.
+        let lane_short = matches!(&helped, Some((_, Some((bytes, _, _))))
+            if *bytes < cached_bytes);
+        debug_assert!(run.is_err() || lane_short || progress.done() == len);
         fed = helped;
         run
     });
     let finished = sink.into_inner().unwrap_or_else(|p| p.into_inner()).finish();
-    // The sink's own error is the cause; the engine only saw it stop.
-    let mut times = match fed {
-        Some(fed) => fed?,
-        None => {
-            run?;
-            return Err(Error::new(ErrorKind::Io, "deliver", path, "the delivery thread stopped"));
-        }
+    let Some((fed, carried)) = fed else {
+        run?;
+        return Err(Error::new(ErrorKind::Io, "deliver", path, "the delivery thread stopped"));
     };
+    // The lane's or the sink's own error is the cause; the engine only saw
+    // it stop.
+    let (lane_bytes, lane_threads, lane_failure) = carried.unwrap_or((0, 0, None));
+    if let Some((offset, err)) = lane_failure {
+        return Err(Error::io("copy from the page cache to the destination", path, err).at(offset));
+    }
+    let mut times = fed?;
+    if lane_bytes < cached_bytes {
+        // Stopped by the engine's failure, or a cancellation (the engine
+        // may have finished first).
+        run?;
+        let first = cached.first().map_or(plan.data_start, |range| range.start);
+        return Err(engine::cancelled_error("copy from the page cache to the destination", path, first));
+    }
+    (times.cache_lane_bytes, times.cache_lane_threads) = (lane_bytes, lane_threads);
     let mut run = run?;
     finished.map_err(|e| Error::io("finish delivery", path, e))?;
     if let Some(verifier) = verifier {
@@ -360,9 +447,11 @@ fn feed_sink(
     threads: usize,
     gate: &Gate,
     verifier: Option<&Verifier>,
+    cached: Option<&CachedRanges<'_>>,
     sink: &mut dyn Sink,
 ) -> Result<DeliverTimes> {
-    let count = plan.gather_count();
+    // The gathers the engine reads: the cache lane carries the rest.
+    let count = plan.gather_count() - plan.cache_lane_gathers().count();
     let used = slots.min(count);
     let mut times = DeliverTimes::default();
     let mut registrar = registrar;
@@ -430,7 +519,7 @@ fn feed_sink(
             Ok(())
         })();
     };
-    let fallbacks = sink.feed(threads, &mut deliveries);
+    let fallbacks = sink.feed(threads, cached, &mut deliveries);
     delivered?;
     times.fallbacks = fallbacks;
     Ok(times)
@@ -499,6 +588,7 @@ fn run_pipeline<M: RingMemory, T: Send>(
         Layout::Staged { .. } => Gate::staged(params.cancel.clone(), table),
         Layout::InPlace | Layout::Placed { .. } => Gate::new(params.cancel.clone(), table),
     };
+    plan.cache_lane_gathers().for_each(|g| gate.pass_over(g));
     let job = Job {
         path,
         file: transfer.file,
@@ -509,6 +599,7 @@ fn run_pipeline<M: RingMemory, T: Send>(
         progress: transfer.progress,
         queue_depth: params.queue_depth,
         tune: params.tune.is_some(),
+        request_size: params.request_size,
     };
     let mut fallbacks = Vec::new();
     let (prepared, registrar) = match prepare_engine(path, plan, layout, mem, params, &mut fallbacks) {
@@ -619,4 +710,23 @@ fn run_pipeline<M: RingMemory, T: Send>(
         run
     });
     (result, helped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_lane_takes_whole_slots_from_the_rings_end_and_leaves_the_engine_two() {
+        let slot = 16 << 20;
+        // Eight threads of 3 x 2 MiB fill three 16 MiB slots.
+        let share = LaneShare::of(32, slot, 8).unwrap();
+        assert_eq!((share.engine_slots, share.pieces.len()), (29, 8));
+        assert!(share.pieces.iter().flatten().all(|p| p.start >= 29 * slot && p.end <= 32 * slot));
+        // A small ring: the engine keeps two, the lane the rest.
+        let share = LaneShare::of(4, slot, 16).unwrap();
+        assert_eq!((share.engine_slots, share.pieces.len()), (2, 5));
+        // Two slots: none to spare.
+        assert!(LaneShare::of(2, slot, 8).is_none());
+    }
 }

@@ -5,17 +5,21 @@
 
 use std::time::Instant;
 
-use super::fill_staged;
+use std::ops::Range;
+use std::os::fd::AsFd;
+
 use super::range::open_range;
+use super::{fill_staged, LaneShare};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{MemoryChoice, MemoryFacts};
 use crate::options::{validate, LoadOptions};
-use crate::pagecache::cached_source_options;
+use crate::pagecache::{cache_copy_threads, cached_source_options, known_residency_of, CACHED_SHARE};
 use crate::plan::Plan;
 use crate::report::LoadReport;
 use crate::sink::{Sink, StagingRing};
 use crate::source::OpenFile;
 use crate::sys;
+use crate::types::IoMode;
 
 /// [`crate::load_to_sink`] from a file opened beforehand (whose header,
 /// say, the caller read to size the destination): the same open file is
@@ -42,7 +46,18 @@ pub fn load_open_to_sink(
             format!("staging slots of {} bytes do not hold whole chunks of {chunk} bytes", ring.slot_len()),
         ));
     }
-    let warm = cached_source_options(file, offset, len, options)?;
+    // A sink with a cache lane takes the cached windows of an `auto` load
+    // itself, window by window; without one (or where the ring has no
+    // room for it, or a verified load hashes in file order through the
+    // ring) the whole range goes one way: copied from the page cache when
+    // most of it is there.
+    let lane = (options.mode == IoMode::Auto && !options.verify && sink.has_cache_lane())
+        .then(|| LaneShare::of(ring.slots(), slot, cache_copy_threads(options)))
+        .flatten();
+    let warm = match lane {
+        Some(_) => None,
+        None => cached_source_options(file, offset, len, options)?,
+    };
     let (options, cached) = match &warm {
         Some((warm, why)) => (warm, Some(why)),
         None => (options, None),
@@ -51,10 +66,18 @@ pub fn load_open_to_sink(
     opened.fallbacks.extend(cached.cloned());
     opened.fit_reads_to(slot, chunk, options.mode)?;
     let (offset, len) = (opened.offset, opened.len);
-    let plan_for = |align| Plan::staged(offset, len, align, chunk, slot, page);
+    let plan_for = |align| {
+        let plan = Plan::staged(offset, len, align, chunk, slot, page);
+        match lane {
+            Some(_) => plan.with_cache_lane(|window| window_is_cached(file, window)),
+            None => plan,
+        }
+    };
+    let lane_file = file.source().file.as_fd();
     let started = Instant::now();
     let ((run, times), plan) = opened.read(options, plan_for, |setup, plan, options| {
-        fill_staged(path, setup, plan, len, options, ring, sink)
+        let lane = lane.as_ref().map(|share| (share, lane_file));
+        fill_staged(path, setup, plan, len, options, lane, ring, sink)
     })?;
     let wall = started.elapsed();
     let waited = run.waited_for_memory;
@@ -66,8 +89,24 @@ pub fn load_open_to_sink(
     };
     let mut report = opened.report(&plan, run, options, memory, &MemoryFacts::read())?;
     report.destination = format!("staging ring ({} x {} bytes)", ring.slots(), ring.slot_len());
+    report.cache_lane_bytes = times.cache_lane_bytes;
+    report.ring_bytes = report.bytes - times.cache_lane_bytes;
+    report.cache_lane_threads = times.cache_lane_threads;
     report.register_seconds = times.register.as_secs_f64();
     report.deliver_seconds = times.deliver.as_secs_f64();
     report.io_seconds = wall.saturating_sub(waited).as_secs_f64();
     Ok(report)
+}
+
+/// Whether a load window (a slot's worth of the file) goes to the cache
+/// lane: most of its pages are in the page cache (`mincore`), or the file
+/// lives in memory (tmpfs: a cache service's memfd). Where residency
+/// cannot be known, the disk is read.
+fn window_is_cached(file: &OpenFile, window: Range<u64>) -> bool {
+    let source = file.source();
+    source.in_memory
+        || known_residency_of(&source.file, file.path(), window.start, window.end - window.start)
+            .ok()
+            .flatten()
+            .is_some_and(|residency| residency.fraction >= CACHED_SHARE)
 }

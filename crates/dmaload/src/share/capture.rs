@@ -483,6 +483,7 @@ impl<'a> RunWriter<'a> {
             threads: DEFAULT_POOL_THREADS,
             cancel: CancelToken::new(),
             tune: None,
+            request_size: None,
         }
     }
 

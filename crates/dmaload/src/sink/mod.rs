@@ -11,8 +11,11 @@
 use std::io;
 use std::ops::Range;
 
+mod cached;
 mod cuda;
 mod dma_heap;
+pub(crate) use cached::lane_pieces;
+pub use cached::{CachedRanges, CACHE_LANE_PIECE, CACHE_LANE_PIECES};
 pub use cuda::CudaSink;
 pub use dma_heap::DmaHeapSink;
 
@@ -153,13 +156,28 @@ pub trait Sink: Send + dyn_sink::AsDynSink {
         Ok(())
     }
 
+    /// Whether the sink carries the ranges of the file that are in the page
+    /// cache itself, on a lane of its own beside the ring ([`CachedRanges`],
+    /// handed to [`Sink::feed`]; the CUDA sink's). By default no: every
+    /// byte comes through the ring's slots.
+    fn has_cache_lane(&self) -> bool {
+        false
+    }
+
     /// Runs `deliveries` (the pipeline's loop, which calls
     /// [`Sink::deliver`] and [`Sink::release`] on the sink it is given)
     /// against this sink, and returns what the sink could not do as it
     /// meant to. A sink with work of its own to do beside its deliveries
-    /// (a [`HostSink`] faulting its destination in ahead of them) does it
-    /// here, on up to `threads` threads that end before this returns.
-    fn feed(&mut self, _threads: usize, deliveries: &mut dyn FnMut(&mut dyn Sink)) -> Vec<Fallback> {
+    /// (a [`HostSink`] faulting its destination in ahead of them, a CUDA
+    /// sink carrying `cached`) does it here, on threads that end before
+    /// this returns (a populating sink uses up to `threads`). `cached` is
+    /// given only to a sink that [`Sink::has_cache_lane`].
+    fn feed(
+        &mut self,
+        _threads: usize,
+        _cached: Option<&CachedRanges<'_>>,
+        deliveries: &mut dyn FnMut(&mut dyn Sink),
+    ) -> Vec<Fallback> {
         deliveries(self.as_dyn());
         Vec::new()
     }
@@ -340,7 +358,12 @@ impl Sink for HostSink<'_> {
         Ok(())
     }
 
-    fn feed(&mut self, threads: usize, deliveries: &mut dyn FnMut(&mut dyn Sink)) -> Vec<Fallback> {
+    fn feed(
+        &mut self,
+        threads: usize,
+        _cached: Option<&CachedRanges<'_>>,
+        deliveries: &mut dyn FnMut(&mut dyn Sink),
+    ) -> Vec<Fallback> {
         let (dst, pages) = self.dst.reborrow().prefault();
         // No thread for less than a step: the deliveries populate it as cheaply.
         let threads = threads.min(dst.len() / POPULATE_STEP);
@@ -504,7 +527,7 @@ mod tests {
         let mut dst = vec![0u8; POPULATE_AHEAD + (16 << 20)];
         let mut sink = HostSink::new(&mut dst, 0);
         let fed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            sink.feed(2, &mut |_| panic!("a delivery panicked"))
+            sink.feed(2, None, &mut |_| panic!("a delivery panicked"))
         }));
         assert!(fed.is_err());
     }
