@@ -9,7 +9,6 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::sys;
 use crate::sys::mem::MappingWriter;
 
 /// Staging pieces each cache-lane thread cycles through: one being read
@@ -107,7 +106,7 @@ impl<'a> CachedRanges<'a> {
         let mut done = 0;
         while done < piece.len() {
             let part = piece.start + done..piece.end;
-            match sys::file::pread_into(self.file, self.staging, part, from + done as u64, 0) {
+            match self.staging.pread_at(self.file, part, from + done as u64, 0) {
                 Ok(0) => {
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
