@@ -65,6 +65,15 @@ pub fn free_page_reporting_note(block: u64) -> String {
 }
 
 pub fn cache_description(report: &LoadReport) -> &'static str {
+    // A GPU load's cache lane copies from the page cache, whatever the
+    // ring's reads were set up as.
+    if report.cache_lane_bytes > 0 {
+        return if report.ring_bytes == 0 {
+            "from the page cache (cache lane)"
+        } else {
+            "direct (O_DIRECT) + from the page cache (cache lane)"
+        };
+    }
     match report.cache {
         dmaload::CachePolicy::Bypass => "direct (O_DIRECT)",
         dmaload::CachePolicy::Keep => "buffered (page cache kept)",

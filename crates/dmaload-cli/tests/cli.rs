@@ -714,6 +714,15 @@ fn a_load_to_cuda_hashes_equal_to_a_host_load() {
     };
     assert_eq!(hash_of(&["--to", "cuda:0"]), hash_of(&[]));
     assert_eq!(hash_of(&["--to", "cuda:0", "--mode", "direct"]), hash_of(&[]));
+    // The text report's engine line says where the bytes came from.
+    let engine_line = |args: &[&str]| {
+        let out = dmaload().args(["load", "--to", "cuda:0"]).args(args).arg(&path).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).unwrap();
+        text.lines().find(|l| l.starts_with("engine")).unwrap().to_owned()
+    };
+    assert!(engine_line(&[]).contains("| from the page cache (cache lane) |"), "{}", engine_line(&[]));
+    assert!(engine_line(&["--mode", "direct"]).contains("| direct (O_DIRECT) |"));
     assert_eq!(hash_of(&["--to", "cuda:0", "--offset", "4097"]), hash_of(&["--offset", "4097"]));
 }
 
