@@ -9,7 +9,7 @@ use super::check;
 
 /// Whether `range` is covered, without a gap, by shared mappings of
 /// `fd`'s file at the offsets of their distance from `range.start`: the
-/// shared mapping from offset 0 that [`Mapping::shared`] made there (or
+/// shared mapping from offset 0 that [`Mapping::shared`](super::Mapping::shared) made there (or
 /// pieces of it), as `/proc/self/maps` lists it. Another mapping put there
 /// would be of another file, private, or at other offsets, unless someone
 /// else mapped this very file the same way: the same pages in the same
