@@ -30,6 +30,9 @@ with DMALOAD_VLLM_PEERS=1):
 
     tests/engines/.venv-vllm/bin/python bench/serving.py --rounds 2
 
+``--variant NAME='{"window": "64M"}'`` adds dmaload with another extra
+config as its own format (``dmaload:NAME``), interleaved with the rest.
+
 Not a test: absolute numbers depend on the machine; compare within a run.
 """
 
@@ -160,12 +163,20 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=900, help="seconds one engine may take")
     ap.add_argument("--dmaload-config", default="{}",
                     help="dmaload's --model-loader-extra-config (JSON), e.g. '{\"mode\": \"direct\"}'")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="also run dmaload with this extra config, as format dmaload:NAME "
+                         "(interleaved with the others; repeatable), e.g. 'w64={\"window\": \"64M\"}'")
     ap.add_argument("--json", type=Path, help="write every run here")
     a = ap.parse_args()
+    variants = {"dmaload": a.dmaload_config}
+    for v in a.variant:
+        name, _, config = v.partition("=")
+        json.loads(config)  # a typo fails here, not in every engine
+        variants[f"dmaload:{name}"] = config
 
     model = make_model(a.model, a.size_gib, a.shard_size)
     total = sum(p.stat().st_size for p in shards(model))
-    formats = a.formats.split(",")
+    formats = a.formats.split(",") + [v for v in variants if v != "dmaload"]
     ranks = [int(r) for r in a.ranks.split(",") if int(r) <= len(os.sched_getaffinity(0))]
     states = a.states.split(",")
     runs: list[dict[str, object]] = []
@@ -182,8 +193,9 @@ def main() -> None:
                     if fmt in broken:
                         continue
                     set_cache(model, state)
-                    extra = a.dmaload_config if fmt == "dmaload" else "{}"
-                    r = serve(sys.executable, model, fmt, n, a.memory, a.timeout, extra)
+                    extra = variants.get(fmt, "{}")
+                    engine_format = "dmaload" if fmt in variants else fmt
+                    r = serve(sys.executable, model, engine_format, n, a.memory, a.timeout, extra)
                     r.update(format=fmt, ranks=n, state=state, round=rnd)
                     runs.append(r)
                     print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), file=sys.stderr, flush=True)
@@ -193,7 +205,7 @@ def main() -> None:
         a.json.write_text(json.dumps({"model_bytes": total, "runs": runs}, indent=1))
 
     print(f"\nmodel: {len(shards(model))} shards, {total / 2**30:.2f} GiB; {a.rounds} round(s); machine: "
-          f"{os.cpu_count()} CPUs; dmaload's extra config: {a.dmaload_config}")
+          f"{os.cpu_count()} CPUs; dmaload's extra configs: {variants}")
     print("| format | ranks | state | Loading weights took, s | model build + weights, s "
           "| first token from start, s | device reads, GiB | dmaload ranks' own reads, x checkpoint | tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
