@@ -193,3 +193,31 @@ fn close_inherited_fds() -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// The files dmaload keeps for the user between runs
+/// (`$XDG_CACHE_HOME/dmaload/tuning` and `memory-probe.json`) may be
+/// anything a path can be: a FIFO (opening it waits for a writer for good)
+/// or a link to `/dev/zero` (reading it never ends). A load goes on without
+/// them, bit-exact, and its memory choice says why the probe figures were
+/// passed over.
+#[test]
+fn a_fifo_or_endless_device_in_place_of_the_users_cache_files_is_passed_over() {
+    let dir = open_scratch("dmaload-hostile-");
+    let path = sample(dir.path(), OsStr::new("f.bin"), (3 << 20) + 5);
+    let expected = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap()));
+    let cache = dir.path().join("xdg");
+    let kept = cache.join("dmaload");
+    for (fifo, endless) in [("tuning", "memory-probe.json"), ("memory-probe.json", "tuning")] {
+        let _ = std::fs::remove_dir_all(&kept);
+        std::fs::create_dir_all(&kept).unwrap();
+        assert!(Command::new("mkfifo").arg(kept.join(fifo)).status().unwrap().success());
+        std::os::unix::fs::symlink("/dev/zero", kept.join(endless)).unwrap();
+        let out = output_or_hang(
+            dmaload().args(["load", "--json", "--hash"]).arg(&path).env("XDG_CACHE_HOME", &cache),
+        );
+        let report = json_of(&out);
+        assert_eq!(report["hash"]["xxh3_64"], expected.as_str(), "{report}");
+        let reason = report["memory_reason"].as_str().unwrap();
+        assert!(reason.contains("memory-probe.json: not a regular file"), "{fifo} a FIFO: {reason}");
+    }
+}

@@ -31,7 +31,7 @@
 //! load started from.
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -97,11 +97,10 @@ pub(crate) struct Remembered {
 /// file that parses (others are skipped: the file is a cache, never an
 /// error).
 fn entries(path: &Path) -> Vec<(String, Remembered)> {
-    let mut text = String::new();
-    let read = File::open(path).and_then(|f| f.take(MEMORY_LIMIT + 1).read_to_string(&mut text));
-    if read.is_err() || text.len() as u64 > MEMORY_LIMIT {
+    let Ok(Some(bytes)) = crate::user_cache::read(path, MEMORY_LIMIT) else {
         return Vec::new();
-    }
+    };
+    let text = String::from_utf8_lossy(&bytes);
     let parse = |line: &str| {
         let (key, value) = line.split_once(" queue_depth=")?;
         let (depth, request) = match value.split_once(" request=") {

@@ -3,7 +3,7 @@
 //! replaced so that no reader, nor a writer racing another, sees half.
 
 use std::fs::{self, OpenOptions};
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
 /// `$XDG_CACHE_HOME/dmaload/NAME`, else `$HOME/.cache/dmaload/NAME`; `None`
@@ -12,6 +12,29 @@ pub fn path(name: &str) -> Option<PathBuf> {
     let absolute = |name| std::env::var_os(name).map(PathBuf::from).filter(|p| p.is_absolute());
     let cache = absolute("XDG_CACHE_HOME").or_else(|| absolute("HOME").map(|home| home.join(".cache")))?;
     Some(cache.join("dmaload").join(name))
+}
+
+/// The bytes of the file at `path`, `None` when there is none. Anything
+/// but a regular file of at most `limit` bytes is an `InvalidData` error,
+/// found without blocking or reading on: a FIFO put there would hang every
+/// load that looks, a link to `/dev/zero` would fill its memory.
+pub(crate) fn read(path: &Path, limit: u64) -> io::Result<Option<Vec<u8>>> {
+    let file = match crate::sys::file::open_nonblocking(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let invalid =
+        |what: String| io::Error::new(io::ErrorKind::InvalidData, format!("{}: {what}", path.display()));
+    if !file.metadata()?.file_type().is_file() {
+        return Err(invalid("not a regular file".into()));
+    }
+    let mut bytes = Vec::new();
+    file.take(limit + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(invalid(format!("larger than {limit} bytes")));
+    }
+    Ok(Some(bytes))
 }
 
 /// Writes `bytes` to `path` (its directory created if needed) through a

@@ -342,6 +342,9 @@ pub struct KindProbe {
 /// host: the balloon reports free blocks about 2 s after they are freed.
 const REPORTING_SETTLE: std::time::Duration = std::time::Duration::from_secs(3);
 
+/// The most bytes a recorded probe file may hold (one is about 2 KiB).
+const PROBE_LIMIT: u64 = 1 << 20;
+
 /// Where the probe's figures are kept: `$XDG_CACHE_HOME/dmaload`, else
 /// `~/.cache/dmaload`.
 pub fn probe_path() -> Option<PathBuf> {
@@ -443,13 +446,12 @@ impl MemoryProbe {
     /// The figures recorded at `path`; `None` when there are none. A file
     /// that does not parse (another version's, say) is an error.
     pub fn load(path: &Path) -> io::Result<Option<MemoryProbe>> {
-        match fs::read(path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{}: {e}", path.display()))),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e),
-        }
+        let Some(bytes) = crate::user_cache::read(path, PROBE_LIMIT)? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{}: {e}", path.display())))
     }
 }
 
