@@ -13,7 +13,7 @@ mod common;
 #[path = "../../dmaload/tests/common/cuda_driver.rs"]
 mod cuda_driver;
 
-use common::{dmaload, have, is_root, skip};
+use common::{dmaload, have, is_root, output_or_hang, skip};
 
 fn scratch() -> tempfile::TempDir {
     tempfile::Builder::new().prefix("dmaload-cli-").tempdir_in(std::env::temp_dir()).unwrap()
@@ -743,6 +743,27 @@ fn a_missing_dmaload_libcuda_is_named_in_the_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("DMALOAD_LIBCUDA={}", missing.display())), "{stderr}");
     assert!(stderr.contains("dlopen failed"), "{stderr}");
+}
+
+/// `DMALOAD_LIBCUDA` naming a FIFO (which dlopen would wait on for a
+/// writer) or a directory: refused by type, naming the variable.
+#[test]
+fn a_dmaload_libcuda_that_is_no_regular_file_is_refused_not_waited_on() {
+    let dir = scratch();
+    let path = sample_file(dir.path(), "model.bin", 4096);
+    let fifo = dir.path().join("libcuda-fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    for driver in [fifo.as_path(), dir.path()] {
+        let out = output_or_hang(
+            dmaload().args(["load", "--to", "cuda:0"]).arg(&path).env("DMALOAD_LIBCUDA", driver),
+        );
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(&format!("DMALOAD_LIBCUDA={} is not a regular file", driver.display())),
+            "{stderr}"
+        );
+    }
 }
 
 /// `dmaload sums` writes what `sha256sum` prints for the same names, for a

@@ -238,6 +238,17 @@ fn load_driver() -> Result<Driver, CudaError> {
             })?,
         None => LIBCUDA.to_owned(),
     };
+    // dlopen of a FIFO waits for a writer for good; a missing file is left
+    // to dlopen's own error.
+    if let Some(kind) = chosen.as_ref().and_then(|path| std::fs::metadata(path).ok()).map(|m| m.file_type()) {
+        if !kind.is_file() {
+            let path = chosen.as_ref().map(|p| p.to_string_lossy()).unwrap_or_default();
+            return Err(CudaError::invalid(
+                "dlopen",
+                format!("{LIBCUDA_OVERRIDE}={path} is not a regular file"),
+            ));
+        }
+    }
     // SAFETY: the name is NUL-terminated; loading runs the library's
     // initialisers, which need nothing from the caller.
     let lib = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
