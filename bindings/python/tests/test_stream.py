@@ -262,3 +262,22 @@ def test_a_stream_started_and_closed_unread_stops_its_load_and_closes_its_files(
         with pytest.raises(OSError) as closed:
             os.fstat(fd)
         assert closed.value.errno == errno.EBADF
+
+
+def test_a_file_read_from_the_disk_is_loaded_a_largest_window_at_a_time(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a group, a file read from the disk is one load per
+    ``LARGEST_WINDOW`` of its tensors (split between tensors only, a larger
+    tensor alone), so the window buffers stay bounded whatever the shard
+    size; the tensors are the same."""
+    monkeypatch.setattr(_collective, "LARGEST_WINDOW", 8 << 20)
+    reference = _reference(model)
+    paths = sorted(model.glob("*.safetensors"))
+    with _collective.Stream(paths, recycle=True, options={"mode": "direct"}) as stream:
+        assert len(stream.windows) > 2 * len(paths), stream.windows
+        for w in stream.windows:
+            assert w.end - w.start <= (8 << 20) + 4096 or len(w.tensors) == 1, w
+        got = {name: t.clone() for name, t in stream}
+    assert sorted(got) == sorted(reference)
+    assert all(_same_bytes(got[name], reference[name]) for name in reference)

@@ -18,8 +18,9 @@ EXTRA_CONFIG_KEYS = ("window", "collective", "cache", *LoadOptions.__annotations
 """The keys of ``--model-loader-extra-config`` the loaders take (documented
 in README.md, "Serving engines"): ``window`` (bytes read and exchanged at a
 time, an int or ``"64M"``; by default 64 MiB across several ranks, and for
-one rank 64 MiB of a file mostly in the page cache, one load per file of
-any other, handing out each tensor as its bytes arrive),
+one rank 64 MiB of a file mostly in the page cache, one load per file (per
+GiB of a larger one) of any other, handing out each tensor as its bytes
+arrive),
 ``collective`` (``false``: every rank reads the
 whole checkpoint itself instead of 1/N of it), ``cache`` (``true`` or the
 model-cache service's socket; ``DMALOAD_CACHE`` in the environment does the

@@ -758,8 +758,8 @@ def iter_tensors(
     out while later ones are still being read: at most about three windows
     are held beyond the tensors the caller keeps. A window is ``window``
     bytes with a group (64 MiB by default); without one, by default, 64
-    MiB of a file mostly in the page cache and otherwise a file's whole
-    run of wanted tensors, read by one load whose tensors are
+    MiB of a file mostly in the page cache and otherwise a file's run of
+    wanted tensors up to 1 GiB, read by one load whose tensors are
     handed out as soon as their bytes have arrived (waiting for them holds
     no GIL; Ctrl-C interrupts it).
 

@@ -34,14 +34,15 @@ raised the same way. Every rank must consume the whole iterator: the
 collectives are matched across ranks in order.
 
 Without a group the same plan serves one process, read differently: a
-window is a whole run of adjacent wanted tensors of a file (unless
-``window`` is given, or the file is mostly in the page cache: then
-``DEFAULT_WINDOW``, see ``Stream._windows_alone``), read by one load (``load_into`` with ``arrived``:
+window is a run of adjacent wanted tensors of a file of up to
+``LARGEST_WINDOW`` bytes (unless ``window`` is given, or the file is mostly
+in the page cache: then ``DEFAULT_WINDOW``, see ``Stream._windows_alone``),
+read by one load (``load_into`` with ``arrived``:
 the pipeline says, gather by gather, that the window's bytes ``0..n`` are
 in) while its tensors are handed out as soon as their bytes are; the next
 window's load starts as soon as this one's ends. So a filter leaves unread
-what it excludes, the disk sees one queue per file instead of one per
-window, and the first tensors come while the rest of the file is still on
+what it excludes, the disk sees one queue per file (per GiB of a larger
+one) instead of one per window, and the first tensors come while the rest of the file is still on
 the disk. A failed read raises :class:`CollectiveLoadError` at the next
 tensor: nothing after it is handed out. ``Stream.start`` begins the reads
 before the iteration (up to two windows ahead of it, in the same buffers).
@@ -54,7 +55,7 @@ import hashlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Collection, Generator, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias, Union
@@ -73,7 +74,16 @@ name, or None for all."""
 DEFAULT_WINDOW = 64 << 20
 """Bytes of tensors read and exchanged at a time with a group
 (``window=None``); without one, of a file mostly in the page cache, and
-otherwise a window is a file's whole run of wanted tensors."""
+otherwise a window is a file's run of wanted tensors up to
+``LARGEST_WINDOW``."""
+
+LARGEST_WINDOW = 1 << 30
+"""Bytes of a file not in the page cache read by one load without a group
+(``window=None``): a shard of up to 1 GiB is one load, one disk queue,
+while the ring of window buffers stays within about 3 GiB of host memory
+whatever the shard size (5 GB shards made whole-file windows hold 15 GB).
+A run is split only between tensors: a larger tensor is a window of its
+own."""
 
 _ALIGN = 4096
 """Slots start at this multiple of the file offset (direct-I/O alignment)."""
@@ -115,7 +125,7 @@ def wants(tensor_filter: TensorFilter) -> Callable[[str], bool]:
     return names.__contains__
 
 
-def _windows(headers: list[Header], wanted: list[bool], windows: list[int | None], ranks: int) -> list[_Window]:
+def _windows(headers: list[Header], wanted: list[bool], windows: Sequence[int | None], ranks: int) -> list[_Window]:
     """The windows of the wanted tensors (``wanted`` is indexed like the
     tensors of all headers in order), in file and data order; ``windows``
     has each file's window size, None: each run of adjacent wanted tensors
@@ -347,23 +357,24 @@ class Stream:
         self.windows = _windows(self.headers, wanted, [self._window] * len(self.headers), group.size)
         self._buffers = self._ring(group.size)
 
-    def _windows_alone(self) -> list[int | None]:
+    def _windows_alone(self) -> list[int]:
         """Each file's window size without a group. ``window`` given: that.
         Otherwise a file mostly in the page cache (``CACHED_SHARE``, the
         share from which a load copies from the cache) is read in
         ``DEFAULT_WINDOW`` windows, each its own load, reusing the ring's
         memory (a page-cache copy keeps no disk queue to keep full, and a
         whole-file window costs a shard's worth of fresh memory per ring
-        buffer: docs/benchmarks.md); any other file in one load (None)."""
+        buffer: docs/benchmarks.md); any other file in loads of up to
+        ``LARGEST_WINDOW``."""
         if self._window is not None:
             return [self._window] * len(self.headers)
         if self._native.get("mode") == "direct":
-            return [None] * len(self.headers)  # the disk is read whatever the cache holds
-        out: list[int | None] = []
+            return [LARGEST_WINDOW] * len(self.headers)  # the disk is read whatever the cache holds
+        out: list[int] = []
         for fd, header in zip(self._fds, self.headers):
             length = max((t.end for t in header.tensors), default=0)
             share = _dmaload.page_cache_share(f"/proc/self/fd/{fd}", header.data_start, length) if length else None
-            out.append(DEFAULT_WINDOW if share is not None and share >= _dmaload.CACHED_SHARE else None)
+            out.append(DEFAULT_WINDOW if share is not None and share >= _dmaload.CACHED_SHARE else LARGEST_WINDOW)
         return out
 
     def _ring(self, ranks: int) -> _Buffers:
