@@ -274,70 +274,9 @@ fn unregister_host(ctx: &Context, ptr: *mut u8) -> bool {
     true
 }
 
-/// A range of a [`Mapping`] pinned for DMA (`cuMemHostRegister` with
-/// `CU_MEMHOSTREGISTER_PORTABLE`), so copies from it run asynchronously at
-/// full speed. It holds the mapping's writer, so the mapping outlives it;
-/// dropping it waits for its context (`cuCtxSynchronize`) before
-/// `cuMemHostUnregister`, so no copy from it outlives the pin.
-#[allow(dead_code)] // used by the CUDA sink
-pub struct HostRegistration<'m> {
-    ctx: Context,
-    ptr: *mut u8,
-    len: usize,
-    range: Range<usize>,
-    _memory: MappingWriter<'m>,
-}
-
-// SAFETY: the registration only hands addresses to the driver, which
-// accepts them from any thread; the mapping lives for 'm.
-unsafe impl Send for HostRegistration<'_> {}
-// SAFETY: as above; no method mutates it.
-unsafe impl Sync for HostRegistration<'_> {}
-
-#[allow(dead_code)] // used by the CUDA sink
-impl<'m> HostRegistration<'m> {
-    /// Pins `range` of `memory`: whole pages, as staging slots are (older
-    /// drivers refuse others). A range outside the mapping is a bug and
-    /// panics; an empty one pins nothing; one overlapping a range already
-    /// pinned fails with `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
-    pub fn new(
-        ctx: &Context,
-        memory: MappingWriter<'m>,
-        range: Range<usize>,
-    ) -> Result<HostRegistration<'m>, CudaError> {
-        let (ptr, len) = memory.raw_range(&range);
-        if len > 0 {
-            // SAFETY: ptr..ptr+len is inside the mapping (raw_range), which
-            // the writer keeps mapped for 'm, longer than this value, whose
-            // drop unregisters it.
-            unsafe { register_host(ctx, ptr, len) }?;
-        }
-        Ok(HostRegistration { ctx: ctx.clone(), ptr, len, range, _memory: memory })
-    }
-
-    /// The range of the mapping pinned.
-    pub fn range(&self) -> Range<usize> {
-        self.range.clone()
-    }
-
-    pub fn context(&self) -> &Context {
-        &self.ctx
-    }
-}
-
-impl Drop for HostRegistration<'_> {
-    fn drop(&mut self) {
-        // In a wedged context the pin stays: the driver keeps holding the
-        // pages a late copy may read, whatever their mapping's owner does.
-        if self.len > 0 {
-            unregister_host(&self.ctx, self.ptr);
-        }
-    }
-}
-
 /// `cuMemcpyHtoDAsync`: queues a copy of `src_range` of `src` to
 /// `dst_offset..` of `dst` on `stream`, and returns at once when the source
-/// is pinned (a [`HostRegistration`], a [`PinnedStaging`]); an unpinned
+/// is pinned (a [`PinnedStaging`]); an unpinned
 /// source is first copied by the driver into its own staging memory.
 ///
 /// The copy reads the source until the stream passes it, so the caller
@@ -502,48 +441,5 @@ impl Drop for PinnedStaging {
                 std::mem::forget(std::mem::replace(&mut self.memory, empty));
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A registered range of a mapping copied to the device and back.
-    #[test]
-    fn a_registered_mapping_range_round_trips_through_the_device() {
-        let ctx = match Context::primary(0) {
-            Ok(ctx) => ctx,
-            Err(err) => {
-                eprintln!("SKIP cuda: {err}");
-                return;
-            }
-        };
-        let page = crate::sys::mem::page_size();
-        let mut map = Mapping::anonymous(4 * page, HugePageAdvice::Small).unwrap();
-        for (i, byte) in map.as_mut_slice().iter_mut().enumerate() {
-            *byte = (i % 253) as u8;
-        }
-        let mut device = DeviceBuffer::new(&ctx, 2 * page).unwrap();
-        device.fill(0xA5).unwrap();
-        {
-            let writer = map.writer();
-            let pinned = HostRegistration::new(&ctx, writer, page..3 * page).unwrap();
-            assert_eq!(pinned.range(), page..3 * page);
-            let stream = Stream::new(&ctx).unwrap();
-            let event = Event::new(&ctx).unwrap();
-            let dst = device.range();
-            copy_htod_async(&dst, 16, writer, page..2 * page, &stream).unwrap();
-            let past = copy_htod_async(&dst, page + 1, writer, page..2 * page, &stream).unwrap_err();
-            assert_eq!(past.errno(), libc::EINVAL, "{past}");
-            event.record(&stream).unwrap();
-            event.synchronize().unwrap();
-            assert!(event.is_complete().unwrap());
-        }
-        let mut back = vec![0u8; 2 * page];
-        device.copy_to_host(0, &mut back).unwrap();
-        assert!(back[..16].iter().all(|&b| b == 0xA5));
-        assert_eq!(&back[16..16 + page], &map.as_slice()[page..2 * page]);
-        assert!(back[16 + page..].iter().all(|&b| b == 0xA5));
     }
 }

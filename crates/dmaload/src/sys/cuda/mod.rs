@@ -28,9 +28,8 @@
 //!   [`DeviceBuffer`] (which waits for the context before `cuMemFree`) or
 //!   from [`DeviceRange::from_raw`], whose caller promises the memory stays
 //!   allocated while copies into it may run.
-//! * Host memory is pinned by a [`HostRegistration`](memory::HostRegistration) (borrowing the
-//!   mapping, so the mapping outlives it) or a [`PinnedStaging`] (owning
-//!   it). Both wait for their context before unpinning, so no copy reads
+//! * Host memory is pinned by a [`PinnedStaging`], which owns its
+//!   mapping and waits for its context before unpinning, so no copy reads
 //!   pages the driver no longer holds; an unpinned source is copied by the
 //!   driver into its own staging memory before the copy call returns.
 //! * Waiting for copies is bounded: a copy that does not complete within
