@@ -813,20 +813,6 @@ fn evict(py: Python<'_>, path: PathBuf) -> PyResult<()> {
     detached(py, || dmaload::pagecache::evict(&path))?.map_err(|e| os_error(&e))
 }
 
-/// The share (0.0 to 1.0) of bytes `offset..offset + length` of the file
-/// at `path` that is in the page cache (`mincore`), or None where it cannot
-/// be known (a file this process neither owns nor may write, whose pages
-/// mincore calls all cached): the core's `pagecache::known_residency_of`,
-/// which a load asks before it chooses between the disk and the cache.
-#[pyfunction]
-fn page_cache_share(py: Python<'_>, path: PathBuf, offset: u64, length: u64) -> PyResult<Option<f64>> {
-    detached(py, || {
-        let file = dmaload::source::open_for_reading(&path)?;
-        dmaload::pagecache::known_residency_of(&file, &path, offset, length).map(|r| r.map(|r| r.fraction))
-    })?
-    .map_err(|e| os_error(&e))
-}
-
 /// The cache service's default socket: `$XDG_RUNTIME_DIR/dmaload.sock`,
 /// else `/run/user/UID/dmaload.sock`.
 #[pyfunction]
@@ -1021,7 +1007,6 @@ fn _test_panic(py: Python<'_>, place: &str) -> PyResult<()> {
 fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_HEADER_LEN", st::MAX_HEADER_LEN)?;
-    m.add("CACHED_SHARE", dmaload::pagecache::CACHED_SHARE)?;
     m.add("SafetensorError", m.py().get_type::<SafetensorError>())?;
     m.add_class::<Buffer>()?;
     m.add_class::<dmabuf::DmaBuf>()?;
@@ -1034,7 +1019,6 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save::_save_option_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(default_cache_socket, m)?)?;
     m.add_function(wrap_pyfunction!(evict, m)?)?;
-    m.add_function(wrap_pyfunction!(page_cache_share, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_dtypes, m)?)?;

@@ -1,5 +1,5 @@
-"""``iter_tensors`` without a process group: one load per file, each tensor
-handed out as soon as the bytes under it have arrived (the load's
+"""``iter_tensors`` without a process group: one load per window (a whole
+file here: these shards are smaller than a window), each tensor handed out as soon as the bytes under it have arrived (the load's
 ``arrived`` reports), bit-exact with safetensors; a load that fails mid-file
 raises and hands out nothing after it, and Ctrl-C reaches a consumer
 waiting for bytes. The loads are observed by wrapping the native
@@ -264,14 +264,15 @@ def test_a_stream_started_and_closed_unread_stops_its_load_and_closes_its_files(
         assert closed.value.errno == errno.EBADF
 
 
-def test_a_file_read_from_the_disk_is_loaded_a_largest_window_at_a_time(
+def test_a_file_is_loaded_a_window_at_a_time_into_a_ring_of_three_buffers(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without a group, a file read from the disk is one load per
-    ``LARGEST_WINDOW`` of its tensors (split between tensors only, a larger
-    tensor alone), so the window buffers stay bounded whatever the shard
-    size; the tensors are the same."""
-    monkeypatch.setattr(_collective, "LARGEST_WINDOW", 8 << 20)
+    """Without a group, whether its bytes come from the disk or the page
+    cache, a file is one load per ``DEFAULT_WINDOW`` of its tensors (split
+    between tensors only, a larger tensor alone), read into a ring of
+    ``RING`` buffers, so the host memory the stream faults in is bounded
+    by the window, not by the shard; the tensors are the same."""
+    monkeypatch.setattr(_collective, "DEFAULT_WINDOW", 8 << 20)
     reference = _reference(model)
     paths = sorted(model.glob("*.safetensors"))
     with _collective.Stream(paths, recycle=True, options={"mode": "direct"}) as stream:
@@ -279,5 +280,6 @@ def test_a_file_read_from_the_disk_is_loaded_a_largest_window_at_a_time(
         for w in stream.windows:
             assert w.end - w.start <= (8 << 20) + 4096 or len(w.tensors) == 1, w
         got = {name: t.clone() for name, t in stream}
+        assert stream._buffers._made == _collective.RING
     assert sorted(got) == sorted(reference)
     assert all(_same_bytes(got[name], reference[name]) for name in reference)

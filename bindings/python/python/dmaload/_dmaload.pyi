@@ -23,7 +23,6 @@ _Options: TypeAlias = dict[str, str | int | bool | None]
 __all__ = [
     "BlockQueue",
     "Buffer",
-    "CACHED_SHARE",
     "DmaBuf",
     "MAX_HEADER_LEN",
     "SafetensorError",
@@ -36,7 +35,6 @@ __all__ = [
     "load_into",
     "load_safetensors",
     "open_safetensors",
-    "page_cache_share",
     "parse_safetensors_header",
     "read_safetensors_header",
     "release_staging",
@@ -52,10 +50,6 @@ __all__ = [
 
 __version__: Final[str]
 MAX_HEADER_LEN: Final[int]
-CACHED_SHARE: Final[float]
-"""Share of a range in the page cache from which a load copies from the
-cache instead of reading the disk again (and ``iter_tensors`` reads the
-file in windows rather than in one load)."""
 
 class SafetensorError(ValueError):
     """A malformed safetensors file: the message says what is wrong and at which byte."""
@@ -155,9 +149,6 @@ def load_cached(
 ) -> tuple[Buffer | None, str | None, str | None]: ...
 def default_cache_socket() -> str: ...
 def evict(path: str | os.PathLike[str]) -> None: ...
-def page_cache_share(path: str | os.PathLike[str], offset: int, length: int) -> float | None:
-    """The share (0.0 to 1.0) of bytes ``offset..offset + length`` of the
-    file in the page cache (``mincore``), or None where it cannot be known."""
 def load_safetensors(
     paths: list[str] | list[os.PathLike[str]],
     *,

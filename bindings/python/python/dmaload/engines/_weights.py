@@ -17,10 +17,8 @@ from ..safetensors._collective import Stream
 EXTRA_CONFIG_KEYS = ("window", "collective", "cache", *LoadOptions.__annotations__)
 """The keys of ``--model-loader-extra-config`` the loaders take (documented
 in README.md, "Serving engines"): ``window`` (bytes read and exchanged at a
-time, an int or ``"64M"``; by default 64 MiB across several ranks, and for
-one rank 64 MiB of a file mostly in the page cache, one load per file (per
-GiB of a larger one) of any other, handing out each tensor as its bytes
-arrive),
+time, an int or ``"64M"``; 64 MiB by default, each window one load whose
+tensors are handed out as their bytes arrive),
 ``collective`` (``false``: every rank reads the
 whole checkpoint itself instead of 1/N of it), ``cache`` (``true`` or the
 model-cache service's socket; ``DMALOAD_CACHE`` in the environment does the

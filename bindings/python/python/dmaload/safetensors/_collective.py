@@ -33,19 +33,18 @@ collective fail within the group's timeout (``init_process_group(timeout=)``),
 raised the same way. Every rank must consume the whole iterator: the
 collectives are matched across ranks in order.
 
-Without a group the same plan serves one process, read differently: a
-window is a run of adjacent wanted tensors of a file of up to
-``LARGEST_WINDOW`` bytes (unless ``window`` is given, or the file is mostly
-in the page cache: then ``DEFAULT_WINDOW``, see ``Stream._windows_alone``),
-read by one load (``load_into`` with ``arrived``:
-the pipeline says, gather by gather, that the window's bytes ``0..n`` are
-in) while its tensors are handed out as soon as their bytes are; the next
-window's load starts as soon as this one's ends. So a filter leaves unread
-what it excludes, the disk sees one queue per file (per GiB of a larger
-one) instead of one per window, and the first tensors come while the rest of the file is still on
-the disk. A failed read raises :class:`CollectiveLoadError` at the next
-tensor: nothing after it is handed out. ``Stream.start`` begins the reads
-before the iteration (up to two windows ahead of it, in the same buffers).
+Without a group the same plan serves one process, read differently: each
+window (``DEFAULT_WINDOW`` unless ``window`` is given) is read by one load
+(``load_into`` with ``arrived``: the pipeline says, gather by gather, that
+the window's bytes ``0..n`` are in) while its tensors are handed out as
+soon as their bytes are; the next window's load starts as soon as this
+one's ends. So a filter leaves unread what it excludes, the first tensors
+come while the rest of the file is still on the disk, and the ring of
+window buffers, the only host memory the stream faults in, stays about
+three windows (and the largest tensor) whatever the shard size. A failed
+read raises :class:`CollectiveLoadError` at the next tensor: nothing after
+it is handed out. ``Stream.start`` begins the reads before the iteration
+(up to two windows ahead of it, in the same buffers).
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ import hashlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Collection, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias, Union
@@ -72,18 +71,11 @@ TensorFilter: TypeAlias = Union[Collection[str], Callable[[str], bool], None]
 name, or None for all."""
 
 DEFAULT_WINDOW = 64 << 20
-"""Bytes of tensors read and exchanged at a time with a group
-(``window=None``); without one, of a file mostly in the page cache, and
-otherwise a window is a file's run of wanted tensors up to
-``LARGEST_WINDOW``."""
-
-LARGEST_WINDOW = 1 << 30
-"""Bytes of a file not in the page cache read by one load without a group
-(``window=None``): a shard of up to 1 GiB is one load, one disk queue,
-while the ring of window buffers stays within about 3 GiB of host memory
-whatever the shard size (5 GB shards made whole-file windows hold 15 GB).
-A run is split only between tensors: a larger tensor is a window of its
-own."""
+"""Bytes of tensors read (and exchanged with a group) at a time
+(``window=None``); a larger tensor is a window of its own. A window is one
+load, so the ring of window buffers stays about three windows of host
+memory; 64 MiB loads keep this VM's disk at its speed (docs/benchmarks.md,
+"Window sizes without a group")."""
 
 _ALIGN = 4096
 """Slots start at this multiple of the file offset (direct-I/O alignment)."""
@@ -125,15 +117,14 @@ def wants(tensor_filter: TensorFilter) -> Callable[[str], bool]:
     return names.__contains__
 
 
-def _windows(headers: list[Header], wanted: list[bool], windows: Sequence[int | None], ranks: int) -> list[_Window]:
+def _windows(headers: list[Header], wanted: list[bool], window: int, ranks: int) -> list[_Window]:
     """The windows of the wanted tensors (``wanted`` is indexed like the
-    tensors of all headers in order), in file and data order; ``windows``
-    has each file's window size, None: each run of adjacent wanted tensors
-    of that file is one window."""
+    tensors of all headers in order), in file and data order: runs of
+    adjacent wanted tensors of a file, of up to ``window`` bytes (split
+    between tensors only; a larger tensor is a window of its own)."""
     out: list[_Window] = []
     k = 0
     for i, header in enumerate(headers):
-        window = windows[i]
         run: list[TensorInfo] = []
 
         def close() -> None:
@@ -148,7 +139,7 @@ def _windows(headers: list[Header], wanted: list[bool], windows: Sequence[int | 
         for t in header.tensors:
             take = wanted[k] and t.nbytes > 0
             k += 1
-            too_long = window is not None and run and t.end - run[0].begin > window
+            too_long = run and t.end - run[0].begin > window
             if not take or (run and (t.begin != run[-1].end or too_long)):
                 close()
             if take:
@@ -290,12 +281,9 @@ class Stream:
 
         self._native = native_options(options or {})
         self._group = _Group(process_group) if process_group is not None else None
-        if window is None:
-            self._window: int | None = DEFAULT_WINDOW if self._group is not None else None
-        else:
-            self._window = parse_size(window)
-            if self._window < 1:
-                raise ValueError(f"window must be at least 1 byte, not {window!r}")
+        self._window = DEFAULT_WINDOW if window is None else parse_size(window)
+        if self._window < 1:
+            raise ValueError(f"window must be at least 1 byte, not {window!r}")
         self._wants = wants(tensor_filter)
         self._target = torch.device(device if device is not None else "cpu")
         if self._group is not None and self._group.device.type != "cpu" and self._target != self._group.device:
@@ -336,7 +324,7 @@ class Stream:
             if failure is not None:
                 raise failure
             wanted = [bool(self._wants(t.name)) for h in self.headers for t in h.tensors]
-            self.windows = _windows(self.headers, wanted, self._windows_alone(), 1)
+            self.windows = _windows(self.headers, wanted, self._window, 1)
             self._buffers = self._ring(1)
             return
         where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
@@ -354,28 +342,8 @@ class Stream:
         mine = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
         everyone = _collective(group, doing, group.gather_ints, mine) if mine else []
         wanted = [any(row[k] for row in everyone) for k in range(len(mine))]
-        self.windows = _windows(self.headers, wanted, [self._window] * len(self.headers), group.size)
+        self.windows = _windows(self.headers, wanted, self._window, group.size)
         self._buffers = self._ring(group.size)
-
-    def _windows_alone(self) -> list[int]:
-        """Each file's window size without a group. ``window`` given: that.
-        Otherwise a file mostly in the page cache (``CACHED_SHARE``, the
-        share from which a load copies from the cache) is read in
-        ``DEFAULT_WINDOW`` windows, each its own load, reusing the ring's
-        memory (a page-cache copy keeps no disk queue to keep full, and a
-        whole-file window costs a shard's worth of fresh memory per ring
-        buffer: docs/benchmarks.md); any other file in loads of up to
-        ``LARGEST_WINDOW``."""
-        if self._window is not None:
-            return [self._window] * len(self.headers)
-        if self._native.get("mode") == "direct":
-            return [LARGEST_WINDOW] * len(self.headers)  # the disk is read whatever the cache holds
-        out: list[int] = []
-        for fd, header in zip(self._fds, self.headers):
-            length = max((t.end for t in header.tensors), default=0)
-            share = _dmaload.page_cache_share(f"/proc/self/fd/{fd}", header.data_start, length) if length else None
-            out.append(DEFAULT_WINDOW if share is not None and share >= _dmaload.CACHED_SHARE else LARGEST_WINDOW)
-        return out
 
     def _ring(self, ranks: int) -> _Buffers:
         largest = max((ranks * w.slot for w in self.windows), default=0)

@@ -1,0 +1,136 @@
+"""What a serving engine's weight loading costs the reader, outside the
+engine: each tensor of a checkpoint is copied into a parameter allocated
+(and touched) beforehand, as ``model.load_weights`` does, from
+
+- ``safetensors``: safetensors' own ``safe_open`` (a mapping of the file,
+  read by the kernel's readahead: vLLM's default loader), and
+- ``dmaload``: ``dmaload.safetensors.iter_tensors(..., recycle=True)`` (what
+  the vLLM and SGLang loaders iterate), with any ``--variant NAME=JSON`` of
+  its keyword arguments (``'w16={"window": "16M"}'``) as a format of its own.
+
+Each run is a fresh process, the files evicted (cold) or read whole
+(warm) first; formats alternate within each round. Reported per format
+and state, median (range): seconds, CPU seconds of the process (every
+thread), minor faults, and how far the resident set grew (the window
+buffers: the parameters exist before).
+
+    python bench/stream.py [--model DIR] [--rounds 4] [--states cold,warm]
+
+Not a test: compare within a run (this VM swings 2x within minutes). The
+model is bench/serving.py's generated Llama (made there if absent)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def run_one(model: Path, fmt: str, state: str, kwargs: dict[str, object]) -> dict[str, float]:
+    """One load in this process: the measurement ``main`` runs in a child."""
+    import torch
+    from safetensors import safe_open
+
+    import dmaload
+    from dmaload.safetensors import iter_tensors
+
+    torch.set_num_threads(1)
+    files = sorted(model.glob("*.safetensors"))
+    params = {}
+    for f in files:
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                s = h.get_slice(k)
+                params[k] = torch.zeros(s.get_shape(), dtype=torch.bfloat16)
+    for p in files:
+        if state == "cold":
+            dmaload.evict(p)
+        else:
+            with open(p, "rb") as f:
+                while f.read(16 << 20):
+                    pass
+
+    def mapped():
+        for f in files:
+            with safe_open(f, "pt") as h:
+                for k in h.keys():
+                    yield k, h.get_tensor(k)
+
+    rss = _rss()
+    grew = 0
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    tensors = mapped() if fmt == "safetensors" else iter_tensors(files, "cpu", recycle=True, **kwargs)
+    for i, (name, t) in enumerate(tensors):
+        params[name].copy_(t)
+        if i % 8 == 0:
+            grew = max(grew, _rss() - rss)
+    seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return {"s": seconds, "cpu_s": cpu, "faults": after.ru_minflt - before.ru_minflt, "rss_mib": grew / 2**20}
+
+
+def median_range(values: list[float], digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=ROOT / ".dev" / "serving-model")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--states", default="cold,warm")
+    ap.add_argument("--formats", default="safetensors,dmaload")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        fmt, state, kwargs = a.child
+        print(json.dumps(run_one(a.model, fmt, state, json.loads(kwargs))))
+        return
+    sys.path.insert(0, str(ROOT / "bench"))
+    from serving import make_model
+
+    make_model(a.model, 1.1, "300MB")  # bench/serving.py's defaults
+    variants = {f: {} for f in a.formats.split(",")}
+    for v in a.variant:
+        name, _, config = v.partition("=")
+        variants[f"dmaload:{name}"] = json.loads(config)
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for rnd in range(a.rounds):
+        for state in a.states.split(","):
+            names = list(variants)
+            for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+                fmt = "safetensors" if name == "safetensors" else "dmaload"
+                out = subprocess.run(
+                    [sys.executable, __file__, "--model", str(a.model), "--child", fmt, state,
+                     json.dumps(variants[name])],
+                    capture_output=True, text=True, check=True,
+                )
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                runs.setdefault((name, state), []).append(r)
+                print(json.dumps({"format": name, "state": state, "round": rnd, **r}), file=sys.stderr, flush=True)
+    total = sum(p.stat().st_size for p in a.model.glob("*.safetensors"))
+    print(f"\nmodel: {a.model} ({total / 2**30:.2f} GiB); {a.rounds} round(s); {len(os.sched_getaffinity(0))} CPUs")
+    print("| format | state | seconds | CPU seconds | minor faults | resident set grew, MiB |")
+    print("|---|---|---|---|---|---|")
+    for (name, state), rs in runs.items():
+        print(f"| {name} | {state} | {median_range([r['s'] for r in rs])} | {median_range([r['cpu_s'] for r in rs])} | "
+              f"{median_range([r['faults'] for r in rs], 0)} | {median_range([r['rss_mib'] for r in rs], 0)} |")
+
+
+if __name__ == "__main__":
+    main()
