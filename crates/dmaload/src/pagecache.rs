@@ -101,7 +101,7 @@ pub(crate) fn cached_source_options(
     let warm = LoadOptions {
         mode: IoMode::Buffered,
         engine: Engine::PreadPool,
-        threads: cache_copy_threads(options),
+        threads: cache_copy_threads(),
         ..options.clone()
     };
     let threads = warm.threads;
@@ -116,12 +116,14 @@ pub(crate) fn cached_source_options(
     Ok(Some((warm, Fallback::new("direct", "page cache", why))))
 }
 
-/// Threads that copy a load's cached bytes from the page cache: the
-/// options' threads, or more, up to one per CPU and at most
-/// [`MAX_CACHE_COPY_THREADS`].
-pub(crate) fn cache_copy_threads(options: &LoadOptions) -> usize {
+/// Threads that copy a load's cached bytes from the page cache: one per
+/// CPU, at most [`MAX_CACHE_COPY_THREADS`]. A copy keeps its CPU busy, so
+/// more threads than CPUs only take turns, and on a small host they take
+/// the CPU an engine's own work beside the load needs (the options'
+/// `threads`, 8 by default, made 8 copying threads on 2 vCPUs).
+pub(crate) fn cache_copy_threads() -> usize {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    options.threads.max(cpus.min(MAX_CACHE_COPY_THREADS))
+    cpus.min(MAX_CACHE_COPY_THREADS)
 }
 
 /// Threads copying from the page cache at most: memory bandwidth, not

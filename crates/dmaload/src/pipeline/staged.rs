@@ -52,7 +52,7 @@ pub fn load_open_to_sink(
     // ring) the whole range goes one way: copied from the page cache when
     // most of it is there.
     let lane = (options.mode == IoMode::Auto && !options.verify && sink.has_cache_lane())
-        .then(|| LaneShare::of(ring.slots(), slot, cache_copy_threads(options)))
+        .then(|| LaneShare::of(ring.slots(), slot, cache_copy_threads()))
         .flatten();
     let warm = match lane {
         Some(_) => None,
