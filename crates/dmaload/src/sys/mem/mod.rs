@@ -889,6 +889,23 @@ mod tests {
         assert!(resident >= 6 && pages == 8, "{resident} of {pages} pages resident");
     }
 
+    #[test]
+    fn memory_is_resident_only_once_every_page_is_and_populating_it_again_keeps_its_bytes() {
+        let page = page_size();
+        let mut map = Mapping::anonymous(4 * page, HugePageAdvice::Small).unwrap();
+        assert!(!map.writer().resident(&(0..4 * page)));
+        map.as_mut_slice()[page] = 7;
+        assert!(map.writer().resident(&(page..page + 1)));
+        assert!(!map.writer().resident(&(0..2 * page)), "the first page was never touched");
+        assert!(!map.writer().resident(&(page..3 * page)), "the third page was never touched");
+        map.writer().populate(0..4 * page).unwrap();
+        assert!(map.writer().resident(&(0..4 * page)));
+        // Resident already: left alone, and the bytes stay.
+        map.writer().populate(0..4 * page).unwrap();
+        assert_eq!(map.as_slice()[page], 7);
+        assert_eq!(page_cache_residency_of_anonymous(map.as_slice()), (4, 4));
+    }
+
     /// Resident pages of anonymous memory (`mincore`), for the test above.
     fn page_cache_residency_of_anonymous(bytes: &[u8]) -> (usize, usize) {
         let pages = bytes.len().div_ceil(page_size());
