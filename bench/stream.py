@@ -30,8 +30,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from serving import make_model, set_cache  # noqa: E402
 
 
 def _rss() -> int:
@@ -47,12 +50,11 @@ def engine_work(seconds: float) -> None:
         sum(i * i for i in range(200))
 
 
-def run_one(model: Path, fmt: str, state: str, kwargs: dict[str, object], work_ms: float) -> dict[str, float]:
+def run_one(model: Path, fmt: str, state: str, kwargs: dict[str, Any], work_ms: float) -> dict[str, float]:
     """One load in this process: the measurement ``main`` runs in a child."""
     import torch
     from safetensors import safe_open
 
-    import dmaload
     from dmaload.safetensors import iter_tensors
 
     torch.set_num_threads(1)
@@ -63,13 +65,7 @@ def run_one(model: Path, fmt: str, state: str, kwargs: dict[str, object], work_m
             for k in h.keys():
                 s = h.get_slice(k)
                 params[k] = torch.zeros(s.get_shape(), dtype=torch.bfloat16)
-    for p in files:
-        if state == "cold":
-            dmaload.evict(p)
-        else:
-            with open(p, "rb") as f:
-                while f.read(16 << 20):
-                    pass
+    set_cache(model, state)
 
     def mapped():
         for f in files:
@@ -113,11 +109,8 @@ def main() -> None:
         fmt, state, kwargs = a.child
         print(json.dumps(run_one(a.model, fmt, state, json.loads(kwargs), a.engine_work_ms)))
         return
-    sys.path.insert(0, str(ROOT / "bench"))
-    from serving import make_model
-
     make_model(a.model, 1.1, "300MB")  # bench/serving.py's defaults
-    variants = {f: {} for f in a.formats.split(",")}
+    variants: dict[str, dict[str, Any]] = {f: {} for f in a.formats.split(",")}
     for v in a.variant:
         name, _, config = v.partition("=")
         variants[f"dmaload:{name}"] = json.loads(config)
