@@ -756,12 +756,11 @@ def iter_tensors(
     """``(name, tensor)`` for each tensor of a safetensors file or sharded
     model (PyTorch tensors on ``device``), in file and data order, handed
     out while later ones are still being read: at most about three windows
-    are held beyond the tensors the caller keeps. A window is ``window``
-    bytes with a group (64 MiB by default); without one, by default, 64
-    MiB of a file mostly in the page cache and otherwise a file's run of
-    wanted tensors up to 1 GiB, read by one load whose tensors are
-    handed out as soon as their bytes have arrived (waiting for them holds
-    no GIL; Ctrl-C interrupts it).
+    are held beyond the tensors the caller keeps. A window is a file's run
+    of wanted tensors of up to ``window`` bytes (64 MiB by default; a
+    larger tensor is a window of its own); without a group each window is
+    one load whose tensors are handed out as soon as their bytes have
+    arrived (waiting for them holds no GIL; Ctrl-C interrupts it).
 
     ``process_group`` shares the reads among the ranks of a
     ``torch.distributed`` group as :func:`load_file` says (every rank must
