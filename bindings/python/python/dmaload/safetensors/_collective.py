@@ -74,8 +74,8 @@ DEFAULT_WINDOW = 64 << 20
 """Bytes of tensors read (and exchanged with a group) at a time
 (``window=None``); a larger tensor is a window of its own. A window is one
 load, so the ring of window buffers stays about three windows of host
-memory; 64 MiB loads keep this VM's disk at its speed (docs/benchmarks.md,
-"Window sizes without a group")."""
+memory; 64 MiB windows read as fast as 1 GiB ones on the development VM
+(docs/benchmarks.md, "One-rank streams in 64 MiB windows")."""
 
 _ALIGN = 4096
 """Slots start at this multiple of the file offset (direct-I/O alignment)."""

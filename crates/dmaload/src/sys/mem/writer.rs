@@ -109,6 +109,7 @@ impl<'m> MappingWriter<'m> {
     /// read-modify-write instead: a write fault, so the kernel allocates the
     /// page, that never changes a byte, whatever the page already holds and
     /// whoever else writes it meanwhile.
+    ///
     /// Memory whose every page is resident already (a caller's buffer filled
     /// again and again, such as a stream's window buffers) is left alone: a
     /// populate would walk and re-mark each of its pages for nothing (a
