@@ -411,7 +411,8 @@ def test_ctrl_c_interrupts_the_wait_for_the_cache_service(tmp_path: Path, data_f
     listener.bind(str(sock_path))
     listener.listen(1)
     code = (
-        "import os, sys, dmaload\n"
+        "import os, signal, sys, dmaload\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored\n"
         "def count(what): return len(os.listdir(f'/proc/self/{what}'))\n"
         "before = count('fd'), count('task')\n"
         "try:\n"

@@ -82,8 +82,9 @@ def test_ctrl_c_stops_a_load_before_its_end(entry: str, slow_file: Path, slow_mo
     the whole file (handshake and byte counts, no timing)."""
     code = textwrap.dedent(
         f"""
-        import sys, dmaload
+        import signal, sys, dmaload
         from dmaload.safetensors import load_file
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
         path, model, SIZE, SLOW = sys.argv[1], sys.argv[2], {SLOW_SIZE}, {SLOW!r}
         def progress(done, total):
             print("DONE", done, total, flush=True)
