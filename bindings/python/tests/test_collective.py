@@ -116,7 +116,9 @@ def test_each_rank_reads_its_share_from_storage(tmp_path: Path, model: Path, wor
     for r in results:
         assert r["names"] == sorted(reference)
         assert r["sum"] == expected_sum
-        assert r["read"] <= total // world + CHUNK, (r["rank"], reads, total)
+        # major_faults: code paged in during every measured attempt, whose
+        # read-around the counter holds too.
+        assert r["read"] <= total // world + CHUNK, (r["rank"], reads, total, r["major_faults"])
     assert sum(reads) <= total * 1.05, (reads, total)
 
 
