@@ -134,6 +134,9 @@ impl<'m> MappingWriter<'m> {
 
     /// Whether every page under `range` is resident (`mincore`), its first
     /// page asked alone first, so that fresh memory costs one page's look.
+    /// For a shared mapping (a memfd) mincore answers for the file's pages,
+    /// mapped here or not; an unmapped one is then faulted in by the I/O
+    /// itself, a minor fault, so skipping the populate stays correct.
     pub(super) fn resident(&self, range: &Range<usize>) -> bool {
         let page = page_size();
         let (ptr, len) = self.raw_range(range);
