@@ -15,6 +15,12 @@ thread), minor faults, and how far the resident set grew (the window
 buffers: the parameters exist before).
 
     python bench/stream.py [--model DIR] [--rounds 4] [--states cold,warm]
+        [--engine-work-ms 5] [--build-ms 150] [--cpus 1]
+
+``--engine-work-ms`` adds an engine's per-weight Python, ``--build-ms`` its
+model build before the first tensor (dmaload's read begins before it, as
+its vLLM loader's does), ``--cpus 1`` the pinning of vLLM's CPU build
+(each rank's worker, every thread of it, on one CPU).
 
 Not a test: compare within a run (this VM swings 2x within minutes). The
 model is bench/serving.py's generated Llama (made there if absent)."""
@@ -50,12 +56,15 @@ def engine_work(seconds: float) -> None:
         sum(i * i for i in range(200))
 
 
-def run_one(model: Path, fmt: str, state: str, kwargs: dict[str, Any], work_ms: float) -> dict[str, float]:
+def run_one(
+    model: Path, fmt: str, state: str, kwargs: dict[str, Any], work_ms: float, build_ms: float = 0.0
+) -> dict[str, float]:
     """One load in this process: the measurement ``main`` runs in a child."""
     import torch
     from safetensors import safe_open
 
     from dmaload.safetensors import iter_tensors
+    from dmaload.safetensors._collective import Stream
 
     torch.set_num_threads(1)
     files = sorted(model.glob("*.safetensors"))
@@ -77,7 +86,16 @@ def run_one(model: Path, fmt: str, state: str, kwargs: dict[str, Any], work_ms: 
     grew = 0
     before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
-    tensors = mapped() if fmt == "safetensors" else iter_tensors(files, "cpu", recycle=True, **kwargs)
+    if fmt == "safetensors":
+        tensors: Any = mapped()
+    elif build_ms:
+        # As the vLLM loader does (dmaload.engines start_early): the read
+        # begins before the model is built, in the buffers the iteration uses.
+        tensors = Stream(files, None, "cpu", recycle=True, **kwargs)
+        tensors.start()
+    else:
+        tensors = iter_tensors(files, "cpu", recycle=True, **kwargs)
+    engine_work(build_ms / 1000)
     for i, (name, t) in enumerate(tensors):
         engine_work(work_ms / 1000)
         params[name].copy_(t)
@@ -103,11 +121,19 @@ def main() -> None:
     ap.add_argument("--engine-work-ms", type=float, default=0.0,
                     help="pure Python per tensor before its copy, as an engine's weight loader spends "
                          "(vLLM's CPU build: about 5 ms a tensor for this model)")
+    ap.add_argument("--build-ms", type=float, default=0.0,
+                    help="pure Python before the first tensor, timed with the load, as an engine builds its "
+                         "model first; dmaload's read begins before it, as its vLLM loader's does")
+    ap.add_argument("--cpus", type=int, default=0,
+                    help="run each load on this many CPUs only (vLLM's CPU build pins its worker, every "
+                         "thread of it, to one CPU per rank); 0: all")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
+        if a.cpus:
+            os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: a.cpus])
         fmt, state, kwargs = a.child
-        print(json.dumps(run_one(a.model, fmt, state, json.loads(kwargs), a.engine_work_ms)))
+        print(json.dumps(run_one(a.model, fmt, state, json.loads(kwargs), a.engine_work_ms, a.build_ms)))
         return
     make_model(a.model, 1.1, "300MB")  # bench/serving.py's defaults
     variants: dict[str, dict[str, Any]] = {f: {} for f in a.formats.split(",")}
@@ -122,6 +148,7 @@ def main() -> None:
                 fmt = "safetensors" if name == "safetensors" else "dmaload"
                 out = subprocess.run(
                     [sys.executable, __file__, "--model", str(a.model), "--engine-work-ms", str(a.engine_work_ms),
+                     "--cpus", str(a.cpus), "--build-ms", str(a.build_ms),
                      "--child", fmt, state, json.dumps(variants[name])],
                     capture_output=True, text=True, check=True,
                 )
@@ -129,8 +156,10 @@ def main() -> None:
                 runs.setdefault((name, state), []).append(r)
                 print(json.dumps({"format": name, "state": state, "round": rnd, **r}), file=sys.stderr, flush=True)
     total = sum(p.stat().st_size for p in a.model.glob("*.safetensors"))
-    print(f"\nmodel: {a.model} ({total / 2**30:.2f} GiB); {a.rounds} round(s); {len(os.sched_getaffinity(0))} CPUs; "
-          f"{a.engine_work_ms} ms of Python per tensor")
+    cpus = a.cpus or len(os.sched_getaffinity(0))
+    print(f"\nmodel: {a.model} ({total / 2**30:.2f} GiB); {a.rounds} round(s); each load on {cpus} of "
+          f"{len(os.sched_getaffinity(0))} CPUs; "
+          f"{a.engine_work_ms} ms of Python per tensor, {a.build_ms} ms before the first")
     print("| format | state | seconds | CPU seconds | minor faults | resident set grew, MiB |")
     print("|---|---|---|---|---|---|")
     for (name, state), rs in runs.items():

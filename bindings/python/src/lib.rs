@@ -17,6 +17,7 @@ mod buffer;
 mod dmabuf;
 mod save;
 mod staged;
+mod windows;
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -46,12 +47,17 @@ create_exception!(
 /// `PanicException`, which derives from BaseException: `except Exception`
 /// does not catch it.
 fn panic_error(payload: Box<dyn Any + Send>) -> PyErr {
-    let what = payload
+    let what = panic_message(payload.as_ref());
+    PyRuntimeError::new_err(format!("internal error in dmaload (a bug: please report it): {what}"))
+}
+
+/// What a panic's payload says.
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    payload
         .downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into());
-    PyRuntimeError::new_err(format!("internal error in dmaload (a bug: please report it): {what}"))
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Runs `f` (with the GIL held) so that a panic in it is a RuntimeError.
@@ -1023,6 +1029,8 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_dtypes, m)?)?;
     m.add_class::<block_queue::BlockQueue>()?;
+    m.add_class::<windows::WindowLoader>()?;
+    m.add_class::<windows::Arrival>()?;
     m.add_class::<staged::SafetensorsFile>()?;
     m.add_function(wrap_pyfunction!(staged::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(staged::_load_staged, m)?)?;

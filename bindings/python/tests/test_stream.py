@@ -1,9 +1,10 @@
 """``iter_tensors`` without a process group: one load per window (a whole
-file here: these shards are smaller than a window), each tensor handed out as soon as the bytes under it have arrived (the load's
-``arrived`` reports), bit-exact with safetensors; a load that fails mid-file
-raises and hands out nothing after it, and Ctrl-C reaches a consumer
-waiting for bytes. The loads are observed by wrapping the native
-``load_into`` (its ``arrived`` callback runs on the load's thread), never by
+file here: these shards are smaller than a window), each tensor handed out
+as soon as the bytes under it have arrived (the load's arrival reports),
+bit-exact with safetensors; a load that fails mid-file raises and hands out
+nothing after it, and Ctrl-C reaches a consumer waiting for bytes. The
+loads are observed by wrapping the native ``WindowLoader`` (its
+``submit(arrived=)`` callback runs on the loader's thread), never by
 timing: where a test needs the load to be mid-file, the wrapper holds it
 there until the consumer has done what is checked."""
 
@@ -13,6 +14,7 @@ import errno
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from dmaload import _dmaload  # noqa: E402
 from dmaload.safetensors import _collective, iter_tensors  # noqa: E402
 
 GUARD_S = 60  # a wait this long means the load or the consumer hung: fail
+WINDOW_LOADER = _dmaload.WindowLoader  # the native one, whatever a test patches in
 
 
 @pytest.fixture(scope="module")
@@ -67,30 +70,68 @@ def _data_order(model: Path) -> list[str]:
     return names
 
 
+class _Watched:
+    """A native ``WindowLoader`` whose loads report each arrival to
+    ``relay(loader, path, length, n)`` on the loader's thread (which waits
+    while it runs); ``closed`` is set when the stream closes it."""
+
+    def __init__(self, relay: Callable[[_Watched, str, int, int], None], files: list[int], **kwargs: Any) -> None:
+        self.paths = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in files]
+        self.closed = threading.Event()
+        self._relay = relay
+        self._loader = WINDOW_LOADER(files, **kwargs)
+
+    def submit(self, file: int, offset: int, target: Any) -> Any:
+        path, length = self.paths[file], len(target)
+        return self._loader.submit(file, offset, target, arrived=lambda n: self._relay(self, path, length, n))
+
+    def close(self) -> None:
+        self.closed.set()
+        self._loader.close()
+
+
+def _watch_loads(monkeypatch: pytest.MonkeyPatch, relay: Callable[[_Watched, str, int, int], None]) -> None:
+    monkeypatch.setattr(_collective._dmaload, "WindowLoader", lambda *a, **k: _Watched(relay, *a, **k))
+
+
 def _hold_after_first_arrival(
-    monkeypatch: pytest.MonkeyPatch, then: Callable[[Callable[[int], Any]], None]
+    monkeypatch: pytest.MonkeyPatch, then: Callable[[_Watched], None]
 ) -> dict[str, list[int]]:
-    """Wraps the native ``load_into`` so that each load's first ``arrived``
-    report is passed on, then ``then(arrived)`` runs on the load's thread
-    before the load may report (or end) any further. Returns the reports
-    seen, per file."""
+    """Each file's first arrival report is passed on, then ``then(loader)``
+    runs on the loader's thread before the load may report (or end) any
+    further. Returns the reports seen, per file."""
     seen: dict[str, list[int]] = {}
-    load_into = _dmaload.load_into
 
-    def wrapped(path: str, target: Any, offset: int = 0, **kwargs: Any) -> Any:
-        arrived = kwargs.pop("arrived")
-        reports = seen.setdefault(os.path.realpath(path), [])
+    def relay(loader: _Watched, path: str, _length: int, n: int) -> None:
+        reports = seen.setdefault(path, [])
+        reports.append(n)
+        if len(reports) == 1:
+            then(loader)
 
-        def relay(n: int) -> None:
-            reports.append(n)
-            arrived(n)
-            if len(reports) == 1:
-                then(arrived)
-
-        return load_into(path, target, offset, arrived=relay, **kwargs)
-
-    monkeypatch.setattr(_collective._dmaload, "load_into", wrapped)
+    _watch_loads(monkeypatch, relay)
     return seen
+
+
+def _loader_threads() -> list[str]:
+    """The native loader threads of this process (their names)."""
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        try:
+            names.append(comm.read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return [n for n in names if n == "dmaload-windows"]
+
+
+def _no_loader_thread_is_left() -> bool:
+    """Waits (up to the guard) for the native loader threads to end: a
+    closed loader's thread ends once the load it cancelled returns."""
+    deadline = time.monotonic() + GUARD_S
+    while _loader_threads():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_every_tensor_is_bit_exact_with_safetensors(model: Path) -> None:
@@ -113,7 +154,7 @@ def test_the_first_tensors_are_handed_out_while_their_file_is_still_loading(
     file, it would never get one (the guard fails the test instead)."""
     consumer_has_one = threading.Event()
 
-    def hold(_arrived: Callable[[int], Any]) -> None:
+    def hold(_loader: _Watched) -> None:
         assert consumer_has_one.wait(GUARD_S), "the consumer got no tensor while the load was held"
 
     seen = _hold_after_first_arrival(monkeypatch, hold)
@@ -143,7 +184,7 @@ def test_a_load_failing_mid_file_raises_and_hands_out_nothing_after_it(
         (copy / p.name).write_bytes(p.read_bytes())
     first = sorted(copy.glob("*.safetensors"))[0]
 
-    def cut(_arrived: Callable[[int], Any]) -> None:
+    def cut(_loader: _Watched) -> None:
         os.truncate(first, first.stat().st_size // 2)
 
     _hold_after_first_arrival(monkeypatch, cut)
@@ -160,28 +201,37 @@ def test_a_load_failing_mid_file_raises_and_hands_out_nothing_after_it(
 
 
 def test_a_load_failing_after_its_last_byte_still_fails_the_iteration(
-    model: Path, monkeypatch: pytest.MonkeyPatch
+    model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A load that reported every byte and then failed (as its end check
-    fails for a file written during it) raises before the next file's
-    tensors, and also when it is the last file's."""
-    load_into = _dmaload.load_into
-    files = sorted(model.glob("*.safetensors"))
+    """A load whose every gather arrived and whose file is then written
+    (its times moved, as a writer moves them) fails at its end check: the
+    iteration raises before the next file's tensors, and also when it is
+    the last file's."""
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for p in model.glob("*.safetensors"):
+        (copy / p.name).write_bytes(p.read_bytes())
+    files = sorted(copy.glob("*.safetensors"))
     reference = _reference(model)
     for failing in files:
+        touched = threading.Event()
 
-        def failing_after(path: str, target: Any, offset: int = 0, _bad: Path = failing, **kwargs: Any) -> Any:
-            report = load_into(path, target, offset, **kwargs)
-            if os.path.realpath(path) == os.path.realpath(_bad):
-                raise OSError(errno.ESTALE, "the file was written during the load", path)
-            return report
+        def touch_after_the_last_gather(
+            _loader: _Watched, path: str, length: int, n: int, _bad: str = os.path.realpath(failing)
+        ) -> None:
+            # The last gather's report (the edge after it, under a page,
+            # comes with the end): the end check is still to come.
+            if path == _bad and n >= length - 4096 and not touched.is_set():
+                os.utime(path)
+                touched.set()
 
-        monkeypatch.setattr(_collective._dmaload, "load_into", failing_after)
+        _watch_loads(monkeypatch, touch_after_the_last_gather)
         got = []
         with pytest.raises(_collective.CollectiveLoadError, match="written during the load"):
-            for name, t in iter_tensors(model):
+            for name, t in iter_tensors(copy):
                 assert _same_bytes(t, reference[name]), name
                 got.append(name)
+        assert touched.is_set()
         later = [n for f in files[files.index(failing) + 1 :] for n in _names_in(f) if reference[n].numel()]
         assert not set(got) & set(later), failing
 
@@ -196,10 +246,9 @@ def test_ctrl_c_reaches_a_consumer_waiting_for_bytes(model: Path, monkeypatch: p
     waiting for later bytes (its wait holds no GIL and is interruptible),
     and leaving stops the load: no loader thread is left."""
 
-    def interrupt_and_hold(arrived: Callable[[int], Any]) -> None:
+    def interrupt_and_hold(loader: _Watched) -> None:
         os.kill(os.getpid(), signal.SIGINT)
-        stop = arrived.__self__._stop  # type: ignore[attr-defined]  # the _Arrival's: set when the consumer leaves
-        assert stop.wait(GUARD_S), "the consumer never left"
+        assert loader.closed.wait(GUARD_S), "the consumer never left"
 
     _hold_after_first_arrival(monkeypatch, interrupt_and_hold)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -211,7 +260,7 @@ def test_ctrl_c_reaches_a_consumer_waiting_for_bytes(model: Path, monkeypatch: p
     finally:
         signal.signal(signal.SIGINT, previous)
     assert count < len(_reference(model))
-    assert not [t for t in threading.enumerate() if t.name == "dmaload-window-loader"]
+    assert _no_loader_thread_is_left(), _loader_threads()
 
 
 def _stream(model: Path) -> _collective.Stream:
@@ -225,7 +274,7 @@ def test_a_stream_started_before_its_iteration_reads_then_hands_out_the_same_ten
     reads before anyone asks for a tensor (the first bytes come in with no
     consumer), and the iteration then takes over those bytes."""
     first_bytes_in = threading.Event()
-    _hold_after_first_arrival(monkeypatch, lambda _arrived: first_bytes_in.set())
+    _hold_after_first_arrival(monkeypatch, lambda _loader: first_bytes_in.set())
     reference = _reference(model)
     stream = _stream(model)
     assert stream.arrived() == 0
@@ -235,7 +284,7 @@ def test_a_stream_started_before_its_iteration_reads_then_hands_out_the_same_ten
     got = {name: t.clone() for name, t in stream}
     assert sorted(got) == sorted(reference)
     assert all(_same_bytes(got[n], reference[n]) for n in reference)
-    assert not [t for t in threading.enumerate() if t.name == "dmaload-window-loader"]
+    assert _no_loader_thread_is_left(), _loader_threads()
 
 
 def test_a_stream_started_and_closed_unread_stops_its_load_and_closes_its_files(
@@ -246,10 +295,9 @@ def test_a_stream_started_and_closed_unread_stops_its_load_and_closes_its_files(
     thread is waited for and the files are closed."""
     held = threading.Event()
 
-    def hold_until_stopped(arrived: Callable[[int], Any]) -> None:
+    def hold_until_stopped(loader: _Watched) -> None:
         held.set()
-        stop = arrived.__self__._stop  # type: ignore[attr-defined]  # the _Arrival's: set by close()
-        assert stop.wait(GUARD_S), "close() never stopped the load"
+        assert loader.closed.wait(GUARD_S), "close() never stopped the load"
 
     _hold_after_first_arrival(monkeypatch, hold_until_stopped)
     stream = _stream(model)
@@ -257,14 +305,14 @@ def test_a_stream_started_and_closed_unread_stops_its_load_and_closes_its_files(
     stream.start()
     assert held.wait(GUARD_S)
     stream.close()
-    assert not [t for t in threading.enumerate() if t.name == "dmaload-window-loader"]
+    assert _no_loader_thread_is_left(), _loader_threads()
     for fd in fds:
         with pytest.raises(OSError) as closed:
             os.fstat(fd)
         assert closed.value.errno == errno.EBADF
 
 
-def test_a_file_is_loaded_a_window_at_a_time_into_a_ring_of_three_buffers(
+def test_a_file_is_loaded_a_window_at_a_time_into_a_ring_of_buffers(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without a group, whether its bytes come from the disk or the page
@@ -283,3 +331,67 @@ def test_a_file_is_loaded_a_window_at_a_time_into_a_ring_of_three_buffers(
         assert stream._buffers._made == _collective.RING
     assert sorted(got) == sorted(reference)
     assert all(_same_bytes(got[name], reference[name]) for name in reference)
+
+
+# The native WindowLoader the stream queues its windows on.
+
+
+def test_a_window_loader_runs_its_loads_in_order_into_the_callers_buffers(tmp_path: Path) -> None:
+    data = os.urandom(3 << 20)
+    path = tmp_path / "data"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        loader = _dmaload.WindowLoader([fd, str(path)])
+        ranges = [(0, 0, 1 << 20), (1, 4096, 5000), (0, (1 << 20) + 123, (2 << 20) - 123)]
+        targets = [bytearray(n) for _, _, n in ranges]
+        arrivals = [loader.submit(f, at, t) for (f, at, _), t in zip(ranges, targets)]
+        for (_, at, n), target, arrival in zip(ranges, targets, arrivals):
+            arrival.wait(n // 2)
+            arrival.wait_done()
+            assert arrival.count() == n and target == data[at : at + n]
+        loader.close()
+        loader.close()
+        with pytest.raises(ValueError, match="closed"):
+            loader.submit(0, 0, bytearray(1))
+        with pytest.raises(IndexError):
+            _dmaload.WindowLoader([fd]).submit(1, 0, bytearray(1))
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_load_ends_the_window_loader_and_fails_the_loads_after_it(tmp_path: Path) -> None:
+    """A range past the end fails its load (OSError naming it); the loads
+    queued after it, and any submitted later, are not run and say why."""
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(1 << 20))
+    loader = _dmaload.WindowLoader([str(path)])
+    good = loader.submit(0, 0, bytearray(4096))
+    bad = loader.submit(0, 1 << 20, bytearray(4096))
+    queued = [loader.submit(0, 0, bytearray(4096)) for _ in range(4)]
+    good.wait_done()
+    with pytest.raises(OSError) as failed:
+        bad.wait(1)
+    assert str(path) in str(failed.value), failed.value
+    for arrival in [*queued, loader.submit(0, 0, bytearray(1))]:
+        with pytest.raises(OSError, match="an earlier load of this loader failed") as skipped:
+            arrival.wait_done()
+        assert skipped.value.errno == errno.ECANCELED
+    loader.close()
+
+
+def test_closing_a_window_loader_fails_its_queued_loads_and_ends_its_thread(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(8 << 20))
+    loader = _dmaload.WindowLoader([str(path)])
+    arrivals = [loader.submit(0, 0, bytearray(8 << 20)) for _ in range(16)]
+    loader.close()
+    outcomes = []
+    for arrival in arrivals:
+        try:
+            arrival.wait_done()
+            outcomes.append("loaded")
+        except OSError as exc:
+            outcomes.append("not run" if "closed" in str(exc) else f"cancelled: {exc}")
+    assert outcomes[-1] == "not run", outcomes
+    assert _no_loader_thread_is_left(), _loader_threads()

@@ -2,7 +2,7 @@
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, NoReturn, Protocol, TypeAlias, final
 
 from ._header import Header
@@ -22,11 +22,13 @@ _Options: TypeAlias = dict[str, str | int | bool | None]
 
 __all__ = [
     "BlockQueue",
+    "Arrival",
     "Buffer",
     "DmaBuf",
     "MAX_HEADER_LEN",
     "SafetensorError",
     "SafetensorsFile",
+    "WindowLoader",
     "default_cache_socket",
     "evict",
     "load",
@@ -156,6 +158,47 @@ def load_safetensors(
     options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> list[tuple[Buffer, Header]]: ...
+@final
+class WindowLoader:
+    """Loads of ranges of ``files`` (each opened once, here) into buffers
+    the caller gives, started in the order submitted, ``in_flight`` at a
+    time, on threads of the loader's own that never take the GIL (where no
+    thread can be created, ``submit`` loads at once). A failed load ends
+    the loader: later loads are not run and fail saying so."""
+
+    def __new__(
+        cls, files: Sequence[str | os.PathLike[str] | int], *, options: _Options | None = None, in_flight: int = 1
+    ) -> WindowLoader:
+        """``in_flight`` loads run at once, each on a thread."""
+    def submit(
+        self,
+        file: int,
+        offset: int,
+        target: bytearray | memoryview | Any,
+        *,
+        arrived: Callable[[int], Any] | None = None,
+    ) -> Arrival:
+        """Queues the load of ``len(target)`` bytes of ``files[file]`` from
+        ``offset`` into ``target`` (exported until the load ends).
+        ``arrived(n)``, for watching a load, runs with the GIL on the
+        loader's threads after each report."""
+    def close(self) -> None:
+        """Cancels the load under way, fails the queued ones; idempotent."""
+
+@final
+class Arrival:
+    """How far one load of a :class:`WindowLoader` has come. The waits
+    release the GIL and raise KeyboardInterrupt on Ctrl-C, and raise the
+    load's failure (OSError naming operation, file and offset) once there
+    is one."""
+
+    def wait(self, n: int) -> None:
+        """Until bytes ``0..n`` of the target hold the file's bytes."""
+    def wait_done(self) -> None:
+        """Until the load has ended."""
+    def count(self) -> int:
+        """Bytes ``0..n`` known to hold the file's bytes."""
+
 @final
 class SafetensorsFile:
     """A safetensors file opened once, its header validated; ``_load_staged``

@@ -107,7 +107,7 @@ class EarlyRead:
 def start_early(files: Sequence[str], device: Any, config: LoaderConfig) -> EarlyRead | None:
     """This process's read of ``files`` (one rank: no group), begun now, in
     the window buffers :func:`weights` will hand tensors out of (at most
-    three windows, as there), or None where it cannot begin before the
+    five windows, as there), or None where it cannot begin before the
     engine asks (a model-cache service: the files come whole from it)."""
     if socket_for(config.cache) is not None:
         return None

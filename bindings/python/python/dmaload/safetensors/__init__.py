@@ -755,8 +755,8 @@ def iter_tensors(
 ) -> Iterator[tuple[str, Any]]:
     """``(name, tensor)`` for each tensor of a safetensors file or sharded
     model (PyTorch tensors on ``device``), in file and data order, handed
-    out while later ones are still being read: at most about three windows
-    are held beyond the tensors the caller keeps. A window is a file's run
+    out while later ones are still being read: at most about five windows
+    (three with a group) are held beyond the tensors the caller keeps. A window is a file's run
     of wanted tensors of up to ``window`` bytes (64 MiB by default; a
     larger tensor is a window of its own); without a group each window is
     one load whose tensors are handed out as soon as their bytes have
@@ -769,7 +769,8 @@ def iter_tensors(
     ``DMALOAD_CACHE``), each file comes whole from the model-cache service
     and the group is not used.
 
-    ``recycle=True`` reuses a ring of three window buffers instead of new
+    ``recycle=True`` reuses a ring of window buffers (five; three with a
+    group) instead of new
     memory for each window (whose first touch costs more than the read
     where memory is slow to fault in): each tensor then stays valid only
     until the iterator hands out a tensor two windows later, so the caller

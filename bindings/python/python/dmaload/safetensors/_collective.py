@@ -34,21 +34,24 @@ raised the same way. Every rank must consume the whole iterator: the
 collectives are matched across ranks in order.
 
 Without a group the same plan serves one process, read differently: each
-window (``DEFAULT_WINDOW`` unless ``window`` is given) is read by one load
-(``load_into`` with ``arrived``: the pipeline says, gather by gather, that
-the window's bytes ``0..n`` are in) while its tensors are handed out as
-soon as their bytes are; the next window's load starts as soon as this
-one's ends. So a filter leaves unread what it excludes, the first tensors
-come while the rest of the file is still on the disk, and the ring of
-window buffers, the only host memory the stream faults in, stays about
-three windows (and the largest tensor) whatever the shard size. A failed
-read raises :class:`CollectiveLoadError` at the next tensor: nothing after
-it is handed out. ``Stream.start`` begins the reads before the iteration
-(up to two windows ahead of it, in the same buffers).
+window (``DEFAULT_WINDOW`` unless ``window`` is given) is one load, queued
+on a native ``_dmaload.WindowLoader`` as soon as a buffer of the ring is
+free: its threads run the loads in order, ``LOADS_IN_FLIGHT`` at a time,
+and never take the GIL, and each load's ``Arrival`` says, gather by
+gather, that the window's bytes ``0..n`` are in, so its tensors are handed
+out as soon as their bytes are. So a filter leaves unread what it
+excludes, the first tensors come while the rest of the file is still on
+the disk, the read runs up to three windows ahead of the consumer, and the
+ring of ``RING`` window buffers, the only host memory the stream faults
+in, stays about five windows (and the largest tensor) whatever the shard
+size. A failed read raises :class:`CollectiveLoadError` at the next
+tensor: nothing after it is handed out. ``Stream.start`` begins the reads
+before the iteration (in the same buffers).
 """
 
 from __future__ import annotations
 
+import collections
 import errno as errno_codes
 import hashlib
 import os
@@ -73,7 +76,7 @@ name, or None for all."""
 DEFAULT_WINDOW = 64 << 20
 """Bytes of tensors read (and exchanged with a group) at a time
 (``window=None``); a larger tensor is a window of its own. A window is one
-load, so the ring of window buffers stays about three windows of host
+load, so the ring of window buffers stays a few windows of host
 memory; 64 MiB windows read as fast as 1 GiB ones on the development VM
 (docs/benchmarks.md, "One-rank streams in 64 MiB windows")."""
 
@@ -188,9 +191,23 @@ class _Group:
         self.dist.all_gather_into_tensor(buffer, mine, group=self.group)
 
 
-RING = 3
-"""Window buffers that ``recycle`` reuses: the one before the window being
-handed out, that one, and the next (being read, then waiting)."""
+RING = 5
+"""Window buffers that ``recycle`` reuses without a group: the one before
+the window being handed out, that one, and three more being read or
+waiting, so the read runs up to three windows ahead of the consumer and a
+slow stretch of the disk, or a large tensor, does not stall it (3 buffers,
+one window ahead, waited 0.1-0.3 s longer for a 1.17 GiB model beside an
+engine's work: docs/benchmarks.md)."""
+
+GROUP_RING = 3
+"""Window buffers that ``recycle`` reuses with a group (device memory under
+NCCL): the one before the window being handed out, that one, and the next
+(being read and exchanged, then waiting)."""
+
+LOADS_IN_FLIGHT = 2
+"""Window loads a stream runs at once: the next window's load starts while
+the last reads of this one are still on the disk, so the disk does not
+wait for a load's set-up."""
 
 
 class _Stopped(Exception):
@@ -199,13 +216,13 @@ class _Stopped(Exception):
 
 class _Buffers:
     """Where windows are read: new memory for each, or with ``recycle`` a
-    ring of ``RING`` buffers of the largest window's size (pages a smaller
+    ring of ``depth`` buffers of the largest window's size (pages a smaller
     window leaves untouched are never faulted in), reused once the consumer
     is two windows past them, so each page is touched once, not once per
     window."""
 
-    def __init__(self, recycle: bool, make: Callable[[int], Any], largest: int) -> None:
-        self._recycle, self._make, self._largest = recycle, make, largest
+    def __init__(self, recycle: bool, make: Callable[[int], Any], largest: int, depth: int) -> None:
+        self._recycle, self._make, self._largest, self._depth = recycle, make, largest, depth
         self._free: queue.Queue[Any] = queue.Queue()
         self._made = 0
 
@@ -213,7 +230,7 @@ class _Buffers:
         """(the buffer to give back, a view of its first ``n`` bytes)."""
         if not self._recycle:
             base = self._make(n)
-        elif self._made < RING:
+        elif self._made < self._depth:
             base = self._make(self._largest)
             self._made += 1
         else:
@@ -221,6 +238,12 @@ class _Buffers:
             if base is None:
                 raise _Stopped
         return base, base[:n]
+
+    def try_take(self, n: int) -> tuple[Any, Any] | None:
+        """``take``, or None where it would wait for a buffer."""
+        if self._recycle and self._made >= self._depth and self._free.empty():
+            return None
+        return self.take(n)
 
     def give(self, base: Any) -> None:
         if self._recycle:
@@ -325,7 +348,7 @@ class Stream:
                 raise failure
             wanted = [bool(self._wants(t.name)) for h in self.headers for t in h.tensors]
             self.windows = _windows(self.headers, wanted, self._window, 1)
-            self._buffers = self._ring(1)
+            self._buffers = self._ring(1, RING)
             return
         where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
         digest = -1 if failure is not None else _digest(self.paths, self.headers)
@@ -343,22 +366,23 @@ class Stream:
         everyone = _collective(group, doing, group.gather_ints, mine) if mine else []
         wanted = [any(row[k] for row in everyone) for k in range(len(mine))]
         self.windows = _windows(self.headers, wanted, self._window, group.size)
-        self._buffers = self._ring(group.size)
+        self._buffers = self._ring(group.size, GROUP_RING)
 
-    def _ring(self, ranks: int) -> _Buffers:
+    def _ring(self, ranks: int, depth: int) -> _Buffers:
         largest = max((ranks * w.slot for w in self.windows), default=0)
-        return _Buffers(self._recycle, self._make_buffer, largest)
+        return _Buffers(self._recycle, self._make_buffer, largest, depth)
 
     def start(self) -> _StreamAhead:
         """Starts reading now, before the iteration asks for a tensor (a
         load without a group only; the iteration then takes over what has
-        arrived): a thread loads the first windows, up to two ahead, into
-        the buffers the iteration will use, so memory stays bounded as in
-        the iteration. ``close()`` stops it."""
+        arrived): the loader's threads load the first windows, as many as
+        the ring holds, into the buffers the iteration will use, so memory
+        stays bounded as in the iteration. ``close()`` stops them."""
         if self._group is not None:
             raise ValueError("a load shared by a group starts with its iteration")
         if self._ahead is None:
-            self._ahead = _StreamAhead(self.windows, self._take, self._load, self._buffers.wake)
+            loader = _dmaload.WindowLoader(self._fds, options=self._native, in_flight=LOADS_IN_FLIGHT)
+            self._ahead = _StreamAhead(self.windows, self._buffers, loader, self.paths)
         return self._ahead
 
     def arrived(self) -> int:
@@ -412,27 +436,6 @@ class Stream:
         _collective(group, f"{loading} (exchange)", group.gather_slots, buffer, w.slot)
         return base, buffer
 
-    def _take(self, w: _Window) -> tuple[Any, Any]:
-        """A buffer for window ``w`` of a load without a group: (the buffer
-        to give back, a view of the window's bytes)."""
-        return self._buffers.take(w.slot)
-
-    def _load(self, w: _Window, buffer: Any, arrival: _Arrival) -> None:
-        """Reads window ``w`` (no group) into ``buffer`` in one load,
-        telling ``arrival`` how far it has come; the reader thread runs it."""
-        length = w.end - w.start
-        path = self.paths[w.file]
-        try:
-            _dmaload.load_into(
-                f"/proc/self/fd/{self._fds[w.file]}",
-                buffer[:length].numpy(),
-                w.start,
-                options=self._native,
-                arrived=arrival.arrived,
-            )
-        except (OSError, ValueError) as exc:
-            raise CollectiveLoadError(f"read of {path} bytes {w.start}..{w.end} failed: {exc}") from exc
-
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         import torch
 
@@ -449,6 +452,7 @@ class Stream:
         else:
             windows = _without_arrivals(_read_ahead(self.windows, self._read, self._buffers.wake))
         handed: list[Any] = []  # the buffers of the windows handed out, last two
+        windows_in_order = iter(windows)
         try:
             # Zero-byte tensors are read by no one; each rank makes its own.
             nothing = torch.empty(0, dtype=torch.uint8, device=target)
@@ -456,10 +460,16 @@ class Stream:
                 for t in header.tensors:
                     if t.nbytes == 0 and wants(t.name):
                         yield t.name, _File(None, header, device_data=nothing).torch(t.name)
-            for w, base, buffer, arrival in windows:
-                handed.append(base)
-                if len(handed) > 2:
+            while True:
+                # The consumer is now two windows past the oldest buffer
+                # it was handed: that one is free for the next window.
+                if len(handed) == 2:
                     self._buffers.give(handed.pop(0))
+                got = next(windows_in_order, None)
+                if got is None:
+                    break
+                w, base, buffer, arrival = got
+                handed.append(base)
                 header = self.headers[w.file]
                 view = _File(None, header, device_data=buffer, data_offset=w.start - header.data_start)
                 for t in w.tensors:
@@ -484,55 +494,37 @@ class Stream:
 
 
 class _Arrival:
-    """How far the load of one window has come: its bytes ``0..n`` are in
-    (``arrived``, called by the load), or it failed."""
+    """How far the load of window ``w`` has come (a native
+    ``_dmaload.Arrival``), its failure raised as a CollectiveLoadError
+    naming the file and byte range."""
 
-    def __init__(self, stop: threading.Event) -> None:
-        self._stop = stop
-        self._changed = threading.Condition()
-        self._n = 0
-        self._done = False
-        self._failure: BaseException | None = None
+    def __init__(self, native: Any, path: Path, w: _Window) -> None:
+        self._native, self._path, self._window = native, path, w
 
-    def arrived(self, n: int) -> None:
-        if self._stop.is_set():
-            raise _Stopped  # the consumer left: the load is cancelled
-        with self._changed:
-            self._n = max(self._n, n)
-            self._changed.notify_all()
-
-    def fail(self, failure: BaseException) -> None:
-        with self._changed:
-            self._failure = failure
-            self._changed.notify_all()
-
-    def finish(self) -> None:
-        """The load succeeded."""
-        with self._changed:
-            self._done = True
-            self._changed.notify_all()
-
-    def count(self) -> int:
-        """Bytes ``0..n`` known to be in."""
-        return self._n
+    def _failed(self, exc: Exception) -> CollectiveLoadError:
+        w = self._window
+        return CollectiveLoadError(f"read of {self._path} bytes {w.start}..{w.end} failed: {exc}")
 
     def wait(self, n: int) -> None:
         """Blocks (the GIL released, Ctrl-C raising KeyboardInterrupt) until
         bytes ``0..n`` are in; raises the load's failure once there is one."""
-        with self._changed:
-            while self._n < n and self._failure is None:
-                self._changed.wait()
-            if self._failure is not None:
-                raise self._failure
+        try:
+            self._native.wait(n)
+        except (OSError, ValueError) as exc:
+            raise self._failed(exc) from exc
 
     def wait_done(self) -> None:
         """Blocks until the load has ended; raises its failure (one that
         came after its last byte, at its end check, included)."""
-        with self._changed:
-            while not self._done and self._failure is None:
-                self._changed.wait()
-            if self._failure is not None:
-                raise self._failure
+        try:
+            self._native.wait_done()
+        except (OSError, ValueError) as exc:
+            raise self._failed(exc) from exc
+
+    def count(self) -> int:
+        """Bytes ``0..n`` known to be in."""
+        n: int = self._native.count()
+        return n
 
 
 def _read_ahead(
@@ -582,65 +574,50 @@ def _without_arrivals(
 
 class _StreamAhead:
     """``(window, buffer to give back, its bytes, its arrival)`` in order,
-    each handed over as its load starts: a thread, started at once, loads
-    the windows one after the other (up to two ahead of the caller), so
-    the caller takes each tensor as soon as ``arrival.wait`` says its bytes
-    are in, and ``arrival.wait_done`` before the next window. A failure is
-    raised by those waits; ``close`` (which ``wake`` helps: it unblocks a
-    reader waiting for a buffer) cancels the load under way at its next
-    arrival and waits for the thread."""
+    each handed over once its load is queued: the loads run one after the
+    other on ``loader`` (a native ``_dmaload.WindowLoader``, whose thread
+    never takes the GIL), queued as far ahead as the ring has a free buffer
+    and at most ``RING`` windows beyond the caller's, so the caller takes
+    each tensor as soon as ``arrival.wait`` says its bytes are in, and
+    ``arrival.wait_done`` before the next window. A failure is raised by
+    those waits; ``close`` cancels the load under way and drops the rest."""
 
-    def __init__(
-        self,
-        windows: list[_Window],
-        take: Callable[[_Window], tuple[Any, Any]],
-        load: Callable[[_Window, Any, _Arrival], None],
-        wake: Callable[[], None],
-    ) -> None:
-        self._left = len(windows)
-        self._wake = wake
-        self._ready: queue.Queue[tuple[_Window, Any, Any, _Arrival]] = queue.Queue(maxsize=2)
-        self._stop = threading.Event()
+    def __init__(self, windows: list[_Window], buffers: _Buffers, loader: Any, paths: list[Path]) -> None:
+        self._unqueued = collections.deque(windows)
+        self._queued: collections.deque[tuple[_Window, Any, Any, _Arrival]] = collections.deque()
+        self._buffers, self._loader, self._paths = buffers, loader, paths
         self._arrivals: list[_Arrival] = []
+        self._queue()
 
-        def work() -> None:
-            for w in windows:
-                arrival = _Arrival(self._stop)
-                try:
-                    base, buffer = take(w)
-                except _Stopped:
-                    return
-                self._arrivals.append(arrival)
-                self._ready.put((w, base, buffer, arrival))
-                if self._stop.is_set():
-                    return
-                try:
-                    load(w, buffer, arrival)
-                except BaseException as exc:  # raised to the consumer by its wait
-                    arrival.fail(exc)
-                    return
-                arrival.finish()
-
-        self._thread = threading.Thread(target=work, name="dmaload-window-loader", daemon=True)
-        if windows:
-            self._thread.start()
+    def _queue(self) -> None:
+        """Queues the next windows' loads while a buffer is free."""
+        while self._unqueued and len(self._queued) < RING:
+            w = self._unqueued[0]
+            free = self._buffers.try_take(w.slot)
+            if free is None:
+                return
+            self._unqueued.popleft()
+            base, buffer = free
+            native = self._loader.submit(w.file, w.start, buffer[: w.end - w.start].numpy())
+            arrival = _Arrival(native, self._paths[w.file], w)
+            self._arrivals.append(arrival)
+            self._queued.append((w, base, buffer, arrival))
 
     def arrived(self) -> int:
         """Bytes of the windows' ranges read so far."""
-        return sum(a.count() for a in list(self._arrivals))
+        return sum(a.count() for a in self._arrivals)
 
     def __iter__(self) -> _StreamAhead:
         return self
 
     def __next__(self) -> tuple[_Window, Any, Any, _Arrival]:
-        if self._left == 0:
+        self._queue()
+        if not self._queued:
             raise StopIteration
-        self._left -= 1
-        return self._ready.get()
+        return self._queued.popleft()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            _stop_reader(self._thread, self._stop, self._wake, self._ready)
+        self._loader.close()
 
 
 def _stop_reader(
