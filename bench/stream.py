@@ -91,7 +91,8 @@ def run_one(
     elif build_ms:
         # As the vLLM loader does (dmaload.engines start_early): the read
         # begins before the model is built, in the buffers the iteration uses.
-        tensors = Stream(files, None, "cpu", recycle=True, **kwargs)
+        options = dict(kwargs)
+        tensors = Stream(files, None, "cpu", recycle=True, window=options.pop("window", None), options=options)
         tensors.start()
     else:
         tensors = iter_tensors(files, "cpu", recycle=True, **kwargs)
