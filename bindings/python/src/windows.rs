@@ -339,19 +339,26 @@ impl ArrivalState {
         self.changed.notify_all();
     }
 
-    /// Blocks until `reached` holds or the load failed, in [`SIGNAL_POLL`]
+    /// Blocks until `reached` holds or the load ended, in [`SIGNAL_POLL`]
     /// slices with the GIL released (Ctrl-C raises KeyboardInterrupt
-    /// between them); raises the load's failure once there is one.
+    /// between them); raises the load's failure once there is one, and
+    /// ValueError where it ended short of `reached`.
     fn wait_for(&self, py: Python<'_>, reached: impl Fn(&Progress) -> bool + Sync) -> PyResult<()> {
-        let settled = |p: &Progress| reached(p) || matches!(p.ended, Some(Some(_)));
-        let failure = |p: &Progress| match &p.ended {
+        // A load that ended settles every wait: one for more bytes than it
+        // holds would otherwise never return.
+        let settled = |p: &Progress| reached(p) || p.ended.is_some();
+        let outcome = |p: &Progress| match &p.ended {
             Some(Some(failure)) => Err(failure.to_py()),
-            _ => Ok(()),
+            _ if reached(p) => Ok(()),
+            _ => Err(PyValueError::new_err(format!(
+                "the load ended with {} bytes: fewer than asked",
+                p.arrived
+            ))),
         };
         {
             let progress = self.progress();
             if settled(&progress) {
-                return failure(&progress);
+                return outcome(&progress);
             }
         }
         loop {
@@ -364,7 +371,7 @@ impl ArrivalState {
                 settled(&progress)
             })?;
             if done {
-                return failure(&self.progress());
+                return outcome(&self.progress());
             }
             py.check_signals()?;
         }
@@ -376,7 +383,8 @@ impl Arrival {
     /// Blocks (the GIL released; Ctrl-C raises KeyboardInterrupt) until
     /// bytes `0..n` of the target hold the file's bytes; raises the load's
     /// failure (OSError naming the operation, file and offset) once there
-    /// is one, even for bytes that had arrived.
+    /// is one, even for bytes that had arrived; ValueError where the load
+    /// ended with fewer bytes.
     fn wait(&self, py: Python<'_>, n: u64) -> PyResult<()> {
         guard(|| self.state.wait_for(py, |p| p.arrived >= n))
     }

@@ -350,6 +350,8 @@ def test_a_window_loader_runs_its_loads_in_order_into_the_callers_buffers(tmp_pa
             arrival.wait(n // 2)
             arrival.wait_done()
             assert arrival.count() == n and target == data[at : at + n]
+        with pytest.raises(ValueError, match="fewer than asked"):
+            arrivals[0].wait(ranges[0][2] + 1)  # more than its target: answered, not waited for
         loader.close()
         loader.close()
         with pytest.raises(ValueError, match="closed"):

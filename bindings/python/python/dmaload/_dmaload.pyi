@@ -193,7 +193,8 @@ class Arrival:
     is one."""
 
     def wait(self, n: int) -> None:
-        """Until bytes ``0..n`` of the target hold the file's bytes."""
+        """Until bytes ``0..n`` of the target hold the file's bytes
+        (ValueError where the load ended with fewer)."""
     def wait_done(self) -> None:
         """Until the load has ended."""
     def count(self) -> int:
