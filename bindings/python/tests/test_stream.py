@@ -72,38 +72,43 @@ def _data_order(model: Path) -> list[str]:
 
 class _Watched:
     """A native ``WindowLoader`` whose loads report each arrival to
-    ``relay(loader, path, length, n)`` on the loader's thread (which waits
-    while it runs); ``closed`` is set when the stream closes it."""
+    ``relay(loader, (path, offset), length, n)`` on the load's thread (which
+    waits while it runs; two loads run at once); ``closed`` is set when the
+    stream closes it."""
 
-    def __init__(self, relay: Callable[[_Watched, str, int, int], None], files: list[int], **kwargs: Any) -> None:
+    def __init__(
+        self, relay: Callable[[_Watched, tuple[str, int], int, int], None], files: list[int], **kwargs: Any
+    ) -> None:
         self.paths = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in files]
         self.closed = threading.Event()
         self._relay = relay
         self._loader = WINDOW_LOADER(files, **kwargs)
 
     def submit(self, file: int, offset: int, target: Any) -> Any:
-        path, length = self.paths[file], len(target)
-        return self._loader.submit(file, offset, target, arrived=lambda n: self._relay(self, path, length, n))
+        load, length = (self.paths[file], offset), len(target)
+        return self._loader.submit(file, offset, target, arrived=lambda n: self._relay(self, load, length, n))
 
     def close(self) -> None:
         self.closed.set()
         self._loader.close()
 
 
-def _watch_loads(monkeypatch: pytest.MonkeyPatch, relay: Callable[[_Watched, str, int, int], None]) -> None:
+def _watch_loads(
+    monkeypatch: pytest.MonkeyPatch, relay: Callable[[_Watched, tuple[str, int], int, int], None]
+) -> None:
     monkeypatch.setattr(_collective._dmaload, "WindowLoader", lambda *a, **k: _Watched(relay, *a, **k))
 
 
 def _hold_after_first_arrival(
     monkeypatch: pytest.MonkeyPatch, then: Callable[[_Watched], None]
-) -> dict[str, list[int]]:
-    """Each file's first arrival report is passed on, then ``then(loader)``
-    runs on the loader's thread before the load may report (or end) any
-    further. Returns the reports seen, per file."""
-    seen: dict[str, list[int]] = {}
+) -> dict[tuple[str, int], list[int]]:
+    """Each load's first arrival report is passed on, then ``then(loader)``
+    runs on the load's thread before it may report (or end) any further.
+    Returns the reports seen, per load: (file path, offset)."""
+    seen: dict[tuple[str, int], list[int]] = {}
 
-    def relay(loader: _Watched, path: str, _length: int, n: int) -> None:
-        reports = seen.setdefault(path, [])
+    def relay(loader: _Watched, load: tuple[str, int], _length: int, n: int) -> None:
+        reports = seen.setdefault(load, [])
         reports.append(n)
         if len(reports) == 1:
             then(loader)
@@ -163,8 +168,8 @@ def test_the_first_tensors_are_handed_out_while_their_file_is_still_loading(
     got = {}
     for name, t in iter_tensors(model):
         if reference[name].numel() and not consumer_has_one.is_set():
-            # The first file's load has said only that its first bytes are in.
-            held = seen[os.path.realpath(first)]
+            # The first file's first load has said only that its first bytes are in.
+            held = seen[min(load for load in seen if load[0] == os.path.realpath(first))]
             assert len(held) == 1 and held[0] < first.stat().st_size, held
             consumer_has_one.set()
         got[name] = t
@@ -217,12 +222,12 @@ def test_a_load_failing_after_its_last_byte_still_fails_the_iteration(
         touched = threading.Event()
 
         def touch_after_the_last_gather(
-            _loader: _Watched, path: str, length: int, n: int, _bad: str = os.path.realpath(failing)
+            _loader: _Watched, load: tuple[str, int], length: int, n: int, _bad: str = os.path.realpath(failing)
         ) -> None:
             # The last gather's report (the edge after it, under a page,
             # comes with the end): the end check is still to come.
-            if path == _bad and n >= length - 4096 and not touched.is_set():
-                os.utime(path)
+            if load[0] == _bad and n >= length - 4096 and not touched.is_set():
+                os.utime(load[0])
                 touched.set()
 
         _watch_loads(monkeypatch, touch_after_the_last_gather)
@@ -397,3 +402,11 @@ def test_closing_a_window_loader_fails_its_queued_loads_and_ends_its_thread(tmp_
             outcomes.append("not run" if "closed" in str(exc) else f"cancelled: {exc}")
     assert outcomes[-1] == "not run", outcomes
     assert _no_loader_thread_is_left(), _loader_threads()
+
+
+def test_an_empty_tensor_does_not_split_a_window(model: Path) -> None:
+    """A zero-byte tensor between two others takes no bytes: the run of a
+    window goes on across it (each shard here has one, and fits a window)."""
+    paths = sorted(model.glob("*.safetensors"))
+    with _collective.Stream(paths) as stream:
+        assert [w.file for w in stream.windows] == list(range(len(paths))), stream.windows

@@ -140,8 +140,10 @@ def _windows(headers: list[Header], wanted: list[bool], window: int, ranks: int)
                 run.clear()
 
         for t in header.tensors:
-            take = wanted[k] and t.nbytes > 0
+            take = wanted[k]
             k += 1
+            if t.nbytes == 0:
+                continue  # no bytes to read (each rank makes its own), nor a gap in a run
             too_long = run and t.end - run[0].begin > window
             if not take or (run and (t.begin != run[-1].end or too_long)):
                 close()
