@@ -503,25 +503,22 @@ class _Arrival:
     def __init__(self, native: Any, path: Path, w: _Window) -> None:
         self._native, self._path, self._window = native, path, w
 
-    def _failed(self, exc: Exception) -> CollectiveLoadError:
-        w = self._window
-        return CollectiveLoadError(f"read of {self._path} bytes {w.start}..{w.end} failed: {exc}")
+    def _raising_as_ours(self, wait: Callable[[], None]) -> None:
+        try:
+            wait()
+        except (OSError, ValueError) as exc:
+            w = self._window
+            raise CollectiveLoadError(f"read of {self._path} bytes {w.start}..{w.end} failed: {exc}") from exc
 
     def wait(self, n: int) -> None:
         """Blocks (the GIL released, Ctrl-C raising KeyboardInterrupt) until
         bytes ``0..n`` are in; raises the load's failure once there is one."""
-        try:
-            self._native.wait(n)
-        except (OSError, ValueError) as exc:
-            raise self._failed(exc) from exc
+        self._raising_as_ours(lambda: self._native.wait(n))
 
     def wait_done(self) -> None:
         """Blocks until the load has ended; raises its failure (one that
         came after its last byte, at its end check, included)."""
-        try:
-            self._native.wait_done()
-        except (OSError, ValueError) as exc:
-            raise self._failed(exc) from exc
+        self._raising_as_ours(self._native.wait_done)
 
     def count(self) -> int:
         """Bytes ``0..n`` known to be in."""
