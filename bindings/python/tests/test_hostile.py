@@ -325,6 +325,55 @@ def test_no_thread_can_be_created_is_never_a_panic(tmp_path: Path) -> None:
     assert "PanicException" not in out.stdout + out.stderr and "panicked" not in out.stderr, out.stderr
 
 
+def test_a_stream_whose_loader_can_start_no_thread_loads_each_window_at_once(tmp_path: Path) -> None:
+    """A one-rank stream's native ``WindowLoader`` with RLIMIT_NPROC
+    exhausted: none of its threads starts, so ``submit`` loads the window
+    at once (the GIL released) instead of queuing it; the loads' own
+    helper threads fall back as well. Every byte arrives, through the
+    loader alone and through ``iter_tensors`` on it."""
+    prefix = _unprivileged_nproc_1()
+    torch = pytest.importorskip("torch")
+    st_torch = pytest.importorskip("safetensors.torch")
+    os.chmod(tmp_path, 0o755)
+    model = tmp_path / "m.safetensors"
+    gen = torch.Generator().manual_seed(0)
+    st_torch.save_file({f"t{i}": torch.randn(300_000 + 1000 * i, generator=gen) for i in range(8)}, model)
+    os.chmod(model, 0o644)
+    code = textwrap.dedent(
+        """
+        import sys, threading
+        from dmaload import _dmaload
+        from dmaload.safetensors import iter_tensors
+        from safetensors.torch import load_file
+        path = sys.argv[1]
+        try:
+            threading.Thread(target=print).start()
+        except RuntimeError:
+            print("NO-THREADS")
+        loader = _dmaload.WindowLoader([path], in_flight=2)
+        target = bytearray(5 << 20)
+        arrival = loader.submit(0, 4096, target)
+        print("LOADER", arrival.count() == len(target), target == open(path, "rb").read()[4096:4096 + (5 << 20)])
+        arrival.wait_done()
+        loader.close()
+        want = load_file(path)
+        got = {n: t.clone() for n, t in iter_tensors([path], "cpu", recycle=True, window="1M")}
+        print("STREAM", sorted(got) == sorted(want) and all(bool((got[k] == want[k]).all()) for k in want))
+        """
+    )
+    out = subprocess.run(
+        [*prefix, sys.executable, "-c", code, str(model)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+    )
+    assert "NO-THREADS" in out.stdout, f"the limit did not bite:\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == 0, f"{out.returncode}\n{out.stdout}\n{out.stderr}"
+    assert "LOADER True True" in out.stdout and "STREAM True" in out.stdout, f"{out.stdout}\n{out.stderr}"
+
+
 def test_the_report_of_a_name_that_is_not_utf8_is_complete(tmp_path: Path) -> None:
     """The report crosses as a typed record built field by field: every
     field is there for a name that is not UTF-8 (the JSON route gave an
