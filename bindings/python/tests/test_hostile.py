@@ -271,6 +271,23 @@ def _unprivileged_nproc_1() -> list[str]:
     ]  # fmt: skip
 
 
+def _run_without_threads(prefix: list[str], code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs Python ``code`` with ``args`` under ``prefix`` (see
+    ``_unprivileged_nproc_1``), checking that the limit did bite: the code
+    prints NO-THREADS when a ``threading.Thread`` cannot start."""
+    out = subprocess.run(
+        [*prefix, sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        # OpenBLAS (imported with numpy) kills the process when it cannot start its threads.
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+    )
+    assert "NO-THREADS" in out.stdout, f"the limit did not bite:\n{out.stdout}\n{out.stderr}"
+    return out
+
+
 def test_no_thread_can_be_created_is_never_a_panic(tmp_path: Path) -> None:
     """Issue 7: with RLIMIT_NPROC exhausted, thread creation failed with a
     panic (PanicException in Python). Every loading entry point, with and
@@ -311,16 +328,7 @@ def test_no_thread_can_be_created_is_never_a_panic(tmp_path: Path) -> None:
         print("SURVIVED")
         """
     )
-    out = subprocess.run(
-        [*prefix, sys.executable, "-c", code, str(data), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        # OpenBLAS (imported with numpy) kills the process when it cannot start its threads.
-        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
-    )
-    assert "NO-THREADS" in out.stdout, f"the limit did not bite:\n{out.stdout}\n{out.stderr}"
+    out = _run_without_threads(prefix, code, str(data), str(tmp_path))
     assert out.returncode == 0 and "SURVIVED" in out.stdout, f"{out.returncode}\n{out.stdout}\n{out.stderr}"
     assert "PanicException" not in out.stdout + out.stderr and "panicked" not in out.stderr, out.stderr
 
@@ -361,15 +369,7 @@ def test_a_stream_whose_loader_can_start_no_thread_loads_each_window_at_once(tmp
         print("STREAM", sorted(got) == sorted(want) and all(bool((got[k] == want[k]).all()) for k in want))
         """
     )
-    out = subprocess.run(
-        [*prefix, sys.executable, "-c", code, str(model)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
-    )
-    assert "NO-THREADS" in out.stdout, f"the limit did not bite:\n{out.stdout}\n{out.stderr}"
+    out = _run_without_threads(prefix, code, str(model))
     assert out.returncode == 0, f"{out.returncode}\n{out.stdout}\n{out.stderr}"
     assert "LOADER True True" in out.stdout and "STREAM True" in out.stdout, f"{out.stdout}\n{out.stderr}"
 
