@@ -128,15 +128,18 @@ def _loader_threads() -> list[str]:
     return [n for n in names if n == "dmaload-windows"]
 
 
+def _within_guard(holds: Callable[[], Any]) -> Any:
+    """``holds()`` once it is true, polled up to the guard (falsy past it)."""
+    deadline = time.monotonic() + GUARD_S
+    while not (held := holds()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return held
+
+
 def _no_loader_thread_is_left() -> bool:
     """Waits (up to the guard) for the native loader threads to end: a
     closed loader's thread ends once the load it cancelled returns."""
-    deadline = time.monotonic() + GUARD_S
-    while _loader_threads():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return bool(_within_guard(lambda: not _loader_threads()))
 
 
 def test_every_tensor_is_bit_exact_with_safetensors(model: Path) -> None:
@@ -171,10 +174,8 @@ def test_the_first_tensors_are_handed_out_while_their_file_is_still_loading(
             # The first file's first load has said only that its first bytes
             # are in. The consumer may hear that (natively) before the relay,
             # which waits for the GIL, records it: give the relay its turn.
-            deadline = time.monotonic() + GUARD_S
-            while not (loads := [load for load in list(seen) if load[0] == os.path.realpath(first)]):
-                assert time.monotonic() < deadline, "the first file's first report never reached the relay"
-                time.sleep(0.001)
+            loads = _within_guard(lambda: [load for load in list(seen) if load[0] == os.path.realpath(first)])
+            assert loads, "the first file's first report never reached the relay"
             held = seen[min(loads)]
             assert len(held) == 1 and held[0] < first.stat().st_size, held
             consumer_has_one.set()
