@@ -1031,6 +1031,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_queue::BlockQueue>()?;
     m.add_class::<windows::WindowLoader>()?;
     m.add_class::<windows::Arrival>()?;
+    m.add_class::<windows::StreamDigest>()?;
     m.add_class::<staged::SafetensorsFile>()?;
     m.add_function(wrap_pyfunction!(staged::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(staged::_load_staged, m)?)?;

@@ -232,12 +232,7 @@ impl WindowLoader {
         arrived: Option<Py<PyAny>>,
     ) -> PyResult<Arrival> {
         guard(|| {
-            if file >= self.shared.files.len() {
-                return Err(PyIndexError::new_err(format!(
-                    "file {file} of a loader of {} file(s)",
-                    self.shared.files.len()
-                )));
-            }
+            self.file(file)?;
             let target = staged::writable_buffer(target)?;
             let arrival = Arc::new(ArrivalState::default());
             let job = Job { file, offset, target, arrival: Arc::clone(&arrival), watch: arrived };
@@ -267,6 +262,21 @@ impl WindowLoader {
         })
     }
 
+    /// Raises OSError (ENOMEM) unless `n` more bytes of memory are
+    /// available, as a load into fresh memory checks before allocating
+    /// (`dmaload::check_memory`: the memory cgroup's headroom and
+    /// MemAvailable), naming file `file`: a stream asks before it allocates
+    /// a window buffer, not the OOM killer after.
+    fn check_memory(&self, py: Python<'_>, file: usize, n: u64) -> PyResult<()> {
+        guard(|| {
+            // The targets of ended loads are released first (with the GIL,
+            // here): memory the stream no longer holds counts as free.
+            drop(std::mem::take(&mut self.shared.queue().spent));
+            let path = self.file(file)?.path();
+            detached(py, || dmaload::check_memory(path, n))?.map_err(|e| os_error(&e))
+        })
+    }
+
     /// Stops the loader: the load under way is cancelled (waited for up to
     /// a moment: a read the cancellation cannot reach keeps its target
     /// exported until it ends, on its thread), the queued ones
@@ -289,6 +299,15 @@ impl WindowLoader {
             let spent = std::mem::take(&mut self.shared.queue().spent);
             drop(spent);
             Ok(())
+        })
+    }
+}
+
+impl WindowLoader {
+    /// File `file` of the loader's (an index into them).
+    fn file(&self, file: usize) -> PyResult<&dmaload::OpenFile> {
+        self.shared.files.get(file).ok_or_else(|| {
+            PyIndexError::new_err(format!("file {file} of a loader of {} file(s)", self.shared.files.len()))
         })
     }
 }
@@ -398,5 +417,76 @@ impl Arrival {
     /// Bytes `0..n` of the target known to hold the file's bytes.
     fn count(&self) -> u64 {
         self.state.progress().arrived
+    }
+}
+
+/// The digest of one file whose bytes a stream hands over window by
+/// window, in file order, checked against the digest its sums file
+/// records (`B3SUMS` or `SHA256SUMS` beside it, found by the core's
+/// lookup, `dmaload::verify`): what `verify=True` means for a stream, whose
+/// windows are loads of parts of the file.
+#[pyclass(module = "dmaload._dmaload", frozen)]
+pub(crate) struct StreamDigest {
+    path: std::path::PathBuf,
+    kind: &'static str,
+    expected: String,
+    /// `None` once checked.
+    verifier: Mutex<Option<dmaload::verify::StreamVerifier>>,
+}
+
+#[pymethods]
+impl StreamDigest {
+    /// The digest of the file at `path` to come; OSError (EINVAL) naming
+    /// the sums file when none lists it (`dmaload sums` writes one).
+    #[new]
+    fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<StreamDigest> {
+        guard(|| {
+            let verifier =
+                detached(py, || dmaload::verify::StreamVerifier::new(&path))?.map_err(|e| os_error(&e))?;
+            let (kind, expected) = verifier.expected();
+            Ok(StreamDigest {
+                path,
+                kind: kind.sums_file(),
+                expected: dmaload::verify::hex(&expected),
+                verifier: Mutex::new(Some(verifier)),
+            })
+        })
+    }
+
+    /// The sums file that lists the file (`"B3SUMS"` or `"SHA256SUMS"`).
+    #[getter]
+    fn sums_file(&self) -> &'static str {
+        self.kind
+    }
+
+    /// The digest it records, in hex: equal on ranks whose sums files
+    /// agree.
+    #[getter]
+    fn expected(&self) -> String {
+        self.expected.clone()
+    }
+
+    /// Adds the bytes of `data` (a writable C-contiguous buffer: a
+    /// window's), the next bytes of the file, hashed with the GIL released.
+    fn update(&self, py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        guard(|| {
+            let mut buffer = staged::writable_buffer(data)?;
+            let verifier = self.verifier.lock().unwrap_or_else(|e| e.into_inner());
+            let verifier = verifier
+                .as_ref()
+                .ok_or_else(|| PyValueError::new_err("update of a digest already checked"))?;
+            let bytes = staged::writable_bytes(&mut buffer);
+            detached(py, || verifier.add(bytes))
+        })
+    }
+
+    /// Raises OSError (EBADMSG, naming the sums file and both digests)
+    /// unless the bytes added hash to the recorded digest. Once only.
+    fn check(&self) -> PyResult<()> {
+        guard(|| {
+            let verifier = self.verifier.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let verifier = verifier.ok_or_else(|| PyValueError::new_err("a digest is checked once"))?;
+            verifier.check(&self.path).map_err(|e| os_error(&e))
+        })
     }
 }

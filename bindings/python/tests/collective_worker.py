@@ -8,11 +8,17 @@ equal   every tensor equals safetensors' own (load_file and safe_open)
 io      evicts the files from the page cache, loads, reports the bytes this
         process read from storage (/proc/self/io read_bytes)
 filter  like io, each rank wanting the tensors ARGS[0] names (a JSON
-        object of rank -> list of names)
+        object of rank -> list of names); reports the bytes of the storages
+        its tensors hold
 fail    rank 1 loads with chunk_size=0, which its first read refuses
 header  rank 1 loads the checkpoint ARGS[0] names instead (a broken header)
 kill    rank 1 SIGKILLs itself when its first tensor arrives
 quit    rank 1 stops iterating after its first tensor and exits
+paths   each rank loads the checkpoint ARGS[rank] names (options: the JSON
+        object ARGS[world], if given); reports each tensor's byte sum
+rewrite rank 0 rewrites the first file in place (same size, other bytes)
+        once its first tensor arrives; the others go on loading
+window  rank 1 passes another window than rank 0
 """
 
 from __future__ import annotations
@@ -84,16 +90,38 @@ def main() -> None:
             # The barrier: no rank's reads start before every rank evicted.
             dist.barrier()
             before, faults = read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-            names, digest = [], 0
+            names, digest, storages = [], 0, {}
             for name, t in iter_tensors(model, process_group=group, tensor_filter=wanted, window=window):
                 names.append(name)
                 digest += int(t.contiguous().view(-1).view(torch.uint8).sum())
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             read = read_bytes() - before
             faulted = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults])
             dist.all_reduce(faulted)
             if int(faulted) == 0:
                 break
-        result.update(read=read, names=sorted(names), sum=digest, measures=attempt, major_faults=int(faulted))
+        # held: the memory the tensors handed out keep alive.
+        held = sum(storages.values())
+        result.update(read=read, names=sorted(names), sum=digest, measures=attempt, major_faults=int(faulted), held=held)
+    elif scenario == "paths":
+        options = json.loads(args[world_i]) if len(args) > world_i else {}
+        sums = {}
+        for name, t in iter_tensors(args[rank_i], process_group=group, window=window, **options):
+            sums[name] = int(t.contiguous().view(-1).view(torch.uint8).sum())
+        result["sums"] = sums
+    elif scenario == "rewrite":
+        for i, (_name, _t) in enumerate(iter_tensors(model, process_group=group, window=window)):
+            if rank_i == 0 and i == 0:
+                with open(paths[0], "r+b") as f:
+                    size = f.seek(0, os.SEEK_END)
+                    for at in range(size - (8 << 20), size, 4096):
+                        f.seek(at)
+                        f.write(b"\xa5")
+        result["finished"] = True
+    elif scenario == "window":
+        for _name, _t in iter_tensors(model, process_group=group, window="2M" if rank_i == 1 else window):
+            pass
+        result["finished"] = True
     elif scenario == "header":
         for _name, _t in iter_tensors(args[0] if rank_i == 1 else model, process_group=group, window=window):
             pass

@@ -3,6 +3,7 @@ rank a real process (collective_worker.py), and tensor filters."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -135,6 +136,11 @@ def test_a_filter_leaves_unread_what_no_rank_wants(tmp_path: Path, model: Path) 
         assert r["sum"] == sum(int(reference[n].contiguous().view(-1).view(torch.uint8).sum()) for n in mine)
     huge = reference["s1.huge"].numel() * 4
     assert sum(r["read"] for r in results) <= _file_bytes(model) - huge + CHUNK
+    for r in results:
+        # A rank holds what it returned, not the windows the other rank's
+        # tensors share with its own.
+        wanted = sum(reference[n].numel() * reference[n].element_size() for n in wants[str(r["rank"])])
+        assert r["held"] <= wanted + (1 << 20), (r["rank"], r["held"], wanted)
 
 
 def test_a_read_failing_on_one_rank_fails_every_rank_naming_it(tmp_path: Path, model: Path) -> None:
@@ -217,3 +223,98 @@ def test_recycled_windows_reuse_their_memory_and_hold_each_tensor_a_window_longe
         previous, count = (name, t), count + 1
     assert count == len(reference)
     assert len(storages) < windows, (len(storages), windows)  # buffers were reused
+
+
+def _copy(model: Path, to: Path) -> Path:
+    to.mkdir()
+    for p in model.iterdir():
+        (to / p.name).write_bytes(p.read_bytes())
+    return to
+
+
+def _write_sums(directory: Path) -> None:
+    """SHA256SUMS of the directory's shards, as ``sha256sum *.safetensors``
+    writes it."""
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(directory.glob("*.safetensors"))]
+    (directory / "SHA256SUMS").write_text("".join(lines))
+
+
+def _flip_a_byte_per_mib(directory: Path) -> None:
+    for p in directory.glob("*.safetensors"):
+        data = bytearray(p.read_bytes())
+        start = 8 + int.from_bytes(data[:8], "little")  # the data section: the header stays valid
+        for at in range(start + 4096, len(data), 1 << 20):
+            data[at] ^= 0xFF
+        p.write_bytes(bytes(data))
+
+
+def _all_fail(results: list[tuple[int, str]], *needles: str) -> None:
+    for rank, (status, output) in enumerate(results):
+        assert status != 0, output
+        assert f"CollectiveLoadError: rank {rank}: " in output, output
+        for needle in needles:
+            assert needle in output, (needle, output)
+
+
+def test_ranks_reading_other_files_without_sums_are_refused_saying_how(tmp_path: Path, model: Path) -> None:
+    """Two ranks on one host, each with its own copy (another inode: a
+    node-local copy), the second with a byte flipped per MiB: with nothing
+    to show the copies hold the same bytes, every rank refuses before
+    reading, naming the fix."""
+    a = _copy(model, tmp_path / "a")
+    b = _copy(model, tmp_path / "b")
+    _flip_a_byte_per_mib(b)
+    _all_fail(_run(tmp_path, 2, "paths", model, str(a), str(b)), "do not all open the same files", "dmaload sums")
+
+
+def test_ranks_whose_sums_files_disagree_are_refused_before_reading(tmp_path: Path, model: Path) -> None:
+    a = _copy(model, tmp_path / "a")
+    b = _copy(model, tmp_path / "b")
+    _flip_a_byte_per_mib(b)
+    _write_sums(a)
+    _write_sums(b)  # b's own, correct for b: another checkpoint
+    _all_fail(_run(tmp_path, 2, "paths", model, str(a), str(b)), "rank 1's sums file records another digest")
+
+
+def test_a_copy_that_differs_from_its_sums_file_fails_every_rank(tmp_path: Path, model: Path) -> None:
+    """The stale node-local copy beside the same sums file as everyone's:
+    the digests agree, the bytes do not; every rank hashes the whole
+    stream it is handed (each rank's share of every window) and every rank
+    fails before its iteration ends."""
+    a = _copy(model, tmp_path / "a")
+    _write_sums(a)
+    b = _copy(a, tmp_path / "b")
+    _flip_a_byte_per_mib(b)
+    _all_fail(_run(tmp_path, 2, "paths", model, str(a), str(b)), "do not match the sums files", "mismatch")
+
+
+def test_node_local_copies_with_the_same_sums_load_verified(tmp_path: Path, model: Path) -> None:
+    a = _copy(model, tmp_path / "a")
+    _write_sums(a)
+    b = _copy(a, tmp_path / "b")
+    results = [_result(*r) for r in _run(tmp_path, 2, "paths", model, str(a), str(b))]
+    expected = {n: int(t.contiguous().view(-1).view(torch.uint8).sum()) for n, t in _reference(model).items()}
+    assert [r["sums"] for r in results] == [expected, expected]
+
+
+def test_a_verified_group_load_of_one_shared_copy_succeeds(tmp_path: Path, model: Path) -> None:
+    a = _copy(model, tmp_path / "a")
+    _write_sums(a)
+    verify = json.dumps({"verify": True})
+    results = [_result(*r) for r in _run(tmp_path, 2, "paths", model, str(a), str(a), verify)]
+    expected = {n: int(t.contiguous().view(-1).view(torch.uint8).sum()) for n, t in _reference(model).items()}
+    assert [r["sums"] for r in results] == [expected, expected]
+
+
+def test_a_rewrite_between_windows_fails_every_rank(tmp_path: Path, model: Path) -> None:
+    """The group's windows are loads of the files each rank opened once:
+    a same-size rewrite after the first window fails the load on every
+    rank, as it fails a one-file load."""
+    copy = _copy(model, tmp_path / "copy")
+    results = _run(tmp_path, 2, "rewrite", copy)
+    _all_fail(results, "failed to read")
+    assert "written during the load" in results[0][1] + results[1][1]
+
+
+def test_ranks_passing_different_windows_fail_every_rank_naming_it(tmp_path: Path, model: Path) -> None:
+    _all_fail(_run(tmp_path, 2, "window", model), "rank 1 passed window=2097152, rank 0 window=1048576")

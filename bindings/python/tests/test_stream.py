@@ -11,6 +11,7 @@ there until the consumer has done what is checked."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import signal
 import threading
@@ -87,6 +88,9 @@ class _Watched:
     def submit(self, file: int, offset: int, target: Any) -> Any:
         load, length = (self.paths[file], offset), len(target)
         return self._loader.submit(file, offset, target, arrived=lambda n: self._relay(self, load, length, n))
+
+    def check_memory(self, file: int, n: int) -> None:
+        self._loader.check_memory(file, n)
 
     def close(self) -> None:
         self.closed.set()
@@ -417,3 +421,152 @@ def test_an_empty_tensor_does_not_split_a_window(model: Path) -> None:
     paths = sorted(model.glob("*.safetensors"))
     with _collective.Stream(paths) as stream:
         assert [w.file for w in stream.windows] == list(range(len(paths))), stream.windows
+
+
+def _copy(model: Path, to: Path) -> Path:
+    to.mkdir()
+    for p in model.iterdir():
+        (to / p.name).write_bytes(p.read_bytes())
+    return to
+
+
+def _write_sums(directory: Path) -> None:
+    """SHA256SUMS of the directory's shards, as ``sha256sum *.safetensors``
+    writes it."""
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(directory.glob("*.safetensors"))]
+    (directory / "SHA256SUMS").write_text("".join(lines))
+
+
+def _flip_last_tensor(directory: Path) -> tuple[Path, str]:
+    """Flips a byte of the last tensor (in data order) of the first shard;
+    returns the shard and that tensor's name."""
+    path = sorted(directory.glob("*.safetensors"))[0]
+    header = _dmaload.read_safetensors_header(str(path))
+    last = max(header.tensors, key=lambda t: t.begin)
+    with open(path, "r+b") as f:
+        f.seek(header.data_start + last.begin)
+        byte = f.read(1)
+        f.seek(header.data_start + last.begin)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return path, last.name
+
+
+def test_verify_checks_every_streamed_path_against_the_sums_file(model: Path, tmp_path: Path) -> None:
+    """``verify=True`` on the paths that stream a file in windows: the
+    iteration, a filtered ``load_file`` (the bytes it leaves out are read and
+    hashed too), in small windows and in one; an intact file loads, a byte
+    changed where no tensor asked for lies fails the load naming the sums
+    file."""
+    from dmaload.safetensors import CollectiveLoadError, load_file
+
+    intact = _copy(model, tmp_path / "intact")
+    _write_sums(intact)
+    reference = _reference(model)
+    for window in ("64K", None):
+        got = {name: t.clone() for name, t in iter_tensors(intact, window=window, verify=True)}
+        assert sorted(got) == sorted(reference)
+        assert all(_same_bytes(got[n], reference[n]) for n in reference)
+    keep = {"s0.a0", "s1.ints"}
+    filtered = load_file(intact, framework="pt", tensor_filter=keep, verify=True)
+    assert filtered.keys() == keep and all(_same_bytes(filtered[n], reference[n]) for n in keep)
+
+    changed = _copy(intact, tmp_path / "changed")
+    _, flipped = _flip_last_tensor(changed)
+    assert flipped not in keep
+    with pytest.raises(CollectiveLoadError, match="SHA-256 mismatch: .*SHA256SUMS expects"):
+        load_file(changed, framework="pt", tensor_filter=keep, verify=True)
+    with pytest.raises(CollectiveLoadError, match="SHA-256 mismatch"):
+        for _ in iter_tensors(changed, window="64K", verify=True):
+            pass
+    (changed / "SHA256SUMS").unlink()
+    with pytest.raises(OSError, match="dmaload sums") as missing:
+        iter_tensors(changed, verify=True).__next__()
+    assert missing.value.errno == errno.EINVAL
+
+
+def test_a_rewrite_after_the_stream_opened_its_files_fails_it(model: Path, tmp_path: Path) -> None:
+    """One logical load, however many loads it is made of: the files are
+    opened once when the stream is, and a same-size rewrite after that
+    (here before the early read, which opens nothing of its own) fails the
+    iteration rather than handing out the new bytes under the old header."""
+    from dmaload.safetensors import CollectiveLoadError
+
+    copy = _copy(model, tmp_path / "copy")
+    path, _ = _flip_last_tensor(copy)
+    stream = _collective.Stream([path], window="1M")
+    _flip_last_tensor(copy)  # the bytes back as they were, the file written
+    with pytest.raises(CollectiveLoadError, match="written during the load"):
+        stream.start()
+        for _ in stream:
+            pass
+
+
+def _memory_cgroup(tmp_path: Path, limit: int) -> Path | None:
+    """A child of this process's memory cgroup (v2, else v1) limited to
+    ``limit`` bytes: its ``cgroup.procs``; None where that is not possible
+    here (no cgroup mounted, or not allowed to create one)."""
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, where = line.split(":", 2)
+        v2 = controllers == ""
+        if not v2 and "memory" not in controllers.split(","):
+            continue
+        for mount in mounts:
+            left, right = mount.split(" - ", 1)
+            fstype, _, options = right.split(" ", 2)
+            if (v2 and fstype == "cgroup2") or (not v2 and fstype == "cgroup" and "memory" in options.split(",")):
+                child = Path(left.split(" ")[4]) / where.lstrip("/") / f"dmaload-stream-{os.getpid()}-{tmp_path.name}"
+                try:
+                    child.mkdir()
+                    (child / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
+                except OSError:
+                    continue
+                return child / "cgroup.procs"
+    return None
+
+
+STREAM_IN_A_CGROUP = """
+import os, sys
+import torch
+from dmaload.safetensors import iter_tensors, load_file
+procs, model = sys.argv[1:]
+# Moved in after the imports: the limit counts what the loads allocate.
+with open(procs, "w") as f:
+    f.write(str(os.getpid()))
+try:
+    load_file(model, framework="pt")
+    print("load_file: loaded")
+except OSError as exc:
+    print(f"load_file: errno {exc.errno}")
+count = 0
+for name, t in iter_tensors(model, window="48M"):
+    count += 1
+print(f"iter_tensors: {count} tensors")
+"""
+
+
+def test_a_stream_reads_ahead_only_what_the_memory_check_admits(tmp_path: Path) -> None:
+    """In a memory cgroup where ``load_file`` fails cleanly (ENOMEM, its
+    memory check), a stream asks the same check before each window buffer:
+    it reads ahead less, not into the OOM killer (five 48 MiB windows ahead
+    would exceed the limit)."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "model.safetensors"
+    g = torch.Generator().manual_seed(3)
+    safetensors_torch.save_file({f"t{i:02d}": torch.randn(4 << 20, generator=g) for i in range(20)}, model)
+    procs = _memory_cgroup(tmp_path, 192 << 20)
+    if procs is None:
+        pytest.skip("SKIP test_a_stream_reads_ahead_only_what_the_memory_check_admits: cannot create a memory cgroup here")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", STREAM_IN_A_CGROUP, str(procs), str(model)],
+            capture_output=True,
+            text=True,
+            timeout=GUARD_S * 4,
+        )
+    finally:
+        procs.parent.rmdir()
+    assert f"load_file: errno {errno.ENOMEM}" in run.stdout, (run.returncode, run.stdout, run.stderr[-2000:])
+    assert run.returncode == 0 and "iter_tensors: 20 tensors" in run.stdout, (run.returncode, run.stdout, run.stderr[-2000:])

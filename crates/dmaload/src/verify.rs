@@ -327,3 +327,38 @@ impl Verifier {
         ))
     }
 }
+
+/// The digest of a file that its caller streams itself, in file order (a
+/// Python stream's windows, each loaded apart): a [`Verifier`] for a load
+/// the pipeline does not run as one, with the same sums-file lookup and
+/// the same mismatch error.
+pub struct StreamVerifier {
+    verifier: Verifier,
+}
+
+impl StreamVerifier {
+    /// The verifier of the file at `path`: its sums file must list it.
+    pub fn new(path: &Path) -> Result<StreamVerifier> {
+        let (kind, expected) = expected_digest(path)?;
+        let hasher = std::sync::Mutex::new((Hasher::new(kind), vec![0u8; HASH_CHUNK]));
+        Ok(StreamVerifier { verifier: Verifier { kind, expected, hasher } })
+    }
+
+    /// The digest the sums file records, and its kind.
+    pub fn expected(&self) -> (DigestKind, Digest) {
+        (self.verifier.kind, self.verifier.expected)
+    }
+
+    /// Adds `bytes`, the next bytes of the file, which nothing writes any
+    /// more.
+    pub fn add(&self, mut bytes: crate::sys::mem::RawBytesMut<'_>) {
+        let len = bytes.len();
+        self.verifier.add(bytes.writer(), 0..len);
+    }
+
+    /// [`Verifier::check`]: the digest of every byte added against the
+    /// expected one.
+    pub fn check(self, path: &Path) -> Result<()> {
+        self.verifier.check(path)
+    }
+}

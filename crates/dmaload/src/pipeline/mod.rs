@@ -11,7 +11,8 @@ mod staged;
 mod write;
 
 pub(crate) use host::{load_source, with_kept_ring};
-pub(crate) use range::{check_memory, open_range, range_len};
+pub use range::check_memory;
+pub(crate) use range::{open_range, range_len};
 pub use staged::load_open_to_sink;
 pub(crate) use write::{write_at, KeptWriteRing};
 

@@ -45,7 +45,7 @@ pub(crate) fn range_len(source: &Source, path: &Path, offset: u64, len: Option<u
 /// Whether `len` bytes of fresh memory are available: an
 /// [`ErrorKind::OutOfMemory`] error before allocating, not the OOM killer
 /// after.
-pub(crate) fn check_memory(path: &Path, len: u64) -> Result<()> {
+pub fn check_memory(path: &Path, len: u64) -> Result<()> {
     let budget = system::memory_budget_for(len).map_err(|e| Error::io("read /proc/meminfo", path, e))?;
     if len > budget.available {
         return Err(Error::new(

@@ -120,37 +120,56 @@ def wants(tensor_filter: TensorFilter) -> Callable[[str], bool]:
     return names.__contains__
 
 
-def _windows(headers: list[Header], wanted: list[bool], window: int, ranks: int) -> list[_Window]:
+def _windows(
+    headers: list[Header], wanted: list[bool], window: int, ranks: int, sizes: list[int] | None = None
+) -> list[_Window]:
     """The windows of the wanted tensors (``wanted`` is indexed like the
     tensors of all headers in order), in file and data order: runs of
     adjacent wanted tensors of a file, of up to ``window`` bytes (split
-    between tensors only; a larger tensor is a window of its own)."""
+    between tensors only; a larger tensor is a window of its own).
+
+    With ``sizes`` (the files' sizes: a verified load) every byte of each
+    file is in a window, in order: every tensor is read (the unwanted ones
+    are not handed out), the first window of a file starts at byte 0 (its
+    header) and its last ends at the end of the file, so that the windows
+    hash to the file's digest."""
     out: list[_Window] = []
+    whole = sizes is not None
     k = 0
     for i, header in enumerate(headers):
         run: list[TensorInfo] = []
+        first = len(out)
 
         def close() -> None:
             if run:
                 start = (header.data_start + run[0].begin) // _ALIGN * _ALIGN
-                end = header.data_start + run[-1].end
-                slot = -(-(end - start) // ranks)
-                slot = -(-slot // _ALIGN) * _ALIGN
-                out.append(_Window(i, tuple(run), start, end, slot))
+                out.append(_window(i, tuple(run), start, header.data_start + run[-1].end, ranks))
                 run.clear()
 
         for t in header.tensors:
-            take = wanted[k]
+            take = wanted[k] or whole
             k += 1
             if t.nbytes == 0:
                 continue  # no bytes to read (each rank makes its own), nor a gap in a run
             too_long = run and t.end - run[0].begin > window
-            if not take or (run and (t.begin != run[-1].end or too_long)):
+            if not take or (run and ((t.begin != run[-1].end and not whole) or too_long)):
                 close()
             if take:
                 run.append(t)
         close()
+        if sizes is not None:
+            if len(out) == first:  # no tensor with bytes: the file is its header
+                out.append(_window(i, (), 0, sizes[i], ranks))
+            out[first] = _window(i, out[first].tensors, 0, out[first].end, ranks)
+            out[-1] = _window(i, out[-1].tensors, out[-1].start, sizes[i], ranks)
     return out
+
+
+def _window(file: int, tensors: tuple[TensorInfo, ...], start: int, end: int, ranks: int) -> _Window:
+    """The window of file bytes ``start..end``, cut into ``ranks`` slots."""
+    slot = -(-(end - start) // ranks)
+    slot = -(-slot // _ALIGN) * _ALIGN
+    return _Window(file, tensors, start, end, slot)
 
 
 def _digest(paths: list[Path], headers: list[Header]) -> int:
@@ -221,31 +240,46 @@ class _Buffers:
     ring of ``depth`` buffers of the largest window's size (pages a smaller
     window leaves untouched are never faulted in), reused once the consumer
     is two windows past them, so each page is touched once, not once per
-    window."""
+    window. ``admit(file, n)``, where given, raises OSError (ENOMEM)
+    unless ``n`` bytes of memory are available: it is asked before each
+    allocation (see :meth:`take`)."""
 
-    def __init__(self, recycle: bool, make: Callable[[int], Any], largest: int, depth: int) -> None:
+    def __init__(
+        self,
+        recycle: bool,
+        make: Callable[[int], Any],
+        largest: int,
+        depth: int,
+        admit: Callable[[int, int], None] | None,
+    ) -> None:
         self._recycle, self._make, self._largest, self._depth = recycle, make, largest, depth
+        self._admit = admit
         self._free: queue.Queue[Any] = queue.Queue()
         self._made = 0
 
-    def take(self, n: int) -> tuple[Any, Any]:
-        """(the buffer to give back, a view of its first ``n`` bytes)."""
-        if not self._recycle:
-            base = self._make(n)
-        elif self._made < self._depth:
-            base = self._make(self._largest)
-            self._made += 1
+    def take(self, n: int, file: int, unfaulted: int = 0) -> tuple[Any, Any]:
+        """(the buffer to give back, a view of its first ``n`` bytes). A
+        new buffer is admitted first, counting the ``unfaulted`` bytes of
+        buffers already taken whose pages are still being faulted in (the
+        memory check sees only what is charged): OSError (ENOMEM), as a
+        load into fresh memory gives, rather than the OOM killer."""
+        if not self._recycle or self._made < self._depth:
+            size = self._largest if self._recycle else n
+            if self._admit is not None:
+                self._admit(file, size + unfaulted)
+            base = self._make(size)
+            self._made += self._recycle
         else:
             base = self._free.get()
             if base is None:
                 raise _Stopped
         return base, base[:n]
 
-    def try_take(self, n: int) -> tuple[Any, Any] | None:
+    def try_take(self, n: int, file: int, unfaulted: int) -> tuple[Any, Any] | None:
         """``take``, or None where it would wait for a buffer."""
         if self._recycle and self._made >= self._depth and self._free.empty():
             return None
-        return self.take(n)
+        return self.take(n, file, unfaulted)
 
     def give(self, base: Any) -> None:
         if self._recycle:
@@ -304,7 +338,11 @@ class Stream:
 
         from . import _tensor_index
 
-        self._native = native_options(options or {})
+        native = native_options(options or {})
+        # Verified here, window by window (see _Verify): each window's load
+        # is a part of the file, which the core does not verify.
+        self._verify = bool(native.pop("verify", False))
+        self._native = native
         self._group = _Group(process_group) if process_group is not None else None
         self._window = DEFAULT_WINDOW if window is None else parse_size(window)
         if self._window < 1:
@@ -319,10 +357,13 @@ class Stream:
         # Without a group a window is read into host memory and each tensor
         # goes on to the device as it is handed out.
         device_of_buffers = self._group.device if self._group else torch.device("cpu")
+        self._host_buffers = device_of_buffers.type == "cpu"
         self._recycle = recycle
         self._make_buffer: Callable[[int], Any] = lambda n: _aligned_empty(torch, n, device_of_buffers)
         self.paths = paths
         self._ahead: _StreamAhead | None = None
+        self._loader: Any = None
+        self._verifier: _Verify | None = None
         self._fds: list[int] = []
         self.headers: list[Header] = []
         failure: BaseException | None = None
@@ -330,6 +371,11 @@ class Stream:
             for p in paths:
                 # Non-blocking: a FIFO is refused by type, not waited on.
                 self._fds.append(os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK))
+            # Every window of this load, and the early read, is a load of
+            # these open files: a write to one after this (a same-size
+            # rewrite between two windows included) fails the load at the
+            # next window's end check, as a one-file load fails.
+            self._loader = _dmaload.WindowLoader(self._fds, options=self._native, in_flight=LOADS_IN_FLIGHT)
             self.headers = [_dmaload.open_safetensors(fd, None, os.fspath(p)).header for fd, p in zip(self._fds, paths)]
             _tensor_index([(os.fspath(p), (t.name for t in h.tensors)) for p, h in zip(paths, self.headers)], weight_map)
         except (OSError, ValueError) as exc:  # ValueError: SafetensorError
@@ -342,49 +388,67 @@ class Stream:
 
     def _plan(self, failure: BaseException | None) -> None:
         """The windows, agreed with the group: every rank learns whether any
-        rank failed to open the files (``failure``, raised on every rank) or
-        sees other headers, then the union of the tensors they want."""
+        rank failed to open the files (``failure``, raised on every rank),
+        sees other headers or passed another window, then whether the ranks
+        can show they read the same bytes (see :func:`_same_bytes`), then
+        the union of the tensors they want."""
         group = self._group
         if group is None:
             if failure is not None:
                 raise failure
-            wanted = [bool(self._wants(t.name)) for h in self.headers for t in h.tensors]
-            self.windows = _windows(self.headers, wanted, self._window, 1)
-            self._buffers = self._ring(1, RING)
+            if self._verify:
+                self._verifier = _Verify(self.paths, [_digest_of(p) for p in self.paths], self._fds)
+            self._make_windows([bool(self._wants(t.name)) for h in self.headers for t in h.tensors], 1, RING)
             return
         where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
-        digest = -1 if failure is not None else _digest(self.paths, self.headers)
         doing = f"agreeing on the plan of {where}"
-        digests = [row[0] for row in _collective(group, doing, group.gather_ints, [digest])]
-        for r, theirs in enumerate(digests):
+        digest = -1 if failure is not None else _digest(self.paths, self.headers)
+        identity = _identity(self._fds) if failure is None else 0
+        mine = [digest, self._window, int(self._verify), _HOST, identity]
+        rows = _collective(group, doing, group.gather_ints, mine)
+        for r, (theirs, window, *_rest) in enumerate(rows):
             if theirs == -1:
                 cause = f": {failure}" if r == group.rank else ""
                 raise CollectiveLoadError(
                     f"rank {group.rank}: rank {r} could not open or read the headers of {where}{cause}"
                 ) from failure
-            if theirs != digests[0]:
+            if theirs != rows[0][0]:
                 raise CollectiveLoadError(f"rank {group.rank}: rank {r} sees other files or headers than rank 0 ({where})")
-        mine = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
-        everyone = _collective(group, doing, group.gather_ints, mine) if mine else []
-        wanted = [any(row[k] for row in everyone) for k in range(len(mine))]
-        self.windows = _windows(self.headers, wanted, self._window, group.size)
-        self._buffers = self._ring(group.size, GROUP_RING)
+            if window != rows[0][1]:
+                raise CollectiveLoadError(
+                    f"rank {group.rank}: rank {r} passed window={window}, rank 0 window={rows[0][1]} ({where}): "
+                    "every rank of a group load must pass the same window (it sets the size of each exchange)"
+                )
+        # One rank asking for verification makes every rank verify: the
+        # digests are agreed and checked collectively.
+        self._verify = any(row[2] for row in rows)
+        same_file = all(row[3:] == rows[0][3:] for row in rows)
+        if self._verify or not same_file:
+            self._verifier = _same_bytes(group, where, self.paths, self._fds, same_file)
+        mine_wanted = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
+        everyone = _collective(group, doing, group.gather_ints, mine_wanted) if mine_wanted else []
+        self._make_windows([any(row[k] for row in everyone) for k in range(len(mine_wanted))], group.size, GROUP_RING)
 
-    def _ring(self, ranks: int, depth: int) -> _Buffers:
+    def _make_windows(self, wanted: list[bool], ranks: int, depth: int) -> None:
+        sizes = self._verifier.sizes if self._verifier is not None else None
+        self.windows = _windows(self.headers, wanted, self._window, ranks, sizes)
         largest = max((ranks * w.slot for w in self.windows), default=0)
-        return _Buffers(self._recycle, self._make_buffer, largest, depth)
+        # Device memory (NCCL) is not the host's to check: its allocation
+        # fails cleanly by itself.
+        admit = self._loader.check_memory if self._host_buffers else None
+        self._buffers = _Buffers(self._recycle, self._make_buffer, largest, depth, admit)
 
     def start(self) -> _StreamAhead:
         """Starts reading now, before the iteration asks for a tensor (a
         load without a group only; the iteration then takes over what has
         arrived): the loader's threads load the first windows, as many as
-        the ring holds, into the buffers the iteration will use, so memory
-        stays bounded as in the iteration. ``close()`` stops them."""
+        the ring holds and the memory check admits, into the buffers the
+        iteration will use, so memory stays bounded as in the iteration.
+        ``close()`` stops them."""
         if self._group is not None:
             raise ValueError("a load shared by a group starts with its iteration")
         if self._ahead is None:
-            loader = _dmaload.WindowLoader(self._fds, options=self._native, in_flight=LOADS_IN_FLIGHT)
-            self._ahead = _StreamAhead(self.windows, self._buffers, loader, self.paths)
+            self._ahead = _StreamAhead(self.windows, self._buffers, self._loader, self.paths)
         return self._ahead
 
     def arrived(self) -> int:
@@ -393,8 +457,8 @@ class Stream:
 
     def close(self) -> None:
         """Stops the reading (waiting for its thread) and closes the files."""
-        if self._ahead is not None:
-            self._ahead.close()
+        if self._loader is not None:
+            self._loader.close()
         fds, self._fds = self._fds, []
         for fd in fds:
             os.close(fd)
@@ -413,20 +477,21 @@ class Stream:
         group = self._group
         assert group is not None
         ranks, rank = group.size, group.rank
-        base, buffer = self._buffers.take(ranks * w.slot)
         offset, length = w.share(rank)
         path = self.paths[w.file]
         failure: BaseException | None = None
         code = 0
-        if length:
-            part = buffer[rank * w.slot : rank * w.slot + length]
-            host = part if part.device.type == "cpu" else _aligned_empty(torch, length, torch.device("cpu"))
-            try:
-                _dmaload.load_into(f"/proc/self/fd/{self._fds[w.file]}", host.numpy(), offset, options=self._native)
-            except (OSError, ValueError) as exc:
-                failure, code = exc, (getattr(exc, "errno", None) or errno_codes.EIO)
-            if failure is None and host is not part:
-                part.copy_(host)
+        base = buffer = None
+        try:
+            base, buffer = self._buffers.take(ranks * w.slot, w.file)
+            if length:
+                part = buffer[rank * w.slot : rank * w.slot + length]
+                host = part if part.device.type == "cpu" else _aligned_empty(torch, length, torch.device("cpu"))
+                self._loader.submit(w.file, offset, host.numpy()).wait_done()
+                if host is not part:
+                    part.copy_(host)
+        except (OSError, ValueError) as exc:
+            failure, code = exc, (getattr(exc, "errno", None) or errno_codes.EIO)
         loading = f"loading {path} bytes {w.start}..{w.end}"
         codes = [row[0] for row in _collective(group, f"{loading} (status exchange)", group.gather_ints, [code])]
         failed = [r for r, c in enumerate(codes) if c]
@@ -453,7 +518,7 @@ class Stream:
             windows = self.start()
         else:
             windows = _without_arrivals(_read_ahead(self.windows, self._read, self._buffers.wake))
-        handed: list[Any] = []  # the buffers of the windows handed out, last two
+        handed: list[Any] = []  # the recycled buffers of the windows handed out, last two
         windows_in_order = iter(windows)
         try:
             # Zero-byte tensors are read by no one; each rank makes its own.
@@ -471,15 +536,25 @@ class Stream:
                 if got is None:
                     break
                 w, base, buffer, arrival = got
-                handed.append(base)
+                if self._recycle:
+                    handed.append(base)
                 header = self.headers[w.file]
                 view = _File(None, header, device_data=buffer, data_offset=w.start - header.data_start)
+                # A window holding bytes this rank did not ask for (another
+                # rank's tensors, or those read only to be verified) is not
+                # kept alive by the tensors handed out: they are copies.
+                # Recycled buffers are the caller's to copy from.
+                partial = not self._recycle and any(not wants(t.name) for t in w.tensors)
                 for t in w.tensors:
                     if wants(t.name):
                         if arrival is not None:
                             arrival.wait(header.data_start + t.end - w.start)
                         tensor = view.torch(t.name)
-                        yield t.name, tensor if tensor.device == target else tensor.to(target)
+                        if tensor.device != target:
+                            tensor = tensor.to(target)
+                        elif partial:
+                            tensor = tensor.clone()
+                        yield t.name, tensor
                         done += t.nbytes
                         if callback is not None:
                             callback(done, total)
@@ -487,12 +562,146 @@ class Stream:
                     # A load that fails after its last byte (its end check)
                     # fails the iteration before the next window's tensors.
                     arrival.wait_done()
+                if self._verifier is not None:
+                    self._verifier.add(w, buffer, raising=self._group is None)
+                del got, base, buffer, view
+            if self._verifier is not None:
+                self._verifier.agree(self._group)
         finally:
             # The reader thread stops (after the window it is on) before
             # the files it reads are closed.
             windows.close()
             finish()
             self.close()
+
+
+def _boot() -> int:
+    """This kernel's boot (``/proc/sys/kernel/random/boot_id``; a random
+    number where it cannot be read, which matches no other rank's): two
+    ranks that see the same (device, inode) see one file only inside one
+    kernel."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read()
+    except OSError:
+        boot = os.urandom(16)
+    return int.from_bytes(hashlib.blake2b(boot, digest_size=7).digest(), "little")
+
+
+_HOST = _boot()
+
+
+def _identity(fds: list[int]) -> int:
+    """A fingerprint of the open files: device, inode, size, modification
+    and change times (nanoseconds). Equal on ranks of one host that opened
+    the same files, unchanged."""
+    h = hashlib.blake2b(digest_size=7)
+    for fd in fds:
+        st = os.fstat(fd)
+        h.update(f"{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0".encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def _digest_of(path: Path) -> Any:
+    """The native digest of ``path`` to come (``_dmaload.StreamDigest``),
+    its expected value from the sums file beside it; OSError (EINVAL)
+    saying so when none lists the file."""
+    return _dmaload.StreamDigest(path)
+
+
+_SUMS_KINDS = {"B3SUMS": 1, "SHA256SUMS": 2}
+
+
+def _same_bytes(group: _Group, where: str, paths: list[Path], fds: list[int], same_file: bool) -> _Verify:
+    """The ranks' proof that they read the same bytes, where they do not
+    all open the same files on one host (``same_file``) or verification
+    was asked: every rank's sums files list every file, and record the same
+    digest on every rank (so a stale copy beside its own stale sums fails
+    here, before any byte is read); each rank then hashes the whole stream
+    of every file it is handed (see :class:`_Verify`). Raises
+    CollectiveLoadError on every rank otherwise, saying how to make the
+    load safe."""
+    rank = group.rank
+    digests: list[Any] = []
+    failure: OSError | None = None
+    mine: list[int] = []
+    for p in paths:
+        try:
+            d = _digest_of(p)
+        except OSError as exc:
+            failure = failure or exc
+            mine += [exc.errno or errno_codes.EINVAL, 0, 0, 0, 0, 0]
+            continue
+        digests.append(d)
+        raw = bytes.fromhex(d.expected)
+        mine += [0, _SUMS_KINDS[d.sums_file]] + [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+    rows = _collective(group, f"agreeing on the digests of {where}", group.gather_ints, mine)
+    why = "" if same_file else "the ranks do not all open the same files on one host, so "
+    for r, row in enumerate(rows):
+        for i, p in enumerate(paths):
+            entry, first = row[6 * i : 6 * i + 6], rows[0][6 * i : 6 * i + 6]
+            if entry[0]:
+                cause = f" ({failure})" if r == rank and failure is not None else ""
+                raise CollectiveLoadError(
+                    f"rank {rank}: {why}every rank needs a B3SUMS or SHA256SUMS beside each file listing it, "
+                    f"and rank {r} has none for {p}{cause}: run `dmaload sums {p.parent}` where the checkpoint "
+                    "was written and copy the sums file with it to every node, or load one copy shared by all "
+                    "ranks on one host"
+                ) from failure
+            if entry != first:
+                raise CollectiveLoadError(
+                    f"rank {rank}: rank {r}'s sums file records another digest for {p} than rank 0's: "
+                    "the ranks hold different checkpoints (a stale or re-downloaded copy); make every "
+                    "node's copy the same, with its sums file"
+                )
+    return _Verify(paths, digests, fds)
+
+
+class _Verify:
+    """The running digest of each file of a verified stream: every byte of
+    each file lies in its windows, in order (see :func:`_windows`), and
+    each window's bytes are added once they are all in (with a group, the
+    exchanged window: every rank's share), so the digest is the file's
+    whoever read which part. A mismatch fails the stream at the file's
+    last window without a group, and on every rank at the end with one."""
+
+    def __init__(self, paths: list[Path], digests: list[Any], fds: list[int]) -> None:
+        self.paths, self._digests = paths, digests
+        self.sizes = [os.fstat(fd).st_size for fd in fds]
+        self._hashed = [0] * len(paths)
+        self._failure: OSError | None = None
+
+    def add(self, w: _Window, buffer: Any, *, raising: bool) -> None:
+        """Adds window ``w``'s bytes (``buffer``) past those already added
+        (windows overlap by their alignment); at the file's end checks its
+        digest: a mismatch is raised (``raising``) or kept for
+        :meth:`agree`."""
+        i = w.file
+        fresh = buffer[self._hashed[i] - w.start : w.end - w.start]
+        self._digests[i].update((fresh if fresh.device.type == "cpu" else fresh.cpu()).numpy())
+        self._hashed[i] = w.end
+        if w.end == self.sizes[i]:
+            try:
+                self._digests[i].check()
+            except OSError as exc:
+                if raising:
+                    raise CollectiveLoadError(f"verify {self.paths[i]}: {exc}") from exc
+                self._failure = self._failure or exc
+
+    def agree(self, group: _Group | None) -> None:
+        """Fails every rank of ``group`` where any rank's digest did not
+        match."""
+        if group is None:
+            return
+        code = (self._failure.errno or errno_codes.EBADMSG) if self._failure is not None else 0
+        codes = [row[0] for row in _collective(group, "agreeing on the digests read", group.gather_ints, [code])]
+        failed = [r for r, c in enumerate(codes) if c]
+        if failed:
+            cause = self._failure if self._failure is not None else os.strerror(codes[failed[0]])
+            raise CollectiveLoadError(
+                f"rank {group.rank}: the bytes the group read do not match the sums files (rank {failed[0]} "
+                f"found it first: {cause}); no rank may use the tensors: a rank's copy differs from its sums file"
+            ) from self._failure
 
 
 class _Arrival:
@@ -589,10 +798,19 @@ class _StreamAhead:
         self._queue()
 
     def _queue(self) -> None:
-        """Queues the next windows' loads while a buffer is free."""
+        """Queues the next windows' loads while a buffer is free and the
+        memory check admits it: a window that does not fit waits for the
+        consumer to free some, unless nothing is queued, when its
+        OSError (ENOMEM) is raised."""
         while self._unqueued and len(self._queued) < RING:
             w = self._unqueued[0]
-            free = self._buffers.try_take(w.slot)
+            unfaulted = sum(q.end - q.start - a.count() for q, _, _, a in self._queued)
+            try:
+                free = self._buffers.try_take(w.slot, w.file, unfaulted)
+            except OSError:
+                if self._queued:
+                    return
+                raise
             if free is None:
                 return
             self._unqueued.popleft()
