@@ -8,8 +8,8 @@ equal   every tensor equals safetensors' own (load_file and safe_open)
 io      evicts the files from the page cache, loads, reports the bytes this
         process read from storage (/proc/self/io read_bytes)
 filter  like io, each rank wanting the tensors ARGS[0] names (a JSON
-        object of rank -> list of names); reports the bytes of the storages
-        its tensors hold
+        object of rank -> list of names), in windows of the default size;
+        reports the bytes of the storages its tensors hold
 fail    rank 1 loads with chunk_size=0, which its first read refuses
 header  rank 1 loads the checkpoint ARGS[0] names instead (a broken header)
 kill    rank 1 SIGKILLs itself when its first tensor arrives
@@ -19,6 +19,9 @@ paths   each rank loads the checkpoint ARGS[rank] names (options: the JSON
 rewrite rank 0 rewrites the first file in place (same size, other bytes)
         once its first tensor arrives; the others go on loading
 window  rank 1 passes another window than rank 0
+stop    rank 1 stops itself (SIGSTOP) when its first tensor arrives: it
+        neither answers nor closes a connection; the group's timeout is
+        600 s, longer than the test waits
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import resource
 import signal
 import sys
+import time
 
 MEASURES = 3
 """Attempts at a load during which no rank took a major fault."""
@@ -51,7 +55,7 @@ def main() -> None:
 
     dist.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank_i, world_size=world_i,
-        timeout=datetime.timedelta(seconds=30),
+        timeout=datetime.timedelta(seconds=600 if scenario == "stop" else 30),
     )
     group = dist.group.WORLD
     paths, _ = shard_paths(model)
@@ -91,7 +95,9 @@ def main() -> None:
             dist.barrier()
             before, faults = read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             names, digest, storages = [], 0, {}
-            for name, t in iter_tensors(model, process_group=group, tensor_filter=wanted, window=window):
+            # filter: windows of the default size, each a whole shard here.
+            measured = None if scenario == "filter" else window
+            for name, t in iter_tensors(model, process_group=group, tensor_filter=wanted, window=measured):
                 names.append(name)
                 digest += int(t.contiguous().view(-1).view(torch.uint8).sum())
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -112,11 +118,16 @@ def main() -> None:
     elif scenario == "rewrite":
         for i, (_name, _t) in enumerate(iter_tensors(model, process_group=group, window=window)):
             if rank_i == 0 and i == 0:
+                # Once the readers wait for this consumer (they read at most
+                # two windows ahead), so that no load is in flight to see
+                # the write: the rewrite falls between two windows' loads.
+                time.sleep(1)
                 with open(paths[0], "r+b") as f:
                     size = f.seek(0, os.SEEK_END)
-                    for at in range(size - (8 << 20), size, 4096):
-                        f.seek(at)
-                        f.write(b"\xa5")
+                    f.seek(size - (8 << 20))
+                    tail = bytearray(f.read())
+                    f.seek(size - (8 << 20))
+                    f.write(bytes(b ^ 0xA5 for b in tail))
         result["finished"] = True
     elif scenario == "window":
         for _name, _t in iter_tensors(model, process_group=group, window="2M" if rank_i == 1 else window):
@@ -126,11 +137,13 @@ def main() -> None:
         for _name, _t in iter_tensors(args[0] if rank_i == 1 else model, process_group=group, window=window):
             pass
         result["finished"] = True
-    elif scenario in ("fail", "kill", "quit"):
+    elif scenario in ("fail", "kill", "quit", "stop"):
         options = {"chunk_size": 0} if scenario == "fail" and rank_i == 1 else {}
         for _name, _t in iter_tensors(model, process_group=group, window=window, **options):
             if rank_i == 1 and scenario == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if rank_i == 1 and scenario == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             if rank_i == 1 and scenario == "quit":
                 raise SystemExit("rank 1 quits after its first tensor")
         result["finished"] = True

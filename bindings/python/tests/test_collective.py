@@ -62,8 +62,11 @@ def _reference(model: Path) -> dict[str, "torch.Tensor"]:
     return out
 
 
-def _run(tmp_path: Path, world: int, scenario: str, model: Path, *args: str) -> list[tuple[int, str]]:
-    """Starts ``world`` ranks and waits for all; each rank's (status, output)."""
+def _run(
+    tmp_path: Path, world: int, scenario: str, model: Path, *args: str, hung: tuple[int, ...] = ()
+) -> list[tuple[int, str]]:
+    """Starts ``world`` ranks and waits for all (the ``hung`` ones, killed
+    once the others ended); each rank's (status, output)."""
     rendezvous = tmp_path / f"rendezvous-{scenario}-{world}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
@@ -76,17 +79,20 @@ def _run(tmp_path: Path, world: int, scenario: str, model: Path, *args: str) -> 
         )
         for r in range(world)
     ]
-    results = []
+    results: dict[int, tuple[int, str]] = {}
     try:
-        for p in procs:
+        for r in [r for r in range(world) if r not in hung] + list(hung):
+            p = procs[r]
+            if r in hung:
+                p.kill()
             out, _ = p.communicate(timeout=GUARD_S)
-            results.append((p.returncode, out))
+            results[r] = (p.returncode, out)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return results
+    return [results[r] for r in range(world)]
 
 
 def _result(status: int, output: str) -> dict:  # type: ignore[type-arg]
@@ -137,10 +143,11 @@ def test_a_filter_leaves_unread_what_no_rank_wants(tmp_path: Path, model: Path) 
     huge = reference["s1.huge"].numel() * 4
     assert sum(r["read"] for r in results) <= _file_bytes(model) - huge + CHUNK
     for r in results:
-        # A rank holds what it returned, not the windows the other rank's
-        # tensors share with its own.
+        # A rank holds what it returned (and the alignment of a window
+        # holding only its own tensors), not the windows the other rank's
+        # tensors share with its own (each a whole shard here).
         wanted = sum(reference[n].numel() * reference[n].element_size() for n in wants[str(r["rank"])])
-        assert r["held"] <= wanted + (1 << 20), (r["rank"], r["held"], wanted)
+        assert r["held"] <= wanted + (64 << 10), (r["rank"], r["held"], wanted)
 
 
 def test_a_read_failing_on_one_rank_fails_every_rank_naming_it(tmp_path: Path, model: Path) -> None:
@@ -318,3 +325,18 @@ def test_a_rewrite_between_windows_fails_every_rank(tmp_path: Path, model: Path)
 
 def test_ranks_passing_different_windows_fail_every_rank_naming_it(tmp_path: Path, model: Path) -> None:
     _all_fail(_run(tmp_path, 2, "window", model), "rank 1 passed window=2097152, rank 0 window=1048576")
+
+
+def test_a_rank_that_stops_answering_ends_the_others_within_the_heartbeat_bound(tmp_path: Path, model: Path) -> None:
+    """A rank stopped mid-load (SIGSTOP: no answer, no closed connection)
+    under a group timeout (600 s) longer than this test waits: the others
+    end with an error once its heartbeat is silent for DEAD_AFTER seconds,
+    not at the group's timeout."""
+    results = _run(tmp_path, 3, "stop", model, hung=(1,))
+    for rank in (0, 2):
+        status, output = results[rank]
+        assert status != 0, output
+        assert f"rank {rank}: a peer rank failed or left" in output, output
+    # The first to notice names the silent rank; the other may hear of it
+    # first from that one leaving.
+    assert any("rank 1 sent no heartbeat" in results[r][1] for r in (0, 2)), results

@@ -57,6 +57,7 @@ import hashlib
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,7 +185,9 @@ def _digest(paths: list[Path], headers: list[Header]) -> int:
 
 
 class _Group:
-    """The torch.distributed side: rank, size, the device collectives run on."""
+    """The torch.distributed side: rank, size, the device collectives run
+    on, and (once :meth:`watch` started it) the heartbeat that bounds each
+    wait for the others."""
 
     def __init__(self, group: Any) -> None:
         import torch
@@ -195,6 +198,30 @@ class _Group:
         self.size = dist.get_world_size(group)
         backend = str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        self.name = str(getattr(group, "group_name", "") or "default")
+        self.heartbeat: _Heartbeat | None = None
+
+    def watch(self, load: int) -> None:
+        """Starts this rank's heartbeat for the group's load number ``load``
+        (agreed in the plan): from here on, a wait for the others ends
+        within ``DEAD_AFTER`` seconds of a peer going silent."""
+        store = _store(self.dist)
+        if store is not None:
+            self.heartbeat = _Heartbeat(store, f"dmaload/{self.name}/{load}", self.rank, self.size)
+
+    def _wait(self, work: Any) -> None:
+        """Waits for ``work`` (an async collective), raising once the
+        heartbeat says a peer is gone rather than waiting for the backend
+        to notice (a gloo send to a stopped peer waits for the group's
+        timeout, 30 minutes by default); then raises its own failure."""
+        if self.heartbeat is not None:
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _future: done.set())
+            while not done.wait(_POLL_S):
+                gone = self.heartbeat.gone
+                if gone is not None:
+                    raise RuntimeError(gone)
+        work.wait()
 
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same length on all ranks)."""
@@ -202,14 +229,99 @@ class _Group:
 
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.size * len(values), dtype=torch.int64, device=self.device)
-        self.dist.all_gather_into_tensor(out, mine, group=self.group)
+        self._wait(self.dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True))
         rows: list[list[int]] = out.view(self.size, len(values)).tolist()
         return rows
 
     def gather_slots(self, buffer: Any, slot: int) -> None:
         """Fills ``buffer`` (N slots) with every rank's slot, in place."""
         mine = buffer[self.rank * slot : (self.rank + 1) * slot]
-        self.dist.all_gather_into_tensor(buffer, mine, group=self.group)
+        self._wait(self.dist.all_gather_into_tensor(buffer, mine, group=self.group, async_op=True))
+
+    def leave(self, finished: bool) -> None:
+        """Stops the heartbeat; a rank leaving before the end of the load
+        says so at once, so the others need not wait ``DEAD_AFTER``."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop(finished)
+            self.heartbeat = None
+
+
+DEAD_AFTER = 30.0
+"""Seconds without a heartbeat from a peer rank after which the others
+take it as gone (dead, stopped, cut off) and fail the load: the bound on
+how long a rank that dies mid-load can hold the others, whatever the
+backend (one that notices sooner, as gloo does for a closed connection,
+fails them sooner). A live rank beats from a thread of its own, so a slow
+consumer, or a rank reading a large share, is not taken as gone."""
+
+_BEAT_S = 1.0
+"""Seconds between heartbeats."""
+
+_POLL_S = 0.1
+"""Seconds between looks at the heartbeat while a collective waits."""
+
+_LEFT = -(1 << 40)
+"""Added to a rank's heartbeat count when it leaves a load unfinished."""
+
+_LOADS: dict[str, int] = {}
+"""The last load number of each group in this process."""
+
+
+def _store(dist: Any) -> Any:
+    """The default group's key-value store (every rendezvous has one), or
+    None where this torch does not say (the backend's own failure
+    detection and the group's timeout are then the only bounds)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+class _Heartbeat:
+    """A rank's heartbeat during a group load: a thread adds 1 to this
+    rank's count in the group's store every ``_BEAT_S`` seconds and reads
+    the others' counts; ``gone`` says why the load cannot go on once a
+    peer's count has not moved for ``DEAD_AFTER`` seconds, a peer left
+    the load, or the store stops answering (it lives in rank 0 with a TCP
+    rendezvous: rank 0 died)."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, size: int) -> None:
+        self._store, self._prefix, self._rank, self._size = store, prefix, rank, size
+        self.gone: str | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dmaload-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}/{rank}"
+
+    def _run(self) -> None:
+        seen = {r: (0, time.monotonic()) for r in range(self._size) if r != self._rank}
+        while not self._stopped.is_set():
+            try:
+                self._store.add(self._key(self._rank), 1)
+                now = time.monotonic()
+                for r, (count, since) in seen.items():
+                    theirs = self._store.add(self._key(r), 0)
+                    if theirs < 0:
+                        self.gone = f"rank {r} left the load"
+                    elif theirs != count:
+                        seen[r] = (theirs, now)
+                    elif now - since > DEAD_AFTER:
+                        self.gone = f"rank {r} sent no heartbeat for {DEAD_AFTER:.0f} s (dead, stopped or cut off)"
+            except Exception as exc:  # the store's failure: rank 0 (its server) is gone
+                self.gone = f"the group's store stopped answering ({exc})"
+            if self.gone is not None:
+                return
+            self._stopped.wait(_BEAT_S)
+
+    def stop(self, finished: bool) -> None:
+        self._stopped.set()
+        if not finished:
+            try:
+                self._store.add(self._key(self._rank), _LEFT)
+            except Exception:  # the store is gone: the others see that
+                pass
 
 
 RING = 5
@@ -298,7 +410,7 @@ def _collective(group: _Group, doing: str, call: Callable[..., Any], *args: Any)
         return call(*args)
     except Exception as exc:
         raise CollectiveLoadError(
-            f"rank {group.rank}: a peer rank failed or left while {doing} (bounded by the group's timeout): {exc}"
+            f"rank {group.rank}: a peer rank failed or left while {doing}: {exc}"
         ) from exc
 
 
@@ -364,6 +476,7 @@ class Stream:
         self._ahead: _StreamAhead | None = None
         self._loader: Any = None
         self._verifier: _Verify | None = None
+        self._finished = False
         self._fds: list[int] = []
         self.headers: list[Header] = []
         failure: BaseException | None = None
@@ -404,7 +517,11 @@ class Stream:
         doing = f"agreeing on the plan of {where}"
         digest = -1 if failure is not None else _digest(self.paths, self.headers)
         identity = _identity(self._fds) if failure is None else 0
-        mine = [digest, self._window, int(self._verify), _HOST, identity]
+        # The load's number in the group, for the heartbeat's keys: the
+        # next one after every rank's last (a rank may have failed a load
+        # before its first collective).
+        load = _LOADS.get(group.name, 0) + 1
+        mine = [digest, self._window, int(self._verify), load, _HOST, identity]
         rows = _collective(group, doing, group.gather_ints, mine)
         for r, (theirs, window, *_rest) in enumerate(rows):
             if theirs == -1:
@@ -419,10 +536,12 @@ class Stream:
                     f"rank {group.rank}: rank {r} passed window={window}, rank 0 window={rows[0][1]} ({where}): "
                     "every rank of a group load must pass the same window (it sets the size of each exchange)"
                 )
+        _LOADS[group.name] = max(row[3] for row in rows)
+        group.watch(_LOADS[group.name])
         # One rank asking for verification makes every rank verify: the
         # digests are agreed and checked collectively.
         self._verify = any(row[2] for row in rows)
-        same_file = all(row[3:] == rows[0][3:] for row in rows)
+        same_file = all(row[4:] == rows[0][4:] for row in rows)
         if self._verify or not same_file:
             self._verifier = _same_bytes(group, where, self.paths, self._fds, same_file)
         mine_wanted = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
@@ -457,6 +576,8 @@ class Stream:
 
     def close(self) -> None:
         """Stops the reading (waiting for its thread) and closes the files."""
+        if self._group is not None:
+            self._group.leave(self._finished)
         if self._loader is not None:
             self._loader.close()
         fds, self._fds = self._fds, []
@@ -567,6 +688,7 @@ class Stream:
                 del got, base, buffer, view
             if self._verifier is not None:
                 self._verifier.agree(self._group)
+            self._finished = True
         finally:
             # The reader thread stops (after the window it is on) before
             # the files it reads are closed.
