@@ -28,6 +28,7 @@ __all__ = [
     "MAX_HEADER_LEN",
     "SafetensorError",
     "SafetensorsFile",
+    "StreamDigest",
     "WindowLoader",
     "default_cache_socket",
     "evict",
@@ -182,8 +183,32 @@ class WindowLoader:
         ``offset`` into ``target`` (exported until the load ends).
         ``arrived(n)``, for watching a load, runs with the GIL on the
         loader's threads after each report."""
+    def check_memory(self, file: int, n: int) -> None:
+        """OSError (ENOMEM, naming ``files[file]``) unless ``n`` more bytes
+        of memory are available: the check a load into fresh memory makes
+        (the memory cgroup's headroom and MemAvailable)."""
     def close(self) -> None:
         """Cancels the load under way, fails the queued ones; idempotent."""
+
+@final
+class StreamDigest:
+    """The digest of a file a stream hands over window by window, in file
+    order, against the one its ``B3SUMS`` or ``SHA256SUMS`` records (the
+    core's lookup); OSError (EINVAL) when no sums file lists it."""
+
+    def __new__(cls, path: str | os.PathLike[str]) -> StreamDigest: ...
+    @property
+    def sums_file(self) -> str:
+        """``"B3SUMS"`` or ``"SHA256SUMS"``: the one that lists the file."""
+    @property
+    def expected(self) -> str:
+        """The recorded digest, in hex."""
+    def update(self, data: bytearray | memoryview | Any) -> None:
+        """Adds the next bytes of the file (a writable C-contiguous
+        buffer), hashed with the GIL released."""
+    def check(self) -> None:
+        """OSError (EBADMSG, naming the sums file and both digests) unless
+        the bytes added hash to the recorded digest. Once only."""
 
 @final
 class Arrival:

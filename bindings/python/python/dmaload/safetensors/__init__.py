@@ -774,7 +774,14 @@ def iter_tensors(
     memory for each window (whose first touch costs more than the read
     where memory is slow to fault in): each tensor then stays valid only
     until the iterator hands out a tensor two windows later, so the caller
-    must copy what it keeps, as a serving engine's ``load_weights`` does."""
+    must copy what it keeps, as a serving engine's ``load_weights`` does.
+
+    ``verify=True`` hashes every byte of each file as its windows arrive
+    (a filter's unwanted tensors are read too, not handed out) against its
+    sums file; a mismatch raises :class:`CollectiveLoadError` at the
+    file's last window. With a group, see docs/guarantees.md, "Multi-rank
+    loads": what the ranks must share, and how long a lost rank holds the
+    others."""
     _check_torch("pt", process_group, tensor_filter)
     paths, weight_map = shard_paths(path)
     socket = socket_for(cache)

@@ -4,16 +4,26 @@
 with ``process_group=``; this module's :class:`Stream` does the work) reads
 each byte of the checkpoint once across the group instead of once per rank:
 
-1. Every rank opens each file once and reads its header (a few KiB). One
-   ``all_gather`` then checks that all ranks see the same files and headers
-   and forms the union of the tensors the ranks want (``tensor_filter``):
-   a tensor no rank wants is never read.
+1. Every rank opens each file once (the same open files serve every
+   window: a write to a file after that fails the load, as it fails a
+   one-file load) and reads its header (a few KiB). One ``all_gather``
+   then checks that all ranks see the same files and headers and pass
+   the same ``window``, and whether they can show they read the same
+   bytes: the same files on one host (boot id, device, inode, size,
+   modification and change times), else the digests their sums files
+   record, agreed in a second ``all_gather`` and checked over the whole
+   stream each rank is handed (see :func:`_same_bytes`); otherwise every
+   rank refuses, saying how to make the load safe. Then it forms the
+   union of the tensors the ranks want (``tensor_filter``): a tensor no
+   rank wants is never read (unless the load is verified: every byte is
+   then read, to be hashed).
 2. The wanted tensors are cut into *windows*: runs of adjacent tensors of
    one file, at most ``window`` bytes (a tensor larger than that is a
    window of its own). A window's byte range, widened at its start to a
    4 KiB boundary of the file, is split into N equal slots of a multiple of
-   4 KiB: rank r reads slot r with a range load (``load_into``, direct I/O
-   where the file system allows) into its part of the window's buffer.
+   4 KiB: rank r reads slot r with a range load (on the stream's
+   ``_dmaload.WindowLoader``, direct I/O where the file system allows)
+   into its part of the window's buffer.
    Equal aligned slots, not cuts at tensor boundaries: every rank's share
    of every window is the same to 4 KiB whatever the tensor sizes, no two
    ranks read the same block, and the slots lie end to end so a tensor that
@@ -21,17 +31,21 @@ each byte of the checkpoint once across the group instead of once per rank:
 3. The ranks exchange their read status (``all_gather`` of an errno), then
    the slots (``all_gather_into_tensor``, in place, on the group's backend:
    gloo in host memory, NCCL in device memory). Every tensor of the window
-   is then a view of that buffer, handed out while a background thread
+   is then a view of that buffer (a copy where the window also holds
+   tensors this rank did not ask for, so that what it keeps holds no other
+   rank's bytes), handed out while a background thread
    reads and exchanges the next window: at most about three windows are held
    beyond what the caller keeps. With ``recycle`` the buffers are a ring of
-   ``RING``, reused once the consumer is two windows past them.
+   ``GROUP_RING``, reused once the consumer is two windows past them.
 
 A read that fails on one rank fails every rank at that window's status
 exchange, each raising :class:`CollectiveLoadError` naming the failing rank,
-file and byte range; a rank that dies or stops answering makes the others'
-collective fail within the group's timeout (``init_process_group(timeout=)``),
-raised the same way. Every rank must consume the whole iterator: the
-collectives are matched across ranks in order.
+file and byte range. A rank that dies, stops or leaves the load makes the
+others' collective fail: at once where the backend notices (gloo, for a
+closed connection), else within ``DEAD_AFTER`` seconds of its last
+heartbeat (:class:`_Heartbeat`, through the group's store), not the
+group's timeout; raised the same way. Every rank must consume the whole
+iterator: the collectives are matched across ranks in order.
 
 Without a group the same plan serves one process, read differently: each
 window (``DEFAULT_WINDOW`` unless ``window`` is given) is one load, queued
@@ -44,7 +58,10 @@ excludes, the first tensors come while the rest of the file is still on
 the disk, the read runs up to three windows ahead of the consumer, and the
 ring of ``RING`` window buffers, the only host memory the stream faults
 in, stays about five windows (and the largest tensor) whatever the shard
-size. A failed read raises :class:`CollectiveLoadError` at the next
+size; each new buffer is first admitted by the memory check a load into
+fresh memory makes, so where memory is short the stream reads ahead less
+(and raises ENOMEM where not even the next window fits), never into the
+OOM killer. A failed read raises :class:`CollectiveLoadError` at the next
 tensor: nothing after it is handed out. ``Stream.start`` begins the reads
 before the iteration (in the same buffers).
 """
