@@ -63,15 +63,25 @@ def _reference(model: Path) -> dict[str, "torch.Tensor"]:
 
 
 def _run(
-    tmp_path: Path, world: int, scenario: str, model: Path, *args: str, hung: tuple[int, ...] = ()
+    tmp_path: Path,
+    world: int,
+    scenario: str,
+    model: Path,
+    *args: str,
+    hung: tuple[int, ...] = (),
+    wrap: dict[int, list[str]] | None = None,
 ) -> list[tuple[int, str]]:
-    """Starts ``world`` ranks and waits for all (the ``hung`` ones, killed
-    once the others ended); each rank's (status, output)."""
-    rendezvous = tmp_path / f"rendezvous-{scenario}-{world}"
+    """Starts ``world`` ranks (rank r's command after ``wrap[r]``, where
+    given) and waits for all (the ``hung`` ones, killed once the others
+    ended); each rank's (status, output)."""
+    rendezvous = tmp_path / f"rendezvous-{scenario}-{world}-{os.urandom(4).hex()}"  # one per run
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(rendezvous), str(r), str(world), scenario, str(model), *args],
+            [
+                *(wrap or {}).get(r, []),
+                *[sys.executable, str(WORKER), str(rendezvous), str(r), str(world), scenario, str(model), *args],
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -340,3 +350,30 @@ def test_a_rank_that_stops_answering_ends_the_others_within_the_heartbeat_bound(
     # The first to notice names the silent rank; the other may hear of it
     # first from that one leaving.
     assert any("rank 1 sent no heartbeat" in results[r][1] for r in (0, 2)), results
+
+
+def _another_host(tmp_path: Path) -> list[str]:
+    """A command prefix that runs a rank as if on another host of a shared
+    file system: in a mount namespace of its own where
+    ``/proc/sys/kernel/random/boot_id`` reads another boot id (the files
+    are the same inodes). Skips where that cannot be arranged (not root)."""
+    fake = tmp_path / "another-boot-id"
+    fake.write_text("11111111-2222-3333-4444-555555555555\n")
+    prefix = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /proc/sys/kernel/random/boot_id && exec "$@"', str(fake)]
+    probe = subprocess.run([*prefix, "cat", "/proc/sys/kernel/random/boot_id"], capture_output=True, text=True)
+    if probe.returncode != 0 or "1111" not in probe.stdout:
+        _skip(f"collective hosts: cannot give a rank another boot id here ({probe.stderr.strip()})")
+    return prefix
+
+
+def test_ranks_on_two_hosts_sharing_a_file_system_need_sums(tmp_path: Path, model: Path) -> None:
+    """The same path, the same inodes, but another kernel (boot id) on
+    rank 1: one host cannot vouch for what another reads of a shared
+    file system, so the load needs the sums file, and loads with it."""
+    shared = _copy(model, tmp_path / "shared")
+    wrap = {1: _another_host(tmp_path)}
+    _all_fail(_run(tmp_path, 2, "paths", model, str(shared), str(shared), wrap=wrap), "dmaload sums")
+    _write_sums(shared)
+    results = [_result(*r) for r in _run(tmp_path, 2, "paths", model, str(shared), str(shared), wrap=wrap)]
+    expected = {n: int(t.contiguous().view(-1).view(torch.uint8).sum()) for n, t in _reference(model).items()}
+    assert [r["sums"] for r in results] == [expected, expected]
