@@ -532,6 +532,14 @@ class Stream:
             return
         where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
         doing = f"agreeing on the plan of {where}"
+        mine_wanted: list[int] = []
+        if failure is None:
+            # Before the first exchange: a filter that raises on one rank
+            # fails every rank there, not one rank between two exchanges.
+            try:
+                mine_wanted = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
+            except Exception as exc:
+                failure = exc
         digest = -1 if failure is not None else _digest(self.paths, self.headers)
         identity = _identity(self._fds) if failure is None else 0
         # The load's number in the group, for the heartbeat's keys: the
@@ -544,7 +552,8 @@ class Stream:
             if theirs == -1:
                 cause = f": {failure}" if r == group.rank else ""
                 raise CollectiveLoadError(
-                    f"rank {group.rank}: rank {r} could not open or read the headers of {where}{cause}"
+                    f"rank {group.rank}: rank {r} could not open or read the headers of {where}, "
+                    f"or apply its tensor_filter{cause}"
                 ) from failure
             if theirs != rows[0][0]:
                 raise CollectiveLoadError(f"rank {group.rank}: rank {r} sees other files or headers than rank 0 ({where})")
@@ -561,7 +570,6 @@ class Stream:
         same_file = all(row[4:] == rows[0][4:] for row in rows)
         if self._verify or not same_file:
             self._verifier = _same_bytes(group, where, self.paths, self._fds, same_file)
-        mine_wanted = [int(self._wants(t.name)) for h in self.headers for t in h.tensors]
         everyone = _collective(group, doing, group.gather_ints, mine_wanted) if mine_wanted else []
         self._make_windows([any(row[k] for row in everyone) for k in range(len(mine_wanted))], group.size, GROUP_RING)
 
