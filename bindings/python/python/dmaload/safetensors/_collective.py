@@ -647,6 +647,9 @@ class Stream:
             cause = failure if r == rank and failure is not None else os.strerror(codes[r])
             raise CollectiveLoadError(f"rank {rank}: rank {r} failed to read {path} bytes {at}..{at + n}: {cause}") from failure
         _collective(group, f"{loading} (exchange)", group.gather_slots, buffer, w.slot)
+        if self._verifier is not None:
+            # Here, in order, before the consumer sees (and may change) it.
+            self._verifier.add(w, buffer, raising=False)
         return base, buffer
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
@@ -691,6 +694,11 @@ class Stream:
                 # kept alive by the tensors handed out: they are copies.
                 # Recycled buffers are the caller's to copy from.
                 partial = not self._recycle and any(not wants(t.name) for t in w.tensors)
+                if self._verifier is not None and arrival is not None:
+                    # The whole window first, hashed before the consumer
+                    # sees (and may change) a byte of it.
+                    arrival.wait_done()
+                    self._verifier.add(w, buffer, raising=True)
                 for t in w.tensors:
                     if wants(t.name):
                         if arrival is not None:
@@ -708,8 +716,6 @@ class Stream:
                     # A load that fails after its last byte (its end check)
                     # fails the iteration before the next window's tensors.
                     arrival.wait_done()
-                if self._verifier is not None:
-                    self._verifier.add(w, buffer, raising=self._group is None)
                 del got, base, buffer, view
             if self._verifier is not None:
                 self._verifier.agree(self._group)
@@ -808,9 +814,10 @@ class _Verify:
     """The running digest of each file of a verified stream: every byte of
     each file lies in its windows, in order (see :func:`_windows`), and
     each window's bytes are added once they are all in (with a group, the
-    exchanged window: every rank's share), so the digest is the file's
-    whoever read which part. A mismatch fails the stream at the file's
-    last window without a group, and on every rank at the end with one."""
+    exchanged window: every rank's share), before any tensor of it is
+    handed out, so the digest is the file's whoever read which part. A
+    mismatch fails the stream at the file's last window, before its
+    tensors, without a group, and on every rank at the end with one."""
 
     def __init__(self, paths: list[Path], digests: list[Any], fds: list[int]) -> None:
         self.paths, self._digests = paths, digests
