@@ -597,20 +597,23 @@ def child_reference(path: str, device: str) -> dict[str, Any]:
     }
 
 
-def child_raw(path: str, threads: int, block: int, sample: float) -> dict[str, Any]:
-    """Reads the whole file with O_DIRECT into ``threads`` reused buffers of
+def child_raw(path: str, threads: int, block: int, sample: float, direct: bool = True) -> dict[str, Any]:
+    """Reads the whole file with O_DIRECT (buffered, through the page cache
+    and its readahead, unless ``direct``) into ``threads`` reused buffers of
     ``block`` bytes (os.preadv releases the GIL); nothing else is done."""
     import resource
 
     size = os.stat(path).st_size
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        direct = True
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        fd = os.open(path, os.O_RDONLY)  # the filesystem has no O_DIRECT
-        direct = False
+    fd = -1
+    if direct:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            direct = False  # the filesystem has no O_DIRECT
+    if fd < 0:
+        fd = os.open(path, os.O_RDONLY)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     bufs = [mmap.mmap(-1, block, flags=flags) for _ in range(threads)]
     for b in bufs:  # make sure every page is there before the timer

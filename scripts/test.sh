@@ -16,6 +16,11 @@ cargo test --workspace --release -- --nocapture
 # dependencies from PyPI), then stubtest, mypy and pytest.
 bash bindings/python/ci.sh
 
+# The GPU machine's kit, dry-run on the CUDA driver emulator: it builds
+# from this clone and its one-call device run completes, so it is ready
+# whenever a GPU is lent.
+bash bench/gpu-kit.sh dry-run
+
 # Serving engines: vLLM's CPU build (its own venv, from PyPI) serving a
 # tiny Llama with --load-format dmaload.
 bash tests/engines/ci.sh

@@ -726,6 +726,36 @@ fn a_load_to_cuda_hashes_equal_to_a_host_load() {
     assert_eq!(hash_of(&["--to", "cuda:0", "--offset", "4097"]), hash_of(&["--offset", "4097"]));
 }
 
+/// A small file loaded to the device pins a ring it fills, not the 512 MiB
+/// of a large load: the whole process's peak RSS (the pinned ring is
+/// resident, every page) stays far below 512 MiB for a 4 MiB file.
+#[test]
+fn a_small_load_to_cuda_pins_a_small_ring() {
+    let test = "a_small_load_to_cuda_pins_a_small_ring";
+    if let Err(reason) = cuda_driver::cuda_driver() {
+        return skip(test, &reason);
+    }
+    let dir = scratch();
+    let path = sample_file(dir.path(), "small.bin", 4 << 20);
+    let child = dmaload()
+        .args(["load", "--to", "cuda:0", "--mode", "direct", "--json"])
+        .arg(&path)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // wait4, for this child's own peak RSS (RUSAGE_CHILDREN would take the
+    // largest of every test's children).
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: pid is our child, not yet reaped; status and usage are valid.
+    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as libc::pid_t, "{}", std::io::Error::last_os_error());
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status}");
+    let peak_mib = usage.ru_maxrss / 1024;
+    assert!(peak_mib < 256, "peak RSS {peak_mib} MiB for a 4 MiB load to cuda:0");
+}
+
 /// `DMALOAD_LIBCUDA` naming a file that is not there: the error names the
 /// variable and the file, not the usual driver advice.
 #[test]

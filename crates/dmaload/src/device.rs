@@ -71,7 +71,7 @@ pub(crate) fn load_open_device(
         options.chunk_size = DEFAULT_SLOT_SIZE;
     }
     let ring_started = std::time::Instant::now();
-    let mut ring = StagingRing::pinned(&context, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE, options.chunk_size)
+    let mut ring = StagingRing::pinned(&context, ring_slots(len), DEFAULT_SLOT_SIZE, options.chunk_size)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
     let ring_setup = ring_started.elapsed();
     let mut report = {
@@ -83,4 +83,29 @@ pub(crate) fn load_open_device(
     report.destination =
         format!("cuda:{ordinal} ({}) via {}", context.device_name().unwrap_or_default(), report.destination);
     Ok((LoadedDevice { memory, len }, report))
+}
+
+/// Slots of the staging ring for a range of `len` bytes: no more than the
+/// range fills (pinning costs time and memory for every slot: a 40 MiB file
+/// pins 3 slots, not 32), at least the 2 a ring needs, at most
+/// [`DEFAULT_SLOTS`].
+fn ring_slots(len: u64) -> usize {
+    let filled = len.div_ceil(DEFAULT_SLOT_SIZE as u64);
+    usize::try_from(filled).unwrap_or(DEFAULT_SLOTS).clamp(2, DEFAULT_SLOTS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ring_has_no_more_slots_than_the_range_fills() {
+        let slot = DEFAULT_SLOT_SIZE as u64;
+        assert_eq!(ring_slots(0), 2);
+        assert_eq!(ring_slots(1), 2);
+        assert_eq!(ring_slots(2 * slot + 1), 3);
+        assert_eq!(ring_slots(40 << 20), 3);
+        assert_eq!(ring_slots(DEFAULT_SLOTS as u64 * slot), DEFAULT_SLOTS);
+        assert_eq!(ring_slots(u64::MAX), DEFAULT_SLOTS);
+    }
 }
