@@ -69,9 +69,40 @@ pub fn open_for_reading(path: &Path) -> Result<File> {
     open_regular(path, NOT_LOADABLE)
 }
 
+/// Opens `path` as a stream to read to its end (a capture's source)
+/// without ever blocking: a regular file, a block or character device, or a
+/// FIFO that a process has open for writing. A FIFO without a writer is an
+/// error at once (dmaload does not wait for one), as are a directory and a
+/// socket. The fd is in blocking mode.
+pub fn open_stream(path: &Path) -> Result<File> {
+    let refuse = |meta: &Metadata| {
+        let kind = meta.file_type();
+        if kind.is_dir() {
+            return Err(Error::io("open", path, io::Error::from_raw_os_error(libc::EISDIR)));
+        }
+        if kind.is_socket() {
+            let why = "a socket is not a stream dmaload reads: give a file, FIFO or character device";
+            return Err(Error::new(ErrorKind::InvalidInput, "open", path, why));
+        }
+        Ok(())
+    };
+    refuse(&std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?)?;
+    let file = sys::file::open_nonblocking(path).map_err(|e| Error::io("open", path, e))?;
+    let opened = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
+    refuse(&opened)?;
+    if opened.file_type().is_fifo()
+        && !sys::file::fifo_has_writer(file.as_fd()).map_err(|e| Error::io("tee", path, e))?
+    {
+        let why = "no process is writing the FIFO (dmaload does not wait for one)";
+        return Err(Error::new(ErrorKind::InvalidInput, "open", path, why));
+    }
+    sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", path, e))?;
+    Ok(file)
+}
+
 /// [`open_for_reading`] for another use than a load, which says why a file
 /// of another type is refused: `refusal` follows "a FIFO" (say).
-pub(crate) fn open_regular(path: &Path, refusal: &str) -> Result<File> {
+pub fn open_regular(path: &Path, refusal: &str) -> Result<File> {
     let before = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
     check_type(path, &before, refusal)?;
     let file = sys::file::open_nonblocking(path).map_err(|e| Error::io("open", path, e))?;
