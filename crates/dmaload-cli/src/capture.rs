@@ -425,7 +425,8 @@ fn produce(cmd: &CaptureCommand, socket: &Path) -> Result<(), String> {
     // the capture before any file is created.
     let file = match source_name.as_str() {
         "synthetic" => None,
-        // Never waits: a FIFO without a writer, or a directory, fails at once.
+        // A directory or a socket fails at once; a FIFO's writer is waited
+        // for, as long as the consumer waits for this open (START_TIMEOUT).
         path => match dmaload::source::open_stream(Path::new(path)) {
             Ok(file) => Some(file),
             Err(e) => {

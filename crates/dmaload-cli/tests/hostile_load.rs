@@ -25,14 +25,16 @@ fn fifo_paths_are_errors_not_hangs() {
     }
 }
 
-/// Issue 34: `capture --source` and `capture --verify` waited for ever on a
-/// FIFO without a writer where the other subcommands refuse it at once.
-/// Every subcommand that reads a path, given a FIFO, an endless character
-/// device, a directory or a dangling symlink, ends at once (a hang fails
-/// the test, see `output_or_hang`): with an error that names the path, or,
-/// where the input is what the subcommand takes (`info` of a directory's
-/// filesystem, `sums` of a directory, a capture of a device until its
-/// `--size`), done.
+/// Issue 34: `capture --verify` waited for ever on a FIFO where the other
+/// subcommands refuse it at once. Every subcommand that reads a path, given
+/// a FIFO, an endless character device, a directory or a dangling symlink,
+/// ends at once (a hang fails the test, see `output_or_hang`): with an
+/// error that names the path, or, where the input is what the subcommand
+/// takes (`info` of a directory's filesystem, `sums` of a directory, a
+/// capture of a device until its `--size`), done. (A FIFO is a capture's
+/// stream: `capture --source` waits for its writer, 30 s at most, as
+/// `a_capture_from_a_fifo_with_a_writer_takes_every_byte` and the capture
+/// tests run it.)
 #[test]
 fn special_files_are_errors_at_once_in_every_subcommand() {
     let dir = open_scratch("dmaload-hostile-");
@@ -67,6 +69,9 @@ fn special_files_are_errors_at_once_in_every_subcommand() {
     ];
     for (kind, input) in inputs {
         for args in subcommands {
+            if kind == "FIFO" && args.contains(&"--source") {
+                continue;
+            }
             let mut cmd = dmaload();
             match args.iter().position(|a| *a == "@") {
                 Some(at) => cmd.args(&args[..at]).arg(input).args(&args[at + 1..]),

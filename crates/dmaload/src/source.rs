@@ -69,11 +69,10 @@ pub fn open_for_reading(path: &Path) -> Result<File> {
     open_regular(path, NOT_LOADABLE)
 }
 
-/// Opens `path` as a stream to read to its end (a capture's source)
-/// without ever blocking: a regular file, a block or character device, or a
-/// FIFO that a process has open for writing. A FIFO without a writer is an
-/// error at once (dmaload does not wait for one), as are a directory and a
-/// socket. The fd is in blocking mode.
+/// Opens `path` as a stream to read to its end (a capture's source): a
+/// regular file, a block or character device, or a FIFO, whose open waits
+/// for a writer as any reader's does (the caller bounds that wait). A
+/// directory or a socket is refused by type, before and after the open.
 pub fn open_stream(path: &Path) -> Result<File> {
     let refuse = |meta: &Metadata| {
         let kind = meta.file_type();
@@ -87,16 +86,8 @@ pub fn open_stream(path: &Path) -> Result<File> {
         Ok(())
     };
     refuse(&std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?)?;
-    let file = sys::file::open_nonblocking(path).map_err(|e| Error::io("open", path, e))?;
-    let opened = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
-    refuse(&opened)?;
-    if opened.file_type().is_fifo()
-        && !sys::file::fifo_has_writer(file.as_fd()).map_err(|e| Error::io("tee", path, e))?
-    {
-        let why = "no process is writing the FIFO (dmaload does not wait for one)";
-        return Err(Error::new(ErrorKind::InvalidInput, "open", path, why));
-    }
-    sys::file::set_nonblocking(file.as_fd(), false).map_err(|e| Error::io("fcntl", path, e))?;
+    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    refuse(&file.metadata().map_err(|e| Error::io("fstat", path, e))?)?;
     Ok(file)
 }
 

@@ -56,28 +56,6 @@ pub fn open_nonblocking(path: &std::path::Path) -> io::Result<std::fs::File> {
     std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY).open(path)
 }
 
-/// Whether a process has the FIFO `fd` (opened for reading) open for
-/// writing, or wrote bytes still unread: `tee(2)` (Linux 2.6.17) of one
-/// byte into a scratch pipe, without waiting, which leaves the FIFO's bytes
-/// where they are. 0 bytes teed means no writer; EAGAIN, a writer that has
-/// not written yet.
-pub fn fifo_has_writer(fd: BorrowedFd<'_>) -> io::Result<bool> {
-    use std::os::fd::{FromRawFd, OwnedFd};
-    let mut ends = [0; 2];
-    // SAFETY: `ends` has room for the two descriptors pipe2 writes.
-    check(unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) })?;
-    // SAFETY: pipe2 just created both descriptors and nothing else owns them.
-    let (_read_end, write_end) = unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) };
-    // SAFETY: tee takes two descriptors and integers, no pointers.
-    match super::check_size(unsafe {
-        libc::tee(fd.as_raw_fd(), write_end.as_raw_fd(), 1, libc::SPLICE_F_NONBLOCK)
-    }) {
-        Ok(teed) => Ok(teed > 0),
-        Err(err) if err.raw_os_error() == Some(libc::EAGAIN) => Ok(true),
-        Err(err) => Err(err),
-    }
-}
-
 /// Sets or clears `O_NONBLOCK` on an open file (`fcntl(F_SETFL)`).
 pub fn set_nonblocking(fd: BorrowedFd<'_>, nonblocking: bool) -> io::Result<()> {
     // SAFETY: F_GETFL/F_SETFL take no pointers.
