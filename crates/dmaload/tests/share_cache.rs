@@ -134,7 +134,7 @@ fn through(program: &[&str], cmd: &Command) -> Command {
     // The program, where another user (setpriv) can run it too.
     wrapped
         .args(&program[1..])
-        .arg(common::reachable_by_others(Path::new(cmd.get_program())))
+        .arg(common::reachable::reachable_by_others(Path::new(cmd.get_program())))
         .args(cmd.get_args());
     for (key, value) in cmd.get_envs() {
         if let Some(value) = value {
