@@ -324,7 +324,9 @@ const SLOTS_THE_ENGINE_KEEPS: usize = 2;
 /// Reads the plan's range through `ring`'s staging slots into `sink`: the
 /// engine fills slots, a helper thread hands each filled slot to the sink
 /// (in file order) and gives it back to the engine once the sink has
-/// released it. With `lane` (its share of the ring, and the file's own
+/// released it (where no such thread can be created and the slots are
+/// reused, the load runs in parts on this thread: [`run_in_parts`]). With
+/// `lane` (its share of the ring, and the file's own
 /// buffered description), the gathers the plan leaves to the cache lane
 /// ([`Plan::in_cache_lane`]) are carried by the sink's lane threads through
 /// their pieces of the ring's last slots, beside the engine, which reads
