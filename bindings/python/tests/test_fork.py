@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,57 @@ def test_a_buffer_sent_then_written_is_not_sent_again_stale(tmp_path: Path) -> N
         np.frombuffer(got, dtype=np.uint8)[1] ^= 0xFF
         with pytest.raises(OSError, match="no longer holds the bytes"):
             got.send(right)
+
+
+def test_a_child_forked_while_another_thread_loads_gets_none_of_that_load(tmp_path: Path) -> None:
+    """Issue 34: a fork while a load was in flight on another thread left the
+    child sharing the buffer's memory (dup_memfd then failed EBUSY while
+    the child lived, and the child kept the memory after the parent closed
+    the buffer). A load in flight at a fork is left out of the child: no
+    mapping of its memfd and no descriptor of it there; the parent's load
+    completes and its buffer shares as any other."""
+    path = tmp_path / "f.bin"
+    data = write_random(path, 4 * SIZE)
+    started, release = threading.Event(), threading.Event()
+
+    def progress(done: int, total: int) -> None:
+        # Holds the load in flight (its buffer not yet made) until the fork is done.
+        if not started.is_set():
+            started.set()
+            release.wait(60)
+
+    loaded: list[dmaload.Buffer] = []
+    loader = threading.Thread(target=lambda: loaded.append(dmaload.load(path, to="memfd", progress=progress)))
+    loader.start()
+    assert started.wait(60), "no progress reported"
+    child_r, parent_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.read(child_r, 1)  # stays until the parent has looked at it
+        os._exit(0)
+    os.close(child_r)
+    try:
+        release.set()
+        loader.join(60)
+        (buf,) = loaded
+        assert bytes(memoryview(buf)) == data
+        fd = buf.dup_memfd()  # EBUSY while a child shares a writable mapping
+        try:
+            memfd = os.fstat(fd).st_ino
+            assert os.pread(fd, 4 * SIZE, buf.memfd_offset) == data
+        finally:
+            os.close(fd)
+        mapped = [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if line.split()[4] == str(memfd)]
+        assert not mapped, f"the child maps the load's memfd: {mapped}"
+        held = []
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.stat(f"/proc/{pid}/fd/{name}").st_ino == memfd:
+                    held.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+            except FileNotFoundError:
+                pass
+        assert not held, f"the child holds the load's memfd: {held}"
+    finally:
+        os.write(parent_w, b"x")
+        os.close(parent_w)
+        assert _exit_code(pid) == 0

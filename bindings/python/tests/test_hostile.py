@@ -333,6 +333,44 @@ def test_no_thread_can_be_created_is_never_a_panic(tmp_path: Path) -> None:
     assert "PanicException" not in out.stdout + out.stderr and "panicked" not in out.stderr, out.stderr
 
 
+def test_a_load_larger_than_its_staging_ring_without_a_thread_runs_on_the_calling_thread(tmp_path: Path) -> None:
+    """Issue 34: with no thread creatable, a staged load larger than its
+    ring failed EAGAIN "create the delivery thread": ``load_into`` of more
+    than 32 MiB into unaligned memory, and ``dmaload.load()`` of 64 MiB or
+    more where reads go through the staging ring (a device whose requests
+    take few page entries, as a virtio disk's). Each reads a ring's worth,
+    then delivers it, in turn on the calling thread."""
+    prefix = _unprivileged_nproc_1()
+    os.chmod(tmp_path, 0o755)
+    data = tmp_path / "data.bin"
+    write_random(data, (65 << 20) + 5)
+    os.chmod(data, 0o644)
+    dmaload.evict(data)
+    code = textwrap.dedent(
+        """
+        import sys, threading
+        import dmaload
+        path = sys.argv[1]
+        expected = open(path, "rb").read()
+        dmaload.evict(path)
+        try:
+            threading.Thread(target=print).start()
+        except RuntimeError:
+            print("NO-THREADS")
+        buf = dmaload.load(path)
+        print("LOAD", bytes(memoryview(buf)) == expected, buf.report.destination)
+        target = bytearray(len(expected) + 1)
+        report = dmaload.load_into(path, memoryview(target)[1:])
+        print("INTO", target[1:] == expected, report.destination)
+        print("FALLBACKS", [str(f) for f in report.fallbacks])
+        """
+    )
+    out = _run_without_threads(prefix, code, str(data))
+    assert out.returncode == 0, f"{out.returncode}\n{out.stdout}\n{out.stderr}"
+    assert "LOAD True" in out.stdout and "INTO True caller memory (staged" in out.stdout, out.stdout + out.stderr
+    assert "in turn on the calling thread" in out.stdout, out.stdout
+
+
 def test_a_stream_whose_loader_can_start_no_thread_loads_each_window_at_once(tmp_path: Path) -> None:
     """A one-rank stream's native ``WindowLoader`` with RLIMIT_NPROC
     exhausted: none of its threads starts, so ``submit`` loads the window

@@ -425,10 +425,12 @@ fn produce(cmd: &CaptureCommand, socket: &Path) -> Result<(), String> {
     // the capture before any file is created.
     let file = match source_name.as_str() {
         "synthetic" => None,
-        path => match File::open(path) {
+        // A directory or a socket fails at once; a FIFO's writer is waited
+        // for, as long as the consumer waits for this open (START_TIMEOUT).
+        path => match dmaload::source::open_stream(Path::new(path)) {
             Ok(file) => Some(file),
             Err(e) => {
-                let why = format!("open {path}: {e}");
+                let why = e.to_string();
                 if conn.send(why.as_bytes(), &[]).is_ok() {
                     // The consumer fails the capture with it: said once.
                     std::process::exit(1);
@@ -581,7 +583,9 @@ struct Verdict {
 /// `--verify`: reads the capture block by block (each stamp gives its
 /// length) and checks magic, order and checksum.
 fn verify(path: &Path, json: bool) -> Result<(), String> {
-    let mut file = File::open(path).map_err(|e| format!("open {}: {e}", path.display()))?;
+    // Never waits on a FIFO: only a regular file (or block device) is checked.
+    let refusal = "is not a capture file: --verify reads the file a capture wrote";
+    let mut file = dmaload::source::open_regular(path, refusal).map_err(|e| e.to_string())?;
     let mut verdict = Verdict {
         file: path.display().to_string(),
         blocks: 0,

@@ -2,7 +2,9 @@
 //! print with binary units.
 
 /// Parses a size with an optional binary suffix (K, M, G, T; "iB"/"B"
-/// optional, case-insensitive). Fractions are allowed: "1.5G".
+/// optional, case-insensitive). Fractions are allowed where they make
+/// whole bytes: "1.5G", not "0.1K" (102.4 bytes) nor "0.0000001k" (which
+/// would round to 0). Every size option of the CLI parses with this one.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let s = text.trim();
     let digits_end = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
@@ -20,7 +22,10 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
         return Err(format!("size {text:?} out of range"));
     }
-    Ok(bytes.round() as u64)
+    if bytes.fract() != 0.0 {
+        return Err(format!("size {text:?} is {bytes} bytes, not a whole number of bytes"));
+    }
+    Ok(bytes as u64)
 }
 
 /// A byte size on the command line: parsed by [`parse_size`], shown in
@@ -77,6 +82,16 @@ mod tests {
         assert_eq!(parse_size("2gb").unwrap(), 2 << 30);
         assert!(parse_size("12x").is_err());
         assert!(parse_size("").is_err());
+        assert_eq!(parse_size("0.5M").unwrap(), 512 << 10);
+    }
+
+    #[test]
+    fn a_size_of_part_of_a_byte_is_an_error_not_rounded() {
+        // Issue 34: "0.0000001k" loaded 0 bytes.
+        for text in ["0.0000001k", "0.1K", "1.5"] {
+            let err = parse_size(text).unwrap_err();
+            assert!(err.contains("not a whole number of bytes"), "{text}: {err}");
+        }
     }
 
     #[test]

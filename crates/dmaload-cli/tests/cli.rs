@@ -326,7 +326,7 @@ fn a_direct_load_starts_from_the_depth_remembered_for_its_device_and_reports_it(
     if is_root() && have("setpriv") {
         cmd = Command::new("setpriv");
         cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
-            .arg(env!("CARGO_BIN_EXE_dmaload"));
+            .arg(common::dmaload_for_others());
     }
     let report = direct(&mut cmd, &cache, &[]);
     assert_eq!(report["queue_depth"], 16, "{report}");
@@ -358,7 +358,7 @@ fn unreadable_file_is_permission_denied() {
         // Root reads anything: run as nobody.
         let mut cmd = Command::new("setpriv");
         cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
-            .arg(env!("CARGO_BIN_EXE_dmaload"));
+            .arg(common::dmaload_for_others());
         cmd
     } else {
         dmaload()

@@ -5,6 +5,7 @@
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::Command;
 
 mod common;
@@ -21,6 +22,133 @@ fn fifo_paths_are_errors_not_hangs() {
         assert!(!out.status.success(), "{args:?} succeeded on a FIFO");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains("FIFO"), "{args:?}: {stderr}");
+    }
+}
+
+/// Issue 34: `capture --verify` waited for ever on a FIFO where the other
+/// subcommands refuse it at once. Every subcommand that reads a path, given
+/// a FIFO, an endless character device, a directory or a dangling symlink,
+/// ends at once (a hang fails the test, see `output_or_hang`): with an
+/// error that names the path, or, where the input is what the subcommand
+/// takes (`info` of a directory's filesystem, `sums` of a directory, a
+/// capture of a device until its `--size`), done. (A FIFO is a capture's
+/// stream: `capture --source` waits for its writer, 30 s at most, as
+/// `a_capture_from_a_fifo_with_a_writer_takes_every_byte` and the capture
+/// tests run it.)
+#[test]
+fn special_files_are_errors_at_once_in_every_subcommand() {
+    let dir = open_scratch("dmaload-hostile-");
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let directory = dir.path().join("dir");
+    std::fs::create_dir(&directory).unwrap();
+    let dangling = dir.path().join("dangling");
+    std::os::unix::fs::symlink(dir.path().join("nothing"), &dangling).unwrap();
+    let out = dir.path().join("out");
+    let inputs = [
+        ("FIFO", fifo.as_path()),
+        ("character device", Path::new("/dev/zero")),
+        ("directory", &directory),
+        ("dangling symlink", &dangling),
+    ];
+    let out_arg = out.to_str().unwrap();
+    let subcommands: &[&[&str]] = &[
+        &["load"],
+        &["load", "--verify"],
+        &["load", "--hash", "--offset", "4096", "--length", "4096"],
+        &["info"],
+        &["evict"],
+        &["sums"],
+        &["copy", "@", out_arg],
+        &["bench", "load", "--no-fio", "--repeat", "1"],
+        &["bench", "fio"],
+        &["bench", "matrix", "--repeat", "1", "--file"],
+        &["bench", "qd", "--repeat", "1", "--file"],
+        &["capture", "--size", "64K", "--block-size", "64K", "--to", out_arg, "--source"],
+        &["capture", "--verify"],
+    ];
+    for (kind, input) in inputs {
+        for args in subcommands {
+            if kind == "FIFO" && args.contains(&"--source") {
+                continue;
+            }
+            let mut cmd = dmaload();
+            match args.iter().position(|a| *a == "@") {
+                Some(at) => cmd.args(&args[..at]).arg(input).args(&args[at + 1..]),
+                None => cmd.args(*args).arg(input),
+            };
+            let run = output_or_hang(&mut cmd);
+            let stderr = String::from_utf8_lossy(&run.stderr);
+            assert_ne!(run.status.code(), Some(101), "{args:?} on a {kind} panicked: {stderr}");
+            let takes_it = match (kind, args[0]) {
+                ("directory", "info" | "sums") => true,
+                ("character device", "capture") => args.contains(&"--source"),
+                _ => false,
+            };
+            if takes_it {
+                assert!(run.status.success(), "{args:?} on a {kind}: {stderr}");
+            } else {
+                assert_eq!(run.status.code(), Some(1), "{args:?} on a {kind}: {stderr}");
+                let name = input.file_name().unwrap().to_str().unwrap();
+                assert!(stderr.contains(name), "{args:?} on a {kind} does not name it: {stderr}");
+            }
+            let _ = std::fs::remove_file(&out);
+        }
+    }
+}
+
+/// A capture from a FIFO that a process is writing takes every byte.
+#[test]
+fn a_capture_from_a_fifo_with_a_writer_takes_every_byte() {
+    let dir = open_scratch("dmaload-hostile-");
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let bytes: Vec<u8> = (0..300_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    // A descriptor for reading and writing (which never reads) first, so
+    // the writer's open does not wait for the capture; both close once
+    // every byte is written, which ends the stream.
+    let keep = std::fs::OpenOptions::new().read(true).write(true).open(&fifo).unwrap();
+    let mut writer = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    let to = dir.path().join("cap");
+    let capture = dmaload()
+        .args(["capture", "--block-size", "64K", "--source"])
+        .arg(&fifo)
+        .arg("--to")
+        .arg(&to)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut writer, &bytes).unwrap();
+    drop((writer, keep));
+    let out = capture.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(&to).unwrap(), bytes);
+}
+
+/// Issue 34: `--length 0.0000001k` loaded 0 bytes. A size that is not a
+/// whole number of bytes is an error naming the option, in every
+/// subcommand (they all parse sizes with one parser).
+#[test]
+fn a_size_that_is_not_whole_bytes_is_an_error_naming_the_option() {
+    let dir = open_scratch("dmaload-hostile-");
+    let path = sample(dir.path(), OsStr::new("f.bin"), 8192);
+    let out = dir.path().join("out");
+    let runs: [(&str, Vec<&OsStr>); 4] = [
+        ("--length", vec!["load".as_ref(), "--length".as_ref(), "0.0000001k".as_ref(), path.as_os_str()]),
+        ("--offset", vec!["load".as_ref(), "--offset".as_ref(), "0.5".as_ref(), path.as_os_str()]),
+        ("--size", vec!["save".as_ref(), "--size".as_ref(), "0.1K".as_ref(), out.as_os_str()]),
+        (
+            "--chunk-size",
+            vec!["load".as_ref(), "--chunk-size".as_ref(), "1.0000001M".as_ref(), path.as_os_str()],
+        ),
+    ];
+    for (option, args) in runs {
+        let run = output_or_hang(dmaload().args(args));
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{option}: {stderr}");
+        assert!(stderr.contains(option) && stderr.contains("not a whole number of bytes"), "{stderr}");
+        assert!(!out.exists());
     }
 }
 
@@ -66,6 +194,24 @@ fn one_process_allowed_loads_without_helper_threads() {
         let fallbacks = report["fallbacks"].to_string();
         assert!(fallbacks.contains("cannot create a thread"), "{engine}: {fallbacks}");
     }
+}
+
+/// Issue 34: a load larger than the staging ring its reads go through
+/// (64 MiB and more on a device whose requests take few entries, such as
+/// this VM's virtio disk) failed EAGAIN "create the delivery thread"
+/// without a thread to spare; it loads on the calling thread.
+#[test]
+fn one_process_allowed_loads_a_file_larger_than_the_staging_ring() {
+    let name = "one_process_allowed_loads_a_file_larger_than_the_staging_ring";
+    let dir = open_scratch("dmaload-hostile-");
+    let path = sample(dir.path(), OsStr::new("f.bin"), (65 << 20) + 3);
+    dmaload::pagecache::evict(&path).unwrap();
+    let expected = xxhash_rust::xxh3::xxh3_64(&std::fs::read(&path).unwrap());
+    dmaload::pagecache::evict(&path).unwrap();
+    let Some(mut cmd) = as_nobody_with(name, &["--nproc=1:1"]) else { return };
+    let report = json_of(&output_or_hang(cmd.args(["load", "--json", "--hash"]).arg(&path)));
+    assert_eq!(report["hash"]["xxh3_64"], format!("{expected:016x}"), "{report}");
+    assert!(report["fallbacks"].to_string().contains("cannot create a thread"), "{report}");
 }
 
 #[test]

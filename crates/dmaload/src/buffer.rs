@@ -72,11 +72,13 @@ pub struct Buffer {
 
 impl Buffer {
     /// A buffer over `data` of a filled allocation, whose gathers (ranges of
-    /// the mapping) are `gathers`. A memfd's mapping is registered to be
-    /// made private before a fork ([`Mapping::private_on_fork`]): a forked
-    /// child gets its own copy of the bytes, as of any other memory. Where no
-    /// descriptor is left for the registry's copy (RLIMIT_NOFILE), the
-    /// buffer stays shared across a fork and the returned fallback says so.
+    /// the mapping) are `gathers`. Its memory, which a fork left out of the
+    /// child while it was loaded, is part of forked children again, and a
+    /// memfd's mapping is registered to be made private before a fork
+    /// ([`Mapping::loaded`]): a forked child gets its own copy of the bytes,
+    /// as of any other memory. Where no descriptor is left for the
+    /// registry's copy (RLIMIT_NOFILE), the buffer stays shared across a
+    /// fork and the returned fallback says so.
     pub(crate) fn new(
         mut alloc: Allocation,
         data: Range<usize>,
@@ -85,18 +87,17 @@ impl Buffer {
         // The registry keeps a descriptor of its own: where none is left
         // (RLIMIT_NOFILE), the buffer is still handed out, shared across a
         // fork as before, and the load says so.
-        let unregistered = alloc.memfd.as_ref().and_then(|memfd| {
-            alloc.mapping.private_on_fork(memfd.as_fd()).err().map(|err| {
+        let unregistered =
+            alloc.mapping.loaded(alloc.memfd.as_ref().map(|memfd| memfd.as_fd())).err().map(|err| {
                 Fallback::new(
                     "private on fork",
                     "shared across fork",
                     format!(
-                        "no descriptor under RLIMIT_NOFILE for the fork registry's copy of the memfd ({err}): a \
-                         forked child shares this buffer's pages"
-                    ),
+                    "no descriptor under RLIMIT_NOFILE for the fork registry's copy of the memfd ({err}): a \
+                     forked child shares this buffer's pages"
+                ),
                 )
-            })
-        });
+            });
         let segments = gathers
             .iter()
             .filter_map(|g| {

@@ -157,6 +157,35 @@ impl Plan {
         self.cache_lane.iter().enumerate().filter_map(|(g, &lane)| lane.then_some(g))
     }
 
+    /// The plan cut into consecutive plans of at most `gathers` gathers
+    /// each, the same gathers and chunks in the same order, each with its
+    /// own mapping from its first gather (a staged load run in rounds of
+    /// one ring each when no thread can deliver beside the reads). The
+    /// parts carry no cache lane: the engine reads every gather.
+    pub fn parts(&self, gathers: usize) -> Vec<Plan> {
+        let count = self.gather_count();
+        (0..count)
+            .step_by(gathers.max(1))
+            .map(|first| {
+                let bounds = &self.gather_bounds[first..=(first + gathers.max(1)).min(count)];
+                let (start, end) = (bounds[0], bounds[bounds.len() - 1]);
+                let file_start = self.file_start + start as u64;
+                let file_end = self.file_start + end as u64;
+                let data_start = self.data_start.max(file_start);
+                Plan {
+                    file_start,
+                    data_start,
+                    data_end: self.data_end.min(file_end).max(data_start),
+                    read_end: self.read_end.min(file_end),
+                    gather_bounds: bounds.iter().map(|b| b - start).collect(),
+                    mapping_len: end - start,
+                    cache_lane: Vec::new(),
+                    ..self.clone()
+                }
+            })
+            .collect()
+    }
+
     /// Plans writing `len` bytes of memory to the file at `offset`, in
     /// requests of `chunk` bytes (whole pages and whole `align` blocks, so
     /// that each direct write is aligned when `offset` is) grouped in
@@ -446,5 +475,21 @@ mod tests {
         assert_eq!(err.offset(), Some(100));
         assert_eq!(plan.outcome(path, &req, 0).unwrap_err().offset(), Some(0));
         assert_eq!(plan.request_from(4096), Request { start: 4096, end: 4 * 4096, need: 2 * 4096 + 10 });
+    }
+
+    #[test]
+    fn parts_read_the_same_chunks_and_need_the_same_bytes_in_the_same_order() {
+        // An unaligned range of 11 slots of 4 chunks, in parts of 3 slots.
+        let plan = Plan::staged(5000, 11 * 4 * 4096 - 9000, 512, P, 4 * P, P);
+        let parts = plan.parts(3);
+        assert_eq!(parts.iter().map(Plan::gather_count).collect::<Vec<_>>(), [3, 3, 3, 2]);
+        let requests =
+            |plan: &Plan| (0..plan.chunk_count()).map(|i| plan.chunk_request(i)).collect::<Vec<_>>();
+        assert_eq!(parts.iter().flat_map(requests).collect::<Vec<_>>(), requests(&plan));
+        let data = |plan: &Plan| (0..plan.gather_count()).map(|g| plan.gather_data(g)).collect::<Vec<_>>();
+        assert_eq!(parts.iter().flat_map(data).collect::<Vec<_>>(), data(&plan));
+        let need: u64 =
+            parts.iter().map(|p| (0..p.gather_count()).map(|g| p.gather_need(g)).sum::<u64>()).sum();
+        assert_eq!(need, plan.data_end - plan.data_start);
     }
 }

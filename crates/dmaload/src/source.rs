@@ -69,9 +69,31 @@ pub fn open_for_reading(path: &Path) -> Result<File> {
     open_regular(path, NOT_LOADABLE)
 }
 
+/// Opens `path` as a stream to read to its end (a capture's source): a
+/// regular file, a block or character device, or a FIFO, whose open waits
+/// for a writer as any reader's does (the caller bounds that wait). A
+/// directory or a socket is refused by type, before and after the open.
+pub fn open_stream(path: &Path) -> Result<File> {
+    let refuse = |meta: &Metadata| {
+        let kind = meta.file_type();
+        if kind.is_dir() {
+            return Err(Error::io("open", path, io::Error::from_raw_os_error(libc::EISDIR)));
+        }
+        if kind.is_socket() {
+            let why = "a socket is not a stream dmaload reads: give a file, FIFO or character device";
+            return Err(Error::new(ErrorKind::InvalidInput, "open", path, why));
+        }
+        Ok(())
+    };
+    refuse(&std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?)?;
+    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    refuse(&file.metadata().map_err(|e| Error::io("fstat", path, e))?)?;
+    Ok(file)
+}
+
 /// [`open_for_reading`] for another use than a load, which says why a file
 /// of another type is refused: `refusal` follows "a FIFO" (say).
-pub(crate) fn open_regular(path: &Path, refusal: &str) -> Result<File> {
+pub fn open_regular(path: &Path, refusal: &str) -> Result<File> {
     let before = std::fs::metadata(path).map_err(|e| Error::io("open", path, e))?;
     check_type(path, &before, refusal)?;
     let file = sys::file::open_nonblocking(path).map_err(|e| Error::io("open", path, e))?;

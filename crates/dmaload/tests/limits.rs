@@ -2,9 +2,9 @@
 //! a child process (this test binary, re-executed) running as nobody with
 //! no capabilities: RLIMIT_MEMLOCK 0 (nothing may be pinned, so no buffer
 //! is registered) falls back and still delivers every byte; RLIMIT_NPROC 1
-//! (no thread may be created) is a clear error for a staged load, whose
-//! sink must run beside the reads, and a fallback for an in-place one;
-//! RLIMIT_NPROC 3 (a delivery thread, no populating threads beside it)
+//! (no thread may be created) is a fallback for every load: a staged one,
+//! whose sink cannot run beside the reads, reads a ring's worth of slots
+//! and then delivers them, in turn, on the calling thread; RLIMIT_NPROC 3 (a delivery thread, no populating threads beside it)
 //! still delivers every byte. The
 //! file is root's and read-only to the child, whose page-cache residency
 //! the kernel will not tell (mincore calls every page cached): the loads
@@ -24,7 +24,9 @@ const NOBODY: u32 = 65534;
 /// A user of its own (no account needed) for the test that counts threads:
 /// the other tests' children, run beside it as nobody, do not count.
 const THREAD_COUNTING_USER: u32 = 65533;
-const SIZE: usize = (5 << 20) + 11;
+/// More than the process's kept ring (8 x 4 MiB) holds, so that a load
+/// into unaligned memory reuses its slots.
+const SIZE: usize = (33 << 20) + 11;
 
 /// Not a test of its own: the child of the tests below, run when they set
 /// `CHILD_FILE`. Prints one line per load: its outcome and fallbacks.
@@ -51,7 +53,7 @@ fn child_loads_under_the_limits_it_was_given() {
         }
         Err(err) => println!("staged error: {err}"),
     }
-    let mut memory = vec![0u8; SIZE + 4096];
+    let mut memory = vec![0u8; SIZE + 4097];
     let start = (memory.as_ptr() as usize).next_multiple_of(4096) - memory.as_ptr() as usize;
     match dmaload::load_into(&path, 0, &mut memory[start..start + SIZE], &options) {
         Ok(report) => {
@@ -59,6 +61,16 @@ fn child_loads_under_the_limits_it_was_given() {
             println!("into ok ({}): {:?}", report.destination, report.fallbacks);
         }
         Err(err) => println!("into error: {err}"),
+    }
+    // Unaligned memory: staged through the kept ring.
+    let unaligned = &mut memory[start + 1..start + 1 + SIZE];
+    unaligned.fill(0);
+    match dmaload::load_into(&path, 0, &mut *unaligned, &options) {
+        Ok(report) => {
+            assert_pattern(unaligned, 0);
+            println!("unaligned into ok ({}): {:?}", report.destination, report.fallbacks);
+        }
+        Err(err) => println!("unaligned into error: {err}"),
     }
 }
 
@@ -124,14 +136,21 @@ fn no_lockable_memory_falls_back_and_delivers_every_byte() {
 }
 
 #[test]
-fn no_threads_is_a_clear_error_staged_and_a_fallback_in_place() {
-    let Some(out) =
-        child_output("no_threads_is_a_clear_error_staged_and_a_fallback_in_place", NOBODY, "--nproc=1:1")
-    else {
+fn no_threads_falls_back_and_delivers_every_byte_staged_and_in_place() {
+    // Issue 34: a staged load whose ring its file outgrows failed EAGAIN
+    // "create the delivery thread" instead.
+    let test = "no_threads_falls_back_and_delivers_every_byte_staged_and_in_place";
+    let Some(out) = child_output(test, NOBODY, "--nproc=1:1") else {
         return;
     };
-    assert!(line(&out, "staged error").contains("create the delivery thread"), "{out}");
+    let staged = line(&out, "staged ok");
+    assert!(
+        staged.contains("in turn on the calling thread") && staged.contains("cannot create a thread"),
+        "{out}"
+    );
     assert!(line(&out, "into ok").contains("cannot create a thread"), "{out}");
+    let unaligned = line(&out, "unaligned into ok (caller memory (staged through 8 x 4194304 bytes))");
+    assert!(unaligned.contains("in turn on the calling thread"), "{out}");
 }
 
 #[test]

@@ -15,6 +15,17 @@ pub fn dmaload() -> Command {
     Command::new(env!("CARGO_BIN_EXE_dmaload"))
 }
 
+/// The `dmaload` binary at a path other users (nobody, the tests' own
+/// uids) can execute, found or made once per test process
+/// ([`reachable::reachable_by_others`]).
+pub fn dmaload_for_others() -> PathBuf {
+    static REACHABLE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    REACHABLE.get_or_init(|| reachable::reachable_by_others(Path::new(env!("CARGO_BIN_EXE_dmaload")))).clone()
+}
+
+#[path = "../../../dmaload/tests/common/reachable.rs"]
+mod reachable;
+
 /// Prints why a test is skipped, in the form the test log shows; panics
 /// instead where `DMALOAD_TEST_NO_SKIP=1` (the VM guest, which exists to
 /// run what a skip would leave out), as the core's tests do.
@@ -103,7 +114,7 @@ pub fn as_user_with(uid: u32, test: &str, limits: &[&str]) -> Option<Command> {
         .args(["--inh-caps=-all", "--bounding-set=-all"])
         .arg("prlimit")
         .args(limits)
-        .arg(env!("CARGO_BIN_EXE_dmaload"));
+        .arg(dmaload_for_others());
     Some(cmd)
 }
 
@@ -142,7 +153,7 @@ pub fn under_memlock(test: &str, limit: u64) -> Option<Command> {
             "--",
         ]);
     }
-    cmd.arg(env!("CARGO_BIN_EXE_dmaload"));
+    cmd.arg(dmaload_for_others());
     Some(cmd)
 }
 

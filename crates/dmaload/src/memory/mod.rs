@@ -103,11 +103,17 @@ impl std::str::FromStr for MemoryKind {
 
 /// Memory reserved for a buffer, not yet populated: pages are allocated
 /// (and zeroed by the kernel) when populated or first touched.
+///
+/// Until it becomes a buffer it is left out of any process forked
+/// meanwhile ([`Mapping::loading`]): a child forked while a load fills it
+/// neither shares its memory nor keeps it alive.
 #[derive(Debug)]
 pub struct Allocation {
     pub(crate) mapping: Mapping,
     pub(crate) memfd: Option<OwnedFd>,
     pub(crate) kind: MemoryKind,
+    /// The process that made it: a child forked meanwhile has none of its memory.
+    pid: u32,
 }
 
 impl Allocation {
@@ -134,12 +140,17 @@ impl Allocation {
         let shmem = |advice| -> io::Result<Allocation> {
             let memfd = memfd(MemfdPages::Shmem, len)?;
             let mapping = Mapping::memfd(memfd.as_fd(), len, advice)?;
-            Ok(Allocation { mapping, memfd: Some(memfd), kind })
+            Ok(Allocation { mapping, memfd: Some(memfd), kind, pid: std::process::id() })
         };
         let anonymous = |advice| -> io::Result<Allocation> {
-            Ok(Allocation { mapping: Mapping::anonymous(len, advice)?, memfd: None, kind })
+            Ok(Allocation {
+                mapping: Mapping::anonymous(len, advice)?,
+                memfd: None,
+                kind,
+                pid: std::process::id(),
+            })
         };
-        match kind {
+        let mut allocation = match kind {
             MemoryKind::Memfd => shmem(HugePageAdvice::Small),
             MemoryKind::MemfdHuge => shmem(HugePageAdvice::Huge),
             MemoryKind::Hugetlb => {
@@ -157,11 +168,22 @@ impl Allocation {
                     ),
                     _ => e,
                 })?;
-                Ok(Allocation { mapping, memfd: Some(memfd), kind })
+                Ok(Allocation { mapping, memfd: Some(memfd), kind, pid: std::process::id() })
             }
             MemoryKind::AnonymousThp => anonymous(HugePageAdvice::Huge),
             MemoryKind::Anonymous => anonymous(HugePageAdvice::Small),
-        }
+        }?;
+        // Where the kernel or libc refuses, a child forked mid-load shares
+        // the memory being loaded, as it did before this was done.
+        let _ = allocation.mapping.loading(allocation.memfd.as_ref().map(|memfd| memfd.as_fd()));
+        Ok(allocation)
+    }
+
+    /// Whether this process is a child forked since the allocation was
+    /// made (by the thread that runs its load, from a progress callback):
+    /// the memory is then not the load's, and must not be handed out.
+    pub(crate) fn forked_since(&self) -> bool {
+        self.pid != std::process::id()
     }
 }
 

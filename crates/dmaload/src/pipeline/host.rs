@@ -48,6 +48,7 @@ pub(crate) fn load_source(
         fill(path, setup, plan, len, options, kind, &facts)
     })?;
     let Filled { mut alloc, run, times, engine_wall } = filled;
+    refuse_if_forked(&alloc, path)?;
     // Direct I/O read whole aligned blocks around the range: the bytes
     // outside it are not the caller's to see, nor to share through the memfd.
     let data = plan.data_range();
@@ -70,6 +71,21 @@ pub(crate) fn load_source(
     report.first_gather_seconds = times.first.as_secs_f64();
     report.io_seconds = engine_wall.saturating_sub(waited).as_secs_f64();
     Ok((buffer, report))
+}
+
+/// A load that goes on in a child forked from its own thread (a progress
+/// callback that forks) has none of its memory there: an error, never a
+/// buffer ([`Allocation::forked_since`]).
+fn refuse_if_forked(alloc: &Allocation, path: &Path) -> Result<()> {
+    match alloc.forked_since() {
+        true => Err(Error::new(
+            ErrorKind::Io,
+            "load",
+            path,
+            "the process forked during the load: a child gets no part of a load in flight",
+        )),
+        false => Ok(()),
+    }
 }
 
 /// Loads at least this large go through the ring when they qualify: below
@@ -186,6 +202,7 @@ fn load_through_ring(
     let mut report = with_kept_ring(path, options.chunk_size, |ring| {
         load_open_to_sink(file, offset, Some(len), ring, &mut HostSink::new(dst, offset), options)
     })?;
+    refuse_if_forked(&alloc, path)?;
     if let Some(memfd) = &alloc.memfd {
         sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)
             .map_err(|e| Error::io("seal memfd", path, e))?;

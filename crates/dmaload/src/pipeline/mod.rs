@@ -325,7 +325,9 @@ const SLOTS_THE_ENGINE_KEEPS: usize = 2;
 /// Reads the plan's range through `ring`'s staging slots into `sink`: the
 /// engine fills slots, a helper thread hands each filled slot to the sink
 /// (in file order) and gives it back to the engine once the sink has
-/// released it. With `lane` (its share of the ring, and the file's own
+/// released it (where no such thread can be created and the slots are
+/// reused, the load runs in parts on this thread: [`run_in_parts`]). With
+/// `lane` (its share of the ring, and the file's own
 /// buffered description), the gathers the plan leaves to the cache lane
 /// ([`Plan::in_cache_lane`]) are carried by the sink's lane threads through
 /// their pieces of the ring's last slots, beside the engine, which reads
@@ -346,18 +348,19 @@ pub(crate) fn fill_staged(
 ) -> Result<(EngineRun, DeliverTimes)> {
     let verifier = Verifier::for_load(path, &setup.file, plan, options.verify)?;
     let (ring_slots, slot_len) = (ring.slots(), ring.slot_len());
-    let cached: Vec<std::ops::Range<u64>> = plan.cache_lane_gathers().map(|g| plan.gather_data(g)).collect();
     // The gathers the lane carries are the plan's only where the lane has a share.
-    debug_assert!(cached.is_empty() || lane.is_some());
-    let lane = lane.filter(|_| !cached.is_empty());
-    let cached_bytes: u64 = cached.iter().map(|range| range.end - range.start).sum();
-    let engine_slots = lane.map_or(ring_slots, |(share, _)| share.engine_slots);
-    let layout = Layout::Staged { slots: engine_slots, slot_len };
+    debug_assert!(plan.cache_lane_gathers().next().is_none() || lane.is_some());
     let dst = ring.writer();
     let sink = std::sync::Mutex::new(sink);
     let params = load_params(options, setup);
-    let mut fed = None;
-    let run = Progress::reporting(len, options.progress.as_deref(), |progress| {
+    // One run of the pipeline over `plan`, with `lane` carrying the
+    // gathers the plan leaves to it.
+    let run_plan = |plan: &Plan, lane: Option<(&LaneShare, BorrowedFd<'_>)>, progress: &Progress<'_>| {
+        let cached: Vec<std::ops::Range<u64>> =
+            plan.cache_lane_gathers().map(|g| plan.gather_data(g)).collect();
+        let lane = lane.filter(|_| !cached.is_empty());
+        let engine_slots = lane.map_or(ring_slots, |(share, _)| share.engine_slots);
+        let layout = Layout::Staged { slots: engine_slots, slot_len };
         let feed = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
             let stopped = || gate.is_cancelled();
             let carried = |bytes| progress.add(bytes);
@@ -390,7 +393,28 @@ pub(crate) fn fill_staged(
         };
         let transfer =
             Transfer { path, file: setup.file.as_fd(), cache: setup.cache, plan, params: &params, progress };
-        let (run, helped) = run_pipeline(&transfer, dst, layout, None, feed);
+        run_pipeline(&transfer, dst, layout, None, feed)
+    };
+    let mut fed = None;
+    // Bytes the lane was to carry: none when the load ran in parts.
+    let mut cached_bytes: u64 = plan.cache_lane_gathers().map(|g| plan.gather_need(g)).sum();
+    let run = Progress::reporting(len, options.progress.as_deref(), |progress| {
+        let (run, helped) = match run_plan(plan, lane, progress) {
+            (Err(err), None) if err.op() == NO_DELIVERY_THREAD => {
+                cached_bytes = 0;
+                run_in_parts(plan, ring_slots, err, |part| {
+                    let (run, mut helped) = run_plan(part, None, progress);
+                    // Every slot free again before the next part reads into it.
+                    let mut sink = sink.lock().unwrap_or_else(|p| p.into_inner());
+                    let released = (0..part.gather_count()).try_for_each(|slot| sink.release(slot));
+                    if let (Err(err), Some((delivered @ Ok(_), _))) = (released, helped.as_mut()) {
+                        *delivered = Err(Error::io("release staging slot", path, err).at(part.data_start));
+                    }
+                    (run, helped)
+                })
+            }
+            other => other,
+        };
         // A lane that stopped short is an error below.
         let lane_short = matches!(&helped, Some((_, Some((bytes, _, _))))
             if *bytes < cached_bytes);
@@ -414,7 +438,7 @@ pub(crate) fn fill_staged(
         // Stopped by the engine's failure, or a cancellation (the engine
         // may have finished first).
         run?;
-        let first = cached.first().map_or(plan.data_start, |range| range.start);
+        let first = plan.cache_lane_gathers().next().map_or(plan.data_start, |g| plan.gather_data(g).start);
         return Err(engine::cancelled_error("copy from the page cache to the destination", path, first));
     }
     (times.cache_lane_bytes, times.cache_lane_threads) = (lane_bytes, lane_threads);
@@ -426,6 +450,71 @@ pub(crate) fn fill_staged(
     remember_tuned(&params, &run);
     run.fallbacks.append(&mut times.fallbacks);
     Ok((run, times))
+}
+
+/// What one run of a staged pipeline gives: the engine's result, and the
+/// helper's (the sink's deliveries, and what its cache lane carried).
+type StagedRun = (Result<EngineRun>, Option<(Result<DeliverTimes>, Option<LaneCarried>)>);
+/// Bytes a cache lane carried, on how many threads, and where it failed.
+type LaneCarried = (u64, usize, Option<(u64, io::Error)>);
+
+/// What a staged load without a delivery thread does not do.
+const DELIVER_BESIDE: &str = "deliver beside the reads";
+
+/// The op of the error [`run_pipeline`] returns when a staged load's
+/// slots are reused and no thread can deliver beside the reads.
+const NO_DELIVERY_THREAD: &str = "create the delivery thread";
+
+/// A staged load whose sink no thread can run beside the reads (RLIMIT_NPROC,
+/// a cgroup's pids.max), on the calling thread: the plan in parts of one
+/// ring each ([`Plan::parts`], no cache lane), the engine filling every slot
+/// of a part, then the sink taking them in file order, every slot released
+/// before the next part reads into it. `no_thread` is why.
+fn run_in_parts(
+    plan: &Plan,
+    slots: usize,
+    no_thread: Error,
+    mut run_part: impl FnMut(&Plan) -> StagedRun,
+) -> StagedRun {
+    let mut all = DeliverTimes::default();
+    let mut merged: Option<EngineRun> = None;
+    for part in plan.parts(slots) {
+        let (run, helped) = run_part(&part);
+        let Some((delivered, _)) = helped else { return (run, None) };
+        let (run, times) = match (run, delivered) {
+            (Ok(run), Ok(times)) => (run, times),
+            (run, delivered) => return (run, Some((delivered.map(|_| all), None))),
+        };
+        all.register += times.register;
+        all.deliver += times.deliver;
+        for fallback in times.fallbacks {
+            if !all.fallbacks.contains(&fallback) {
+                all.fallbacks.push(fallback);
+            }
+        }
+        match merged.as_mut() {
+            None => merged = Some(EngineRun { tuner: None, ..run }),
+            Some(merged) => {
+                merged.waited_for_memory += run.waited_for_memory;
+                merged.engine = run.engine;
+                let new: Vec<Fallback> =
+                    run.fallbacks.into_iter().filter(|f| !merged.fallbacks.contains(f)).collect();
+                merged.fallbacks.extend(new);
+            }
+        }
+    }
+    let Some(mut run) = merged else { return (Err(no_thread), None) };
+    // Each part said it delivered after its reads; the load says how.
+    run.fallbacks.retain(|f| f.from != DELIVER_BESIDE);
+    run.fallbacks.insert(
+        0,
+        Fallback::new(
+            DELIVER_BESIDE,
+            &format!("read {slots} slots, then deliver them, in turn on the calling thread"),
+            format!("cannot create a thread: {}", no_thread.io_error()),
+        ),
+    );
+    (Ok(run), Some((Ok(all), None)))
 }
 
 /// The helper thread of a staged load. It registers a few slots for the
@@ -651,7 +740,7 @@ fn run_pipeline<M: RingMemory, T: Send>(
                 // engine may fill them all (unregistered, as registering is
                 // the helper's part), then the sink takes them here.
                 fallbacks.push(Fallback::new(
-                    "deliver beside the reads",
+                    DELIVER_BESIDE,
                     "deliver after the reads",
                     format!("cannot create a thread: {err}"),
                 ));
@@ -665,8 +754,8 @@ fn run_pipeline<M: RingMemory, T: Send>(
             }
             Err(err) => {
                 // A sink must run beside the reads: the slots are reused.
-                let err = Error::io("create the delivery thread", path, err);
-                return (Err(err), None);
+                // The caller runs the plan in parts instead ([`run_in_parts`]).
+                return (Err(Error::io(NO_DELIVERY_THREAD, path, err)), None);
             }
         };
         let follower = beside.map(|task| {

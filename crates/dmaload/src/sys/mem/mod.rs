@@ -88,8 +88,9 @@ pub struct Mapping {
     /// The huge-page advice the kernel took for it, which
     /// [`Mapping::make_private`] gives the mapping that replaces it.
     advice: Option<HugePageAdvice>,
-    /// Its entry in the fork registry, where [`Mapping::private_on_fork`]
-    /// put it: a fork makes it private first (see [`PRIVATE_ON_FORK`]).
+    /// Its entry in the fork registry, where [`Mapping::loading`] or
+    /// [`Mapping::loaded`] put it: a fork leaves it out of the child, or
+    /// makes it private first (see [`PRIVATE_ON_FORK`]).
     fork_entry: Option<u64>,
 }
 
@@ -150,7 +151,7 @@ impl Mapping {
     /// `Unsupported`. Calls on one mapping must not overlap (a buffer's
     /// sharing lock orders them).
     ///
-    /// A mapping registered with [`Mapping::private_on_fork`] that a fork
+    /// A mapping registered with [`Mapping::loaded`] that a fork
     /// has already made private is left as it is (mapping it private again
     /// would drop this process's writes since).
     pub fn make_private(&self, fd: BorrowedFd<'_>) -> io::Result<()> {
