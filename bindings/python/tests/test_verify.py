@@ -11,6 +11,7 @@ import hashlib
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -113,7 +114,8 @@ def test_load_into_the_callers_memory_verifies_a_whole_file(tmp_path: Path) -> N
     _sums(tmp_path, "weights.bin")
     raw = np.zeros(len(data) + 8192, dtype=np.uint8)
     start = (-raw.ctypes.data) % 4096
-    targets = [bytearray(len(data)), raw[start : start + len(data)], raw[start + 100 : start + 100 + len(data)]]
+    aligned, shifted = raw[start : start + len(data)], raw[start + 100 : start + 100 + len(data)]
+    targets: list[Any] = [bytearray(len(data)), aligned, shifted]
     for target in targets:
         dmaload.load_into(path, target, verify=True)
         assert bytes(target) == data
