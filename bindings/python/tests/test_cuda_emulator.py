@@ -9,8 +9,11 @@ emulated and stays GPU-only, in test_device.py."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[3]
 # through a two-slot ring, prints OK or the error, then how many bytes of
 # staging ring were kept for the next load.
 CHILD = r"""
-import ctypes, os, struct, sys
+import ctypes, json, os, struct, sys
 import dmaload
 from dmaload import _dmaload
 
@@ -43,6 +46,7 @@ n = file.data_len
 dptr = ctypes.c_ulonglong()
 check(cuda.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(n)))
 ring = {"staging_slots": 2, "staging_slot_size": 65536, "chunk_size": 65536}
+ring.update(json.loads(os.environ.get("CHILD_OPTIONS", "{}")))
 try:
     _dmaload._load_staged([file], [dptr.value], 0, options=ring)
 except OSError as err:
@@ -81,8 +85,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _child(emulator: str, model: Path, faults: str = "") -> str:
+def _child(emulator: str, model: Path, faults: str = "", options: str = "{}") -> str:
     env = dict(os.environ, DMALOAD_LIBCUDA=emulator, DMALOAD_EMU_STRICT="1", DMALOAD_EMU_FAULTS=faults)
+    env["CHILD_OPTIONS"] = options
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(model)], env=env, capture_output=True, text=True, timeout=120
     )
@@ -107,3 +112,32 @@ def test_a_failed_copy_call_fails_the_load_and_the_ring_is_kept(emulator: str, m
     assert "ERROR 5 " in out and str(model) in out and "CUDA_ERROR_UNKNOWN" in out, out
     # Not sticky: the context still works, so its idle ring serves the next load.
     assert "KEPT 131072" in out, out
+
+
+def test_a_verified_staged_load_checks_the_header_and_the_data_it_put_on_the_device(
+    emulator: str, tmp_path: Path
+) -> None:
+    """``verify=True`` on the staged device path: the header is read to size
+    the device memory, then only the data section goes through the ring;
+    the digest covers both, in file order. An intact file loads; a flipped
+    data byte, or a blank of the header's JSON turned into a tab (the header
+    still parses), is an OSError (EBADMSG) naming the digests."""
+    header = json.dumps({"a": {"dtype": "U8", "shape": [400_000], "data_offsets": [0, 400_000]}}).encode()
+    data = bytes(i * 13 % 251 for i in range(400_000))
+    path = tmp_path / "m.safetensors"
+    original = struct.pack("<Q", len(header)) + header + data
+    path.write_bytes(original)
+    sums = subprocess.run(["sha256sum", path.name], cwd=tmp_path, check=True, capture_output=True).stdout
+    (tmp_path / "SHA256SUMS").write_bytes(sums)
+    verify = json.dumps({"verify": True})
+    out = _child(emulator, path, options=verify)
+    assert "OK\n" in out and "ERROR" not in out, out
+    flipped = bytearray(original)
+    flipped[-1000] ^= 1
+    path.write_bytes(bytes(flipped))
+    out = _child(emulator, path, options=verify)
+    assert f"ERROR {errno.EBADMSG} " in out and "SHA-256 mismatch" in out, out
+    blank = original.index(b" ", 8)
+    path.write_bytes(original[:blank] + b"\t" + original[blank + 1 :])
+    out = _child(emulator, path, options=verify)
+    assert f"ERROR {errno.EBADMSG} " in out, out

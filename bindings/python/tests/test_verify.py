@@ -11,6 +11,7 @@ import hashlib
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -101,3 +102,28 @@ def test_a_sharded_model_with_one_corrupt_shard_gives_no_tensors(tmp_path: Path)
         with pytest.raises(OSError) as raised:
             dst.load_file(tmp_path, verify=True, concurrency=concurrency)
         assert raised.value.errno == errno.EBADMSG and names[1] in str(raised.value)
+
+
+def test_load_into_the_callers_memory_verifies_a_whole_file(tmp_path: Path) -> None:
+    """``load_into(..., verify=True)`` of a whole file into a bytearray (any
+    address: through the staging ring) or a page-aligned numpy array (in
+    place) checks it; a flipped byte is EBADMSG; a part of the file is
+    refused (EINVAL) before anything is read."""
+    path = tmp_path / "weights.bin"
+    data = write_random(path, (3 << 20) + 4097)
+    _sums(tmp_path, "weights.bin")
+    raw = np.zeros(len(data) + 8192, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    aligned, shifted = raw[start : start + len(data)], raw[start + 100 : start + 100 + len(data)]
+    targets: list[Any] = [bytearray(len(data)), aligned, shifted]
+    for target in targets:
+        dmaload.load_into(path, target, verify=True)
+        assert bytes(target) == data
+    _flip(path, 2 << 20)
+    for target in targets:
+        with pytest.raises(OSError) as raised:
+            dmaload.load_into(path, target, verify=True)
+        assert raised.value.errno == errno.EBADMSG, raised.value
+    with pytest.raises(OSError) as raised:
+        dmaload.load_into(path, bytearray(4096), 4096, verify=True)
+    assert raised.value.errno == errno.EINVAL and "cannot be checked" in str(raised.value)

@@ -1,7 +1,7 @@
 //! What the seed-table benchmarks share: spread statistics, generated test
 //! files with known per-piece hashes, and cold-cache preparation.
 
-use std::fs::{self, File};
+use std::fs;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
@@ -71,9 +71,11 @@ pub fn bench_file(dir: &Path, len: u64) -> Result<PathBuf, String> {
         return Ok(path);
     }
     eprintln!("bench: writing a {len}-byte test file {}", path.display());
-    let tmp = path.with_extension("tmp");
+    // As every file dmaload creates: never through a planted symlink.
+    let name = path.file_name().unwrap_or_default();
+    let tmp = dmaload::tmpfile::TmpFile::create(dir, name, 0o644).map_err(|e| e.to_string())?;
     let written = (|| -> io::Result<()> {
-        let mut file = File::create(&tmp)?;
+        let mut file = tmp.file();
         let mut block = vec![0u8; 8 << 20];
         let mut at = 0u64;
         while at < len {
@@ -82,10 +84,10 @@ pub fn bench_file(dir: &Path, len: u64) -> Result<PathBuf, String> {
             file.write_all(&block[..n])?;
             at += n as u64;
         }
-        file.sync_all()?;
-        fs::rename(&tmp, &path)
+        file.sync_all()
     })();
-    written.map_err(|e| format!("write {}: {e}", tmp.display()))?;
+    written.map_err(|e| format!("write {}: {e}", path.display()))?;
+    tmp.commit(dir, &path).map_err(|e| e.to_string())?;
     Ok(path)
 }
 

@@ -81,9 +81,10 @@ enum Command {
     #[command(subcommand)]
     Bench(bench::BenchCommand),
     /// Write SHA256SUMS (or B3SUMS) for `load --verify`: for a directory,
-    /// of every regular file in it (by name, in byte order); for files, in
-    /// each one's directory, in the order given. The same bytes `sha256sum`
-    /// (or `b3sum`) prints for those names there.
+    /// of what `sha256sum *` sums there (every name not starting with `.`,
+    /// in byte order, symlinks followed; what is left out is named on
+    /// stderr); for files, in each one's directory, in the order given. The
+    /// same bytes `sha256sum` (or `b3sum`) prints for those names there.
     Sums {
         #[arg(required = true, value_name = "DIR_OR_FILES")]
         paths: Vec<PathBuf>,

@@ -43,22 +43,33 @@ fn panel_height(panel: &Panel) -> u32 {
     panel.bars.len().max(1) as u32 * BAR_HEIGHT + 90
 }
 
-/// Draws `panels` one above the other under `title` into a PNG at `path`.
+/// Draws `panels` one above the other under `title` into a PNG at `path`
+/// (drawn in memory, then written as every file dmaload creates is:
+/// [`dmaload::tmpfile::write_file`], never through a symlink planted at
+/// `path`).
 pub fn bar_chart(path: &Path, title: &str, panels: &[Panel]) -> Result<(), String> {
     register_font()?;
     let height = 50 + panels.iter().map(panel_height).sum::<u32>();
     let fail = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
-    let root = BitMapBackend::new(path, (WIDTH, height)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| fail(&e))?;
-    let root = root.titled(title, (FONT, 24)).map_err(|e| fail(&e))?;
-    let mut rest = root;
-    for panel in panels {
-        let (area, below) = rest.split_vertically(panel_height(panel));
-        rest = below;
-        draw_panel(&area, panel).map_err(|e| fail(&e))?;
+    let mut pixels = vec![0u8; WIDTH as usize * height as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, (WIDTH, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| fail(&e))?;
+        let root = root.titled(title, (FONT, 24)).map_err(|e| fail(&e))?;
+        let mut rest = root;
+        for panel in panels {
+            let (area, below) = rest.split_vertically(panel_height(panel));
+            rest = below;
+            draw_panel(&area, panel).map_err(|e| fail(&e))?;
+        }
+        rest.present().map_err(|e| fail(&e))?;
     }
-    rest.present().map_err(|e| fail(&e))?;
-    Ok(())
+    let mut png = Vec::new();
+    let mut encoder = png::Encoder::new(&mut png, WIDTH, height);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    encoder.write_header().and_then(|mut w| w.write_image_data(&pixels)).map_err(|e| fail(&e))?;
+    dmaload::tmpfile::write_file(path, &png, 0o644).map_err(|e| e.to_string())
 }
 
 fn draw_panel<DB: DrawingBackend>(

@@ -2,7 +2,7 @@
 //! attention and MLP projections, norms) with pseudo-random contents, so
 //! the demo and benchmarks need no download.
 
-use std::fs::{self, File};
+use std::fs;
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
@@ -84,11 +84,16 @@ pub fn fill_pseudo_random(buf: &mut [u8], mut index: u64) {
 }
 
 /// Writes a sample model of about `target_bytes` to `path` (through a
-/// temporary file renamed into place, so a cut-off run leaves no torn file).
+/// temporary file renamed into place, [`dmaload::tmpfile::TmpFile`], so a
+/// cut-off run leaves no torn file and a planted symlink is never followed).
 pub fn write_model(path: &Path, target_bytes: u64) -> io::Result<u64> {
     let (header, data_len) = header(&layout(target_bytes));
-    let tmp = path.with_extension("tmp");
-    let mut out = BufWriter::with_capacity(8 << 20, File::create(&tmp)?);
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let tmp = dmaload::tmpfile::TmpFile::create(dir, path.file_name().unwrap_or_default(), 0o644)?;
+    let mut out = BufWriter::with_capacity(8 << 20, tmp.file());
     out.write_all(&(header.len() as u64).to_le_bytes())?;
     out.write_all(&header)?;
     let mut block = vec![0u8; 8 << 20];
@@ -101,7 +106,7 @@ pub fn write_model(path: &Path, target_bytes: u64) -> io::Result<u64> {
     }
     let file = out.into_inner().map_err(|e| e.into_error())?;
     file.sync_all()?;
-    fs::rename(&tmp, path)?;
+    tmp.commit(dir, path)?;
     Ok(8 + header.len() as u64 + data_len)
 }
 

@@ -53,6 +53,8 @@ pub(crate) fn load_open_device(
     let path = file.path();
     let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
     let len = range_len(file.source(), path, offset, len)?;
+    // Refused or looked up before any allocation; the load checks again.
+    crate::verify::Expected::for_load(file, offset, Some(len), options.verify)?;
     let context = Context::primary(ordinal).map_err(cuda("open the CUDA device"))?;
     let (free, _) = context.mem_info().map_err(cuda("cuMemGetInfo"))?;
     if len > free as u64 {

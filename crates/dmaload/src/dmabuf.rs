@@ -99,6 +99,8 @@ pub(crate) fn load_open_dmabuf(
 ) -> Result<(LoadedDmaBuf, LoadReport)> {
     let path = file.path();
     let len = range_len(file.source(), path, offset, len)?;
+    // Refused or looked up before any allocation; the load checks again.
+    crate::verify::Expected::for_load(file, offset, Some(len), options.verify)?;
     if len == 0 {
         return Err(Error::new(
             ErrorKind::InvalidInput,

@@ -15,7 +15,7 @@
 
 use std::path::Path;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::load::LoadReport;
 use crate::memory::MemoryKind;
 use crate::memory::{MemoryChoice, MemoryFacts};
@@ -28,6 +28,7 @@ use crate::source::OpenFile;
 use crate::sys;
 use crate::sys::mem::RawBytesMut;
 use crate::types::{Fallback, IoMode};
+use crate::verify::Expected;
 
 /// Loads `dst.len()` bytes of the file at `path`, from byte `offset`, into
 /// `dst`. `options.to` plays no part: `dst` is the destination. On error
@@ -105,16 +106,11 @@ fn fill_into(
     let mut dst = dst;
     let path = file.path();
     validate(path, options)?;
-    if options.verify {
-        // Its edges are read apart from its body: not one stream in file order.
-        return Err(Error::new(
-            ErrorKind::InvalidInput,
-            "verify",
-            path,
-            "a load into the caller's memory is not verified: load the whole file with verify instead",
-        ));
-    }
     let len = dst.len() as u64;
+    // A verified load is checked before anything is read, and reports no
+    // bytes as arrived before they are checked.
+    let expected = Expected::for_load(file, offset, Some(len), options.verify)?;
+    let arrived = arrived.filter(|_| expected.is_none());
     let page = sys::mem::page_size();
     let address = dst.as_ptr() as usize;
     let head = (address.next_multiple_of(page) - address).min(dst.len());
@@ -138,8 +134,8 @@ fn fill_into(
     let plan_for =
         |align| Plan::new(body_offset, body as u64, align, options.chunk_size, options.gather_size, page);
     let in_place = opened.read(options, plan_for, |setup, plan, options| {
-        let (head_bytes, rest) = dst.reborrow().split_at(head);
-        let (mut body_bytes, tail_bytes) = rest.split_at(body);
+        let (mut head_bytes, rest) = dst.reborrow().split_at(head);
+        let (mut body_bytes, mut tail_bytes) = rest.split_at(body);
         // Bytes 0..n of the body are bytes 0..n of `dst` only without a head.
         let unchanged_to = |n: u64| {
             if let Some(arrived) = arrived.filter(|_| head == 0) {
@@ -151,9 +147,30 @@ fn fill_into(
             }
         };
         let follow: Option<&(dyn Fn(u64) + Sync)> = arrived.and(Some(&unchanged_to));
-        let filled = fill_mapping(path, setup, plan, body as u64, options, body_bytes.writer(), follow)?;
-        read_edge(file, offset, head_bytes, block, options)?;
-        read_edge(file, body_offset + body as u64, tail_bytes, block, options)?;
+        // The edges are read apart from the body: in file order, so that
+        // a verified load hashes head, body and tail as they come.
+        let verifier = expected.as_ref().map(Expected::verifier);
+        read_edge(file, offset, head_bytes.reborrow(), block, options)?;
+        if let Some(verifier) = &verifier {
+            verifier.add(head_bytes.writer(), 0..head, offset);
+        }
+        let filled = fill_mapping(
+            path,
+            setup,
+            plan,
+            body as u64,
+            options,
+            body_bytes.writer(),
+            follow,
+            verifier.as_ref(),
+        )?;
+        let tail_offset = body_offset + body as u64;
+        read_edge(file, tail_offset, tail_bytes.reborrow(), block, options)?;
+        if let Some(verifier) = verifier {
+            let tail = tail_bytes.len();
+            verifier.add(tail_bytes.writer(), 0..tail, tail_offset);
+            verifier.check(path)?;
+        }
         Ok(filled)
     });
     let ((run, times), plan) = match in_place {
@@ -194,7 +211,8 @@ fn read_edge(
     let page = sys::mem::page_size();
     let mut ring =
         StagingRing::new(2, block, page).map_err(|e| Error::io("allocate staging ring", file.path(), e))?;
-    let quiet = LoadOptions { progress: None, ..options.clone() };
+    // The caller hashes an edge of a verified load with the rest.
+    let quiet = LoadOptions { progress: None, verify: false, ..options.clone() };
     load_open_to_sink(
         file,
         offset,

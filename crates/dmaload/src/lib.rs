@@ -37,6 +37,7 @@ pub mod source;
 #[allow(unsafe_code)]
 mod sys;
 pub mod system;
+pub mod tmpfile;
 mod tune;
 mod types;
 mod user_cache;

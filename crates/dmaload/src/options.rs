@@ -256,8 +256,11 @@ pub struct LoadOptions {
     /// `SHA256SUMS` file beside it records ([`crate::verify`]), hashing the bytes as
     /// they arrive: a mismatch ([`crate::ErrorKind::Corrupt`]), a missing
     /// sums file or a file it does not list is an error, and no buffer is
-    /// handed out. Whole files only (a range or `load_into` is an error);
-    /// a cached load ([`crate::share::load_cached`]) loads directly.
+    /// handed out. Whole files only, on every path (a new buffer, a sink,
+    /// `load_into`, a device; a data section after a header read with
+    /// [`crate::OpenFile::read_head`]): a range is refused where the load is
+    /// asked for, before any read; a cached load
+    /// ([`crate::share::load_cached`]) loads directly.
     pub verify: bool,
 }
 

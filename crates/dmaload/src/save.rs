@@ -52,16 +52,16 @@
 //! its temporary file from creation, so a save from another PID namespace
 //! or host (NFS) is never touched. Removed names are in `removed_tmpfiles`.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::fmt;
-use std::fs::{self, File, Metadata, OpenOptions};
+use std::fs::{self, File, Metadata};
 use std::io::{self, Seek, SeekFrom};
 use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use serde::Serialize;
 
@@ -73,6 +73,7 @@ use crate::pipeline::write_at as write_through_engine;
 use crate::source::direct_io_alignment;
 use crate::source::type_name;
 pub use crate::sys::shm::RawBytes;
+use crate::tmpfile::{remove_stale_tmpfiles, TmpFile};
 use crate::types::{CachePolicy, Engine, Fallback, IoMode, ProgressFn};
 use crate::{sys, system};
 /// Options of [`save`]; `SaveOptions::default()` is what a user gets
@@ -184,143 +185,6 @@ pub struct SaveReport {
     pub gib_per_second: f64,
     pub cpu_user_seconds: f64,
     pub cpu_system_seconds: f64,
-}
-
-/// The temporary file of a save. Until [`TmpFile::commit`] a named one is
-/// removed on drop; an unnamed one (O_TMPFILE) vanishes with its fd.
-pub(crate) struct TmpFile {
-    pub(crate) file: File,
-    pub(crate) name: Option<PathBuf>,
-}
-
-impl Drop for TmpFile {
-    fn drop(&mut self) {
-        if let Some(name) = &self.name {
-            // Best effort: failing to clean up must not hide the save's error.
-            let _ = fs::remove_file(name);
-        }
-    }
-}
-
-/// The longest file name Linux filesystems take (NAME_MAX).
-const NAME_MAX: usize = 255;
-
-/// `.NAME.dmaload-PID-NANOS.tmp` in `dir`, a name no other save (or file)
-/// is using right now; NAME is cut short so the whole fits in NAME_MAX.
-fn tmp_name(dir: &Path, name: &OsStr) -> PathBuf {
-    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    let suffix = format!(".dmaload-{}-{nanos:09}.tmp", std::process::id());
-    let bytes = name.as_bytes();
-    let mut keep = bytes.len().min(NAME_MAX - 1 - suffix.len());
-    // A UTF-8 name is cut at a character boundary, so the name stays UTF-8.
-    if let Ok(text) = std::str::from_utf8(bytes) {
-        while !text.is_char_boundary(keep) {
-            keep -= 1;
-        }
-    }
-    let mut tmp = OsString::from(".");
-    tmp.push(OsStr::from_bytes(&bytes[..keep]));
-    tmp.push(suffix);
-    dir.join(tmp)
-}
-
-/// `bytes` split around its last '-'.
-fn split_last_dash(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
-    let i = bytes.iter().rposition(|&c| c == b'-')?;
-    Some((&bytes[..i], &bytes[i + 1..]))
-}
-
-/// The PID in a name [`tmp_name`] made, or `None` for any other name.
-fn tmp_name_pid(name: &[u8]) -> Option<u32> {
-    let digits = |b: &[u8]| !b.is_empty() && b.iter().all(u8::is_ascii_digit);
-    let rest = name.strip_prefix(b".")?.strip_suffix(b".tmp")?;
-    let (rest, nanos) = split_last_dash(rest)?;
-    let (rest, pid) = split_last_dash(rest)?;
-    let base = rest.strip_suffix(b".dmaload")?;
-    if base.is_empty() || nanos.len() != 9 || !digits(nanos) || pid.len() > 10 || !digits(pid) {
-        return None;
-    }
-    std::str::from_utf8(pid).ok()?.parse().ok()
-}
-
-/// Removes temporary files that killed saves left in `dir` (see the module
-/// doc) and returns their names. Best effort: what cannot be read, opened,
-/// locked or removed is left alone, and never fails the save.
-pub(crate) fn remove_stale_tmpfiles(dir: &Path) -> Vec<String> {
-    let Ok(entries) = fs::read_dir(dir) else { return Vec::new() };
-    let mut removed = Vec::new();
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        match tmp_name_pid(name.as_bytes()) {
-            Some(pid) if !sys::process::process_exists(pid) => {}
-            _ => continue,
-        }
-        let path = entry.path();
-        let Ok(file) = sys::file::open_nofollow(&path) else { continue };
-        let (Ok(opened), Ok(named)) = (file.metadata(), fs::symlink_metadata(&path)) else { continue };
-        // A live save (of another PID namespace or host) holds the lock.
-        let unlocked = sys::file::try_lock_exclusive(file.as_fd()).unwrap_or(false);
-        let same = (opened.dev(), opened.ino()) == (named.dev(), named.ino());
-        if unlocked && same && opened.file_type().is_file() && fs::remove_file(&path).is_ok() {
-            removed.push(name.to_string_lossy().into_owned());
-        }
-    }
-    removed
-}
-
-impl TmpFile {
-    /// An unnamed O_TMPFILE in `dir` (Linux 3.11, most local filesystems),
-    /// else a named file created exclusively; either way locked (`flock`)
-    /// before it has a name, so no cleanup takes it for a killed save's.
-    pub(crate) fn create(dir: &Path, name: &OsStr, mode: u32) -> Result<TmpFile> {
-        let tmp = match sys::file::open_tmpfile(dir, mode) {
-            Ok(file) => TmpFile { file, name: None },
-            Err(e) if sys::file::tmpfile_unsupported(&e) => {
-                let name = tmp_name(dir, name);
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create_new(true)
-                    .mode(mode)
-                    .open(&name)
-                    .map_err(|e| Error::io("create", &name, e))?;
-                TmpFile { file, name: Some(name) }
-            }
-            Err(e) => return Err(Error::io("create temporary file in", dir, e)),
-        };
-        // Where locks are unsupported (ENOLCK) no cleanup can take one either.
-        let _ = sys::file::try_lock_exclusive(tmp.file.as_fd());
-        Ok(tmp)
-    }
-
-    /// Puts the file in place of `target` atomically, unless something
-    /// other than a regular file has appeared there since the save began.
-    pub(crate) fn commit(mut self, dir: &Path, target: &Path) -> Result<()> {
-        if self.name.is_none() {
-            // linkat cannot replace a file: name it first, then rename.
-            let name = tmp_name(dir, target.file_name().unwrap_or(OsStr::new("file")));
-            sys::file::link_tmpfile(self.file.as_fd(), &name).map_err(|e| Error::io("link", &name, e))?;
-            self.name = Some(name);
-        }
-        match fs::symlink_metadata(target) {
-            Ok(meta) if !meta.file_type().is_file() => {
-                return Err(Error::new(
-                    ErrorKind::InvalidInput,
-                    "rename",
-                    target,
-                    format!("{} appeared there during the save and is left alone", type_name(&meta)),
-                ))
-            }
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("stat", target, e)),
-        }
-        if let Some(name) = &self.name {
-            fs::rename(name, target).map_err(|e| Error::io("rename", target, e))?;
-        }
-        self.name = None;
-        Ok(())
-    }
 }
 
 /// The directory a path is in ("." for a bare name).
@@ -714,11 +578,11 @@ fn save_replacing(
     let mode = previous.as_ref().map_or(0o666, |m| m.mode() & 0o7777);
     let tmp = TmpFile::create(&dir, &name, mode)?;
     if let Some(meta) = &previous {
-        keep_owner_and_mode(&tmp.file, &target, meta, mode, &mut out.fallbacks)?;
+        keep_owner_and_mode(tmp.file(), &target, meta, mode, &mut out.fallbacks)?;
         out.replaced = true;
         out.other_links = meta.nlink().saturating_sub(1);
     }
-    let file = &tmp.file;
+    let file = tmp.file();
     let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", &target, e))?;
 
     let allocating = Instant::now();
@@ -746,7 +610,7 @@ fn save_replacing(
         // Advice only: failing leaves the pages cached, the data is written.
         let _ = sys::file::fadvise(file.as_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
     }
-    out.anonymous_tmpfile = tmp.name.is_none();
+    out.anonymous_tmpfile = tmp.is_anonymous();
     tmp.commit(&dir, &target)?;
     if options.sync {
         File::open(&dir).and_then(|d| d.sync_all()).map_err(|e| Error::io("fsync directory", &dir, e))?;

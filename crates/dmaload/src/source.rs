@@ -146,12 +146,14 @@ impl Stamp {
 pub struct OpenFile {
     source: Source,
     path: PathBuf,
+    /// The file's first bytes, as [`OpenFile::read_head`] last read them.
+    head: std::sync::Mutex<Option<std::sync::Arc<[u8]>>>,
 }
 
 impl OpenFile {
     pub fn open(path: impl AsRef<Path>) -> Result<OpenFile> {
         let path = path.as_ref();
-        Ok(OpenFile { source: Source::open(path)?, path: path.to_owned() })
+        Ok(OpenFile { source: Source::open(path)?, path: path.to_owned(), head: Default::default() })
     }
 
     /// A file the caller opened. It is reopened through `/proc/self/fd` (a
@@ -159,7 +161,7 @@ impl OpenFile {
     /// caller's fd), and the reopened file must be the same inode.
     pub fn from_fd(fd: BorrowedFd<'_>) -> Result<OpenFile> {
         let (source, path) = Source::from_fd(fd)?;
-        Ok(OpenFile { source, path })
+        Ok(OpenFile { source, path, head: Default::default() })
     }
 
     /// This file's first `len` bytes as the whole of it: for a memfd that
@@ -214,6 +216,25 @@ impl OpenFile {
             }
         }
         Ok(done)
+    }
+
+    /// Reads the file's first `len` bytes (fewer where it ends first) and
+    /// keeps them: a verified load of the rest of this open file, from byte
+    /// `len` to its end, hashes these bytes first and so checks the whole
+    /// file against its digest ([`crate::verify`]), as a safetensors load
+    /// to a device does after reading the header to size the destination.
+    pub fn read_head(&self, len: usize) -> io::Result<std::sync::Arc<[u8]>> {
+        let mut head = vec![0u8; len];
+        let got = self.read_at(&mut head, 0)?;
+        head.truncate(got);
+        let head: std::sync::Arc<[u8]> = head.into();
+        *self.head.lock().unwrap_or_else(|p| p.into_inner()) = Some(head.clone());
+        Ok(head)
+    }
+
+    /// The bytes [`OpenFile::read_head`] last read.
+    pub(crate) fn head(&self) -> Option<std::sync::Arc<[u8]>> {
+        self.head.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub(crate) fn source(&self) -> &Source {

@@ -71,6 +71,8 @@ fn child_cases() {
         "two_devices" => two_devices(),
         "write_pinned" => write_pinned(),
         "lane" => load_through_the_cache_lane(),
+        "verify_whole" => verified_load_to_the_device(),
+        "verify_section" => verified_data_section_to_the_device(),
         other => panic!("no child case {other}"),
     }
 }
@@ -567,4 +569,106 @@ fn a_fault_on_the_cache_lane_fails_the_load_cleanly() {
             assert!(error.contains(needle), "{faults}: no {needle:?} in {error}");
         }
     }
+}
+
+/// In a child: `load_to(cuda:0)` of the whole file with `verify`; prints
+/// `VERIFY OK` once the device holds the file's bytes, else `VERIFY ERROR`
+/// with the error's kind (the load returned no device memory).
+fn verified_load_to_the_device() {
+    let path = std::path::PathBuf::from(std::env::var_os(CHILD_FILE).unwrap());
+    let options = LoadOptions {
+        verify: true,
+        to: dmaload::Destination::Cuda(0),
+        chunk_size: 1 << 20,
+        ..LoadOptions::default()
+    };
+    let file = dmaload::OpenFile::open(&path).unwrap();
+    match dmaload::load_to(&file, 0, None, &options) {
+        Ok((dmaload::Loaded::Device(device), _)) => {
+            let mut back = Vec::new();
+            device.read_each(|bytes| back.extend_from_slice(bytes)).unwrap();
+            assert_eq!(back, std::fs::read(&path).unwrap());
+            println!("VERIFY OK");
+        }
+        Ok(_) => panic!("cuda:0 gave no device memory"),
+        Err(err) => println!("VERIFY ERROR {:?}: {err}", err.kind()),
+    }
+}
+
+/// In a child: a safetensors file's header read, then its data section
+/// loaded into device memory through a two-slot pinned ring with `verify`
+/// (the staged path of `load_file(device="cuda:0")`): prints as above.
+fn verified_data_section_to_the_device() {
+    use dmaload::format::safetensors as st;
+    let path = std::path::PathBuf::from(std::env::var_os(CHILD_FILE).unwrap());
+    let ctx = Context::primary(0).unwrap();
+    let file = dmaload::OpenFile::open(&path).unwrap();
+    let (header, _) = st::read_header_of(&file).unwrap();
+    let (start, len) = (header.data_start(), header.data_len());
+    let mut gpu = DeviceBuffer::new(&ctx, len as usize).unwrap();
+    let mut ring = StagingRing::pinned(&ctx, 2, 1 << 20, 1 << 20).unwrap();
+    let options = LoadOptions { verify: true, chunk_size: 1 << 20, ..LoadOptions::default() };
+    let loaded = {
+        let mut sink = CudaSink::new(&ctx, vec![(start, gpu.range())]).unwrap();
+        dmaload::load_open_to_sink(&file, start, Some(len), &mut ring, &mut sink, &options)
+    };
+    match loaded {
+        Ok(_) => {
+            let mut back = vec![0u8; len as usize];
+            gpu.copy_to_host(0, &mut back).unwrap();
+            assert_eq!(back, std::fs::read(&path).unwrap()[start as usize..]);
+            println!("VERIFY OK");
+        }
+        Err(err) => println!("VERIFY ERROR {:?}: {err}", err.kind()),
+    }
+}
+
+/// `verify` on the CUDA path, under the emulator's strict mode: a whole
+/// file to `cuda:0`, and a safetensors file's data section after its header
+/// (the digest covers both). Each loads when intact; with a byte flipped
+/// (in the data, or a blank of the header's JSON turned into a tab, which
+/// still parses) each fails with `Corrupt` and hands out no device memory.
+#[test]
+fn verified_loads_to_cuda_check_the_whole_file_and_fail_on_a_flipped_byte() {
+    let test = "verified_loads_to_cuda_check_the_whole_file_and_fail_on_a_flipped_byte";
+    if !emulator(test) {
+        return;
+    }
+    let dir = scratch_dir();
+    let whole = dir.path().join("model.bin");
+    write_pattern_file(&whole, (5 << 20) + 333);
+    let section = dir.path().join("model.safetensors");
+    let json = br#"{"a": {"dtype": "U8", "shape": [3145728], "data_offsets": [0, 3145728]}}"#;
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(json);
+    bytes.extend((0..3u32 << 20).map(|i| (i % 253) as u8));
+    std::fs::write(&section, &bytes).unwrap();
+    let sums =
+        Command::new("sha256sum").args(["model.bin", "model.safetensors"]).current_dir(dir.path()).output();
+    std::fs::write(dir.path().join("SHA256SUMS"), sums.unwrap().stdout).unwrap();
+    let run = |case: &str, path: &std::path::Path| {
+        let env = [("DMALOAD_EMU_STRICT", "1"), (CHILD_FILE, path.to_str().unwrap())];
+        let out = run_child(case, &env);
+        assert!(out.status.success(), "{}", text(&out));
+        text(&out)
+    };
+    assert!(run("verify_whole", &whole).contains("VERIFY OK"));
+    assert!(run("verify_section", &section).contains("VERIFY OK"));
+
+    let mut flipped = std::fs::read(&whole).unwrap();
+    flipped[(4 << 20) + 1] ^= 0x40;
+    std::fs::write(&whole, &flipped).unwrap();
+    let out = run("verify_whole", &whole);
+    assert!(out.contains("VERIFY ERROR Corrupt") && out.contains("SHA-256 mismatch"), "{out}");
+
+    let blank = 8 + bytes[8..].iter().position(|&b| b == b' ').unwrap();
+    bytes[blank] = b'\t';
+    std::fs::write(&section, &bytes).unwrap();
+    let out = run("verify_section", &section);
+    assert!(out.contains("VERIFY ERROR Corrupt"), "{out}");
+    bytes[blank] = b' ';
+    *bytes.last_mut().unwrap() ^= 1;
+    std::fs::write(&section, &bytes).unwrap();
+    let out = run("verify_section", &section);
+    assert!(out.contains("VERIFY ERROR Corrupt"), "{out}");
 }

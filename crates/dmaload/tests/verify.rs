@@ -132,13 +132,13 @@ fn a_missing_sums_file_or_an_unlisted_file_is_an_error() {
     let err = dmaload::load(&path, &options).unwrap_err();
     assert!(err.to_string().contains("\"f\" is not listed in"), "{err}");
 
-    // A malformed line names the line; a range cannot be verified.
+    // A line sha256sum -c passes over is named; a range cannot be verified.
     std::fs::write(dir.path().join("SHA256SUMS"), "not a digest  f\n").unwrap();
     let err = dmaload::load(&path, &options).unwrap_err();
-    assert!(err.to_string().contains("line 1"), "{err}");
+    assert!(err.to_string().contains("passes over line(s) 1"), "{err}");
     coreutils_sums(dir.path(), &["f"]);
     let err = dmaload::load_range(&path, 0, M as u64, &options).unwrap_err();
-    assert!(err.to_string().contains("only a whole file"), "{err}");
+    assert!(err.to_string().contains("cannot be checked against it"), "{err}");
     let mut dst = vec![0u8; M];
     let err = dmaload::load_into(&path, 0, &mut dst, &options).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
@@ -163,7 +163,7 @@ fn b3sums_written_by_b3sum_verify_and_come_first() {
     }
     let digest = dmaload::verify::file_digest(&path, DigestKind::Blake3).unwrap();
     let b3sums = std::fs::read_to_string(dir.path().join("B3SUMS")).unwrap();
-    assert_eq!(dmaload::verify::sums_line(&digest, "model.bin"), b3sums);
+    assert_eq!(dmaload::verify::sums_line(DigestKind::Blake3, &digest, b"model.bin"), b3sums.as_bytes());
     assert_eq!(dmaload::verify::expected_digest(&path).unwrap(), (DigestKind::Blake3, digest));
 
     // Both list it, only B3SUMS is wrong: the load checks BLAKE3, and fails.
@@ -212,7 +212,7 @@ fn sums_in_every_form_sha256sum_writes_are_read() {
     for name in names {
         let digest = dmaload::verify::file_digest(&dir.path().join(name), DigestKind::Sha256).unwrap();
         let out = Command::new("sha256sum").arg(name).current_dir(dir.path()).output().unwrap();
-        assert_eq!(dmaload::verify::sums_line(&digest, name).as_bytes(), out.stdout);
+        assert_eq!(dmaload::verify::sums_line(DigestKind::Sha256, &digest, name.as_bytes()), out.stdout);
     }
 }
 
@@ -286,4 +286,249 @@ fn a_fifo_or_device_in_place_of_a_file_is_refused_not_read_forever() {
         }),
     );
     assert!(err.contains("FIFO"), "{err}");
+}
+
+/// `load_into` of a whole file into the caller's memory verifies, on each
+/// of its shapes: in place with unaligned edges read apart (hashed in file
+/// order: head, body, tail), and through the staging ring (memory whose
+/// alignment does not line up with the file); a flipped byte in the head
+/// edge, the body or the tail edge fails with `Corrupt`. A part of the file
+/// is refused before anything is read.
+#[test]
+fn load_into_the_callers_memory_verifies_a_whole_file() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    let len = 6 * M + 1234;
+    write_pattern_file(&path, len as u64);
+    coreutils_sums(dir.path(), &["model.bin"]);
+    let page = 4096;
+    // Memory from 100 bytes before a page boundary: a head edge of 100
+    // bytes, a page-aligned body, an unaligned tail (in place, buffered);
+    // and memory at an odd address with direct I/O (the staging ring).
+    let mut backing = vec![0u8; len + 2 * page];
+    let aligned = backing.as_ptr().align_offset(page);
+    let shapes =
+        [(aligned + page - 100, IoMode::Buffered), (aligned + 1, IoMode::Direct), (aligned, IoMode::Auto)];
+    for (start, mode) in shapes {
+        let options = verified(Engine::Uring, mode);
+        let dst = &mut backing[start..start + len];
+        dst.fill(0);
+        dmaload::load_into(&path, 0, dst, &options).unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+        assert_eq!(dst, &std::fs::read(&path).unwrap()[..], "{mode:?}");
+    }
+    for at in [10, 3 * M as u64, len as u64 - 7] {
+        flip_byte(&path, at);
+        for (start, mode) in shapes {
+            let dst = &mut backing[start..start + len];
+            let err = dmaload::load_into(&path, 0, dst, &verified(Engine::Uring, mode)).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Corrupt, "{mode:?} at {at}: {err}");
+        }
+        flip_byte(&path, at);
+    }
+    // Not the whole file: refused before any read, with no sums file needed.
+    std::fs::remove_file(dir.path().join("SHA256SUMS")).unwrap();
+    let err = dmaload::load_into(&path, 4096, &mut backing[..M], &verified(Engine::Uring, IoMode::Auto))
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    assert!(err.to_string().contains("cannot be checked against it"), "{err}");
+}
+
+/// A safetensors file whose tensors are `lens` bytes each.
+fn write_safetensors(path: &Path, lens: &[usize]) {
+    let mut tensors = Vec::new();
+    let mut at = 0;
+    for (i, len) in lens.iter().enumerate() {
+        tensors.push(format!(
+            "\"t{i}\": {{\"dtype\": \"U8\", \"shape\": [{len}], \"data_offsets\": [{at}, {}]}}",
+            at + len
+        ));
+        at += len;
+    }
+    let json = format!("{{{}}}", tensors.join(", "));
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(json.as_bytes());
+    bytes.extend((0..at).map(|i| (i * 7 % 251) as u8));
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// The staged path to a device reads a safetensors header first, then
+/// only the data section: the digest covers both, in file order (the head
+/// the header was parsed from, then the data), so a verified load of the
+/// data section checks the whole file, and a byte changed in the header
+/// (still valid JSON) fails as one changed in the data does.
+#[test]
+fn a_staged_load_of_the_data_section_verifies_the_header_it_was_sized_from() {
+    use dmaload::format::safetensors as st;
+    let dir = scratch_dir();
+    let path = dir.path().join("model.safetensors");
+    write_safetensors(&path, &[3 * M + 5, M, 77]);
+    coreutils_sums(dir.path(), &["model.safetensors"]);
+    let load = |path: &Path| -> dmaload::Result<Vec<u8>> {
+        let file = dmaload::OpenFile::open(path)?;
+        let (header, _) = st::read_header_of(&file).map_err(|e| match e {
+            st::Error::Io(e) => e,
+            other => panic!("{other}"),
+        })?;
+        let mut dst = vec![0u8; header.data_len() as usize];
+        let mut ring = StagingRing::new(3, M, 256 << 10).unwrap();
+        let mut sink = HostSink::new(&mut dst, header.data_start());
+        let options = verified(Engine::UringFixed, IoMode::Auto);
+        dmaload::load_open_to_sink(
+            &file,
+            header.data_start(),
+            Some(header.data_len()),
+            &mut ring,
+            &mut sink,
+            &options,
+        )?;
+        Ok(dst)
+    };
+    let data = load(&path).unwrap();
+    assert_eq!(data, std::fs::read(&path).unwrap()[std::fs::read(&path).unwrap().len() - data.len()..]);
+    // A blank in the JSON becomes a tab: the header still parses, to the
+    // same tensors, but the file is not the one the sums file lists.
+    let bytes = std::fs::read(&path).unwrap();
+    let blank = bytes[8..].iter().position(|&b| b == b' ').unwrap() + 8;
+    let mut changed = bytes.clone();
+    changed[blank] = b'\t';
+    std::fs::write(&path, &changed).unwrap();
+    let err = load(&path).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    std::fs::write(&path, &bytes).unwrap();
+    flip_byte(&path, bytes.len() as u64 - 3);
+    let err = load(&path).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    // Without the header read first, the data section alone is a part of
+    // the file: refused before any read.
+    std::fs::write(&path, &bytes).unwrap();
+    let file = dmaload::OpenFile::open(&path).unwrap();
+    let mut dst = vec![0u8; M];
+    let mut ring = StagingRing::new(3, M, 256 << 10).unwrap();
+    let options = verified(Engine::UringFixed, IoMode::Auto);
+    let start = bytes.len() as u64 - M as u64;
+    let err = dmaload::load_open_to_sink(
+        &file,
+        start,
+        None,
+        &mut ring,
+        &mut HostSink::new(&mut dst, start),
+        &options,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("cannot be checked against it"), "{err}");
+}
+
+/// What the real tool's `-c`, run in the sums file's directory, says of the
+/// file a case is about: it checked it (a line `NAME: OK` for a file other
+/// than `other`, which some cases list too) and nothing failed.
+fn tool_checks(tool: &str, dir: &Path, sums: &str) -> bool {
+    let out = Command::new(tool).args(["-c", sums]).current_dir(dir).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    out.status.success() && text.lines().any(|l| l.ends_with(": OK") && !l.starts_with("other:"))
+}
+
+/// A sums file means what `sha256sum -c` / `b3sum -c` say it means: for
+/// each form below, written by hand around the tools' own lines, a
+/// verified load succeeds exactly when the real tool's check does.
+#[test]
+fn sums_files_mean_what_sha256sum_c_and_b3sum_c_say() {
+    let test = "sums_files_mean_what_sha256sum_c_and_b3sum_c_say";
+    let dir = scratch_dir();
+    let d = dir.path();
+    std::fs::create_dir(d.join("sub")).unwrap();
+    for name in ["model.bin", "other", "with space", " lead", "back\\slash", "new\nline", "sub/inner"] {
+        write_pattern_file(&d.join(name), 300_000 + name.len() as u64);
+    }
+    std::os::unix::fs::symlink("model.bin", d.join("link")).unwrap();
+    let line = |tool: &str, args: &[&str], name: &str| -> String {
+        let out = Command::new(tool).args(args).arg(name).current_dir(d).output().unwrap();
+        assert!(out.status.success(), "{tool} {name}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let wrong = |good: &str| -> String {
+        // The same line with the digest's first digit changed.
+        let at = usize::from(good.starts_with('\\'));
+        let mut bytes = good.as_bytes().to_vec();
+        bytes[at] = if bytes[at] == b'0' { b'1' } else { b'0' };
+        String::from_utf8(bytes).unwrap()
+    };
+    let s = |name: &str| line("sha256sum", &[], name);
+    let cases: Vec<(&str, String)> = vec![
+        ("model.bin", s("model.bin")),
+        ("model.bin", s("model.bin") + &s("model.bin")),
+        ("model.bin", wrong(&s("model.bin")) + &s("model.bin")),
+        ("model.bin", s("model.bin") + &wrong(&s("./model.bin"))),
+        ("model.bin", s("model.bin").to_uppercase().replace("  MODEL.BIN", "  model.bin")),
+        ("model.bin", s("model.bin").replace('\n', "\r\n") + &s("other").replace('\n', "\r\n")),
+        ("model.bin", format!("# made by hand\n\n{}", s("model.bin"))),
+        ("model.bin", format!("garbage line\n{}not hex  model.bin\n", s("model.bin"))),
+        ("model.bin", line("sha256sum", &["--tag"], "model.bin")),
+        ("model.bin", line("sha256sum", &["-b"], "./model.bin")),
+        ("model.bin", s("model.bin").replacen("  ", " ", 1)),
+        ("model.bin", s("other").replacen("  ", " ", 1) + &s("model.bin")),
+        ("model.bin", s("other") + &s("model.bin").replacen("  ", " ", 1)),
+        ("model.bin", "  ".to_owned() + &s("model.bin").replacen("  ", "\t", 1)),
+        ("model.bin", s("model.bin").replace("model.bin", "model.bin ")),
+        ("model.bin", s("sub/../model.bin")),
+        ("with space", s("with space")),
+        (" lead", s(" lead")),
+        ("back\\slash", s("back\\slash") + &line("sha256sum", &["--tag"], "back\\slash")),
+        ("new\nline", s("new\nline")),
+        ("new\nline", line("sha256sum", &["--tag"], "new\nline")),
+        ("link", s("link")),
+        ("sub/inner", s("sub/inner")),
+    ];
+    for (i, (name, text)) in cases.iter().enumerate() {
+        let sums = d.join("SHA256SUMS");
+        // A file in `sub` is checked against a sums file in `sub` naming
+        // it as the tool run there would open it.
+        let (dir_of, text) = match name.strip_prefix("sub/") {
+            Some(inner) => (d.join("sub"), text.replace("sub/inner", &format!("../sub/{inner}"))),
+            None => (d.to_owned(), text.clone()),
+        };
+        let _ = std::fs::remove_file(&sums);
+        let _ = std::fs::remove_file(d.join("sub/SHA256SUMS"));
+        std::fs::write(dir_of.join("SHA256SUMS"), &text).unwrap();
+        let tool = tool_checks("sha256sum", &dir_of, "SHA256SUMS");
+        let ours = dmaload::load(d.join(name), &verified(Engine::Uring, IoMode::Auto));
+        assert_eq!(
+            ours.is_ok(),
+            tool,
+            "case {i} ({name:?}): {text:?}: sha256sum -c says {tool}, dmaload {:?}",
+            ours.err()
+        );
+    }
+    let _ = std::fs::remove_file(d.join("SHA256SUMS"));
+    let _ = std::fs::remove_file(d.join("sub/SHA256SUMS"));
+
+    if Command::new("b3sum").arg("--version").output().is_err() {
+        return common::skip(test, "b3sum is not installed (apt-get install b3sum)");
+    }
+    let b = |name: &str| line("b3sum", &[], name);
+    let cases: Vec<(&str, String)> = vec![
+        ("model.bin", b("model.bin")),
+        ("model.bin", b("model.bin") + &b("./model.bin")),
+        ("model.bin", wrong(&b("model.bin")) + &b("model.bin")),
+        ("model.bin", b("model.bin")[..64].to_uppercase() + &b("model.bin")[64..]),
+        ("model.bin", b("model.bin").replace('\n', "\r\n")),
+        ("model.bin", format!("# made by hand\n{}", b("model.bin"))),
+        ("model.bin", format!("{}\n", b("model.bin"))),
+        ("model.bin", b("model.bin").replacen("  ", " *", 1)),
+        ("model.bin", format!("BLAKE3 (model.bin) = {}\n", &b("model.bin")[..64])),
+        ("new\nline", b("new\nline")),
+        ("back\\slash", b("back\\slash")),
+        ("with space", b("with space")),
+        ("link", b("link")),
+    ];
+    for (i, (name, text)) in cases.iter().enumerate() {
+        std::fs::write(d.join("B3SUMS"), text).unwrap();
+        let tool = tool_checks("b3sum", d, "B3SUMS");
+        let ours = dmaload::load(d.join(name), &verified(Engine::Uring, IoMode::Auto));
+        assert_eq!(
+            ours.is_ok(),
+            tool,
+            "case {i} ({name:?}): {text:?}: b3sum -c says {tool}, dmaload {:?}",
+            ours.err()
+        );
+    }
 }

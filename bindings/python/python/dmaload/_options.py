@@ -64,7 +64,10 @@ class LoadOptions(TypedDict, total=False):
         A mismatch is an ``OSError`` (errno ``EBADMSG``) naming the file and
         both digests; a missing sums file or a file it does not list is an
         ``OSError`` (``EINVAL``); either way no buffer or tensor is returned.
-        Whole files only; with ``cache=`` the file is loaded directly.
+        Whole files, on every path (``load``, ``load_into`` of a whole file,
+        the safetensors loaders to the CPU or a device, whose header and
+        data are both checked); a part of a file is refused (``EINVAL``)
+        before anything is read. With ``cache=`` the file is loaded directly.
     staging_slots, staging_slot_size: the pinned staging ring of a device
         load (``device="cuda:N"``; default 32 slots of 16 MiB, one read
         each); host loads ignore them.

@@ -481,6 +481,8 @@ pub fn read_header(path: &Path) -> Result<(Header, Vec<u8>), Error> {
 
 /// [`read_header`] of a file already open: a load of the same [`OpenFile`]
 /// afterwards reads the file this header describes, or fails if it changed.
+/// The bytes read are the file's head ([`OpenFile::read_head`]): a verified
+/// load of the data section hashes them first, checking the whole file.
 pub fn read_header_of(file: &OpenFile) -> Result<(Header, Vec<u8>), Error> {
     let path = file.path();
     let file_len = file.len();
@@ -489,14 +491,14 @@ pub fn read_header_of(file: &OpenFile) -> Result<(Header, Vec<u8>), Error> {
     let header = |error| Error::Header { path: path.to_owned(), error };
     let n = header_len(&prefix[..got], file_len).map_err(header)?;
     // n <= MAX_HEADER_LEN (100 MB), so this fits usize and is bounded.
-    let mut json = vec![0u8; n as usize];
-    let got = file.read_at(&mut json, 8).map_err(|e| IoError::io("read", path, e))?;
-    if got < json.len() {
+    let head = file.read_head(8 + n as usize).map_err(|e| IoError::io("read", path, e))?;
+    if head.len() < 8 + n as usize || head[..8] != prefix {
         return Err(header(
-            HeaderError::new(HeaderErrorKind::LengthMismatch, "file shrank while its header was read")
-                .at(8 + got as u64),
+            HeaderError::new(HeaderErrorKind::LengthMismatch, "file changed while its header was read")
+                .at(head.len() as u64),
         ));
     }
+    let json = head[8..].to_vec();
     let parsed = parse_header(&json, file_len).map_err(header)?;
     Ok((parsed, json))
 }

@@ -22,6 +22,7 @@ use crate::sys;
 use crate::sys::mem::Seals;
 use crate::system::DeviceQueue;
 use crate::types::CachePolicy;
+use crate::verify::Expected;
 
 /// Loads from the open `file` into a new host [`Buffer`] of the memory the
 /// options name: in place, or through the process's small staging ring of
@@ -33,6 +34,7 @@ pub(crate) fn load_source(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     let (source, path) = (file.source(), file.path());
+    let expected = Expected::for_load(file, offset, len, options.verify)?;
     let mut opened = open_range(source, path, offset, len, options, true)?;
     let (offset, len) = (opened.offset, opened.len);
     let facts = MemoryFacts::read();
@@ -45,7 +47,7 @@ pub(crate) fn load_source(
     let page = sys::mem::page_size();
     let plan_for = |align| Plan::new(offset, len, align, options.chunk_size, options.gather_size, page);
     let (filled, plan) = opened.read(options, plan_for, |setup, plan, options| {
-        fill(path, setup, plan, len, options, kind, &facts)
+        fill(path, setup, plan, len, options, kind, &facts, expected.as_ref())
     })?;
     let Filled { mut alloc, run, times, engine_wall } = filled;
     refuse_if_forked(&alloc, path)?;

@@ -32,7 +32,7 @@ use crate::sys::mem::MappingWriter;
 use crate::sys::uring::{Registrar, Ring, RingMemory};
 use crate::tune;
 use crate::types::{CachePolicy, Direction, Engine, Fallback};
-use crate::verify::Verifier;
+use crate::verify::{Expected, Verifier};
 
 /// Time spent on the helper thread: populating the buffer, and
 /// registering it with io_uring.
@@ -198,8 +198,10 @@ pub(crate) struct Filled {
     pub engine_wall: Duration,
 }
 
-/// One attempt at filling a fresh allocation of `memory`; the allocation is
-/// dropped (never returned) when it fails.
+/// One attempt at filling a fresh allocation of `memory`, checked against
+/// `expected` (a verified load); the allocation is dropped (never
+/// returned) when it fails.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn fill(
     path: &Path,
     setup: &ReadSetup,
@@ -208,11 +210,17 @@ pub(crate) fn fill(
     options: &LoadOptions,
     memory: MemoryKind,
     facts: &crate::memory::MemoryFacts,
+    expected: Option<&Expected>,
 ) -> Result<Filled> {
     let mut alloc =
         Allocation::with_facts(memory, plan.mapping_len, facts).map_err(|e| allocation_error(path, e))?;
     let started = Instant::now();
-    let (run, times) = fill_mapping(path, setup, plan, len, options, alloc.mapping.writer(), None)?;
+    let verifier = expected.map(Expected::verifier);
+    let (run, times) =
+        fill_mapping(path, setup, plan, len, options, alloc.mapping.writer(), None, verifier.as_ref())?;
+    if let Some(verifier) = verifier {
+        verifier.check(path)?;
+    }
     Ok(Filled { alloc, run, times, engine_wall: started.elapsed() })
 }
 
@@ -221,8 +229,10 @@ pub(crate) fn fill(
 /// each gather ahead of the reads. `arrived`, when given, is called from a
 /// thread beside the engine with `n` each time the requested bytes `0..n`
 /// have all arrived (gather by gather, in file order; a retried load
-/// starts from 0 again). On error the memory holds a partial read, which
-/// the caller must not hand out as loaded.
+/// starts from 0 again). `verifier`, when given, is fed every gather in
+/// file order; the caller checks it. On error the memory holds a partial
+/// read, which the caller must not hand out as loaded.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn fill_mapping(
     path: &Path,
     setup: &ReadSetup,
@@ -231,12 +241,12 @@ pub(crate) fn fill_mapping(
     options: &LoadOptions,
     dst: MappingWriter<'_>,
     arrived: Option<&(dyn Fn(u64) + Sync)>,
+    verifier: Option<&Verifier<'_>>,
 ) -> Result<(EngineRun, PopulateTimes)> {
-    let verifier = Verifier::for_load(path, &setup.file, plan, options.verify)?;
     let populate = |registrar: Option<Registrar<MappingWriter<'_>>>, gate: &Gate| {
         populate_gathers(dst, registrar, plan, gate, options.populate_threads)
     };
-    let follow = |gate: &Gate| follow_gathers(verifier.as_ref(), arrived, dst, plan, gate);
+    let follow = |gate: &Gate| follow_gathers(verifier, arrived, dst, plan, gate);
     let beside: Option<&(dyn Fn(&Gate) + Sync)> =
         (verifier.is_some() || arrived.is_some()).then_some(&follow as _);
     let params = load_params(options, setup);
@@ -247,9 +257,6 @@ pub(crate) fn fill_mapping(
         debug_assert!(run.is_err() || progress.done() == len);
         run.map(|run| (run, times))
     })?;
-    if let Some(verifier) = verifier {
-        verifier.check(path)?;
-    }
     remember_tuned(&params, &run);
     Ok((run, times.unwrap_or_default()))
 }
@@ -259,7 +266,7 @@ pub(crate) fn fill_mapping(
 /// verifier and says how far the requested bytes have all arrived; stops
 /// quietly when the load fails or is cancelled.
 fn follow_gathers(
-    verifier: Option<&Verifier>,
+    verifier: Option<&Verifier<'_>>,
     arrived: Option<&(dyn Fn(u64) + Sync)>,
     dst: MappingWriter<'_>,
     plan: &Plan,
@@ -271,7 +278,8 @@ fn follow_gathers(
         }
         let data = plan.gather_data(g);
         if let Some(verifier) = verifier {
-            verifier.add(dst, (data.start - plan.file_start) as usize..(data.end - plan.file_start) as usize);
+            let range = (data.start - plan.file_start) as usize..(data.end - plan.file_start) as usize;
+            verifier.add(dst, range, data.start);
         }
         if let Some(arrived) = arrived {
             arrived(data.end - plan.data_start);
@@ -334,7 +342,9 @@ const SLOTS_THE_ENGINE_KEEPS: usize = 2;
 /// the rest through the slots before them. Whatever happens, the sink is
 /// finished (every delivery it started has landed) and every lane thread
 /// has drained its stream before this returns, so the slots are quiet; a
-/// lane failure is the load's error, naming its file offset.
+/// lane failure is the load's error, naming its file offset. A verified
+/// load (`expected`) hashes each gather as it is delivered, in file order,
+/// and checks the digest once the sink has finished.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fill_staged(
     path: &Path,
@@ -345,8 +355,9 @@ pub(crate) fn fill_staged(
     lane: Option<(&LaneShare, BorrowedFd<'_>)>,
     ring: &mut StagingRing,
     sink: &mut dyn Sink,
+    expected: Option<&Expected>,
 ) -> Result<(EngineRun, DeliverTimes)> {
-    let verifier = Verifier::for_load(path, &setup.file, plan, options.verify)?;
+    let verifier = expected.map(Expected::verifier);
     let (ring_slots, slot_len) = (ring.slots(), ring.slot_len());
     // The gathers the lane carries are the plan's only where the lane has a share.
     debug_assert!(plan.cache_lane_gathers().next().is_none() || lane.is_some());
@@ -536,7 +547,7 @@ fn feed_sink(
     (slots, slot_len): (usize, usize),
     threads: usize,
     gate: &Gate,
-    verifier: Option<&Verifier>,
+    verifier: Option<&Verifier<'_>>,
     cached: Option<&CachedRanges<'_>>,
     sink: &mut dyn Sink,
 ) -> Result<DeliverTimes> {
@@ -599,7 +610,7 @@ fn feed_sink(
                 let into = (data.start - plan.file_start) as usize - plan.gather_range(g).start;
                 let range = slot * slot_len + into..slot * slot_len + into + (data.end - data.start) as usize;
                 if let Some(verifier) = verifier {
-                    verifier.add(dst, range.clone());
+                    verifier.add(dst, range.clone(), data.start);
                 }
                 sink.deliver(slot, SlotData::new(dst, range, data.start))
                     .map_err(|e| fail(e, "deliver", g))?;

@@ -20,6 +20,7 @@ use crate::sink::{Sink, StagingRing};
 use crate::source::OpenFile;
 use crate::sys;
 use crate::types::IoMode;
+use crate::verify::Expected;
 
 /// [`crate::load_to_sink`] from a file opened beforehand (whose header,
 /// say, the caller read to size the destination): the same open file is
@@ -35,6 +36,7 @@ pub fn load_open_to_sink(
 ) -> Result<LoadReport> {
     let path = file.path();
     validate(path, options)?;
+    let expected = Expected::for_load(file, offset, len, options.verify)?;
     let page = sys::mem::page_size();
     let slot = ring.slot_len();
     let chunk = Plan::chunk_len(options.chunk_size.min(slot), page);
@@ -77,7 +79,7 @@ pub fn load_open_to_sink(
     let started = Instant::now();
     let ((run, times), plan) = opened.read(options, plan_for, |setup, plan, options| {
         let lane = lane.as_ref().map(|share| (share, lane_file));
-        fill_staged(path, setup, plan, len, options, lane, ring, sink)
+        fill_staged(path, setup, plan, len, options, lane, ring, sink, expected.as_ref())
     })?;
     let wall = started.elapsed();
     let waited = run.waited_for_memory;

@@ -47,10 +47,9 @@ use crate::engine::{EngineParams, EngineRun, Progress};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use crate::pipeline::{write_at, KeptWriteRing};
-use crate::save::{
-    check_sticky, choose_direct, keep_owner_and_mode, parent_dir, remove_stale_tmpfiles, resolve, TmpFile,
-};
+use crate::save::{check_sticky, choose_direct, keep_owner_and_mode, parent_dir, resolve};
 use crate::sys::shm::RawBytes;
+use crate::tmpfile::{remove_stale_tmpfiles, TmpFile};
 use crate::types::{CachePolicy, Engine, Fallback, IoMode};
 use crate::{sys, system};
 
@@ -173,9 +172,9 @@ pub fn capture_to_file(
     let tmp = TmpFile::create(&dir, &name, mode)?;
     let mut fallbacks = Vec::new();
     if let Some(meta) = &existing {
-        keep_owner_and_mode(&tmp.file, &target, meta, mode, &mut fallbacks)?;
+        keep_owner_and_mode(tmp.file(), &target, meta, mode, &mut fallbacks)?;
     }
-    let file = &tmp.file;
+    let file = tmp.file();
     let magic = sys::file::filesystem_magic(file.as_fd()).map_err(|e| Error::io("fstatfs", &target, e))?;
     if let Some(len) = options.expected_bytes.filter(|&l| l > 0) {
         match sys::mem::allocate(file.as_fd(), 0, len) {

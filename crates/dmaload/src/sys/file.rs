@@ -186,6 +186,21 @@ pub fn open_nofollow(path: &std::path::Path) -> io::Result<std::fs::File> {
         .open(path)
 }
 
+/// Sets the permission bits of the socket at `path` without following a
+/// symlink there: the path is opened `O_PATH | O_NOFOLLOW`, checked to be
+/// a socket, and changed through `/proc/self/fd` (the inode opened, not
+/// whatever the path names by then). ENOTSOCK for anything else at `path`.
+pub fn chmod_socket(path: &std::path::Path, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
+    let node =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH | libc::O_NOFOLLOW).open(path)?;
+    if !node.metadata()?.file_type().is_socket() {
+        return Err(io::Error::from_raw_os_error(libc::ENOTSOCK));
+    }
+    let by_fd = format!("/proc/self/fd/{}", node.as_raw_fd());
+    std::fs::set_permissions(by_fd, std::fs::Permissions::from_mode(mode))
+}
+
 /// Takes an exclusive `flock(2)` on `fd` without waiting: `Ok(false)` when
 /// another open file description holds a lock. The lock lasts until every
 /// fd of this open file is closed, which a killed process does too.

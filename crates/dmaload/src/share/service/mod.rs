@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -443,7 +443,8 @@ impl Service {
         let listener = Listener::bind(&path, 128).map_err(|e| Error::io("bind", &path, e))?;
         // Created 0600 less the umask (never wider); then made exactly the
         // mode this service needs.
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(if shared { 0o666 } else { 0o600 }))
+        // Never through a symlink put at the path since the bind.
+        sys::file::chmod_socket(&path, if shared { 0o666 } else { 0o600 })
             .map_err(|e| Error::io("chmod", &path, e))?;
         let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
         let facts = MemoryFacts::read();
