@@ -730,6 +730,8 @@ fn a_load_to_cuda_hashes_equal_to_a_host_load() {
 /// of a large load: the whole process's peak RSS (the pinned ring is
 /// resident, every page) stays far below 512 MiB for a 4 MiB file.
 #[test]
+// The child is reaped by wait4 below, for its own rusage.
+#[allow(clippy::zombie_processes)]
 fn a_small_load_to_cuda_pins_a_small_ring() {
     let test = "a_small_load_to_cuda_pins_a_small_ring";
     if let Err(reason) = cuda_driver::cuda_driver() {
