@@ -116,3 +116,20 @@ def test_the_summary_counts_the_checkpoints_bytes_not_the_processs_other_reads(
     assert _reads_of_checkpoint(load()) == pytest.approx(size / 2**30, abs=1e-3)  # now from the page cache
     # A filter leaves the other tensors unread.
     assert _reads_of_checkpoint(load(["w1"])) == pytest.approx(size / 3 / 2**30, abs=1e-3)
+
+
+def test_the_summary_says_which_files_the_cache_service_gave(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from test_cache import Service  # skips where the native CLI is not built
+
+    for i in range(2):
+        safetensors_torch.save_file({f"w{i}": torch.randn(256, 256)}, tmp_path / f"m{i}.safetensors")
+    files = [str(p) for p in sorted(tmp_path.glob("*.safetensors"))]
+    service = Service(tmp_path / "cache.sock")
+    log = logging.getLogger("test.engines")
+    try:
+        with caplog.at_level(logging.INFO, logger="test.engines"):
+            list(weights(files, "cpu", LoaderConfig(cache=str(service.socket)), show_progress=False, log=log))
+    finally:
+        service.stop()
+    # The service read the files (a miss loads them there): this process none.
+    assert "this process read 0.000 GiB of the checkpoint (2 of 2 file(s) from the model-cache service)" in caplog.text

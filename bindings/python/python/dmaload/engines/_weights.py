@@ -263,6 +263,7 @@ def weights(
             count += 1
             nbytes += tensor.numel() * tensor.element_size()
             yield name, tensor
+        read = reads()  # before the files are closed: their reports go with them
     finally:
         if bar is not None:
             bar.close()
@@ -278,7 +279,7 @@ def weights(
         nbytes / seconds / 1e9 if seconds > 0 else 0.0,
         device,
         ranks,
-        reads(),
+        read,
         early_note,
     )
 
