@@ -132,12 +132,12 @@ def serve(
     return result
 
 
-OWN_READ = re.compile(r"this process read ([0-9.]+) GiB from storage")
+OWN_READ = re.compile(r"this process read ([0-9.]+) GiB of the checkpoint")
 
 
 def own_reads(run: dict[str, object]) -> float:
-    """GiB the dmaload ranks of ``run`` say they read from storage
-    (``/proc/self/io`` of each worker), summed over the ranks."""
+    """GiB of the checkpoint the dmaload ranks of ``run`` say they read
+    (each rank's share of the plan), summed over the ranks."""
     return sum(float(m) for line in run["dmaload_lines"] for m in OWN_READ.findall(line))  # type: ignore[attr-defined]
 
 

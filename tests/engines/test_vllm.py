@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,15 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     # Several shards with an index: the loader is handed a list of files.
     return make(tmp_path_factory.mktemp("tiny-llama"), layers=4, hidden=128, intermediate=256, shard_size="300KB")
+
+
+def _reads(output: str) -> list[float]:
+    """GiB of the checkpoint each rank's summary line says it read."""
+    return [float(x) for x in re.findall(r"this process read ([0-9.]+) GiB of the checkpoint", output)]
+
+
+def _size(model: Path) -> float:
+    return sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**30
 
 
 def _serve(model: Path, load_format: str, extra: dict[str, object] | None = None, tp: int = 1,
@@ -62,6 +72,8 @@ def test_dmaload_serves_the_same_tokens_as_safetensors(tiny_llama: Path, safeten
     assert "DmaloadModelLoader" in output and "with load format `dmaload`" in output
     assert "dmaload: loaded 39 tensors" in output, output[-4000:]
     assert "1 rank(s) shared the reads" in output
+    # What it read of the checkpoint: its files, headers and all.
+    assert _reads(output) == [pytest.approx(_size(tiny_llama), abs=0.0006)], output[-4000:]
     assert "Loading weights took" in output
     # One rank: the read began in create_model, before vLLM built the
     # model, and the weights iterator took it over (its summary says so).
@@ -82,6 +94,9 @@ def test_two_tensor_parallel_ranks_share_the_reads(tiny_llama: Path) -> None:
     tokens, output = _serve(tiny_llama, "dmaload", tp=2, env=bind)
     assert tokens == reference
     assert output.count("2 rank(s) shared the reads") == 2, output[-4000:]
+    # Each rank read its half of the tensors (and every header): the
+    # checkpoint once between them.
+    assert sum(_reads(output)) == pytest.approx(_size(tiny_llama), abs=0.002), output[-4000:]
     # Several ranks start reading when vLLM asks for the weights: their
     # exchanges must not run beside whatever vLLM does building the model.
     assert "before the model was built" not in output
@@ -103,27 +118,7 @@ def test_a_restarted_engine_takes_its_weights_from_the_cache_service(
     assert first == restarted == safetensors_run[0]
     assert "dmaload: loaded 39 tensors" in output
     shards = len(list(tiny_llama.glob("*.safetensors")))
+    # Every file came from the service: this process read none of them.
+    assert f"this process read 0.000 GiB of the checkpoint ({shards} of {shards} file(s) from the model-cache service)" in output
     # The first engine's loads filled the service; the restarted one's were hits.
     assert (status["misses"], status["hits"]) == (shards, shards), status
-
-
-def test_extra_config_keys_are_dmaloads_or_vllms() -> None:
-    from vllm.config.load import LoadConfig
-
-    from dmaload.engines.vllm import DmaloadModelLoader
-
-    loader = DmaloadModelLoader(
-        LoadConfig(
-            load_format="dmaload",
-            model_loader_extra_config={"window": "64M", "mode": "buffered", "enable_weights_track": True},
-        )
-    )
-    assert loader.dmaload_config.window == 64 << 20
-    assert loader.dmaload_config.options == {"mode": "buffered"}
-    assert loader.enable_weights_track is True
-    with pytest.raises(ValueError, match="no_such_key"):
-        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"no_such_key": 1}))
-    with pytest.raises(ValueError, match="window"):
-        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"window": 0}))
-    with pytest.raises(ValueError, match="collective"):
-        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"collective": "yes"}))

@@ -1,6 +1,6 @@
 """A Llama checkpoint made on the spot (random weights, fixed seed, no
 download): tiny for the engine tests, Llama-shaped and >= 1 GiB for
-bench/serving.py. ``python tiny_llama.py OUT [--layers N ...]``."""
+bench/serving.py; a tiny Mixtral (a mixture of experts) likewise. ``python tiny_llama.py OUT [--layers N ...]``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,35 @@ def make(out: Path, *, layers: int = 2, hidden: int = 64, intermediate: int = 12
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():  # big enough weights that tokens differ
+            p.normal_(0.0, 0.5 if p.dim() == 1 else 0.2)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=shard_size)
+    return out
+
+
+def make_mixtral(out: Path, *, layers: int = 2, hidden: int = 64, intermediate: int = 96, experts: int = 4,
+                 vocab: int = 512, shard_size: str = "5GB", seed: int = 0) -> Path:
+    """Writes a Mixtral (a mixture of ``experts`` experts, two per token)
+    with these dimensions to ``out``, as :func:`make` does, and returns it."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=max(2, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256),
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
             p.normal_(0.0, 0.5 if p.dim() == 1 else 0.2)
     model.save_pretrained(out, safe_serialization=True, max_shard_size=shard_size)
     return out

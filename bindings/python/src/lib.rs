@@ -943,6 +943,19 @@ fn _option_choices() -> PyResult<BTreeMap<&'static str, Vec<String>>> {
     })
 }
 
+/// Checks a load's options (the dict `dmaload._options.native_options`
+/// builds) as a load would before it opens a file, without loading: names,
+/// types and values. The serving engines' loaders call it when they read
+/// their config, so a bad value fails there, not inside the first load.
+#[pyfunction]
+#[pyo3(signature = (options=None))]
+fn _check_load_options(options: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+    guard(|| {
+        let o = Opts::from_dict(options)?.to_options()?;
+        dmaload::check_load_options(&o).map_err(|e| os_error(&e))
+    })
+}
+
 /// A default the core gives an option: an enumerated option's name, a
 /// number, or a switch.
 #[derive(IntoPyObject)]
@@ -1038,6 +1051,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(staged::release_staging, m)?)?;
     m.add_function(wrap_pyfunction!(_option_choices, m)?)?;
     m.add_function(wrap_pyfunction!(_option_defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(_check_load_options, m)?)?;
     m.add_function(wrap_pyfunction!(_test_panic, m)?)?;
     Ok(())
 }

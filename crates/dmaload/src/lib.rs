@@ -55,7 +55,7 @@ pub use load::{
 };
 pub use many::{load_many, load_many_safetensors};
 pub use memory::MemoryKind;
-pub use options::{OptionFronts, Spelling, LOAD_OPTION_FRONTS};
+pub use options::{check_load_options, OptionFronts, Spelling, LOAD_OPTION_FRONTS};
 pub use pipeline::check_memory;
 pub use save::{save, save_raw, SaveOptions, SaveReport};
 pub use sink::{DmaHeapSink, HostSink, Sink, SlotData, StagingRing};

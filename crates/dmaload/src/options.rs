@@ -429,6 +429,14 @@ pub(crate) fn host_memory(
     })
 }
 
+/// Checks `o`'s values as every load does before it opens a file (the
+/// same check, for front ends that read their options long before a load,
+/// such as the serving engines' loader configs): an `InvalidInput` error
+/// saying which value is out of range.
+pub fn check_load_options(o: &LoadOptions) -> Result<()> {
+    validate(Path::new("options"), o)
+}
+
 pub(crate) fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
     let bad = |what: String| Err(Error::new(ErrorKind::InvalidInput, "load", path, what));
     if o.chunk_size == 0 || o.chunk_size > 1 << 30 {

@@ -44,6 +44,7 @@ __all__ = [
     "safetensors_dtypes",
     "save",
     "__version__",
+    "_check_load_options",
     "_load_staged",
     "_option_choices",
     "_option_defaults",
@@ -298,6 +299,11 @@ def _option_choices() -> dict[str, list[str]]:
     """For the tests: the values of each enumerated option as the core
     names them (``engine``, ``mode``, and ``to``'s forms, ``cuda:N`` for
     any device)."""
+
+def _check_load_options(options: _Options | None = None) -> None:
+    """Checks load options as a load would before it opens a file (names,
+    types, values) without loading: TypeError, ValueError or OSError
+    (EINVAL) saying which is wrong."""
 
 def _option_defaults() -> dict[str, str | int | bool]:
     """For the tests: every load option the binding takes, with the core's

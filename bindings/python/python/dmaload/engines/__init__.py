@@ -12,6 +12,6 @@ adds the progress bar, the summary line and the engine's options.
 
 from __future__ import annotations
 
-from ._weights import EXTRA_CONFIG_KEYS, LoaderConfig, weights
+from ._weights import EXTRA_CONFIG_KEYS, EngineKeys, LoaderConfig, weights
 
-__all__ = ["EXTRA_CONFIG_KEYS", "LoaderConfig", "weights"]
+__all__ = ["EXTRA_CONFIG_KEYS", "EngineKeys", "LoaderConfig", "weights"]

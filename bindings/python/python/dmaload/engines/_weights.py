@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import _dmaload
 from .._cache import Cache, socket_for
 from .._options import LoadOptions, native_options, parse_size
-from ..safetensors import TensorFilter, iter_tensors
+from .._report import LoadReport
+from ..safetensors import TensorFilter, safe_open
 from ..safetensors._collective import Stream
 
 EXTRA_CONFIG_KEYS = ("window", "collective", "cache", *LoadOptions.__annotations__)
@@ -27,6 +29,19 @@ same) and every option of :class:`dmaload.LoadOptions` (``engine``,
 
 
 @dataclass(frozen=True)
+class EngineKeys:
+    """What an engine's default loader does with the extra-config keys it
+    knows, once dmaload reads the weights: ``kept`` keys keep their meaning
+    (the engine's loader reads them; each maps to the type its value must
+    have), ``refused`` keys select a reader of the engine's own that
+    ``--load-format dmaload`` replaces (each maps to why)."""
+
+    engine: str
+    kept: dict[str, type] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class LoaderConfig:
     """The loader's options, from an engine's extra config."""
 
@@ -36,26 +51,60 @@ class LoaderConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def take(cls, extra: dict[str, Any]) -> LoaderConfig:
-        """The options among ``extra``, removed from it (the rest is the
-        engine's own); a bad value is a ``ValueError`` naming the key."""
+    def take(cls, extra: dict[str, Any], engine: EngineKeys | None = None) -> LoaderConfig:
+        """The options among ``extra``, removed from it; what is left is
+        ``engine``'s kept keys. Every key and value is checked here, where
+        the config is read: a key neither dmaload's nor kept, a refused key
+        or a bad value is a ``ValueError`` naming the key and listing the
+        keys there are (without ``engine``, every other key is left to the
+        caller)."""
+        if engine is not None:
+            _check_engine_keys(extra, engine)
         mine = {k: extra.pop(k) for k in list(extra) if k in EXTRA_CONFIG_KEYS}
         window = mine.pop("window", None)
         if window is not None:
-            window = parse_size(window)
+            try:
+                window = parse_size(window)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"dmaload: window: {exc}") from None
             if window < 1:
                 raise ValueError(f"dmaload: window must be at least 1 byte, not {window}")
         collective = mine.pop("collective", True)
         if not isinstance(collective, bool):
             raise ValueError(f"dmaload: collective must be true or false, not {collective!r}")
         cache = mine.pop("cache", None)
-        if cache is not None and not isinstance(cache, (bool, str)):
+        if cache is not None and not (isinstance(cache, bool) or (isinstance(cache, str) and cache)):
             raise ValueError(f"dmaload: cache must be true, false or a socket path, not {cache!r}")
         try:
-            native_options(mine)
+            # The names, types and values, as a load checks them before it
+            # opens a file: a bad one fails here, not inside the first load.
+            _dmaload._check_load_options(native_options(mine))
+        except OSError as exc:  # a value out of range: the core's words
+            raise ValueError(f"dmaload: {exc.strerror}") from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"dmaload: {exc}") from None
         return cls(window, collective, cache, mine)
+
+
+def _check_engine_keys(extra: dict[str, Any], engine: EngineKeys) -> None:
+    listed = (
+        f"dmaload's keys: {', '.join(EXTRA_CONFIG_KEYS)}; "
+        f"{engine.engine}'s that keep their meaning: {', '.join(engine.kept) or 'none'}"
+    )
+    for key, value in extra.items():
+        if key in EXTRA_CONFIG_KEYS:
+            continue
+        if key in engine.refused:
+            raise ValueError(
+                f"dmaload: model_loader_extra_config key {key!r} is refused with load format 'dmaload': "
+                f"{engine.refused[key]} ({listed})"
+            )
+        if key not in engine.kept:
+            raise ValueError(f"dmaload: unknown model_loader_extra_config key {key!r} for load format 'dmaload' ({listed})")
+        if value is not None and not isinstance(value, engine.kept[key]):
+            raise ValueError(
+                f"dmaload: model_loader_extra_config key {key!r} takes a {engine.kept[key].__name__}, not {value!r}"
+            )
 
 
 def world_device_group(get_world_group: Callable[[], Any]) -> Any:
@@ -69,19 +118,6 @@ def world_device_group(get_world_group: Callable[[], Any]) -> Any:
     return world.device_group if world.world_size > 1 else None
 
 
-def storage_read_bytes() -> int | None:
-    """This process's bytes read from storage so far (``/proc/self/io``
-    ``read_bytes``), or None where the kernel does not count them."""
-    try:
-        with open("/proc/self/io", "rb") as f:
-            for line in f:
-                if line.startswith(b"read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 @dataclass
 class EarlyRead:
     """A read of an engine's checkpoint begun before the engine asks for
@@ -90,8 +126,6 @@ class EarlyRead:
     stream: Stream
     started: float
     """``time.perf_counter()`` when it began."""
-    read_before: int | None
-    """This process's storage reads then (:func:`storage_read_bytes`)."""
     taken: bool = False
     """Whether :func:`weights` has taken it over (once only)."""
 
@@ -111,7 +145,6 @@ def start_early(files: Sequence[str], device: Any, config: LoaderConfig) -> Earl
     engine asks (a model-cache service: the files come whole from it)."""
     if socket_for(config.cache) is not None:
         return None
-    read_before = storage_read_bytes()
     started = time.perf_counter()
     stream = Stream(
         [Path(f) for f in files], None, device, window=config.window, recycle=True, options=dict(config.options)
@@ -121,7 +154,16 @@ def start_early(files: Sequence[str], device: Any, config: LoaderConfig) -> Earl
     except BaseException:
         stream.close()
         raise
-    return EarlyRead(stream, started, read_before)
+    return EarlyRead(stream, started)
+
+
+def _stream_reads(stream: Stream, rank: int) -> int:
+    """The bytes of its checkpoint ``stream`` has this rank read once it
+    has run to the end: each file's header, and this rank's share of every
+    window of the plan (1/N with N ranks; the tensors a filter leaves out
+    are never read)."""
+    headers = sum(h.data_start for h in stream.headers)
+    return headers + sum(w.share(rank)[1] for w in stream.windows)
 
 
 def weights(
@@ -140,12 +182,13 @@ def weights(
     """``(name, tensor)`` for each tensor of ``files`` this rank wants, on
     ``device``, read once across ``process_group`` (when several ranks load
     the same files); a tqdm bar in bytes (so with GB/s) where
-    ``show_progress``, and one summary line on ``log`` at the end. With
-    ``early`` (the same files, one rank, no filter), the tensors come from
-    that read, begun before: the summary says how far it had come."""
+    ``show_progress``, and one summary line on ``log`` at the end, saying
+    how many bytes of the checkpoint this process read (its share, or none
+    where the model-cache service gave the files). With ``early`` (the same
+    files, one rank, no filter), the tensors come from that read, begun
+    before: the summary says how far it had come."""
     group = process_group if config.collective else None
     started = time.perf_counter()
-    read_before = storage_read_bytes() if early is None else early.read_before
     bar = None
     if show_progress:
         try:
@@ -168,48 +211,68 @@ def weights(
             bar.total = total
             bar.update(done - bar.n)
 
+    ranks, rank = 1, 0
+    if group is not None:
+        import torch.distributed as dist
+
+        ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     count = nbytes = 0
     early_note = ""
+    socket = socket_for(config.cache) if early is None else None
     if early is not None:
         early.stream.progress = progress if bar is not None else None
-        tensors: Iterator[tuple[str, Any]] = iter(early.stream)
+        stream: Stream | None = early.stream
         early_note = (
             f"; the read began {started - early.started:.2f} s before the engine asked for the first tensor "
             f"(before the model was built) and had {early.stream.arrived() / 2**30:.3f} GiB in by then"
         )
-    else:
-        tensors = iter_tensors(
-            list(files),
+    elif socket is None:
+        stream = Stream(
+            [Path(f) for f in files],
+            None,
             device,
             process_group=group,
             tensor_filter=tensor_filter,
             window=config.window,
             progress=progress if bar is not None else None,
-            cache=config.cache,
             # The engine copies each tensor into its parameter before it
             # asks for the next one.
             recycle=True,
-            **config.options,
+            options=dict(config.options),
         )
+    else:
+        stream = None
+    if stream is not None:
+        tensors: Iterator[tuple[str, Any]] = iter(stream)
+        planned = stream
+
+        def reads() -> str:
+            return f"{_stream_reads(planned, rank) / 2**30:.3f} GiB of the checkpoint"
+
+    else:
+        # Each file whole from the service (read by it, not by this process),
+        # or loaded here where the service could not serve it.
+        opened = safe_open(list(files), "pt", device, cache=socket, tensor_filter=tensor_filter, **config.options)
+        tensors = ((name, opened.get_tensor(name)) for name in opened.offset_keys())
+
+        def reads() -> str:
+            return _cache_reads(opened.reports)
+
     try:
         for name, tensor in tensors:
             count += 1
             nbytes += tensor.numel() * tensor.element_size()
             yield name, tensor
+        read = reads()  # before the files are closed: their reports go with them
     finally:
         if bar is not None:
             bar.close()
+        if stream is None:
+            opened.close()
     seconds = time.perf_counter() - started
-    read_after = storage_read_bytes()
-    ranks = 1
-    if group is not None:
-        import torch.distributed as dist
-
-        ranks = dist.get_world_size(group)
-    read = f"{(read_after - read_before) / 2**30:.3f} GiB" if read_before is not None and read_after is not None else "n/a"
     log.info(
         "dmaload: loaded %d tensors, %.3f GiB in %.2f s (%.2f GB/s, including the engine's work between "
-        "tensors) on %s; %d rank(s) shared the reads, this process read %s from storage%s",
+        "tensors) on %s; %d rank(s) shared the reads, this process read %s%s",
         count,
         nbytes / 2**30,
         seconds,
@@ -220,3 +283,10 @@ def weights(
         early_note,
     )
 
+
+def _cache_reads(reports: Sequence[LoadReport]) -> str:
+    """What this process read of a checkpoint the model-cache service was
+    asked for: the files it loaded itself (those the service did not give)."""
+    served = [r for r in reports if r.destination.startswith("cache-service")]
+    read = sum(r.bytes for r in reports if not r.destination.startswith("cache-service"))
+    return f"{read / 2**30:.3f} GiB of the checkpoint ({len(served)} of {len(reports)} file(s) from the model-cache service)"

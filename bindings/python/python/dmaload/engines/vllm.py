@@ -9,58 +9,94 @@ load format. Then::
         --model-loader-extra-config '{"window": "512M"}'
     LLM(MODEL, load_format="dmaload")
 
-:class:`DmaloadModelLoader` is vLLM's ``DefaultModelLoader`` with its weights
-iterator replaced: vLLM still finds (or downloads) the safetensors files,
-drops duplicate shards, applies the expert-parallel and encoder-only
-filters, times the load ("Loading weights took ...") and checks that every
-parameter was loaded. The tensors come from
-:func:`dmaload.safetensors.iter_tensors` on the worker's device: host memory
-on vLLM's CPU build, the GPU otherwise. With several ranks in vLLM's world
-group, each rank reads 1/N of the checkpoint and the ranks exchange it on
-the world group's device group (NCCL between GPUs, gloo on CPU). Options
-come from ``--model-loader-extra-config``: see
-:data:`dmaload.engines.EXTRA_CONFIG_KEYS`; vLLM's own keys of that config
-(``enable_weights_track``, ...) keep their meaning.
+:class:`DmaloadModelLoader` is vLLM's ``DefaultModelLoader`` for the
+``safetensors`` format, unchanged but at one point: where its weights
+iterator calls ``weight_utils.safetensors_weights_iterator(files, ...)``
+(the one function that reads the files), this loader's calls get
+:func:`dmaload.safetensors.iter_tensors`' tensors instead. Everything vLLM
+does around that call still runs, whatever its version does there: it finds
+(or downloads) the files, drops duplicate shards, applies the
+expert-parallel and encoder-only filters and whatever steps it adds between
+the reader and the model (such as decoding a checkpoint's CSF scale
+streams), applies the prefixes, times the load ("Loading weights took ...")
+and checks that every parameter was loaded. The tensors come on the
+worker's device: host memory on vLLM's CPU build, the GPU otherwise. With
+several ranks in vLLM's world group, each rank reads 1/N of the checkpoint
+and the ranks exchange it on the world group's device group (NCCL between
+GPUs, gloo on CPU).
+
+``--model-loader-extra-config`` is checked when the loader is made: its
+keys are dmaload's (:data:`dmaload.engines.EXTRA_CONFIG_KEYS`) and vLLM's
+``enable_weights_track``; vLLM's ``enable_multithread_load`` and
+``num_threads`` choose vLLM's own multi-threaded reader, which this format
+replaces, so they are refused; anything else is an error listing the keys.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from vllm.logger import init_logger
-from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader import default_loader, register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-from vllm.model_executor.model_loader.weight_utils import (
-    _BAR_FORMAT,
-    enable_tqdm,
-    filter_mm_encoder_only_safetensors_files,
-    filter_safetensors_files_by_weight_name,
-)
+from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
-from ._weights import EarlyRead, LoaderConfig, start_early, weights, world_device_group
+from ._weights import EarlyRead, EngineKeys, LoaderConfig, start_early, weights, world_device_group
 
-__all__ = ["LOAD_FORMAT", "DmaloadModelLoader", "register"]
+__all__ = ["LOAD_FORMAT", "VLLM_KEYS", "DmaloadModelLoader", "register"]
 
 LOAD_FORMAT = "dmaload"
 
+VLLM_KEYS = EngineKeys(
+    "vLLM",
+    kept={"enable_weights_track": bool},
+    refused={
+        key: "it chooses vLLM's own multi-threaded safetensors reader, which dmaload replaces "
+        "(dmaload's own parallelism: queue_depth, or engine 'pread-pool' with threads)"
+        for key in ("enable_multithread_load", "num_threads")
+    },
+)
+"""What vLLM's ``DefaultModelLoader`` does with the extra-config keys it
+knows, under ``--load-format dmaload``."""
+
+# The keyword arguments of vLLM's safetensors_weights_iterator that this
+# loader knows it may ignore: they tune the page-cache prefetch of vLLM's
+# reader, which dmaload's read replaces. Another one (a vLLM that passes
+# something new) is an error, so its meaning is never dropped silently.
+_IGNORED_READER_ARGUMENTS = frozenset({"safetensors_prefetch_num_threads", "safetensors_prefetch_block_size"})
+
 # Under "vllm" so that vLLM's logging configuration shows it.
 logger = init_logger("vllm.dmaload")
+
+# The DmaloadModelLoader whose DefaultModelLoader._get_weights_iterator is
+# running in this thread (and so is about to call the reader), if any.
+_reading_for: contextvars.ContextVar[DmaloadModelLoader | None] = contextvars.ContextVar(
+    "dmaload_vllm_reading_for", default=None
+)
 
 
 class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
     """``--load-format dmaload``: safetensors checkpoints read by dmaload."""
 
     def __init__(self, load_config: Any) -> None:
-        extra = dict(load_config.model_loader_extra_config or {})
-        self.dmaload_config = LoaderConfig.take(extra)
-        # DefaultModelLoader finds the files of the "safetensors" format and
-        # refuses extra config keys it does not know: it gets its own.
+        extra = load_config.model_loader_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError(f"dmaload: model_loader_extra_config must be a dict, not {type(extra).__name__}")
+        extra = dict(extra)
+        self.dmaload_config = LoaderConfig.take(extra, VLLM_KEYS)
+        if load_config.safetensors_load_strategy == "torchao":
+            raise ValueError(_TORCHAO)
+        # DefaultModelLoader finds the files of the "safetensors" format,
+        # and reads vLLM's own keys (those dmaload's check left).
         super().__init__(dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=extra))
+        _install_reader()
+        self._early: EarlyRead | None = None
+        self._reader_called = False
 
     def create_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
         """vLLM's model build, with this rank's read of the checkpoint's
@@ -86,46 +122,74 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
         wait for ``load_weights``: several ranks (their exchanges run
         collectives, which must not interleave with any vLLM runs while
         building the model), a model-cache service, or an expert-parallel
-        MoE (whose filter is known only then)."""
+        MoE (whose filter is known only then). The files are those vLLM's
+        ``_prepare_weights`` finds; the weights iterator takes the read
+        over only if vLLM then hands the reader the same files (its filters
+        may drop some), else it is stopped and the load reads as usual. So
+        a vLLM whose ``_prepare_weights`` changed only loses the head start."""
         expert_parallel = model_config.is_moe and vllm_config.parallel_config.enable_expert_parallel
         if _world_device_group() is not None or expert_parallel:
             return None
-        _, files, use_safetensors, _ = self._prepare_weights(
-            model_config.model, None, model_config.revision, True, None
-        )
+        try:
+            _, files, use_safetensors, _ = self._prepare_weights(
+                model_config.model, None, model_config.revision, True, None
+            )
+        except (AttributeError, TypeError, ValueError) as exc:
+            logger.info("dmaload: the read starts with load_weights (vLLM's _prepare_weights: %s)", exc)
+            return None
         if not use_safetensors:
             return None
         return start_early(files, _device(), self.dmaload_config)
 
     def _drop_early(self) -> None:
-        early, self._early = getattr(self, "_early", None), None
+        early, self._early = self._early, None
         if early is not None:
             early.close()
 
     def _get_weights_iterator(self, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        hf_folder, files, use_safetensors, index_file = self._prepare_weights(
-            source.model_or_path,
-            source.subfolder,
-            source.revision,
-            source.fall_back_to_pt,
-            source.allow_patterns_overrides,
-        )
-        if not use_safetensors:
-            raise ValueError(f"load format {LOAD_FORMAT!r} reads safetensors files; {source.model_or_path} has none")
-        if self._encoder_only_lm_prefixes is not None and files:
-            files = filter_mm_encoder_only_safetensors_files(
-                files,
-                hf_folder,
-                index_file,
-                self._encoder_only_lm_prefixes,
-                weights_mapper=self._encoder_only_weights_mapper,
+        """vLLM's own, whose call to the safetensors reader comes to
+        :meth:`_dmaload_reader`; a vLLM that no longer calls it there is
+        refused (RuntimeError) rather than loaded by its own reader."""
+        self._reader_called = False
+        token = _reading_for.set(self)
+        try:
+            tensors = super()._get_weights_iterator(source)
+        finally:
+            _reading_for.reset(token)
+        if not self._reader_called:
+            import vllm
+
+            raise RuntimeError(
+                f"dmaload: vLLM {vllm.__version__}'s DefaultModelLoader._get_weights_iterator did not call "
+                "weight_utils.safetensors_weights_iterator for the safetensors files of "
+                f"{source.model_or_path}: --load-format dmaload does not know how this vLLM reads them"
             )
-        if source.is_unused_weight is not None:
-            files = filter_safetensors_files_by_weight_name(files, source.is_unused_weight)
-        group, tensor_filter = _world_device_group(), _expert_filter(self.local_expert_ids)
+        return tensors  # type: ignore[no-any-return]
+
+    def _dmaload_reader(
+        self,
+        files: list[str],
+        use_tqdm_on_load: bool,
+        safetensors_load_strategy: str | None = None,
+        local_expert_ids: set[int] | None = None,
+        **tuning: Any,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """What vLLM's ``safetensors_weights_iterator(files, ...)`` would
+        yield, read by dmaload: the same (name, tensor) pairs, the tensors
+        on this worker's device."""
+        self._reader_called = True
+        unknown = sorted(set(tuning) - _IGNORED_READER_ARGUMENTS)
+        if unknown:
+            raise TypeError(
+                f"dmaload: this vLLM passes safetensors_weights_iterator argument(s) {', '.join(unknown)}, "
+                "which --load-format dmaload does not know"
+            )
+        if safetensors_load_strategy == "torchao":
+            raise ValueError(_TORCHAO)
+        group, tensor_filter = _world_device_group(), _expert_filter(local_expert_ids)
         # The read begun in create_model, for the files it read; load_model
         # closes it in the end whatever happens here.
-        early = getattr(self, "_early", None)
+        early = self._early
         if early is not None and early.taken:
             early = None  # a secondary source: a load of its own
         elif early is not None and (group is not None or tensor_filter is not None or early.paths != [Path(f) for f in files]):
@@ -133,27 +197,50 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
             early = None
         if early is not None:
             early.taken = True
-        tensors = weights(
+        return weights(
             files,
             _device(),
             self.dmaload_config,
             process_group=group,
             tensor_filter=tensor_filter,
             early=early,
-            show_progress=enable_tqdm(self.load_config.use_tqdm_on_load),
+            show_progress=enable_tqdm(use_tqdm_on_load),
             log=logger,
-            bar_format=_BAR_FORMAT,
         )
-        if self.counter_before_loading_weights == 0.0:  # as DefaultModelLoader times it
-            self.counter_before_loading_weights: float = time.perf_counter()
-        return ((source.prefix + name, tensor) for name, tensor in tensors)
+
+
+_TORCHAO = (
+    "dmaload: safetensors_load_strategy 'torchao' (a checkpoint of torchao tensor subclasses) is not read by "
+    "load format 'dmaload': use load format 'safetensors'"
+)
+
+# vLLM's reader, which every other loader of this process keeps calling.
+_vllm_reader: Any = None
+
+
+def _reader(files: list[str], *args: Any, **kwargs: Any) -> Any:
+    """``default_loader.safetensors_weights_iterator`` once a
+    DmaloadModelLoader exists: dmaload's read for that loader's calls, vLLM's
+    own for every other loader."""
+    loader = _reading_for.get()
+    if loader is None:
+        return _vllm_reader(files, *args, **kwargs)
+    return loader._dmaload_reader(files, *args, **kwargs)
+
+
+def _install_reader() -> None:
+    global _vllm_reader
+    if _vllm_reader is None:
+        _vllm_reader = default_loader.safetensors_weights_iterator
+        default_loader.safetensors_weights_iterator = _reader
 
 
 def _device() -> torch.device:
-    """Where this worker's weights go: its GPU, or the CPU on the CPU build."""
+    """Where this worker's weights go: its GPU, or the CPU on the CPU build
+    (and where vLLM finds no accelerator: a loader used outside an engine)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    if current_platform.is_cpu() or current_platform.is_unspecified():
         return torch.device("cpu")
     return torch.device(current_platform.current_device())
 
