@@ -3,7 +3,6 @@ rank a real process (collective_worker.py), and tensor filters."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
     pytest.skip("SKIP collective: this torch has no gloo backend", allow_module_level=True)
 
 from dmaload.safetensors import iter_tensors, load_file  # noqa: E402
+from checkpoints import copy_model, write_sums  # noqa: E402
 
 WORKER = Path(__file__).with_name("collective_worker.py")
 CHUNK = 4 << 20  # the core's default chunk size: the slack each rank is allowed
@@ -242,20 +242,6 @@ def test_recycled_windows_reuse_their_memory_and_hold_each_tensor_a_window_longe
     assert len(storages) < windows, (len(storages), windows)  # buffers were reused
 
 
-def _copy(model: Path, to: Path) -> Path:
-    to.mkdir()
-    for p in model.iterdir():
-        (to / p.name).write_bytes(p.read_bytes())
-    return to
-
-
-def _write_sums(directory: Path) -> None:
-    """SHA256SUMS of the directory's shards, as ``sha256sum *.safetensors``
-    writes it."""
-    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(directory.glob("*.safetensors"))]
-    (directory / "SHA256SUMS").write_text("".join(lines))
-
-
 def _flip_a_byte_per_mib(directory: Path) -> None:
     for p in directory.glob("*.safetensors"):
         data = bytearray(p.read_bytes())
@@ -278,18 +264,18 @@ def test_ranks_reading_other_files_without_sums_are_refused_saying_how(tmp_path:
     node-local copy), the second with a byte flipped per MiB: with nothing
     to show the copies hold the same bytes, every rank refuses before
     reading, naming the fix."""
-    a = _copy(model, tmp_path / "a")
-    b = _copy(model, tmp_path / "b")
+    a = copy_model(model, tmp_path / "a")
+    b = copy_model(model, tmp_path / "b")
     _flip_a_byte_per_mib(b)
     _all_fail(_run(tmp_path, 2, "paths", model, str(a), str(b)), "do not all open the same files", "dmaload sums")
 
 
 def test_ranks_whose_sums_files_disagree_are_refused_before_reading(tmp_path: Path, model: Path) -> None:
-    a = _copy(model, tmp_path / "a")
-    b = _copy(model, tmp_path / "b")
+    a = copy_model(model, tmp_path / "a")
+    b = copy_model(model, tmp_path / "b")
     _flip_a_byte_per_mib(b)
-    _write_sums(a)
-    _write_sums(b)  # b's own, correct for b: another checkpoint
+    write_sums(a)
+    write_sums(b)  # b's own, correct for b: another checkpoint
     _all_fail(_run(tmp_path, 2, "paths", model, str(a), str(b)), "rank 1's sums file records another digest")
 
 
@@ -298,25 +284,25 @@ def test_a_copy_that_differs_from_its_sums_file_fails_every_rank(tmp_path: Path,
     the digests agree, the bytes do not; every rank hashes the whole
     stream it is handed (each rank's share of every window) and every rank
     fails before its iteration ends."""
-    a = _copy(model, tmp_path / "a")
-    _write_sums(a)
-    b = _copy(a, tmp_path / "b")
+    a = copy_model(model, tmp_path / "a")
+    write_sums(a)
+    b = copy_model(a, tmp_path / "b")
     _flip_a_byte_per_mib(b)
     _all_fail(_run(tmp_path, 2, "paths", model, str(a), str(b)), "do not match the sums files", "mismatch")
 
 
 def test_node_local_copies_with_the_same_sums_load_verified(tmp_path: Path, model: Path) -> None:
-    a = _copy(model, tmp_path / "a")
-    _write_sums(a)
-    b = _copy(a, tmp_path / "b")
+    a = copy_model(model, tmp_path / "a")
+    write_sums(a)
+    b = copy_model(a, tmp_path / "b")
     results = [_result(*r) for r in _run(tmp_path, 2, "paths", model, str(a), str(b))]
     expected = {n: int(t.contiguous().view(-1).view(torch.uint8).sum()) for n, t in _reference(model).items()}
     assert [r["sums"] for r in results] == [expected, expected]
 
 
 def test_a_verified_group_load_of_one_shared_copy_succeeds(tmp_path: Path, model: Path) -> None:
-    a = _copy(model, tmp_path / "a")
-    _write_sums(a)
+    a = copy_model(model, tmp_path / "a")
+    write_sums(a)
     verify = json.dumps({"verify": True})
     results = [_result(*r) for r in _run(tmp_path, 2, "paths", model, str(a), str(a), verify)]
     expected = {n: int(t.contiguous().view(-1).view(torch.uint8).sum()) for n, t in _reference(model).items()}
@@ -327,7 +313,7 @@ def test_a_rewrite_between_windows_fails_every_rank(tmp_path: Path, model: Path)
     """The group's windows are loads of the files each rank opened once:
     a same-size rewrite after the first window fails the load on every
     rank, as it fails a one-file load."""
-    copy = _copy(model, tmp_path / "copy")
+    copy = copy_model(model, tmp_path / "copy")
     results = _run(tmp_path, 2, "rewrite", copy)
     _all_fail(results, "failed to read")
     assert "written during the load" in results[0][1] + results[1][1]
@@ -370,10 +356,10 @@ def test_ranks_on_two_hosts_sharing_a_file_system_need_sums(tmp_path: Path, mode
     """The same path, the same inodes, but another kernel (boot id) on
     rank 1: one host cannot vouch for what another reads of a shared
     file system, so the load needs the sums file, and loads with it."""
-    shared = _copy(model, tmp_path / "shared")
+    shared = copy_model(model, tmp_path / "shared")
     wrap = {1: _another_host(tmp_path)}
     _all_fail(_run(tmp_path, 2, "paths", model, str(shared), str(shared), wrap=wrap), "dmaload sums")
-    _write_sums(shared)
+    write_sums(shared)
     results = [_result(*r) for r in _run(tmp_path, 2, "paths", model, str(shared), str(shared), wrap=wrap)]
     expected = {n: int(t.contiguous().view(-1).view(torch.uint8).sum()) for n, t in _reference(model).items()}
     assert [r["sums"] for r in results] == [expected, expected]

@@ -11,7 +11,6 @@ there until the consumer has done what is checked."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import signal
 import threading
@@ -27,6 +26,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from dmaload import _dmaload  # noqa: E402
 from dmaload.safetensors import _collective, iter_tensors  # noqa: E402
+from checkpoints import copy_model, write_sums  # noqa: E402
 
 GUARD_S = 60  # a wait this long means the load or the consumer hung: fail
 WINDOW_LOADER = _dmaload.WindowLoader  # the native one, whatever a test patches in
@@ -423,20 +423,6 @@ def test_an_empty_tensor_does_not_split_a_window(model: Path) -> None:
         assert [w.file for w in stream.windows] == list(range(len(paths))), stream.windows
 
 
-def _copy(model: Path, to: Path) -> Path:
-    to.mkdir()
-    for p in model.iterdir():
-        (to / p.name).write_bytes(p.read_bytes())
-    return to
-
-
-def _write_sums(directory: Path) -> None:
-    """SHA256SUMS of the directory's shards, as ``sha256sum *.safetensors``
-    writes it."""
-    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in sorted(directory.glob("*.safetensors"))]
-    (directory / "SHA256SUMS").write_text("".join(lines))
-
-
 def _flip_last_tensor(directory: Path) -> tuple[Path, str]:
     """Flips a byte of the last tensor (in data order) of the first shard;
     returns the shard and that tensor's name."""
@@ -459,8 +445,8 @@ def test_verify_checks_every_streamed_path_against_the_sums_file(model: Path, tm
     file."""
     from dmaload.safetensors import CollectiveLoadError, load_file
 
-    intact = _copy(model, tmp_path / "intact")
-    _write_sums(intact)
+    intact = copy_model(model, tmp_path / "intact")
+    write_sums(intact)
     reference = _reference(model)
     for window in ("64K", None):
         got = {name: t.clone() for name, t in iter_tensors(intact, window=window, verify=True)}
@@ -470,10 +456,10 @@ def test_verify_checks_every_streamed_path_against_the_sums_file(model: Path, tm
     filtered = load_file(intact, framework="pt", tensor_filter=keep, verify=True)
     assert filtered.keys() == keep and all(_same_bytes(filtered[n], reference[n]) for n in keep)
 
-    changed = _copy(intact, tmp_path / "changed")
+    changed = copy_model(intact, tmp_path / "changed")
     _, flipped = _flip_last_tensor(changed)
     assert flipped not in keep
-    with pytest.raises(CollectiveLoadError, match="SHA-256 mismatch: .*SHA256SUMS expects"):
+    with pytest.raises(CollectiveLoadError, match=r"SHA-256 mismatch: .*SHA256SUMS \(line 1\) expects"):
         load_file(changed, framework="pt", tensor_filter=keep, verify=True)
     with pytest.raises(CollectiveLoadError, match="SHA-256 mismatch"):
         for _ in iter_tensors(changed, window="64K", verify=True):
@@ -491,7 +477,7 @@ def test_a_rewrite_after_the_stream_opened_its_files_fails_it(model: Path, tmp_p
     iteration rather than handing out the new bytes under the old header."""
     from dmaload.safetensors import CollectiveLoadError
 
-    copy = _copy(model, tmp_path / "copy")
+    copy = copy_model(model, tmp_path / "copy")
     path, _ = _flip_last_tensor(copy)
     stream = _collective.Stream([path], window="1M")
     _flip_last_tensor(copy)  # the bytes back as they were, the file written
