@@ -182,3 +182,32 @@ def test_the_loader_keeps_vllms_load_config() -> None:
     loader = DmaloadModelLoader(config)
     expected = dataclasses.replace(config, load_format="safetensors", model_loader_extra_config={})
     assert loader.load_config == expected
+
+
+def test_a_verified_load_checks_every_shard_against_its_sums_file(models: dict[str, Path], tmp_path: Path) -> None:
+    """`{"verify": true}`: an intact checkpoint with a SHA256SUMS beside it
+    gives vLLM's own tensors; one byte of a shard changed fails the load
+    (before: every verified load failed, "a load into the caller's memory is
+    not verified"); no sums file is refused, naming `dmaload sums`."""
+    import hashlib
+    import shutil
+
+    model = shutil.copytree(models["llama"], tmp_path / "llama")
+    shards = sorted(model.glob("*.safetensors"))
+    (model / "SHA256SUMS").write_text(
+        "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in shards)
+    )
+    verified = _loader({"verify": True})
+    ours = _all_weights(verified, model, torch.nn.Module())
+    theirs = _all_weights(DefaultModelLoader(LoadConfig(load_format="safetensors")), model, torch.nn.Module())
+    _same(ours, theirs)
+
+    data = bytearray(shards[-1].read_bytes())
+    data[-1] ^= 0xFF
+    shards[-1].write_bytes(bytes(data))
+    with pytest.raises(Exception, match="SHA-256 mismatch"):
+        _all_weights(_loader({"verify": True}), model, torch.nn.Module())
+
+    (model / "SHA256SUMS").unlink()
+    with pytest.raises(Exception, match="dmaload sums"):
+        _all_weights(_loader({"verify": True}), model, torch.nn.Module())
