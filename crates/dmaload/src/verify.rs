@@ -4,7 +4,7 @@
 //! writes it), whichever lists the file, BLAKE3 first when both do.
 //!
 //! A sums file means what its tool's `-c` says it means, run in the sums
-//! file's directory ([`listing`]): `SHA256SUMS` as GNU `sha256sum -c` reads
+//! file's directory (`listing`): `SHA256SUMS` as GNU `sha256sum -c` reads
 //! it (`<64 hex>  <name>`, ` *` binary marker, the BSD tag form `SHA256
 //! (name) = <hex>` that `sha256sum --tag` writes, upper- or lower-case hex,
 //! CRLF line ends, names escaped after a leading backslash (`\\`, `\n`,
@@ -687,7 +687,7 @@ impl StreamVerifier {
         running.add(bytes.writer(), 0..len, at);
     }
 
-    /// [`Verifier::check`]: the digest of every byte added against the
+    /// The digest of every byte added against the
     /// expected one.
     pub fn check(self, path: &Path) -> Result<()> {
         self.expected.check(self.running.into_inner().unwrap_or_else(|p| p.into_inner()), path)

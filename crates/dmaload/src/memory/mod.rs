@@ -105,7 +105,7 @@ impl std::str::FromStr for MemoryKind {
 /// (and zeroed by the kernel) when populated or first touched.
 ///
 /// Until it becomes a buffer it is left out of any process forked
-/// meanwhile ([`Mapping::loading`]): a child forked while a load fills it
+/// meanwhile (`Mapping::loading`): a child forked while a load fills it
 /// neither shares its memory nor keeps it alive.
 #[derive(Debug)]
 pub struct Allocation {
