@@ -24,7 +24,8 @@ pub use crate::options::{
     DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
 };
 pub use crate::pipeline::load_open_to_sink;
-use crate::pipeline::load_source;
+use crate::object::Object;
+use crate::pipeline::{load_object_source, load_source};
 pub use crate::report::LoadReport;
 use crate::sink::{Sink, StagingRing};
 use crate::source::OpenFile;
@@ -169,4 +170,31 @@ pub fn load_to(
         }
         _ => load_source(file, offset, len, options).map(|(b, r)| (Loaded::Host(b), r)),
     }
+}
+
+/// Loads `len` bytes (to the end when `None`) from `offset` of the object
+/// at `url` (`s3://BUCKET/KEY`) into the destination `options.to` names:
+/// host memory so far ([`Loaded::Host`]); a dma-buf or a device is an
+/// [`crate::ErrorKind::InvalidInput`] error. The store, the keys and the
+/// region come from the environment ([`crate::object::config::Config`]);
+/// every GET pins the ETag the open found, so an object replaced during
+/// the load is [`crate::ErrorKind::Changed`]. See docs/object-storage.md.
+pub fn load_object(
+    url: &str,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<(Loaded, LoadReport)> {
+    let path = Path::new(url);
+    validate(path, options)?;
+    if !options.to.is_host() {
+        return Err(crate::Error::new(
+            crate::ErrorKind::InvalidInput,
+            "load",
+            path,
+            format!("an object loads into host memory so far, not {} (docs/object-storage.md)", options.to),
+        ));
+    }
+    let object = Object::open(url, &|| options.cancel.is_cancelled())?;
+    load_object_source(&object, offset, len, options).map(|(b, r)| (Loaded::Host(b), r))
 }
