@@ -18,13 +18,13 @@ use crate::buffer::Buffer;
 use crate::device::{load_open_device, LoadedDevice};
 use crate::dmabuf::{load_open_dmabuf, LoadedDmaBuf};
 use crate::error::Result;
+use crate::object::Object;
 use crate::options::validate;
 pub use crate::options::{
     default_populate_threads, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE,
     DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
 };
 pub use crate::pipeline::load_open_to_sink;
-use crate::object::Object;
 use crate::pipeline::{load_object_source, load_source};
 pub use crate::report::LoadReport;
 use crate::sink::{Sink, StagingRing};
@@ -172,20 +172,20 @@ pub fn load_to(
     }
 }
 
-/// Loads `len` bytes (to the end when `None`) from `offset` of the object
-/// at `url` (`s3://BUCKET/KEY`) into the destination `options.to` names:
-/// host memory so far ([`Loaded::Host`]); a dma-buf or a device is an
-/// [`crate::ErrorKind::InvalidInput`] error. The store, the keys and the
-/// region come from the environment ([`crate::object::config::Config`]);
-/// every GET pins the ETag the open found, so an object replaced during
-/// the load is [`crate::ErrorKind::Changed`]. See docs/object-storage.md.
+/// Loads `len` bytes (to the end when `None`) from `offset` of an object
+/// opened once with [`Object::open`] (`s3://BUCKET/KEY`: its size and ETag
+/// looked up) into the destination `options.to` names: host memory so far
+/// ([`Loaded::Host`]); a dma-buf or a device is an
+/// [`crate::ErrorKind::InvalidInput`] error. Every GET pins the ETag the
+/// open found, so an object replaced since is [`crate::ErrorKind::Changed`].
+/// See docs/object-storage.md.
 pub fn load_object(
-    url: &str,
+    object: &Object,
     offset: u64,
     len: Option<u64>,
     options: &LoadOptions,
 ) -> Result<(Loaded, LoadReport)> {
-    let path = Path::new(url);
+    let path = object.name();
     validate(path, options)?;
     if !options.to.is_host() {
         return Err(crate::Error::new(
@@ -195,6 +195,5 @@ pub fn load_object(
             format!("an object loads into host memory so far, not {} (docs/object-storage.md)", options.to),
         ));
     }
-    let object = Object::open(url, &|| options.cancel.is_cancelled())?;
-    load_object_source(&object, offset, len, options).map(|(b, r)| (Loaded::Host(b), r))
+    load_object_source(object, offset, len, options).map(|(b, r)| (Loaded::Host(b), r))
 }

@@ -680,12 +680,7 @@ impl<'a> Job<'a> {
         if let (CachePolicy::Fadvise, Input::File(file)) = (self.cache, self.input) {
             let chunk = self.plan.chunk_request(self.plan.chunk_index(req.start));
             // Advice only: a failure leaves pages cached but loses no data.
-            let _ = sys::file::fadvise(
-                file,
-                chunk.start,
-                chunk.end - chunk.start,
-                libc::POSIX_FADV_DONTNEED,
-            );
+            let _ = sys::file::fadvise(file, chunk.start, chunk.end - chunk.start, libc::POSIX_FADV_DONTNEED);
         }
     }
 
@@ -694,9 +689,12 @@ impl<'a> Job<'a> {
     pub fn file(&self) -> Result<BorrowedFd<'a>> {
         match self.input {
             Input::File(file) => Ok(file),
-            Input::Object(_) => {
-                Err(Error::new(ErrorKind::InvalidInput, "load", self.path, "a file engine cannot read an object"))
-            }
+            Input::Object(_) => Err(Error::new(
+                ErrorKind::InvalidInput,
+                "load",
+                self.path,
+                "a file engine cannot read an object",
+            )),
         }
     }
 

@@ -21,7 +21,12 @@ pub(crate) const DEFAULT_CONNECTIONS: usize = 8;
 /// Runs the job's plan from `object` into `dst` over `connections`
 /// connections. The report names the engine `pread-pool`: a pool of
 /// threads making blocking requests.
-pub(crate) fn run(job: &Job<'_>, object: &Object, dst: MappingWriter<'_>, connections: usize) -> EngineResult {
+pub(crate) fn run(
+    job: &Job<'_>,
+    object: &Object,
+    dst: MappingWriter<'_>,
+    connections: usize,
+) -> EngineResult {
     let next_chunk = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// The keys requests are signed with. `Debug` never shows the secret.
 #[derive(Clone)]
@@ -95,6 +96,12 @@ pub struct Config {
     pub region: String,
     pub endpoint: Endpoint,
     pub addressing: Addressing,
+    /// Time without a byte before a request is given up (and retried):
+    /// `DMALOAD_S3_TIMEOUT` seconds, else 30.
+    pub timeout: Duration,
+    /// The most time one request spends on retries:
+    /// `DMALOAD_S3_RETRY_SECONDS`, else 60.
+    pub retry_for: Duration,
 }
 
 impl Config {
@@ -107,14 +114,23 @@ impl Config {
     fn from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
         let profile = env("AWS_PROFILE").unwrap_or_else(|| "default".to_owned());
         let home = env("HOME").map(PathBuf::from);
-        let file = |var: &str, name: &str| env(var).map(PathBuf::from).or_else(|| home.as_ref().map(|h| h.join(".aws").join(name)));
-        let credentials_file = file("AWS_SHARED_CREDENTIALS_FILE", "credentials").map(|p| read_ini(&p)).unwrap_or_default();
+        let file = |var: &str, name: &str| {
+            env(var).map(PathBuf::from).or_else(|| home.as_ref().map(|h| h.join(".aws").join(name)))
+        };
+        let credentials_file =
+            file("AWS_SHARED_CREDENTIALS_FILE", "credentials").map(|p| read_ini(&p)).unwrap_or_default();
         let config_file = file("AWS_CONFIG_FILE", "config").map(|p| read_ini(&p)).unwrap_or_default();
-        let section = |ini: &HashMap<String, HashMap<String, String>>, name: &str| ini.get(name).cloned().unwrap_or_default();
+        let section = |ini: &HashMap<String, HashMap<String, String>>, name: &str| {
+            ini.get(name).cloned().unwrap_or_default()
+        };
         let creds = section(&credentials_file, &profile);
         // The config file names profiles `[profile NAME]`, except `[default]`.
-        let conf = section(&config_file, &if profile == "default" { profile.clone() } else { format!("profile {profile}") });
-        let setting = |var: &str, key: &str| env(var).or_else(|| creds.get(key).or_else(|| conf.get(key)).cloned());
+        let conf = section(
+            &config_file,
+            &if profile == "default" { profile.clone() } else { format!("profile {profile}") },
+        );
+        let setting =
+            |var: &str, key: &str| env(var).or_else(|| creds.get(key).or_else(|| conf.get(key)).cloned());
 
         let credentials = match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
             (Some(access_key), Some(secret_key)) => {
@@ -150,7 +166,18 @@ impl Config {
             None if endpoint.aws => Addressing::VirtualHosted,
             None => Addressing::Path,
         };
-        Ok(Config { credentials, region, endpoint, addressing })
+        let seconds = |name: &str, default: f64| {
+            let secs = env(name).and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0 && s.is_finite());
+            Duration::from_secs_f64(secs.unwrap_or(default))
+        };
+        Ok(Config {
+            credentials,
+            region,
+            endpoint,
+            addressing,
+            timeout: seconds("DMALOAD_S3_TIMEOUT", 30.0),
+            retry_for: seconds("DMALOAD_S3_RETRY_SECONDS", 60.0),
+        })
     }
 }
 
@@ -190,7 +217,8 @@ mod tests {
     use super::*;
 
     fn config(vars: &[(&str, &str)]) -> Result<Config, String> {
-        let vars: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let vars: HashMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Config::from_lookup(&|name| vars.get(name).cloned())
     }
 
@@ -209,7 +237,10 @@ mod tests {
         assert!(!format!("{:?}", c).contains("SK"), "the secret never shows");
         let aws = config(&[("AWS_REGION", "eu-west-1")]).unwrap();
         assert_eq!(aws.endpoint.host, "s3.eu-west-1.amazonaws.com");
-        assert_eq!((aws.addressing, aws.endpoint.https, aws.endpoint.port), (Addressing::VirtualHosted, true, 443));
+        assert_eq!(
+            (aws.addressing, aws.endpoint.https, aws.endpoint.port),
+            (Addressing::VirtualHosted, true, 443)
+        );
         assert!(aws.credentials.is_none());
         assert!(config(&[("AWS_ACCESS_KEY_ID", "AK")]).is_err());
         assert_eq!(config(&[("AWS_ENDPOINT_URL_S3", "http://h/p/")]).unwrap().endpoint.prefix, "/p");

@@ -17,6 +17,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::cancel::CancelToken;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sys::mem::MappingWriter;
 use config::{Addressing, Config};
@@ -53,23 +54,6 @@ pub fn is_object_url(path: &Path) -> bool {
     path.to_str().is_some_and(|p| p.starts_with("s3://"))
 }
 
-/// Time without a byte before a request is given up (and retried):
-/// `DMALOAD_S3_TIMEOUT` seconds, else 30.
-fn stall_timeout() -> Duration {
-    seconds_from_env("DMALOAD_S3_TIMEOUT", 30.0)
-}
-
-/// The most time one request spends on retries: `DMALOAD_S3_RETRY_SECONDS`,
-/// else 60.
-fn retry_budget() -> Duration {
-    seconds_from_env("DMALOAD_S3_RETRY_SECONDS", 60.0)
-}
-
-fn seconds_from_env(name: &str, default: f64) -> Duration {
-    let secs = std::env::var(name).ok().and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0 && s.is_finite());
-    Duration::from_secs_f64(secs.unwrap_or(default))
-}
-
 /// Attempts at one request, the first included.
 const MAX_ATTEMPTS: u32 = 8;
 /// The first retry waits up to this long; each next one up to twice as long.
@@ -100,17 +84,20 @@ enum Failure {
 
 impl Object {
     /// Looks the object up (HEAD, retried like every request) with the
-    /// configuration of the environment ([`Config::from_env`]).
-    pub fn open(url: &str, stopped: &(dyn Fn() -> bool + Sync)) -> Result<Object> {
+    /// configuration of the environment ([`Config::from_env`]); `cancel`
+    /// stops the retries.
+    pub fn open(url: &str, cancel: &CancelToken) -> Result<Object> {
         let name = PathBuf::from(url);
-        let parsed = ObjectUrl::parse(url).unwrap_or_else(|| {
-            Err(Error::new(ErrorKind::InvalidInput, "open", &name, "not an s3:// URL"))
-        })?;
-        let config = Config::from_env().map_err(|why| Error::new(ErrorKind::InvalidInput, "open", &name, why))?;
-        Object::with_config(parsed, config, stopped)
+        let parsed = ObjectUrl::parse(url)
+            .unwrap_or_else(|| Err(Error::new(ErrorKind::InvalidInput, "open", &name, "not an s3:// URL")))?;
+        let config =
+            Config::from_env().map_err(|why| Error::new(ErrorKind::InvalidInput, "open", &name, why))?;
+        Object::with_config(parsed, config, cancel)
     }
 
-    pub fn with_config(url: ObjectUrl, config: Config, stopped: &(dyn Fn() -> bool + Sync)) -> Result<Object> {
+    /// [`Object::open`] with a configuration of the caller's.
+    pub fn with_config(url: ObjectUrl, config: Config, cancel: &CancelToken) -> Result<Object> {
+        let stopped = || cancel.is_cancelled();
         let name = PathBuf::from(format!("s3://{}/{}", url.bucket, url.key));
         if config.endpoint.https {
             return Err(Error::new(
@@ -128,26 +115,19 @@ impl Object {
         let prefix = &config.endpoint.prefix;
         let (host, path) = match config.addressing {
             Addressing::Path => (config.endpoint.host.clone(), format!("{prefix}/{}/{key}", url.bucket)),
-            Addressing::VirtualHosted => (format!("{}.{}", url.bucket, config.endpoint.host), format!("{prefix}/{key}")),
+            Addressing::VirtualHosted => {
+                (format!("{}.{}", url.bucket, config.endpoint.host), format!("{prefix}/{key}"))
+            }
         };
-        let mut object = Object {
-            url,
-            name,
-            host,
-            path,
-            config,
-            size: 0,
-            etag: String::new(),
-            stall: stall_timeout(),
-            retry_for: retry_budget(),
-        };
+        let (stall, retry_for) = (config.timeout, config.retry_for);
+        let mut object =
+            Object { url, name, host, path, config, size: 0, etag: String::new(), stall, retry_for };
         let mut connection = None;
-        let head = object.request(&mut connection, "HEAD", None, stopped, |_, head, _| {
-            match head.status {
+        let head =
+            object.request(&mut connection, "HEAD", None, &stopped, |_, head, _| match head.status {
                 200 => Ok((head.content_length(), head.header("etag").map(str::to_owned))),
                 _ => Err(None),
-            }
-        })?;
+            })?;
         match head {
             (Some(size), Some(etag)) => {
                 object.size = size;
@@ -276,7 +256,11 @@ impl Object {
         method: &str,
         range: Option<&Range<u64>>,
         waiter: &Waiter<'_>,
-        done: &mut impl FnMut(&mut Connection, &http::Head, &Waiter<'_>) -> std::result::Result<T, Option<Failure>>,
+        done: &mut impl FnMut(
+            &mut Connection,
+            &http::Head,
+            &Waiter<'_>,
+        ) -> std::result::Result<T, Option<Failure>>,
     ) -> std::result::Result<T, Failure> {
         let offset = range.map_or(0, |r| r.start);
         let conn = match connection {
@@ -287,9 +271,8 @@ impl Object {
                     Addressing::Path => endpoint.host.as_str(),
                     Addressing::VirtualHosted => self.host.as_str(),
                 };
-                let opened = Connection::open(addr, endpoint.port, self.stall).map_err(|e| {
-                    Failure::Retry(format!("connect to {}:{}: {e}", addr, endpoint.port))
-                })?;
+                let opened = Connection::open(addr, endpoint.port, self.stall)
+                    .map_err(|e| Failure::Retry(format!("connect to {}:{}: {e}", addr, endpoint.port)))?;
                 connection.insert(opened)
             }
         };
@@ -386,7 +369,9 @@ impl Object {
                     self.etag
                 ),
             ),
-            404 => Error::with_errno(op(method), path, libc::ENOENT, not_found(&told, code.as_deref(), method)),
+            404 => {
+                Error::with_errno(op(method), path, libc::ENOENT, not_found(&told, code.as_deref(), method))
+            }
             401 | 403 => Error::with_errno(
                 op(method),
                 path,
@@ -461,7 +446,8 @@ fn xml_field(body: &str, name: &str) -> Option<String> {
     let start = body.find(&format!("<{name}>"))? + name.len() + 2;
     let end = start + body[start..].find(&format!("</{name}>"))?;
     let text = body[start..end].trim();
-    (!text.is_empty()).then(|| text.replace("&quot;", "\"").replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
+    (!text.is_empty())
+        .then(|| text.replace("&quot;", "\"").replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
 }
 
 /// A random duration up to `max` ("full jitter"), so that many requests

@@ -72,9 +72,8 @@ impl Stamp {
     }
 
     pub fn now() -> Stamp {
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
+        let secs =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         Stamp::at(secs)
     }
 
@@ -127,7 +126,8 @@ pub fn sign(
         request.method, request.path, request.query, request.payload_sha256
     );
     let scope = format!("{}/{region}/s3/aws4_request", stamp.date());
-    let to_sign = format!("AWS4-HMAC-SHA256\n{}\n{scope}\n{}", stamp.datetime, sha256_hex(canonical.as_bytes()));
+    let to_sign =
+        format!("AWS4-HMAC-SHA256\n{}\n{scope}\n{}", stamp.datetime, sha256_hex(canonical.as_bytes()));
     let key = hmac(format!("AWS4{}", credentials.secret_key).as_bytes(), stamp.date().as_bytes());
     let key = hmac(&key, region.as_bytes());
     let key = hmac(&key, b"s3");
@@ -156,9 +156,15 @@ mod tests {
             secret_key: "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY".into(),
             session_token: None,
         };
-        let headers = [("host", "examplebucket.s3.amazonaws.com".to_owned()), ("range", "bytes=0-9".to_owned())];
-        let request =
-            Request { method: "GET", path: "/test.txt", query: "", headers: &headers, payload_sha256: EMPTY_SHA256 };
+        let headers =
+            [("host", "examplebucket.s3.amazonaws.com".to_owned()), ("range", "bytes=0-9".to_owned())];
+        let request = Request {
+            method: "GET",
+            path: "/test.txt",
+            query: "",
+            headers: &headers,
+            payload_sha256: EMPTY_SHA256,
+        };
         let stamp = Stamp { datetime: "20130524T000000Z".into() };
         let signed = sign(&request, &credentials, "us-east-1", &stamp);
         let auth = &signed.iter().find(|(k, _)| *k == "authorization").unwrap().1;

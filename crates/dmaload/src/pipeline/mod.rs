@@ -104,9 +104,14 @@ pub(crate) fn allocation_error(path: &Path, e: io::Error) -> Error {
 /// may do.
 enum Prepared<M: RingMemory> {
     Uring(Box<Ring<M>>),
-    Pool { threads: usize, engine: Engine },
+    Pool {
+        threads: usize,
+        engine: Engine,
+    },
     /// An object's GETs over this many connections.
-    Object { connections: usize },
+    Object {
+        connections: usize,
+    },
 }
 
 /// Sets up the engine the parameters ask for: the ring and, for registered
@@ -244,8 +249,14 @@ pub(crate) fn fill_mapping(
         (verifier.is_some() || arrived.is_some()).then_some(&follow as _);
     let params = load_params(options, setup);
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
-        let transfer =
-            Transfer { path, input: Input::File(setup.file.as_fd()), cache: setup.cache, plan, params: &params, progress };
+        let transfer = Transfer {
+            path,
+            input: Input::File(setup.file.as_fd()),
+            cache: setup.cache,
+            plan,
+            params: &params,
+            progress,
+        };
         let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, beside, populate);
         debug_assert!(run.is_err() || progress.done() == len);
         run.map(|run| (run, times))
@@ -391,8 +402,14 @@ pub(crate) fn fill_staged(
             let carried = cached.as_ref().map(|c| (c.bytes(), c.threads(), c.take_failure()));
             (fed, carried)
         };
-        let transfer =
-            Transfer { path, input: Input::File(setup.file.as_fd()), cache: setup.cache, plan, params: &params, progress };
+        let transfer = Transfer {
+            path,
+            input: Input::File(setup.file.as_fd()),
+            cache: setup.cache,
+            plan,
+            params: &params,
+            progress,
+        };
         let (run, helped) = run_pipeline(&transfer, dst, layout, None, feed);
         // A lane that stopped short is an error below.
         let lane_short = matches!(&helped, Some((_, Some((bytes, _, _))))

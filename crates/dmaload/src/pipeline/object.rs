@@ -51,11 +51,12 @@ pub(crate) fn load_object_source(
     let memory = host_memory(path, options, len, &facts)?;
     let request =
         if options.chunk_size == DEFAULT_CHUNK_SIZE { DEFAULT_OBJECT_REQUEST } else { options.chunk_size };
-    let connections = if options.threads == DEFAULT_POOL_THREADS { DEFAULT_CONNECTIONS } else { options.threads };
+    let connections =
+        if options.threads == DEFAULT_POOL_THREADS { DEFAULT_CONNECTIONS } else { options.threads };
     let page = sys::mem::page_size();
     let plan = Plan::new(offset, len, 1, request, options.gather_size, page);
-    let mut alloc =
-        Allocation::with_facts(memory.kind, plan.mapping_len, &facts).map_err(|e| allocation_error(path, e))?;
+    let mut alloc = Allocation::with_facts(memory.kind, plan.mapping_len, &facts)
+        .map_err(|e| allocation_error(path, e))?;
     let params = EngineParams {
         engine: Engine::PreadPool,
         queue_depth: connections,
@@ -67,8 +68,14 @@ pub(crate) fn load_object_source(
     let dst = alloc.mapping.writer();
     let engine_started = Instant::now();
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
-        let transfer =
-            Transfer { path, input: Input::Object(object), cache: CachePolicy::Bypass, plan: &plan, params: &params, progress };
+        let transfer = Transfer {
+            path,
+            input: Input::Object(object),
+            cache: CachePolicy::Bypass,
+            plan: &plan,
+            params: &params,
+            progress,
+        };
         let populate = |_, gate: &Gate| populate_gathers(dst, None, &plan, gate, options.populate_threads);
         let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, None, populate);
         run.map(|run| (run, times.unwrap_or_default()))

@@ -44,8 +44,14 @@ pub(crate) fn write_at(
 ) -> Result<EngineRun> {
     let plan = Plan::write(file_offset, src.len() as u64, align, chunk, WINDOW, sys::mem::page_size());
     let attempt = |params: &EngineParams| {
-        let transfer =
-            Transfer { path, input: Input::File(file.as_fd()), cache: CachePolicy::Keep, plan: &plan, params, progress };
+        let transfer = Transfer {
+            path,
+            input: Input::File(file.as_fd()),
+            cache: CachePolicy::Keep,
+            plan: &plan,
+            params,
+            progress,
+        };
         run_pipeline(&transfer, src, Layout::InPlace, None, |registrar, gate| {
             register_windows(registrar, &plan, gate)
         })
