@@ -21,7 +21,7 @@ const BUCKET: &str = "models";
 
 fn garage_binary() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("DMALOAD_GARAGE") {
-        return Some(PathBuf::from(path));
+        return Some(PathBuf::from(path)).filter(|p| p.is_file());
     }
     let home = std::env::var_os("HOME").map(PathBuf::from)?;
     let cached = home.join(".cache/dmaload/garage-2.5.0/bin/garage");
