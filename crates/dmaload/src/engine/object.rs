@@ -36,14 +36,11 @@ pub(crate) fn run(
     let work = || {
         if let Err(err) = worker(job, object, dst, &tally, &next_chunk, &stopped, &longest_wait) {
             stop.store(true, Ordering::Relaxed);
-            // A worker stopped by another's failure reports a cancellation:
-            // the first error, the cause, goes in first and stays.
+            // The workers stopped by this failure end with a cancellation:
+            // the first other error, the cause, outranks those.
             let mut first = first_error.lock().unwrap_or_else(|p| p.into_inner());
-            if first.is_none() || first.as_ref().is_some_and(|e| e.kind() == ErrorKind::Cancelled) {
-                let caused = err.kind() != ErrorKind::Cancelled || job.gate.caller_cancelled();
-                if first.is_none() || caused {
-                    *first = Some(err);
-                }
+            if !matches!(&*first, Some(e) if e.kind() != ErrorKind::Cancelled) {
+                *first = Some(err);
             }
             drop(first);
             job.gate.cancel();
@@ -89,8 +86,9 @@ fn worker(
         waited += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
         // Reads are unaligned (alignment 1): the request is exactly the
         // bytes needed, so a GET of it is the chunk, no more.
-        let target = job.layout.target(plan, job.gate, &req);
-        object.get_into(&mut connection, req.start..req.start + req.need, dst, target, stopped)?;
+        let at = job.layout.target(plan, job.gate, &req).start;
+        let need = req.need as usize;
+        object.get_into(&mut connection, req.start..req.start + req.need, dst, at..at + need, stopped)?;
         job.progress.add(req.need);
         if tally.credit(g, req.need) {
             job.gate.mark_filled(g);
