@@ -122,12 +122,24 @@ impl Object {
         let (stall, retry_for) = (config.timeout, config.retry_for);
         let mut object =
             Object { url, name, host, path, config, size: 0, etag: String::new(), stall, retry_for };
-        let mut connection = None;
-        let head =
-            object.request(&mut connection, "HEAD", None, &stopped, |_, head, _| match head.status {
-                200 => Ok((head.content_length(), head.header("etag").map(str::to_owned))),
-                _ => Err(None),
-            })?;
+        let head = object.request(&mut None, "HEAD", None, &stopped, |_, head, _| match head.status {
+            200 => Ok((head.content_length(), head.header("etag").map(str::to_owned))),
+            _ => Err(None),
+        });
+        let head = match head {
+            Err(err) if matches!(err.raw_os_error(), Some(libc::ENOENT | libc::EACCES)) => {
+                // A HEAD's error has no body: a one-byte GET of the same
+                // object gets the server's code (NoSuchKey, NoSuchBucket,
+                // SignatureDoesNotMatch, ...) where it fails the same way.
+                let explained: Result<()> =
+                    object.request(&mut None, "GET", Some(0..1), &stopped, |_, _, _| Err(None));
+                return Err(match explained {
+                    Err(explained) if explained.raw_os_error() == err.raw_os_error() => explained,
+                    _ => err,
+                });
+            }
+            head => head?,
+        };
         match head {
             (Some(size), Some(etag)) => {
                 object.size = size;
@@ -302,6 +314,8 @@ impl Object {
         let mut headers = vec![("host", host)];
         if let Some(range) = range {
             headers.push(("range", format!("bytes={}-{}", range.start, range.end - 1)));
+        }
+        if range.is_some() && !self.etag.is_empty() {
             headers.push(("if-match", self.etag.clone()));
         }
         if let Some(credentials) = &self.config.credentials {
