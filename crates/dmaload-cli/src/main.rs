@@ -97,6 +97,7 @@ enum Command {
 
 #[derive(Args)]
 struct LoadCommand {
+    /// The file, or an object: s3://BUCKET/KEY (docs/object-storage.md).
     file: PathBuf,
     /// First byte to load.
     #[arg(long, value_parser = units::parse_size, default_value = "0")]
