@@ -102,20 +102,25 @@ impl Garage {
     }
 
     fn set_up(&mut self) {
+        // Up once `garage status` reaches it over RPC (as Garage's own tests wait).
         let started = Instant::now();
-        let id = loop {
-            let out = Command::new(&self.bin)
+        loop {
+            let status = Command::new(&self.bin)
                 .arg("-c")
                 .arg(self.dir.path().join("garage.toml"))
-                .args(["node", "id", "-q"])
-                .output()
+                .arg("status")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
                 .unwrap();
-            if out.status.success() {
-                break String::from_utf8(out.stdout).unwrap();
+            if status.success() {
+                break;
             }
-            assert!(started.elapsed() < Duration::from_secs(60), "garage did not start");
+            let log = || std::fs::read_to_string(self.dir.path().join("garage.log")).unwrap_or_default();
+            assert!(started.elapsed() < Duration::from_secs(60), "garage did not start:\n{}", log());
             std::thread::sleep(Duration::from_millis(200));
-        };
+        }
+        let id = self.cli(&["node", "id", "-q"]);
         let id = id.trim().split('@').next().unwrap().to_owned();
         self.cli(&["layout", "assign", "-z", "dc1", "-c", "1G", &id]);
         self.cli(&["layout", "apply", "--version", "1"]);
@@ -186,13 +191,14 @@ impl Garage {
                 head += &format!("{name}: {value}\r\n");
             }
             head += "\r\n";
-            let mut stream = TcpStream::connect(&host).unwrap();
-            stream.write_all(head.as_bytes()).unwrap();
-            stream.write_all(body).unwrap();
             let mut response = Vec::new();
-            stream.read_to_end(&mut response).unwrap();
-            let response = String::from_utf8_lossy(&response);
-            if response.starts_with("HTTP/1.1 200") {
+            let sent = TcpStream::connect(&host).and_then(|mut stream| {
+                stream.write_all(head.as_bytes())?;
+                stream.write_all(body)?;
+                stream.read_to_end(&mut response)
+            });
+            let response = format!("{sent:?} {}", String::from_utf8_lossy(&response));
+            if response.starts_with("Ok(") && response.contains(" HTTP/1.1 200") {
                 return;
             }
             assert!(started.elapsed() < Duration::from_secs(30), "PUT {key}: {response}");
