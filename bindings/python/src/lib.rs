@@ -639,14 +639,15 @@ impl FileArg {
 /// looked up once.
 enum Source {
     File(dmaload::OpenFile),
-    Object(dmaload::object::Object),
+    Object(Box<dmaload::object::Object>),
 }
 
 impl Source {
     fn open(file: &FileArg, cancel: &dmaload::CancelToken) -> Result<Source, dmaload::Error> {
         match file {
             FileArg::Path(path) if dmaload::object::is_object_url(path) => {
-                dmaload::object::Object::open(&path.to_string_lossy(), cancel).map(Source::Object)
+                dmaload::object::Object::open(&path.to_string_lossy(), cancel)
+                    .map(|o| Source::Object(Box::new(o)))
             }
             _ => file.open().map(Source::File),
         }
