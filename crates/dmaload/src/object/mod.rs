@@ -111,14 +111,7 @@ impl Object {
                 ),
             ));
         }
-        let key = sigv4::uri_encode(&url.key, true);
-        let prefix = &config.endpoint.prefix;
-        let (host, path) = match config.addressing {
-            Addressing::Path => (config.endpoint.host.clone(), format!("{prefix}/{}/{key}", url.bucket)),
-            Addressing::VirtualHosted => {
-                (format!("{}.{}", url.bucket, config.endpoint.host), format!("{prefix}/{key}"))
-            }
-        };
+        let (host, path) = locate(&url, &config);
         let (stall, retry_for) = (config.timeout, config.retry_for);
         let mut object =
             Object { url, name, host, path, config, size: 0, etag: String::new(), stall, retry_for };
@@ -430,6 +423,20 @@ impl Object {
     }
 }
 
+/// The host a request for `url` goes to and its (encoded) path, by the
+/// configuration's addressing: `host/[prefix/]bucket/key` or
+/// `bucket.host/[prefix/]key`.
+fn locate(url: &ObjectUrl, config: &Config) -> (String, String) {
+    let key = sigv4::uri_encode(&url.key, true);
+    let prefix = &config.endpoint.prefix;
+    match config.addressing {
+        Addressing::Path => (config.endpoint.host.clone(), format!("{prefix}/{}/{key}", url.bucket)),
+        Addressing::VirtualHosted => {
+            (format!("{}.{}", url.bucket, config.endpoint.host), format!("{prefix}/{key}"))
+        }
+    }
+}
+
 fn op(method: &str) -> &'static str {
     match method {
         "HEAD" => "HEAD",
@@ -489,5 +496,25 @@ mod tests {
         assert_eq!(xml_field(body, "Code").as_deref(), Some("NoSuchKey"));
         assert_eq!(xml_field(body, "Message").as_deref(), Some("Key not found: \"k\""));
         assert!(jitter(Duration::from_secs(1)) <= Duration::from_secs(1));
+    }
+
+    #[test]
+    fn path_style_and_virtual_hosted_requests() {
+        let url = ObjectUrl { bucket: "b".into(), key: "dir/a b+c.bin".into() };
+        let mut config = Config {
+            credentials: None,
+            region: "r".into(),
+            endpoint: config::Endpoint::parse("http://127.0.0.1:3900/base").unwrap(),
+            addressing: Addressing::Path,
+            timeout: Duration::from_secs(1),
+            retry_for: Duration::from_secs(1),
+        };
+        assert_eq!(locate(&url, &config), ("127.0.0.1".into(), "/base/b/dir/a%20b%2Bc.bin".into()));
+        config.endpoint = config::Endpoint::parse("https://s3.eu-west-1.amazonaws.com").unwrap();
+        config.addressing = Addressing::VirtualHosted;
+        assert_eq!(
+            locate(&url, &config),
+            ("b.s3.eu-west-1.amazonaws.com".into(), "/dir/a%20b%2Bc.bin".into())
+        );
     }
 }
