@@ -635,6 +635,51 @@ impl FileArg {
     }
 }
 
+/// What `load` reads: a file opened once, or an object (`s3://BUCKET/KEY`)
+/// looked up once.
+enum Source {
+    File(dmaload::OpenFile),
+    Object(Box<dmaload::object::Object>),
+}
+
+impl Source {
+    fn open(file: &FileArg, cancel: &dmaload::CancelToken) -> Result<Source, dmaload::Error> {
+        match file {
+            FileArg::Path(path) if dmaload::object::is_object_url(path) => {
+                dmaload::object::Object::open(&path.to_string_lossy(), cancel)
+                    .map(|o| Source::Object(Box::new(o)))
+            }
+            _ => file.open().map(Source::File),
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Source::File(file) => file.len(),
+            Source::Object(object) => object.size,
+        }
+    }
+
+    fn path(&self) -> &std::path::Path {
+        match self {
+            Source::File(file) => file.path(),
+            Source::Object(object) => object.name(),
+        }
+    }
+
+    fn load_to(
+        &self,
+        offset: u64,
+        len: Option<u64>,
+        options: &dmaload::LoadOptions,
+    ) -> Result<(dmaload::Loaded, dmaload::LoadReport), dmaload::Error> {
+        match self {
+            Source::File(file) => dmaload::load_to(file, offset, len, options),
+            Source::Object(object) => dmaload::load_object(object, offset, len, options),
+        }
+    }
+}
+
 fn file_len(path: &std::path::Path) -> Result<u64, dmaload::Error> {
     std::fs::metadata(path).map(|m| m.len()).map_err(|e| dmaload::Error::io("stat", path, e))
 }
@@ -656,7 +701,7 @@ fn load(
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
         let offset = offset.unwrap_or(0);
-        let file = detached(py, || file.open())?.map_err(|e| os_error(&e))?;
+        let file = detached(py, || Source::open(&file, &cancel))?.map_err(|e| os_error(&e))?;
         let relay = progress.map(|callback| {
             let total = length.unwrap_or_else(|| file.len().saturating_sub(offset));
             let relay = Progress::new(callback, total, cancel.clone());
@@ -665,7 +710,7 @@ fn load(
         });
         options.check_host(file.path()).map_err(|e| os_error(&e))?;
         let to = options.to.clone();
-        let result = run_abandonable(py, &cancel, move || dmaload::load_to(&file, offset, length, &options))?;
+        let result = run_abandonable(py, &cancel, move || file.load_to(offset, length, &options))?;
         Progress::raised(relay.as_ref())?;
         let (buffer, report) = match result.map_err(|e| os_error(&e))? {
             (dmaload::Loaded::Host(buffer), report) => (buffer, report),

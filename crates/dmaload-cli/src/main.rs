@@ -98,6 +98,7 @@ enum Command {
 
 #[derive(Args)]
 struct LoadCommand {
+    /// The file, or an object: s3://BUCKET/KEY (docs/object-storage.md).
     file: PathBuf,
     /// First byte to load.
     #[arg(long, value_parser = units::parse_size, default_value = "0")]
@@ -271,7 +272,15 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
         eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a range or a device; loading directly");
         socket = None;
     }
-    let result = if let Some(socket) = socket {
+    let result = if dmaload::object::is_object_url(&cmd.file) {
+        // An object (s3://BUCKET/KEY): no cache service or local file involved.
+        dmaload::object::Object::open(&cmd.file.to_string_lossy(), &options.cancel)
+            .and_then(|object| dmaload::load_object(&object, cmd.offset, cmd.length, &options))
+            .and_then(|(loaded, report)| {
+                let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
+                Ok((report, hash))
+            })
+    } else if let Some(socket) = socket {
         dmaload::share::load_cached(&cmd.file, &socket, &options).map(|(buffer, report, outcome)| {
             match outcome {
                 dmaload::share::CacheOutcome::Service { served, note } => {

@@ -25,6 +25,7 @@ mod lead;
 pub mod load;
 pub mod many;
 pub mod memory;
+pub mod object;
 mod options;
 pub mod pagecache;
 mod pipeline;
@@ -50,8 +51,8 @@ pub use dmabuf::{load_dmabuf, LoadedDmaBuf};
 pub use error::{Error, ErrorKind, Result};
 pub use into::{load_into, load_into_raw, load_open_into, load_open_into_arriving};
 pub use load::{
-    load, load_fd, load_from, load_open, load_open_to_sink, load_range, load_to, load_to_sink, Destination,
-    LoadOptions, LoadReport, Loaded,
+    load, load_fd, load_from, load_object, load_open, load_open_to_sink, load_range, load_to, load_to_sink,
+    Destination, LoadOptions, LoadReport, Loaded,
 };
 pub use many::{load_many, load_many_safetensors};
 pub use memory::MemoryKind;

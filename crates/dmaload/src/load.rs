@@ -18,13 +18,14 @@ use crate::buffer::Buffer;
 use crate::device::{load_open_device, LoadedDevice};
 use crate::dmabuf::{load_open_dmabuf, LoadedDmaBuf};
 use crate::error::Result;
+use crate::object::Object;
 use crate::options::validate;
 pub use crate::options::{
     default_populate_threads, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE,
     DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
 };
 pub use crate::pipeline::load_open_to_sink;
-use crate::pipeline::load_source;
+use crate::pipeline::{load_object_source, load_source};
 pub use crate::report::LoadReport;
 use crate::sink::{Sink, StagingRing};
 use crate::source::OpenFile;
@@ -169,4 +170,30 @@ pub fn load_to(
         }
         _ => load_source(file, offset, len, options).map(|(b, r)| (Loaded::Host(b), r)),
     }
+}
+
+/// Loads `len` bytes (to the end when `None`) from `offset` of an object
+/// opened once with [`Object::open`] (`s3://BUCKET/KEY`: its size and ETag
+/// looked up) into the destination `options.to` names: host memory so far
+/// ([`Loaded::Host`]); a dma-buf or a device is an
+/// [`crate::ErrorKind::InvalidInput`] error. Every GET pins the ETag the
+/// open found, so an object replaced since is [`crate::ErrorKind::Changed`].
+/// See docs/object-storage.md.
+pub fn load_object(
+    object: &Object,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<(Loaded, LoadReport)> {
+    let path = object.name();
+    validate(path, options)?;
+    if !options.to.is_host() {
+        return Err(crate::Error::new(
+            crate::ErrorKind::InvalidInput,
+            "load",
+            path,
+            format!("an object loads into host memory so far, not {} (docs/object-storage.md)", options.to),
+        ));
+    }
+    load_object_source(object, offset, len, options).map(|(b, r)| (Loaded::Host(b), r))
 }

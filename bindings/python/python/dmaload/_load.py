@@ -49,6 +49,8 @@ def load(
     ``path`` may also be a descriptor open for reading (an int) or an open
     file object: the file is opened once, through ``/proc/self/fd`` for a
     descriptor, and the caller's descriptor and its offset stay as they were.
+    An ``s3://BUCKET/KEY`` URL loads an object from an S3-compatible store
+    (settings from ``AWS_*`` variables and ``~/.aws``; docs/object-storage.md).
 
     The GIL is released while the file is read. Errors are ``OSError`` with
     ``errno`` and ``filename`` set (``FileNotFoundError`` and friends), the

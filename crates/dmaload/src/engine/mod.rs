@@ -3,6 +3,7 @@
 //! waits for gathers to be ready (the crate's `Gate`), issues the plan's
 //! chunk requests, checks every result and reports progress.
 
+pub(crate) mod object;
 pub(crate) mod pool;
 pub(crate) mod uring;
 
@@ -645,10 +646,19 @@ impl EngineParams {
     }
 }
 
+/// What a load reads from, or a save writes to.
+#[derive(Clone, Copy)]
+pub(crate) enum Input<'a> {
+    /// An open file: the io_uring and pread engines.
+    File(BorrowedFd<'a>),
+    /// An object in a store: the [`object`] engine's GETs.
+    Object(&'a crate::object::Object),
+}
+
 /// Everything an engine needs to run one plan.
 pub(crate) struct Job<'a> {
     pub path: &'a Path,
-    pub file: BorrowedFd<'a>,
+    pub input: Input<'a>,
     pub plan: &'a Plan,
     pub layout: Layout,
     pub cache: CachePolicy,
@@ -663,19 +673,28 @@ pub(crate) struct Job<'a> {
     pub request_size: Option<usize>,
 }
 
-impl Job<'_> {
+impl<'a> Job<'a> {
     /// Called once a request's data has all arrived: drops its whole chunk
     /// from the page cache when the policy says so.
     pub fn finish_request(&self, req: &Request) {
-        if self.cache == CachePolicy::Fadvise {
+        if let (CachePolicy::Fadvise, Input::File(file)) = (self.cache, self.input) {
             let chunk = self.plan.chunk_request(self.plan.chunk_index(req.start));
             // Advice only: a failure leaves pages cached but loses no data.
-            let _ = sys::file::fadvise(
-                self.file,
-                chunk.start,
-                chunk.end - chunk.start,
-                libc::POSIX_FADV_DONTNEED,
-            );
+            let _ = sys::file::fadvise(file, chunk.start, chunk.end - chunk.start, libc::POSIX_FADV_DONTNEED);
+        }
+    }
+
+    /// The open file of a file engine; an object is an error (never met:
+    /// the pipeline runs an object on its own engine).
+    pub fn file(&self) -> Result<BorrowedFd<'a>> {
+        match self.input {
+            Input::File(file) => Ok(file),
+            Input::Object(_) => Err(Error::new(
+                ErrorKind::InvalidInput,
+                "load",
+                self.path,
+                "a file engine cannot read an object",
+            )),
         }
     }
 

@@ -59,6 +59,7 @@ fn worker<M: RingMemory>(
     longest_wait: &Mutex<Duration>,
 ) -> Result<()> {
     let plan = job.plan;
+    let file = job.file()?;
     let mut waited = Duration::ZERO;
     let rw_flags = job.cache.rw_flags();
     while !stop.load(Ordering::Relaxed) {
@@ -77,8 +78,7 @@ fn worker<M: RingMemory>(
         waited += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
         loop {
             let got =
-                match mem.transfer_at(job.file, job.layout.target(plan, job.gate, &req), req.start, rw_flags)
-                {
+                match mem.transfer_at(file, job.layout.target(plan, job.gate, &req), req.start, rw_flags) {
                     Ok(got) => got as u64,
                     Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
                     Err(err) => return Err(job.transfer_error(req.start, err)),

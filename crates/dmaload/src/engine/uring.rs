@@ -34,6 +34,7 @@ pub(crate) fn run<M: RingMemory>(
 ) -> EngineResult {
     let plan = job.plan;
     debug_assert_eq!(plan.direction, M::DIRECTION, "a plan runs on memory of its direction");
+    let file = job.file()?;
     let mut run = EngineRun { engine: Engine::Uring, ..EngineRun::default() };
     let tally = GatherTally::new(plan);
     let mut next_chunk = 0;
@@ -59,7 +60,7 @@ pub(crate) fn run<M: RingMemory>(
         let slot = job.gate.is_registered(index.into()).then_some(index);
         let mut target = job.layout.target(plan, job.gate, req);
         target.end = target.end.min(target.start.saturating_add(most));
-        ring.queue_transfer(job.file, target, req.start, slot, rw_flags, req.start)
+        ring.queue_transfer(file, target, req.start, slot, rw_flags, req.start)
     };
     // A poll of the gate's wake eventfd beside the reads, armed while the
     // next gather waits for a staging slot: a slot freeing ends the wait in

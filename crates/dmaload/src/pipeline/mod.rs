@@ -6,11 +6,13 @@
 //! see docs/architecture.md.
 
 mod host;
+mod object;
 mod range;
 mod staged;
 mod write;
 
 pub(crate) use host::{load_source, with_kept_ring};
+pub(crate) use object::load_object_source;
 pub use range::check_memory;
 pub(crate) use range::{open_range, range_len};
 pub use staged::load_open_to_sink;
@@ -21,7 +23,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::engine::{self, EngineParams, EngineRun, Gate, Job, Layout, Progress, RegisterAhead};
+use crate::engine::{self, EngineParams, EngineRun, Gate, Input, Job, Layout, Progress, RegisterAhead};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Allocation, MemoryKind};
 use crate::options::{LoadOptions, DEFAULT_QUEUE_DEPTH};
@@ -103,7 +105,14 @@ pub(crate) fn allocation_error(path: &Path, e: io::Error) -> Error {
 /// may do.
 enum Prepared<M: RingMemory> {
     Uring(Box<Ring<M>>),
-    Pool { threads: usize, engine: Engine },
+    Pool {
+        threads: usize,
+        engine: Engine,
+    },
+    /// An object's GETs over this many connections.
+    Object {
+        connections: usize,
+    },
 }
 
 /// Sets up the engine the parameters ask for: the ring and, for registered
@@ -251,8 +260,14 @@ pub(crate) fn fill_mapping(
         (verifier.is_some() || arrived.is_some()).then_some(&follow as _);
     let params = load_params(options, setup);
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
-        let transfer =
-            Transfer { path, file: setup.file.as_fd(), cache: setup.cache, plan, params: &params, progress };
+        let transfer = Transfer {
+            path,
+            input: Input::File(setup.file.as_fd()),
+            cache: setup.cache,
+            plan,
+            params: &params,
+            progress,
+        };
         let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, beside, populate);
         debug_assert!(run.is_err() || progress.done() == len);
         run.map(|run| (run, times))
@@ -403,7 +418,7 @@ pub(crate) fn fill_staged(
             (fed, carried)
         };
         let transfer =
-            Transfer { path, file: setup.file.as_fd(), cache: setup.cache, plan, params: &params, progress };
+            Transfer { path, input: Input::File(setup.file.as_fd()), cache: setup.cache, plan, params: &params, progress };
         run_pipeline(&transfer, dst, layout, None, feed)
     };
     let mut fed = None;
@@ -662,7 +677,7 @@ const RELEASE_POLL: Duration = Duration::from_micros(200);
 /// `progress` (whose reporting the caller runs, [`Progress::reporting`]).
 pub(crate) struct Transfer<'a> {
     pub path: &'a Path,
-    pub file: BorrowedFd<'a>,
+    pub input: Input<'a>,
     pub cache: CachePolicy,
     pub plan: &'a Plan,
     pub params: &'a EngineParams,
@@ -692,7 +707,7 @@ fn run_pipeline<M: RingMemory, T: Send>(
     plan.cache_lane_gathers().for_each(|g| gate.pass_over(g));
     let job = Job {
         path,
-        file: transfer.file,
+        input: transfer.input,
         plan,
         layout,
         cache: transfer.cache,
@@ -703,7 +718,11 @@ fn run_pipeline<M: RingMemory, T: Send>(
         request_size: params.request_size,
     };
     let mut fallbacks = Vec::new();
-    let (prepared, registrar) = match prepare_engine(path, plan, layout, mem, params, &mut fallbacks) {
+    let prepared = match transfer.input {
+        Input::Object(_) => Ok((Prepared::Object { connections: params.threads }, None)),
+        Input::File(_) => prepare_engine(path, plan, layout, mem, params, &mut fallbacks),
+    };
+    let (prepared, registrar) = match prepared {
         Ok((prepared, registrar)) => (Ok(prepared), registrar),
         Err(err) => (Err(err), None),
     };
@@ -776,6 +795,10 @@ fn run_pipeline<M: RingMemory, T: Send>(
         let result = prepared.and_then(|prepared| match prepared {
             Prepared::Uring(mut ring) => engine::uring::run(&job, &mut ring, fixed, inline),
             Prepared::Pool { threads, engine } => engine::pool::run(&job, mem, threads, engine),
+            Prepared::Object { connections } => match (job.input, mem.destination()) {
+                (Input::Object(object), Some(dst)) => engine::object::run(&job, object, dst, connections),
+                _ => Err(Error::new(ErrorKind::InvalidInput, "save", path, "an object cannot be written")),
+            },
         });
         gate.engine_done();
         if result.is_err() {

@@ -19,13 +19,18 @@ use crate::{sys, system};
 /// The length of the range `offset..offset + len` (to the end of the file
 /// when `len` is `None`), checked against the open file.
 pub(crate) fn range_len(source: &Source, path: &Path, offset: u64, len: Option<u64>) -> Result<u64> {
-    let size = source.size;
+    range_within(source.size, "file", path, offset, len)
+}
+
+/// The length of the range `offset..offset + len` (to the end when `len`
+/// is `None`) of a source of `size` bytes, a `what` ("file", "object").
+pub(crate) fn range_within(size: u64, what: &str, path: &Path, offset: u64, len: Option<u64>) -> Result<u64> {
     if offset > size {
         return Err(Error::new(
             ErrorKind::InvalidInput,
             "load",
             path,
-            format!("offset {offset} is past the end of the file ({size} bytes)"),
+            format!("offset {offset} is past the end of the {what} ({size} bytes)"),
         )
         .at(offset));
     }
@@ -35,7 +40,7 @@ pub(crate) fn range_len(source: &Source, path: &Path, offset: u64, len: Option<u
             ErrorKind::Truncated,
             "load",
             path,
-            format!("range {offset}+{len} extends past the end of the file ({size} bytes)"),
+            format!("range {offset}+{len} extends past the end of the {what} ({size} bytes)"),
         )
         .at(size)
     })?;

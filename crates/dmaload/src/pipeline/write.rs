@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{run_pipeline, Transfer};
-use crate::engine::{self, EngineParams, EngineRun, Gate, Job, Layout, Progress, RegisterAhead};
+use crate::engine::{self, EngineParams, EngineRun, Gate, Input, Job, Layout, Progress, RegisterAhead};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::sys;
@@ -44,8 +44,14 @@ pub(crate) fn write_at(
 ) -> Result<EngineRun> {
     let plan = Plan::write(file_offset, src.len() as u64, align, chunk, WINDOW, sys::mem::page_size());
     let attempt = |params: &EngineParams| {
-        let transfer =
-            Transfer { path, file: file.as_fd(), cache: CachePolicy::Keep, plan: &plan, params, progress };
+        let transfer = Transfer {
+            path,
+            input: Input::File(file.as_fd()),
+            cache: CachePolicy::Keep,
+            plan: &plan,
+            params,
+            progress,
+        };
         run_pipeline(&transfer, src, Layout::InPlace, None, |registrar, gate| {
             register_windows(registrar, &plan, gate)
         })
@@ -130,7 +136,7 @@ impl<'s> KeptWriteRing<'s> {
         }
         let job = Job {
             path,
-            file: file.as_fd(),
+            input: Input::File(file.as_fd()),
             plan: &plan,
             layout: Layout::Placed { base },
             cache: CachePolicy::Keep,

@@ -239,6 +239,10 @@ pub trait RingMemory: sealed::Sealed + Copy + Send + Sync {
         offset: u64,
         rw_flags: i32,
     ) -> io::Result<usize>;
+
+    /// The memory as a destination other sources write into (an object
+    /// store's response bodies); `None` for memory of the write direction.
+    fn destination(&self) -> Option<MappingWriter<'_>>;
 }
 
 impl RingMemory for MappingWriter<'_> {
@@ -258,6 +262,10 @@ impl RingMemory for MappingWriter<'_> {
     ) -> io::Result<usize> {
         self.pread_at(fd, range, offset, rw_flags)
     }
+
+    fn destination(&self) -> Option<MappingWriter<'_>> {
+        Some(*self)
+    }
 }
 
 impl RingMemory for RawBytes<'_> {
@@ -276,6 +284,10 @@ impl RingMemory for RawBytes<'_> {
         rw_flags: i32,
     ) -> io::Result<usize> {
         self.range(range).pwrite_at(fd, offset, rw_flags)
+    }
+
+    fn destination(&self) -> Option<MappingWriter<'_>> {
+        None
     }
 }
 

@@ -65,6 +65,29 @@ impl<'m> MappingWriter<'m> {
         crate::sys::check_size(ret)
     }
 
+    /// One `read(2)` of a byte stream (a socket) into `range` of the
+    /// mapping: the bytes of an HTTP body land where they belong, with no
+    /// buffer between. Returns the count read (0 at the end of the stream),
+    /// which may be short.
+    pub fn read_stream(&self, fd: BorrowedFd<'_>, range: Range<usize>) -> io::Result<usize> {
+        let (ptr, len) = self.raw_range(&range);
+        // SAFETY: ptr..ptr+len lies inside a mapping kept alive and free of
+        // Rust references by this writer's borrow; read writes at most len bytes.
+        let ret = unsafe { libc::read(fd.as_raw_fd(), ptr.cast(), len) };
+        crate::sys::check_size(ret)
+    }
+
+    /// Copies `data` into the mapping at `offset` (the first bytes of a body
+    /// that arrived with the response's head); panics when it does not fit,
+    /// as the offset comes from the plan.
+    pub fn copy_in(&self, offset: usize, data: &[u8]) {
+        let (ptr, len) = self.raw_range(&(offset..offset + data.len()));
+        // SAFETY: ptr..ptr+len lies inside the live mapping (checked by
+        // raw_range), which no Rust reference covers while the writer
+        // lives, so it cannot overlap `data`.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr, len) };
+    }
+
     /// Allocates and maps the pages of `range` on `threads` threads, each
     /// taking an equal page-aligned share, with `MADV_POPULATE_WRITE` so the I/O
     /// never faults. No `fallocate` first: it has no mapping to take the

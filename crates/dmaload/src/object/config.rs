@@ -1,0 +1,278 @@
+//! Where an object store is and who we are to it, from the places AWS's own
+//! tools read: the environment first, then the shared credentials and
+//! config files of the profile (`AWS_PROFILE`, else `default`).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The keys requests are signed with. `Debug` never shows the secret.
+#[derive(Clone)]
+pub struct Credentials {
+    pub access_key: String,
+    pub secret_key: String,
+    pub session_token: Option<String>,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials").field("access_key", &self.access_key).finish_non_exhaustive()
+    }
+}
+
+/// How a bucket is named in a request: in the path (`host/bucket/key`,
+/// what custom endpoints such as Garage, MinIO and Ceph take by default) or
+/// in the host name (`bucket.host/key`, AWS's default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Addressing {
+    Path,
+    VirtualHosted,
+}
+
+/// An endpoint URL taken apart: `http(s)://host[:port][/prefix]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub https: bool,
+    /// The host name or address (IPv6 in brackets).
+    pub host: String,
+    pub port: u16,
+    /// Whether the port was named (the `Host` header then names it).
+    explicit_port: bool,
+    /// The URL's path, without a trailing `/` ("" for none).
+    pub prefix: String,
+    /// Whether the endpoint is AWS's own (virtual-hosted addressing then).
+    pub aws: bool,
+}
+
+impl Endpoint {
+    pub fn parse(url: &str) -> Result<Endpoint, String> {
+        let (https, rest) = if let Some(rest) = url.strip_prefix("https://") {
+            (true, rest)
+        } else if let Some(rest) = url.strip_prefix("http://") {
+            (false, rest)
+        } else {
+            return Err(format!("endpoint {url:?} is not an http:// or https:// URL"));
+        };
+        let (authority, prefix) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+        let (host, port) = match authority.rsplit_once(':') {
+            Some((host, port)) if !port.contains(']') => {
+                let port = port.parse::<u16>().map_err(|_| format!("endpoint {url:?} has a bad port"))?;
+                (host, Some(port))
+            }
+            _ => (authority, None),
+        };
+        if host.is_empty() {
+            return Err(format!("endpoint {url:?} names no host"));
+        }
+        Ok(Endpoint {
+            https,
+            host: host.to_owned(),
+            port: port.unwrap_or(if https { 443 } else { 80 }),
+            explicit_port: port.is_some(),
+            prefix: match prefix.trim_matches('/') {
+                "" => String::new(),
+                path => format!("/{path}"),
+            },
+            aws: host.ends_with(".amazonaws.com"),
+        })
+    }
+
+    /// The `Host` header's value for `host` on this endpoint's port.
+    pub fn authority(&self, host: &str) -> String {
+        if self.explicit_port {
+            format!("{host}:{}", self.port)
+        } else {
+            host.to_owned()
+        }
+    }
+}
+
+/// Everything a request needs besides the bucket and key.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `None`: requests go unsigned (a public bucket).
+    pub credentials: Option<Credentials>,
+    pub region: String,
+    pub endpoint: Endpoint,
+    pub addressing: Addressing,
+    /// Time without a byte before a request is given up (and retried):
+    /// `DMALOAD_S3_TIMEOUT` seconds, else 30.
+    pub timeout: Duration,
+    /// The most time one request spends on retries:
+    /// `DMALOAD_S3_RETRY_SECONDS`, else 60.
+    pub retry_for: Duration,
+}
+
+impl Config {
+    /// Reads the configuration from the process's environment and the
+    /// shared files; an error says which setting is wrong.
+    pub fn from_env() -> Result<Config, String> {
+        Config::from_lookup(&|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+    }
+
+    fn from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
+        let profile = env("AWS_PROFILE").unwrap_or_else(|| "default".to_owned());
+        let home = env("HOME").map(PathBuf::from);
+        let file = |var: &str, name: &str| {
+            env(var).map(PathBuf::from).or_else(|| home.as_ref().map(|h| h.join(".aws").join(name)))
+        };
+        let credentials_file =
+            file("AWS_SHARED_CREDENTIALS_FILE", "credentials").map(|p| read_ini(&p)).unwrap_or_default();
+        let config_file = file("AWS_CONFIG_FILE", "config").map(|p| read_ini(&p)).unwrap_or_default();
+        let section = |ini: &HashMap<String, HashMap<String, String>>, name: &str| {
+            ini.get(name).cloned().unwrap_or_default()
+        };
+        let creds = section(&credentials_file, &profile);
+        // The config file names profiles `[profile NAME]`, except `[default]`.
+        let conf = section(
+            &config_file,
+            &if profile == "default" { profile.clone() } else { format!("profile {profile}") },
+        );
+        let setting =
+            |var: &str, key: &str| env(var).or_else(|| creds.get(key).or_else(|| conf.get(key)).cloned());
+
+        let credentials = match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
+            (Some(access_key), Some(secret_key)) => {
+                Some(Credentials { access_key, secret_key, session_token: env("AWS_SESSION_TOKEN") })
+            }
+            (Some(_), None) | (None, Some(_)) => {
+                return Err("only one of AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY is set".to_owned())
+            }
+            (None, None) => {
+                let from_files = |key: &str| creds.get(key).or_else(|| conf.get(key)).cloned();
+                match (from_files("aws_access_key_id"), from_files("aws_secret_access_key")) {
+                    (Some(access_key), Some(secret_key)) => Some(Credentials {
+                        access_key,
+                        secret_key,
+                        session_token: from_files("aws_session_token"),
+                    }),
+                    _ => None,
+                }
+            }
+        };
+        let region = setting("AWS_REGION", "region")
+            .or_else(|| env("AWS_DEFAULT_REGION"))
+            .unwrap_or_else(|| "us-east-1".to_owned());
+        let endpoint_url = env("AWS_ENDPOINT_URL_S3")
+            .or_else(|| env("AWS_ENDPOINT_URL"))
+            .or_else(|| conf.get("endpoint_url").cloned())
+            .unwrap_or_else(|| format!("https://s3.{region}.amazonaws.com"));
+        let endpoint = Endpoint::parse(&endpoint_url)?;
+        let addressing = match env("DMALOAD_S3_ADDRESSING").as_deref() {
+            Some("path") => Addressing::Path,
+            Some("virtual") => Addressing::VirtualHosted,
+            Some(other) => return Err(format!("DMALOAD_S3_ADDRESSING={other:?}: expected path or virtual")),
+            None if endpoint.aws => Addressing::VirtualHosted,
+            None => Addressing::Path,
+        };
+        let seconds = |name: &str, default: f64| {
+            let secs = env(name).and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0 && s.is_finite());
+            Duration::from_secs_f64(secs.unwrap_or(default))
+        };
+        Ok(Config {
+            credentials,
+            region,
+            endpoint,
+            addressing,
+            timeout: seconds("DMALOAD_S3_TIMEOUT", 30.0),
+            retry_for: seconds("DMALOAD_S3_RETRY_SECONDS", 60.0),
+        })
+    }
+}
+
+/// The sections of an INI file (`[name]`, then `key = value` lines), or
+/// nothing when it cannot be read. Indented lines (a nested `s3 =` block)
+/// are left out.
+fn read_ini(path: &std::path::Path) -> HashMap<String, HashMap<String, String>> {
+    let Ok(text) = std::fs::read_to_string(path) else { return HashMap::new() };
+    parse_ini(&text)
+}
+
+fn parse_ini(text: &str) -> HashMap<String, HashMap<String, String>> {
+    let mut sections: HashMap<String, HashMap<String, String>> = HashMap::new();
+    let mut current = None;
+    for line in text.lines() {
+        if line.starts_with([' ', '\t']) {
+            continue;
+        }
+        let line = line.trim();
+        if line.is_empty() || line.starts_with(['#', ';']) {
+            continue;
+        }
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            current = Some(name.trim().to_owned());
+            continue;
+        }
+        if let (Some(section), Some((key, value))) = (&current, line.split_once('=')) {
+            let entry = sections.entry(section.clone()).or_default();
+            entry.insert(key.trim().to_owned(), value.trim().to_owned());
+        }
+    }
+    sections
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(vars: &[(&str, &str)]) -> Result<Config, String> {
+        let vars: HashMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(&|name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn the_environment_names_keys_region_and_endpoint() {
+        let c = config(&[
+            ("AWS_ACCESS_KEY_ID", "AK"),
+            ("AWS_SECRET_ACCESS_KEY", "SK"),
+            ("AWS_REGION", "garage"),
+            ("AWS_ENDPOINT_URL", "http://127.0.0.1:3900"),
+        ])
+        .unwrap();
+        assert_eq!(c.region, "garage");
+        assert_eq!(c.endpoint.authority(&c.endpoint.host), "127.0.0.1:3900");
+        assert_eq!(c.addressing, Addressing::Path);
+        assert!(!format!("{:?}", c).contains("SK"), "the secret never shows");
+        let aws = config(&[("AWS_REGION", "eu-west-1")]).unwrap();
+        assert_eq!(aws.endpoint.host, "s3.eu-west-1.amazonaws.com");
+        assert_eq!(
+            (aws.addressing, aws.endpoint.https, aws.endpoint.port),
+            (Addressing::VirtualHosted, true, 443)
+        );
+        assert!(aws.credentials.is_none());
+        assert!(config(&[("AWS_ACCESS_KEY_ID", "AK")]).is_err());
+        assert_eq!(config(&[("AWS_ENDPOINT_URL_S3", "http://h/p/")]).unwrap().endpoint.prefix, "/p");
+    }
+
+    #[test]
+    fn profiles_come_from_the_shared_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("credentials"),
+            "[default]\naws_access_key_id = D\naws_secret_access_key = DS\n[dev]\naws_access_key_id=K\naws_secret_access_key=S\naws_session_token = T\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("config"),
+            "[profile dev]\nregion = r1\nendpoint_url = http://localhost:9000\ns3 =\n  addressing_style = virtual\n",
+        )
+        .unwrap();
+        let home = dir.path().to_str().unwrap().replace("/.aws", "");
+        let credentials = dir.path().join("credentials");
+        let conf = dir.path().join("config");
+        let c = config(&[
+            ("HOME", &home),
+            ("AWS_PROFILE", "dev"),
+            ("AWS_SHARED_CREDENTIALS_FILE", credentials.to_str().unwrap()),
+            ("AWS_CONFIG_FILE", conf.to_str().unwrap()),
+        ])
+        .unwrap();
+        let creds = c.credentials.unwrap();
+        assert_eq!((creds.access_key.as_str(), creds.session_token.as_deref()), ("K", Some("T")));
+        assert_eq!((c.region.as_str(), c.endpoint.port), ("r1", 9000));
+        let d = config(&[("AWS_SHARED_CREDENTIALS_FILE", credentials.to_str().unwrap())]).unwrap();
+        assert_eq!(d.credentials.unwrap().access_key, "D");
+    }
+}

@@ -1,0 +1,520 @@
+//! An object in an S3-compatible store (`s3://BUCKET/KEY`) as the source of
+//! a load: opened once with a HEAD (its size and ETag), then read in
+//! ranged GETs that each pin that ETag (`If-Match`), so an object replaced
+//! mid-load fails the load ([`ErrorKind::Changed`]) instead of mixing two
+//! versions. The engine that runs the GETs over a pool of kept-alive
+//! connections is `engine::object`; see docs/object-storage.md.
+//!
+//! Plain `http://` endpoints only in this first slice: an `https://` one is
+//! refused at the open, naming what is missing.
+
+pub mod config;
+mod http;
+pub mod sigv4;
+
+use std::io;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::cancel::CancelToken;
+use crate::error::{Error, ErrorKind, Result};
+use crate::sys::mem::MappingWriter;
+use config::{Addressing, Config};
+pub(crate) use http::{Connection, Waiter};
+
+/// `s3://BUCKET/KEY`, taken apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectUrl {
+    pub bucket: String,
+    pub key: String,
+}
+
+impl ObjectUrl {
+    /// `None` when `url` is not an `s3://` URL; an error when it is one
+    /// without a bucket or a key.
+    pub fn parse(url: &str) -> Option<Result<ObjectUrl>> {
+        let rest = url.strip_prefix("s3://")?;
+        Some(match rest.split_once('/') {
+            Some((bucket, key)) if !bucket.is_empty() && !key.is_empty() => {
+                Ok(ObjectUrl { bucket: bucket.to_owned(), key: key.to_owned() })
+            }
+            _ => Err(Error::new(
+                ErrorKind::InvalidInput,
+                "open",
+                Path::new(url),
+                "an object URL is s3://BUCKET/KEY",
+            )),
+        })
+    }
+}
+
+/// Whether `path` names an object (`s3://...`) rather than a file.
+pub fn is_object_url(path: &Path) -> bool {
+    path.to_str().is_some_and(|p| p.starts_with("s3://"))
+}
+
+/// Attempts at one request, the first included.
+const MAX_ATTEMPTS: u32 = 8;
+/// The first retry waits up to this long; each next one up to twice as long.
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// An object opened for loading: where it is, its size and the ETag every
+/// read pins.
+#[derive(Debug)]
+pub struct Object {
+    url: ObjectUrl,
+    name: PathBuf,
+    config: Config,
+    /// Host header and address of every request.
+    host: String,
+    path: String,
+    pub size: u64,
+    pub etag: String,
+    stall: Duration,
+    retry_for: Duration,
+}
+
+/// How a failed attempt ends: tried again, or the load's error.
+enum Failure {
+    Retry(String),
+    Fatal(Error),
+}
+
+impl Object {
+    /// Looks the object up (HEAD, retried like every request) with the
+    /// configuration of the environment ([`Config::from_env`]); `cancel`
+    /// stops the retries.
+    pub fn open(url: &str, cancel: &CancelToken) -> Result<Object> {
+        let name = PathBuf::from(url);
+        let parsed = ObjectUrl::parse(url)
+            .unwrap_or_else(|| Err(Error::new(ErrorKind::InvalidInput, "open", &name, "not an s3:// URL")))?;
+        let config =
+            Config::from_env().map_err(|why| Error::new(ErrorKind::InvalidInput, "open", &name, why))?;
+        Object::with_config(parsed, config, cancel)
+    }
+
+    /// [`Object::open`] with a configuration of the caller's.
+    pub fn with_config(url: ObjectUrl, config: Config, cancel: &CancelToken) -> Result<Object> {
+        let stopped = || cancel.is_cancelled();
+        let name = PathBuf::from(format!("s3://{}/{}", url.bucket, url.key));
+        if config.endpoint.https {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                "open",
+                &name,
+                format!(
+                    "the endpoint https://{} needs TLS, which this build does not have yet: only http:// \
+                     endpoints (AWS_ENDPOINT_URL) are supported so far (docs/object-storage.md)",
+                    config.endpoint.host
+                ),
+            ));
+        }
+        let (host, path) = locate(&url, &config);
+        let (stall, retry_for) = (config.timeout, config.retry_for);
+        let mut object =
+            Object { url, name, host, path, config, size: 0, etag: String::new(), stall, retry_for };
+        let head = object.request(&mut None, "HEAD", None, &stopped, |_, head, _| match head.status {
+            200 => Ok((head.content_length(), head.header("etag").map(str::to_owned))),
+            _ => Err(None),
+        });
+        let head = match head {
+            Err(err) if matches!(err.raw_os_error(), Some(libc::ENOENT | libc::EACCES)) => {
+                // A HEAD's error has no body: a one-byte GET of the same
+                // object gets the server's code (NoSuchKey, NoSuchBucket,
+                // SignatureDoesNotMatch, ...) where it fails the same way.
+                let explained: Result<()> =
+                    object.request(&mut None, "GET", Some(0..1), &stopped, |_, _, _| Err(None));
+                return Err(match explained {
+                    Err(explained) if explained.raw_os_error() == err.raw_os_error() => explained,
+                    _ => err,
+                });
+            }
+            head => head?,
+        };
+        match head {
+            (Some(size), Some(etag)) => {
+                object.size = size;
+                object.etag = etag;
+                Ok(object)
+            }
+            _ => Err(Error::new(
+                ErrorKind::Io,
+                "HEAD",
+                &object.name,
+                "the response names no Content-Length or no ETag",
+            )),
+        }
+    }
+
+    /// The object's URL, as messages and reports name it.
+    pub fn name(&self) -> &Path {
+        &self.name
+    }
+
+    pub fn bucket(&self) -> &str {
+        &self.url.bucket
+    }
+
+    pub fn key(&self) -> &str {
+        &self.url.key
+    }
+
+    /// Reads bytes `range` of the object into `at` of `dst` (of the same
+    /// length) with one ranged GET pinned to the ETag, on `connection`
+    /// (opened or reopened as needed), retried as failures allow.
+    pub(crate) fn get_into(
+        &self,
+        connection: &mut Option<Connection>,
+        range: Range<u64>,
+        dst: MappingWriter<'_>,
+        at: Range<usize>,
+        stopped: &(dyn Fn() -> bool + Sync),
+    ) -> Result<()> {
+        let expected = range.end - range.start;
+        let whole = range.start == 0 && range.end == self.size;
+        self.request(connection, "GET", Some(range.clone()), stopped, |conn, head, waiter| {
+            let length = head.content_length();
+            let fits = match head.status {
+                206 => content_range(head) == Some((range.start, range.end - 1, self.size)),
+                200 => whole,
+                _ => return Err(None),
+            };
+            if !fits || length != Some(expected) {
+                let why = format!(
+                    "the server answered bytes {range:?} of an object of {} bytes with status {}, \
+                     Content-Range {:?}, Content-Length {:?}: not the bytes asked for",
+                    self.size,
+                    head.status,
+                    head.header("content-range"),
+                    length
+                );
+                return Err(Some(Failure::Fatal(
+                    Error::new(ErrorKind::Truncated, "GET", &self.name, why).at(range.start),
+                )));
+            }
+            conn.read_body_into(dst, at.clone(), waiter).map_err(|e| Some(self.io_failure(e, range.start)))
+        })
+    }
+
+    /// One request with its retries: `done` takes a response's head and
+    /// gives the result, `Err(None)` for a status to explain (an error
+    /// body's code, a retry on 5xx), or `Err(Some(failure))`.
+    fn request<T>(
+        &self,
+        connection: &mut Option<Connection>,
+        method: &str,
+        range: Option<Range<u64>>,
+        stopped: &(dyn Fn() -> bool + Sync),
+        mut done: impl FnMut(&mut Connection, &http::Head, &Waiter<'_>) -> std::result::Result<T, Option<Failure>>,
+    ) -> Result<T> {
+        let started = Instant::now();
+        let offset = range.as_ref().map_or(0, |r| r.start);
+        let waiter = Waiter { stopped, stall: self.stall };
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            if stopped() {
+                return Err(self.cancelled(method, offset));
+            }
+            let outcome = self.attempt(connection, method, range.as_ref(), &waiter, &mut done);
+            let why = match outcome {
+                Ok(value) => return Ok(value),
+                Err(Failure::Fatal(err)) => {
+                    *connection = None;
+                    return Err(err);
+                }
+                Err(Failure::Retry(why)) => why,
+            };
+            *connection = None;
+            if stopped() {
+                return Err(self.cancelled(method, offset));
+            }
+            let backoff = jitter(FIRST_BACKOFF.saturating_mul(1 << attempt.min(16)).min(MAX_BACKOFF));
+            if attempt >= MAX_ATTEMPTS || started.elapsed() + backoff > self.retry_for {
+                let what = self.what(method, range.as_ref());
+                let err = Error::with_errno(
+                    op(method),
+                    &self.name,
+                    libc::EIO,
+                    format!(
+                        "{what}: gave up after {attempt} attempts in {:.1} s: {why}",
+                        started.elapsed().as_secs_f64()
+                    ),
+                );
+                return Err(err.at(offset));
+            }
+            let until = Instant::now() + backoff;
+            while Instant::now() < until {
+                if stopped() {
+                    return Err(self.cancelled(method, offset));
+                }
+                std::thread::sleep((until - Instant::now()).min(Duration::from_millis(20)));
+            }
+        }
+    }
+
+    fn attempt<T>(
+        &self,
+        connection: &mut Option<Connection>,
+        method: &str,
+        range: Option<&Range<u64>>,
+        waiter: &Waiter<'_>,
+        done: &mut impl FnMut(
+            &mut Connection,
+            &http::Head,
+            &Waiter<'_>,
+        ) -> std::result::Result<T, Option<Failure>>,
+    ) -> std::result::Result<T, Failure> {
+        let offset = range.map_or(0, |r| r.start);
+        let conn = match connection {
+            Some(conn) => conn,
+            None => {
+                let endpoint = &self.config.endpoint;
+                let addr = match self.config.addressing {
+                    Addressing::Path => endpoint.host.as_str(),
+                    Addressing::VirtualHosted => self.host.as_str(),
+                };
+                let opened = Connection::open(addr, endpoint.port, self.stall)
+                    .map_err(|e| Failure::Retry(format!("connect to {}:{}: {e}", addr, endpoint.port)))?;
+                connection.insert(opened)
+            }
+        };
+        let request = self.request_head(method, range);
+        let sent = conn.send(request.as_bytes()).and_then(|()| conn.read_head(waiter));
+        let head = match sent {
+            Ok(head) => head,
+            // A kept-alive connection the server closed meanwhile fails
+            // here too: tried again on a new one.
+            Err(e) => return Err(self.io_failure(e, offset)),
+        };
+        let keep = head.keeps_alive();
+        let result = match done(conn, &head, waiter) {
+            Ok(value) => Ok(value),
+            Err(Some(failure)) => Err(failure),
+            Err(None) => Err(self.status_failure(conn, &head, method, range, waiter)),
+        };
+        if !keep || result.is_err() {
+            *connection = None;
+        }
+        result
+    }
+
+    /// The request's head, signed when there are credentials.
+    fn request_head(&self, method: &str, range: Option<&Range<u64>>) -> String {
+        let host = self.config.endpoint.authority(&self.host);
+        let mut headers = vec![("host", host)];
+        if let Some(range) = range {
+            headers.push(("range", format!("bytes={}-{}", range.start, range.end - 1)));
+        }
+        if range.is_some() && !self.etag.is_empty() {
+            headers.push(("if-match", self.etag.clone()));
+        }
+        if let Some(credentials) = &self.config.credentials {
+            let request = sigv4::Request {
+                method,
+                path: &self.path,
+                query: "",
+                headers: &headers,
+                payload_sha256: sigv4::EMPTY_SHA256,
+            };
+            let signed = sigv4::sign(&request, credentials, &self.config.region, &sigv4::Stamp::now());
+            headers.extend(signed);
+        }
+        let mut head = format!("{method} {} HTTP/1.1\r\n", self.path);
+        for (name, value) in &headers {
+            head += &format!("{name}: {value}\r\n");
+        }
+        head += "user-agent: dmaload\r\n\r\n";
+        head
+    }
+
+    /// What a response that is no success means: its error body's code
+    /// read (for a GET; a HEAD has no body), retried on 5xx and throttling,
+    /// else an error naming the status and code.
+    fn status_failure(
+        &self,
+        conn: &mut Connection,
+        head: &http::Head,
+        method: &str,
+        range: Option<&Range<u64>>,
+        waiter: &Waiter<'_>,
+    ) -> Failure {
+        let body = match head.content_length() {
+            Some(len) if method != "HEAD" && len as usize <= http::MAX_ERROR_BODY => {
+                conn.read_body(len as usize, waiter).unwrap_or_default()
+            }
+            _ => Vec::new(),
+        };
+        let body = String::from_utf8_lossy(&body);
+        let code = xml_field(&body, "Code");
+        let message = xml_field(&body, "Message");
+        let status = head.status;
+        let what = self.what(method, range);
+        let mut told = format!("{what}: HTTP {status}");
+        if let Some(code) = &code {
+            told += &format!(" {code}");
+        }
+        if let Some(message) = &message {
+            told += &format!(": {message}");
+        }
+        let offset = range.map_or(0, |r| r.start);
+        let throttled = matches!(code.as_deref(), Some("SlowDown" | "RequestTimeout" | "InternalError"));
+        if status >= 500 || status == 429 || throttled {
+            return Failure::Retry(told);
+        }
+        let path = &self.name;
+        let err = match status {
+            412 => Error::new(
+                ErrorKind::Changed,
+                op(method),
+                path,
+                format!(
+                    "{told}: the object was replaced since the load began (ETag {} no longer matches); \
+                     nothing was kept: load it again",
+                    self.etag
+                ),
+            ),
+            404 => {
+                Error::with_errno(op(method), path, libc::ENOENT, not_found(&told, code.as_deref(), method))
+            }
+            401 | 403 => Error::with_errno(
+                op(method),
+                path,
+                libc::EACCES,
+                format!("{told} (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile's keys)"),
+            ),
+            416 => Error::new(ErrorKind::Truncated, op(method), path, told),
+            301 | 307 | 308 => {
+                let region = head.header("x-amz-bucket-region").unwrap_or("another region");
+                Error::with_errno(
+                    op(method),
+                    path,
+                    libc::EIO,
+                    format!("{told}: the bucket is in {region}; set AWS_REGION={region}"),
+                )
+            }
+            _ => Error::with_errno(op(method), path, libc::EIO, told),
+        };
+        Failure::Fatal(err.at(offset))
+    }
+
+    /// A failed read or write on the connection: retried (resets, stalls,
+    /// a body cut short), except a cancellation.
+    fn io_failure(&self, err: io::Error, offset: u64) -> Failure {
+        if err.raw_os_error() == Some(libc::ECANCELED) {
+            return Failure::Fatal(self.cancelled("GET", offset));
+        }
+        Failure::Retry(err.to_string())
+    }
+
+    fn cancelled(&self, method: &str, offset: u64) -> Error {
+        Error::new(ErrorKind::Cancelled, op(method), &self.name, "cancelled; nothing was kept").at(offset)
+    }
+
+    /// "bucket B, key K, bytes a-b" for messages.
+    fn what(&self, method: &str, range: Option<&Range<u64>>) -> String {
+        let mut what = format!("{method} of bucket {}, key {}", self.url.bucket, self.url.key);
+        if let Some(range) = range {
+            what += &format!(", bytes {}-{}", range.start, range.end.saturating_sub(1));
+        }
+        what
+    }
+}
+
+/// The host a request for `url` goes to and its (encoded) path, by the
+/// configuration's addressing: `host/[prefix/]bucket/key` or
+/// `bucket.host/[prefix/]key`.
+fn locate(url: &ObjectUrl, config: &Config) -> (String, String) {
+    let key = sigv4::uri_encode(&url.key, true);
+    let prefix = &config.endpoint.prefix;
+    match config.addressing {
+        Addressing::Path => (config.endpoint.host.clone(), format!("{prefix}/{}/{key}", url.bucket)),
+        Addressing::VirtualHosted => {
+            (format!("{}.{}", url.bucket, config.endpoint.host), format!("{prefix}/{key}"))
+        }
+    }
+}
+
+fn op(method: &str) -> &'static str {
+    match method {
+        "HEAD" => "HEAD",
+        _ => "GET",
+    }
+}
+
+/// A 404's message: a HEAD has no body to say whether the bucket or the key
+/// is missing.
+fn not_found(told: &str, code: Option<&str>, method: &str) -> String {
+    match (code, method) {
+        (Some(_), _) => told.to_owned(),
+        (None, "HEAD") => format!("{told}: no such bucket or key"),
+        (None, _) => told.to_owned(),
+    }
+}
+
+/// `Content-Range: bytes FIRST-LAST/TOTAL`.
+fn content_range(head: &http::Head) -> Option<(u64, u64, u64)> {
+    let value = head.header("content-range")?.trim().strip_prefix("bytes ")?;
+    let (span, total) = value.split_once('/')?;
+    let (first, last) = span.split_once('-')?;
+    Some((first.parse().ok()?, last.parse().ok()?, total.parse().ok()?))
+}
+
+/// The text of the first `<name>` element of an S3 error body.
+fn xml_field(body: &str, name: &str) -> Option<String> {
+    let start = body.find(&format!("<{name}>"))? + name.len() + 2;
+    let end = start + body[start..].find(&format!("</{name}>"))?;
+    let text = body[start..end].trim();
+    (!text.is_empty())
+        .then(|| text.replace("&quot;", "\"").replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
+}
+
+/// A random duration up to `max` ("full jitter"), so that many requests
+/// failing together do not retry together.
+fn jitter(max: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(Instant::now().elapsed().as_nanos() as u64);
+    let fraction = (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64;
+    max.mul_f64(fraction)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_error_bodies() {
+        let url = ObjectUrl::parse("s3://b/dir/model.safetensors").unwrap().unwrap();
+        assert_eq!((url.bucket.as_str(), url.key.as_str()), ("b", "dir/model.safetensors"));
+        assert!(ObjectUrl::parse("/tmp/x").is_none());
+        assert!(ObjectUrl::parse("s3://b").unwrap().is_err());
+        assert!(ObjectUrl::parse("s3://b/").unwrap().is_err());
+        let body = "<?xml version=\"1.0\"?><Error><Code>NoSuchKey</Code><Message>Key not found: &quot;k&quot;</Message></Error>";
+        assert_eq!(xml_field(body, "Code").as_deref(), Some("NoSuchKey"));
+        assert_eq!(xml_field(body, "Message").as_deref(), Some("Key not found: \"k\""));
+        assert!(jitter(Duration::from_secs(1)) <= Duration::from_secs(1));
+    }
+
+    #[test]
+    fn path_style_and_virtual_hosted_requests() {
+        let url = ObjectUrl { bucket: "b".into(), key: "dir/a b+c.bin".into() };
+        let mut config = Config {
+            credentials: None,
+            region: "r".into(),
+            endpoint: config::Endpoint::parse("http://127.0.0.1:3900/base").unwrap(),
+            addressing: Addressing::Path,
+            timeout: Duration::from_secs(1),
+            retry_for: Duration::from_secs(1),
+        };
+        assert_eq!(locate(&url, &config), ("127.0.0.1".into(), "/base/b/dir/a%20b%2Bc.bin".into()));
+        config.endpoint = config::Endpoint::parse("https://s3.eu-west-1.amazonaws.com").unwrap();
+        config.addressing = Addressing::VirtualHosted;
+        assert_eq!(
+            locate(&url, &config),
+            ("b.s3.eu-west-1.amazonaws.com".into(), "/dir/a%20b%2Bc.bin".into())
+        );
+    }
+}

@@ -1,0 +1,136 @@
+//! Loads from a real S3 server: each test starts a single-node Garage
+//! (`common/garage.rs`), uploads objects and loads them; without a Garage
+//! binary each test says SKIP.
+
+#[path = "common/garage.rs"]
+mod garage;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dmaload::object::config::{Config, Credentials};
+use dmaload::object::{Object, ObjectUrl};
+use dmaload::{CancelToken, ErrorKind, LoadOptions, Loaded};
+use garage::{pattern, Garage};
+
+fn host_bytes(loaded: Loaded) -> Vec<u8> {
+    match loaded {
+        Loaded::Host(buffer) => buffer.to_vec(),
+        other => panic!("not a host buffer: {other:?}"),
+    }
+}
+
+#[test]
+fn an_object_loads_bit_exact_whole_and_in_ranges() {
+    let Some(garage) = Garage::start("an_object_loads_bit_exact_whole_and_in_ranges") else { return };
+    let body = pattern((9 << 20) + 12_345, 7);
+    garage.put("dir/model.bin", &body);
+    let object = garage.open("dir/model.bin").unwrap();
+    assert_eq!(object.size, body.len() as u64);
+    // The defaults, and many small GETs in flight on a few connections.
+    let small = LoadOptions { chunk_size: 1 << 20, threads: 3, ..LoadOptions::default() };
+    for options in [LoadOptions::default(), small] {
+        let (loaded, report) = dmaload::load_object(&object, 0, None, &options).unwrap();
+        assert_eq!(report.bytes, body.len() as u64);
+        assert!(host_bytes(loaded) == body, "the loaded bytes differ from the object's");
+        let (loaded, _) = dmaload::load_object(&object, 1_000_003, Some(3_333_333), &options).unwrap();
+        assert!(host_bytes(loaded) == body[1_000_003..4_333_336]);
+    }
+    let (loaded, _) =
+        dmaload::load_object(&object, body.len() as u64, None, &LoadOptions::default()).unwrap();
+    assert!(host_bytes(loaded).is_empty());
+    // Past the end: refused before any GET, naming the object's size.
+    let err = dmaload::load_object(&object, 5, Some(body.len() as u64), &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Truncated);
+    assert!(err.to_string().contains(&format!("object ({} bytes)", body.len())), "{err}");
+}
+
+#[test]
+fn an_object_replaced_after_it_was_opened_is_changed_and_nothing_is_returned() {
+    let Some(garage) = Garage::start("an_object_replaced_after_it_was_opened_is_changed") else { return };
+    garage.put("model.bin", &pattern(3 << 20, 1));
+    let object = garage.open("model.bin").unwrap();
+    // Same size, other bytes: only the ETag tells.
+    garage.put("model.bin", &pattern(3 << 20, 2));
+    let err = dmaload::load_object(&object, 0, None, &LoadOptions::default()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Changed, "{err}");
+    let message = err.to_string();
+    assert!(message.contains("HTTP 412") && message.contains("bucket models, key model.bin"), "{message}");
+}
+
+#[test]
+fn wrong_credentials_are_refused_without_showing_the_secret() {
+    let Some(garage) = Garage::start("wrong_credentials_are_refused") else { return };
+    garage.put("model.bin", b"bytes");
+    let wrong = Credentials { secret_key: "not-the-secret-0123456789".into(), ..garage.key.clone() };
+    let err = garage.open_with("model.bin", garage.config_with(wrong)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
+    let message = err.to_string();
+    assert!(message.contains("HTTP 403") && message.contains("AWS_SECRET_ACCESS_KEY"), "{message}");
+    assert!(!message.contains("not-the-secret") && !message.contains(&garage.key.secret_key), "{message}");
+}
+
+#[test]
+fn a_missing_key_or_bucket_is_not_found() {
+    let Some(garage) = Garage::start("a_missing_key_or_bucket_is_not_found") else { return };
+    let err = garage.open("no/such/key").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
+    assert!(err.to_string().contains("bucket models, key no/such/key"), "{err}");
+    let url = ObjectUrl { bucket: "no-such-bucket".into(), key: "k".into() };
+    let err = Object::with_config(url, garage.config(), &CancelToken::new()).unwrap_err();
+    // Garage refuses a bucket the key has no access to as it does a missing one.
+    assert!(matches!(err.raw_os_error(), Some(libc::ENOENT | libc::EACCES)), "{err}");
+    assert!(err.to_string().contains("no-such-bucket"), "{err}");
+}
+
+#[test]
+fn a_server_that_stops_answering_fails_the_load_in_bounded_time() {
+    let Some(garage) = Garage::start("a_server_that_stops_answering") else { return };
+    garage.put("model.bin", &pattern(1 << 20, 3));
+    let config =
+        Config { timeout: Duration::from_millis(500), retry_for: Duration::from_secs(2), ..garage.config() };
+    let object = garage.open_with("model.bin", config).unwrap();
+    garage.signal("STOP");
+    let result = dmaload::load_object(&object, 0, None, &LoadOptions::default());
+    garage.signal("CONT");
+    let err = result.unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(err.to_string().contains("sent nothing"), "{err}");
+}
+
+#[test]
+fn a_server_killed_during_the_load_fails_it_and_returns_nothing() {
+    let Some(mut garage) = Garage::start("a_server_killed_during_the_load") else { return };
+    let len = 48 << 20;
+    garage.put("model.bin", &pattern(len, 4));
+    let config =
+        Config { timeout: Duration::from_secs(2), retry_for: Duration::from_secs(2), ..garage.config() };
+    let object = garage.open_with("model.bin", config).unwrap();
+    // Killed from the first progress report, while GETs are in flight: one
+    // connection and 1 MiB requests leave most of the object to come.
+    let pid = garage.child.id();
+    let killed = Arc::new(AtomicBool::new(false));
+    let flag = killed.clone();
+    let progress = Arc::new(move |done: u64, total: u64| {
+        if done < total && !flag.swap(true, Ordering::SeqCst) {
+            let _ = Command::new("kill").arg("-KILL").arg(pid.to_string()).status();
+        }
+    });
+    let options =
+        LoadOptions { chunk_size: 1 << 20, threads: 1, progress: Some(progress), ..LoadOptions::default() };
+    let result = dmaload::load_object(&object, 0, None, &options);
+    let _ = garage.child.wait();
+    if !killed.load(Ordering::SeqCst) {
+        return eprintln!(
+            "SKIP a_server_killed_during_the_load: the load ended before its first progress report"
+        );
+    }
+    let err = result.unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(err.to_string().contains("gave up after"), "{err}");
+    // Gone before the load: the same clear error.
+    let err = dmaload::load_object(&object, 0, None, &LoadOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("connect to 127.0.0.1"), "{err}");
+}
