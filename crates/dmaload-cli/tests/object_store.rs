@@ -30,8 +30,8 @@ fn dmaload_load_reads_an_object_and_names_a_missing_one() {
         dmaload(&garage, home.path(), &["load", "s3://models/llama/model.safetensors", "--hash", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(report["report"]["bytes"], body.len() as u64, "{report}");
-    assert_eq!(report["report"]["filesystem"], "s3");
+    assert_eq!(report["bytes"], body.len() as u64, "{report}");
+    assert_eq!(report["filesystem"], "s3");
     let expected = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&body));
     assert_eq!(report["hash"]["xxh3_64"], expected.as_str(), "{report}");
 
