@@ -417,8 +417,14 @@ pub(crate) fn fill_staged(
             let carried = cached.as_ref().map(|c| (c.bytes(), c.threads(), c.take_failure()));
             (fed, carried)
         };
-        let transfer =
-            Transfer { path, input: Input::File(setup.file.as_fd()), cache: setup.cache, plan, params: &params, progress };
+        let transfer = Transfer {
+            path,
+            input: Input::File(setup.file.as_fd()),
+            cache: setup.cache,
+            plan,
+            params: &params,
+            progress,
+        };
         run_pipeline(&transfer, dst, layout, None, feed)
     };
     let mut fed = None;
