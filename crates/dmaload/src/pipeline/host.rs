@@ -21,7 +21,7 @@ use crate::source::{OpenFile, ReadSetup};
 use crate::sys;
 use crate::sys::mem::Seals;
 use crate::system::DeviceQueue;
-use crate::types::CachePolicy;
+use crate::types::{CachePolicy, Fallback};
 use crate::verify::Expected;
 
 /// Loads from the open `file` into a new host [`Buffer`] of the memory the
@@ -49,21 +49,8 @@ pub(crate) fn load_source(
     let (filled, plan) = opened.read(options, plan_for, |setup, plan, options| {
         fill(path, setup, plan, len, options, kind, &facts, expected.as_ref())
     })?;
-    let Filled { mut alloc, run, times, engine_wall } = filled;
-    refuse_if_forked(&alloc, path)?;
-    // Direct I/O read whole aligned blocks around the range: the bytes
-    // outside it are not the caller's to see, nor to share through the memfd.
-    let data = plan.data_range();
-    let bytes = alloc.mapping.as_mut_slice();
-    bytes[..data.start].fill(0);
-    bytes[data.end..].fill(0);
-    if let Some(memfd) = &alloc.memfd {
-        // Fix the size: udmabuf requires F_SEAL_SHRINK. (Buffer::memfd adds
-        // F_SEAL_FUTURE_WRITE when the fd leaves: udmabuf refuses that seal.)
-        sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)
-            .map_err(|e| Error::io("seal memfd", path, e))?;
-    }
-    let (buffer, unregistered) = Buffer::new(alloc, plan.data_range(), &plan.gather_ranges());
+    let Filled { alloc, run, times, engine_wall } = filled;
+    let (buffer, unregistered) = hand_out(alloc, &plan, path)?;
     debug_assert_eq!(len, buffer.len() as u64);
     let waited = run.waited_for_memory;
     let mut report = opened.report(&plan, run, options, memory, &facts)?;
@@ -78,6 +65,30 @@ pub(crate) fn load_source(
 /// A load that goes on in a child forked from its own thread (a progress
 /// callback that forks) has none of its memory there: an error, never a
 /// buffer ([`Allocation::forked_since`]).
+/// The buffer a filled allocation becomes, once nothing of the load can
+/// reach it any more: refused where the process forked during the load,
+/// the bytes outside the plan's range (whole aligned blocks read around
+/// it, or page rounding past an object's end) zeroed, since they are not
+/// the caller's to see nor to share through the memfd, and the memfd's
+/// size sealed (udmabuf requires F_SEAL_SHRINK; Buffer::memfd adds
+/// F_SEAL_FUTURE_WRITE when the fd leaves, which udmabuf refuses).
+pub(super) fn hand_out(
+    mut alloc: Allocation,
+    plan: &Plan,
+    path: &Path,
+) -> Result<(Buffer, Option<Fallback>)> {
+    refuse_if_forked(&alloc, path)?;
+    let data = plan.data_range();
+    let bytes = alloc.mapping.as_mut_slice();
+    bytes[..data.start].fill(0);
+    bytes[data.end..].fill(0);
+    if let Some(memfd) = &alloc.memfd {
+        sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)
+            .map_err(|e| Error::io("seal memfd", path, e))?;
+    }
+    Ok(Buffer::new(alloc, data, &plan.gather_ranges()))
+}
+
 fn refuse_if_forked(alloc: &Allocation, path: &Path) -> Result<()> {
     match alloc.forked_since() {
         true => Err(Error::new(

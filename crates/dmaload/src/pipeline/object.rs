@@ -3,9 +3,9 @@
 //! buffer gather by gather behind the gate; the engine fills what is
 //! ready), with the object engine's GETs in place of reads.
 
-use std::os::fd::AsFd;
 use std::time::Instant;
 
+use super::host::hand_out;
 use super::range::{check_memory, range_within};
 use super::{allocation_error, populate_gathers, run_pipeline, Transfer};
 use crate::buffer::Buffer;
@@ -17,7 +17,6 @@ use crate::options::{host_memory, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, 
 use crate::plan::Plan;
 use crate::report::LoadReport;
 use crate::sys;
-use crate::sys::mem::Seals;
 use crate::types::{CachePolicy, Engine};
 
 /// Bytes one GET asks for unless `chunk_size` says otherwise: large
@@ -81,16 +80,7 @@ pub(crate) fn load_object_source(
         run.map(|run| (run, times.unwrap_or_default()))
     })?;
     let engine_wall = engine_started.elapsed();
-    // The page rounding past the object's bytes is not the caller's to see.
-    let data = plan.data_range();
-    let bytes = alloc.mapping.as_mut_slice();
-    bytes[..data.start].fill(0);
-    bytes[data.end..].fill(0);
-    if let Some(memfd) = &alloc.memfd {
-        sys::mem::add_seals(memfd.as_fd(), Seals::SHRINK | Seals::GROW)
-            .map_err(|e| Error::io("seal memfd", path, e))?;
-    }
-    let (buffer, unregistered) = Buffer::new(alloc, data, &plan.gather_ranges());
+    let (buffer, unregistered) = hand_out(alloc, &plan, path)?;
     let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let total = started.elapsed();
     let mut fallbacks = run.fallbacks;
