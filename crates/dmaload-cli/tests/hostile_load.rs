@@ -17,7 +17,8 @@ fn fifo_paths_are_errors_not_hangs() {
     let dir = open_scratch("dmaload-hostile-");
     let fifo = dir.path().join("fifo");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
-    for args in [&["load"][..], &["info"], &["bench", "load", "--no-fio", "--repeat", "1"]] {
+    // (dmaload-bench's tests run its `load` on a FIFO the same way.)
+    for args in [&["load"][..], &["info"]] {
         let out = output_or_hang(dmaload().args(args).arg(&fifo));
         assert!(!out.status.success(), "{args:?} succeeded on a FIFO");
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -60,10 +61,7 @@ fn special_files_are_errors_at_once_in_every_subcommand() {
         &["evict"],
         &["sums"],
         &["copy", "@", out_arg],
-        &["bench", "load", "--no-fio", "--repeat", "1"],
-        &["bench", "fio"],
-        &["bench", "matrix", "--repeat", "1", "--file"],
-        &["bench", "qd", "--repeat", "1", "--file"],
+        // (dmaload-bench's commands: its tests, the same way.)
         &["capture", "--size", "64K", "--block-size", "64K", "--to", out_arg, "--source"],
         &["capture", "--verify"],
     ];
@@ -150,16 +148,6 @@ fn a_size_that_is_not_whole_bytes_is_an_error_naming_the_option() {
         assert!(stderr.contains(option) && stderr.contains("not a whole number of bytes"), "{stderr}");
         assert!(!out.exists());
     }
-}
-
-#[test]
-fn bench_load_refuses_an_empty_file() {
-    let dir = open_scratch("dmaload-hostile-");
-    let empty = sample(dir.path(), OsStr::new("empty"), 0);
-    let out = output_or_hang(dmaload().args(["bench", "load", "--no-fio", "--repeat", "1"]).arg(&empty));
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("empty") && !stderr.contains("NaN"), "{stderr}");
 }
 
 #[test]
