@@ -1,4 +1,4 @@
-//! `dmaload load`, `info` and `bench load` under hostile input and tiny
+//! `dmaload load` and `info` under hostile input and tiny
 //! limits, as a user would meet them: real FIFOs, real process limits
 //! (setpriv + prlimit), file names that are not UTF-8.
 
