@@ -108,3 +108,36 @@ pub fn entries_besides(dir: &Path, keep: &[&str]) -> Vec<String> {
     names.sort();
     names
 }
+
+/// What the hostile-input tests give every command that reads a path, made
+/// in `dir`: (what it is, its path): a FIFO, an endless character device,
+/// a directory and a dangling symlink.
+pub fn special_files(dir: &Path) -> Vec<(&'static str, PathBuf)> {
+    let fifo = dir.join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let directory = dir.join("dir");
+    std::fs::create_dir(&directory).unwrap();
+    let dangling = dir.join("dangling");
+    std::os::unix::fs::symlink(dir.join("nothing"), &dangling).unwrap();
+    vec![
+        ("FIFO", fifo),
+        ("character device", PathBuf::from("/dev/zero")),
+        ("directory", directory),
+        ("dangling symlink", dangling),
+    ]
+}
+
+/// `args` run on the `kind` of special file at `input` ended without a
+/// panic: where it `takes_it`, successfully; else with exit status 1 and an
+/// error that names the path.
+pub fn assert_ended_at_once(run: &Output, args: &[&str], kind: &str, input: &Path, takes_it: bool) {
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_ne!(run.status.code(), Some(101), "{args:?} on a {kind} panicked: {stderr}");
+    if takes_it {
+        assert!(run.status.success(), "{args:?} on a {kind}: {stderr}");
+    } else {
+        assert_eq!(run.status.code(), Some(1), "{args:?} on a {kind}: {stderr}");
+        let name = input.file_name().unwrap().to_str().unwrap();
+        assert!(stderr.contains(name), "{args:?} on a {kind} does not name it: {stderr}");
+    }
+}
