@@ -7,7 +7,7 @@
 #   bench/gpu-kit.sh bench [ARGS] there: bench/gpu.py ARGS (default: 8 GiB,
 #                                 2 rounds, cold and warm)
 #   bench/gpu-kit.sh host [SIZE]  there: the host-memory figures a bigger
-#                                 machine gives (dmaload bench load, and
+#                                 machine gives (dmaload-bench load, and
 #                                 populating threads 1 to 16) on a SIZE file
 #                                 (default 8G)
 #   bench/gpu-kit.sh cache [SIZE] there: what each memory kind costs to
@@ -85,8 +85,10 @@ maturin_path() {
 build() {
     rm -rf "$kit" && mkdir -p "$kit/wheels"
     cd "$root"
-    cargo build --release -p dmaload-cli
+    # The command and the benchmarks' (dmaload-bench), one build, side by side.
+    cargo build --release -p dmaload-cli -p dmaload-bench
     strip -o "$kit/dmaload" target/release/dmaload
+    strip -o "$kit/dmaload-bench" target/release/dmaload-bench
     # The test programs' paths, from cargo's build messages.
     cargo test --release -p dmaload --test cuda --test cuda_sink --no-run --message-format=json |
         python3 -c '
@@ -174,7 +176,7 @@ host() {
         tee "$out/raw-ceiling.md"
     file=$(find "$dir" -name '*.safetensors' | head -n 1)
     "$kit/dmaload" info "$file" | tee "$out/host-info.txt"
-    "$kit/dmaload" bench load "$file" --repeat 3 | tee "$out/bench-load.md"
+    "$kit/dmaload-bench" load "$file" --repeat 3 | tee "$out/bench-load.md"
     # Cold loads into 4 KiB memfd pages, the kind that needs the threads most.
     for round in 1 2 3; do
         for threads in 1 2 4 8 12 16; do
@@ -190,7 +192,7 @@ cache() {
     local size=${1:-4G}
     # Recorded figures make auto choose by them on this machine, as a user's would.
     "$kit/dmaload" info --probe-memory | tee "$out/probe-memory.txt"
-    "$kit/dmaload" bench cache --size "$size" --repeat 3 --python python3 | tee "$out/bench-cache.md"
+    "$kit/dmaload-bench" cache --size "$size" --repeat 3 --python python3 | tee "$out/bench-cache.md"
 }
 
 engines() {
@@ -222,7 +224,8 @@ verify() {
     rm -rf "$dir" && mkdir -p "$dir"
     head -c "$size" /dev/urandom >"$dir/model.bin"
     nproc | sed 's/^/CPUs: /' | tee "$out/verify.md"
-    python3 "$root/bench/verify.py" "$dir/model.bin" --rounds 2 --cli "$kit/dmaload" | tee -a "$out/verify.md"
+    python3 "$root/bench/verify.py" "$dir/model.bin" --rounds 2 --cli "$kit/dmaload" --bench "$kit/dmaload-bench" |
+        tee -a "$out/verify.md"
     rm -rf "$dir"
 }
 

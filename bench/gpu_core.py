@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu  # noqa: E402  (bench/gpu.py: the model, the raw reader, page-cache state)
+import _common as common  # noqa: E402  (the model, page-cache state)
+from gpu_child import child_raw  # noqa: E402  (bench/gpu.py's raw reader)
 
 ROWS = ("dmaload", "raw-direct", "raw-buffered", "h2d")
 RESULT_MARK = "@@gpu-core-result "
@@ -88,11 +89,11 @@ def child_h2d(nbytes: int, repeat: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         cu("cuMemcpyHtoDAsync_v2", dst.value, c_void_p(src), c_size_t(nbytes), stream)
         cu("cuStreamSynchronize", stream)
-        rates.append(nbytes / gpu.GIB / (time.perf_counter() - t0))
+        rates.append(nbytes / common.GIB / (time.perf_counter() - t0))
     cu("cuMemHostUnregister", c_void_p(src))
     cu("cuMemFree_v2", dst)
     best = max(rates[1:])
-    return {"gib_per_second": best, "median": statistics.median(rates[1:]), "seconds": nbytes / gpu.GIB / best,
+    return {"gib_per_second": best, "median": statistics.median(rates[1:]), "seconds": nbytes / common.GIB / best,
             "bytes": nbytes}
 
 
@@ -100,8 +101,8 @@ def child_main(args: argparse.Namespace) -> int:
     if args.child == "h2d":
         result = child_h2d(args.h2d_size, 5)
     else:
-        result = gpu.child_raw(args.file, 16, 16 * gpu.MIB, 0.025, direct=args.child == "raw-direct")
-        result["gib_per_second"] = result["bytes"] / gpu.GIB / result["seconds"]
+        result = child_raw(args.file, 16, 16 * common.MIB, 0.025, direct=args.child == "raw-direct")
+        result["gib_per_second"] = result["bytes"] / common.GIB / result["seconds"]
     print(RESULT_MARK + json.dumps(result), flush=True)
     return 0
 
@@ -122,20 +123,11 @@ def run_child(argv: list[str], timeout: float) -> tuple[dict[str, Any], float, f
     return json.loads(lines[-1].removeprefix(RESULT_MARK)), wall, cpu
 
 
-def evict(cli: str, path: Path) -> None:
-    subprocess.run([cli, "evict", str(path)], check=True, capture_output=True)
-    if os.geteuid() == 0:
-        try:
-            Path("/proc/sys/vm/drop_caches").write_text("1")
-        except OSError:
-            pass
-
-
 def measure(row: str, cache: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """One run of ``row`` with the page cache ``cache``."""
     if row != "h2d":
-        evict(args.cli, path) if cache == "cold" else gpu.warm(path)
-    cached = gpu.resident_bytes(path) / path.stat().st_size
+        common.evict(cli=args.cli, path=path) if cache == "cold" else common.warm(path)
+    cached = common.resident_bytes(path) / path.stat().st_size
     if row == "dmaload":
         report, wall, cpu = run_child([args.cli, "load", str(path), "--to", args.device, "--json"], args.timeout)
         rate, load_seconds = report["gib_per_second"], report["total_seconds"]
@@ -153,7 +145,7 @@ def median(runs: list[dict[str, Any]], row: str, cache: str, key: str) -> float 
 
 
 def report(runs: list[dict[str, Any]], size: int, caches: list[str]) -> str:
-    out = [f"file {size / gpu.GIB:.2f} GiB, {len({r['row'] for r in runs})} rows, medians of "
+    out = [f"file {size / common.GIB:.2f} GiB, {len({r['row'] for r in runs})} rows, medians of "
            f"{max(1, len(runs) // max(1, len({(r['row'], r['cache']) for r in runs})))} round(s)", "",
            f"| {'row':<13}| {'cache':<6}| {'GiB/s':>7} | {'load s':>7} | {'process s':>9} | {'CPU s':>6} |",
            f"|{'-' * 14}|{'-' * 7}|{'-' * 9}|{'-' * 9}|{'-' * 11}|{'-' * 8}|"]
@@ -189,13 +181,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cli", default=os.environ.get("DMALOAD_CLI", "dmaload"), help="the dmaload CLI")
     parser.add_argument("--file", type=Path, help="load this file instead of a generated model")
-    parser.add_argument("--size", type=gpu.parse_size, default=4 * gpu.GIB, help="generated model size (4G)")
+    parser.add_argument("--size", type=common.parse_size, default=4 * common.GIB, help="generated model size (4G)")
     parser.add_argument("--dir", type=Path, default=None, help="where the generated model goes (.dev/)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cache", default="cold,warm")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--h2d-size", type=gpu.parse_size, default=gpu.GIB)
+    parser.add_argument("--h2d-size", type=common.parse_size, default=common.GIB)
     parser.add_argument("--timeout", type=float, default=120, help="seconds each child may take")
     parser.add_argument("--json", type=Path, help="write every run here")
     parser.add_argument("--child", choices=["raw-direct", "raw-buffered", "h2d"], help=argparse.SUPPRESS)
@@ -206,12 +198,12 @@ def main() -> int:
     rows = [r for r in args.rows.split(",") if r]
     if unknown := set(rows) - set(ROWS) or set(caches) - {"cold", "warm"}:
         parser.error(f"unknown row or cache state: {', '.join(sorted(unknown))}")
-    with tempfile.TemporaryDirectory(dir=args.dir or gpu.ROOT / ".dev", prefix="gpu-core-") as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir or common.ROOT / ".dev", prefix="gpu-core-") as tmp:
         path = args.file
         if path is None:
             path = Path(tmp) / "model.safetensors"
-            config, tensors = gpu.write_model(path, args.size)
-            gpu.log(f"generated {path} ({config}, {tensors} tensors)")
+            config, tensors = common.write_model(path, args.size)
+            common.log(f"generated {path} ({config}, {tensors} tensors)")
         runs: list[dict[str, Any]] = []
         for round_ in range(args.rounds):
             order = rows if round_ % 2 == 0 else rows[::-1]
@@ -220,7 +212,7 @@ def main() -> int:
                     if row == "h2d" and cache != caches[0]:
                         continue  # no cache state: once a round
                     runs.append(measure(row, cache, args, path))
-                    gpu.log(f"round {round_ + 1} {cache} {row}: {runs[-1]['gib_per_second']:.2f} GiB/s")
+                    common.log(f"round {round_ + 1} {cache} {row}: {runs[-1]['gib_per_second']:.2f} GiB/s")
         print(report(runs, path.stat().st_size, caches))
         if args.json:
             args.json.write_text(json.dumps(runs, indent=1))

@@ -60,14 +60,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import GIB, MIB, parse_size, warm  # noqa: E402
+
 CU_MEMHOSTREGISTER_PORTABLE = 0x1
 CU_MEMHOSTREGISTER_READ_ONLY = 0x8
 CU_STREAM_NON_BLOCKING = 0x1
 MADV_COLLAPSE = 25
 F_SEAL_FUTURE_WRITE = 0x10
 HUGE = 2 << 20
-MIB = 1 << 20
-GIB = 1 << 30
 
 c_void_p, c_size_t, c_int, c_uint = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
 
@@ -119,13 +120,6 @@ class Driver:
         return ctx.value
 
 
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": MIB, "G": GIB}
-    if text[-1:].upper() in units:
-        return int(float(text[:-1]) * units[text[-1].upper()])
-    return int(text)
-
-
 def generate(path: Path, size: int) -> None:
     """``size`` bytes: a random 16 MiB block, its first 8 bytes replaced by
     the block's index, so a window copied to the wrong place is caught."""
@@ -134,13 +128,6 @@ def generate(path: Path, size: int) -> None:
         for index, offset in enumerate(range(0, size, len(base))):
             base[:8] = index.to_bytes(8, "little")
             f.write(base[: min(len(base), size - offset)])
-
-
-def warm(path: Path) -> None:
-    with open(path, "rb", buffering=0) as f:
-        block = bytearray(64 * MIB)
-        while f.readinto(block):
-            pass
 
 
 def map_read_only(fd: int, size: int, aligned: bool) -> int:

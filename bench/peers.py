@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Cold-load benchmark of dmaload against its peers, side by side in one run.
 
-Generates one LLM-shaped safetensors model (embeddings, per-layer attention
-and MLP projections in F16, norms in F32), then loads it to CPU memory with
+Generates one LLM-shaped safetensors model (bench/_common.py's, in F16:
+NumPy has no bfloat16), then loads it to CPU memory with
 every peer, each run in a fresh process with the file evicted from the page
-cache first (dmaload.evict: fdatasync + POSIX_FADV_DONTNEED; no root needed), the peers
+cache first (dmaload.evict: fdatasync + POSIX_FADV_DONTNEED; no root needed;
+as root also every clean cache), the peers
 interleaved round by round. Every run ends by touching one byte per page of
 every tensor, so a loader that only maps the file pays for the reads too.
 
@@ -14,8 +15,8 @@ Peers (those whose package is missing are skipped and listed):
   safetensors (np|pt)    safetensors.numpy / safetensors.torch.load_file
   fastsafetensors        fastsafe_open(device="cpu", nogds=True)
   runai-model-streamer   SafetensorsStreamer().stream_file + get_tensors
-  fio (ceiling)          `dmaload bench fio` (the native CLI's fio runner,
-                         the ceiling of `dmaload bench load`): O_DIRECT
+  fio (ceiling)          `dmaload-bench fio` (the benchmarks' fio runner,
+                         the ceiling of `dmaload-bench load`): O_DIRECT
                          io_uring sequential read of the file with registered
                          buffers and files, 4 MiB at QD16 and QD64 (the
                          better one), into one small buffer: no allocation
@@ -37,8 +38,6 @@ one run.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import mmap
 import os
@@ -53,104 +52,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from dmaload import evict
-from dmaload.__main__ import native_cli
-
-GIB = 1 << 30
-PAGE = os.sysconf("SC_PAGE_SIZE")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import GIB, PAGE, bench_cli, evict, parse_size, resident_bytes, write_model  # noqa: E402
 
 # --------------------------------------------------------------------------
-# The model
-
-
-def model_layout(size: int) -> list[tuple[str, str, list[int]]]:
-    """(name, dtype, shape) of an LLM-shaped model of about ``size`` bytes."""
-    hidden, inter, vocab, kv = 2048, 5632, 32000, 512
-    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter) + 2 * 4 * hidden
-    fixed = 2 * 2 * vocab * hidden + 4 * hidden
-    layers = max(1, round((size - fixed) / per_layer))
-    out: list[tuple[str, str, list[int]]] = [("model.embed_tokens.weight", "F16", [vocab, hidden])]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "input_layernorm.weight", "F32", [hidden]),
-            (p + "self_attn.q_proj.weight", "F16", [hidden, hidden]),
-            (p + "self_attn.k_proj.weight", "F16", [kv, hidden]),
-            (p + "self_attn.v_proj.weight", "F16", [kv, hidden]),
-            (p + "self_attn.o_proj.weight", "F16", [hidden, hidden]),
-            (p + "post_attention_layernorm.weight", "F32", [hidden]),
-            (p + "mlp.gate_proj.weight", "F16", [inter, hidden]),
-            (p + "mlp.up_proj.weight", "F16", [inter, hidden]),
-            (p + "mlp.down_proj.weight", "F16", [hidden, inter]),
-        ]
-    out += [("model.norm.weight", "F32", [hidden]), ("lm_head.weight", "F16", [vocab, hidden])]
-    return out
-
-
-def write_model(path: Path, size: int) -> int:
-    """Writes the model (random bytes; the same layout as safetensors writes)."""
-    layout = model_layout(size)
-    itemsize = {"F16": 2, "F32": 4}
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "generator": "dmaload bench/peers.py"}}
-    offset = 0
-    # safetensors orders by descending dtype size, then name: F32 first.
-    for name, dtype, shape in sorted(layout, key=lambda t: (-itemsize[t[1]], t[0])):
-        n = itemsize[dtype]
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    block = os.urandom(64 << 20)
-    tmp = path.with_suffix(".partial")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        left, i = offset, 0
-        while left:
-            # Shift each block a little so pages are not all identical.
-            chunk = block[i % 4096 :] + block[: i % 4096]
-            f.write(chunk[: min(left, len(chunk))])
-            left -= min(left, len(chunk))
-            i += 1
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(path)
-    return len(layout)
-
-
-# --------------------------------------------------------------------------
-# Page cache
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-
-def resident_bytes(path: Path) -> int:
-    """Bytes of the file in the page cache: mincore(2) over a read-only
-    shared mapping of it (mapping does not read anything in)."""
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap failed", str(path))
-        try:
-            pages = (size + PAGE - 1) // PAGE
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed", str(path))
-            return min(size, sum(v & 1 for v in bytes(vec)) * PAGE)
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
+# The model's reference
 
 
 def expected_checksum(path: Path) -> tuple[int, int]:
@@ -289,11 +195,11 @@ def child(peer: str, path: str) -> None:
 def run_fio(path: Path) -> dict[str, Any]:
     """The best of fio's O_DIRECT io_uring sequential reads at QD16 and QD64
     (4 MiB requests, one small buffer), each from a cold cache: the native
-    CLI's one fio runner (``dmaload bench fio``), which evicts before each."""
-    cli = native_cli()
+    benchmarks' one fio runner (``dmaload-bench fio``), which evicts before each."""
+    cli = bench_cli()
     assert cli is not None
     out = subprocess.run(
-        [cli, "bench", "fio", str(path), "--block-size", "4M", "--iodepth", "16", "--iodepth", "64", "--json"],
+        [cli, "fio", str(path), "--block-size", "4M", "--iodepth", "16", "--iodepth", "64", "--json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     best: dict[str, Any] | None = None
@@ -322,7 +228,7 @@ def run_peer(peer: str, path: Path) -> dict[str, Any]:
 
 def available(peer: str) -> bool:
     if peer == "fio":
-        return shutil.which("fio") is not None and native_cli() is not None
+        return shutil.which("fio") is not None and bench_cli() is not None
     import importlib.util
 
     return importlib.util.find_spec(PEERS[peer][2]) is not None
@@ -330,13 +236,6 @@ def available(peer: str) -> bool:
 
 # --------------------------------------------------------------------------
 # Main
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", text.strip().upper())
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)])
 
 
 def main() -> int:
@@ -356,7 +255,7 @@ def main() -> int:
     path = args.dir / f"model-{args.size >> 20}M.safetensors"
     if not path.exists():
         t0 = time.perf_counter()
-        n = write_model(path, args.size)
+        _, n = write_model(path, args.size, dtype="F16")
         print(f"generated {path}: {n} tensors, {path.stat().st_size / GIB:.2f} GiB in {time.perf_counter() - t0:.1f} s")
     size = path.stat().st_size
     wanted = [p.strip() for p in args.peers.split(",") if p.strip()]

@@ -6,12 +6,13 @@ unverified one on the same machine).
 FILE is hard-linked into two directories under --dir: one with the
 SHA256SUMS and one with the B3SUMS that `dmaload sums` writes (the time to
 write them is printed: one read of the file each). Each round then runs
-`dmaload bench load LINK --verified-only --repeat R --json` on both, the
+`dmaload-bench load LINK --verified-only --repeat R --json` on both, the
 order alternating round by round; that command evicts the page cache
 before every load and runs the unverified in-place default and the same
 load with `verify` in turn, so each ratio compares two loads of one run.
 
-    python3 bench/verify.py FILE [--rounds 3] [--repeat 3] [--cli target/release/dmaload] [--dir DIR]
+    python3 bench/verify.py FILE [--rounds 3] [--repeat 3] [--cli target/release/dmaload]
+        [--bench target/release/dmaload-bench] [--dir DIR]
 
 Prints each round, then per digest the median GiB/s unverified and
 verified and the median ratio with its range.
@@ -39,6 +40,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cli", default=str(root / "target/release/dmaload"))
+    parser.add_argument("--bench", default=str(root / "target/release/dmaload-bench"))
     parser.add_argument("--dir", type=Path, default=None, help="where the two links go (default: beside FILE)")
     args = parser.parse_args()
     base = args.dir or args.file.resolve().parent / ".dmaload-verify-bench"
@@ -62,7 +64,7 @@ def main() -> int:
             order = list(DIGESTS) if r % 2 == 0 else list(reversed(DIGESTS))
             for name in order:
                 out = subprocess.run(
-                    [args.cli, "bench", "load", str(links[name]), "--verified-only", "--repeat", str(args.repeat), "--json"],
+                    [args.bench, "load", str(links[name]), "--verified-only", "--repeat", str(args.repeat), "--json"],
                     check=True,
                     capture_output=True,
                     text=True,

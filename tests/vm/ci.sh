@@ -17,7 +17,7 @@ export RUSTFLAGS="-C target-feature=+crt-static"
 say() { printf 'vm-ci: %s\n' "$*" >&2; }
 
 say "building static test binaries and the CLI ($TARGET, $TARGET_DIR)"
-cargo build --release --quiet --target "$TARGET" --target-dir "$TARGET_DIR" -p dmaload-cli -p dmaload-capi
+cargo build --release --quiet --target "$TARGET" --target-dir "$TARGET_DIR" -p dmaload-cli -p dmaload-bench -p dmaload-capi
 # The test executables' paths, from cargo's JSON messages.
 mapfile -t tests < <(cargo test --release --no-run --quiet --target "$TARGET" --target-dir "$TARGET_DIR" \
     -p dmaload -p dmaload-bench --test dmabuf --test transfer --test block_queue --test memory \
@@ -34,6 +34,7 @@ for t in "${tests[@]}"; do exe[${t%% *}]=${t#* }; done
     exit 1
 }
 cli=$TARGET_DIR/$TARGET/release/dmaload
+bench=$TARGET_DIR/$TARGET/release/dmaload-bench
 # The C example and the C test program, linked statically against the C
 # library (the guest has no libc).
 load_c=$TARGET_DIR/load-c
@@ -82,7 +83,7 @@ DMALOAD_VM_KERNEL_ARGS="$DMALOAD_VM_KERNEL_ARGS hugepages=8" vm "${exe[memory]}"
 # The bench's dma-heap / udmabuf rows must really run in the guest.
 log=$(mktemp)
 trap 'rm -f "$log" "$log.txt" "$log.host"' EXIT
-DMALOAD_VM_LOG=$log vm "$cli" bench matrix --size 8M --piece 4M --repeat 1 --dir /mnt/disk
+DMALOAD_VM_LOG=$log vm "$bench" matrix --size 8M --piece 4M --repeat 1 --dir /mnt/disk
 # Cleaned into a file and grepped there: `tr | grep -q` under pipefail fails
 # at random when grep exits early and tr dies of SIGPIPE.
 tr -d '\r' <"$log" >"$log.txt"
@@ -96,7 +97,7 @@ done
 
 # Seed 000's table with the dma-buf rows: each must run (and verify its
 # bytes) in the guest. Under TCG the times say nothing about speed.
-DMALOAD_VM_LOG=$log vm "$cli" bench sizes --sizes 512K,8M --repeat 1 --dir /mnt/disk
+DMALOAD_VM_LOG=$log vm "$bench" sizes --sizes 512K,8M --repeat 1 --dir /mnt/disk
 tr -d '\r' <"$log" >"$log.txt"
 for row in "normal: dma-heap alloc" "udmabuf, buffered" "udmabuf, direct" "alloc-and-read → udmabuf" \
     "alloc-and-read → dma-heap"; do

@@ -8,7 +8,7 @@
 //! takes the GIL to begin each window, to hear each gather arrive and to
 //! return, and each time waits for the consumer's Python to let it go (up to
 //! the interpreter's switch interval), so beside an engine's per-weight
-//! Python the reads ran at half the disk's speed (docs/benchmarks.md,
+//! Python the reads ran at half the disk's speed (docs/benchmarks-archive.md,
 //! "With an engine's work between tensors").
 
 use std::collections::VecDeque;

@@ -44,8 +44,12 @@ def test_python_cli_load_text_and_errors(data_file: tuple[Path, bytes], tmp_path
     assert out.returncode == 0 and "resident after the load" not in out.stdout
     out = run("load", str(tmp_path / "missing"))
     assert out.returncode == 1 and "No such file" in out.stderr
-    out = run("bench")
+    out = run("info")
     assert out.returncode == 2 and "native dmaload CLI" in out.stderr
+    # The benchmarks are their own binary: this implementation names it, as
+    # the native `dmaload bench` does.
+    out = run("bench", "load", "f")
+    assert out.returncode == 2 and "dmaload-bench load f" in out.stderr
 
 
 def test_tensors_subcommand(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 //! kernel offers to move bytes between a file and shareable memory
 //! ([`transfer`], seed 001's table), random-read IOPS into plain and
 //! registered buffers ([`iops`], seed 003's table) and fio as the ceiling
-//! ([`fio`]). The `dmaload bench` commands are built on it.
+//! ([`fio`]). The `dmaload-bench` binary's commands (src/bin/dmaload-bench)
+//! are built on it.
 //!
 //! Loads go through the library's one pipeline (`dmaload::load_open_into`,
 //! `dmaload::save::write_at`); the syscalls the library does not make

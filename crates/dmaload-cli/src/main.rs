@@ -1,23 +1,10 @@
 //! The `dmaload` command.
 
-mod bench;
-mod bench_bind;
-mod bench_cache;
-mod bench_matrix;
-mod bench_qd;
-mod bench_save;
-mod bench_sizes;
-mod bench_stream;
-mod benchkit;
 mod capture;
 mod demo;
-mod output;
-mod plot;
-mod sample;
 mod save_cmd;
 mod serve;
 mod sums;
-mod units;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +14,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Parser, Subcommand};
 use dmaload::load::{DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
 use dmaload::{Destination, Engine, IoMode, LoadOptions};
+use dmaload_cli::{output, sample, units};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use units::Size;
 
@@ -77,9 +65,13 @@ enum Command {
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
-    /// Benchmarks, with baselines run side by side in the same run.
-    #[command(subcommand)]
-    Bench(bench::BenchCommand),
+    /// Moved: the benchmarks are the `dmaload-bench` binary. Hidden; it
+    /// only says where they went.
+    #[command(hide = true, disable_help_flag = true)]
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Write SHA256SUMS (or B3SUMS) for `load --verify`: for a directory,
     /// of what `sha256sum *` sums there (every name not starting with `.`,
     /// in byte order, symlinks followed; what is left out is named on
@@ -328,8 +320,14 @@ fn main() -> ExitCode {
         Command::Copy(cmd) => save_cmd::copy(cmd),
         Command::Serve(args) => serve::run(args),
         Command::Capture(cmd) => capture::run(cmd),
-        Command::Evict { files } => files.iter().try_for_each(|file| benchkit::evict(file)),
-        Command::Bench(cmd) => bench::run(cmd),
+        Command::Evict { files } => {
+            files.iter().try_for_each(|file| dmaload::pagecache::evict(file).map_err(|e| e.to_string()))
+        }
+        Command::Bench { args } => Err(format!(
+            "the benchmarks moved to the dmaload-bench binary (cargo build --release -p dmaload-bench): \
+             run `dmaload-bench {}`",
+            if args.is_empty() { "--help".to_owned() } else { args.join(" ") }
+        )),
         Command::Sums { paths, digest } => sums::run(paths, (*digest).into()),
     };
     match result {

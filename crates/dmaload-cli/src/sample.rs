@@ -83,6 +83,13 @@ pub fn fill_pseudo_random(buf: &mut [u8], mut index: u64) {
     }
 }
 
+/// Fills `buf` with the bench pattern as it sits at byte `offset` of a
+/// generated file (`offset` a multiple of 8): the pseudo-random stream
+/// `dmaload save` writes and `dmaload-bench` checks loads against.
+pub fn fill_pattern(buf: &mut [u8], offset: u64) {
+    fill_pseudo_random(buf, offset / 8);
+}
+
 /// Writes a sample model of about `target_bytes` to `path` (through a
 /// temporary file renamed into place, [`dmaload::tmpfile::TmpFile`], so a
 /// cut-off run leaves no torn file and a planted symlink is never followed).

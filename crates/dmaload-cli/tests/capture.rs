@@ -548,30 +548,6 @@ fn a_replaced_capture_keeps_the_old_files_mode_and_owner() {
     }
 }
 
-/// `bench stream` runs every row with real producer processes (figures are
-/// not checked: timings belong to benchmarks, not tests).
-#[test]
-fn bench_stream_runs_every_row() {
-    let dir = open_scratch("dmaload-capture-");
-    let table = json_of(&output_or_hang(
-        dmaload()
-            .args(["bench", "stream", "--bytes", "2M", "--capture-bytes", "4M", "--capture-blocks", "8"])
-            .args(["--repeat", "1", "--no-fio", "--json", "--dir"])
-            .arg(dir.path()),
-    ));
-    let rows = table["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 7);
-    for row in rows {
-        for method in ["fileio", "queue"] {
-            let run = &row[method][0];
-            assert!(run["mib_per_second"].as_f64().unwrap() > 0.0, "{row}");
-            assert!(run["producer_cpu_seconds"].as_f64().unwrap() >= 0.0, "{row}");
-        }
-    }
-    assert_eq!(table["capture"]["capture_mib_per_second"].as_array().unwrap().len(), 1);
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the bench leaves no file behind");
-}
-
 /// Unmounts a test's tmpfs on drop.
 struct Mounted(std::path::PathBuf);
 impl Drop for Mounted {

@@ -492,64 +492,6 @@ fn demo_generates_a_sample_model_and_compares_two_loads() {
 }
 
 #[test]
-fn bench_load_emits_a_table_with_every_engine_and_the_baseline() {
-    let dir = scratch();
-    let path = sample_file(dir.path(), "f", (4 << 20) + 1);
-    let out =
-        dmaload().args(["bench", "load", "--repeat", "1", "--json", "--no-fio"]).arg(&path).output().unwrap();
-    let table = json_of(&out);
-    let rows = table["rows"].as_array().unwrap();
-    let names: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
-    for name in [
-        "dmaload uring-fixed",
-        "dmaload uring",
-        "dmaload pread-pool",
-        "dmaload read",
-        "dmaload uring-fixed staging ring → host buffer",
-        "read, buffered (baseline)",
-    ] {
-        assert!(names.contains(&name), "{name} missing: {names:?}");
-    }
-    for row in rows {
-        assert!(row["median_gib_per_second"].as_f64().unwrap() > 0.0);
-        assert!(row["ratio_to_fio_best"].is_null());
-        assert!(row["ratio_to_in_place_default"].as_f64().unwrap() > 0.0);
-    }
-    // The staged row is held against the default engine's in-place row.
-    let in_place = rows.iter().find(|r| r["method"] == "dmaload uring-fixed").unwrap();
-    assert_eq!(in_place["ratio_to_in_place_default"].as_f64(), Some(1.0));
-    assert!(table["staging"].as_str().unwrap().contains("32 slots x 4.00 MiB"), "{table}");
-    let markdown =
-        dmaload().args(["bench", "load", "--repeat", "1", "--no-fio"]).arg(&path).output().unwrap();
-    let markdown = String::from_utf8(markdown.stdout).unwrap();
-    assert!(markdown.contains("| method |") && markdown.contains("× buffered"), "{markdown}");
-    assert!(markdown.contains("× in-place default") && markdown.contains("staging ring → host buffer"));
-}
-
-#[test]
-fn bench_load_staged_only_runs_the_staged_row_and_its_in_place_default() {
-    let dir = scratch();
-    let path = sample_file(dir.path(), "f", (4 << 20) + 1);
-    let out = dmaload()
-        .args(["bench", "load", "--repeat", "1", "--json", "--staged-only"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    let table = json_of(&out);
-    let rows = table["rows"].as_array().unwrap();
-    let names: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
-    assert_eq!(names, ["dmaload uring-fixed", "dmaload uring-fixed staging ring → host buffer"]);
-    assert!(table["fio"].as_str().unwrap().contains("--staged-only"), "{table}");
-    for row in rows {
-        assert!(row["ratio_to_buffered"].is_null(), "no baseline row: {row}");
-        assert_eq!(row["samples"].as_array().unwrap().len(), 1);
-    }
-    // The delivery thread's time, for the staged row only.
-    assert!(rows[1]["samples"][0]["deliver_seconds"].as_f64().unwrap() > 0.0);
-    assert!(rows[0]["samples"][0]["deliver_seconds"].is_null());
-}
-
-#[test]
 fn evict_makes_the_next_load_read_the_device() {
     let test = "evict_makes_the_next_load_read_the_device";
     let dir = scratch();
@@ -592,38 +534,6 @@ fn evict_refuses_what_has_no_page_cache_in_one_line() {
                 path.display()
             )
         );
-    }
-}
-
-#[test]
-fn bench_fio_reads_the_whole_file_once_per_depth() {
-    let test = "bench_fio_reads_the_whole_file_once_per_depth";
-    if !have("fio") {
-        return skip(test, "fio is not installed");
-    }
-    let dir = scratch();
-    let path = sample_file(dir.path(), "f", 1 << 20);
-    let out = dmaload()
-        .args(["bench", "fio", "--block-size", "64K", "--iodepth", "2", "--iodepth", "4", "--json"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    if !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("direct") {
-        return skip(test, &format!("no O_DIRECT here: {}", String::from_utf8_lossy(&out.stderr)));
-    }
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let rows: Vec<Value> =
-        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(rows.iter().map(|r| r["iodepth"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 4]);
-    for row in &rows {
-        assert_eq!(row["bytes"], 1 << 20, "{row}");
-        assert!(row["gib_per_second"].as_f64().unwrap() > 0.0, "{row}");
-        // fio's own CPU seconds for the job, (usr_cpu + sys_cpu)% of its
-        // runtime: a number (a parse of a missing field gives NaN), and at
-        // most that runtime times the CPUs it could use.
-        let cpu = row["cpu_seconds"].as_f64().unwrap();
-        let cpus = std::thread::available_parallelism().unwrap().get() as f64;
-        assert!(cpu.is_finite() && cpu <= row["seconds"].as_f64().unwrap() * cpus + 0.002, "{row}");
     }
 }
 

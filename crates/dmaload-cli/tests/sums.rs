@@ -11,7 +11,7 @@ use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{dmaload, output_or_hang, skip};
+use common::{as_nobody, dmaload, entries_besides, output_or_hang, skip, victim};
 
 /// What `TOOL *` prints (stdout: the lines of what it could sum) in `dir`,
 /// the shell's `*` in the C locale.
@@ -134,39 +134,6 @@ fn sums_escapes_names_as_each_tool_does() {
     }
 }
 
-/// Runs `cmd` as nobody (to plant something in a directory it may write),
-/// or `None` where that cannot be arranged.
-fn as_nobody(test: &str, program: &str) -> Option<Command> {
-    if !common::is_root() || !common::have("setpriv") {
-        skip(test, "needs root and setpriv to act as another user");
-        return None;
-    }
-    let mut cmd = Command::new("setpriv");
-    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", program]);
-    Some(cmd)
-}
-
-/// A file the caller (root) may write, in a directory nobody else may.
-fn victim(test_dir: &Path) -> PathBuf {
-    let dir = test_dir.join("private");
-    std::fs::create_dir(&dir).unwrap();
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let path = dir.join("precious");
-    std::fs::write(&path, b"precious\n").unwrap();
-    path
-}
-
-/// Every entry of `dir` but `keep`: what a command left behind.
-fn entries_besides(dir: &Path, keep: &[&str]) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| !keep.contains(&n.as_str()))
-        .collect();
-    names.sort();
-    names
-}
-
 /// In a directory others may write (0777, and sticky 1777 like /tmp),
 /// nobody plants a symlink to the caller's file at the temporary name
 /// today's `dmaload sums` uses (`.SHA256SUMS.<pid>.tmp`, its pid made 1 by
@@ -224,60 +191,5 @@ fn sums_never_writes_through_a_symlink_another_user_planted() {
             Vec::<String>::new()
         );
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious\n");
-    }
-}
-
-/// The other files the CLI creates: a benchmark's generated file (today
-/// written through `<name>.tmp` beside it) and a `--plot` PNG (today
-/// created at the path given). nobody plants symlinks to the caller's file
-/// at both names in a directory it may write: the victim stays intact, the
-/// generated file is written beside the planted link, the plot fails
-/// naming the link it leaves alone, and no temporary file remains.
-#[test]
-fn bench_files_and_plots_never_write_through_a_planted_symlink() {
-    let test = "bench_files_and_plots_never_write_through_a_planted_symlink";
-    let Some(_) = as_nobody(test, "true") else { return };
-    for mode in [0o777, 0o1777] {
-        let scratch = common::open_scratch("dmaload-bench-planted");
-        let victim = victim(scratch.path());
-        let dir = scratch.path().join("shared");
-        std::fs::create_dir(&dir).unwrap();
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
-        for name in ["dmaload-bench-1048576.tmp", "out.png"] {
-            let ln =
-                as_nobody(test, "ln").unwrap().arg("-s").arg(&victim).arg(dir.join(name)).status().unwrap();
-            assert!(ln.success());
-        }
-        let out = output_or_hang(
-            dmaload()
-                .args([
-                    "bench",
-                    "qd",
-                    "--size",
-                    "1M",
-                    "--seconds",
-                    "0.02",
-                    "--repeat",
-                    "1",
-                    "--json",
-                    "--dir",
-                ])
-                .arg(&dir)
-                .arg("--plot")
-                .arg(dir.join("out.png")),
-        );
-        let now = std::fs::read(&victim).unwrap();
-        assert!(now == b"precious\n", "mode {mode:o}: the victim was written ({} bytes now)", now.len());
-        assert!(!out.status.success(), "mode {mode:o}: the plot replaced a symlink");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains("out.png: a symbolic link is there"), "{stderr}");
-        let generated = std::fs::symlink_metadata(dir.join("dmaload-bench-1048576.bin")).unwrap();
-        assert!(generated.file_type().is_file() && generated.len() == 1 << 20, "{generated:?}");
-        for name in ["dmaload-bench-1048576.tmp", "out.png"] {
-            assert_eq!(std::fs::read_link(dir.join(name)).unwrap(), victim, "the planted {name} was changed");
-        }
-        let left =
-            entries_besides(&dir, &["dmaload-bench-1048576.bin", "dmaload-bench-1048576.tmp", "out.png"]);
-        assert_eq!(left, Vec::<String>::new(), "mode {mode:o}");
     }
 }

@@ -45,11 +45,11 @@ const GAIN: f64 = 1.10;
 /// The depths the climb stays between. Above 64 requests of 4 MiB the
 /// development VM's disk now and then collapses for a whole load (0.14 and
 /// 0.20 GiB/s at depths 128 and 256, against 1.2-2.2 GiB/s at 32-64;
-/// docs/benchmarks.md), which a trial of a few windows cannot see coming.
+/// docs/benchmarks-archive.md), which a trial of a few windows cannot see coming.
 const MIN_DEPTH: usize = 16;
 pub(crate) const MAX_DEPTH: usize = 64;
 /// The smallest request size tried: smaller direct reads only add
-/// per-request cost on the disks measured (docs/benchmarks.md).
+/// per-request cost on the disks measured (docs/benchmarks-archive.md).
 const MIN_REQUEST: usize = 1 << 20;
 /// The largest request size a memory file may name (a plan's chunk is never
 /// larger than a staging slot, at most 1 GiB).

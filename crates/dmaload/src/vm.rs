@@ -8,7 +8,7 @@
 //! and contiguous pieces are merged when the table is built, so a bind
 //! costs the same for a 1 GiB and a 64 GiB buffer (a walk from the first
 //! piece, as a scatter list forces, grows with the offset; that walk is
-//! the baseline of `dmaload bench bind`, behind the crate's `baselines`
+//! the baseline of `dmaload-bench bind`, behind the crate's `baselines`
 //! feature).
 //!
 //! An [`AddressSpace`] reserves a range of virtual addresses (no memory)
@@ -201,7 +201,7 @@ impl SegmentTable {
 
     /// The same answer as [`SegmentTable::locate`] by walking the extents
     /// from the first and adding up their lengths, as a scatter-list walk
-    /// does: O(n). The baseline of `dmaload bench bind` (feature
+    /// does: O(n). The baseline of `dmaload-bench bind` (feature
     /// `baselines`).
     #[cfg(feature = "baselines")]
     pub fn locate_linear(&self, offset: u64) -> Option<(usize, u64)> {
@@ -494,7 +494,7 @@ impl AddressSpace {
     }
 
     /// [`AddressSpace::bind_many`] with a choice of extent lookup (the
-    /// linear walk is the baseline `dmaload bench bind` compares with;
+    /// linear walk is the baseline `dmaload-bench bind` compares with;
     /// feature `baselines`).
     #[cfg(feature = "baselines")]
     pub fn bind_many_using(&mut self, locate: Locate, table: &SegmentTable, ops: &[BindOp]) -> Result<()> {

@@ -2,7 +2,8 @@
 
 If the native ``dmaload`` CLI (built from ``crates/dmaload-cli``) is found,
 it is executed with the same arguments, so every subcommand (``load``,
-``info``, ``demo``, ``bench``) behaves exactly as documented for it. It is
+``info``, ``demo``, ...) behaves exactly as documented for it. (The
+benchmarks are the separate ``dmaload-bench`` binary; ``bench`` says so.) It is
 looked for in ``$DMALOAD_CLI``, next to the Python executable (a virtual
 environment's ``bin``), then on ``PATH``; only an ELF executable is taken,
 never a script (which could be this module again).

@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     ts = sub.add_parser("tensors", help="list the tensors of a safetensors file (header only)")
     ts.add_argument("file")
     ts.add_argument("--json", action="store_true")
-    for name in ("info", "demo", "bench"):
+    for name in ("info", "demo"):
         sub.add_parser(name, help="(needs the native dmaload CLI)", add_help=False)
     return p
 
@@ -124,7 +124,16 @@ def _cmd_tensors(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] in ("info", "demo", "bench"):
+    if argv and argv[0] == "bench":
+        print(
+            "dmaload: error: the benchmarks moved to the dmaload-bench binary "
+            "(cargo build --release -p dmaload-bench): run `dmaload-bench "
+            + (" ".join(argv[1:]) or "--help")
+            + "`",
+            file=sys.stderr,
+        )
+        return 2
+    if argv and argv[0] in ("info", "demo"):
         print(
             f"dmaload: error: '{argv[0]}' needs the native dmaload CLI "
             "(cargo install --path crates/dmaload-cli, or set DMALOAD_CLI)",

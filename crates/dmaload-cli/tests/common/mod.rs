@@ -1,15 +1,12 @@
-//! Helpers shared by the CLI's hostile-input tests: the binary, scratch
-//! directories an unprivileged user can use, sample files, and runs that
-//! fail on a hang instead of stalling the suite.
+//! Helpers shared by the CLI's hostile-input tests: the binary, run as
+//! another user or under limits, and (`shared`, which dmaload-bench's tests
+//! include too) scratch directories an unprivileged user can use, sample
+//! files, and runs that fail on a hang instead of stalling the suite.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
-
-use serde_json::Value;
 
 pub fn dmaload() -> Command {
     Command::new(env!("CARGO_BIN_EXE_dmaload"))
@@ -26,68 +23,8 @@ pub fn dmaload_for_others() -> PathBuf {
 #[path = "../../../dmaload/tests/common/reachable.rs"]
 mod reachable;
 
-/// Prints why a test is skipped, in the form the test log shows; panics
-/// instead where `DMALOAD_TEST_NO_SKIP=1` (the VM guest, which exists to
-/// run what a skip would leave out), as the core's tests do.
-pub fn skip(test: &str, reason: &str) {
-    if std::env::var_os("DMALOAD_TEST_NO_SKIP").is_some_and(|v| v == "1") {
-        panic!("{test} cannot be skipped here (DMALOAD_TEST_NO_SKIP=1): {reason}");
-    }
-    eprintln!("SKIP {test}: {reason}");
-}
-
-pub fn have(tool: &str) -> bool {
-    Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success())
-}
-
-pub fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-}
-
-/// A scratch directory under /tmp that an unprivileged user can read and
-/// write.
-pub fn open_scratch(prefix: &str) -> tempfile::TempDir {
-    let dir = tempfile::Builder::new().prefix(prefix).tempdir_in("/tmp").unwrap();
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    dir
-}
-
-/// A file of `len` bytes whose content depends on position, readable by all.
-pub fn sample(dir: &Path, name: &OsStr, len: usize) -> PathBuf {
-    let path = dir.join(name);
-    let bytes: Vec<u8> =
-        (0..len).map(|i| (i as u64).wrapping_mul(0x9E37_79B9).rotate_right(7) as u8).collect();
-    std::fs::write(&path, bytes).unwrap();
-    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    path
-}
-
-/// Runs `cmd`, killing it if it outlives a generous bound: a hang must
-/// fail the test, not stall the suite.
-pub fn output_or_hang(cmd: &mut Command) -> Output {
-    let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("{cmd:?} hung");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-/// The JSON a successful command printed; a panic (exit 101) or failure
-/// fails the test with its stderr.
-pub fn json_of(out: &Output) -> Value {
-    assert_ne!(out.status.code(), Some(101), "panicked: {}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
-}
+mod shared;
+pub use shared::*;
 
 /// `dmaload` run as nobody (uid 65534) with no capabilities (so neither
 /// CAP_IPC_LOCK nor CAP_DAC_OVERRIDE), under `limits` (prlimit arguments);

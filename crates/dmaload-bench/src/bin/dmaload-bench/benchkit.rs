@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::sample::fill_pseudo_random;
+use crate::sample::fill_pattern;
 
 /// Minimum, median and maximum of a set of samples.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -54,12 +54,6 @@ pub fn round_order(methods: usize, round: usize) -> Vec<usize> {
         order.swap(i, (next() % (i as u64 + 1)) as usize);
     }
     order
-}
-
-/// Fills `buf` with the bench pattern as it sits at byte `offset` of a
-/// generated file (`offset` a multiple of 8).
-pub fn fill_pattern(buf: &mut [u8], offset: u64) {
-    fill_pseudo_random(buf, offset / 8);
 }
 
 /// A generated bench file of exactly `len` bytes in `dir`, reused when it
@@ -122,6 +116,30 @@ pub fn piece_hashes(path: &Path, piece: usize) -> Result<Vec<u64>, String> {
 /// Drops `path` from the page cache so the next read comes from the device.
 pub fn evict(path: &Path) -> Result<(), String> {
     dmaload::pagecache::evict(path).map_err(|e| e.to_string())
+}
+
+/// The `dmaload` command the rows that run it in a fresh process use
+/// (`cache`'s loads and service, `stream`'s capture): `$DMALOAD_CLI`, else
+/// the `dmaload` beside this executable (cargo builds and installs both in
+/// one directory), else the first on `PATH`.
+pub fn dmaload_exe() -> Result<PathBuf, String> {
+    if let Some(given) = std::env::var_os("DMALOAD_CLI") {
+        return Ok(given.into());
+    }
+    let me = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let beside = me.with_file_name("dmaload");
+    let on_path =
+        std::env::var_os("PATH").into_iter().flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>());
+    std::iter::once(beside.clone())
+        .chain(on_path.map(|dir| dir.join("dmaload")))
+        .find(|candidate| candidate.is_file())
+        .ok_or_else(|| {
+            format!(
+                "no dmaload command beside {} or on PATH (build it: cargo build --release -p dmaload-cli; \
+                 or set DMALOAD_CLI)",
+                me.display()
+            )
+        })
 }
 
 /// The default directory of generated bench files: the sample cache.

@@ -1,4 +1,4 @@
-//! `dmaload bench bind`: seed 002's test on this machine. A sparse memfd
+//! `dmaload-bench bind`: seed 002's test on this machine. A sparse memfd
 //! of each size (nothing allocated), a segment table with every `--page`
 //! bytes its own segment (unmerged) and the same merged, then `--binds`
 //! binds of one page at random offsets to consecutive addresses of a fresh
@@ -364,7 +364,7 @@ pub fn run(args: &BindArgs) -> Result<(), String> {
                 bars: bars(None, |r| one(r.unbind_ns)),
             },
         ];
-        plot::bar_chart(png, &format!("dmaload bench bind, {} run(s), medians", report.repeat), &panels)?;
+        plot::bar_chart(png, &format!("dmaload-bench bind, {} run(s), medians", report.repeat), &panels)?;
     }
     Ok(())
 }

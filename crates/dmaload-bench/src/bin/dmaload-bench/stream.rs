@@ -1,4 +1,4 @@
-//! `dmaload bench stream`: seed 004's table on this machine, in one run.
+//! `dmaload-bench stream`: seed 004's table on this machine, in one run.
 //!
 //! Block passing between two real processes, per block size: "fileio" (the
 //! producer `write`s each block into a pipe, the consumer `read`s it into
@@ -27,9 +27,9 @@ use dmaload::share::{
 };
 use serde::Serialize;
 
-use crate::bench_save::fio_write;
 use crate::benchkit::Spread;
 use crate::plot;
+use crate::save::fio_write;
 use crate::units::{human_bytes, Size};
 
 const SIZES: [usize; 7] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20];
@@ -234,14 +234,13 @@ fn draw(png: &std::path::Path, table: &Table) -> Result<(), String> {
         }
         panels.push(plot::Panel { title: "capture → storage".into(), unit: "MiB/s".into(), bars });
     }
-    plot::bar_chart(png, &format!("dmaload bench stream, {} run(s) each", table.repeat), &panels)
+    plot::bar_chart(png, &format!("dmaload-bench stream, {} run(s) each", table.repeat), &panels)
 }
 
 fn self_command(role: &str, block: usize, count: u64) -> Result<Command, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut cmd = Command::new(exe);
     cmd.args([
-        "bench",
         "stream",
         "--producer",
         role,
@@ -384,7 +383,8 @@ fn capture_rows(args: &StreamArgs, repeat: usize, fio: bool) -> Result<CaptureRo
     let dir = args.dir.clone().unwrap_or_else(|| PathBuf::from("."));
     let size = args.capture_bytes.0.next_multiple_of(1 << 20);
     let target = dir.join(format!(".dmaload-bench-stream-{}", std::process::id()));
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    // The capture is the `dmaload capture` command's.
+    let exe = crate::benchkit::dmaload_exe()?;
     let (mut capture, mut fio_runs, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..repeat {
         // A shuffled order per round, as every bench: not always the capture first.

@@ -1,4 +1,4 @@
-//! `dmaload bench save`: the write direction against its ceiling. Saves a
+//! `dmaload-bench save`: the write direction against its ceiling. Saves a
 //! generated buffer with each engine and a buffered write() (the
 //! baseline), beside fio's sequential O_DIRECT io_uring write of the same
 //! size to the same directory with a closing fsync, interleaved.
@@ -108,7 +108,7 @@ pub fn run(args: &SaveBenchArgs) -> Result<(), String> {
     let e = |err: dmaload::Error| err.to_string();
     let mut buf = TransferBuffer::new(MemoryType::Memfd, size as usize).map_err(e)?;
     buf.populate(dmaload::load::default_populate_threads()).map_err(e)?;
-    buf.with_bytes_mut(|b| benchkit::fill_pattern(b, 0)).map_err(e)?;
+    buf.with_bytes_mut(|b| crate::sample::fill_pattern(b, 0)).map_err(e)?;
     let expected = buf.with_bytes(xxhash_rust::xxh3::xxh3_64).map_err(e)?;
     let target = dir.join("dmaload-bench-save.bin");
     let repeat = args.repeat.max(1);
@@ -196,7 +196,7 @@ pub fn run(args: &SaveBenchArgs) -> Result<(), String> {
             unit: "GiB/s".into(),
             bars,
         };
-        plot::bar_chart(png, &format!("dmaload bench save, {repeat} run(s) each"), &[panel])?;
+        plot::bar_chart(png, &format!("dmaload-bench save, {repeat} run(s) each"), &[panel])?;
     }
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! `dmaload bench qd`: seed 003's table on this machine. Random O_DIRECT
+//! `dmaload-bench qd`: seed 003's table on this machine. Random O_DIRECT
 //! reads at queue depth 1 and 16 × 4k/16k/64k blocks, into plain buffers
 //! (the baseline) and registered ones: IOPS, mean submission latency and
 //! system CPU.
@@ -153,7 +153,7 @@ pub fn run(args: &QdArgs) -> Result<(), String> {
         ];
         plot::bar_chart(
             png,
-            &format!("dmaload bench qd, {} run(s) of {} s per cell", table.repeat, table.seconds),
+            &format!("dmaload-bench qd, {} run(s) of {} s per cell", table.repeat, table.seconds),
             &panels,
         )?;
     }

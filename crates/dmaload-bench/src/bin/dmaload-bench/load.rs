@@ -1,4 +1,4 @@
-//! `dmaload bench`: every engine against a buffered-read baseline and
+//! `dmaload-bench load` (and `fio`): every engine against a buffered-read baseline and
 //! fio's best O_DIRECT io_uring setting, in one run, interleaved, with the
 //! page cache evicted before every run; and the default engine once more
 //! through a staging ring into a fresh host buffer, against its own
@@ -43,23 +43,23 @@ pub enum BenchCommand {
         verified_only: bool,
     },
     /// Seed 001's table: memory type × method × buffered/direct, both directions.
-    Matrix(crate::bench_matrix::MatrixArgs),
+    Matrix(crate::matrix::MatrixArgs),
     /// Seed 000's table: 512K/8M/1G/3G × normal, sendfile, sync and pipelined alloc-and-read.
-    Sizes(crate::bench_sizes::SizesArgs),
+    Sizes(crate::sizes::SizesArgs),
     /// Seed 003's table: QD1/16 × 4k/16k/64k random reads, plain vs registered buffers.
-    Qd(crate::bench_qd::QdArgs),
+    Qd(crate::qd::QdArgs),
     /// Save with each engine beside fio's sequential O_DIRECT write.
-    Save(crate::bench_save::SaveBenchArgs),
+    Save(crate::save::SaveBenchArgs),
     /// Seed 002's test: random page binds of 1–64 GiB tables, binary search vs linear walk.
-    Bind(crate::bench_bind::BindArgs),
+    Bind(crate::bind::BindArgs),
     /// A fresh process served by the cache service against loading the file itself.
-    Cache(crate::bench_cache::CacheArgs),
+    Cache(crate::cache::CacheArgs),
     /// Seed 004's table: block passing (pipe read/write vs BlockQueue) per block size, capture vs fio.
     ///
     /// Each process's CPU is counted from the end of its set-up (the queue
     /// attached or created, the pipe's buffer allocated) to its last block:
     /// the rows compare the per-block work, not the attach.
-    Stream(crate::bench_stream::StreamArgs),
+    Stream(crate::stream::StreamArgs),
     /// fio's sequential O_DIRECT io_uring read of FILE (the ceiling `bench
     /// load` compares with), cache evicted before each run: for scripts
     /// (bench/peers.py) that need the same ceiling.
@@ -182,13 +182,13 @@ pub fn run(cmd: &BenchCommand) -> Result<(), String> {
             };
             bench_load(file, (*repeat).max(1), *json, *no_fio, only)
         }
-        BenchCommand::Matrix(args) => crate::bench_matrix::run(args),
-        BenchCommand::Sizes(args) => crate::bench_sizes::run(args),
-        BenchCommand::Qd(args) => crate::bench_qd::run(args),
-        BenchCommand::Save(args) => crate::bench_save::run(args),
-        BenchCommand::Bind(args) => crate::bench_bind::run(args),
-        BenchCommand::Cache(args) => crate::bench_cache::run(args),
-        BenchCommand::Stream(args) => crate::bench_stream::run(args),
+        BenchCommand::Matrix(args) => crate::matrix::run(args),
+        BenchCommand::Sizes(args) => crate::sizes::run(args),
+        BenchCommand::Qd(args) => crate::qd::run(args),
+        BenchCommand::Save(args) => crate::save::run(args),
+        BenchCommand::Bind(args) => crate::bind::run(args),
+        BenchCommand::Cache(args) => crate::cache::run(args),
+        BenchCommand::Stream(args) => crate::stream::run(args),
         BenchCommand::Fio { file, block_size, iodepths, json } => {
             bench_fio(file, *block_size, iodepths, *json)
         }
@@ -557,7 +557,7 @@ fn run_staged(
     Ok((sample, digest))
 }
 
-/// `dmaload bench fio`: one cold fio read per queue depth.
+/// `dmaload-bench fio`: one cold fio read per queue depth.
 fn bench_fio(file: &Path, block_size: u64, iodepths: &[u32], json: bool) -> Result<(), String> {
     fio::available().ok_or("fio is not installed (apt-get install fio)")?;
     for &iodepth in iodepths {

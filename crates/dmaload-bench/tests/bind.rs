@@ -1,4 +1,4 @@
-//! `dmaload bench bind` end to end at tiny sizes: one JSON row per size
+//! `dmaload-bench bind` end to end at tiny sizes: one JSON row per size
 //! and lookup with sane numbers, a PNG, the Markdown table, and refusals.
 
 use std::process::Command;
@@ -6,11 +6,10 @@ use std::process::Command;
 use serde_json::Value;
 
 fn dmaload() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_dmaload"))
+    Command::new(env!("CARGO_BIN_EXE_dmaload-bench"))
 }
 
-const TINY: [&str; 10] =
-    ["bench", "bind", "--sizes", "1M,4M", "--page", "16K", "--binds", "300", "--repeat", "2"];
+const TINY: [&str; 9] = ["bind", "--sizes", "1M,4M", "--page", "16K", "--binds", "300", "--repeat", "2"];
 
 #[test]
 fn bench_bind_json_has_a_row_per_size_and_lookup_and_plot_writes_a_png() {
@@ -76,7 +75,7 @@ fn bench_bind_prints_a_markdown_table_and_refuses_bad_pages() {
         6
     );
 
-    let out = dmaload().args(["bench", "bind", "--sizes", "1M", "--page", "1000"]).output().unwrap();
+    let out = dmaload().args(["bind", "--sizes", "1M", "--page", "1000"]).output().unwrap();
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("--page"),

@@ -1,4 +1,4 @@
-//! `dmaload bench sizes`: seed 000's table on this machine. For 512 KiB,
+//! `dmaload-bench sizes`: seed 000's table on this machine. For 512 KiB,
 //! 8 MiB, 1 GiB and 3 GiB files: the time from nothing to a filled
 //! buffer with mmap + read (the seed's "normal", into a dma-heap buffer
 //! where there is a heap, and into a memfd), sendfile buffered and direct
@@ -280,7 +280,7 @@ pub fn run(args: &SizesArgs) -> Result<(), String> {
                     .collect(),
             })
             .collect::<Vec<_>>();
-        plot::bar_chart(png, &format!("dmaload bench sizes, {} run(s) each", table.repeat), &panels)?;
+        plot::bar_chart(png, &format!("dmaload-bench sizes, {} run(s) each", table.repeat), &panels)?;
     }
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! `dmaload bench cache`: what the model-cache service buys a fresh
+//! `dmaload-bench cache`: what the model-cache service buys a fresh
 //! process, against loading the file itself, in one run. Each round runs
 //! every row once, in a shuffled order that changes from round to round
 //! (`benchkit::round_order`), every load in a fresh process, each row
@@ -19,6 +19,7 @@
 //! Times are those each child measures around its load call; the Python
 //! children also touch one byte per page of every tensor afterwards
 //! (reported apart: a mapping handed over is faulted in on first touch).
+//! The `dmaload` command run is `benchkit::dmaload_exe`'s.
 //! Every load is checked against the file, after its timing: the CLI's
 //! xxh3 of the whole buffer (`--hash`), the Python children's tensor count
 //! and sum of the bytes they touched.
@@ -151,7 +152,7 @@ pub fn run(args: &CacheArgs) -> Result<(), String> {
         }
     };
     let bytes = std::fs::metadata(&file).map_err(|e| format!("stat {}: {e}", file.display()))?.len();
-    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let exe = crate::benchkit::dmaload_exe()?;
     let scratch = tempfile_dir()?;
     let socket = scratch.join("cache.sock");
     let expected = reference(&file)?;

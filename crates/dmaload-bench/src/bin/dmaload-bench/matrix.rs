@@ -1,4 +1,4 @@
-//! `dmaload bench matrix`: seed 001's table on this machine. Every memory
+//! `dmaload-bench matrix`: seed 001's table on this machine. Every memory
 //! type × method × buffered/direct, reading the file into memory and
 //! writing memory out to a file, in pieces (32 MiB, as the seed), with
 //! create / I/O / close times, MB/s and % of the first row.
@@ -145,7 +145,7 @@ fn run_row(
         let mut buf = TransferBuffer::new(memory, len).map_err(e)?;
         sample.create_ms += t.elapsed().as_secs_f64() * 1e3;
         if direction == Direction::Write {
-            buf.with_bytes_mut(|b| benchkit::fill_pattern(b, offset)).map_err(e)?;
+            buf.with_bytes_mut(|b| crate::sample::fill_pattern(b, offset)).map_err(e)?;
         }
         let t = Instant::now();
         let moved = transfer(&mut buf, &file, offset, method, direction, &options).map_err(e)?;
@@ -356,5 +356,5 @@ fn draw(png: &Path, m: &Matrix) -> Result<(), String> {
         })
         .filter(|p| !p.bars.is_empty())
         .collect();
-    plot::bar_chart(png, &format!("dmaload bench matrix, {} run(s) per row", m.repeat), &panels)
+    plot::bar_chart(png, &format!("dmaload-bench matrix, {} run(s) per row", m.repeat), &panels)
 }
