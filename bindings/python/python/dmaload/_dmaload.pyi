@@ -227,6 +227,20 @@ class Arrival:
         """Bytes ``0..n`` known to hold the file's bytes."""
 
 @final
+class LeasedFile:
+    """A warm file mapped privately under its read lease (see the core's
+    ``dmaload::lease``): raises OSError where it is not mapped."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None: ...
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+    @property
+    def broken(self) -> bool: ...
+    @property
+    def path(self) -> str: ...
+
+@final
 class SafetensorsFile:
     """A safetensors file opened once, its header validated; ``_load_staged``
     reads its data from this same open file."""
