@@ -38,16 +38,11 @@ const F_SETSIG: libc::c_int = 10;
 /// within the few instructions between the two calls, delivered as
 /// `SIGURG`). Breaks are found by [`lease_held`] instead.
 pub fn take_read_lease(fd: BorrowedFd<'_>) -> io::Result<()> {
-    let raw = fd.as_raw_fd();
-    // SAFETY: fcntl on a valid descriptor with integer arguments; none
-    // touches memory.
-    unsafe {
-        check(libc::fcntl(raw, F_SETSIG, BREAK_SIGNAL))?;
-        check(libc::fcntl(raw, libc::F_SETLEASE, libc::F_RDLCK))?;
-        if let Err(err) = check(libc::fcntl(raw, libc::F_SETOWN, 0)) {
-            libc::fcntl(raw, libc::F_SETLEASE, libc::F_UNLCK);
-            return Err(err);
-        }
+    fcntl(fd, F_SETSIG, BREAK_SIGNAL)?;
+    fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK)?;
+    if let Err(err) = fcntl(fd, libc::F_SETOWN, 0) {
+        let _ = release_lease(fd);
+        return Err(err);
     }
     Ok(())
 }
@@ -57,15 +52,20 @@ pub fn take_read_lease(fd: BorrowedFd<'_>) -> io::Result<()> {
 /// the lease is to become (`F_UNLCK` for a read lease: fs/locks.c,
 /// `target_leasetype`), and after the break time the lease is gone.
 pub fn lease_held(fd: BorrowedFd<'_>) -> io::Result<bool> {
-    // SAFETY: fcntl on a valid descriptor; it touches no memory.
-    let kind = check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETLEASE) })?;
+    let kind = fcntl(fd, libc::F_GETLEASE, 0)?;
     Ok(kind == libc::F_RDLCK)
 }
 
 /// Gives the lease up (`F_SETLEASE F_UNLCK`): a writer waiting on it goes on.
 pub fn release_lease(fd: BorrowedFd<'_>) -> io::Result<()> {
-    // SAFETY: fcntl on a valid descriptor; it touches no memory.
-    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETLEASE, libc::F_UNLCK) }).map(drop)
+    fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK).map(drop)
+}
+
+/// `fcntl(fd, cmd, arg)` for the commands here, whose argument is an integer.
+fn fcntl(fd: BorrowedFd<'_>, cmd: libc::c_int, arg: libc::c_int) -> io::Result<libc::c_int> {
+    // SAFETY: fcntl on a valid descriptor with an integer argument (the
+    // lease and signal commands above): it touches no memory of ours.
+    check(unsafe { libc::fcntl(fd.as_raw_fd(), cmd, arg) })
 }
 
 /// A private mapping (`MAP_PRIVATE`, readable and writable: writes go to
