@@ -35,6 +35,12 @@ pub const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// detach or not, and a detach copies the whole file.
 pub const MIN_LEASE_BREAK_SECONDS: u64 = 5;
 
+/// The share of a file's pages in the page cache from which it is mapped:
+/// a warm file whose few pages were evicted since it was read (memory
+/// pressure) is still warm; the missing pages are read on first access,
+/// which the lease makes safe. A colder file is read (faster then).
+pub const MAPPED_SHARE: f64 = 0.9;
+
 const BREAK_TIME: &str = "/proc/sys/fs/lease-break-time";
 
 /// A whole file mapped privately under its read lease; see the module doc.
@@ -64,9 +70,9 @@ struct State {
 
 impl LeasedMapping {
     /// Maps the regular file at `path` under its read lease, if the file
-    /// is wholly in the page cache. Refused (an error naming the operation
+    /// is in the page cache (at least [`MAPPED_SHARE`] of it). Refused (an error naming the operation
     /// and the cause; the caller reads the file instead) where the file is
-    /// empty or not wholly resident, is open for writing somewhere
+    /// empty or colder, is open for writing somewhere
     /// (`EAGAIN`), is not this process's to lease (`EACCES`), lives on a
     /// filesystem without leases (`EINVAL`), or where the lease break time
     /// is under [`MIN_LEASE_BREAK_SECONDS`].
@@ -101,14 +107,15 @@ impl LeasedMapping {
             ));
         }
         let resident = pagecache::residency_of(&file, path, 0, len)?;
-        if resident.fraction < 1.0 {
+        if resident.fraction < MAPPED_SHARE {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 "lease",
                 path,
                 format!(
-                    "{:.0}% of the file is in the page cache: it is read, not mapped",
-                    resident.fraction * 100.0
+                    "{:.0}% of the file is in the page cache, under {:.0}%: it is read, not mapped",
+                    resident.fraction * 100.0,
+                    MAPPED_SHARE * 100.0
                 ),
             ));
         }
