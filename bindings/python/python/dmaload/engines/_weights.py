@@ -240,25 +240,25 @@ def weights(
             f"; the read began {started - early.started:.2f} s before the engine asked for the first tensor "
             f"(before the model was built) and had {early.stream.arrived() / 2**30:.3f} GiB in by then"
         )
-    elif socket is None and isinstance(
-        mapped := Mapped.open(files, device, tensor_filter, plain=_plain(config, group)), Mapped
-    ):
-        stream = mapped
     elif socket is None:
-        unmapped = mapped
-        stream = Stream(
-            [Path(f) for f in files],
-            None,
-            device,
-            process_group=group,
-            tensor_filter=tensor_filter,
-            window=config.window,
-            progress=progress if bar is not None else None,
-            # The engine copies each tensor into its parameter before it
-            # asks for the next one.
-            recycle=True,
-            options=dict(config.options),
-        )
+        mapped = Mapped.open(files, device, tensor_filter, plain=_plain(config, group))
+        if isinstance(mapped, Mapped):
+            stream = mapped
+        else:
+            unmapped = mapped
+            stream = Stream(
+                [Path(f) for f in files],
+                None,
+                device,
+                process_group=group,
+                tensor_filter=tensor_filter,
+                window=config.window,
+                progress=progress if bar is not None else None,
+                # The engine copies each tensor into its parameter before it
+                # asks for the next one.
+                recycle=True,
+                options=dict(config.options),
+            )
     else:
         stream = None
     if stream is not None:
