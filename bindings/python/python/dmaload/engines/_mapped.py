@@ -56,10 +56,6 @@ class Mapped:
                 return f"{f}: {exc.strerror}"
         return cls([Path(f) for f in files], leased, tensor_filter)
 
-    def arrived(self) -> int:
-        """All of it: the files are in the page cache."""
-        return self._total
-
     def reads(self) -> str:
         return f"0.000 GiB of the checkpoint ({self._total / 2**30:.3f} GiB mapped from the page cache under read leases)"
 

@@ -236,8 +236,12 @@ def weights(
         early.stream.progress = progress if bar is not None else None
         stream: Stream | Mapped | None = early.stream
         unmapped = early.unmapped
+        ahead = started - early.started
         early_note = (
-            f"; the read began {started - early.started:.2f} s before the engine asked for the first tensor "
+            f"; the files were mapped {ahead:.2f} s before the engine asked for the first tensor (before the model "
+            "was built)"
+            if isinstance(early.stream, Mapped)
+            else f"; the read began {ahead:.2f} s before the engine asked for the first tensor "
             f"(before the model was built) and had {early.stream.arrived() / 2**30:.3f} GiB in by then"
         )
     elif socket is None:
