@@ -1,7 +1,9 @@
 """A warm load through vLLM's loader maps the page cache (read leases), and
 a checkpoint truncated and rewritten by another process while the loader
 hands out those views yields an error or, in every tensor, the bytes of
-exactly one version: never a signal (SIGBUS) in the loading process.
+exactly one version: never a signal (SIGBUS) in the loading process. The
+files being warm and leasable, the loader maps them and the load succeeds
+with the version it mapped.
 
 The loader runs in a child process (its exit status tells a signal from
 an error); this process is the writer.
@@ -102,8 +104,10 @@ def test_a_warm_load_truncated_and_rewritten_meanwhile_gives_one_version_never_a
     finally:
         child.wait(timeout=300)
     assert child.returncode >= 0, f"the loader died of signal {-child.returncode}"
-    if child.returncode != 0:
-        return  # an error, said by the child: allowed
+    # An error would be safe too, but the files were warm and leasable: the
+    # loader mapped them, and a mapped load keeps the version it mapped
+    # (the read path fails here: the files changed under its reads).
+    assert child.returncode == 0, f"the load failed (see its stderr above): {log}"
     assert "mapped from the page cache under read leases" in log, log
     got = torch.load(out)
     assert sorted(got) == sorted(versions[0])
