@@ -25,6 +25,7 @@ __all__ = [
     "Arrival",
     "Buffer",
     "DmaBuf",
+    "LeasedFile",
     "MAX_HEADER_LEN",
     "SafetensorError",
     "SafetensorsFile",
@@ -231,7 +232,7 @@ class LeasedFile:
     """A warm file mapped privately under its read lease (see the core's
     ``dmaload::lease``): raises OSError where it is not mapped."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None: ...
+    def __new__(cls, path: str | os.PathLike[str]) -> LeasedFile: ...
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
