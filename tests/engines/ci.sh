@@ -18,7 +18,7 @@ step() { printf '\n== engines: %s (%ds)\n' "$*" $((SECONDS - started)); }
 
 step "vLLM CPU build"
 py="$(bash "$here/setup-vllm.sh" | tail -n 1)"
-(cd "$here" && "$py" -m pytest -q -p no:cacheprovider test_vllm.py test_vllm_loader.py ${PYTEST_ARGS:-})
+(cd "$here" && "$py" -m pytest -q -p no:cacheprovider test_vllm.py test_vllm_loader.py test_vllm_mapped.py ${PYTEST_ARGS:-})
 
 step "newest vLLM release, loader level"
 next="$(bash "$here/setup-vllm-next.sh" "$py" | tail -n 1)"

@@ -15,6 +15,7 @@
 mod block_queue;
 mod buffer;
 mod dmabuf;
+mod lease;
 mod save;
 mod staged;
 mod windows;
@@ -1091,6 +1092,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<windows::Arrival>()?;
     m.add_class::<windows::StreamDigest>()?;
     m.add_class::<staged::SafetensorsFile>()?;
+    m.add_class::<lease::LeasedFile>()?;
     m.add_function(wrap_pyfunction!(staged::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(staged::_load_staged, m)?)?;
     m.add_function(wrap_pyfunction!(staged::release_staging, m)?)?;

@@ -22,6 +22,7 @@ pub mod heap;
 pub mod info;
 mod into;
 mod lead;
+pub mod lease;
 pub mod load;
 pub mod many;
 pub mod memory;

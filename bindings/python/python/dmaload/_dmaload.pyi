@@ -25,6 +25,7 @@ __all__ = [
     "Arrival",
     "Buffer",
     "DmaBuf",
+    "LeasedFile",
     "MAX_HEADER_LEN",
     "SafetensorError",
     "SafetensorsFile",
@@ -225,6 +226,20 @@ class Arrival:
         """Until the load has ended."""
     def count(self) -> int:
         """Bytes ``0..n`` known to hold the file's bytes."""
+
+@final
+class LeasedFile:
+    """A warm file mapped privately under its read lease (see the core's
+    ``dmaload::lease``): raises OSError where it is not mapped."""
+
+    def __new__(cls, path: str | os.PathLike[str]) -> LeasedFile: ...
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+    @property
+    def broken(self) -> bool: ...
+    @property
+    def path(self) -> str: ...
 
 @final
 class SafetensorsFile:

@@ -33,6 +33,7 @@ pub mod cuda;
 pub mod dmabuf;
 pub mod eventfd;
 pub mod file;
+pub mod lease;
 pub mod mem;
 pub mod process;
 pub mod shm;

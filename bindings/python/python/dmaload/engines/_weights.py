@@ -15,6 +15,7 @@ from .._options import LoadOptions, native_options, parse_size
 from .._report import LoadReport
 from ..safetensors import TensorFilter, safe_open
 from ..safetensors._collective import Stream
+from ._mapped import Mapped
 
 EXTRA_CONFIG_KEYS = ("window", "collective", "cache", *LoadOptions.__annotations__)
 """The keys of ``--model-loader-extra-config`` the loaders take (documented
@@ -123,11 +124,13 @@ class EarlyRead:
     """A read of an engine's checkpoint begun before the engine asks for
     the weights (:func:`start_early`), which :func:`weights` takes over."""
 
-    stream: Stream
+    stream: Stream | Mapped
     started: float
     """``time.perf_counter()`` when it began."""
     taken: bool = False
     """Whether :func:`weights` has taken it over (once only)."""
+    unmapped: str = ""
+    """Why the files are read, not mapped (empty when mapped)."""
 
     @property
     def paths(self) -> list[Path]:
@@ -146,6 +149,9 @@ def start_early(files: Sequence[str], device: Any, config: LoaderConfig) -> Earl
     if socket_for(config.cache) is not None:
         return None
     started = time.perf_counter()
+    mapped = Mapped.open(files, device, None, plain=_plain(config, None))
+    if isinstance(mapped, Mapped):
+        return EarlyRead(mapped, started)
     stream = Stream(
         [Path(f) for f in files], None, device, window=config.window, recycle=True, options=dict(config.options)
     )
@@ -154,7 +160,13 @@ def start_early(files: Sequence[str], device: Any, config: LoaderConfig) -> Earl
     except BaseException:
         stream.close()
         raise
-    return EarlyRead(stream, started)
+    return EarlyRead(stream, started, unmapped=mapped)
+
+
+def _plain(config: LoaderConfig, group: Any) -> bool:
+    """Whether a load may map the files: no option of dmaload's given
+    (each chooses how the files are read) and no collective read."""
+    return not config.options and config.window is None and group is None
 
 
 def _stream_reads(stream: Stream, rank: int) -> int:
@@ -218,28 +230,39 @@ def weights(
         ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     count = nbytes = 0
     early_note = ""
+    unmapped = ""
     socket = socket_for(config.cache) if early is None else None
     if early is not None:
         early.stream.progress = progress if bar is not None else None
-        stream: Stream | None = early.stream
+        stream: Stream | Mapped | None = early.stream
+        unmapped = early.unmapped
+        ahead = started - early.started
         early_note = (
-            f"; the read began {started - early.started:.2f} s before the engine asked for the first tensor "
+            f"; the files were mapped {ahead:.2f} s before the engine asked for the first tensor (before the model "
+            "was built)"
+            if isinstance(early.stream, Mapped)
+            else f"; the read began {ahead:.2f} s before the engine asked for the first tensor "
             f"(before the model was built) and had {early.stream.arrived() / 2**30:.3f} GiB in by then"
         )
     elif socket is None:
-        stream = Stream(
-            [Path(f) for f in files],
-            None,
-            device,
-            process_group=group,
-            tensor_filter=tensor_filter,
-            window=config.window,
-            progress=progress if bar is not None else None,
-            # The engine copies each tensor into its parameter before it
-            # asks for the next one.
-            recycle=True,
-            options=dict(config.options),
-        )
+        mapped = Mapped.open(files, device, tensor_filter, plain=_plain(config, group))
+        if isinstance(mapped, Mapped):
+            stream = mapped
+        else:
+            unmapped = mapped
+            stream = Stream(
+                [Path(f) for f in files],
+                None,
+                device,
+                process_group=group,
+                tensor_filter=tensor_filter,
+                window=config.window,
+                progress=progress if bar is not None else None,
+                # The engine copies each tensor into its parameter before it
+                # asks for the next one.
+                recycle=True,
+                options=dict(config.options),
+            )
     else:
         stream = None
     if stream is not None:
@@ -247,7 +270,10 @@ def weights(
         planned = stream
 
         def reads() -> str:
-            return f"{_stream_reads(planned, rank) / 2**30:.3f} GiB of the checkpoint"
+            if isinstance(planned, Mapped):
+                return planned.reads()
+            note = f" (read, not mapped: {unmapped})" if unmapped else ""
+            return f"{_stream_reads(planned, rank) / 2**30:.3f} GiB of the checkpoint{note}"
 
     else:
         # Each file whole from the service (read by it, not by this process),
