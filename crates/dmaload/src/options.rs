@@ -43,7 +43,7 @@ const MAX_QUEUE_DEPTH: usize = 4096;
 /// `anonymous`: a
 /// [`crate::Buffer`] of that memory), a dma-buf (`udmabuf`,
 /// `dma-heap:NAME`, `dmabuf`: an fd the caller owns, from
-/// [`crate::load_dmabuf`]) or `cuda:N` (the memory of CUDA device N,
+/// [`crate::LoadRequest::to_dmabuf`]) or `cuda:N` (the memory of CUDA device N,
 /// through a staging ring and [`crate::sink::CudaSink`]). Parsed from and
 /// shown as those names (`cuda` alone is `cuda:0`, `dma-heap` alone
 /// `dma-heap:system`).
@@ -115,7 +115,7 @@ impl Destination {
         }
     }
 
-    /// Whether the destination is a dma-buf ([`crate::load_dmabuf`]).
+    /// Whether the destination is a dma-buf ([`crate::LoadRequest::to_dmabuf`]).
     pub fn is_dmabuf(&self) -> bool {
         matches!(self, Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf)
     }
@@ -207,15 +207,15 @@ impl Serialize for Destination {
     }
 }
 
-/// Options of [`load`](crate::load()) and [`load_range`](crate::load_range);
+/// Options of a load ([`crate::load()`], [`crate::LoadRequest`]);
 /// `LoadOptions::default()` is what a user gets without flags.
 #[derive(Clone)]
 pub struct LoadOptions {
     pub engine: Engine,
     pub mode: IoMode,
-    /// Where the bytes go. [`crate::load()`] and its kin fill a host
-    /// [`crate::Buffer`], so they take the host destinations only; a device
-    /// is loaded through a sink ([`crate::load_to_sink`]).
+    /// Where the bytes go: [`crate::LoadRequest::load`] takes every kind;
+    /// [`crate::load()`] and [`crate::LoadRequest::to_buffer`] fill a host
+    /// [`crate::Buffer`], so they take the host kinds only.
     pub to: Destination,
     /// Whether the caller may want the buffer's memfd ([`crate::Buffer::memfd`],
     /// udmabuf export, passing it to another process). With `to: auto` and
@@ -257,10 +257,10 @@ pub struct LoadOptions {
     /// they arrive: a mismatch ([`crate::ErrorKind::Corrupt`]), a missing
     /// sums file or a file it does not list is an error, and no buffer is
     /// handed out. Whole files only, on every path (a new buffer, a sink,
-    /// `load_into`, a device; a data section after a header read with
+    /// caller memory, a device; a data section after a header read with
     /// [`crate::OpenFile::read_head`]): a range is refused where the load is
     /// asked for, before any read; a cached load
-    /// ([`crate::share::load_cached`]) loads directly.
+    /// ([`crate::share::cached`]) loads directly.
     pub verify: bool,
 }
 
@@ -373,20 +373,19 @@ impl fmt::Debug for LoadOptions {
 impl LoadOptions {
     /// Fails unless `to` names host memory (`auto` or a memory kind): what
     /// a front end whose load returns a host buffer checks before it calls
-    /// [`crate::load_to`]; the error says where the other kinds go.
+    /// [`crate::LoadRequest::load`]; the error says where the other kinds go.
     pub fn check_host(&self, path: &Path) -> Result<()> {
         if self.to.is_host() {
             return Ok(());
         }
         let why = if self.to.is_dmabuf() {
             format!(
-                "a dma-buf ({to}) is an fd the caller owns, not a host Buffer: load it with load_dmabuf",
+                "a dma-buf ({to}) is an fd the caller owns, not a host Buffer: load it with LoadRequest::to_dmabuf",
                 to = self.to
             )
         } else {
             format!(
-                "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and the \
-                 CUDA sink (load_to_sink with sink::CudaSink)",
+                "a host Buffer cannot live on a device ({to}): load into {to} with LoadRequest::load",
                 to = self.to
             )
         };
@@ -408,7 +407,7 @@ impl LoadOptions {
             ErrorKind::InvalidInput,
             "load",
             path,
-            format!("{} is not a dma-buf (expected udmabuf, dmabuf or dma-heap:NAME)", self.to),
+            format!("{} is not a dma-buf destination (expected udmabuf, dmabuf or dma-heap:NAME)", self.to),
         ))
     }
 }
@@ -416,17 +415,16 @@ impl LoadOptions {
 /// The memory kind a load of `len` bytes into a host [`crate::Buffer`]
 /// allocates, and why: the one the destination names, or `auto`'s choice
 /// (the facts come from the caller, who allocates against the same ones).
+/// The request checked that `to` is a host kind.
 pub(crate) fn host_memory(
-    path: &Path,
     o: &LoadOptions,
     len: u64,
     facts: &crate::memory::MemoryFacts,
-) -> Result<crate::memory::MemoryChoice> {
-    o.check_host(path)?;
-    Ok(match o.to.host_memory() {
+) -> crate::memory::MemoryChoice {
+    match o.to.host_memory() {
         Some(kind) => crate::memory::MemoryChoice { kind, reason: format!("asked for ({kind})") },
         None => facts.choose(len, o.needs_fd),
-    })
+    }
 }
 
 /// Checks `o`'s values as every load does before it opens a file (the

@@ -17,9 +17,7 @@ use std::time::{Duration, Instant};
 use common::{assert_pattern, file_hash, scratch_dir, write_pattern_file};
 use dmaload::share::protocol::{self, Reply, Request};
 use dmaload::share::service::{DEFAULT_IDLE_TIMEOUT, MAX_CLIENTS_PER_UID};
-use dmaload::share::{
-    load_cached, CacheOutcome, Client, Connection, Listener, Served, Service, ServiceConfig,
-};
+use dmaload::share::{CacheOutcome, Client, Connection, Listener, Served, Service, ServiceConfig};
 use dmaload::{Buffer, ErrorKind, LoadOptions};
 
 const ROLE: &str = "DMALOAD_SHARE_CACHE_ROLE";
@@ -40,7 +38,7 @@ fn xxh3(bytes: &[u8]) -> u64 {
 /// (gets `FILE`, reads a byte of every page, prints the bytes mapped with
 /// huge pages), `hang` (sends
 /// a request and never reads the reply), `load-cached` (prints where
-/// `load_cached` got `FILE` from).
+/// `share::cached` got `FILE` from).
 #[test]
 fn process_role() {
     let Ok(role) = std::env::var(ROLE) else { return };
@@ -107,7 +105,9 @@ fn process_role() {
             std::io::copy(&mut std::io::stdin(), &mut std::io::sink()).unwrap();
         }
         "load-cached" => {
-            let (buffer, _, outcome) = load_cached(file.unwrap(), &socket, &LoadOptions::default()).unwrap();
+            let (buffer, _, outcome) = dmaload::OpenFile::open(file.unwrap())
+                .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+                .unwrap();
             match outcome {
                 CacheOutcome::Service { served, .. } => {
                     println!("OUT service {} {}", served.name(), xxh3(&buffer))
@@ -710,13 +710,17 @@ fn a_service_out_of_its_own_resources_is_a_fallback_a_failed_file_is_not() {
         &socket,
         vec![error_reply(libc::EMFILE, "allocate memory"), error_reply(libc::EIO, "read")],
     );
-    let (buffer, _, outcome) = load_cached(&path, &socket, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+        .unwrap();
     assert_pattern(&buffer, 0);
     match outcome {
         CacheOutcome::Direct { reason } => assert!(reason.contains("allocate memory"), "{reason}"),
         other => panic!("EMFILE in the service must load directly: {other:?}"),
     }
-    let err = load_cached(&path, &socket, &LoadOptions::default()).unwrap_err();
+    let err = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+        .unwrap_err();
     assert_eq!((err.op(), err.raw_os_error()), ("read", Some(libc::EIO)), "{err}");
     service.join().unwrap();
 }
@@ -851,7 +855,9 @@ fn a_service_whose_loads_read_nothing_is_a_fallback() {
             std::thread::sleep(protocol::KEEPALIVE_INTERVAL);
         }
     });
-    let (buffer, _, outcome) = load_cached(&path, &socket, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+        .unwrap();
     assert_pattern(&buffer, 0);
     match outcome {
         CacheOutcome::Direct { reason } => assert!(reason.contains("have read nothing"), "{reason}"),
@@ -1030,15 +1036,13 @@ fn a_cached_load_reads_the_file_it_opened_whatever_the_path_becomes() {
     std::fs::rename(&other, &path).unwrap();
     // No service: the direct load reads the opened file, not the path.
     let absent = dir.path().join("absent.sock");
-    let (buffer, _, outcome) =
-        dmaload::share::load_cached_open(&opened, &absent, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::share::cached(&opened, &absent, &LoadOptions::default()).unwrap();
     assert!(matches!(outcome, CacheOutcome::Direct { .. }), "{outcome:?}");
     assert_eq!(xxh3(&buffer), hash);
     // A service gets a descriptor of the opened file too.
     let socket = dir.path().join("cache.sock");
     let service = ServiceProcess::start(&socket, 1 << 30);
-    let (buffer, _, outcome) =
-        dmaload::share::load_cached_open(&opened, &socket, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::share::cached(&opened, &socket, &LoadOptions::default()).unwrap();
     assert!(matches!(outcome, CacheOutcome::Service { served: Served::Miss, .. }), "{outcome:?}");
     assert_eq!(xxh3(&buffer), hash);
     service.stop();
