@@ -302,11 +302,11 @@ fn dma_buf_loads_refuse_what_they_cannot_do_before_reading() {
     assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
     let err = dmaload::LoadRequest::path(&path).options(&to("memfd")).to_dmabuf().unwrap_err();
     assert!(err.to_string().contains("not a dma-buf destination"), "{err}");
-    // udmabuf where the kernel has none says so; load() points at to_dmabuf.
+    // udmabuf where the kernel has none says so; load() points at load_dmabuf.
     if let Err(why) = heap::udmabuf_probe() {
         let err = dmaload::LoadRequest::path(&path).options(&to("udmabuf")).to_dmabuf().unwrap_err();
         assert!(err.to_string().contains(&why), "{err}");
     }
     let err = dmaload::load(&path, &to("udmabuf")).unwrap_err();
-    assert!(err.to_string().contains("load it with LoadRequest::to_dmabuf"), "{err}");
+    assert!(err.to_string().contains("load it with load_dmabuf"), "{err}");
 }
