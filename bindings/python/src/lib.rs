@@ -59,6 +59,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(options::_option_choices, m)?)?;
     m.add_function(wrap_pyfunction!(options::_option_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(options::_check_load_options, m)?)?;
+    m.add_function(wrap_pyfunction!(options::parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(run::_test_panic, m)?)?;
     Ok(())
 }

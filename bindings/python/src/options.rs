@@ -241,3 +241,10 @@ pub(crate) fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue
         ]))
     })
 }
+
+/// A size ("4096", "128M", "1.5GiB") in bytes: the core's one parser, so
+/// Python's options read sizes as the command line does.
+#[pyfunction]
+pub(crate) fn parse_size(text: &str) -> PyResult<u64> {
+    dmaload::parse_size(text).map_err(PyValueError::new_err)
+}

@@ -370,8 +370,9 @@ fn load_options(
         populate_threads: o.populate_threads as usize,
         measure_page_cache: o.measure_page_cache != 0,
         verify: o.verify != 0,
-        // Not in C (LOAD_OPTION_FRONTS says why); no `..` here, so a new
-        // core option is a compile error until C decides about it.
+        // Not in C (the tests' option table, crates/dmaload/tests/fronts,
+        // says why); no `..` here, so a new core option is a compile error
+        // until C decides about it.
         needs_fd: true,
         progress: None,
         cancel: dmaload::CancelToken::default(),

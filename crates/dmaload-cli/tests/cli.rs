@@ -12,6 +12,8 @@ use serde_json::Value;
 mod common;
 #[path = "../../dmaload/tests/common/cuda_driver.rs"]
 mod cuda_driver;
+#[path = "../../dmaload/tests/fronts/mod.rs"]
+mod fronts;
 
 use common::{dmaload, have, is_root, output_or_hang, skip};
 
@@ -639,8 +641,8 @@ fn load_and_copy_offer_every_flag_of_the_option_table() {
             .split(|c: char| c.is_whitespace() || c == ',' || c == '=' || c == '[' || c == '<')
             .filter(|word| word.starts_with("--"))
             .collect();
-        for row in dmaload::LOAD_OPTION_FRONTS {
-            let dmaload::Spelling::Named(flag) = row.cli else { continue };
+        for row in fronts::LOAD_OPTION_FRONTS {
+            let fronts::Spelling::Named(flag) = row.cli else { continue };
             if command == "copy" && flag == "--no-page-cache" {
                 continue; // copy never measures the page cache
             }
