@@ -440,7 +440,7 @@ fn probe_memory_records_figures_that_auto_then_goes_by() {
     let info = run(&["info", "--json", "--probe-memory"]);
     let file = cache.path().join("dmaload").join("memory-probe.json");
     assert_eq!(info["memory_probe_path"].as_str(), Some(file.to_str().unwrap()));
-    let probe = dmaload::memory::MemoryProbe::load(&file).unwrap().expect("the probe recorded its figures");
+    let probe = dmaload::memory::MemoryProbe::read(&file).unwrap().expect("the probe recorded its figures");
     assert_eq!(serde_json::to_value(&probe).unwrap(), info["memory_probe"]);
     for kind in &probe.kinds {
         match (kind.populate_seconds_per_gib, &kind.error) {
