@@ -319,7 +319,8 @@ impl LoadOptions {
             )
         } else {
             format!(
-                "a host Buffer cannot live on a device ({to}): load into {to} with LoadRequest::load",
+                "a host Buffer cannot live on a device ({to}): load into {to} with LoadRequest::load (or \
+                 LoadRequest::to_sink with sink::CudaSink)",
                 to = self.to
             )
         };
