@@ -14,7 +14,8 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::{detached, guard, wait_in_slices, SIGNAL_POLL};
+use crate::errors::{detached, guard};
+use crate::run::{wait_in_slices, SIGNAL_POLL};
 
 /// An OSError whose errno picks the Python subclass: TimeoutError,
 /// BrokenPipeError, ...; bad arguments are ValueError.

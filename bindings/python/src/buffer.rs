@@ -14,7 +14,10 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use super::*;
+use crate::cache::*;
+use crate::errors::*;
+use crate::report::*;
+use crate::run::*;
 
 /// A socket object's timeout (`settimeout`); `None` for a descriptor
 /// number or a socket without one.

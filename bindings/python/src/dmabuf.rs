@@ -6,13 +6,16 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use dmaload::source::OpenFile;
-use dmaload::{Destination, LoadedDmaBuf};
+use dmaload::{Destination, LoadRequest, LoadedDmaBuf};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3::types::PyDict;
 
-use crate::{detached, guard, os_error, report_object, run_abandonable, Opts};
+use crate::errors::{detached, guard, os_error};
+use crate::options::Opts;
+use crate::report::report_object;
+use crate::run::run_abandonable;
 
 /// A dma-buf holding a range of a file: an fd that devices import
 /// (`fileno()`), owned by this object until `close()` or `detach()`. Its
@@ -160,14 +163,12 @@ pub fn load_dmabuf(
         options.cancel = cancel.clone();
         let offset = offset.unwrap_or(0);
         let file = detached(py, || OpenFile::open(&path))?.map_err(|e| os_error(&e))?;
-        let to = options.to.to_string();
         // The load owns the dma-buf it fills: a read that Ctrl-C cannot
         // stop is left behind (see run_abandonable).
-        let result = run_abandonable(py, &cancel, move || dmaload::load_to(&file, offset, length, &options))?;
-        let (loaded, report) = match result.map_err(|e| os_error(&e))? {
-            (dmaload::Loaded::DmaBuf(loaded), report) => (loaded, report),
-            _ => return Err(PyValueError::new_err(format!("{to} did not load into a dma-buf"))),
-        };
+        let result = run_abandonable(py, &cancel, move || {
+            LoadRequest::open(&file).range(offset, length).options(&options).to_dmabuf()
+        })?;
+        let (loaded, report) = result.map_err(|e| os_error(&e))?;
         Ok(DmaBuf {
             size: loaded.dmabuf.len(),
             data_offset: loaded.data_offset,

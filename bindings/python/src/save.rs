@@ -12,7 +12,10 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::{cache_name, guard, os_error, run_abandonable, DefaultValue, Opts, Progress};
+use crate::errors::{guard, os_error};
+use crate::options::{DefaultValue, Opts};
+use crate::report::cache_name;
+use crate::run::{run_abandonable, Progress};
 
 /// The bytes of `export`, for the kernel alone to read.
 #[allow(unsafe_code)]
@@ -113,7 +116,7 @@ fn save_report_object<'py>(py: Python<'py>, report: &SaveReport) -> PyResult<Bou
     kw.set_item("filesystem", filesystem)?;
     kw.set_item("alignment", alignment)?;
     kw.set_item("direct_bytes", direct_bytes)?;
-    kw.set_item("fallbacks", crate::fallback_objects(&module, fallbacks)?)?;
+    kw.set_item("fallbacks", crate::report::fallback_objects(&module, fallbacks)?)?;
     kw.set_item("anonymous_tmpfile", anonymous_tmpfile)?;
     kw.set_item("replaced", replaced)?;
     kw.set_item("other_links", other_links)?;

@@ -8,17 +8,19 @@ use std::sync::Mutex;
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
 use dmaload::sink::{CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
-use dmaload::{OpenFile, RawBytesMut, StagingRing};
+use dmaload::{LoadRequest, OpenFile, RawBytesMut, StagingRing};
 
-use crate::FileArg;
+use crate::options::FileArg;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::{
-    detached, format_error, guard, header_object, os_error, report_object, run_abandonable, Opts, Progress,
-};
+use crate::errors::{detached, format_error, guard, os_error};
+use crate::options::Opts;
+use crate::report::report_object;
+use crate::run::{run_abandonable, Progress};
+use crate::safetensors::header_object;
 
 /// A safetensors file opened once, its header read and validated; the
 /// data are loaded from this same open file by `_load_staged`.
@@ -327,11 +329,17 @@ pub fn _load_staged(
                     let ctx = context.as_ref().expect("device targets come with a context");
                     let mut sink = CudaSink::new(ctx, vec![(offset, range)])
                         .map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))?;
-                    dmaload::load_open_to_sink(&file.file, offset, len, &mut ring, &mut sink, &options)
+                    LoadRequest::open(&file.file)
+                        .range(offset, len)
+                        .options(&options)
+                        .to_sink(&mut ring, &mut sink)
                 }
                 Target::Host(dst) => {
                     let mut sink = HostSink::raw(dst, offset);
-                    dmaload::load_open_to_sink(&file.file, offset, len, &mut ring, &mut sink, &options)
+                    LoadRequest::open(&file.file)
+                        .range(offset, len)
+                        .options(&options)
+                        .to_sink(&mut ring, &mut sink)
                 }
             };
             match report {

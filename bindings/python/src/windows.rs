@@ -16,14 +16,17 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use dmaload::LoadRequest;
+
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyIndexError, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::{
-    detached, guard, os_error, panic_error, panic_message, staged, FileArg, Opts, ABANDON_AFTER, SIGNAL_POLL,
-};
+use crate::errors::{detached, guard, os_error, panic_error, panic_message};
+use crate::options::{FileArg, Opts};
+use crate::run::{ABANDON_AFTER, SIGNAL_POLL};
+use crate::staged;
 
 /// Loads of ranges of files opened once, into buffers the caller gives,
 /// started in the order submitted, `in_flight` at a time, each on a thread
@@ -118,7 +121,10 @@ impl Shared {
         };
         let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let dst = staged::writable_bytes(&mut target);
-            dmaload::load_open_into_arriving(&self.files[file], offset, dst, &self.options, &reported)
+            LoadRequest::open(&self.files[file])
+                .range(offset, None)
+                .options(&self.options)
+                .fill_arriving(dst, &reported)
         }));
         let failure = match loaded {
             Ok(Ok(_report)) => None,

@@ -480,7 +480,10 @@ fn uring_read(
         ..LoadOptions::default()
     };
     let len = buf.len;
-    let report = dmaload::load_open_into(source, offset, &mut buf.memory.bytes_mut()[..len], &load_options)?;
+    let report = dmaload::LoadRequest::open(source)
+        .range(offset, None)
+        .options(&load_options)
+        .fill(&mut buf.memory.bytes_mut()[..len])?;
     // Memory that refuses direct I/O into it (a dma-buf's mmap) was read by
     // copying through a staging ring, which load_into records as a fallback
     // from "in place": not what the method names. (A range too short to

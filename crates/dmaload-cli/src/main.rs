@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use dmaload::load::{DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
-use dmaload::{Destination, Engine, IoMode, LoadOptions};
+use dmaload::{Destination, Engine, IoMode, LoadOptions, LoadRequest};
 use dmaload_cli::{output, sample, units};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use units::Size;
@@ -267,13 +267,17 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let result = if dmaload::object::is_object_url(&cmd.file) {
         // An object (s3://BUCKET/KEY): no cache service or local file involved.
         dmaload::object::Object::open(&cmd.file.to_string_lossy(), &options.cancel)
-            .and_then(|object| dmaload::load_object(&object, cmd.offset, cmd.length, &options))
+            .and_then(|object| {
+                LoadRequest::object(&object).range(cmd.offset, cmd.length).options(&options).load()
+            })
             .and_then(|(loaded, report)| {
                 let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
                 Ok((report, hash))
             })
     } else if let Some(socket) = socket {
-        dmaload::share::load_cached(&cmd.file, &socket, &options).map(|(buffer, report, outcome)| {
+        let cached =
+            dmaload::OpenFile::open(&cmd.file).and_then(|f| dmaload::share::cached(&f, &socket, &options));
+        cached.map(|(buffer, report, outcome)| {
             match outcome {
                 dmaload::share::CacheOutcome::Service { served, note } => {
                     eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
@@ -291,7 +295,7 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     } else {
         // Every destination, host memory, a dma-buf or a device, is one call.
         dmaload::OpenFile::open(&cmd.file)
-            .and_then(|file| dmaload::load_to(&file, cmd.offset, cmd.length, &options))
+            .and_then(|file| LoadRequest::open(&file).range(cmd.offset, cmd.length).options(&options).load())
             .and_then(|(loaded, report)| {
                 let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
                 Ok((report, hash))

@@ -1,34 +1,9 @@
 //! Byte sizes in and out: "128M", "1.5GiB", "4k" parse to bytes; bytes
 //! print with binary units.
 
-/// Parses a size with an optional binary suffix (K, M, G, T; "iB"/"B"
-/// optional, case-insensitive). Fractions are allowed where they make
-/// whole bytes: "1.5G", not "0.1K" (102.4 bytes) nor "0.0000001k" (which
-/// would round to 0). Every size option of the CLI parses with this one.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let s = text.trim();
-    let digits_end = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
-    let (number, suffix) = s.split_at(digits_end);
-    let value: f64 = number.parse().map_err(|_| format!("invalid size {text:?}"))?;
-    let shift = match suffix.trim().to_ascii_lowercase().trim_end_matches("ib").trim_end_matches('b') {
-        "" => 0,
-        "k" => 10,
-        "m" => 20,
-        "g" => 30,
-        "t" => 40,
-        other => return Err(format!("invalid size suffix {other:?} in {text:?} (use K, M, G or T)")),
-    };
-    let bytes = value * (1u64 << shift) as f64;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
-        return Err(format!("size {text:?} out of range"));
-    }
-    if bytes.fract() != 0.0 {
-        return Err(format!("size {text:?} is {bytes} bytes, not a whole number of bytes"));
-    }
-    Ok(bytes as u64)
-}
+pub use dmaload::parse_size;
 
-/// A byte size on the command line: parsed by [`parse_size`], shown in
+/// A byte size on the command line: parsed by [`parse_size`] (the core's), shown in
 /// the largest binary unit that holds it exactly ("128M"), so a default
 /// taken from the core's constants reads in `--help` as one would write it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,27 +47,6 @@ pub fn human_bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_binary_suffixes() {
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("4k").unwrap(), 4096);
-        assert_eq!(parse_size("128MiB").unwrap(), 128 << 20);
-        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
-        assert_eq!(parse_size("2gb").unwrap(), 2 << 30);
-        assert!(parse_size("12x").is_err());
-        assert!(parse_size("").is_err());
-        assert_eq!(parse_size("0.5M").unwrap(), 512 << 10);
-    }
-
-    #[test]
-    fn a_size_of_part_of_a_byte_is_an_error_not_rounded() {
-        // Issue 34: "0.0000001k" loaded 0 bytes.
-        for text in ["0.0000001k", "0.1K", "1.5"] {
-            let err = parse_size(text).unwrap_err();
-            assert!(err.contains("not a whole number of bytes"), "{text}: {err}");
-        }
-    }
 
     #[test]
     fn sizes_print_as_they_parse() {

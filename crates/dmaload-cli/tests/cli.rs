@@ -12,6 +12,8 @@ use serde_json::Value;
 mod common;
 #[path = "../../dmaload/tests/common/cuda_driver.rs"]
 mod cuda_driver;
+#[path = "../../dmaload/tests/fronts/mod.rs"]
+mod fronts;
 
 use common::{dmaload, have, is_root, output_or_hang, skip};
 
@@ -438,7 +440,7 @@ fn probe_memory_records_figures_that_auto_then_goes_by() {
     let info = run(&["info", "--json", "--probe-memory"]);
     let file = cache.path().join("dmaload").join("memory-probe.json");
     assert_eq!(info["memory_probe_path"].as_str(), Some(file.to_str().unwrap()));
-    let probe = dmaload::memory::MemoryProbe::load(&file).unwrap().expect("the probe recorded its figures");
+    let probe = dmaload::memory::MemoryProbe::read(&file).unwrap().expect("the probe recorded its figures");
     assert_eq!(serde_json::to_value(&probe).unwrap(), info["memory_probe"]);
     for kind in &probe.kinds {
         match (kind.populate_seconds_per_gib, &kind.error) {
@@ -549,8 +551,8 @@ fn load_and_copy_offer_every_flag_of_the_option_table() {
             .split(|c: char| c.is_whitespace() || c == ',' || c == '=' || c == '[' || c == '<')
             .filter(|word| word.starts_with("--"))
             .collect();
-        for row in dmaload::LOAD_OPTION_FRONTS {
-            let dmaload::Spelling::Named(flag) = row.cli else { continue };
+        for row in fronts::LOAD_OPTION_FRONTS {
+            let fronts::Spelling::Named(flag) = row.cli else { continue };
             if command == "copy" && flag == "--no-page-cache" {
                 continue; // copy never measures the page cache
             }

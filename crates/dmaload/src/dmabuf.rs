@@ -1,5 +1,6 @@
-//! `load_dmabuf`: seed 000's DMA_HEAP_ALLOC_AND_READ_FILE in userspace, a
-//! dma-buf filled with a file's bytes, handed over as an fd the caller owns.
+//! A dma-buf filled with a file's bytes ([`crate::LoadRequest::to_dmabuf`]),
+//! handed over as an fd the caller owns: `DMA_HEAP_ALLOC_AND_READ_FILE` in
+//! userspace.
 //!
 //! Two producers, one pipeline: `udmabuf` loads a memfd in place (direct
 //! I/O where the filesystem allows) and exports its pages, no copy;
@@ -14,7 +15,7 @@ use std::time::Instant;
 use crate::error::{Error, ErrorKind, Result};
 use crate::heap::DEFAULT_DMA_HEAP;
 use crate::heap::{self, CpuAccess, DmaBuf, DmaHeap};
-use crate::options::{validate, Destination, LoadOptions};
+use crate::options::{Destination, LoadOptions};
 use crate::pipeline::{check_memory, load_open_to_sink, load_source, range_len};
 use crate::report::LoadReport;
 use crate::sink::{DmaHeapSink, StagingRing};
@@ -74,23 +75,9 @@ enum Producer {
     Heap(String),
 }
 
-/// Loads `len` bytes of the file at `path` from `offset` (to the end when
-/// `None`) into a new dma-buf of the kind `options.to` names (`udmabuf`,
-/// `dma-heap:NAME`, `dmabuf`). The dma-buf is returned only once every byte
-/// is in and the file showed no change meanwhile; the report's
-/// `destination` says which producer made it, and for `dmabuf` why.
-pub fn load_dmabuf(
-    path: impl AsRef<Path>,
-    offset: u64,
-    len: Option<u64>,
-    options: &LoadOptions,
-) -> Result<(LoadedDmaBuf, LoadReport)> {
-    let path = path.as_ref();
-    validate(path, options)?;
-    load_open_dmabuf(&OpenFile::open(path)?, offset, len, options)
-}
-
-/// [`load_dmabuf`] from a file opened beforehand.
+/// [`crate::LoadRequest::to_dmabuf`] of an open file: `len` bytes (to the
+/// end when `None`) from `offset` into a new dma-buf of the kind
+/// `options.to` names.
 pub(crate) fn load_open_dmabuf(
     file: &OpenFile,
     offset: u64,

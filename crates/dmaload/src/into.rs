@@ -1,4 +1,4 @@
-//! `load_into`: a file's bytes into memory the caller already has (an
+//! [`crate::LoadRequest::fill`]: a file's bytes into memory the caller already has (an
 //! existing allocation, a tensor, a C program's buffer).
 //!
 //! Where the memory lines up with the file, the engine reads straight into
@@ -13,16 +13,14 @@
 //! offset, say). Anything else goes through a staging ring and
 //! [`HostSink`], one copy.
 
-use std::path::Path;
-
 use crate::error::{Error, Result};
-use crate::load::LoadReport;
 use crate::memory::MemoryKind;
 use crate::memory::{MemoryChoice, MemoryFacts};
-use crate::options::{validate, LoadOptions};
+use crate::options::LoadOptions;
 use crate::pagecache::cached_source_options;
 use crate::pipeline::{fill_mapping, load_open_to_sink, open_range, with_kept_ring};
 use crate::plan::Plan;
+use crate::report::LoadReport;
 use crate::sink::{HostSink, StagingRing};
 use crate::source::OpenFile;
 use crate::sys;
@@ -30,73 +28,10 @@ use crate::sys::mem::RawBytesMut;
 use crate::types::{Fallback, IoMode};
 use crate::verify::Expected;
 
-/// Loads `dst.len()` bytes of the file at `path`, from byte `offset`, into
-/// `dst`. `options.to` plays no part: `dst` is the destination. On error
-/// `dst` holds an unspecified mix of old and new bytes and must not be
-/// used as loaded.
-pub fn load_into(
-    path: impl AsRef<Path>,
-    offset: u64,
-    dst: &mut [u8],
-    options: &LoadOptions,
-) -> Result<LoadReport> {
-    load_into_raw(path, offset, dst.into(), options)
-}
-
-/// [`load_into`] of memory that others may touch during the load (a
-/// Python buffer export filled with the GIL released; see
-/// [`RawBytesMut::from_raw_parts`] for what the caller promises): the load
-/// writes it by raw copies and kernel reads only, never through a Rust
-/// slice.
-pub fn load_into_raw(
-    path: impl AsRef<Path>,
-    offset: u64,
-    dst: RawBytesMut<'_>,
-    options: &LoadOptions,
-) -> Result<LoadReport> {
-    let file = OpenFile::open(path.as_ref())?;
-    load_open_into(&file, offset, dst, options)
-}
-
-/// [`load_into`] from a file opened beforehand: the same open file is read,
-/// and a change to it since it was opened is an error. `dst` is a
-/// `&mut [u8]` or a [`RawBytesMut`].
-pub fn load_open_into<'d>(
-    file: &OpenFile,
-    offset: u64,
-    dst: impl Into<RawBytesMut<'d>>,
-    options: &LoadOptions,
-) -> Result<LoadReport> {
-    fill_into(file, offset, dst.into(), options, None)
-}
-
-/// [`load_open_into`] that says how far the load has come while it runs,
-/// so that a consumer can use the first bytes while later ones are still
-/// being read: `arrived(n)` (called from a thread of the load) means bytes
-/// `0..n` of `dst` all hold the file's bytes, and the file showed no write
-/// since it was opened when they were counted. `n` grows gather by gather
-/// where the engine reads straight into `dst` from its first byte (memory
-/// and offset aligned, as a page-aligned `dst` and an offset that is a
-/// multiple of 4096 are); otherwise it comes once, at the end. A retried
-/// load (buffered after a refused direct read, docs/guarantees.md) counts
-/// from 0 again, rewriting the bytes it reported with the same
-/// ones. A load that fails reports nothing past the bytes it had: the
-/// error is returned as by [`load_open_into`].
-pub fn load_open_into_arriving<'d>(
-    file: &OpenFile,
-    offset: u64,
-    dst: impl Into<RawBytesMut<'d>>,
-    options: &LoadOptions,
-    arrived: &(dyn Fn(u64) + Sync),
-) -> Result<LoadReport> {
-    let dst = dst.into();
-    let total = dst.len() as u64;
-    let report = fill_into(file, offset, dst, options, Some(arrived))?;
-    arrived(total);
-    Ok(report)
-}
-
-fn fill_into(
+/// Fills `dst` with the file's bytes from `offset` (see
+/// [`crate::LoadRequest::fill_arriving`] for what `arrived` hears); the
+/// request checked the options.
+pub(crate) fn fill_into(
     file: &OpenFile,
     offset: u64,
     dst: RawBytesMut<'_>,
@@ -105,7 +40,6 @@ fn fill_into(
 ) -> Result<LoadReport> {
     let mut dst = dst;
     let path = file.path();
-    validate(path, options)?;
     let len = dst.len() as u64;
     // A verified load is checked before anything is read, and reports no
     // bytes as arrived before they are checked.

@@ -7,6 +7,11 @@
 //! # Ok::<(), dmaload::Error>(())
 //! ```
 //!
+//! Every other load is a [`LoadRequest`]: a source (a path, an open file,
+//! an fd, an object), a range and options, run by one verb into the
+//! destination `options.to` names, a host buffer, a dma-buf, caller
+//! memory or a sink ([`load`](mod@load) has the table).
+//!
 //! All `unsafe` code lives in the private `sys` module.
 #![deny(unsafe_code)]
 
@@ -15,7 +20,7 @@ pub mod cancel;
 pub mod cuda;
 pub mod device;
 pub mod dmabuf;
-pub mod engine;
+mod engine;
 pub mod error;
 pub mod format;
 pub mod heap;
@@ -48,16 +53,12 @@ pub mod vm;
 
 pub use buffer::{Buffer, Segment};
 pub use cancel::CancelToken;
-pub use dmabuf::{load_dmabuf, LoadedDmaBuf};
+pub use dmabuf::LoadedDmaBuf;
 pub use error::{Error, ErrorKind, Result};
-pub use into::{load_into, load_into_raw, load_open_into, load_open_into_arriving};
-pub use load::{
-    load, load_fd, load_from, load_object, load_open, load_open_to_sink, load_range, load_to, load_to_sink,
-    Destination, LoadOptions, LoadReport, Loaded,
-};
-pub use many::{load_many, load_many_safetensors};
+pub use load::{load, Destination, LoadOptions, LoadReport, LoadRequest, Loaded};
+pub use many::load_many;
 pub use memory::MemoryKind;
-pub use options::{check_load_options, OptionFronts, Spelling, LOAD_OPTION_FRONTS};
+pub use options::{check_load_options, parse_size};
 pub use pipeline::check_memory;
 pub use save::{save, save_raw, SaveOptions, SaveReport};
 pub use sink::{DmaHeapSink, HostSink, Sink, SlotData, StagingRing};

@@ -8,40 +8,31 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::buffer::Buffer;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::safetensors as st;
 use crate::options::LoadOptions;
-use crate::report::LoadReport;
 use crate::system;
 
 /// Files loaded at a time by default: enough to keep a fast disk busy
 /// while each load's own queue covers one file.
 pub const DEFAULT_CONCURRENCY: usize = 4;
 
-/// Loads every file of `paths` whole, `concurrency` at a time; the
-/// buffers come back in the order of `paths`. See the module doc.
-pub fn load_many(
-    paths: &[PathBuf],
-    options: &LoadOptions,
-    concurrency: usize,
-) -> Result<Vec<(Buffer, LoadReport)>> {
-    run_many(paths, options, concurrency, |path, options| crate::load(path, options))
-}
-
-/// [`load_many`] for safetensors files: each header validated before its
-/// file is loaded, and checked again in the loaded bytes.
-pub fn load_many_safetensors(
-    paths: &[PathBuf],
-    options: &LoadOptions,
-    concurrency: usize,
-) -> std::result::Result<Vec<st::Loaded>, st::Error> {
-    run_many(paths, options, concurrency, |path, options| st::load(path, options))
-}
-
-/// The budget check, then `load` of each path on up to `concurrency`
-/// threads with one cancel token and summed progress.
-fn run_many<T: Send, E: From<Error> + Send>(
+/// Loads every file of `paths` with `load`, `concurrency` at a time, under
+/// the module doc's budget, cancel and progress rules; what each load
+/// made comes back in the order of `paths`. `load` is [`crate::load()`]
+/// for host buffers, [`crate::format::safetensors::load`] for safetensors
+/// files (each header validated before its file is loaded, and checked
+/// again in the loaded bytes), or any load of one path.
+///
+/// ```no_run
+/// # use std::path::PathBuf;
+/// let shards = [PathBuf::from("model-1.safetensors"), PathBuf::from("model-2.safetensors")];
+/// let options = dmaload::LoadOptions::default();
+/// let loaded = dmaload::load_many(&shards, &options, 4, |path, options| {
+///     dmaload::format::safetensors::load(path, options)
+/// })?;
+/// # Ok::<(), dmaload::format::safetensors::Error>(())
+/// ```
+pub fn load_many<T: Send, E: From<Error> + Send>(
     paths: &[PathBuf],
     options: &LoadOptions,
     concurrency: usize,

@@ -43,7 +43,7 @@ const MAX_QUEUE_DEPTH: usize = 4096;
 /// `anonymous`: a
 /// [`crate::Buffer`] of that memory), a dma-buf (`udmabuf`,
 /// `dma-heap:NAME`, `dmabuf`: an fd the caller owns, from
-/// [`crate::load_dmabuf`]) or `cuda:N` (the memory of CUDA device N,
+/// [`crate::LoadRequest::to_dmabuf`]) or `cuda:N` (the memory of CUDA device N,
 /// through a staging ring and [`crate::sink::CudaSink`]). Parsed from and
 /// shown as those names (`cuda` alone is `cuda:0`, `dma-heap` alone
 /// `dma-heap:system`).
@@ -115,7 +115,7 @@ impl Destination {
         }
     }
 
-    /// Whether the destination is a dma-buf ([`crate::load_dmabuf`]).
+    /// Whether the destination is a dma-buf ([`crate::LoadRequest::to_dmabuf`]).
     pub fn is_dmabuf(&self) -> bool {
         matches!(self, Destination::Udmabuf | Destination::DmaHeap(_) | Destination::Dmabuf)
     }
@@ -207,15 +207,15 @@ impl Serialize for Destination {
     }
 }
 
-/// Options of [`load`](crate::load()) and [`load_range`](crate::load_range);
+/// Options of a load ([`crate::load()`], [`crate::LoadRequest`]);
 /// `LoadOptions::default()` is what a user gets without flags.
 #[derive(Clone)]
 pub struct LoadOptions {
     pub engine: Engine,
     pub mode: IoMode,
-    /// Where the bytes go. [`crate::load()`] and its kin fill a host
-    /// [`crate::Buffer`], so they take the host destinations only; a device
-    /// is loaded through a sink ([`crate::load_to_sink`]).
+    /// Where the bytes go: [`crate::LoadRequest::load`] takes every kind;
+    /// [`crate::load()`] and [`crate::LoadRequest::to_buffer`] fill a host
+    /// [`crate::Buffer`], so they take the host kinds only.
     pub to: Destination,
     /// Whether the caller may want the buffer's memfd ([`crate::Buffer::memfd`],
     /// udmabuf export, passing it to another process). With `to: auto` and
@@ -257,78 +257,12 @@ pub struct LoadOptions {
     /// they arrive: a mismatch ([`crate::ErrorKind::Corrupt`]), a missing
     /// sums file or a file it does not list is an error, and no buffer is
     /// handed out. Whole files only, on every path (a new buffer, a sink,
-    /// `load_into`, a device; a data section after a header read with
+    /// caller memory, a device; a data section after a header read with
     /// [`crate::OpenFile::read_head`]): a range is refused where the load is
     /// asked for, before any read; a cached load
-    /// ([`crate::share::load_cached`]) loads directly.
+    /// ([`crate::share::cached`]) loads directly.
     pub verify: bool,
 }
-
-/// How one front end offers a load option.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Spelling {
-    /// The flag, struct member or keyword that sets it.
-    Named(&'static str),
-    /// Not offered there, and why.
-    Absent(&'static str),
-}
-
-/// One [`LoadOptions`] field and how the command line, the C library and
-/// the Python package offer it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OptionFronts {
-    pub field: &'static str,
-    /// A `dmaload load` flag.
-    pub cli: Spelling,
-    /// A member of C's `dmaload_load_options`.
-    pub c: Spelling,
-    /// A keyword of Python's loads (`dmaload.LoadOptions`, or of
-    /// `dmaload.load` itself for a callback).
-    pub python: Spelling,
-}
-
-/// Every [`LoadOptions`] field, in declaration order, and where each front
-/// end offers it: the one table the CLI's, C's and Python's tests check
-/// themselves against, so a new option cannot be silently missing from
-/// one of them (the crate's own test checks the table against the struct).
-pub const LOAD_OPTION_FRONTS: &[OptionFronts] = {
-    use Spelling::{Absent, Named};
-    /// An option every front end offers, under the field's own name but
-    /// for the flag.
-    const fn same(field: &'static str, flag: &'static str) -> OptionFronts {
-        OptionFronts { field, cli: Named(flag), c: Named(field), python: Named(field) }
-    }
-    &[
-        same("engine", "--engine"),
-        same("mode", "--mode"),
-        same("to", "--to"),
-        OptionFronts {
-            field: "needs_fd",
-            cli: Absent("a command-line load hands out no fd"),
-            c: Absent("dmaload_load's buffer keeps its memfd (dmaload_buffer_memfd)"),
-            python: Absent("dmaload.load keeps a memfd (fileno); the safetensors loaders need none"),
-        },
-        same("gather_size", "--gather-size"),
-        same("chunk_size", "--chunk-size"),
-        same("queue_depth", "--queue-depth"),
-        same("threads", "--threads"),
-        same("populate_threads", "--populate-threads"),
-        same("measure_page_cache", "--no-page-cache"),
-        OptionFronts {
-            field: "progress",
-            cli: Absent("a progress bar on a terminal"),
-            c: Absent("no callbacks cross into C"),
-            python: Named("progress"),
-        },
-        OptionFronts {
-            field: "cancel",
-            cli: Absent("Ctrl-C ends the process"),
-            c: Absent("a C load runs to its end or its error"),
-            python: Absent("KeyboardInterrupt cancels the load"),
-        },
-        same("verify", "--verify"),
-    ]
-};
 
 impl Default for LoadOptions {
     fn default() -> Self {
@@ -373,20 +307,20 @@ impl fmt::Debug for LoadOptions {
 impl LoadOptions {
     /// Fails unless `to` names host memory (`auto` or a memory kind): what
     /// a front end whose load returns a host buffer checks before it calls
-    /// [`crate::load_to`]; the error says where the other kinds go.
+    /// [`crate::LoadRequest::load`]; the error says where the other kinds go.
     pub fn check_host(&self, path: &Path) -> Result<()> {
         if self.to.is_host() {
             return Ok(());
         }
         let why = if self.to.is_dmabuf() {
             format!(
-                "a dma-buf ({to}) is an fd the caller owns, not a host Buffer: load it with load_dmabuf",
+                "a dma-buf ({to}) is an fd the caller owns, not a host Buffer: load it with load_dmabuf (Python, C) or LoadRequest::to_dmabuf (Rust)",
                 to = self.to
             )
         } else {
             format!(
-                "a host Buffer cannot live on a device ({to}): load into {to} through a staging ring and the \
-                 CUDA sink (load_to_sink with sink::CudaSink)",
+                "a host Buffer cannot live on a device ({to}): load into {to} with LoadRequest::load (or \
+                 LoadRequest::to_sink with sink::CudaSink)",
                 to = self.to
             )
         };
@@ -408,7 +342,7 @@ impl LoadOptions {
             ErrorKind::InvalidInput,
             "load",
             path,
-            format!("{} is not a dma-buf (expected udmabuf, dmabuf or dma-heap:NAME)", self.to),
+            format!("{} is not a dma-buf destination (expected udmabuf, dmabuf or dma-heap:NAME)", self.to),
         ))
     }
 }
@@ -416,17 +350,44 @@ impl LoadOptions {
 /// The memory kind a load of `len` bytes into a host [`crate::Buffer`]
 /// allocates, and why: the one the destination names, or `auto`'s choice
 /// (the facts come from the caller, who allocates against the same ones).
+/// The request checked that `to` is a host kind.
 pub(crate) fn host_memory(
-    path: &Path,
     o: &LoadOptions,
     len: u64,
     facts: &crate::memory::MemoryFacts,
-) -> Result<crate::memory::MemoryChoice> {
-    o.check_host(path)?;
-    Ok(match o.to.host_memory() {
+) -> crate::memory::MemoryChoice {
+    match o.to.host_memory() {
         Some(kind) => crate::memory::MemoryChoice { kind, reason: format!("asked for ({kind})") },
         None => facts.choose(len, o.needs_fd),
-    })
+    }
+}
+
+/// Parses a size with an optional binary suffix (K, M, G, T; "iB"/"B"
+/// optional, case-insensitive). Fractions are allowed where they make
+/// whole bytes: "1.5G", not "0.1K" (102.4 bytes) nor "0.0000001k" (which
+/// would round to 0). The one size parser: the CLI's flags and Python's
+/// options (through the binding) read sizes with it.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let s = text.trim();
+    let digits_end = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (number, suffix) = s.split_at(digits_end);
+    let value: f64 = number.parse().map_err(|_| format!("invalid size {text:?}"))?;
+    let shift = match suffix.trim().to_ascii_lowercase().trim_end_matches("ib").trim_end_matches('b') {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        other => return Err(format!("invalid size suffix {other:?} in {text:?} (use K, M, G or T)")),
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(format!("size {text:?} out of range"));
+    }
+    if bytes.fract() != 0.0 {
+        return Err(format!("size {text:?} is {bytes} bytes, not a whole number of bytes"));
+    }
+    Ok(bytes as u64)
 }
 
 /// Checks `o`'s values as every load does before it opens a file (the
@@ -460,6 +421,27 @@ pub(crate) fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("4k").unwrap(), 4096);
+        assert_eq!(parse_size("128MiB").unwrap(), 128 << 20);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("2gb").unwrap(), 2 << 30);
+        assert!(parse_size("12x").is_err());
+        assert!(parse_size("").is_err());
+        assert_eq!(parse_size("0.5M").unwrap(), 512 << 10);
+    }
+
+    #[test]
+    fn a_size_of_part_of_a_byte_is_an_error_not_rounded() {
+        // Issue 34: "0.0000001k" loaded 0 bytes.
+        for text in ["0.0000001k", "0.1K", "1.5"] {
+            let err = parse_size(text).unwrap_err();
+            assert!(err.contains("not a whole number of bytes"), "{text}: {err}");
+        }
+    }
 
     #[test]
     fn every_option_enum_parses_the_names_it_prints() {

@@ -190,7 +190,7 @@ fn load_through_two_slots() {
     let options = LoadOptions { engine: Engine::UringFixed, chunk_size: 1 << 20, ..LoadOptions::default() };
     let first = {
         let mut sink = CudaSink::new(&ctx, vec![(0, gpu.range())]).unwrap();
-        dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options)
+        dmaload::LoadRequest::path(&path).options(&options).to_sink(&mut ring, &mut sink)
     };
     match first {
         Ok(_) => {
@@ -204,7 +204,9 @@ fn load_through_two_slots() {
             // The load returned, so every stream it used was drained; a
             // context with a sticky error refuses the next load too.
             let again = match CudaSink::new(&ctx, vec![(0, gpu.range())]) {
-                Ok(mut sink) => dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options)
+                Ok(mut sink) => dmaload::LoadRequest::path(&path)
+                    .options(&options)
+                    .to_sink(&mut ring, &mut sink)
                     .map(drop)
                     .map_err(|err| err.to_string()),
                 Err(err) => Err(err.to_string()),
@@ -249,7 +251,7 @@ fn load_through_the_cache_lane() {
     let options = LoadOptions { mode, chunk_size: 4 << 20, ..LoadOptions::default() };
     let loaded = {
         let mut sink = CudaSink::new(&ctx, vec![(0, gpu.range())]).unwrap();
-        dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options)
+        dmaload::LoadRequest::path(&path).options(&options).to_sink(&mut ring, &mut sink)
     };
     match loaded {
         Ok(report) => {
@@ -315,7 +317,7 @@ fn load_past_a_held_copy() {
     let (past_held, deliveries) = {
         let inner = CudaSink::new(&ctx, vec![(0, gpu.range())]).unwrap();
         let mut sink = PastHeld { inner, deliveries: 0, held_slot: None, past_held: 0 };
-        dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options).unwrap();
+        dmaload::LoadRequest::path(&path).options(&options).to_sink(&mut ring, &mut sink).unwrap();
         (sink.past_held, sink.deliveries)
     };
     let mut back = vec![0u8; len];
@@ -583,7 +585,7 @@ fn verified_load_to_the_device() {
         ..LoadOptions::default()
     };
     let file = dmaload::OpenFile::open(&path).unwrap();
-    match dmaload::load_to(&file, 0, None, &options) {
+    match dmaload::LoadRequest::open(&file).options(&options).load() {
         Ok((dmaload::Loaded::Device(device), _)) => {
             let mut back = Vec::new();
             device.read_each(|bytes| back.extend_from_slice(bytes)).unwrap();
@@ -610,7 +612,10 @@ fn verified_data_section_to_the_device() {
     let options = LoadOptions { verify: true, chunk_size: 1 << 20, ..LoadOptions::default() };
     let loaded = {
         let mut sink = CudaSink::new(&ctx, vec![(start, gpu.range())]).unwrap();
-        dmaload::load_open_to_sink(&file, start, Some(len), &mut ring, &mut sink, &options)
+        dmaload::LoadRequest::open(&file)
+            .range(start, Some(len))
+            .options(&options)
+            .to_sink(&mut ring, &mut sink)
     };
     match loaded {
         Ok(_) => {

@@ -41,7 +41,10 @@ fn files_reach_device_memory_bit_exact_through_a_small_ring() {
             let options = LoadOptions { engine, chunk_size: 1 << 20, ..LoadOptions::default() };
             {
                 let mut sink = CudaSink::new(&ctx, vec![(offset, gpu.range())]).unwrap();
-                dmaload::load_to_sink(&path, offset, None, &mut ring, &mut sink, &options)
+                dmaload::LoadRequest::path(&path)
+                    .range(offset, None)
+                    .options(&options)
+                    .to_sink(&mut ring, &mut sink)
                     .unwrap_or_else(|e| panic!("{engine:?} {size}: {e}"));
             }
             let mut back = vec![0u8; len as usize];
@@ -69,7 +72,7 @@ fn a_sink_scatters_one_slot_to_several_targets() {
         let targets =
             spans.iter().zip(buffers.iter_mut()).map(|(&(offset, _), b)| (offset, b.range())).collect();
         let mut sink = CudaSink::new(&ctx, targets).unwrap();
-        dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &LoadOptions::default()).unwrap();
+        dmaload::LoadRequest::path(&path).to_sink(&mut ring, &mut sink).unwrap();
     }
     for (&(offset, len), buffer) in spans.iter().zip(&buffers) {
         let mut back = vec![0u8; len];

@@ -60,7 +60,7 @@ fn a_loaded_buffer_exports_as_a_udmabuf_with_the_same_bytes() {
     let map = dmabuf.map(CpuAccess::Read).unwrap();
     assert_pattern(&read_all(&map)[..len], 0);
     // A range whose data starts inside a page: the dma-buf covers whole pages.
-    let (ranged, _) = dmaload::load_range(&path, 5000, 70_000, &LoadOptions::default()).unwrap();
+    let (ranged, _) = dmaload::LoadRequest::path(&path).range(5000, 70_000).to_buffer().unwrap();
     let (start, len) = (ranged.memfd_offset() % 4096, ranged.len());
     let dmabuf = ranged.into_dmabuf().map_err(|refused| refused.0).unwrap();
     let map = dmabuf.map(CpuAccess::Read).unwrap();
@@ -77,7 +77,7 @@ fn udmabuf_create_list_joins_memfds_in_order() {
     write_pattern_file(&a_path, 1 << 20);
     write_pattern_file(&b_path, 2 << 20);
     let (a, _) = dmaload::load(&a_path, &LoadOptions::default()).unwrap();
-    let (b, _) = dmaload::load_range(&b_path, 1 << 20, 1 << 20, &LoadOptions::default()).unwrap();
+    let (b, _) = dmaload::LoadRequest::path(&b_path).range(1 << 20, 1 << 20).to_buffer().unwrap();
     let joined = DmaBuf::udmabuf_join(vec![a, b]).map_err(|refused| refused.0).unwrap();
     let map = joined.map(CpuAccess::Read).unwrap();
     // Both halves hold the pattern of their file offsets: 0.. and 1 MiB.., so
@@ -163,7 +163,8 @@ fn load_dmabuf_from_a_dma_heap_holds_the_file_and_nothing_else() {
     // Past one 8 MiB slot, not a whole page.
     let len = (19 << 20) + 123;
     write_pattern_file(&path, len);
-    let (loaded, report) = dmaload::load_dmabuf(&path, 0, None, &to("dma-heap:system")).unwrap();
+    let (loaded, report) =
+        dmaload::LoadRequest::path(&path).options(&to("dma-heap:system")).to_dmabuf().unwrap();
     eprintln!("{} via {} ({:?}): {}", report.bytes, report.engine.name(), report.cache, report.destination);
     assert!(report.destination.starts_with("dma-heap:system via staging ring"), "{}", report.destination);
     assert_eq!((loaded.data_offset, loaded.len, loaded.dmabuf.len()), (0, len, len.div_ceil(4096) * 4096));
@@ -172,13 +173,17 @@ fn load_dmabuf_from_a_dma_heap_holds_the_file_and_nothing_else() {
     let map = loaded.dmabuf.map(CpuAccess::Read).unwrap();
     assert!(read_all(&map)[len as usize..].iter().all(|&b| b == 0));
     // A range from an unaligned offset lands at the dma-buf's start.
-    let (ranged, _) = dmaload::load_dmabuf(&path, 5000, Some(3 << 20), &to("dma-heap")).unwrap();
+    let (ranged, _) = dmaload::LoadRequest::path(&path)
+        .range(5000, Some(3 << 20))
+        .options(&to("dma-heap"))
+        .to_dmabuf()
+        .unwrap();
     assert_eq!(ranged.data_offset, 0);
     assert_pattern(&read_back(&ranged), 5000);
     // A file smaller than a page: one page of dma-buf, a ring of two small slots.
     let tiny = dir.path().join("tiny");
     write_pattern_file(&tiny, 100);
-    let (loaded, _) = dmaload::load_dmabuf(&tiny, 0, None, &to("dma-heap:system")).unwrap();
+    let (loaded, _) = dmaload::LoadRequest::path(&tiny).options(&to("dma-heap:system")).to_dmabuf().unwrap();
     assert_eq!((loaded.len, loaded.dmabuf.len()), (100, 4096));
     assert_pattern(&read_back(&loaded), 0);
 }
@@ -197,7 +202,11 @@ fn the_dma_heap_sink_fills_through_a_ring_that_wraps() {
     let heap = heap::DmaHeap::open("system").unwrap();
     let mut sink = dmaload::DmaHeapSink::allocate(heap, offset, len).unwrap();
     let opts = LoadOptions { chunk_size: 64 << 10, ..LoadOptions::default() };
-    dmaload::load_to_sink(&path, offset, Some(len), &mut ring, &mut sink, &opts).unwrap();
+    dmaload::LoadRequest::path(&path)
+        .range(offset, Some(len))
+        .options(&opts)
+        .to_sink(&mut ring, &mut sink)
+        .unwrap();
     let dmabuf = sink.into_dmabuf().unwrap();
     let map = dmabuf.map(CpuAccess::Read).unwrap();
     assert_pattern(&read_all(&map)[..len as usize], offset);
@@ -211,18 +220,22 @@ fn load_dmabuf_through_udmabuf_is_the_memfd_itself() {
     let dir = scratch_dir();
     let path = dir.path().join("model");
     write_pattern_file(&path, (6 << 20) + 5);
-    let (loaded, report) = dmaload::load_dmabuf(&path, 0, None, &to("udmabuf")).unwrap();
+    let (loaded, report) = dmaload::LoadRequest::path(&path).options(&to("udmabuf")).to_dmabuf().unwrap();
     assert_eq!(report.destination, "udmabuf (memfd exported, no copy)");
     assert_eq!(loaded.dmabuf.len(), (6 << 20) + 4096);
     assert_pattern(&read_back(&loaded), 0);
     // An unaligned range: the dma-buf covers whole pages, the bytes start inside.
-    let (ranged, _) = dmaload::load_dmabuf(&path, 5000, Some(70_000), &to("udmabuf")).unwrap();
+    let (ranged, _) = dmaload::LoadRequest::path(&path)
+        .range(5000, Some(70_000))
+        .options(&to("udmabuf"))
+        .to_dmabuf()
+        .unwrap();
     // Direct I/O aligned the offset down to the device's block, udmabuf to the page.
     assert!(ranged.data_offset <= 5000 % 4096, "{}", ranged.data_offset);
     assert_pattern(&read_back(&ranged), 5000);
     let tiny = dir.path().join("tiny");
     write_pattern_file(&tiny, 100);
-    let (loaded, _) = dmaload::load_dmabuf(&tiny, 0, None, &to("udmabuf")).unwrap();
+    let (loaded, _) = dmaload::LoadRequest::path(&tiny).options(&to("udmabuf")).to_dmabuf().unwrap();
     assert_eq!((loaded.len, loaded.dmabuf.len()), (100, 4096));
     assert_pattern(&read_back(&loaded), 0);
 }
@@ -232,7 +245,7 @@ fn dmabuf_says_which_producer_it_used_and_why() {
     let dir = scratch_dir();
     let path = dir.path().join("model");
     write_pattern_file(&path, 3 << 20);
-    let outcome = dmaload::load_dmabuf(&path, 0, None, &to("dmabuf"));
+    let outcome = dmaload::LoadRequest::path(&path).options(&to("dmabuf")).to_dmabuf();
     match (heap::udmabuf_probe(), heap::dma_heap_probe()) {
         (Ok(()), _) => {
             let (loaded, report) = outcome.unwrap();
@@ -265,24 +278,33 @@ fn dma_buf_loads_refuse_what_they_cannot_do_before_reading() {
     let path = dir.path().join("model");
     write_pattern_file(&path, 1 << 20);
     // An unknown heap names its path (and whatever heaps exist).
-    let err = dmaload::load_dmabuf(&path, 0, None, &to("dma-heap:no-such-heap")).unwrap_err();
+    let err =
+        dmaload::LoadRequest::path(&path).options(&to("dma-heap:no-such-heap")).to_dmabuf().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
     assert!(err.to_string().contains("/dev/dma_heap/no-such-heap"), "{err}");
     assert!(err.to_string().contains("heaps here:") || err.to_string().contains("no dma-heaps"), "{err}");
     // Nothing to put in a dma-buf.
     std::fs::write(dir.path().join("empty"), b"").unwrap();
-    let err = dmaload::load_dmabuf(dir.path().join("empty"), 0, None, &to("dmabuf")).unwrap_err();
+    let err =
+        dmaload::LoadRequest::path(&dir.path().join("empty")).options(&to("dmabuf")).to_dmabuf().unwrap_err();
     assert!(err.to_string().contains("empty range"), "{err}");
     // A range past the end, a missing file, a host destination.
-    let err = dmaload::load_dmabuf(&path, 0, Some(2 << 20), &to("dmabuf")).unwrap_err();
+    let err = dmaload::LoadRequest::path(&path)
+        .range(0, Some(2 << 20))
+        .options(&to("dmabuf"))
+        .to_dmabuf()
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Truncated, "{err}");
-    let err = dmaload::load_dmabuf(dir.path().join("missing"), 0, None, &to("dmabuf")).unwrap_err();
+    let err = dmaload::LoadRequest::path(&dir.path().join("missing"))
+        .options(&to("dmabuf"))
+        .to_dmabuf()
+        .unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
-    let err = dmaload::load_dmabuf(&path, 0, None, &to("memfd")).unwrap_err();
+    let err = dmaload::LoadRequest::path(&path).options(&to("memfd")).to_dmabuf().unwrap_err();
     assert!(err.to_string().contains("not a dma-buf destination"), "{err}");
     // udmabuf where the kernel has none says so; load() points at load_dmabuf.
     if let Err(why) = heap::udmabuf_probe() {
-        let err = dmaload::load_dmabuf(&path, 0, None, &to("udmabuf")).unwrap_err();
+        let err = dmaload::LoadRequest::path(&path).options(&to("udmabuf")).to_dmabuf().unwrap_err();
         assert!(err.to_string().contains(&why), "{err}");
     }
     let err = dmaload::load(&path, &to("udmabuf")).unwrap_err();

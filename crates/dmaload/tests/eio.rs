@@ -117,7 +117,7 @@ fn an_alignment_larger_than_a_page_or_a_staging_slot_is_read_whole() {
         let mut storage = vec![0xffu8; 8 * page];
         let start = (storage.as_ptr() as usize).next_multiple_of(page) - storage.as_ptr() as usize;
         let dst = &mut storage[start..start + 2 * page + 100];
-        let report = dmaload::load_into(&path, 0, dst, &opts).unwrap();
+        let report = dmaload::LoadRequest::path(&path).options(&opts).fill(dst).unwrap();
         assert_eq!(report.alignment, align, "{engine:?}: this test needs the file's block size as alignment");
         assert!(dst.iter().all(|&b| b == 0), "{engine:?}: bytes not loaded");
         // Staging slots of a page cannot hold an aligned read: buffered reads,
@@ -125,14 +125,20 @@ fn an_alignment_larger_than_a_page_or_a_staging_slot_is_read_whole() {
         let mut ring = dmaload::sink::StagingRing::new(2, page, page).unwrap();
         let mut dst = vec![0xffu8; 3 * page];
         let sink = &mut dmaload::sink::HostSink::new(&mut dst, 200_000);
-        let report =
-            dmaload::load_to_sink(&path, 200_000, Some(3 * page as u64), &mut ring, sink, &opts).unwrap();
+        let report = dmaload::LoadRequest::path(&path)
+            .range(200_000, Some(3 * page as u64))
+            .options(&opts)
+            .to_sink(&mut ring, sink)
+            .unwrap();
         assert!(dst.iter().all(|&b| b == 0), "{engine:?}: bytes not loaded");
         assert!(report.fallbacks.iter().any(|f| f.reason.contains("staging slot")), "{:?}", report.fallbacks);
         let direct = LoadOptions { mode: dmaload::IoMode::Direct, ..opts };
         let sink = &mut dmaload::sink::HostSink::new(&mut dst, 0);
-        let err =
-            dmaload::load_to_sink(&path, 0, Some(3 * page as u64), &mut ring, sink, &direct).unwrap_err();
+        let err = dmaload::LoadRequest::path(&path)
+            .range(0, Some(3 * page as u64))
+            .options(&direct)
+            .to_sink(&mut ring, sink)
+            .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::DirectIoUnavailable, "{engine:?}: {err}");
     }
 }

@@ -288,7 +288,7 @@ fn a_range_memfd_holds_zeros_outside_the_range() {
     let path = dir.path().join("f.bin");
     write_pattern_file(&path, 3 << 20);
     let (offset, len) = (4096 * 5 + 1234, 100_000u64);
-    let (buffer, report) = dmaload::load_range(&path, offset, len, &LoadOptions::default()).unwrap();
+    let (buffer, report) = dmaload::LoadRequest::path(&path).range(offset, len).to_buffer().unwrap();
     assert_eq!(report.cache, dmaload::CachePolicy::Bypass, "this test needs direct I/O");
     assert_pattern(&buffer, offset);
     let memfd = std::fs::File::from(buffer.memfd().unwrap().unwrap().try_clone_to_owned().unwrap());
@@ -367,20 +367,20 @@ fn a_load_from_an_open_fd_reads_that_file_and_leaves_the_fd_as_it_was() {
             .to_owned()
     };
     let before = flags();
-    let (buffer, report) =
-        dmaload::load_fd(std::os::fd::AsFd::as_fd(&file), 0, None, &LoadOptions::default()).unwrap();
+    let (buffer, report) = dmaload::LoadRequest::fd(std::os::fd::AsFd::as_fd(&file)).to_buffer().unwrap();
     assert_eq!(buffer.len(), (3 << 20) + 77);
     assert_pattern(&buffer, 0);
     assert_eq!(report.cache, dmaload::CachePolicy::Bypass);
     assert_eq!(flags(), before, "the caller's fd flags changed (O_DIRECT leaked)");
-    let (range, _) =
-        dmaload::load_fd(std::os::fd::AsFd::as_fd(&file), 1000, Some(5000), &LoadOptions::default()).unwrap();
+    let (range, _) = dmaload::LoadRequest::fd(std::os::fd::AsFd::as_fd(&file))
+        .range(1000, Some(5000))
+        .to_buffer()
+        .unwrap();
     assert_pattern(&range, 1000);
     // A FIFO's fd is refused by type, without reading.
     let fifo = dir.path().join("fifo");
     assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
     let reader = OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
-    let err =
-        dmaload::load_fd(std::os::fd::AsFd::as_fd(&reader), 0, None, &LoadOptions::default()).unwrap_err();
+    let err = dmaload::LoadRequest::fd(std::os::fd::AsFd::as_fd(&reader)).to_buffer().unwrap_err();
     assert!(err.to_string().contains("FIFO"), "{err}");
 }

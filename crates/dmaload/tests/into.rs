@@ -42,7 +42,10 @@ fn aligned_memory_is_filled_in_place_by_every_engine() {
         {
             let mut storage = Vec::new();
             let dst = memory_at(&mut storage, misalign, len);
-            let report = dmaload::load_into(&path, offset as u64, dst, &options(engine, IoMode::Auto))
+            let report = dmaload::LoadRequest::path(&path)
+                .range(offset as u64, None)
+                .options(&options(engine, IoMode::Auto))
+                .fill(dst)
                 .unwrap_or_else(|e| panic!("{engine:?} {misalign}/{offset}/{len}: {e}"));
             assert_pattern(dst, offset as u64);
             assert_eq!((report.bytes, report.offset), (len as u64, offset as u64));
@@ -64,13 +67,19 @@ fn memory_out_of_line_with_direct_io_goes_through_a_ring_and_buffered_reads_stay
     write_cold(&path, (2 * M + 5) as u64);
     let mut storage = Vec::new();
     let dst = memory_at(&mut storage, 1, 2 * M);
-    let report = dmaload::load_into(&path, 0, dst, &options(Engine::UringFixed, IoMode::Auto)).unwrap();
+    let report = dmaload::LoadRequest::path(&path)
+        .options(&options(Engine::UringFixed, IoMode::Auto))
+        .fill(dst)
+        .unwrap();
     assert_pattern(dst, 0);
     if report.cache == dmaload::CachePolicy::Bypass {
         assert!(report.destination.starts_with("caller memory (staged through"), "{}", report.destination);
     }
     dst.fill(0);
-    let report = dmaload::load_into(&path, 0, dst, &options(Engine::UringFixed, IoMode::Buffered)).unwrap();
+    let report = dmaload::LoadRequest::path(&path)
+        .options(&options(Engine::UringFixed, IoMode::Buffered))
+        .fill(dst)
+        .unwrap();
     assert_pattern(dst, 0);
     assert_eq!(report.destination, "caller memory (in place)");
 }
@@ -82,13 +91,13 @@ fn a_range_past_the_end_is_refused_and_an_empty_one_is_fine() {
     write_cold(&path, 10_000);
     let mut storage = Vec::new();
     let dst = memory_at(&mut storage, 0, 3 * PAGE);
-    let err = dmaload::load_into(&path, 0, dst, &LoadOptions::default()).unwrap_err();
+    let err = dmaload::LoadRequest::path(&path).fill(dst).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Truncated, "{err}");
     assert!(err.to_string().contains(&path.display().to_string()), "{err}");
-    let report = dmaload::load_into(&path, 10_000, &mut [], &LoadOptions::default()).unwrap();
+    let report = dmaload::LoadRequest::path(&path).range(10_000, None).fill(&mut [][..]).unwrap();
     assert_eq!(report.bytes, 0);
     // A range whose end does not fit in 64 bits: refused, naming the offset.
-    let err = dmaload::load_into(&path, u64::MAX - 8, &mut [0u8; 16], &LoadOptions::default()).unwrap_err();
+    let err = dmaload::LoadRequest::path(&path).range(u64::MAX - 8, None).fill(&mut [0u8; 16]).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
     assert!(err.to_string().contains(&format!("offset {}", u64::MAX - 8)), "{err}");
 }
@@ -101,7 +110,11 @@ fn a_warm_file_is_copied_from_the_page_cache_in_place() {
     std::fs::read(&path).unwrap();
     let mut storage = Vec::new();
     let dst = memory_at(&mut storage, 3, 4 * M - 3);
-    let report = dmaload::load_into(&path, 3, dst, &options(Engine::UringFixed, IoMode::Auto)).unwrap();
+    let report = dmaload::LoadRequest::path(&path)
+        .range(3, None)
+        .options(&options(Engine::UringFixed, IoMode::Auto))
+        .fill(dst)
+        .unwrap();
     assert_pattern(dst, 3);
     assert_eq!(report.destination, "caller memory (in place)");
     assert!(report.fallbacks.iter().any(|f| f.to == "page cache"), "{:?}", report.fallbacks);
@@ -143,7 +156,9 @@ fn memory_others_read_during_the_load_is_filled_through_raw_bytes() {
             // thread touches it through atomics only, no Rust reference to
             // plain bytes.
             let raw = unsafe { dmaload::RawBytesMut::from_raw_parts(dst.as_ptr() as *mut u8, size) };
-            let report = dmaload::load_into_raw(&path, 0, raw, &options(Engine::UringFixed, IoMode::Auto));
+            let report = dmaload::LoadRequest::path(&path)
+                .options(&options(Engine::UringFixed, IoMode::Auto))
+                .fill_raw(raw);
             done.store(true, Relaxed);
             assert!(reader.join().unwrap() > 0);
             report
@@ -189,7 +204,7 @@ fn arrivals_grow_gather_by_gather_over_bytes_already_in() {
         let raw = unsafe { dmaload::RawBytesMut::from_raw_parts(dst.as_ptr() as *mut u8, size) };
         let file = dmaload::OpenFile::open(&path).unwrap();
         let options = LoadOptions { gather_size: M, ..options(Engine::UringFixed, mode) };
-        dmaload::load_open_into_arriving(&file, 0, raw, &options, &arrived).unwrap();
+        dmaload::LoadRequest::open(&file).options(&options).fill_arriving(raw, &arrived).unwrap();
         let seen = seen.into_inner().unwrap();
         assert!(seen.len() > 2, "{mode:?}: {seen:?}");
         assert!(seen.windows(2).all(|w| w[0] < w[1]), "{mode:?}: {seen:?}");
@@ -219,7 +234,7 @@ fn a_file_cut_mid_load_reports_no_more_arrivals_and_fails() {
     };
     let file = dmaload::OpenFile::open(&path).unwrap();
     let options = LoadOptions { gather_size: M, ..options(Engine::UringFixed, IoMode::Auto) };
-    let err = dmaload::load_open_into_arriving(&file, 0, dst, &options, &arrived).unwrap_err();
+    let err = dmaload::LoadRequest::open(&file).options(&options).fill_arriving(dst, &arrived).unwrap_err();
     assert!(matches!(err.kind(), ErrorKind::Truncated | ErrorKind::Changed), "{err}");
     assert_eq!(seen.into_inner().unwrap().len(), 1, "arrivals after the cut");
 }

@@ -42,7 +42,9 @@ fn child_loads_under_the_limits_it_was_given() {
     let options = LoadOptions { chunk_size: 1 << 20, measure_page_cache: true, ..LoadOptions::default() };
     let mut dst = vec![0u8; SIZE];
     let staged = StagingRing::new(4, 1 << 20, 1 << 20).map_err(|e| e.to_string()).and_then(|mut ring| {
-        dmaload::load_to_sink(&path, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &options)
+        dmaload::LoadRequest::path(&path)
+            .options(&options)
+            .to_sink(&mut ring, &mut HostSink::new(&mut dst, 0))
             .map_err(|e| e.to_string())
     });
     match staged {
@@ -55,7 +57,7 @@ fn child_loads_under_the_limits_it_was_given() {
     }
     let mut memory = vec![0u8; SIZE + 4097];
     let start = (memory.as_ptr() as usize).next_multiple_of(4096) - memory.as_ptr() as usize;
-    match dmaload::load_into(&path, 0, &mut memory[start..start + SIZE], &options) {
+    match dmaload::LoadRequest::path(&path).options(&options).fill(&mut memory[start..start + SIZE]) {
         Ok(report) => {
             assert_pattern(&memory[start..start + SIZE], 0);
             println!("into ok ({}): {:?}", report.destination, report.fallbacks);
@@ -65,7 +67,7 @@ fn child_loads_under_the_limits_it_was_given() {
     // Unaligned memory: staged through the kept ring.
     let unaligned = &mut memory[start + 1..start + 1 + SIZE];
     unaligned.fill(0);
-    match dmaload::load_into(&path, 0, &mut *unaligned, &options) {
+    match dmaload::LoadRequest::path(&path).options(&options).fill(&mut *unaligned) {
         Ok(report) => {
             assert_pattern(unaligned, 0);
             println!("unaligned into ok ({}): {:?}", report.destination, report.fallbacks);

@@ -101,7 +101,8 @@ fn ranges_at_unaligned_offsets_load_exactly() {
                 let seen = last.clone();
                 let progress = Arc::new(move |done, total| *seen.lock().unwrap() = (done, total));
                 let opts = LoadOptions { mode, progress: Some(progress), ..options(engine) };
-                let (buffer, report) = dmaload::load_range(&path, offset, len, &opts).unwrap();
+                let (buffer, report) =
+                    dmaload::LoadRequest::path(&path).range(offset, len).options(&opts).to_buffer().unwrap();
                 assert_eq!(buffer.len() as u64, len, "{engine:?} {offset}+{len}");
                 if len > 0 {
                     // Progress counts requested bytes only, not alignment padding.
@@ -125,11 +126,11 @@ fn range_past_the_end_is_an_error_naming_the_size() {
     let dir = scratch_dir();
     let path = dir.path().join("short");
     write_pattern_file(&path, 10_000);
-    let err = dmaload::load_range(&path, 9_000, 2_000, &LoadOptions::default()).unwrap_err();
+    let err = dmaload::LoadRequest::path(&path).range(9_000, 2_000).to_buffer().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Truncated);
     assert_eq!(err.offset(), Some(10_000));
     assert!(err.to_string().contains("10000 bytes"), "{err}");
-    let err = dmaload::load_range(&path, 20_000, 1, &LoadOptions::default()).unwrap_err();
+    let err = dmaload::LoadRequest::path(&path).range(20_000, 1).to_buffer().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     assert_eq!(err.offset(), Some(20_000));
 }
@@ -173,7 +174,8 @@ fn page_cache_residency_is_measured_only_when_asked() {
     assert!(json["page_cache"].is_null(), "{json}");
 
     let measured = LoadOptions { measure_page_cache: true, ..opts };
-    let (_, report) = dmaload::load_range(&path, 4096, 8192, &measured).unwrap();
+    let (_, report) =
+        dmaload::LoadRequest::path(&path).range(4096, 8192).options(&measured).to_buffer().unwrap();
     let residency = report.page_cache.expect("measured when asked");
     assert_eq!(residency.resident_bytes, 8192, "{residency:?}");
     assert!(residency.fraction > 0.99, "{residency:?}");
@@ -240,9 +242,12 @@ fn a_device_destination_is_refused_by_host_loads_saying_where_to_go() {
     let opts = LoadOptions { to: "cuda:1".parse().unwrap(), ..LoadOptions::default() };
     let errors = [
         dmaload::load(&path, &opts).unwrap_err(),
-        dmaload::load_range(&path, 1, 2, &opts).unwrap_err(),
-        dmaload::load_from(&path, 1, &opts).unwrap_err(),
-        dmaload::load_fd(std::fs::File::open(&path).unwrap().as_fd(), 0, None, &opts).unwrap_err(),
+        dmaload::LoadRequest::path(&path).range(1, 2).options(&opts).to_buffer().unwrap_err(),
+        dmaload::LoadRequest::path(&path).range(1, None).options(&opts).to_buffer().unwrap_err(),
+        dmaload::LoadRequest::fd(std::fs::File::open(&path).unwrap().as_fd())
+            .options(&opts)
+            .to_buffer()
+            .unwrap_err(),
         // Before the file is even opened.
         dmaload::load(dir.path().join("missing"), &opts).unwrap_err(),
     ];
@@ -332,7 +337,11 @@ fn block_device_loads_through_direct_io() {
     assert_eq!(buffer.len() as u64, size);
     assert_pattern(&buffer, 0);
     assert_eq!(report.cache, CachePolicy::Bypass);
-    let (range, _) = dmaload::load_range(&device.0, 1001, 70_000, &options(Engine::Uring)).unwrap();
+    let (range, _) = dmaload::LoadRequest::path(&device.0)
+        .range(1001, 70_000)
+        .options(&options(Engine::Uring))
+        .to_buffer()
+        .unwrap();
     assert_pattern(&range, 1001);
 }
 
@@ -371,11 +380,12 @@ fn a_large_load_into_small_pages_reads_through_the_ring_with_the_same_bytes() {
     assert!(std::fs::File::from(memfd).metadata().unwrap().len() >= size);
     drop(buffer);
     // An unaligned range, and a second load reusing the process's ring.
-    let (part, report) = dmaload::load_range(&path, 12_345, 70 << 20, &opts).unwrap();
+    let (part, report) =
+        dmaload::LoadRequest::path(&path).range(12_345, 70 << 20).options(&opts).to_buffer().unwrap();
     assert!(report.destination.contains("staging ring"));
     assert_pattern(&part, 12_345);
     // Below the threshold the load stays in place.
-    let (_, small) = dmaload::load_range(&path, 0, 8 << 20, &opts).unwrap();
+    let (_, small) = dmaload::LoadRequest::path(&path).range(0, 8 << 20).options(&opts).to_buffer().unwrap();
     assert!(!small.destination.contains("staging ring"), "{}", small.destination);
 }
 
@@ -396,7 +406,7 @@ fn a_direct_load_leaves_the_open_files_own_reads_buffered() {
     };
     read_three(&file);
     let direct = LoadOptions { mode: IoMode::Direct, ..LoadOptions::default() };
-    match dmaload::load_open(&file, 0, None, &direct) {
+    match dmaload::LoadRequest::open(&file).options(&direct).to_buffer() {
         Ok((buffer, _)) => assert_pattern(&buffer, 0),
         Err(err) if err.kind() == ErrorKind::DirectIoUnavailable => return skip(TEST, &err.to_string()),
         Err(err) => panic!("{err}"),

@@ -31,7 +31,9 @@ fn files_come_back_in_order_with_summed_progress() {
             progress: Some(Arc::new(move |done, all| seen.lock().unwrap().push((done, all)))),
             ..LoadOptions::default()
         };
-        let loaded = dmaload::load_many(&paths, &options, concurrency).unwrap();
+        let loaded =
+            dmaload::load_many(&paths, &options, concurrency, |path, options| dmaload::load(path, options))
+                .unwrap();
         assert_eq!(loaded.len(), paths.len());
         for ((buffer, report), (&size, path)) in loaded.iter().zip(sizes.iter().zip(&paths)) {
             assert_eq!(buffer.len() as u64, size);
@@ -58,13 +60,15 @@ fn the_first_failure_is_the_error_and_the_callers_token_stays_untouched() {
     paths.insert(2, bad.clone());
     let token = CancelToken::new();
     let options = LoadOptions { cancel: token.clone(), ..LoadOptions::default() };
-    let err = dmaload::load_many(&paths, &options, 2).unwrap_err();
+    let err =
+        dmaload::load_many(&paths, &options, 2, |path, options| dmaload::load(path, options)).unwrap_err();
     assert_eq!(err.errno(), libc::EISDIR, "{err}");
     assert_eq!(err.path(), bad);
     assert!(!token.is_cancelled());
     // The caller's own cancellation still stops everything.
     token.cancel();
-    let err = dmaload::load_many(&paths[..2], &options, 2).unwrap_err();
+    let err = dmaload::load_many(&paths[..2], &options, 2, |path, options| dmaload::load(path, options))
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Cancelled, "{err}");
 }
 
@@ -79,7 +83,9 @@ fn files_that_cannot_fit_together_are_refused_before_loading() {
             path
         })
         .collect();
-    let err = dmaload::load_many(&paths, &LoadOptions::default(), 2).unwrap_err();
+    let err =
+        dmaload::load_many(&paths, &LoadOptions::default(), 2, |path, options| dmaload::load(path, options))
+            .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
     assert!(err.to_string().contains("2 files need"), "{err}");
 }
@@ -102,12 +108,18 @@ fn safetensors_shards_load_with_their_headers() {
         std::fs::write(&path, bytes).unwrap();
         paths.push(path);
     }
-    let loaded = dmaload::load_many_safetensors(&paths, &LoadOptions::default(), 2).unwrap();
+    let loaded = dmaload::load_many(&paths, &LoadOptions::default(), 2, |path, options| {
+        dmaload::format::safetensors::load(path, options)
+    })
+    .unwrap();
     for (i, file) in loaded.iter().enumerate() {
         let t = file.header.tensor(&format!("t{i}")).unwrap();
         let start = (file.header.data_start() + t.data_offsets.0) as usize;
         assert!(file.buffer[start..start + t.byte_len() as usize].iter().all(|&b| b == i as u8));
     }
     std::fs::write(&paths[1], b"not a safetensors file").unwrap();
-    assert!(dmaload::load_many_safetensors(&paths, &LoadOptions::default(), 2).is_err());
+    assert!(dmaload::load_many(&paths, &LoadOptions::default(), 2, |path, options| {
+        dmaload::format::safetensors::load(path, options)
+    })
+    .is_err());
 }

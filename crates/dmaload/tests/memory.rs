@@ -103,13 +103,11 @@ fn a_hugetlb_memfd_uses_the_pool_or_says_how_to_grow_it() {
             assert!(report.huge_pages);
             // The whole mapping, rounded up to whole huge pages, is hugetlb.
             assert_eq!(buffer.huge_page_bytes().unwrap(), needed * page);
-            let (buffer, _) = dmaload::load_range(
-                &path,
-                4095,
-                MIB,
-                &LoadOptions { to: Destination::Hugetlb, ..LoadOptions::default() },
-            )
-            .unwrap();
+            let (buffer, _) = dmaload::LoadRequest::path(&path)
+                .range(4095, MIB)
+                .options(&LoadOptions { to: Destination::Hugetlb, ..LoadOptions::default() })
+                .to_buffer()
+                .unwrap();
             assert_pattern(&buffer, 4095);
         }
         Err(err) => {

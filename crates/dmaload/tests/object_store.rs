@@ -32,17 +32,20 @@ fn an_object_loads_bit_exact_whole_and_in_ranges() {
     // The defaults, and many small GETs in flight on a few connections.
     let small = LoadOptions { chunk_size: 1 << 20, threads: 3, ..LoadOptions::default() };
     for options in [LoadOptions::default(), small] {
-        let (loaded, report) = dmaload::load_object(&object, 0, None, &options).unwrap();
+        let (loaded, report) = dmaload::LoadRequest::object(&object).options(&options).load().unwrap();
         assert_eq!(report.bytes, body.len() as u64);
         assert!(host_bytes(loaded) == body, "the loaded bytes differ from the object's");
-        let (loaded, _) = dmaload::load_object(&object, 1_000_003, Some(3_333_333), &options).unwrap();
+        let (loaded, _) = dmaload::LoadRequest::object(&object)
+            .range(1_000_003, Some(3_333_333))
+            .options(&options)
+            .load()
+            .unwrap();
         assert!(host_bytes(loaded) == body[1_000_003..4_333_336]);
     }
-    let (loaded, _) =
-        dmaload::load_object(&object, body.len() as u64, None, &LoadOptions::default()).unwrap();
+    let (loaded, _) = dmaload::LoadRequest::object(&object).range(body.len() as u64, None).load().unwrap();
     assert!(host_bytes(loaded).is_empty());
     // Past the end: refused before any GET, naming the object's size.
-    let err = dmaload::load_object(&object, 5, Some(body.len() as u64), &LoadOptions::default()).unwrap_err();
+    let err = dmaload::LoadRequest::object(&object).range(5, Some(body.len() as u64)).load().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Truncated);
     assert!(err.to_string().contains(&format!("object ({} bytes)", body.len())), "{err}");
 }
@@ -54,7 +57,7 @@ fn an_object_replaced_after_it_was_opened_is_changed_and_nothing_is_returned() {
     let object = garage.open("model.bin").unwrap();
     // Same size, other bytes: only the ETag tells.
     garage.put("model.bin", &pattern(3 << 20, 2));
-    let err = dmaload::load_object(&object, 0, None, &LoadOptions::default()).unwrap_err();
+    let err = dmaload::LoadRequest::object(&object).load().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Changed, "{err}");
     let message = err.to_string();
     assert!(message.contains("HTTP 412") && message.contains("bucket models, key model.bin"), "{message}");
@@ -93,7 +96,7 @@ fn a_server_that_stops_answering_fails_the_load_in_bounded_time() {
         Config { timeout: Duration::from_millis(500), retry_for: Duration::from_secs(2), ..garage.config() };
     let object = garage.open_with("model.bin", config).unwrap();
     garage.signal("STOP");
-    let result = dmaload::load_object(&object, 0, None, &LoadOptions::default());
+    let result = dmaload::LoadRequest::object(&object).load();
     garage.signal("CONT");
     let err = result.unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
@@ -120,7 +123,7 @@ fn a_server_killed_during_the_load_fails_it_and_returns_nothing() {
     });
     let options =
         LoadOptions { chunk_size: 1 << 20, threads: 1, progress: Some(progress), ..LoadOptions::default() };
-    let result = dmaload::load_object(&object, 0, None, &options);
+    let result = dmaload::LoadRequest::object(&object).options(&options).load();
     let _ = garage.child.wait();
     if !killed.load(Ordering::SeqCst) {
         return eprintln!(
@@ -131,6 +134,6 @@ fn a_server_killed_during_the_load_fails_it_and_returns_nothing() {
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
     assert!(err.to_string().contains("gave up after"), "{err}");
     // Gone before the load: the same clear error.
-    let err = dmaload::load_object(&object, 0, None, &LoadOptions::default()).unwrap_err();
+    let err = dmaload::LoadRequest::object(&object).load().unwrap_err();
     assert!(err.to_string().contains("connect to 127.0.0.1"), "{err}");
 }

@@ -9,7 +9,10 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::path::Path;
 
-use dmaload::{LoadOptions, Spelling, LOAD_OPTION_FRONTS};
+mod fronts;
+
+use dmaload::LoadOptions;
+use fronts::{OptionFronts, Spelling, LOAD_OPTION_FRONTS};
 
 /// The field names of `LoadOptions`, by an exhaustive destructure: a new
 /// field is a compile error here until it is listed.
@@ -24,7 +27,7 @@ fn repo() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
 }
 
-fn named(front: impl Fn(&dmaload::OptionFronts) -> Spelling) -> BTreeSet<&'static str> {
+fn named(front: impl Fn(&OptionFronts) -> Spelling) -> BTreeSet<&'static str> {
     LOAD_OPTION_FRONTS
         .iter()
         .filter_map(|row| match front(row) {

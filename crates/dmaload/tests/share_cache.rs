@@ -345,15 +345,13 @@ fn a_cached_load_reads_the_file_it_opened_whatever_the_path_becomes() {
     std::fs::rename(&other, &path).unwrap();
     // No service: the direct load reads the opened file, not the path.
     let absent = dir.path().join("absent.sock");
-    let (buffer, _, outcome) =
-        dmaload::share::load_cached_open(&opened, &absent, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::share::cached(&opened, &absent, &LoadOptions::default()).unwrap();
     assert!(matches!(outcome, CacheOutcome::Direct { .. }), "{outcome:?}");
     assert_eq!(xxh3(&buffer), hash);
     // A service gets a descriptor of the opened file too.
     let socket = dir.path().join("cache.sock");
     let service = ServiceProcess::start(&socket, 1 << 30);
-    let (buffer, _, outcome) =
-        dmaload::share::load_cached_open(&opened, &socket, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::share::cached(&opened, &socket, &LoadOptions::default()).unwrap();
     assert!(matches!(outcome, CacheOutcome::Service { served: Served::Miss, .. }), "{outcome:?}");
     assert_eq!(xxh3(&buffer), hash);
     service.stop();

@@ -20,9 +20,7 @@ use std::time::{Duration, Instant};
 use common::{assert_pattern, file_hash, scratch_dir, write_pattern_file};
 use dmaload::share::protocol::{self, Reply, Request};
 use dmaload::share::service::{DEFAULT_IDLE_TIMEOUT, MAX_CLIENTS_PER_UID};
-use dmaload::share::{
-    load_cached, CacheOutcome, Client, Connection, Listener, Served, Service, ServiceConfig,
-};
+use dmaload::share::{CacheOutcome, Client, Connection, Listener, Served, Service, ServiceConfig};
 use dmaload::{ErrorKind, LoadOptions};
 use share::*;
 
@@ -236,13 +234,17 @@ fn a_service_out_of_its_own_resources_is_a_fallback_a_failed_file_is_not() {
         &socket,
         vec![error_reply(libc::EMFILE, "allocate memory"), error_reply(libc::EIO, "read")],
     );
-    let (buffer, _, outcome) = load_cached(&path, &socket, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+        .unwrap();
     assert_pattern(&buffer, 0);
     match outcome {
         CacheOutcome::Direct { reason } => assert!(reason.contains("allocate memory"), "{reason}"),
         other => panic!("EMFILE in the service must load directly: {other:?}"),
     }
-    let err = load_cached(&path, &socket, &LoadOptions::default()).unwrap_err();
+    let err = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+        .unwrap_err();
     assert_eq!((err.op(), err.raw_os_error()), ("read", Some(libc::EIO)), "{err}");
     service.join().unwrap();
 }
@@ -377,7 +379,9 @@ fn a_service_whose_loads_read_nothing_is_a_fallback() {
             std::thread::sleep(protocol::KEEPALIVE_INTERVAL);
         }
     });
-    let (buffer, _, outcome) = load_cached(&path, &socket, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+        .unwrap();
     assert_pattern(&buffer, 0);
     match outcome {
         CacheOutcome::Direct { reason } => assert!(reason.contains("have read nothing"), "{reason}"),

@@ -35,8 +35,10 @@ fn load_staged(
     options: &LoadOptions,
 ) -> dmaload::Result<(Vec<u8>, dmaload::LoadReport)> {
     let mut dst = vec![0u8; len as usize];
-    let report =
-        dmaload::load_to_sink(path, offset, Some(len), ring, &mut HostSink::new(&mut dst, offset), options)?;
+    let report = dmaload::LoadRequest::path(&path)
+        .range(offset, Some(len))
+        .options(options)
+        .to_sink(ring, &mut HostSink::new(&mut dst, offset))?;
     Ok((dst, report))
 }
 
@@ -123,7 +125,7 @@ fn every_gather_is_delivered_once_and_each_slot_released_before_reuse() {
     for engine in Engine::ALL {
         let mut ring = StagingRing::new(3, 2 * M, M).unwrap();
         let mut sink = Recorder::default();
-        dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options(engine, M)).unwrap();
+        dmaload::LoadRequest::path(&path).options(&options(engine, M)).to_sink(&mut ring, &mut sink).unwrap();
         assert!(sink.finished);
         // In the order the reads completed: each gather once, whatever the order.
         let mut offsets: Vec<u64> = sink.deliveries.iter().map(|d| d.1).collect();
@@ -145,8 +147,10 @@ fn a_failing_sink_stops_the_load_with_its_error_and_is_still_finished() {
     for engine in Engine::ALL {
         let mut ring = StagingRing::new(2, M, M).unwrap();
         let mut sink = Recorder { fail_at: Some(3), ..Recorder::default() };
-        let err =
-            dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &options(engine, M)).unwrap_err();
+        let err = dmaload::LoadRequest::path(&path)
+            .options(&options(engine, M))
+            .to_sink(&mut ring, &mut sink)
+            .unwrap_err();
         assert_eq!(err.errno(), libc::EIO, "{engine:?}: {err}");
         assert_eq!(err.op(), "deliver", "{engine:?}: {err}");
         // The fourth gather delivered, in completion order: one not
@@ -240,7 +244,7 @@ fn cancelling_a_staged_load_stops_it_and_finishes_the_sink() {
         };
         let mut ring = StagingRing::new(2, 64 << 10, 64 << 10).unwrap();
         let mut sink = AwaitCancel { recorder: Recorder::default(), token: opts.cancel.clone() };
-        let err = dmaload::load_to_sink(&path, 0, None, &mut ring, &mut sink, &opts).unwrap_err();
+        let err = dmaload::LoadRequest::path(&path).options(&opts).to_sink(&mut ring, &mut sink).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Cancelled, "{engine:?}: {err}");
         let sink = sink.recorder;
         assert!(sink.finished);
@@ -304,9 +308,10 @@ fn a_file_limited_to_its_first_bytes_loads_only_those() {
     let mut ring = StagingRing::new(2, M, 256 << 10).unwrap();
     let mut dst = vec![0u8; len as usize];
     let opts = options(Engine::UringFixed, 256 << 10);
-    let report =
-        dmaload::load_open_to_sink(&file, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &opts)
-            .unwrap();
+    let report = dmaload::LoadRequest::open(&file)
+        .options(&opts)
+        .to_sink(&mut ring, &mut HostSink::new(&mut dst, 0))
+        .unwrap();
     assert_eq!(report.bytes, len);
     assert!(dst == whole[..len as usize]);
     let Err(past) = dmaload::OpenFile::open(&path).unwrap().first_bytes(3 * M as u64 + 1) else {
@@ -331,8 +336,9 @@ fn pool_workers_waiting_for_a_slot_are_woken_when_the_load_fails() {
         let mut ring = StagingRing::new(2, M, 256 << 10).unwrap();
         let mut dst = vec![0u8; 16 * M];
         let opts = LoadOptions { threads: 8, ..options(Engine::PreadPool, 256 << 10) };
-        let result =
-            dmaload::load_open_to_sink(&file, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &opts);
+        let result = dmaload::LoadRequest::open(&file)
+            .options(&opts)
+            .to_sink(&mut ring, &mut HostSink::new(&mut dst, 0));
         let _ = done.send(result.map(drop));
     });
     let result = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("the failed load hung");
@@ -347,14 +353,9 @@ fn staged_or_hang(path: &std::path::Path) -> dmaload::Result<Vec<u8>> {
         let mut ring = StagingRing::new(2, M, M).unwrap();
         let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
         let mut dst = vec![0u8; len as usize];
-        let result = dmaload::load_to_sink(
-            &path,
-            0,
-            None,
-            &mut ring,
-            &mut HostSink::new(&mut dst, 0),
-            &options(Engine::UringFixed, M),
-        );
+        let result = dmaload::LoadRequest::path(&path)
+            .options(&options(Engine::UringFixed, M))
+            .to_sink(&mut ring, &mut HostSink::new(&mut dst, 0));
         let _ = tx.send(result.map(|_| dst));
     });
     rx.recv_timeout(std::time::Duration::from_secs(30))
@@ -436,8 +437,11 @@ fn a_host_sink_populating_ahead_fills_more_than_its_window_and_leaves_its_neighb
     let dst = &mut memory[offset..end];
     let mut ring = StagingRing::new(2, M, M).unwrap();
     let options = LoadOptions { populate_threads: 2, ..options(Engine::default(), M) };
-    let report =
-        dmaload::load_to_sink(&path, 7, None, &mut ring, &mut HostSink::new(dst, 7), &options).unwrap();
+    let report = dmaload::LoadRequest::path(&path)
+        .range(7, None)
+        .options(&options)
+        .to_sink(&mut ring, &mut HostSink::new(dst, 7))
+        .unwrap();
     assert_eq!(report.bytes, size - 7);
     assert!(report.fallbacks.iter().all(|f| !f.from.contains("populate")), "{:?}", report.fallbacks);
     assert_pattern(&memory[offset..end], 7);

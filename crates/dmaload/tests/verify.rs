@@ -109,10 +109,15 @@ fn a_staged_load_into_a_sink_verifies_each_slot_as_it_is_delivered() {
     let mut ring = StagingRing::new(3, M, 256 << 10).unwrap();
     let mut dst = vec![0u8; len as usize];
     let options = verified(Engine::UringFixed, IoMode::Auto);
-    dmaload::load_to_sink(&path, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &options).unwrap();
+    dmaload::LoadRequest::path(&path)
+        .options(&options)
+        .to_sink(&mut ring, &mut HostSink::new(&mut dst, 0))
+        .unwrap();
     assert_eq!(dst, std::fs::read(&path).unwrap());
     flip_byte(&path, 6 * M as u64);
-    let err = dmaload::load_to_sink(&path, 0, None, &mut ring, &mut HostSink::new(&mut dst, 0), &options)
+    let err = dmaload::LoadRequest::path(&path)
+        .options(&options)
+        .to_sink(&mut ring, &mut HostSink::new(&mut dst, 0))
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
 }
@@ -137,10 +142,10 @@ fn a_missing_sums_file_or_an_unlisted_file_is_an_error() {
     let err = dmaload::load(&path, &options).unwrap_err();
     assert!(err.to_string().contains("passes over line(s) 1"), "{err}");
     coreutils_sums(dir.path(), &["f"]);
-    let err = dmaload::load_range(&path, 0, M as u64, &options).unwrap_err();
+    let err = dmaload::LoadRequest::path(&path).range(0, M as u64).options(&options).to_buffer().unwrap_err();
     assert!(err.to_string().contains("cannot be checked against it"), "{err}");
     let mut dst = vec![0u8; M];
-    let err = dmaload::load_into(&path, 0, &mut dst, &options).unwrap_err();
+    let err = dmaload::LoadRequest::path(&path).options(&options).fill(&mut dst).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
 }
 
@@ -226,7 +231,9 @@ fn a_cached_load_with_verify_loads_directly_and_verifies() {
     coreutils_sums(dir.path(), &["f"]);
     let socket = dir.path().join("no-service");
     let options = verified(Engine::UringFixed, IoMode::Auto);
-    let (buffer, _, outcome) = dmaload::share::load_cached(&path, &socket, &options).unwrap();
+    let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload::share::cached(&file, &socket, &options))
+        .unwrap();
     assert_eq!(buffer.len(), 2 * M + 1);
     match outcome {
         dmaload::share::CacheOutcome::Direct { reason } => {
@@ -235,7 +242,9 @@ fn a_cached_load_with_verify_loads_directly_and_verifies() {
         dmaload::share::CacheOutcome::Service { .. } => panic!("a verified load was served"),
     }
     flip_byte(&path, M as u64);
-    let err = dmaload::share::load_cached(&path, &socket, &options).unwrap_err();
+    let err = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload::share::cached(&file, &socket, &options))
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
 }
 
@@ -313,21 +322,30 @@ fn load_into_the_callers_memory_verifies_a_whole_file() {
         let options = verified(Engine::Uring, mode);
         let dst = &mut backing[start..start + len];
         dst.fill(0);
-        dmaload::load_into(&path, 0, dst, &options).unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+        dmaload::LoadRequest::path(&path)
+            .options(&options)
+            .fill(dst)
+            .unwrap_or_else(|e| panic!("{mode:?}: {e}"));
         assert_eq!(dst, &std::fs::read(&path).unwrap()[..], "{mode:?}");
     }
     for at in [10, 3 * M as u64, len as u64 - 7] {
         flip_byte(&path, at);
         for (start, mode) in shapes {
             let dst = &mut backing[start..start + len];
-            let err = dmaload::load_into(&path, 0, dst, &verified(Engine::Uring, mode)).unwrap_err();
+            let err = dmaload::LoadRequest::path(&path)
+                .options(&verified(Engine::Uring, mode))
+                .fill(dst)
+                .unwrap_err();
             assert_eq!(err.kind(), ErrorKind::Corrupt, "{mode:?} at {at}: {err}");
         }
         flip_byte(&path, at);
     }
     // Not the whole file: refused before any read, with no sums file needed.
     std::fs::remove_file(dir.path().join("SHA256SUMS")).unwrap();
-    let err = dmaload::load_into(&path, 4096, &mut backing[..M], &verified(Engine::Uring, IoMode::Auto))
+    let err = dmaload::LoadRequest::path(&path)
+        .range(4096, None)
+        .options(&verified(Engine::Uring, IoMode::Auto))
+        .fill(&mut backing[..M])
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput);
     assert!(err.to_string().contains("cannot be checked against it"), "{err}");
@@ -373,14 +391,10 @@ fn a_staged_load_of_the_data_section_verifies_the_header_it_was_sized_from() {
         let mut ring = StagingRing::new(3, M, 256 << 10).unwrap();
         let mut sink = HostSink::new(&mut dst, header.data_start());
         let options = verified(Engine::UringFixed, IoMode::Auto);
-        dmaload::load_open_to_sink(
-            &file,
-            header.data_start(),
-            Some(header.data_len()),
-            &mut ring,
-            &mut sink,
-            &options,
-        )?;
+        dmaload::LoadRequest::open(&file)
+            .range(header.data_start(), Some(header.data_len()))
+            .options(&options)
+            .to_sink(&mut ring, &mut sink)?;
         Ok(dst)
     };
     let data = load(&path).unwrap();
@@ -406,15 +420,11 @@ fn a_staged_load_of_the_data_section_verifies_the_header_it_was_sized_from() {
     let mut ring = StagingRing::new(3, M, 256 << 10).unwrap();
     let options = verified(Engine::UringFixed, IoMode::Auto);
     let start = bytes.len() as u64 - M as u64;
-    let err = dmaload::load_open_to_sink(
-        &file,
-        start,
-        None,
-        &mut ring,
-        &mut HostSink::new(&mut dst, start),
-        &options,
-    )
-    .unwrap_err();
+    let err = dmaload::LoadRequest::open(&file)
+        .range(start, None)
+        .options(&options)
+        .to_sink(&mut ring, &mut HostSink::new(&mut dst, start))
+        .unwrap_err();
     assert!(err.to_string().contains("cannot be checked against it"), "{err}");
 }
 

@@ -40,6 +40,7 @@ __all__ = [
     "load_safetensors",
     "open_safetensors",
     "parse_safetensors_header",
+    "parse_size",
     "read_safetensors_header",
     "release_staging",
     "safetensors_dtypes",
@@ -314,6 +315,10 @@ def _option_choices() -> dict[str, list[str]]:
     """For the tests: the values of each enumerated option as the core
     names them (``engine``, ``mode``, and ``to``'s forms, ``cuda:N`` for
     any device)."""
+
+def parse_size(text: str) -> int:
+    """A size ("4096", "128M", "1.5GiB") in bytes: the core's parser.
+    ValueError if it is not one."""
 
 def _check_load_options(options: _Options | None = None) -> None:
     """Checks load options as a load would before it opens a file (names,

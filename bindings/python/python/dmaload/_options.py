@@ -7,8 +7,9 @@ check these types against the native module's ``_option_choices()`` and
 
 from __future__ import annotations
 
-import re
 from typing import Any, Collection, Literal, Mapping, TypeAlias, TypedDict, Union
+
+from . import _dmaload
 
 Engine: TypeAlias = Literal["uring-fixed", "uring", "pread-pool", "read"]
 Mode: TypeAlias = Literal["auto", "direct", "buffered", "dontcache"]
@@ -23,8 +24,6 @@ DEVICE_DESTINATIONS = ("cuda:N",)
 :class:`dmaload.Buffer` cannot live on a device, so ``dmaload.load`` refuses
 them (``OSError`` EINVAL); the safetensors loaders take ``device="cuda:N"``."""
 Size: TypeAlias = Union[int, str]
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 class LoadOptions(TypedDict, total=False):
@@ -88,15 +87,13 @@ class LoadOptions(TypedDict, total=False):
 
 
 def parse_size(value: Size) -> int:
-    """``4096``, ``"4096"``, ``"4K"``, ``"128M"``, ``"1G"`` (binary units)."""
+    """``4096``, ``"4096"``, ``"4K"``, ``"128M"``, ``"1.5G"`` (binary units),
+    read by the core's parser (the one the command line uses)."""
     if isinstance(value, bool):
         raise TypeError("a size must be an int or a string such as '128M'")
     if isinstance(value, int):
         return value
-    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", str(value), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"invalid size {value!r} (expected bytes, or a number with K, M, G or T)")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+    return _dmaload.parse_size(str(value))
 
 
 class DmabufLoadOptions(TypedDict, total=False):

@@ -64,7 +64,7 @@ impl MemoryFacts {
     pub fn read() -> MemoryFacts {
         let meminfo = fs::read_to_string("/proc/meminfo").unwrap_or_default();
         let count = |name: &str| meminfo_number(&meminfo, name).unwrap_or(0);
-        let recorded = probe_path().map(|path| MemoryProbe::load(&path)).transpose();
+        let recorded = probe_path().map(|path| MemoryProbe::read(&path)).transpose();
         let (probe, probe_error) = match recorded {
             Ok(probe) => (probe.flatten(), None),
             Err(err) => (None, Some(err.to_string())),
@@ -445,7 +445,7 @@ impl MemoryProbe {
 
     /// The figures recorded at `path`; `None` when there are none. A file
     /// that does not parse (another version's, say) is an error.
-    pub fn load(path: &Path) -> io::Result<Option<MemoryProbe>> {
+    pub fn read(path: &Path) -> io::Result<Option<MemoryProbe>> {
         let Some(bytes) = crate::user_cache::read(path, PROBE_LIMIT)? else {
             return Ok(None);
         };
@@ -714,14 +714,14 @@ mod tests {
     fn probe_figures_round_trip_through_a_cache_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("dmaload").join("memory-probe.json");
-        assert_eq!(MemoryProbe::load(&path).unwrap(), None);
+        assert_eq!(MemoryProbe::read(&path).unwrap(), None);
         let f = facts("madvise", "never", 0);
         let probe = probe_of(&f, &[(MemoryKind::Memfd, Some(0.5)), (MemoryKind::Hugetlb, None)]);
         probe.save(&path).unwrap();
-        assert_eq!(MemoryProbe::load(&path).unwrap(), Some(probe));
+        assert_eq!(MemoryProbe::read(&path).unwrap(), Some(probe));
         assert_eq!(fs::read_dir(path.parent().unwrap()).unwrap().count(), 1, "no temporary file left");
         fs::write(&path, "{not json").unwrap();
-        assert_eq!(MemoryProbe::load(&path).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        assert_eq!(MemoryProbe::read(&path).unwrap_err().kind(), io::ErrorKind::InvalidData);
     }
 
     #[test]

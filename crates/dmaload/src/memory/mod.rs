@@ -191,7 +191,7 @@ impl Allocation {
 /// on `threads` threads, each an equal share; pages only partly inside
 /// `bytes` are left alone), so that reading into them later never faults:
 /// what a load does to its buffer before its reads, for memory the caller
-/// brings (a load into it with [`crate::load_into`] populates it itself).
+/// brings (a load into it with [`crate::LoadRequest::fill`] populates it itself).
 pub fn populate(bytes: &mut [u8], threads: usize) -> io::Result<()> {
     let len = bytes.len();
     mem::MappingWriter::over(bytes).populate_on_threads(0..len, threads)

@@ -38,7 +38,7 @@ pub(crate) fn load_source(
     let mut opened = open_range(source, path, offset, len, options, true)?;
     let (offset, len) = (opened.offset, opened.len);
     let facts = MemoryFacts::read();
-    let memory = host_memory(path, options, len, &facts)?;
+    let memory = host_memory(options, len, &facts);
     let kind = memory.kind;
     if let Some(why) = through_ring(kind, len, &opened.setup, &facts, options.chunk_size) {
         drop(opened);

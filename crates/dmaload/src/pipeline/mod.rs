@@ -15,7 +15,7 @@ pub(crate) use host::{load_source, with_kept_ring};
 pub(crate) use object::load_object_source;
 pub use range::check_memory;
 pub(crate) use range::{open_range, range_len};
-pub use staged::load_open_to_sink;
+pub(crate) use staged::load_open_to_sink;
 pub(crate) use write::{write_at, KeptWriteRing};
 
 use std::io;

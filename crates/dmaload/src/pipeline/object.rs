@@ -47,7 +47,7 @@ pub(crate) fn load_object_source(
     let len = range_within(object.size, "object", path, offset, len)?;
     check_memory(path, len)?;
     let facts = MemoryFacts::read();
-    let memory = host_memory(path, options, len, &facts)?;
+    let memory = host_memory(options, len, &facts);
     let request =
         if options.chunk_size == DEFAULT_CHUNK_SIZE { DEFAULT_OBJECT_REQUEST } else { options.chunk_size };
     let connections =

@@ -12,7 +12,7 @@ use super::range::open_range;
 use super::{fill_staged, LaneShare};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{MemoryChoice, MemoryFacts};
-use crate::options::{validate, LoadOptions};
+use crate::options::LoadOptions;
 use crate::pagecache::{cache_copy_threads, cached_source_options, known_residency_of, CACHED_SHARE};
 use crate::plan::Plan;
 use crate::report::LoadReport;
@@ -22,11 +22,10 @@ use crate::sys;
 use crate::types::IoMode;
 use crate::verify::Expected;
 
-/// [`crate::load_to_sink`] from a file opened beforehand (whose header,
-/// say, the caller read to size the destination): the same open file is
-/// read through `ring`'s slots into `sink`, and a change to it since it was
-/// opened is an error.
-pub fn load_open_to_sink(
+/// [`crate::LoadRequest::to_sink`] of an open file (the request checked
+/// the options): the file is read through `ring`'s slots into `sink`, and
+/// a change to it since it was opened is an error.
+pub(crate) fn load_open_to_sink(
     file: &OpenFile,
     offset: u64,
     len: Option<u64>,
@@ -35,7 +34,6 @@ pub fn load_open_to_sink(
     options: &LoadOptions,
 ) -> Result<LoadReport> {
     let path = file.path();
-    validate(path, options)?;
     let expected = Expected::for_load(file, offset, len, options.verify)?;
     let page = sys::mem::page_size();
     let slot = ring.slot_len();

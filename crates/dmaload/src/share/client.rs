@@ -1,6 +1,6 @@
 //! The cache service's client: asks for a file by sending its open
 //! descriptor and receives the file's bytes as a private copy-on-write
-//! mapping of the service's sealed memfd. [`load_cached`] falls back to a
+//! mapping of the service's sealed memfd. [`cached`] falls back to a
 //! direct load when no service answers.
 
 use std::fs::File;
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::buffer::Buffer;
 use crate::cancel::CancelToken;
 use crate::error::{Error, ErrorKind, Result};
-use crate::load::{load_open, LoadOptions, LoadReport};
+use crate::load::{LoadOptions, LoadReport, LoadRequest};
 use crate::share::protocol::{self, Reply, Request, Served, Status};
 use crate::share::{Connection, CONNECT_TIMEOUT};
 use crate::source::OpenFile;
@@ -102,7 +102,7 @@ pub fn handoff_report(
 /// A connection to a cache service. The service closes a connection that
 /// sends no request for its idle timeout (5 s by default): the next request
 /// of a `Client` kept idle longer fails naming the closed connection, so
-/// connect again for it ([`load_cached`] connects for each load).
+/// connect again for it ([`cached`] connects for each load).
 ///
 /// No wait is long: connecting waits at most [`crate::share::CONNECT_TIMEOUT`]
 /// for room in the listener's backlog; a get waits
@@ -309,7 +309,7 @@ fn directory_owner(socket: &Path) -> Option<u32> {
     (meta.mode() & 0o022 == 0).then_some(meta.uid())
 }
 
-/// Where a [`load_cached`] buffer came from.
+/// Where a [`cached`] buffer came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CacheOutcome {
     /// From the service, and how it served it.
@@ -318,28 +318,20 @@ pub enum CacheOutcome {
     Direct { reason: String },
 }
 
-/// Loads `path` through the cache service at `socket`, or directly (with
-/// `options`) when the service cannot be reached, refuses this client,
-/// breaks off, runs out of its own resources (descriptors, memory,
-/// threads), or the path is not a regular file; [`CacheOutcome`] says
-/// which and why. An error about the file itself (it fails to load) is
-/// returned as a direct load would return it, not retried.
+/// Loads the open `file` whole through the cache service at `socket`, or
+/// directly (`LoadRequest::open(file)` with `options`) when the service
+/// cannot be reached, refuses this client, breaks off, runs out of its own
+/// resources (descriptors, memory, threads), or the file is not a regular
+/// file; [`CacheOutcome`] says which and why. The service gets a
+/// descriptor of `file`, and a direct load reads `file` too, so both are
+/// the same file whatever happens to its path. An error about the file
+/// itself (it fails to load) is returned as a direct load would return
+/// it, not retried.
 ///
 /// A buffer from the service is a private copy-on-write mapping of the
 /// service's memfd; its report's `destination` is `cache-service`, its
 /// times those of the handoff.
-pub fn load_cached(
-    path: impl AsRef<Path>,
-    socket: &Path,
-    options: &LoadOptions,
-) -> Result<(Buffer, LoadReport, CacheOutcome)> {
-    load_cached_open(&OpenFile::open(path)?, socket, options)
-}
-
-/// [`load_cached`] of a file already open: the service gets a descriptor
-/// of `file`, and a direct load reads `file` too, so both are the same
-/// file whatever happens to its path.
-pub fn load_cached_open(
+pub fn cached(
     file: &OpenFile,
     socket: &Path,
     options: &LoadOptions,
@@ -347,7 +339,7 @@ pub fn load_cached_open(
     match from_service(file, socket, options)? {
         Ok((buffer, report, served, note)) => Ok((buffer, report, CacheOutcome::Service { served, note })),
         Err(reason) => {
-            let (buffer, report) = load_open(file, 0, None, options)?;
+            let (buffer, report) = LoadRequest::open(file).options(options).to_buffer()?;
             Ok((buffer, report, CacheOutcome::Direct { reason }))
         }
     }
@@ -357,7 +349,7 @@ pub fn load_cached_open(
 /// bytes, the handoff's report, how it served them, and its note.
 pub type ServedFile = (Buffer, LoadReport, Served, Option<String>);
 
-/// The open `file` from the cache service at `socket`, as [`load_cached`]
+/// The open `file` from the cache service at `socket`, as [`cached`]
 /// gets it, or `Ok(Err(why))` where that would load directly instead: for
 /// a caller with a better fallback than a host buffer of the whole file (a
 /// device load reads the disk itself, from the same `file`).

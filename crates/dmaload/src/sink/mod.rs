@@ -4,7 +4,7 @@
 //! a socket) and releases it for the next read. Memory used is the ring,
 //! whatever the file size.
 //!
-//! [`crate::load::load_to_sink`] runs it; [`HostSink`] is the simplest
+//! [`crate::LoadRequest::to_sink`] runs it; [`HostSink`] is the simplest
 //! destination (memory the caller already has) and the one the CI tests
 //! run every staged code path through.
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use dmaload::share::protocol::{self, Request};
 use dmaload::share::service::{DEFAULT_IDLE_TIMEOUT, MAX_CLIENTS_PER_UID};
-use dmaload::share::{load_cached, CacheOutcome, Client, Connection, Listener, Service, ServiceConfig};
+use dmaload::share::{CacheOutcome, Client, Connection, Listener, Service, ServiceConfig};
 use dmaload::{Buffer, LoadOptions};
 
 pub const ROLE: &str = "DMALOAD_SHARE_CACHE_ROLE";
@@ -35,7 +35,7 @@ pub fn xxh3(bytes: &[u8]) -> u64 {
 /// (gets `FILE`, reads a byte of every page, prints the bytes mapped with
 /// huge pages), `hang` (sends
 /// a request and never reads the reply), `load-cached` (prints where
-/// `load_cached` got `FILE` from).
+/// `share::cached` got `FILE` from).
 pub fn process_role() {
     let Ok(role) = std::env::var(ROLE) else { return };
     let socket = PathBuf::from(std::env::var(SOCKET).unwrap());
@@ -101,7 +101,9 @@ pub fn process_role() {
             std::io::copy(&mut std::io::stdin(), &mut std::io::sink()).unwrap();
         }
         "load-cached" => {
-            let (buffer, _, outcome) = load_cached(file.unwrap(), &socket, &LoadOptions::default()).unwrap();
+            let (buffer, _, outcome) = dmaload::OpenFile::open(file.unwrap())
+                .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+                .unwrap();
             match outcome {
                 CacheOutcome::Service { served, .. } => {
                     println!("OUT service {} {}", served.name(), xxh3(&buffer))

@@ -533,7 +533,9 @@ fn run_staged(
     let started = Instant::now();
     let mut dst = TransferBuffer::new(MemoryType::Memfd, len).map_err(|e| e.to_string())?;
     let report = dst
-        .with_bytes_mut(|dst| dmaload::load_to_sink(file, 0, None, ring, &mut HostSink::new(dst, 0), options))
+        .with_bytes_mut(|dst| {
+            dmaload::LoadRequest::path(&file).options(options).to_sink(ring, &mut HostSink::new(dst, 0))
+        })
         .and_then(|loaded| loaded)
         .map_err(|e| e.to_string())?;
     let seconds = started.elapsed().as_secs_f64();

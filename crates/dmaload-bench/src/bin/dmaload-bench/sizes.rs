@@ -164,7 +164,7 @@ fn run_once(scheme: Scheme, path: &Path, size: u64, expected: u64) -> Result<f64
     let into_dmabuf = |to: &str| -> Result<(f64, u64), String> {
         let options = LoadOptions { to: to.parse()?, ..LoadOptions::default() };
         let t = Instant::now();
-        let (loaded, _) = dmaload::load_dmabuf(path, 0, None, &options).map_err(e)?;
+        let (loaded, _) = dmaload::LoadRequest::path(&path).options(&options).to_dmabuf().map_err(e)?;
         let ms = t.elapsed().as_secs_f64() * 1e3;
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         loaded

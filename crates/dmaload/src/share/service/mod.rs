@@ -46,7 +46,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::load::{load_fd, Destination, LoadOptions};
+use crate::load::{Destination, LoadOptions, LoadRequest};
 use crate::memory::{MemoryChoice, MemoryFacts};
 use crate::share::protocol::{CachedFile, Served, Status, WireError, MAX_STATUS_ENTRIES};
 use crate::share::{Connection, Listener, PeerCredentials};
@@ -735,7 +735,7 @@ impl State {
         options.progress = Some(Arc::new(move |done, _total| {
             loaded.fetch_add(done.saturating_sub(this_load.swap(done, Ordering::Relaxed)), Ordering::Relaxed);
         }));
-        let (buffer, report) = load_fd(file.as_fd(), 0, None, &options)?;
+        let (buffer, report) = LoadRequest::fd(file.as_fd()).options(&options).to_buffer()?;
         let after = file.metadata().map_err(|e| Error::io("fstat", &report.path, e))?;
         if Key::of(&after) != key {
             return Err(Error::new(

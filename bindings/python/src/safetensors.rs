@@ -1,0 +1,117 @@
+//! safetensors headers and whole-file loads of shards.
+
+use std::path::PathBuf;
+
+use dmaload::format::safetensors as st;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::buffer::Buffer;
+use crate::errors::*;
+use crate::load::*;
+use crate::options::*;
+use crate::run::*;
+
+/// The core's header as a `dmaload._header.Header`, its tensors
+/// `dmaload._header.TensorInfo` records, built field by field. The
+/// destructurings name every field, so a field the core adds to its
+/// `Header` or `TensorInfo` is a compile error here until it crosses too.
+pub(crate) fn header_object<'py>(py: Python<'py>, header: st::Header) -> PyResult<Bound<'py, PyAny>> {
+    let data_start = header.data_start();
+    let st::Header { header_len: _, tensors, metadata } = header;
+    let module = py.import("dmaload._header")?;
+    let tensor_class = module.getattr("TensorInfo")?;
+    let tensors = tensors
+        .into_iter()
+        .map(|tensor| {
+            let st::TensorInfo { name, dtype, shape, data_offsets: (begin, end) } = tensor;
+            let kw = PyDict::new(py);
+            kw.set_item(pyo3::intern!(py, "name"), name)?;
+            kw.set_item(pyo3::intern!(py, "dtype"), dtype.name())?;
+            kw.set_item(pyo3::intern!(py, "shape"), PyTuple::new(py, shape)?)?;
+            kw.set_item(pyo3::intern!(py, "begin"), begin)?;
+            kw.set_item(pyo3::intern!(py, "end"), end)?;
+            tensor_class.call((), Some(&kw))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let kw = PyDict::new(py);
+    kw.set_item("tensors", PyTuple::new(py, tensors)?)?;
+    kw.set_item("metadata", metadata)?;
+    kw.set_item("data_start", data_start)?;
+    module.getattr("Header")?.call((), Some(&kw))
+}
+
+/// Parses a safetensors header from bytes: `data` holds at least the
+/// first `8 + n` bytes of a file of `file_len` bytes (default: `len(data)`).
+#[pyfunction]
+#[pyo3(signature = (data, file_len=None))]
+pub(crate) fn parse_safetensors_header<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    file_len: Option<u64>,
+) -> PyResult<Bound<'py, PyAny>> {
+    guard(|| {
+        let header = st::parse(data, file_len.unwrap_or(data.len() as u64))
+            .map_err(|e| SafetensorError::new_err(e.to_string()))?;
+        header_object(py, header)
+    })
+}
+
+/// Reads and validates the header of a safetensors file without loading it.
+#[pyfunction]
+pub(crate) fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyAny>> {
+    // A read no cancellation reaches does not hold Ctrl-C (see run_abandonable).
+    let read = run_abandonable(py, &dmaload::CancelToken::new(), move || st::read_header(&path))?;
+    let (header, _) = read.map_err(|e| format_error(&e))?;
+    guard(|| header_object(py, header))
+}
+
+/// Loads safetensors files whole, `concurrency` at a time, with the GIL
+/// released; returns (buffer, `Header`) per file, in order.
+#[pyfunction]
+#[pyo3(signature = (paths, *, concurrency=4, options=None, progress=None))]
+pub(crate) fn load_safetensors<'py>(
+    py: Python<'py>,
+    paths: Vec<PathBuf>,
+    concurrency: usize,
+    options: Option<Bound<'py, PyDict>>,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Vec<(Buffer, Bound<'py, PyAny>)>> {
+    guard(move || {
+        let mut options = Opts::from_dict(options.as_ref())?.to_options()?;
+        // The tensors never expose the memfd: `to="auto"` may pick
+        // anonymous huge pages.
+        options.needs_fd = false;
+        if concurrency == 0 {
+            return Err(PyValueError::new_err("concurrency must be at least 1"));
+        }
+        // The progress total; the core checks the files against the memory
+        // budget together, before allocating anything.
+        let total =
+            detached(py, || -> Result<u64, dmaload::Error> { paths.iter().map(|p| file_len(p)).sum() })?
+                .map_err(|e| os_error(&e))?;
+        // One token for every shard: a callback's exception or Ctrl-C stops them all.
+        let cancel = dmaload::CancelToken::new();
+        options.cancel = cancel.clone();
+        let relay = progress.map(|callback| Progress::new(callback, total, cancel.clone()));
+        options.progress = relay.as_ref().map(|relay| relay.for_load());
+        let loaded = run_abandonable(py, &cancel, move || {
+            dmaload::load_many(&paths, &options, concurrency, |path, options| st::load(path, options))
+        })?;
+        Progress::raised(relay.as_ref())?;
+        let out = loaded
+            .map_err(|err| format_error(&err))?
+            .into_iter()
+            .map(|loaded| Ok((Buffer::new(loaded.buffer, loaded.report), header_object(py, loaded.header)?)))
+            .collect::<PyResult<Vec<_>>>()?;
+        Progress::finish(relay.as_ref())?;
+        Ok(out)
+    })
+}
+
+/// The dtype names safetensors defines, with their sizes in bits.
+#[pyfunction]
+pub(crate) fn safetensors_dtypes() -> PyResult<Vec<(&'static str, u64)>> {
+    guard(|| Ok(st::Dtype::ALL.iter().map(|d| (d.name(), d.bits())).collect()))
+}
