@@ -10,7 +10,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::{detached, guard, os_error};
+use crate::errors::{detached, guard, os_error};
 
 /// A whole file mapped privately under its read lease, if it is wholly in
 /// the page cache: `LeasedFile(path)` raises OSError where it is not
