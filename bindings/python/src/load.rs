@@ -87,7 +87,7 @@ pub(crate) fn load(
     })
 }
 
-/// Relays a load's arrivals (`load_open_into_arriving`) to one Python
+/// Relays a load's arrivals (`LoadRequest::fill_arriving`) to one Python
 /// callable, on the load's thread beside the engine; the callable raising
 /// cancels the load, and its exception outranks the load's own outcome.
 pub(crate) struct Arrived {

@@ -5,7 +5,7 @@
 //! ([`fio`]). The `dmaload-bench` binary's commands (src/bin/dmaload-bench)
 //! are built on it.
 //!
-//! Loads go through the library's one pipeline (`dmaload::load_open_into`,
+//! Loads go through the library's one pipeline (`dmaload::LoadRequest::fill`,
 //! `dmaload::save::write_at`); the syscalls the library does not make
 //! (sendfile, splice, copy_file_range) come from rustix. All `unsafe` code
 //! (the buffers' mappings, the IOPS ring) lives in the private `sys`

@@ -6,7 +6,7 @@
 //! a udmabuf's own mapping, or a dma-heap buffer.
 //!
 //! The io_uring methods are the library's own pipeline: reads go through
-//! [`dmaload::load_open_into`] (caller memory, filled in place), writes
+//! [`dmaload::LoadRequest::fill`] (caller memory, filled in place), writes
 //! through [`dmaload::save::write_at`]. The other methods are the syscalls
 //! themselves (rustix).
 //!
@@ -450,7 +450,7 @@ fn read_into(
 }
 
 /// io_uring reads through the library's pipeline into the buffer as
-/// caller memory ([`dmaload::load_open_into`]): a helper thread populates
+/// caller memory ([`dmaload::LoadRequest::fill`]): a helper thread populates
 /// each gather, and for `uring-fixed` registers it, ahead of the reads.
 fn uring_read(
     buf: &mut TransferBuffer,

@@ -120,7 +120,7 @@ fn a_warm_file_is_copied_from_the_page_cache_in_place() {
     assert!(report.fallbacks.iter().any(|f| f.to == "page cache"), "{:?}", report.fallbacks);
 }
 
-/// `load_into_raw` fills memory another thread reads during the load (as a
+/// `LoadRequest::fill_raw` fills memory another thread reads during the load (as a
 /// Python thread may read a numpy array that `load_into` fills with the
 /// GIL released): the loader forms no Rust slice over it, and the reader,
 /// whose accesses are atomic, only ever sees a byte as it was (zero) or as
@@ -178,7 +178,7 @@ fn atomic_memory(storage: &[std::sync::atomic::AtomicU8], len: usize) -> &[std::
     &storage[start..start + len]
 }
 
-/// `load_open_into_arriving` says how far the load has come while it
+/// `LoadRequest::fill_arriving` says how far the load has come while it
 /// runs: gather by gather, each count larger than the last, the bytes
 /// below it already the file's when it is said (read back from inside the
 /// callback), the last one the whole length.

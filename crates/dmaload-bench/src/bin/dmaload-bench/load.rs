@@ -83,7 +83,7 @@ enum Method {
         name: String,
         options: LoadOptions,
     },
-    /// `load_to_sink` through the bench's staging ring into a fresh memfd
+    /// `LoadRequest::to_sink` through the bench's staging ring into a fresh memfd
     /// buffer of the file's size (a [`HostSink`]), allocated and populated
     /// in the timing.
     Staged {
