@@ -70,7 +70,8 @@ class _Lines(logging.Handler):
 def dmaload_log() -> Iterator[list[str]]:
     handler, log = _Lines(), logging.getLogger("vllm.dmaload")
     log.addHandler(handler)
-    level, log.level = log.level, logging.INFO
+    level = log.level
+    log.setLevel(logging.INFO)  # setLevel, not an assignment: it clears the logger's cached level checks
     try:
         yield handler.lines
     finally:

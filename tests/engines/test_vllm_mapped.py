@@ -143,7 +143,8 @@ def test_a_checkpoint_open_for_writing_is_read_not_mapped(tmp_path: Path) -> Non
     log = logging.getLogger("vllm.dmaload")
     handler = Lines()
     log.addHandler(handler)
-    level, log.level = log.level, logging.INFO
+    level = log.level
+    log.setLevel(logging.INFO)  # setLevel, not an assignment: it clears the logger's cached level checks
     fd = os.open(shard, os.O_WRONLY)  # a writer elsewhere: no lease is granted
     try:
         loader = DmaloadModelLoader(LoadConfig(load_format="dmaload"))
