@@ -145,25 +145,7 @@ impl Buffer {
         // Rust itself never reads or writes the bytes after `Buffer::new`.
         // `format`, `shape` and `strides` point at a static string and at
         // fields of `*view` itself, as CPython's own bytes-like objects do.
-        unsafe {
-            (*view).obj = slf.into_any().into_ptr();
-            (*view).buf = addr as *mut c_void;
-            (*view).len = len as isize;
-            (*view).readonly = 0;
-            (*view).itemsize = 1;
-            (*view).format =
-                if flags & ffi::PyBUF_FORMAT != 0 { c"B".as_ptr().cast_mut() } else { std::ptr::null_mut() };
-            (*view).ndim = 1;
-            (*view).shape =
-                if flags & ffi::PyBUF_ND != 0 { &raw mut (*view).len } else { std::ptr::null_mut() };
-            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
-                &raw mut (*view).itemsize
-            } else {
-                std::ptr::null_mut()
-            };
-            (*view).suboffsets = std::ptr::null_mut();
-            (*view).internal = std::ptr::null_mut();
-        }
+        unsafe { export_bytes(view, slf.into_any(), addr, len, flags) };
         Ok(())
     }
 
@@ -380,5 +362,44 @@ impl Buffer {
                 None => format!("<dmaload.Buffer closed, from {:?}>", self.path),
             })
         })
+    }
+}
+
+/// Fills `view` for a one-dimensional export of `len` unsigned bytes
+/// (`"B"`, C contiguous, writable) at `addr`, owned by `obj`, whose strong
+/// reference the view takes.
+///
+/// # Safety
+/// `view` is the non-null `Py_buffer` CPython hands `__getbuffer__` to
+/// fill, and `addr..addr + len` stays mapped readable and writable for as
+/// long as `obj` is alive. `format`, `shape` and `strides` are pointed at a
+/// static string and at fields of `*view` itself, as CPython's own
+/// bytes-like objects do.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn export_bytes(
+    view: *mut ffi::Py_buffer,
+    obj: Bound<'_, PyAny>,
+    addr: usize,
+    len: usize,
+    flags: c_int,
+) {
+    // SAFETY: the caller's contract above.
+    unsafe {
+        (*view).obj = obj.into_ptr();
+        (*view).buf = addr as *mut c_void;
+        (*view).len = len as isize;
+        (*view).readonly = 0;
+        (*view).itemsize = 1;
+        (*view).format =
+            if flags & ffi::PyBUF_FORMAT != 0 { c"B".as_ptr().cast_mut() } else { std::ptr::null_mut() };
+        (*view).ndim = 1;
+        (*view).shape = if flags & ffi::PyBUF_ND != 0 { &raw mut (*view).len } else { std::ptr::null_mut() };
+        (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
+            &raw mut (*view).itemsize
+        } else {
+            std::ptr::null_mut()
+        };
+        (*view).suboffsets = std::ptr::null_mut();
+        (*view).internal = std::ptr::null_mut();
     }
 }

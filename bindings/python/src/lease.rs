@@ -2,7 +2,7 @@
 //! (the core's `dmaload::lease::LeasedMapping`), exported through the
 //! buffer protocol for tensors over the page cache.
 
-use std::ffi::{c_int, c_void};
+use std::ffi::c_int;
 use std::path::PathBuf;
 
 use dmaload::lease::LeasedMapping;
@@ -10,6 +10,7 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::buffer::export_bytes;
 use crate::errors::{detached, guard, os_error};
 
 /// A whole file mapped privately under its read lease, if it is wholly in
@@ -64,25 +65,7 @@ impl LeasedFile {
         // consumer keeps one; a lease break swaps the pages under it for a
         // copy at the same address, never unmaps it. `format`, `shape` and
         // `strides` point at a static string and at fields of `*view`.
-        unsafe {
-            (*view).obj = slf.into_any().into_ptr();
-            (*view).buf = addr as *mut c_void;
-            (*view).len = len as isize;
-            (*view).readonly = 0;
-            (*view).itemsize = 1;
-            (*view).format =
-                if flags & ffi::PyBUF_FORMAT != 0 { c"B".as_ptr().cast_mut() } else { std::ptr::null_mut() };
-            (*view).ndim = 1;
-            (*view).shape =
-                if flags & ffi::PyBUF_ND != 0 { &raw mut (*view).len } else { std::ptr::null_mut() };
-            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
-                &raw mut (*view).itemsize
-            } else {
-                std::ptr::null_mut()
-            };
-            (*view).suboffsets = std::ptr::null_mut();
-            (*view).internal = std::ptr::null_mut();
-        }
+        unsafe { export_bytes(view, slf.into_any(), addr, len, flags) };
         Ok(())
     }
 
