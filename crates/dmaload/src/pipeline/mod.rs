@@ -260,14 +260,7 @@ pub(crate) fn fill_mapping(
         (verifier.is_some() || arrived.is_some()).then_some(&follow as _);
     let params = load_params(options, setup);
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
-        let transfer = Transfer {
-            path,
-            input: Input::File(setup.file.as_fd()),
-            cache: setup.cache,
-            plan,
-            params: &params,
-            progress,
-        };
+        let transfer = Transfer::read(path, setup, plan, &params, progress);
         let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, beside, populate);
         debug_assert!(run.is_err() || progress.done() == len);
         run.map(|run| (run, times))
@@ -417,14 +410,7 @@ pub(crate) fn fill_staged(
             let carried = cached.as_ref().map(|c| (c.bytes(), c.threads(), c.take_failure()));
             (fed, carried)
         };
-        let transfer = Transfer {
-            path,
-            input: Input::File(setup.file.as_fd()),
-            cache: setup.cache,
-            plan,
-            params: &params,
-            progress,
-        };
+        let transfer = Transfer::read(path, setup, plan, &params, progress);
         run_pipeline(&transfer, dst, layout, None, feed)
     };
     let mut fed = None;
@@ -688,6 +674,19 @@ pub(crate) struct Transfer<'a> {
     pub plan: &'a Plan,
     pub params: &'a EngineParams,
     pub progress: &'a Progress<'a>,
+}
+
+impl<'a> Transfer<'a> {
+    /// A read of the plan's bytes from the file `setup` opened for it.
+    fn read(
+        path: &'a Path,
+        setup: &'a ReadSetup,
+        plan: &'a Plan,
+        params: &'a EngineParams,
+        progress: &'a Progress<'a>,
+    ) -> Transfer<'a> {
+        Transfer { path, input: Input::File(setup.file.as_fd()), cache: setup.cache, plan, params, progress }
+    }
 }
 
 /// Runs one pipeline over `mem` in the plan's direction: the engine on this
