@@ -73,6 +73,6 @@ pub(crate) fn os_error(err: &dmaload::Error) -> PyErr {
 pub(crate) fn format_error(err: &st::Error) -> PyErr {
     match err {
         st::Error::Io(e) => os_error(e),
-        st::Error::Header { .. } => SafetensorError::new_err(err.to_string()),
+        st::Error::Header { .. } | st::Error::Model(_) => SafetensorError::new_err(err.to_string()),
     }
 }

@@ -2,6 +2,7 @@
 
 mod capture;
 mod demo;
+mod model_cmd;
 mod save_cmd;
 mod serve;
 mod sums;
@@ -90,7 +91,10 @@ enum Command {
 
 #[derive(Args)]
 struct LoadCommand {
-    /// The file, or an object: s3://BUCKET/KEY (docs/object-storage.md).
+    /// The file, an object (s3://BUCKET/KEY, docs/object-storage.md), or
+    /// a safetensors model: a directory (its model.safetensors.index.json,
+    /// else its *.safetensors files) or an index (*.json), every shard
+    /// loaded whole and reported with the model's totals.
     file: PathBuf,
     /// First byte to load.
     #[arg(long, value_parser = units::parse_size, default_value = "0")]
@@ -317,6 +321,8 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
+        // A directory or an index is a safetensors model, loaded shard by shard.
+        Command::Load(cmd) if model_cmd::is_model(&cmd.file) => model_cmd::run(cmd),
         Command::Load(cmd) => run_load(cmd).map_err(|e| e.to_string()),
         Command::Info { path, json, probe_memory } => output::info(path.as_deref(), *json, *probe_memory),
         Command::Demo(args) => demo::run(args),

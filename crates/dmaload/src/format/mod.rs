@@ -5,4 +5,5 @@
 //! error that says what is wrong, never a panic, a hang or an allocation
 //! much larger than the input.
 
+pub mod model;
 pub mod safetensors;

@@ -291,11 +291,14 @@ impl fmt::Display for HeaderError {
 impl std::error::Error for HeaderError {}
 
 /// A failure reading or loading a safetensors file: the file could not be
-/// read ([`Error::Io`]), or it is not a valid safetensors file.
+/// read ([`Error::Io`]), it is not a valid safetensors file, or a model's
+/// shards disagree with each other or with its index
+/// ([`Error::Model`]: the message names the files and tensors).
 #[derive(Debug)]
 pub enum Error {
     Io(IoError),
     Header { path: PathBuf, error: HeaderError },
+    Model(String),
 }
 
 impl fmt::Display for Error {
@@ -305,6 +308,7 @@ impl fmt::Display for Error {
             Error::Header { path, error } => {
                 write!(f, "{}: invalid safetensors file: {error}", path.display())
             }
+            Error::Model(message) => f.write_str(message),
         }
     }
 }
@@ -314,6 +318,7 @@ impl std::error::Error for Error {
         match self {
             Error::Io(err) => Some(err),
             Error::Header { error, .. } => Some(error),
+            Error::Model(_) => None,
         }
     }
 }
@@ -520,24 +525,32 @@ pub fn load(path: impl AsRef<Path>, options: &LoadOptions) -> Result<Loaded, Err
     let path = path.as_ref();
     let (header, json) = read_header(path)?;
     let (buffer, report) = crate::load(path, options)?;
+    check_loaded(path, &header, &json, &buffer)?;
+    Ok(Loaded { buffer, header, report })
+}
+
+/// Checks that `buffer`, the whole file at `path` loaded, holds the header
+/// `header` (whose JSON is `json`) that was validated before the load: an
+/// error if the file changed in between.
+pub(super) fn check_loaded(path: &Path, header: &Header, json: &[u8], buffer: &Buffer) -> Result<(), Error> {
     let end = 8 + json.len();
     let same = buffer.len() as u64 == header.file_len()
         && buffer.get(..8) == Some(&header.header_len.to_le_bytes()[..])
-        && buffer.get(8..end) == Some(&json[..]);
-    if !same {
-        return Err(Error::Header {
-            path: path.to_owned(),
-            error: HeaderError::new(
-                HeaderErrorKind::Changed,
-                format!(
-                    "file changed while it was loaded ({} bytes loaded, header describes {})",
-                    buffer.len(),
-                    header.file_len()
-                ),
-            ),
-        });
+        && buffer.get(8..end) == Some(json);
+    if same {
+        return Ok(());
     }
-    Ok(Loaded { buffer, header, report })
+    Err(Error::Header {
+        path: path.to_owned(),
+        error: HeaderError::new(
+            HeaderErrorKind::Changed,
+            format!(
+                "file changed while it was loaded ({} bytes loaded, header describes {})",
+                buffer.len(),
+                header.file_len()
+            ),
+        ),
+    })
 }
 
 /// Byte offset in `text` of a 1-based (line, column) from serde_json.
