@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use dmaload::format::model::Model;
 use dmaload::format::safetensors as st;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -66,6 +67,23 @@ pub(crate) fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult
     let (header, _) = read.map_err(|e| format_error(&e))?;
     guard(|| header_object(py, header))
 }
+
+/// The model at `path` as the core resolves it
+/// (`dmaload::format::model::Model::resolve`: a file, an index or a
+/// directory, the index read and checked): its shard files in order, and
+/// the index's weight map as (tensor, normalized shard name) pairs in the
+/// index's order, or `None` without an index.
+#[pyfunction]
+pub(crate) fn resolve_model(py: Python<'_>, path: PathBuf) -> PyResult<ResolvedModel> {
+    // As read_safetensors_header: a read no cancellation reaches does not
+    // hold Ctrl-C.
+    let resolved = run_abandonable(py, &dmaload::CancelToken::new(), move || Model::resolve(&path))?;
+    let Model { shards, weight_map } = resolved.map_err(|e| format_error(&e))?;
+    Ok((shards, weight_map))
+}
+
+/// [`resolve_model`]'s answer: the shards, and the weight map if indexed.
+type ResolvedModel = (Vec<PathBuf>, Option<Vec<(String, String)>>);
 
 /// Loads safetensors files whole, `concurrency` at a time, with the GIL
 /// released; returns (buffer, `Header`) per file, in order.

@@ -3,6 +3,7 @@
 import os
 import socket
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Final, Literal, NoReturn, Protocol, TypeAlias, final
 
 from ._header import Header
@@ -43,6 +44,7 @@ __all__ = [
     "parse_size",
     "read_safetensors_header",
     "release_staging",
+    "resolve_model",
     "safetensors_dtypes",
     "save",
     "__version__",
@@ -310,6 +312,11 @@ def load_dmabuf(
 ) -> DmaBuf: ...
 def read_safetensors_header(path: str | os.PathLike[str]) -> Header: ...
 def parse_safetensors_header(data: bytes, file_len: int | None = None) -> Header: ...
+def resolve_model(path: str | os.PathLike[str]) -> tuple[list[Path], list[tuple[str, str]] | None]:
+    """The model at ``path`` as the core resolves it: its shard files,
+    and its index's weight map as (tensor, normalized shard name) pairs in
+    the index's order (``None`` without an index)."""
+
 def safetensors_dtypes() -> list[tuple[str, int]]: ...
 def _option_choices() -> dict[str, list[str]]:
     """For the tests: the values of each enumerated option as the core

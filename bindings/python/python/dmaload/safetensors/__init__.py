@@ -15,7 +15,7 @@ reused while any view exists (``Buffer.close()`` refuses then).
 ``path`` may be a file, a ``*.safetensors.index.json`` or a directory (its
 ``model.safetensors.index.json``, else all its ``*.safetensors`` files): the
 shards are loaded concurrently. An index's ``weight_map`` is checked before
-anything is loaded (see ``_index_shards``), then against the shards'
+anything is loaded (see ``shard_paths``), then against the shards'
 headers before their data (``_tensor_index``), and against the loaded
 shards again.
 
@@ -48,10 +48,7 @@ which requires aligned storage; NumPy views it in place.
 
 from __future__ import annotations
 
-import errno
-import json
 import os
-import stat
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, Union, Unpack, get_args
@@ -96,7 +93,6 @@ StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
 Paths: TypeAlias = Union[StrPath, Sequence[StrPath]]
 """A model path (a file, an index or a directory) or a list of shard files."""
 
-INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_LEN = _dmaload.MAX_HEADER_LEN
 """The largest index read (bytes): an index is untrusted, as a header is."""
 DEFAULT_CONCURRENCY = 4
@@ -112,103 +108,26 @@ def shard_paths(path: Paths) -> tuple[list[Path], dict[str, str] | None]:
     else all of its ``*.safetensors`` files in name order. A directory with
     several other index files (a diffusers model's variants, say) is an
     error naming them: which one is meant is the caller's to say.
+
+    The core resolves it (``dmaload::format::model``, as ``dmaload load
+    MODEL_DIR`` does) and checks the index before anything is loaded: it
+    must be a regular file (``OSError`` EINVAL otherwise) of at most
+    ``MAX_INDEX_LEN`` bytes of JSON with no key twice in an object, and
+    its ``weight_map`` a non-empty map of tensor name to file name. A value
+    that is absolute, contains ``..``, names no file (empty, ``.``) or
+    contains NUL is refused naming the tensor and the value, and a shard
+    that does not exist is ``FileNotFoundError``. The reference loaders
+    (transformers) join each value to the index's directory unchecked.
+    Shards may be symlinks (the Hugging Face cache links into
+    ``../../blobs``): the rule is about the names in the index, not where
+    links lead. Two spellings of one shard (``./a.safetensors``) are one.
     """
     if isinstance(path, (list, tuple)):
         if not path:
             raise ValueError("an empty list of shard files")
         return [Path(os.fspath(f)) for f in path], None
-    p = Path(os.fspath(path))  # type: ignore[arg-type]  # not a list: a str or PathLike
-    if p.is_dir():
-        indexes = sorted(f for f in p.glob("*.safetensors.index.json") if f.is_file())
-        if (p / INDEX_NAME).is_file():
-            return shard_paths(p / INDEX_NAME)
-        if len(indexes) == 1:
-            return shard_paths(indexes[0])
-        if indexes:
-            names = ", ".join(f.name for f in indexes)
-            raise SafetensorError(
-                f"{p}: {len(indexes)} index files ({names}) and no {INDEX_NAME}: pass the index to load"
-            )
-        found = sorted(f for f in p.glob("*.safetensors") if f.is_file())
-        if not found:
-            raise FileNotFoundError(2, "no *.safetensors files in directory", str(p))
-        return found, None
-    if p.suffix == ".json":
-        return _index_shards(p)
-    return [p], None
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json object hook: a key given twice is an error (json.loads would keep the last)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise SafetensorError(f"key {key!r} appears twice in the same JSON object")
-        out[key] = value
-    return out
-
-
-def _index_shards(p: Path) -> tuple[list[Path], dict[str, str]]:
-    """The shards an index names, checked before anything is loaded.
-
-    The reference loaders (transformers) join each ``weight_map`` value to
-    the index's directory without checking it; dmaload refuses, naming the
-    tensor and the file: a value that is absolute, contains ``..``, names
-    no file (empty, ``.``), contains NUL; a shard that does not exist
-    (``FileNotFoundError``); an empty map; a tensor listed twice. The index
-    itself must be a regular file (``OSError`` EINVAL otherwise) of at most
-    ``MAX_INDEX_LEN`` bytes. Shards
-    may be symlinks (the Hugging Face cache links into ``../../blobs``):
-    the rule is about the names in the index, not where links lead.
-    """
-    text = _read_index(p)
-    try:
-        index = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    # ValueError: bad UTF-8, bad JSON, a key given twice, an int too long to
-    # convert; RecursionError: nesting deeper than the interpreter's stack.
-    except (ValueError, RecursionError) as exc:
-        raise SafetensorError(f"{p}: invalid index JSON: {exc}") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise SafetensorError(f"{p}: index has no weight_map of tensor name -> file name")
-    if not weight_map:
-        raise SafetensorError(f"{p}: index has an empty weight_map: it names no tensor and no shard")
-    normalized: dict[str, str] = {}
-    files: dict[str, Path] = {}
-    for tensor, name in weight_map.items():
-        shard = Path(name)
-        if "\0" in name or not name or shard.name in ("", ".", ".."):
-            raise SafetensorError(f"{p}: tensor {tensor!r} is mapped to {name!r}, which is not a file name")
-        if shard.is_absolute() or ".." in shard.parts:
-            raise SafetensorError(
-                f"{p}: tensor {tensor!r} is mapped to shard {name!r}, which is outside the index's directory"
-            )
-        key = os.path.normpath(name)  # "a.safetensors" and "./a.safetensors" are one shard
-        normalized[tensor] = key
-        if key not in files:
-            path = p.parent / key
-            if not path.exists():
-                raise FileNotFoundError(
-                    errno.ENOENT, f"{p}: tensor {tensor!r} is mapped to shard {name!r}, which does not exist", str(path)
-                )
-            files[key] = path
-    return list(files.values()), normalized
-
-
-def _read_index(p: Path) -> bytes:
-    """The bytes of the index at ``p``: a regular file (a FIFO would block
-    for ever, a device such as ``/dev/zero`` never end) of at most
-    ``MAX_INDEX_LEN`` bytes."""
-    # Non-blocking: opening a FIFO without a writer returns at once.
-    with open(os.open(os.fspath(p), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise OSError(errno.EINVAL, "read index: not a regular file", os.fspath(p))
-        data = f.read(MAX_INDEX_LEN + 1)
-    if len(data) > MAX_INDEX_LEN:
-        raise SafetensorError(f"{p}: the index exceeds the limit of {MAX_INDEX_LEN} bytes")
-    return data
+    shards, weight_map = _dmaload.resolve_model(os.fspath(path))  # type: ignore[arg-type]  # a str or PathLike
+    return [Path(f) for f in shards], (dict(weight_map) if weight_map is not None else None)
 
 
 class _File:
