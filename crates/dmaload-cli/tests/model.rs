@@ -124,18 +124,21 @@ fn verify_checks_each_shard_against_its_sums_entry() {
     assert!(stderr.contains("mismatch") && stderr.contains("model-00003-of-00003"), "{stderr}");
 }
 
+/// A change to an index's weight map.
+type Edit = dyn Fn(&mut serde_json::Map<String, Value>);
+
 #[test]
 fn a_bad_index_or_disagreeing_shards_are_refused_naming_the_tensor() {
     let dir = scratch();
     let (_, good) = sharded_model(dir.path());
     let index = dir.path().join("model.safetensors.index.json");
-    let with_map = |change: &dyn Fn(&mut serde_json::Map<String, Value>)| {
+    let with_map = |change: &Edit| {
         let mut index_json = good.clone();
         change(index_json["weight_map"].as_object_mut().unwrap());
         std::fs::write(&index, index_json.to_string()).unwrap();
         failure(&output_or_hang(dmaload().arg("load").arg(dir.path())))
     };
-    let cases: [(&dyn Fn(&mut serde_json::Map<String, Value>), &str); 6] = [
+    let cases: [(&Edit, &str); 6] = [
         (&|m| drop(m.insert("layer0.q".into(), json!("../x.safetensors"))), "outside the index's directory"),
         (&|m| drop(m.insert("layer0.q".into(), json!("."))), "which is not a file name"),
         (&|m| drop(m.insert("layer0.q".into(), json!("gone.safetensors"))), "which does not exist"),
