@@ -294,10 +294,7 @@ impl Buffer {
     /// prints); `report` is the same as a typed record.
     #[getter]
     fn report_json(&self) -> PyResult<String> {
-        guard(|| {
-            serde_json::to_string(&self.report_data)
-                .map_err(|e| PyValueError::new_err(format!("the report cannot be written as JSON: {e}")))
-        })
+        guard(|| report_json(&self.report_data))
     }
 
     /// The load's report, a `dmaload.LoadReport` dataclass built field by

@@ -10,11 +10,11 @@ use dmaload::{SaveOptions, SaveReport};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::PyDict;
 
 use crate::errors::{guard, os_error};
 use crate::options::{DefaultValue, Opts};
-use crate::report::cache_name;
+use crate::report::report_json;
 use crate::run::{run_abandonable, Progress};
 
 /// The bytes of `export`, for the kernel alone to read.
@@ -76,59 +76,13 @@ pub fn save<'py>(
     })
 }
 
-/// The core's report as a `dmaload._report.SaveReport`, field by field.
-/// The destructuring names every field, so a field the core adds is a
-/// compile error here until it crosses too.
+/// The core's report as a `dmaload._report.SaveReport`, through its JSON
+/// as a load's report crosses (`report_object`), with `path` and `target`
+/// in their exact `os.fsdecode` forms.
 fn save_report_object<'py>(py: Python<'py>, report: &SaveReport) -> PyResult<Bound<'py, PyAny>> {
-    let SaveReport {
-        path,
-        target,
-        file_type,
-        in_place,
-        bytes,
-        engine,
-        cache,
-        filesystem,
-        alignment,
-        direct_bytes,
-        fallbacks,
-        anonymous_tmpfile,
-        replaced,
-        other_links,
-        removed_tmpfiles,
-        allocate_seconds,
-        write_seconds,
-        sync_seconds,
-        total_seconds,
-        gib_per_second,
-        cpu_user_seconds,
-        cpu_system_seconds,
-    } = report;
-    let module = py.import("dmaload._report")?;
-    let kw = PyDict::new(py);
-    kw.set_item("path", path.as_os_str())?;
-    kw.set_item("target", target.as_os_str())?;
-    kw.set_item("file_type", file_type)?;
-    kw.set_item("in_place", in_place)?;
-    kw.set_item("bytes", bytes)?;
-    kw.set_item("engine", engine.name())?;
-    kw.set_item("cache", cache_name(*cache))?;
-    kw.set_item("filesystem", filesystem)?;
-    kw.set_item("alignment", alignment)?;
-    kw.set_item("direct_bytes", direct_bytes)?;
-    kw.set_item("fallbacks", crate::report::fallback_objects(&module, fallbacks)?)?;
-    kw.set_item("anonymous_tmpfile", anonymous_tmpfile)?;
-    kw.set_item("replaced", replaced)?;
-    kw.set_item("other_links", other_links)?;
-    kw.set_item("removed_tmpfiles", PyTuple::new(py, removed_tmpfiles)?)?;
-    kw.set_item("allocate_seconds", allocate_seconds)?;
-    kw.set_item("write_seconds", write_seconds)?;
-    kw.set_item("sync_seconds", sync_seconds)?;
-    kw.set_item("total_seconds", total_seconds)?;
-    kw.set_item("gib_per_second", gib_per_second)?;
-    kw.set_item("cpu_user_seconds", cpu_user_seconds)?;
-    kw.set_item("cpu_system_seconds", cpu_system_seconds)?;
-    module.getattr("SaveReport")?.call((), Some(&kw))
+    let json = report_json(report)?;
+    let class = py.import("dmaload._report")?.getattr("SaveReport")?;
+    class.call_method1("from_json", (json, report.path.as_os_str(), report.target.as_os_str()))
 }
 
 /// Every save option the binding takes, with the core's default: the

@@ -57,6 +57,15 @@ def test_round_trip_of_bytes_and_bytearray(data_file: tuple[Path, bytes], tmp_pa
         # Every phase was measured (a field left unset reads 0), within the whole.
         assert report.total_seconds >= report.write_seconds > 0
         assert all(isinstance(f, dmaload.Fallback) for f in report.fallbacks)
+        # Every field the native report has is a typed field here too.
+        assert report.extra == {}, f"SaveReport lacks fields {sorted(report.extra)}"
+
+
+def test_a_save_report_names_a_path_that_is_not_utf8_exactly(tmp_path: Path) -> None:
+    raw = os.fsencode(tmp_path) + b"/caf\xe9.bin"
+    report = dmaload.save(b"x" * 5000, os.fsdecode(raw))
+    assert os.fsencode(report.path) == raw and os.fsencode(report.target) == raw
+    assert report.removed_tmpfiles == () and report.extra == {}
 
 
 def test_round_trip_of_a_loaded_buffer(data_file: tuple[Path, bytes], tmp_path: Path) -> None:

@@ -1,13 +1,14 @@
-"""The reports of a load and of a save, as dataclasses (built field by field by
-the native module; ``LoadReport.from_json`` reads the JSON that ``dmaload load
---json`` prints)."""
+"""The reports of a load and of a save, as dataclasses read from the core's
+JSON: the native module hands each report over as that JSON, the same that
+``dmaload load --json`` prints, so ``from_json`` is the one place a report's
+fields cross into Python."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["Fallback", "LoadReport", "PageCacheResidency", "SaveReport"]
 
@@ -82,22 +83,12 @@ class LoadReport:
         data = json.loads(text)
         if path is not None:
             data["path"] = path
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in known}
-        kwargs["fallbacks"] = tuple(
-            Fallback(from_=f.get("from", ""), to=f.get("to", ""), reason=f.get("reason", ""))
-            for f in data.get("fallbacks", ())
-        )
         pc = data.get("page_cache")
-        kwargs["page_cache"] = (
-            None
-            if pc is None
-            else PageCacheResidency(
+        if pc is not None:
+            data["page_cache"] = PageCacheResidency(
                 resident_bytes=int(pc.get("resident_bytes", 0)), fraction=float(pc.get("fraction", 0.0))
             )
-        )
-        kwargs["extra"] = {k: v for k, v in data.items() if k not in known}
-        return cls(**kwargs)
+        return _from_fields(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,6 +111,8 @@ class SaveReport:
     ``removed_tmpfiles`` names temporary files of crashed saves cleared from
     the directory. ``allocate_seconds``, ``write_seconds`` and
     ``sync_seconds`` (fsync and rename) are parts of ``total_seconds``.
+    Fields the native library reports but this version does not know are
+    kept in ``extra``.
     """
 
     path: str = ""
@@ -144,6 +137,36 @@ class SaveReport:
     gib_per_second: float = 0.0
     cpu_user_seconds: float = 0.0
     cpu_system_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, text: str, path: str | None = None, target: str | None = None) -> SaveReport:
+        """The report from the native JSON; ``path`` and ``target``, when
+        given, replace the JSON's with the ``os.fsdecode`` forms (as for
+        ``LoadReport.from_json``)."""
+        data = json.loads(text)
+        if path is not None:
+            data["path"] = path
+        if target is not None:
+            data["target"] = target
+        data["removed_tmpfiles"] = tuple(data.get("removed_tmpfiles", ()))
+        return _from_fields(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_Report = TypeVar("_Report", LoadReport, SaveReport)
+
+
+def _from_fields(cls: type[_Report], data: dict[str, Any]) -> _Report:
+    """``cls`` from a report's JSON fields: the fallbacks as ``Fallback``
+    records, and the fields this version does not know kept in ``extra``."""
+    known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+    kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in known}
+    kwargs["fallbacks"] = tuple(
+        Fallback(from_=f.get("from", ""), to=f.get("to", ""), reason=f.get("reason", ""))
+        for f in data.get("fallbacks", ())
+    )
+    kwargs["extra"] = {k: v for k, v in data.items() if k not in known}
+    return cls(**kwargs)
