@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use dmaload::source::OpenFile;
-use dmaload::{Destination, LoadRequest, LoadedDmaBuf};
+use dmaload::{Destination, LoadRequest, LoadedDmaBuf, OptionValue};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -149,8 +149,8 @@ pub fn load_dmabuf(
     options: Option<Bound<'_, PyDict>>,
 ) -> PyResult<DmaBuf> {
     guard(move || {
-        let mut opts = Opts::from_dict(options.as_ref())?;
-        opts.to.get_or_insert_with(|| Destination::Dmabuf.name());
+        let opts = Opts::from_dict(options.as_ref())?
+            .or_default("to", OptionValue::Name(Destination::Dmabuf.name()));
         let mut options = opts.to_options()?;
         if !options.to.is_dmabuf() {
             return Err(PyValueError::new_err(format!(

@@ -136,7 +136,7 @@ pub(crate) fn load_into<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     guard(move || {
         let opts = Opts::from_dict(options.as_ref())?;
-        if opts.to.is_some() {
+        if opts.given("to") {
             return Err(PyTypeError::new_err("load_into() takes no 'to': the target is the destination"));
         }
         let mut options = opts.to_options()?;

@@ -4,36 +4,32 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use dmaload::{Destination, Engine, IoMode, LoadOptions, SaveOptions};
+use dmaload::{Destination, Engine, IoMode, LoadOptions, OptionError, OptionValue, SaveOptions};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict};
+use pyo3::types::{PyBool, PyDict, PyInt};
 
 use crate::errors::*;
 
 /// The load options of every native entry point, passed as one dict
-/// (`dmaload._options.native_options` builds it): the core's
-/// [`LoadOptions`], names and values as the core spells them (see
-/// [`_option_defaults`]), sizes in bytes, plus the staging ring of device
-/// loads. A name not listed here is a TypeError, so an option one side
-/// lacks cannot pass unnoticed. Each entry point uses the options that
-/// apply to it: a host load ignores the staging ring, a staged load the
-/// host memory's (`to`, `gather_size`, `populate_threads`).
-#[derive(Default)]
+/// (`dmaload._options.native_options` builds it): the names and values the
+/// core's [`LoadOptions::set`] takes (sizes in bytes), checked by it, plus
+/// the staging ring of device loads. A name neither takes is a TypeError,
+/// so an option one side lacks cannot pass unnoticed. Each entry point uses
+/// the options that apply to it: a host load ignores the staging ring, a
+/// staged load the host memory's (`to`, `gather_size`, `populate_threads`).
 pub(crate) struct Opts {
-    pub(crate) engine: Option<String>,
-    pub(crate) mode: Option<String>,
-    pub(crate) to: Option<String>,
-    pub(crate) gather_size: Option<usize>,
-    pub(crate) chunk_size: Option<usize>,
-    pub(crate) queue_depth: Option<usize>,
-    pub(crate) threads: Option<usize>,
-    pub(crate) populate_threads: Option<usize>,
-    pub(crate) measure_page_cache: Option<bool>,
-    pub(crate) verify: Option<bool>,
+    /// "load" or "save": what the errors call the options.
+    what: &'static str,
+    /// The options given, a value of None (the default) left out.
+    given: Vec<(String, OptionValue)>,
     pub(crate) staging_slots: Option<usize>,
     pub(crate) staging_slot_size: Option<usize>,
 }
+
+/// The options of a device load's staging ring, which only the binding's
+/// staged load takes (the core sizes the command line's ring to the load).
+const STAGING: [&str; 2] = ["staging_slots", "staging_slot_size"];
 
 impl Opts {
     /// Reads `options` (None: every default); a value of None is the default.
@@ -43,91 +39,106 @@ impl Opts {
 
     /// [`Opts::from_dict`] for an entry point whose errors call the options
     /// `what` options ("save option chunk_size: ...").
-    pub(crate) fn from_dict_for(what: &str, options: Option<&Bound<'_, PyDict>>) -> PyResult<Opts> {
-        let mut o = Opts::default();
+    pub(crate) fn from_dict_for(what: &'static str, options: Option<&Bound<'_, PyDict>>) -> PyResult<Opts> {
+        let mut o = Opts { what, given: Vec::new(), staging_slots: None, staging_slot_size: None };
         for (name, value) in options.into_iter().flat_map(|dict| dict.iter()) {
             let name: String = name.extract()?;
             if value.is_none() {
                 continue;
             }
-            let typed = |e: PyErr| PyTypeError::new_err(format!("{what} option {name}: {e}"));
-            // A bool is an int to Python, but True is never the count 1 a user meant.
-            let number = || -> PyResult<usize> {
-                if value.is_instance_of::<PyBool>() {
-                    return Err(PyTypeError::new_err(format!(
-                        "{what} option {name}: a bool is not a number"
-                    )));
+            let value = o.value(&name, &value)?;
+            match (name.as_str(), &value) {
+                ("staging_slots", OptionValue::Number(n)) => o.staging_slots = Some(o.count(&name, *n)?),
+                ("staging_slot_size", OptionValue::Number(n)) => {
+                    o.staging_slot_size = Some(o.count(&name, *n)?)
                 }
-                value.extract().map_err(typed)
-            };
-            match name.as_str() {
-                "engine" => o.engine = Some(value.extract().map_err(typed)?),
-                "mode" => o.mode = Some(value.extract().map_err(typed)?),
-                "to" => o.to = Some(value.extract().map_err(typed)?),
-                "gather_size" => o.gather_size = Some(number()?),
-                "chunk_size" => o.chunk_size = Some(number()?),
-                "queue_depth" => o.queue_depth = Some(number()?),
-                "threads" => o.threads = Some(number()?),
-                "populate_threads" => o.populate_threads = Some(number()?),
-                "measure_page_cache" => o.measure_page_cache = Some(value.extract().map_err(typed)?),
-                "verify" => o.verify = Some(value.extract().map_err(typed)?),
-                "staging_slots" => o.staging_slots = Some(number()?),
-                "staging_slot_size" => o.staging_slot_size = Some(number()?),
-                _ => return Err(PyTypeError::new_err(format!("unknown {what} option {name:?}"))),
+                _ => o.given.push((name, value)),
             }
         }
         Ok(o)
     }
 
-    pub(crate) fn engine(&self) -> PyResult<Option<Engine>> {
-        self.engine.as_deref().map(|e| e.parse::<Engine>().map_err(PyValueError::new_err)).transpose()
+    /// A Python value as the core takes it. A bool is an int to Python,
+    /// but True is never the count 1 a user meant: it is a switch.
+    fn value(&self, name: &str, value: &Bound<'_, PyAny>) -> PyResult<OptionValue> {
+        let what = self.what;
+        if value.is_instance_of::<PyBool>() {
+            if STAGING.contains(&name) {
+                return Err(PyTypeError::new_err(format!("{what} option {name}: a bool is not a number")));
+            }
+            return Ok(OptionValue::Flag(value.extract()?));
+        }
+        if let Ok(text) = value.extract::<String>() {
+            return Ok(OptionValue::Name(text));
+        }
+        if value.is_instance_of::<PyInt>() {
+            let n =
+                value.extract().map_err(|e| PyTypeError::new_err(format!("{what} option {name}: {e}")))?;
+            return Ok(OptionValue::Number(n));
+        }
+        let kind = value.get_type().name()?;
+        Err(PyTypeError::new_err(format!("{what} option {name}: a str, int or bool, not {kind}")))
     }
 
-    pub(crate) fn mode(&self) -> PyResult<Option<IoMode>> {
-        self.mode.as_deref().map(|m| m.parse::<IoMode>().map_err(PyValueError::new_err)).transpose()
+    fn count(&self, name: &str, n: u64) -> PyResult<usize> {
+        usize::try_from(n)
+            .map_err(|_| PyValueError::new_err(format!("{} option {name}: {n} is too large", self.what)))
+    }
+
+    /// Whether the option `name` was given.
+    pub(crate) fn given(&self, name: &str) -> bool {
+        self.given.iter().any(|(n, _)| n == name)
+    }
+
+    /// These options less `names` (options an entry point does not use).
+    pub(crate) fn without(mut self, names: &[&str]) -> Opts {
+        self.given.retain(|(n, _)| !names.contains(&n.as_str()));
+        self
+    }
+
+    /// `name` set to `value` unless it was given.
+    pub(crate) fn or_default(mut self, name: &str, value: OptionValue) -> Opts {
+        if !self.given(name) {
+            self.given.push((name.to_owned(), value));
+        }
+        self
+    }
+
+    /// The core's error for the option `name` as the Python exception.
+    fn refused(&self, name: &str, error: OptionError) -> PyErr {
+        let what = self.what;
+        match error {
+            OptionError::Unknown
+                if what == "save" && (LoadOptions::NAMES.contains(&name) || STAGING.contains(&name)) =>
+            {
+                PyTypeError::new_err(format!("unknown save option {name:?} (a load option)"))
+            }
+            OptionError::Unknown => PyTypeError::new_err(format!("unknown {what} option {name:?}")),
+            OptionError::Type(e) => PyTypeError::new_err(format!("{what} option {name}: {e}")),
+            OptionError::Value(e) => PyValueError::new_err(format!("{what} option {name}: {e}")),
+        }
     }
 
     pub(crate) fn to_options(&self) -> PyResult<LoadOptions> {
         let mut o = LoadOptions::default();
-        o.engine = self.engine()?.unwrap_or(o.engine);
-        o.mode = self.mode()?.unwrap_or(o.mode);
-        if let Some(to) = &self.to {
-            o.to = to.parse::<Destination>().map_err(PyValueError::new_err)?;
+        for (name, value) in &self.given {
+            o.set(name, value.clone()).map_err(|e| self.refused(name, e))?;
         }
-        o.gather_size = self.gather_size.unwrap_or(o.gather_size);
-        o.chunk_size = self.chunk_size.unwrap_or(o.chunk_size);
-        o.queue_depth = self.queue_depth.unwrap_or(o.queue_depth);
-        o.threads = self.threads.unwrap_or(o.threads);
-        o.populate_threads = self.populate_threads.unwrap_or(o.populate_threads);
-        o.measure_page_cache = self.measure_page_cache.unwrap_or(o.measure_page_cache);
-        o.verify = self.verify.unwrap_or(o.verify);
         Ok(o)
     }
 
-    /// The options of a save: those a write shares with a load (`engine`,
-    /// `mode`, `chunk_size`, `queue_depth`, `threads`) and `sync` (None:
-    /// the default). One only
-    /// a load takes is a TypeError naming it.
+    /// The options of a save, with `sync` (None: the default). One only a
+    /// load takes is a TypeError naming it.
     pub(crate) fn to_save_options(&self, sync: Option<bool>) -> PyResult<SaveOptions> {
-        let load_only = [
-            ("to", self.to.is_some()),
-            ("gather_size", self.gather_size.is_some()),
-            ("populate_threads", self.populate_threads.is_some()),
-            ("measure_page_cache", self.measure_page_cache.is_some()),
-            ("verify", self.verify.is_some()),
-            ("staging_slots", self.staging_slots.is_some()),
-            ("staging_slot_size", self.staging_slot_size.is_some()),
-        ];
-        if let Some((name, _)) = load_only.iter().find(|(_, set)| *set) {
-            return Err(PyTypeError::new_err(format!("unknown save option {name:?} (a load option)")));
+        let staging = [(STAGING[0], self.staging_slots), (STAGING[1], self.staging_slot_size)];
+        if let Some((name, _)) = staging.iter().find(|(_, given)| given.is_some()) {
+            return Err(self.refused(name, OptionError::Unknown));
         }
         let mut o = SaveOptions::default();
         o.sync = sync.unwrap_or(o.sync);
-        o.engine = self.engine()?.unwrap_or(o.engine);
-        o.mode = self.mode()?.unwrap_or(o.mode);
-        o.chunk_size = self.chunk_size.unwrap_or(o.chunk_size);
-        o.queue_depth = self.queue_depth.unwrap_or(o.queue_depth);
-        o.threads = self.threads.unwrap_or(o.threads);
+        for (name, value) in &self.given {
+            o.set(name, value.clone()).map_err(|e| self.refused(name, e))?;
+        }
         Ok(o)
     }
 }
@@ -201,44 +212,25 @@ pub(crate) enum DefaultValue {
 }
 
 /// Every load option the binding takes, with the core's default: the
-/// fields of [`LoadOptions`] (all named, so a field the core adds is a
-/// compile error here until it crosses) less the callback and the
-/// cancellation token, which Python passes in its own way, `needs_fd`,
-/// which each entry point sets (`load` keeps a memfd for `Buffer.fileno`,
-/// the safetensors loaders need none), and the staging ring of device
-/// loads.
+/// core's [`LoadOptions::NAMES`] and the staging ring of device loads.
 #[pyfunction]
 pub(crate) fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
     guard(|| {
-        let LoadOptions {
-            engine,
-            mode,
-            to,
-            gather_size,
-            chunk_size,
-            queue_depth,
-            threads,
-            populate_threads,
-            measure_page_cache,
-            verify,
-            needs_fd: _,
-            progress: _,
-            cancel: _,
-        } = LoadOptions::default();
-        Ok(BTreeMap::from([
-            ("engine", DefaultValue::Name(engine.name().to_owned())),
-            ("mode", DefaultValue::Name(mode.name().to_owned())),
-            ("to", DefaultValue::Name(to.name())),
-            ("gather_size", DefaultValue::Number(gather_size)),
-            ("chunk_size", DefaultValue::Number(chunk_size)),
-            ("queue_depth", DefaultValue::Number(queue_depth)),
-            ("threads", DefaultValue::Number(threads)),
-            ("populate_threads", DefaultValue::Number(populate_threads)),
-            ("measure_page_cache", DefaultValue::Flag(measure_page_cache)),
-            ("verify", DefaultValue::Flag(verify)),
-            ("staging_slots", DefaultValue::Number(dmaload::sink::DEFAULT_SLOTS)),
-            ("staging_slot_size", DefaultValue::Number(dmaload::sink::DEFAULT_SLOT_SIZE)),
-        ]))
+        let defaults = LoadOptions::default();
+        let mut all: BTreeMap<_, _> = LoadOptions::NAMES
+            .iter()
+            .filter_map(|&name| {
+                let value = match defaults.get(name)? {
+                    OptionValue::Name(n) => DefaultValue::Name(n),
+                    OptionValue::Number(n) => DefaultValue::Number(n as usize),
+                    OptionValue::Flag(b) => DefaultValue::Flag(b),
+                };
+                Some((name, value))
+            })
+            .collect();
+        all.insert("staging_slots", DefaultValue::Number(dmaload::sink::DEFAULT_SLOTS));
+        all.insert("staging_slot_size", DefaultValue::Number(dmaload::sink::DEFAULT_SLOT_SIZE));
+        Ok(all)
     })
 }
 

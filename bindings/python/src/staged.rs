@@ -259,14 +259,17 @@ pub fn _load_staged(
         return Err(PyValueError::new_err("one destination per file is needed"));
     }
     // The host memory's options do not apply: the ring is the memory.
-    let opts =
-        Opts { to: None, gather_size: None, populate_threads: None, ..Opts::from_dict(options.as_ref())? };
+    let opts = Opts::from_dict(options.as_ref())?.without(&["to", "gather_size", "populate_threads"]);
     let slots = opts.staging_slots.unwrap_or(DEFAULT_SLOTS);
     let slot_size = opts.staging_slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
     let mut options = opts.to_options()?;
     // One read per slot and every slot in flight, unless asked otherwise.
-    options.chunk_size = opts.chunk_size.unwrap_or(slot_size);
-    options.queue_depth = opts.queue_depth.unwrap_or(slots);
+    if !opts.given("chunk_size") {
+        options.chunk_size = slot_size;
+    }
+    if !opts.given("queue_depth") {
+        options.queue_depth = slots;
+    }
     let lens = files
         .iter()
         .map(|f| usize::try_from(f.get().data_len).map_err(|_| PyValueError::new_err("file too large")))

@@ -192,7 +192,7 @@ impl WindowLoader {
     ) -> PyResult<WindowLoader> {
         guard(|| {
             let opts = Opts::from_dict(options.as_ref())?;
-            if opts.to.is_some() {
+            if opts.given("to") {
                 return Err(PyTypeError::new_err(
                     "WindowLoader takes no 'to': the targets are the destinations",
                 ));

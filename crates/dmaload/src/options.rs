@@ -418,6 +418,113 @@ pub(crate) fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
     Ok(())
 }
 
+/// A value given to an option by name ([`LoadOptions::set`],
+/// [`crate::SaveOptions::set`]): how front ends that take options as names
+/// and values (Python's keywords, a serving engine's config) hand them
+/// over, so each name is parsed in one place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OptionValue {
+    /// An enumerated option's choice (`engine`, `mode`, `to`).
+    Name(String),
+    /// A count or a size in bytes.
+    Number(u64),
+    /// A switch.
+    Flag(bool),
+}
+
+impl OptionValue {
+    fn kind(&self) -> &'static str {
+        match self {
+            OptionValue::Name(_) => "a name",
+            OptionValue::Number(_) => "a number",
+            OptionValue::Flag(_) => "a bool",
+        }
+    }
+}
+
+/// Why an option given by name was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OptionError {
+    /// No option has this name.
+    Unknown,
+    /// The option takes another kind of value (the message says which).
+    Type(String),
+    /// The value is of the right kind but not one the option takes.
+    Value(String),
+}
+
+impl LoadOptions {
+    /// The options [`LoadOptions::set`] takes, by name: every field but
+    /// `needs_fd` (each entry point decides it), the progress callback and
+    /// the cancellation token.
+    pub const NAMES: [&'static str; 10] = [
+        "engine",
+        "mode",
+        "to",
+        "gather_size",
+        "chunk_size",
+        "queue_depth",
+        "threads",
+        "populate_threads",
+        "measure_page_cache",
+        "verify",
+    ];
+
+    /// Sets the option `name` ([`LoadOptions::NAMES`]) to `value`: a choice
+    /// parsed as the command line parses it, a count or size in bytes, or a
+    /// switch. Ranges are checked when the load starts
+    /// ([`check_load_options`]).
+    pub fn set(&mut self, name: &str, value: OptionValue) -> std::result::Result<(), OptionError> {
+        use OptionValue::{Flag, Name, Number};
+        let parsed = |e: String| OptionError::Value(e);
+        match (name, value) {
+            ("engine", Name(v)) => self.engine = v.parse().map_err(parsed)?,
+            ("mode", Name(v)) => self.mode = v.parse().map_err(parsed)?,
+            ("to", Name(v)) => self.to = v.parse().map_err(parsed)?,
+            ("gather_size", Number(n)) => self.gather_size = count(n)?,
+            ("chunk_size", Number(n)) => self.chunk_size = count(n)?,
+            ("queue_depth", Number(n)) => self.queue_depth = count(n)?,
+            ("threads", Number(n)) => self.threads = count(n)?,
+            ("populate_threads", Number(n)) => self.populate_threads = count(n)?,
+            ("measure_page_cache", Flag(b)) => self.measure_page_cache = b,
+            ("verify", Flag(b)) => self.verify = b,
+            (name, value) if Self::NAMES.contains(&name) => return Err(wrong_kind(self.get(name), &value)),
+            _ => return Err(OptionError::Unknown),
+        }
+        Ok(())
+    }
+
+    /// The value of the option `name` ([`LoadOptions::NAMES`]), as
+    /// [`LoadOptions::set`] takes it; `None` for a name it does not take.
+    pub fn get(&self, name: &str) -> Option<OptionValue> {
+        use OptionValue::{Flag, Name, Number};
+        Some(match name {
+            "engine" => Name(self.engine.name().to_owned()),
+            "mode" => Name(self.mode.name().to_owned()),
+            "to" => Name(self.to.name()),
+            "gather_size" => Number(self.gather_size as u64),
+            "chunk_size" => Number(self.chunk_size as u64),
+            "queue_depth" => Number(self.queue_depth as u64),
+            "threads" => Number(self.threads as u64),
+            "populate_threads" => Number(self.populate_threads as u64),
+            "measure_page_cache" => Flag(self.measure_page_cache),
+            "verify" => Flag(self.verify),
+            _ => return None,
+        })
+    }
+}
+
+/// A count or size as the field's `usize`.
+pub(crate) fn count(n: u64) -> std::result::Result<usize, OptionError> {
+    usize::try_from(n).map_err(|_| OptionError::Value(format!("{n} is too large")))
+}
+
+/// The error for a value of another kind than the option's `current` one.
+pub(crate) fn wrong_kind(current: Option<OptionValue>, given: &OptionValue) -> OptionError {
+    let wanted = current.map_or("another value", |v| v.kind());
+    OptionError::Type(format!("takes {wanted}, not {}", given.kind()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -556,5 +663,34 @@ mod tests {
             json.unwrap(),
             r#"["auto","memfd","hugetlb","anonymous-thp","anonymous","dma-heap:system","cuda:2"]"#
         );
+    }
+
+    #[test]
+    fn every_named_option_round_trips_and_a_wrong_one_says_why() {
+        let defaults = LoadOptions::default();
+        let mut set = LoadOptions::default();
+        for name in LoadOptions::NAMES {
+            let value = defaults.get(name).expect(name);
+            set.set(name, value.clone()).expect(name);
+            assert_eq!(set.get(name), Some(value));
+        }
+        set.set("engine", OptionValue::Name("read".into())).unwrap();
+        set.set("queue_depth", OptionValue::Number(7)).unwrap();
+        set.set("to", OptionValue::Name("anonymous-thp".into())).unwrap();
+        assert_eq!((set.engine, set.queue_depth, set.to.name().as_str()), (Engine::Read, 7, "anonymous-thp"));
+        assert_eq!(set.set("gather", OptionValue::Number(1)), Err(OptionError::Unknown));
+        assert_eq!(set.set("needs_fd", OptionValue::Flag(false)), Err(OptionError::Unknown));
+        assert!(
+            matches!(set.set("threads", OptionValue::Flag(true)), Err(OptionError::Type(e)) if e.contains("a number, not a bool"))
+        );
+        assert!(matches!(set.set("verify", OptionValue::Number(1)), Err(OptionError::Type(_))));
+        assert!(matches!(set.set("engine", OptionValue::Name("fast".into())), Err(OptionError::Value(_))));
+        let mut save = crate::SaveOptions::default();
+        for name in crate::SaveOptions::NAMES {
+            save.set(name, crate::SaveOptions::default().get(name).expect(name)).expect(name);
+        }
+        assert_eq!(save.set("gather_size", OptionValue::Number(1)), Err(OptionError::Unknown));
+        save.set("sync", OptionValue::Flag(false)).unwrap();
+        assert!(!save.sync);
     }
 }

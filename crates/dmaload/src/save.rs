@@ -68,7 +68,10 @@ use serde::Serialize;
 use crate::cancel::CancelToken;
 use crate::engine::{EngineParams, EngineRun, Progress, CANCEL_POLL};
 use crate::error::{Error, ErrorKind, Result};
-use crate::options::{DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use crate::options::{
+    count, wrong_kind, OptionError, OptionValue, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS,
+    DEFAULT_QUEUE_DEPTH,
+};
 use crate::pipeline::write_at as write_through_engine;
 use crate::source::direct_io_alignment;
 use crate::source::type_name;
@@ -125,6 +128,45 @@ impl fmt::Debug for SaveOptions {
             .field("progress", &self.progress.is_some())
             .field("cancel", &self.cancel.is_cancelled())
             .finish()
+    }
+}
+
+impl SaveOptions {
+    /// The options [`SaveOptions::set`] takes, by name: every field but
+    /// the progress callback and the cancellation token.
+    pub const NAMES: [&'static str; 6] = ["engine", "mode", "sync", "chunk_size", "queue_depth", "threads"];
+
+    /// Sets the option `name` ([`SaveOptions::NAMES`]) to `value`, as
+    /// [`crate::LoadOptions::set`] does a load's.
+    pub fn set(&mut self, name: &str, value: OptionValue) -> std::result::Result<(), OptionError> {
+        use OptionValue::{Flag, Name, Number};
+        let parsed = |e: String| OptionError::Value(e);
+        match (name, value) {
+            ("engine", Name(v)) => self.engine = v.parse().map_err(parsed)?,
+            ("mode", Name(v)) => self.mode = v.parse().map_err(parsed)?,
+            ("sync", Flag(b)) => self.sync = b,
+            ("chunk_size", Number(n)) => self.chunk_size = count(n)?,
+            ("queue_depth", Number(n)) => self.queue_depth = count(n)?,
+            ("threads", Number(n)) => self.threads = count(n)?,
+            (name, value) if Self::NAMES.contains(&name) => return Err(wrong_kind(self.get(name), &value)),
+            _ => return Err(OptionError::Unknown),
+        }
+        Ok(())
+    }
+
+    /// The value of the option `name` ([`SaveOptions::NAMES`]), as
+    /// [`SaveOptions::set`] takes it; `None` for a name it does not take.
+    pub fn get(&self, name: &str) -> Option<OptionValue> {
+        use OptionValue::{Flag, Name, Number};
+        Some(match name {
+            "engine" => Name(self.engine.name().to_owned()),
+            "mode" => Name(self.mode.name().to_owned()),
+            "sync" => Flag(self.sync),
+            "chunk_size" => Number(self.chunk_size as u64),
+            "queue_depth" => Number(self.queue_depth as u64),
+            "threads" => Number(self.threads as u64),
+            _ => return None,
+        })
     }
 }
 

@@ -110,3 +110,13 @@ fn python_loads_offer_every_keyword_the_table_names() {
     let missing: Vec<_> = named(|row| row.python).into_iter().filter(|key| !keys.contains(key)).collect();
     assert!(missing.is_empty(), "dmaload.load lacks the keywords {missing:?} (it has {keys:?})");
 }
+
+#[test]
+fn the_names_the_core_sets_are_the_python_keywords() {
+    // Python passes its keywords to `LoadOptions::set` by name; the
+    // callback alone crosses another way.
+    let mut python = named(|row| row.python);
+    python.remove("progress");
+    let core: BTreeSet<&str> = LoadOptions::NAMES.into_iter().collect();
+    assert_eq!(core, python, "LoadOptions::NAMES against the table's Python keywords");
+}
