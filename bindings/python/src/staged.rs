@@ -3,12 +3,11 @@
 //! PyTorch) or, for the tests that run without a GPU, host memory.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
-use dmaload::sink::{CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
-use dmaload::{LoadRequest, OpenFile, RawBytesMut, StagingRing};
+use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
+use dmaload::{LoadRequest, OpenFile, RawBytesMut};
 
 use crate::options::FileArg;
 use pyo3::buffer::PyBuffer;
@@ -179,59 +178,10 @@ fn host_target(buffer: &mut PyBuffer<u8>) -> Target<'_> {
     Target::Host(writable_bytes(buffer))
 }
 
-/// Staging rings kept between loads, at most one per device (`None`: the
-/// plain ring of host destinations): a model loaded shard by shard
-/// (`safe_open` per file, as frameworks do) pins its ring once, not once
-/// per file. A load takes the ring out, so two loads at once on one device
-/// each have their own; [`release_staging`] frees them.
-static KEPT_RINGS: Mutex<Vec<(Option<usize>, StagingRing)>> = Mutex::new(Vec::new());
-
-fn kept_rings() -> std::sync::MutexGuard<'static, Vec<(Option<usize>, StagingRing)>> {
-    // A ring is moved in or out whole: a panic elsewhere cannot leave one torn.
-    KEPT_RINGS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// The kept ring of `ordinal` when it has this geometry, else a new one.
-fn take_ring(
-    ordinal: Option<usize>,
-    context: Option<&Context>,
-    slots: usize,
-    slot_size: usize,
-    chunk: usize,
-) -> std::io::Result<StagingRing> {
-    let kept = {
-        let mut rings = kept_rings();
-        let at = rings
-            .iter()
-            .position(|(device, ring)| *device == ordinal && ring.has_geometry(slots, slot_size, chunk));
-        at.map(|at| rings.swap_remove(at).1)
-    };
-    match (kept, context) {
-        (Some(ring), _) => Ok(ring),
-        (None, Some(ctx)) => StagingRing::pinned(ctx, slots, slot_size, chunk),
-        (None, None) => StagingRing::new(slots, slot_size, chunk),
-    }
-}
-
-/// Keeps `ring` for the next load on `ordinal`, in place of any other.
-fn keep_ring(ordinal: Option<usize>, ring: StagingRing) {
-    let replaced = {
-        let mut rings = kept_rings();
-        let old = rings.iter().position(|(device, _)| *device == ordinal).map(|at| rings.swap_remove(at));
-        rings.push((ordinal, ring));
-        old
-    };
-    // Unpinned and unmapped outside the lock.
-    drop(replaced);
-}
-
 /// Frees the staging rings kept for later loads; returns their bytes.
 #[pyfunction]
 pub fn release_staging(py: Python<'_>) -> PyResult<usize> {
-    let rings = std::mem::take(&mut *kept_rings());
-    let bytes = rings.iter().map(|(_, ring)| ring.len()).sum();
-    detached(py, move || drop(rings))?;
-    Ok(bytes)
+    detached(py, dmaload::sink::release_staging)
 }
 
 /// Loads the data sections of `files` (one after another, through one
@@ -315,11 +265,11 @@ pub fn _load_staged(
             Some(ctx) => unsafe { device_targets(ctx, &addresses, &lens) }?,
             None => host.iter_mut().map(host_target).collect(),
         };
-        let mut ring =
-            take_ring(ordinal, context.as_ref(), slots, slot_size, options.chunk_size).map_err(|e| {
-                let path = files.first().map(|f| f.file.path()).unwrap_or(std::path::Path::new(""));
-                os_error(&dmaload::Error::io("allocate the staging ring", path, e))
-            })?;
+        let device = ordinal.zip(context.as_ref());
+        let mut ring = take_ring(device, slots, slot_size, options.chunk_size).map_err(|e| {
+            let path = files.first().map(|f| f.file.path()).unwrap_or(std::path::Path::new(""));
+            os_error(&dmaload::Error::io("allocate the staging ring", path, e))
+        })?;
         let mut reports = Vec::with_capacity(files.len());
         for (file, target) in files.iter().zip(targets) {
             let mut options = options.clone();

@@ -1,9 +1,12 @@
 //! `dmaload load MODEL`: a generated sharded safetensors model (an index
 //! and its shards) loaded by directory and by index, each shard's bytes
 //! compared with the file's, `--verify` against each shard's sums entry,
-//! and every bad index refused before any shard is loaded.
+//! every bad index refused before any shard is loaded, and a model loaded
+//! to the device through one pinned staging ring.
 
 mod common;
+#[path = "../../dmaload/tests/common/cuda_driver.rs"]
+mod cuda_driver;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -156,4 +159,41 @@ fn a_bad_index_or_disagreeing_shards_are_refused_naming_the_tensor() {
     // A range is one file's: refused for a model.
     let stderr = failure(&output_or_hang(dmaload().args(["load", "--length", "8"]).arg(dir.path())));
     assert!(stderr.contains("a model is loaded whole"), "{stderr}");
+}
+
+/// `dmaload load MODEL --to cuda:0` pins one staging ring for all its
+/// shards: with the driver's second `cuMemHostRegister` refused (the
+/// emulator's fault injection), every shard still loads, bit-exact; a
+/// ring per shard would fail at the second.
+#[test]
+fn a_model_loaded_to_the_device_pins_one_ring() {
+    let test = "a_model_loaded_to_the_device_pins_one_ring";
+    if let Err(reason) = cuda_driver::cuda_driver() {
+        return println!("SKIP {test}: {reason}");
+    }
+    if !std::env::var("DMALOAD_LIBCUDA").is_ok_and(|path| path.contains("cuda-emu")) {
+        return println!("SKIP {test}: refusing a driver call needs the CUDA emulator");
+    }
+    let dir = scratch();
+    let (shards, _) = sharded_model(dir.path());
+    let load = |faults: &str| {
+        output_or_hang(
+            dmaload()
+                .args(["load", "--json", "--hash", "--to", "cuda:0"])
+                .arg(dir.path())
+                .env("DMALOAD_EMU_FAULTS", faults),
+        )
+    };
+    let report = json_of(&load("cuMemHostRegister_v2#2=2"));
+    let listed = report["shards"].as_array().unwrap();
+    assert_eq!(listed.len(), 3);
+    for shard in listed {
+        let bytes = std::fs::read(shard["path"].as_str().unwrap()).unwrap();
+        let expected = xxhash_rust::xxh3::xxh3_64(&bytes);
+        assert_eq!(shard["hash"]["xxh3_64"], format!("{expected:016x}"), "{shard}");
+    }
+    assert!(shards.iter().all(|p| p.exists()));
+    // The first registration refused is an error naming the ring.
+    let refused = failure(&load("cuMemHostRegister_v2#1=2"));
+    assert!(refused.contains("staging ring"), "{refused}");
 }

@@ -1,6 +1,7 @@
 //! `cuda:N` as a destination: a range of a file in one allocation on a CUDA
 //! device, read through a pinned staging ring and copied by the
-//! [`CudaSink`]; the host holds the ring only, whatever the file's size.
+//! [`CudaSink`]; the host holds the ring only, whatever the file's size,
+//! and keeps it for the next load on the device ([`crate::sink::take_ring`]).
 
 use std::io;
 
@@ -9,7 +10,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::options::LoadOptions;
 use crate::pipeline::{load_open_to_sink, range_len};
 use crate::report::LoadReport;
-use crate::sink::{CudaSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
+use crate::sink::{keep_ring, take_ring, CudaSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use crate::source::OpenFile;
 
 /// A range of a file in device memory.
@@ -73,14 +74,21 @@ pub(crate) fn load_open_device(
         options.chunk_size = DEFAULT_SLOT_SIZE;
     }
     let ring_started = std::time::Instant::now();
-    let mut ring = StagingRing::pinned(&context, ring_slots(len), DEFAULT_SLOT_SIZE, options.chunk_size)
+    let device = Some((ordinal, &context));
+    let mut ring = take_ring(device, ring_slots(len), DEFAULT_SLOT_SIZE, options.chunk_size)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
     let ring_setup = ring_started.elapsed();
-    let mut report = {
-        let mut sink =
-            CudaSink::new(&context, vec![(offset, memory.range())]).map_err(cuda("cuStreamCreate"))?;
-        load_open_to_sink(file, offset, Some(len), &mut ring, &mut sink, &options)?
-    };
+    let loaded = CudaSink::new(&context, vec![(offset, memory.range())])
+        .map_err(cuda("cuStreamCreate"))
+        .and_then(|mut sink| load_open_to_sink(file, offset, Some(len), &mut ring, &mut sink, &options));
+    // Every copy has finished when the load returns, so the ring is idle
+    // and serves the next load on this device, unless the context is
+    // broken (a sticky error, a lost device): its pinned memory must not
+    // be used again.
+    if loaded.is_ok() || context.synchronize().is_ok() {
+        keep_ring(Some(ordinal), ring);
+    }
+    let mut report = loaded?;
     report.alloc_seconds = ring_setup.as_secs_f64();
     report.destination =
         format!("cuda:{ordinal} ({}) via {}", context.device_name().unwrap_or_default(), report.destination);

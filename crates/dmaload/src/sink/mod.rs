@@ -14,10 +14,12 @@ use std::ops::Range;
 mod cached;
 mod cuda;
 mod dma_heap;
+mod kept;
 pub(crate) use cached::lane_pieces;
 pub use cached::{CachedRanges, CACHE_LANE_PIECE, CACHE_LANE_PIECES};
 pub use cuda::CudaSink;
 pub use dma_heap::DmaHeapSink;
+pub use kept::{keep_ring, release_staging, take_ring};
 
 use crate::cuda::{Context, PinnedStaging};
 use crate::lead::Lead;
