@@ -50,6 +50,10 @@ pub struct LoadReport {
     /// the load's tuning kept (direct reads at the default depth, which
     /// also try smaller requests than the chunk; docs/cli.md).
     pub request_size: usize,
+    /// Windows of 128 MiB the load's tuning measured before it settled (or
+    /// the load ended): 0 where the reads were not tuned, 1 the warm-up
+    /// alone, 5 or more once a trial ran (docs/cli.md).
+    pub tuning_windows: usize,
     pub fallbacks: Vec<Fallback>,
     /// Populating (allocating and zeroing) all of the buffer's pages, on the
     /// helper thread. For a load to a `cuda:N` device, allocating and

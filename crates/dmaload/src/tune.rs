@@ -11,9 +11,18 @@
 //! than the kept depth's faster one (a clear gain, not one lucky window),
 //! and the climb goes on in that direction; the first trial that gains too
 //! little (after the other direction was tried, if the first trial lost)
-//! ends it, and so does the engine waiting for memory (a free slot, a
-//! gather being populated): the reads are then not what limits the load,
-//! and no depth can be measured.
+//! ends it, and so does the engine waiting for a gather being populated
+//! in place: the reads are then not what limits the load, and no depth can
+//! be measured.
+//!
+//! A staged load (reads through the slots of a staging ring, handed on to
+//! a GPU or another sink) is tuned too ([`Tuner::in_ring`]): each request
+//! in flight holds a slot, so the depth never climbs past the chunks the
+//! ring holds (nor at all where it holds no more than [`MIN_DEPTH`]), and
+//! a slot not yet free is the destination's back-pressure, which does not
+//! end the climb: where the destination is slower than the disk, every
+//! trial measures it and none gains, so the climb settles at the depth and
+//! request size it started from after a fair trial of each.
 //!
 //! Once the depth has settled, the request size climbs the same way
 //! (trials of half and double, [`GAIN`] to keep one) between
@@ -262,6 +271,10 @@ impl Climb {
 pub(crate) struct Tuner {
     depth: Climb,
     request: Climb,
+    /// The reads fill the slots of a staging ring (see [`Tuner::in_ring`]).
+    staged: bool,
+    /// Windows measured while the climb was not settled.
+    windows: usize,
     window_bytes: u64,
     window_started: Instant,
 }
@@ -282,9 +295,27 @@ impl Tuner {
         Tuner {
             depth: Climb::new(depth, MIN_DEPTH, MAX_DEPTH),
             request: Climb::new(start, min, chunk),
+            staged: false,
+            windows: 0,
             window_bytes: 0,
             window_started: now,
         }
+    }
+
+    /// The tuner of reads through a staging ring that holds `chunks` of
+    /// the plan's chunks: a request in flight holds a slot until the sink
+    /// has taken it, so depths past `chunks` are never tried (nor any
+    /// depth, where the ring holds no more than [`MIN_DEPTH`] chunks), and
+    /// waiting for a slot is the destination's back-pressure, not a reason
+    /// to stop measuring ([`Tuner::memory_bound`]).
+    pub fn in_ring(mut self, chunks: usize) -> Tuner {
+        let start = self.depth.start;
+        self.depth = Climb::new(start, MIN_DEPTH, MAX_DEPTH.min(chunks).max(start));
+        if chunks <= MIN_DEPTH {
+            self.depth.step = Step::Settled;
+        }
+        self.staged = true;
+        self
     }
 
     /// The depth to keep in flight now.
@@ -318,6 +349,12 @@ impl Tuner {
         self.depth.kept != self.depth.start || self.request.kept != self.request.start
     }
 
+    /// Windows of reads measured before the climb settled (or the load
+    /// ended): 1 is the warm-up alone.
+    pub fn windows(&self) -> usize {
+        self.windows
+    }
+
     fn settled(&self) -> bool {
         self.depth.step == Step::Settled && self.request.step == Step::Settled
     }
@@ -336,6 +373,7 @@ impl Tuner {
         let seconds = now.saturating_duration_since(self.window_started).as_secs_f64();
         let rate = self.window_bytes as f64 / seconds.max(1e-9);
         (self.window_bytes, self.window_started) = (0, now);
+        self.windows += 1;
         if self.depth.step != Step::Settled {
             self.depth.window_done(rate);
             if self.depth.step == Step::Settled && self.request.step == Step::WarmUp {
@@ -349,9 +387,12 @@ impl Tuner {
     }
 
     /// The engine waited for memory, not for reads: past the warm-up both
-    /// climbs end at the kept values. Returns the depth to keep in flight.
+    /// climbs end at the kept values, unless the memory is a staging
+    /// ring's slot ([`Tuner::in_ring`]), which frees as fast as the
+    /// destination takes it: the trials measure that. Returns the depth to
+    /// keep in flight.
     pub fn memory_bound(&mut self) -> usize {
-        if self.depth.step != Step::WarmUp {
+        if !self.staged && self.depth.step != Step::WarmUp {
             self.depth.step = Step::Settled;
             self.request.step = Step::Settled;
         }
@@ -447,6 +488,83 @@ mod tests {
         assert_eq!(tuner.memory_bound(), 32);
         assert_eq!(tuner.observe(WINDOW, now + Duration::from_millis(21)), 32, "settled");
         assert_eq!(tuner.kept(), 32);
+    }
+
+    /// [`climb_both`] for reads through a staging ring of `ring` chunks
+    /// of `chunk` bytes, starting at `start` requests of the whole chunk:
+    /// before every window the engine finds the next slot still with the
+    /// sink ([`Tuner::memory_bound`]), as it does once the ring is full.
+    fn climb_staged(
+        start: usize,
+        (ring, chunk): (usize, usize),
+        rate_of: impl Fn(usize, usize) -> f64,
+    ) -> (Vec<(usize, usize)>, Tuner) {
+        let mut now = Instant::now();
+        let mut tuner = Tuner::new(start, chunk, chunk, now).in_ring(ring);
+        let mut windows = Vec::new();
+        while !tuner.settled() && windows.len() < 64 {
+            tuner.memory_bound();
+            windows.push((tuner.depth(), tuner.request()));
+            now += Duration::from_secs_f64(WINDOW as f64 / rate_of(tuner.depth(), tuner.request()));
+            tuner.observe(WINDOW, now);
+        }
+        (windows, tuner)
+    }
+
+    /// A disk whose reads go faster with more bytes in flight, up to 256
+    /// MiB (bytes per second), behind a ring of `ring` chunks (no more are
+    /// ever in flight) and a destination that takes `link` bytes per
+    /// second.
+    fn staged_rate(ring: usize, link: f64) -> impl Fn(usize, usize) -> f64 {
+        move |depth, request| ((depth.min(ring) * request).min(256 << 20) as f64 * 8.0).min(link)
+    }
+
+    #[test]
+    fn a_staged_load_behind_a_slow_destination_settles_where_it_started_after_a_fair_trial() {
+        // 32 slots of 16 MiB at depth 32 (a CLI load to cuda:0), the
+        // destination slower than the disk at every depth tried: a trial
+        // of each setting, neither kept, never settling at the first wait.
+        let (windows, tuner) = climb_staged(32, (32, 16 << 20), staged_rate(32, 0.5e9));
+        let trials: Vec<(usize, usize)> =
+            windows.iter().map(|&(depth, request)| (depth, request >> 20)).collect();
+        // No depth past the ring's 32 slots: half first, then smaller requests.
+        assert_eq!(
+            trials,
+            [(32, 16), (32, 16), (16, 16), (32, 16), (16, 16), (32, 16), (32, 8), (32, 16), (32, 8)]
+        );
+        assert_eq!((tuner.kept(), tuner.kept_request(), tuner.windows()), (32, 16 << 20, 9));
+        assert!(!tuner.moved(), "nothing to remember");
+    }
+
+    #[test]
+    fn a_staged_load_whose_disk_reads_faster_deeper_climbs_to_the_rings_size_and_no_further() {
+        // Remembered at depth 16; the disk gains up to 256 MiB in flight,
+        // which the ring of 32 chunks of 8 MiB allows: the climb keeps
+        // 32 and tries no deeper than the ring.
+        let (windows, tuner) = climb_staged(16, (32, 8 << 20), staged_rate(32, f64::INFINITY));
+        let depths: Vec<usize> = windows.iter().map(|&(depth, _)| depth).collect();
+        assert_eq!(depths[..5], [16, 16, 32, 16, 32]);
+        assert!(depths.iter().all(|&depth| depth <= 32), "never deeper than the ring: {depths:?}");
+        assert_eq!((tuner.kept(), tuner.kept_request()), (32, 8 << 20));
+        assert!(tuner.moved());
+    }
+
+    #[test]
+    fn a_staged_load_of_a_ring_that_holds_more_chunks_climbs_past_the_start_depth() {
+        // 128 chunks of 2 MiB: depth 64 fits; the disk gains up to 256 MiB
+        // in flight, 128 requests of 2 MiB, capped at the climb's limit.
+        let (windows, tuner) = climb_staged(32, (128, 2 << 20), staged_rate(128, f64::INFINITY));
+        assert_eq!(windows[..5].iter().map(|&(d, _)| d).collect::<Vec<_>>(), [32, 32, 64, 32, 64]);
+        assert_eq!((tuner.kept(), tuner.kept_request()), (MAX_DEPTH, 2 << 20));
+    }
+
+    #[test]
+    fn a_ring_of_few_slots_tunes_the_request_size_alone() {
+        // Four slots: every depth the climb could try reads the same.
+        let (windows, tuner) = climb_staged(32, (4, 16 << 20), |_, request| request as f64 * 100.0);
+        assert!(windows.iter().all(|&(depth, _)| depth == 32));
+        assert_eq!(windows.iter().map(|&(_, r)| r >> 20).collect::<Vec<_>>(), [16, 16, 8, 16, 8]);
+        assert_eq!(tuner.kept_request(), 16 << 20);
     }
 
     #[test]

@@ -67,6 +67,7 @@ fn child_cases() {
         "rewrite_before_event" => rewrite_slot(false),
         "rewrite_after_event" => rewrite_slot(true),
         "load" => load_through_two_slots(),
+        "tuned" => tuned_load_through_the_cli_ring(),
         "held_copy" => load_past_a_held_copy(),
         "two_devices" => two_devices(),
         "write_pinned" => write_pinned(),
@@ -217,6 +218,30 @@ fn load_through_two_slots() {
             }
         }
     }
+}
+
+/// In a child: a direct load of the file through a ring the size of the
+/// CLI's (32 slots of 16 MiB) at the default depth, 32: the tuner's
+/// windows, depth and request size it kept, and the read mode.
+fn tuned_load_through_the_cli_ring() {
+    let path = std::path::PathBuf::from(std::env::var_os(CHILD_FILE).unwrap());
+    let len = std::fs::metadata(&path).unwrap().len() as usize;
+    let ctx = Context::primary(0).unwrap();
+    let mut gpu = DeviceBuffer::new(&ctx, len).unwrap();
+    let mut ring = StagingRing::pinned(&ctx, 32, 16 << 20, 16 << 20).unwrap();
+    let options =
+        LoadOptions { mode: dmaload::IoMode::Direct, chunk_size: 16 << 20, ..LoadOptions::default() };
+    let report = {
+        let mut sink = CudaSink::new(&ctx, vec![(0, gpu.range())]).unwrap();
+        dmaload::LoadRequest::path(&path).options(&options).to_sink(&mut ring, &mut sink).unwrap()
+    };
+    let mut back = vec![0u8; len];
+    gpu.copy_to_host(0, &mut back).unwrap();
+    common::assert_pattern(&back, 0);
+    println!(
+        "TUNED windows {} depth {} request {} cache {:?}",
+        report.tuning_windows, report.queue_depth, report.request_size, report.cache
+    );
 }
 
 /// In a child: the load's I/O mode ("auto" or "direct"); the lane's cases.
@@ -424,6 +449,38 @@ fn a_two_slot_ring_loads_bit_exact_under_strict_mode_and_a_slow_link() {
     ];
     let out = run_child("load", &env);
     assert!(out.status.success() && text(&out).contains("LOAD OK"), "{}", text(&out));
+}
+
+#[test]
+fn a_staged_direct_load_behind_a_slower_link_tunes_its_reads_past_the_first_trial() {
+    // Every slot of the CLI's ring is soon still with the slow link: the
+    // tuner used to take the first such wait as memory-bound and settle
+    // after the warm-up window (tuning_windows 1); it now runs its trials
+    // (a window is 128 MiB: the warm-up and the four of the depth's trial
+    // fit in 768 MiB).
+    let test = "a_staged_direct_load_behind_a_slower_link_tunes_its_reads_past_the_first_trial";
+    if !emulator(test) {
+        return;
+    }
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, 768 << 20);
+    let cache = dir.path().join("cache"); // no depth remembered from another run
+    let env = [
+        ("DMALOAD_EMU_LINK_GIBS", "0.5"),
+        ("XDG_CACHE_HOME", cache.to_str().unwrap()),
+        (CHILD_FILE, path.to_str().unwrap()),
+    ];
+    let out = run_child("tuned", &env);
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    let line = log.lines().find_map(|line| line.split_once("TUNED ")).unwrap_or_else(|| panic!("{log}")).1;
+    if !line.ends_with("cache Bypass") {
+        return skip(test, &format!("no direct reads of the scratch directory: {line}"));
+    }
+    let windows: usize = line.split(' ').nth(1).unwrap().parse().unwrap();
+    assert!(windows >= 5, "the tuner settled before a trial: {line}");
+    assert!(line.contains("depth 32 ") || line.contains("depth 16 "), "never deeper than the ring: {line}");
 }
 
 #[test]

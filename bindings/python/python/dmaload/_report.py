@@ -55,6 +55,8 @@ class LoadReport:
     queue_depth: int = 0
     request_size: int = 0
     """Bytes one read request asked for at most (``chunk_size`` unless tuned)."""
+    tuning_windows: int = 0
+    """Windows of 128 MiB the reads' tuning measured (0: not tuned)."""
     fallbacks: tuple[Fallback, ...] = ()
     alloc_seconds: float = 0.0
     register_seconds: float = 0.0

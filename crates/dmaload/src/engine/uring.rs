@@ -46,7 +46,12 @@ pub(crate) fn run<M: RingMemory>(
     // The gather the gate was last told the engine has reached.
     let mut reached = None;
     let mut tuner = job.tune.then(|| {
-        Tuner::new(job.queue_depth, job.request_size.unwrap_or(plan.chunk), plan.chunk, Instant::now())
+        let tuner =
+            Tuner::new(job.queue_depth, job.request_size.unwrap_or(plan.chunk), plan.chunk, Instant::now());
+        match job.layout {
+            Layout::Staged { slots, slot_len } => tuner.in_ring(slots * slot_len / plan.chunk),
+            Layout::InPlace | Layout::Placed { .. } => tuner,
+        }
     });
     let mut depth = tuner.as_ref().map_or(job.queue_depth, Tuner::depth);
 

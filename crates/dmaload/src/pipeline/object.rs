@@ -101,6 +101,7 @@ pub(crate) fn load_object_source(
         gather_size: plan.gather,
         queue_depth: connections,
         request_size: plan.chunk,
+        tuning_windows: 0,
         fallbacks,
         alloc_seconds: times.all.as_secs_f64(),
         register_seconds: 0.0,

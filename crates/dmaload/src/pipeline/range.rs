@@ -212,6 +212,7 @@ impl Opened<'_> {
             gather_size: plan.gather,
             queue_depth: run.tuner.as_ref().map_or(options.queue_depth, |tuner| tuner.kept()),
             request_size: run.tuner.as_ref().map_or(plan.chunk, |tuner| tuner.kept_request()),
+            tuning_windows: run.tuner.as_ref().map_or(0, |tuner| tuner.windows()),
             fallbacks,
             alloc_seconds: 0.0,
             register_seconds: 0.0,

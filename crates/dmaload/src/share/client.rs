@@ -81,6 +81,7 @@ pub fn handoff_report(
         gather_size: options.gather_size,
         queue_depth: options.queue_depth,
         request_size: options.chunk_size,
+        tuning_windows: 0,
         fallbacks: Vec::new(),
         alloc_seconds: 0.0,
         register_seconds: 0.0,
