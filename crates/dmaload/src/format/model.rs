@@ -21,6 +21,14 @@
 //! is read: a tensor in two shards, a tensor the map puts in a shard that
 //! lacks it, a tensor the map does not list.
 //!
+//! An object URL (`s3://BUCKET/...`, docs/object-storage.md) is resolved
+//! the same way over an object store: a prefix ending in `/` is its
+//! [`INDEX_NAME`], else its [`SINGLE_NAME`] (a prefix is not listed); a
+//! `*.json` key is an index, checked as an index file is, whose shards are
+//! keys beside it, each looked up (a HEAD); any other key is one shard.
+//! [`Model::load`] loads such a model through [`ObjectModel`]: each shard
+//! once into host memory, its header parsed from those bytes.
+//!
 //! The messages quote names as Python's `repr` does, so that Python's
 //! `dmaload.safetensors` (which raises these) reads as it always has.
 

@@ -14,7 +14,10 @@ reused while any view exists (``Buffer.close()`` refuses then).
 
 ``path`` may be a file, a ``*.safetensors.index.json`` or a directory (its
 ``model.safetensors.index.json``, else all its ``*.safetensors`` files): the
-shards are loaded concurrently. An index's ``weight_map`` is checked before
+shards are loaded concurrently. It may also be an object URL (CPU only):
+``s3://BUCKET/KEY``, an index object, or a prefix ``s3://BUCKET/DIR/`` (its
+``model.safetensors.index.json``, else its ``model.safetensors``), each
+shard loaded once into host memory; see docs/object-storage.md. An index's ``weight_map`` is checked before
 anything is loaded (see ``shard_paths``), then against the shards'
 headers before their data (``_tensor_index``), and against the loaded
 shards again.
@@ -101,7 +104,8 @@ DEFAULT_CONCURRENCY = 4
 def shard_paths(path: Paths) -> tuple[list[Path], dict[str, str] | None]:
     """The files a model path stands for, and the index's weight map (if any).
 
-    A list (or tuple) is those shard files, with no index (a tensor in two
+    Local models only (an ``s3://`` URL is a ``ValueError``: ``load_file``
+    and ``safe_open`` resolve those). A list (or tuple) is those shard files, with no index (a tensor in two
     of them is an error when they are loaded); a file is itself; a ``*.json`` is an index whose ``weight_map`` names
     the shards (relative to the index); a directory is its
     ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json`` file)
