@@ -62,8 +62,9 @@ pub const MAX_INDEX_LEN: u64 = MAX_HEADER_LEN;
 /// A model's files, resolved from a path; nothing is loaded yet.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Model {
-    /// The shard files, in name order for a directory without an index,
-    /// else in the order of their first mention in the index.
+    /// The shard files (or object URLs, `s3://BUCKET/KEY`), in name order
+    /// for a directory without an index, else in the order of their first
+    /// mention in the index.
     pub shards: Vec<PathBuf>,
     /// The index's `weight_map` in the index's order, each shard name
     /// normalized (`./a.safetensors` is `a.safetensors`, one shard): `None`
