@@ -70,7 +70,7 @@ pub(crate) fn read_safetensors_header(py: Python<'_>, path: PathBuf) -> PyResult
 
 /// The model at `path` as the core resolves it
 /// (`dmaload::format::model::Model::resolve`: a file, an index or a
-/// directory, the index read and checked): its shard files in order, and
+/// directory, or an object URL, key or prefix; the index read and checked): its shard files in order, and
 /// the index's weight map as (tensor, normalized shard name) pairs in the
 /// index's order, or `None` without an index.
 #[pyfunction]
@@ -79,11 +79,13 @@ pub(crate) fn resolve_model(py: Python<'_>, path: PathBuf) -> PyResult<ResolvedM
     // hold Ctrl-C.
     let resolved = run_abandonable(py, &dmaload::CancelToken::new(), move || Model::resolve(&path))?;
     let Model { shards, weight_map } = resolved.map_err(|e| format_error(&e))?;
-    Ok((shards, weight_map))
+    // Strings, not pathlib paths: `Path("s3://b/k")` would drop a slash.
+    Ok((shards.into_iter().map(PathBuf::into_os_string).collect(), weight_map))
 }
 
-/// [`resolve_model`]'s answer: the shards, and the weight map if indexed.
-type ResolvedModel = (Vec<PathBuf>, Option<Vec<(String, String)>>);
+/// [`resolve_model`]'s answer: the shards (paths or object URLs), and the
+/// weight map if indexed.
+type ResolvedModel = (Vec<std::ffi::OsString>, Option<Vec<(String, String)>>);
 
 /// Loads safetensors files whole, `concurrency` at a time, with the GIL
 /// released; returns (buffer, `Header`) per file, in order.
@@ -103,6 +105,9 @@ pub(crate) fn load_safetensors<'py>(
         options.needs_fd = false;
         if concurrency == 0 {
             return Err(PyValueError::new_err("concurrency must be at least 1"));
+        }
+        if paths.first().is_some_and(|p| dmaload::object::is_object_url(p)) {
+            return load_objects(py, paths, options, progress);
         }
         // The progress total; the core checks the files against the memory
         // budget together, before allocating anything.
@@ -126,6 +131,40 @@ pub(crate) fn load_safetensors<'py>(
         Progress::finish(relay.as_ref())?;
         Ok(out)
     })
+}
+
+/// [`load_safetensors`] of shard objects (`s3://BUCKET/KEY`): each looked
+/// up (a HEAD), then loaded once into host memory by the core
+/// (`ObjectModel::load`), its header parsed from the loaded bytes.
+fn load_objects<'py>(
+    py: Python<'py>,
+    paths: Vec<PathBuf>,
+    mut options: dmaload::LoadOptions,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Vec<(Buffer, Bound<'py, PyAny>)>> {
+    let cancel = dmaload::CancelToken::new();
+    options.cancel = cancel.clone();
+    let model = Model { shards: paths, weight_map: None };
+    let opened = run_abandonable(py, &cancel, {
+        let cancel = cancel.clone();
+        move || model.open_objects(&cancel)
+    })?;
+    let objects = opened.map_err(|e| format_error(&e))?;
+    let relay = progress.map(|callback| Progress::new(callback, objects.len(), cancel.clone()));
+    options.progress = relay.as_ref().map(|relay| relay.for_load());
+    let loaded = run_abandonable(py, &cancel, move || objects.load(&options))?;
+    Progress::raised(relay.as_ref())?;
+    let out = loaded
+        .map_err(|e| format_error(&e))?
+        .into_iter()
+        .map(|shard| match shard.loaded {
+            dmaload::Loaded::Host(buffer) => Ok((Buffer::new(buffer, shard.report), header_object(py, shard.header)?)),
+            // ObjectModel::load loads into host memory only.
+            _ => Err(pyo3::exceptions::PyRuntimeError::new_err("an object shard loaded outside host memory")),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Progress::finish(relay.as_ref())?;
+    Ok(out)
 }
 
 /// The dtype names safetensors defines, with their sizes in bits.

@@ -19,11 +19,16 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 from pathlib import Path
 
 import pytest
 
 import dmaload
+import dmaload.safetensors
+
+if TYPE_CHECKING:
+    import torch
 
 BUCKET = "models"
 
@@ -174,3 +179,123 @@ def test_a_missing_object_is_file_not_found_and_wrong_keys_permission_error(
     with pytest.raises(PermissionError, match="HTTP 403") as raised:
         dmaload.load("s3://models/small.bin")
     assert "wrong-secret" not in str(raised.value) and s3_env.secret_key not in str(raised.value)
+
+
+def _tensors(seed: int, names: list[str]) -> dict[str, "torch.Tensor"]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(1 << 20,), (33, 7), (0,), (5, 3, 2)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+    return {
+        name: (torch.rand(shapes[i % 4], generator=g) * 1000).to(dtypes[i % 4]) for i, name in enumerate(names)
+    }
+
+
+def _assert_same(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    import torch
+
+    assert list(got) and sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), name
+
+
+def test_safetensors_load_file_reads_one_object_bit_exact(s3_env: Garage, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    st_torch = pytest.importorskip("safetensors.torch")
+    import numpy as np
+
+    from dmaload.safetensors import numpy as dl_numpy
+    from dmaload.safetensors import torch as dl_torch
+
+    path = tmp_path / "model.safetensors"
+    st_torch.save_file(_tensors(1, ["embed", "q", "empty", "ids"]), path, metadata={"format": "pt"})
+    s3_env.put("one/model.safetensors", path.read_bytes())
+    expected = st_torch.load_file(path)
+    calls: list[tuple[int, int]] = []
+    got = dl_torch.load_file("s3://models/one/model.safetensors", progress=lambda d, t: calls.append((d, t)))
+    _assert_same(got, expected)
+    assert calls[-1] == (path.stat().st_size, path.stat().st_size)
+    # The views keep the buffer alive after the dict's other tensors go.
+    embed = got.pop("embed")
+    del got
+    assert torch.equal(embed, expected["embed"])
+    # A prefix with no index and one model.safetensors, as a directory.
+    _assert_same(dl_torch.load_file("s3://models/one/"), expected)
+    arrays = dl_numpy.load_file("s3://models/one/model.safetensors")
+    assert np.array_equal(arrays["ids"], expected["ids"].numpy())
+    with dmaload.safetensors.safe_open("s3://models/one/model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert f.reports[0].bytes == path.stat().st_size
+
+
+def _put_sharded(s3_env: Garage, tmp_path: Path, prefix: str) -> dict[str, Any]:
+    """Two shards and their index under ``prefix``; the tensors, as
+    ``safetensors.torch`` reads them back from the files on disk."""
+    st_torch = pytest.importorskip("safetensors.torch")
+    layout = {"model-00001-of-00002.safetensors": ["a", "b", "c"], "model-00002-of-00002.safetensors": ["d", "e"]}
+    weight_map: dict[str, str] = {}
+    expected: dict[str, Any] = {}
+    for i, (name, tensors) in enumerate(layout.items()):
+        st_torch.save_file(_tensors(10 + i, tensors), tmp_path / name)
+        s3_env.put(f"{prefix}/{name}", (tmp_path / name).read_bytes())
+        expected |= st_torch.load_file(tmp_path / name)
+        weight_map |= dict.fromkeys(tensors, name)
+    index = json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}).encode()
+    s3_env.put(f"{prefix}/model.safetensors.index.json", index)
+    return expected
+
+
+def test_safetensors_load_file_reads_a_sharded_model_by_prefix_bit_exact(s3_env: Garage, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    expected = _put_sharded(s3_env, tmp_path, "sharded")
+    _assert_same(dmaload.safetensors.load_file("s3://models/sharded/", framework="pt"), expected)
+    _assert_same(
+        dmaload.safetensors.load_file("s3://models/sharded/model.safetensors.index.json", framework="pt"), expected
+    )
+
+
+def test_a_missing_shard_or_prefix_is_file_not_found_naming_the_url(s3_env: Garage, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    _put_sharded(s3_env, tmp_path, "broken")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "z": "model-00009-of-00009.safetensors"}}
+    s3_env.put("broken/model.safetensors.index.json", json.dumps(index).encode())
+    missing = "s3://models/broken/model-00009-of-00009.safetensors"
+    with pytest.raises(FileNotFoundError, match=f"mapped to shard 'model-00009.*does not exist: '{missing}'"):
+        dmaload.safetensors.load_file("s3://models/broken/", framework="pt")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors.index.json and no model.safetensors under this prefix: 's3://models/nowhere/'"):
+        dmaload.safetensors.load_file("s3://models/nowhere/", framework="pt")
+
+
+def test_a_shard_replaced_mid_load_is_changed_and_a_bad_header_a_safetensor_error(
+    s3_env: Garage, tmp_path: Path
+) -> None:
+    import errno
+
+    pytest.importorskip("torch")
+    _put_sharded(s3_env, tmp_path, "moving")
+    second = (tmp_path / "model-00002-of-00002.safetensors").read_bytes()
+    replaced: list[bool] = []
+
+    def replace_the_second_shard(done: int, total: int) -> None:
+        # Called while the first shard loads, after every shard's HEAD.
+        if not replaced:
+            replaced.append(True)
+            s3_env.put("moving/model-00002-of-00002.safetensors", second[:-4] + b"\xff" * 4)
+
+    with pytest.raises(OSError, match="HTTP 412") as raised:
+        dmaload.safetensors.load_file("s3://models/moving/", framework="pt", progress=replace_the_second_shard)
+    assert raised.value.errno == errno.ESTALE and replaced
+
+    bad = bytearray((tmp_path / "model-00001-of-00002.safetensors").read_bytes())
+    bad[8] = ord("[")  # the header's JSON is no object
+    (tmp_path / "bad.safetensors").write_bytes(bad)
+    s3_env.put("bad/model.safetensors", bytes(bad))
+    with pytest.raises(dmaload.SafetensorError) as from_file:
+        dmaload.safetensors.load_file(tmp_path / "bad.safetensors", framework="pt")
+    with pytest.raises(dmaload.SafetensorError) as from_object:
+        dmaload.safetensors.load_file("s3://models/bad/model.safetensors", framework="pt")
+    assert str(from_object.value) == str(from_file.value).replace(
+        str(tmp_path / "bad.safetensors"), "s3://models/bad/model.safetensors"
+    )

@@ -93,8 +93,10 @@ enum Command {
 struct LoadCommand {
     /// The file, an object (s3://BUCKET/KEY, docs/object-storage.md), or
     /// a safetensors model: a directory (its model.safetensors.index.json,
-    /// else its *.safetensors files) or an index (*.json), every shard
-    /// loaded whole and reported with the model's totals.
+    /// else its *.safetensors files), an object prefix (s3://BUCKET/DIR/:
+    /// its model.safetensors.index.json, else its model.safetensors) or an
+    /// index (*.json, a file or an object), every shard loaded whole and
+    /// reported with the model's totals.
     file: PathBuf,
     /// First byte to load.
     #[arg(long, value_parser = units::parse_size, default_value = "0")]

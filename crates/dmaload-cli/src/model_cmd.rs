@@ -13,10 +13,12 @@ use serde::Serialize;
 
 use crate::{progress_bar, LoadCommand};
 
-/// Whether `path` names a model rather than one file: a directory or an
-/// index (`*.json`). A `.safetensors` file is loaded as the file it is.
+/// Whether `path` names a model rather than one file: a directory, an
+/// object prefix (`s3://BUCKET/model/`) or an index (`*.json`). A
+/// `.safetensors` file or object is loaded as the one it is.
 pub fn is_model(path: &Path) -> bool {
-    path.is_dir() || path.extension().is_some_and(|e| e == "json")
+    let prefix = dmaload::object::is_object_url(path) && path.to_string_lossy().ends_with('/');
+    prefix || path.is_dir() || path.extension().is_some_and(|e| e == "json")
 }
 
 /// What `--json` prints for a model.
@@ -55,8 +57,7 @@ pub fn run(cmd: &LoadCommand) -> Result<(), String> {
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
     let started = Instant::now();
-    let loaded =
-        Model::resolve(&cmd.file).and_then(|model| model.open()).and_then(|open| open.load(&options));
+    let loaded = Model::resolve(&cmd.file).and_then(|model| model.load(&options));
     let seconds = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let shards = loaded.map_err(|e: FormatError| e.to_string())?;

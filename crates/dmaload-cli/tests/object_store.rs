@@ -41,3 +41,101 @@ fn dmaload_load_reads_an_object_and_names_a_missing_one() {
     assert!(stderr.contains("HTTP 404") && stderr.contains("key llama/missing.safetensors"), "{stderr}");
     assert!(!stderr.contains(&garage.key.secret_key), "{stderr}");
 }
+
+/// A safetensors file of F32 tensors (name, element count), its bytes
+/// depending on the name and position.
+fn safetensors(tensors: &[(&str, usize)], seed: u64) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, count) in tensors {
+        let begin = data.len();
+        data.extend(pattern(count * 4, seed ^ name.len() as u64));
+        header.insert(
+            (*name).to_owned(),
+            serde_json::json!({"dtype": "F32", "shape": [count], "data_offsets": [begin, data.len()]}),
+        );
+    }
+    let mut text = serde_json::to_vec(&header).unwrap();
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(text);
+    bytes.extend(data);
+    bytes
+}
+
+fn xxh3(bytes: &[u8]) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
+#[test]
+fn dmaload_load_reads_a_sharded_model_by_prefix() {
+    let Some(garage) = Garage::start("dmaload_load_reads_a_sharded_model_by_prefix") else { return };
+    let home = tempfile::tempdir().unwrap();
+    let shards = [
+        ("model-00001-of-00002.safetensors", safetensors(&[("embed", 3 << 20), ("layer0.q", 1000)], 1)),
+        ("model-00002-of-00002.safetensors", safetensors(&[("layer0.k", 17), ("head", 1 << 20)], 2)),
+    ];
+    let mut weight_map = serde_json::Map::new();
+    for (name, body) in &shards {
+        garage.put(&format!("llama/{name}"), body);
+        let count = if name.contains("00001") { ["embed", "layer0.q"] } else { ["layer0.k", "head"] };
+        for tensor in count {
+            weight_map.insert(tensor.into(), serde_json::json!(name));
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    garage.put("llama/model.safetensors.index.json", index.to_string().as_bytes());
+
+    for url in ["s3://models/llama/", "s3://models/llama/model.safetensors.index.json"] {
+        let out = dmaload(&garage, home.path(), &["load", url, "--hash", "--json"]);
+        assert!(out.status.success(), "{url}: {}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["tensors"], 4, "{report}");
+        let loaded = report["shards"].as_array().unwrap();
+        assert_eq!(loaded.len(), 2, "{report}");
+        for ((_, body), shard) in shards.iter().zip(loaded) {
+            assert_eq!(shard["hash"]["xxh3_64"], xxh3(body).as_str(), "{report}");
+        }
+    }
+
+    // A prefix without an index: its one model.safetensors, as a directory's.
+    let single = safetensors(&[("w", 1 << 18)], 3);
+    garage.put("tiny/model.safetensors", &single);
+    let out = dmaload(&garage, home.path(), &["load", "s3://models/tiny/", "--hash", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["shards"][0]["hash"]["xxh3_64"], xxh3(&single).as_str(), "{report}");
+
+    // A shard the index names that the store lacks: named, before any load.
+    let broken =
+        serde_json::json!({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "gone.safetensors"}});
+    garage.put("llama/broken.safetensors.index.json", broken.to_string().as_bytes());
+    let out = dmaload(&garage, home.path(), &["load", "s3://models/llama/broken.safetensors.index.json"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("s3://models/llama/gone.safetensors") && stderr.contains("does not exist"),
+        "{stderr}"
+    );
+
+    // A prefix with neither: ENOENT naming the prefix.
+    let out = dmaload(&garage, home.path(), &["load", "s3://models/nothing/"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("s3://models/nothing/") && stderr.contains("model.safetensors.index.json"),
+        "{stderr}"
+    );
+
+    // A malformed header in an object: the file's error.
+    let mut bad = single.clone();
+    bad[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    garage.put("bad/model.safetensors", &bad);
+    let out = dmaload(&garage, home.path(), &["load", "s3://models/bad/"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("s3://models/bad/model.safetensors: invalid safetensors file: header length"),
+        "{stderr}"
+    );
+}

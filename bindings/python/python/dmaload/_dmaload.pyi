@@ -3,7 +3,6 @@
 import os
 import socket
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Final, Literal, NoReturn, Protocol, TypeAlias, final
 
 from ._header import Header
@@ -312,9 +311,10 @@ def load_dmabuf(
 ) -> DmaBuf: ...
 def read_safetensors_header(path: str | os.PathLike[str]) -> Header: ...
 def parse_safetensors_header(data: bytes, file_len: int | None = None) -> Header: ...
-def resolve_model(path: str | os.PathLike[str]) -> tuple[list[Path], list[tuple[str, str]] | None]:
-    """The model at ``path`` as the core resolves it: its shard files,
-    and its index's weight map as (tensor, normalized shard name) pairs in
+def resolve_model(path: str | os.PathLike[str]) -> tuple[list[str], list[tuple[str, str]] | None]:
+    """The model at ``path`` as the core resolves it: its shard files (or
+    shard object URLs, for an ``s3://`` key, index or prefix), and its
+    index's weight map as (tensor, normalized shard name) pairs in
     the index's order (``None`` without an index)."""
 
 def safetensors_dtypes() -> list[tuple[str, int]]: ...

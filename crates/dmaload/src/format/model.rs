@@ -21,6 +21,14 @@
 //! is read: a tensor in two shards, a tensor the map puts in a shard that
 //! lacks it, a tensor the map does not list.
 //!
+//! An object URL (`s3://BUCKET/...`, docs/object-storage.md) is resolved
+//! the same way over an object store: a prefix ending in `/` is its
+//! [`INDEX_NAME`], else its [`SINGLE_NAME`] (a prefix is not listed); a
+//! `*.json` key is an index, checked as an index file is, whose shards are
+//! keys beside it, each looked up (a HEAD); any other key is one shard.
+//! [`Model::load`] loads such a model through [`ObjectModel`]: each shard
+//! once into host memory, its header parsed from those bytes.
+//!
 //! The messages quote names as Python's `repr` does, so that Python's
 //! `dmaload.safetensors` (which raises these) reads as it always has.
 
@@ -28,13 +36,16 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io::Read;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use super::safetensors::{read_header_of, Error, Header, MAX_HEADER_LEN};
+use crate::cancel::CancelToken;
 use crate::error::Error as IoError;
 use crate::load::{LoadRequest, Loaded};
+use crate::object::Object;
 use crate::options::LoadOptions;
 use crate::report::LoadReport;
 use crate::source::OpenFile;
@@ -42,14 +53,18 @@ use crate::source::OpenFile;
 /// The index a directory's model is read from when it has one.
 pub const INDEX_NAME: &str = "model.safetensors.index.json";
 
+/// The one file of a model without an index (a prefix's, in object storage).
+pub const SINGLE_NAME: &str = "model.safetensors";
+
 /// The largest index read (bytes): an index is untrusted, as a header is.
 pub const MAX_INDEX_LEN: u64 = MAX_HEADER_LEN;
 
 /// A model's files, resolved from a path; nothing is loaded yet.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Model {
-    /// The shard files, in name order for a directory without an index,
-    /// else in the order of their first mention in the index.
+    /// The shard files (or object URLs, `s3://BUCKET/KEY`), in name order
+    /// for a directory without an index, else in the order of their first
+    /// mention in the index.
     pub shards: Vec<PathBuf>,
     /// The index's `weight_map` in the index's order, each shard name
     /// normalized (`./a.safetensors` is `a.safetensors`, one shard): `None`
@@ -61,6 +76,9 @@ impl Model {
     /// The model at `path` (see the module's documentation): the index, if
     /// any, read and checked; the shards found but not opened.
     pub fn resolve(path: &Path) -> Result<Model, Error> {
+        if crate::object::is_object_url(path) {
+            return Model::resolve_object(&path.to_string_lossy(), &CancelToken::new());
+        }
         if path.is_dir() {
             let mut indexes = Vec::new();
             let mut files = Vec::new();
@@ -122,16 +140,31 @@ impl Model {
     /// loaded (the module's documentation lists the checks).
     pub fn from_index(index: &Path) -> Result<Model, Error> {
         let text = read_index(index)?;
+        let dir = index.parent().unwrap_or(Path::new(""));
+        Model::from_index_text(&text, index, |key| {
+            let shard = dir.join(key);
+            let exists = shard.exists();
+            Ok((shard, exists))
+        })
+    }
+
+    /// The checks of an index's text, shared by files and objects:
+    /// `locate` gives each normalized shard name's path or URL, and whether
+    /// it exists.
+    fn from_index_text(
+        text: &[u8],
+        index: &Path,
+        mut locate: impl FnMut(&str) -> Result<(PathBuf, bool), Error>,
+    ) -> Result<Model, Error> {
         let fail = |message: String| Error::Model(format!("{}: {message}", index.display()));
         let parsed: IndexJson =
-            serde_json::from_slice(&text).map_err(|e| fail(format!("invalid index JSON: {e}")))?;
+            serde_json::from_slice(text).map_err(|e| fail(format!("invalid index JSON: {e}")))?;
         let weight_map = parsed
             .weight_map
             .ok_or_else(|| fail("index has no weight_map of tensor name -> file name".into()))?;
         if weight_map.is_empty() {
             return Err(fail("index has an empty weight_map: it names no tensor and no shard".into()));
         }
-        let dir = index.parent().unwrap_or(Path::new(""));
         let mut shards = Vec::new();
         let mut seen = HashMap::new();
         let mut normalized = Vec::with_capacity(weight_map.len());
@@ -140,8 +173,8 @@ impl Model {
                 fail(format!("tensor {} is mapped to {}{why}", py_repr(&tensor), py_repr(&name)))
             })?;
             if !seen.contains_key(&key) {
-                let shard = dir.join(&key);
-                if !shard.exists() {
+                let (shard, exists) = locate(&key)?;
+                if !exists {
                     let message = format!(
                         "{}: tensor {} is mapped to shard {}, which does not exist",
                         index.display(),
@@ -156,6 +189,72 @@ impl Model {
             normalized.push((tensor, key));
         }
         Ok(Model { shards, weight_map: Some(normalized) })
+    }
+
+    /// The model at an object URL: a prefix (`s3://B/model/`) is its
+    /// [`INDEX_NAME`], else its `model.safetensors` (a prefix is not
+    /// listed); a `*.json` key is an index whose shards are keys beside
+    /// it; any other key is one shard. The index object is read whole (at
+    /// most [`MAX_INDEX_LEN`] bytes) and checked as a file's index is;
+    /// each shard it names is looked up (a HEAD).
+    fn resolve_object(url: &str, cancel: &CancelToken) -> Result<Model, Error> {
+        if url.ends_with('/') {
+            let index = format!("{url}{INDEX_NAME}");
+            if let Some(model) = object_if_exists(&index, cancel, |o| Model::from_index_object(o, cancel))? {
+                return Ok(model);
+            }
+            let single = format!("{url}{SINGLE_NAME}");
+            if object_if_exists(&single, cancel, |_| Ok(()))?.is_some() {
+                return Ok(Model { shards: vec![PathBuf::from(single)], weight_map: None });
+            }
+            return Err(IoError::with_errno(
+                "load model",
+                Path::new(url),
+                libc::ENOENT,
+                format!("no {INDEX_NAME} and no {SINGLE_NAME} under this prefix"),
+            )
+            .into());
+        }
+        if url.ends_with(".json") {
+            let object = Object::open(url, cancel)?;
+            return Model::from_index_object(&object, cancel);
+        }
+        Ok(Model { shards: vec![PathBuf::from(url)], weight_map: None })
+    }
+
+    /// [`Model::from_index`] of an index object: its shards are keys
+    /// relative to the index's key, each looked up (a HEAD).
+    fn from_index_object(index: &Object, cancel: &CancelToken) -> Result<Model, Error> {
+        if index.size > MAX_INDEX_LEN {
+            return Err(Error::Model(format!(
+                "{}: the index exceeds the limit of {MAX_INDEX_LEN} bytes",
+                index.name().display()
+            )));
+        }
+        let options = LoadOptions { cancel: cancel.clone(), ..LoadOptions::default() };
+        let (text, _) = LoadRequest::object(index).options(&options).to_buffer()?;
+        let dir = match index.key().rfind('/') {
+            Some(slash) => &index.key()[..=slash],
+            None => "",
+        };
+        Model::from_index_text(&text, index.name(), |key| {
+            let shard = format!("s3://{}/{dir}{key}", index.bucket());
+            let exists = object_if_exists(&shard, cancel, |_| Ok(()))?.is_some();
+            Ok((PathBuf::from(shard), exists))
+        })
+    }
+
+    /// Loads every shard whole (see [`OpenModel::load`]): files are opened
+    /// and their headers checked against each other and the index first;
+    /// objects are looked up first (a HEAD each), then each loaded once
+    /// into host memory, its header parsed from the loaded bytes with the
+    /// checks of a file's, and the headers checked as a file model's
+    /// before anything is returned.
+    pub fn load(&self, options: &LoadOptions) -> Result<Vec<LoadedShard>, Error> {
+        if self.shards.first().is_some_and(|s| crate::object::is_object_url(s)) {
+            return self.load_objects(options);
+        }
+        self.open()?.load(options)
     }
 
     /// Opens each shard once and reads its header once, then checks the
@@ -179,6 +278,75 @@ impl Model {
             .collect();
         let owner = tensor_index(&tables, self.weight_map.as_deref())?;
         Ok(OpenModel { shards, owner })
+    }
+
+    fn load_objects(&self, options: &LoadOptions) -> Result<Vec<LoadedShard>, Error> {
+        self.open_objects(&options.cancel)?.load(options)
+    }
+
+    /// Looks up each shard of a model in object storage (a HEAD each: its
+    /// size and the ETag its load pins); nothing is read yet.
+    pub fn open_objects(&self, cancel: &CancelToken) -> Result<ObjectModel, Error> {
+        let objects = self
+            .shards
+            .iter()
+            .map(|url| Object::open(&url.to_string_lossy(), cancel))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ObjectModel { objects, weight_map: self.weight_map.clone() })
+    }
+}
+
+/// A model's shard objects, looked up: what [`ObjectModel::load`] reads.
+pub struct ObjectModel {
+    pub objects: Vec<Object>,
+    weight_map: Option<Vec<(String, String)>>,
+}
+
+impl ObjectModel {
+    /// The bytes of all the shards.
+    pub fn len(&self) -> u64 {
+        self.objects.iter().map(|o| o.size).sum()
+    }
+
+    /// Whether the model has no bytes at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Loads each shard whole into host memory, one after another (each
+    /// load runs its own GETs in parallel), with `options.progress` counting
+    /// over all of them; each header is parsed from the loaded bytes with
+    /// the checks of a file's ([`super::safetensors::parse`]), then the
+    /// headers are checked against each other and the index as a file
+    /// model's are, before anything is returned.
+    pub fn load(&self, options: &LoadOptions) -> Result<Vec<LoadedShard>, Error> {
+        let total = self.len();
+        let mut loaded = Vec::with_capacity(self.objects.len());
+        let mut done = 0;
+        for object in &self.objects {
+            let mut shard_options = options.clone();
+            if let Some(progress) = options.progress.clone() {
+                shard_options.progress = Some(Arc::new(move |now, _| progress(done + now, total)));
+            }
+            let (buffer, report) = LoadRequest::object(object).options(&shard_options).to_buffer()?;
+            done += object.size;
+            let header = super::safetensors::parse(&buffer, buffer.len() as u64)
+                .map_err(|error| Error::Header { path: object.name().to_owned(), error })?;
+            loaded.push(LoadedShard {
+                path: object.name().to_owned(),
+                header,
+                loaded: Loaded::Host(buffer),
+                report,
+            });
+        }
+        let tables: Vec<(String, Vec<&str>)> = loaded
+            .iter()
+            .map(|s| {
+                (s.path.display().to_string(), s.header.tensors.iter().map(|t| t.name.as_str()).collect())
+            })
+            .collect();
+        tensor_index(&tables, self.weight_map.as_deref())?;
+        Ok(loaded)
     }
 }
 
@@ -303,6 +471,20 @@ fn tensor_index(
         )));
     }
     Ok(index)
+}
+
+/// `f` of the object at `url` if it exists, `None` if it does not (HTTP
+/// 404); any other failure is the error.
+fn object_if_exists<T>(
+    url: &str,
+    cancel: &CancelToken,
+    f: impl FnOnce(&Object) -> Result<T, Error>,
+) -> Result<Option<T>, Error> {
+    match Object::open(url, cancel) {
+        Ok(object) => f(&object).map(Some),
+        Err(err) if err.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(err) => Err(err.into()),
+    }
 }
 
 /// The bytes of the index at `path`: a regular file (a FIFO would block

@@ -14,7 +14,10 @@ reused while any view exists (``Buffer.close()`` refuses then).
 
 ``path`` may be a file, a ``*.safetensors.index.json`` or a directory (its
 ``model.safetensors.index.json``, else all its ``*.safetensors`` files): the
-shards are loaded concurrently. An index's ``weight_map`` is checked before
+shards are loaded concurrently. It may also be an object URL (CPU only):
+``s3://BUCKET/KEY``, an index object, or a prefix ``s3://BUCKET/DIR/`` (its
+``model.safetensors.index.json``, else its ``model.safetensors``), each
+shard loaded once into host memory; see docs/object-storage.md. An index's ``weight_map`` is checked before
 anything is loaded (see ``shard_paths``), then against the shards'
 headers before their data (``_tensor_index``), and against the loaded
 shards again.
@@ -51,7 +54,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeAlias, Union, Unpack, get_args
+from typing import Any, Literal, TypeAlias, TypeGuard, Union, Unpack, get_args
 
 from .. import _dmaload
 from .._cache import Cache, load_cached, socket_for
@@ -101,7 +104,8 @@ DEFAULT_CONCURRENCY = 4
 def shard_paths(path: Paths) -> tuple[list[Path], dict[str, str] | None]:
     """The files a model path stands for, and the index's weight map (if any).
 
-    A list (or tuple) is those shard files, with no index (a tensor in two
+    Local models only (an ``s3://`` URL is a ``ValueError``: ``load_file``
+    and ``safe_open`` resolve those). A list (or tuple) is those shard files, with no index (a tensor in two
     of them is an error when they are loaded); a file is itself; a ``*.json`` is an index whose ``weight_map`` names
     the shards (relative to the index); a directory is its
     ``model.safetensors.index.json`` (or its only ``*.safetensors.index.json`` file)
@@ -122,12 +126,19 @@ def shard_paths(path: Paths) -> tuple[list[Path], dict[str, str] | None]:
     ``../../blobs``): the rule is about the names in the index, not where
     links lead. Two spellings of one shard (``./a.safetensors``) are one.
     """
+    if _is_object_url(path):
+        raise ValueError(f"{path}: shard_paths resolves local models; load_file and safe_open take s3:// URLs")
     if isinstance(path, (list, tuple)):
         if not path:
             raise ValueError("an empty list of shard files")
         return [Path(os.fspath(f)) for f in path], None
     shards, weight_map = _dmaload.resolve_model(os.fspath(path))  # type: ignore[arg-type]  # a str or PathLike
     return [Path(f) for f in shards], (dict(weight_map) if weight_map is not None else None)
+
+
+def _is_object_url(path: object) -> TypeGuard[str]:
+    """Whether ``path`` names a model in object storage (``s3://...``)."""
+    return isinstance(path, str) and path.startswith("s3://")
 
 
 class _File:
@@ -316,11 +327,11 @@ def _check_concurrency(concurrency: Any) -> None:
 
 
 def _load_files(
-    paths: list[Path], progress: Progress, concurrency: int, options: dict[str, Any]
+    paths: Sequence[StrPath], progress: Progress, concurrency: int, options: dict[str, Any]
 ) -> list[_File]:
     if not paths:
         return []
-    desc = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
+    desc = os.path.basename(os.fspath(paths[0])) if len(paths) == 1 else f"{len(paths)} files"
     callback, finish = resolve(progress, desc)
     try:
         loaded = _dmaload.load_safetensors(
@@ -412,11 +423,14 @@ class SafeOpen:
         _check_device(self._framework, device, dict(options))
         _check_concurrency(concurrency)
         self._device = device
-        paths, weight_map = shard_paths(path)
-        socket = socket_for(cache)
         self._closed = False
         # Tensors of a collective or filtered load, each read by one rank.
         self._loaded: dict[str, Any] | None = None
+        if _is_object_url(path):
+            self._open_objects(path, device, progress, cache, process_group, tensor_filter, dict(options))
+            return
+        paths, weight_map = shard_paths(path)
+        socket = socket_for(cache)
         if process_group is not None or tensor_filter is not None:
             _check_torch(self._framework, process_group, tensor_filter)
         if socket is None and (process_group is not None or tensor_filter is not None):
@@ -453,6 +467,42 @@ class SafeOpen:
             # From the cache service's memory, where reading is mapping.
             wants = _collective.wants(tensor_filter)
             self._index = {name: f for name, f in self._index.items() if wants(name)}
+        self._infos = {name: f.tensors[name] for name, f in self._index.items()}
+        self._metadata = self._files[0].metadata if self._files else None
+
+    def _open_objects(
+        self,
+        url: str,
+        device: Any,
+        progress: Progress,
+        cache: Cache,
+        process_group: Any,
+        tensor_filter: TensorFilter,
+        options: dict[str, Any],
+    ) -> None:
+        """A model in object storage (``s3://BUCKET/KEY``, ``.../INDEX.json``
+        or a prefix ``s3://BUCKET/model/``), resolved by the core as a
+        local model is; each shard object loaded once into host memory."""
+        unsupported = [
+            name
+            for name, given in (
+                ("device", str(device) != "cpu"),
+                ("cache", cache is not None),
+                ("process_group", process_group is not None),
+                ("tensor_filter", tensor_filter is not None),
+            )
+            if given
+        ]
+        if unsupported:
+            raise ValueError(
+                f"{url}: an s3:// model loads into host memory only so far: drop {', '.join(unsupported)}= "
+                "(docs/object-storage.md)"
+            )
+        urls, pairs = _dmaload.resolve_model(url)
+        weight_map = dict(pairs) if pairs is not None else None
+        self._files = _load_files(urls, progress, DEFAULT_CONCURRENCY, options)
+        tables = [(f.path, f.tensors.keys()) for f in self._files]
+        self._index = {name: self._files[i] for name, i in _tensor_index(tables, weight_map).items()}
         self._infos = {name: f.tensors[name] for name, f in self._index.items()}
         self._metadata = self._files[0].metadata if self._files else None
 
