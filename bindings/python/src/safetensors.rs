@@ -158,7 +158,9 @@ fn load_objects<'py>(
         .map_err(|e| format_error(&e))?
         .into_iter()
         .map(|shard| match shard.loaded {
-            dmaload::Loaded::Host(buffer) => Ok((Buffer::new(buffer, shard.report), header_object(py, shard.header)?)),
+            dmaload::Loaded::Host(buffer) => {
+                Ok((Buffer::new(buffer, shard.report), header_object(py, shard.header)?))
+            }
             // ObjectModel::load loads into host memory only.
             _ => Err(pyo3::exceptions::PyRuntimeError::new_err("an object shard loaded outside host memory")),
         })
