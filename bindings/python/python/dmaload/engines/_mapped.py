@@ -18,6 +18,7 @@ from typing import Any
 from .. import _dmaload
 from .._header import Header
 from ..safetensors._collective import wants
+from ..safetensors._file import _File, _tensor_index
 
 Progress = Callable[[int, int], None] | None
 
@@ -64,8 +65,6 @@ class Mapped:
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         import torch
-
-        from ..safetensors import _File, _tensor_index
 
         headers = [_header(f) for f in self._leased]
         _tensor_index([(os.fspath(p), (t.name for t in h.tensors)) for p, h in zip(self.paths, headers)], None)

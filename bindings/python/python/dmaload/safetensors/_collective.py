@@ -85,6 +85,7 @@ from .._header import Header, TensorInfo
 from .._options import Size, native_options, parse_size
 from .._progress import Progress, resolve
 from ._heartbeat import _POLL_S, _Heartbeat, _store
+from ._file import _File, _tensor_index
 
 __all__ = ["DEFAULT_WINDOW", "CollectiveLoadError", "Stream", "TensorFilter"]
 
@@ -392,8 +393,6 @@ class Stream:
     ) -> None:
         import torch
 
-        from . import _tensor_index
-
         native = native_options(options or {})
         # Verified here, window by window (see _Verify): each window's load
         # is a part of the file, which the core does not verify.
@@ -581,8 +580,6 @@ class Stream:
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         import torch
-
-        from . import _File
 
         wants, target = self._wants, self._target
         total = sum(t.nbytes for w in self.windows for t in w.tensors if wants(t.name))

@@ -25,15 +25,13 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import _dmaload
 from .._cache import from_service
 from .._options import native_options
 from .._progress import Progress, resolve
-
-if TYPE_CHECKING:
-    from . import _File
+from ._file import _File
 
 __all__ = ["is_device", "load_files"]
 
@@ -93,8 +91,6 @@ def load_files(
     """Loads every tensor of ``paths`` onto ``device``, from the cache
     service at ``socket`` when given; one ``_File`` per path."""
     import torch
-
-    from . import _File
 
     ordinal = _ordinal(torch, device)
     target = torch.device("cpu") if ordinal < 0 else torch.device("cuda", ordinal)
