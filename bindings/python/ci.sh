@@ -3,7 +3,7 @@
 # virtual environment, installs the test dependencies from PyPI, builds the
 # extension (release, abi3) into it, then runs cargo fmt/clippy/doc on the
 # binding crate, mypy.stubtest on the native module's .pyi, mypy --strict on
-# the package, and pytest.
+# the package, pytest, and safetensors' own tests run against dmaload.safetensors.
 #
 #   bash bindings/python/ci.sh            # from anywhere
 #   DMALOAD_VENV=/path/to/venv ...        # reuse/choose the environment
@@ -57,6 +57,9 @@ fi
 
 step "pytest"
 (cd "$here" && "$py" -m pytest -q tests ${PYTEST_ARGS:-})
+
+step "safetensors' own tests against dmaload.safetensors (upstream_safetensors/run.py)"
+(cd "$here" && "$py" upstream_safetensors/run.py)
 
 if [ -n "${DMALOAD_FUZZ_SECONDS:-}" ]; then
     step "fuzz safetensors_header for ${DMALOAD_FUZZ_SECONDS}s"

@@ -217,6 +217,46 @@ def test_get_slice_matches_safetensors(numpy_file: Path) -> None:
         assert np.array_equal(f.get_slice("float32_3x5")[-1], f.get_tensor("float32_3x5")[-1])
 
 
+def test_errors_are_safetensors_errors_and_slices_refuse_what_safetensors_refuses(numpy_file: Path) -> None:
+    """Code written for safetensors catches ours: our SafetensorError is
+    also safetensors', a closed file raises it, and out-of-range slices
+    raise it with safetensors' messages where NumPy would clamp (for NumPy
+    slices, as safetensors' checks apply there; its PyTorch slices index
+    as PyTorch does)."""
+    assert issubclass(dmaload.SafetensorError, safetensors.SafetensorError)
+    assert issubclass(dmaload.SafetensorError, ValueError)
+    with safetensors.safe_open(numpy_file, framework="np") as theirs, dst.safe_open(numpy_file) as ours:
+        keys: list[Any] = [
+            (slice(2, None), 20),
+            (slice(None), slice(None, 20)),
+            slice(None, 20),
+            slice(20, 30),
+            (..., 20),
+            (slice(None, None, 2), 20),
+            (-1, slice(None, 20)),
+            [0, 1],
+            (0, -6),
+        ]
+        for key in keys:
+            with pytest.raises(safetensors.SafetensorError) as expected:
+                theirs.get_slice("float32_3x5")[key]
+            with pytest.raises(safetensors.SafetensorError) as got:
+                ours.get_slice("float32_3x5")[key]
+            assert str(got.value) == str(expected.value), key
+    with pytest.raises(safetensors.SafetensorError, match="closed"):
+        ours.keys()
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_safetensors_backend_is_accepted_and_changes_nothing(numpy_file: Path, backend: str) -> None:
+    with dst.safe_open(numpy_file, backend=backend) as f:  # type: ignore[arg-type]
+        names = f.keys()
+    assert names == safetensors.safe_open(numpy_file, framework="np").keys()
+    assert sorted(dst.load_file(numpy_file, backend=backend)) == names  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend must be"):
+        dst.load_file(numpy_file, backend="sideways")  # type: ignore[arg-type]
+
+
 def test_all_tensors_are_views_of_one_buffer(numpy_file: Path) -> None:
     with dst.safe_open(numpy_file) as f:
         (buf,) = f.buffers

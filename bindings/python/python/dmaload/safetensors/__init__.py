@@ -64,7 +64,7 @@ from .._options import Destination, LoadOptions, Size, native_options
 from .._progress import Progress, resolve
 from .._report import LoadReport
 from . import _collective, _device
-from ._file import _File, _tensor_index
+from ._file import _File, _product, _tensor_index
 from ._collective import DEFAULT_WINDOW, CollectiveLoadError, TensorFilter
 
 __all__ = [
@@ -95,7 +95,29 @@ def release_staging() -> int:
 Framework: TypeAlias = Literal["np", "numpy", "pt", "torch"]
 StrPath: TypeAlias = Union[str, "os.PathLike[str]"]
 Paths: TypeAlias = Union[StrPath, Sequence[StrPath]]
+Backend: TypeAlias = Literal["mmap", "pread", None]
+"""safetensors 0.8's ``backend=``: accepted, and the same load either way."""
 """A model path (a file, an index or a directory) or a list of shard files."""
+
+def _catchable_as_upstreams() -> None:
+    """Where safetensors is installed, ``except safetensors.SafetensorError``
+    catches ours too, as code written for safetensors expects of a drop-in:
+    our ``SafetensorError`` (a ``ValueError`` the native module raises) gains
+    safetensors' class as a second base. Both derive from ``Exception``
+    alone, so the instance layouts agree; should a release of safetensors
+    change that, the class stays as it was."""
+    try:
+        from safetensors import SafetensorError as upstream
+    except ImportError:
+        return
+    if not issubclass(SafetensorError, upstream):
+        try:
+            SafetensorError.__bases__ = (ValueError, upstream)
+        except TypeError:
+            pass
+
+
+_catchable_as_upstreams()
 
 MAX_INDEX_LEN = _dmaload.MAX_HEADER_LEN
 """The largest index read (bytes): an index is untrusted, as a header is."""
@@ -159,6 +181,11 @@ def _check_device(framework: str, device: Any, options: dict[str, Any]) -> None:
             f"to={to!r}: these loaders choose a device with device= (device='cuda:N'); "
             f"to= picks the host memory of a cpu load ({', '.join(get_args(Destination))})"
         )
+
+
+def _check_backend(backend: Any) -> None:
+    if backend not in get_args(Backend):
+        raise ValueError(f"backend must be 'mmap' or 'pread' (both read the same tensors here), not {backend!r}")
 
 
 def _check_concurrency(concurrency: Any) -> None:
@@ -332,7 +359,7 @@ class SafeOpen:
 
     def _check(self) -> None:
         if self._closed:
-            raise ValueError("operation on a closed safe_open")
+            raise SafetensorError("operation on a closed safe_open")
 
     def keys(self) -> list[str]:
         """Tensor names, sorted (as safetensors returns them)."""
@@ -377,7 +404,7 @@ class SafeOpen:
         """The tensor called ``name``, to be indexed (``f.get_slice(name)[:, :8]``),
         as ``safetensors``' ``get_slice`` gives it."""
         self._check()
-        return TensorSlice(self.get_tensor(name), self.tensor_info(name))
+        return TensorSlice(self.get_tensor(name), self.tensor_info(name), self._framework)
 
     def get_tensors(self) -> dict[str, Any]:
         """All tensors, in file order."""
@@ -410,11 +437,15 @@ class TensorSlice:
     ``safetensors``' slice object: ``get_shape()``, ``get_dtype()`` (the
     safetensors name, e.g. ``"BF16"``) and ``[...]``. The file is already
     loaded, so indexing returns a view of the tensor (NumPy or PyTorch
-    indexing: steps, negative indices, ``...`` and integers all work)."""
+    indexing: steps, negative indices, ``...`` and integers all work). As
+    in safetensors, a NumPy slice refuses indices past a dimension with a
+    ``SafetensorError`` (PyTorch's indexing, which safetensors uses for
+    ``"pt"``, clamps or raises ``IndexError``)."""
 
-    def __init__(self, tensor: Any, info: TensorInfo) -> None:
+    def __init__(self, tensor: Any, info: TensorInfo, framework: str = "np") -> None:
         self._tensor = tensor
         self._info = info
+        self._framework = framework
 
     def get_shape(self) -> list[int]:
         """The tensor's shape."""
@@ -425,12 +456,69 @@ class TensorSlice:
         return self._info.dtype
 
     def __getitem__(self, key: Any) -> Any:
+        if self._framework == "np":
+            _check_slice(key, self._info.shape)
         key = key if isinstance(key, tuple) else (key,)
         # With an Ellipsis, NumPy gives an array even where all axes are
         # indexed (a 0-d array, as safetensors gives, not a NumPy scalar).
         if not any(k is Ellipsis for k in key):
             key = (*key, Ellipsis)
         return self._tensor[key]
+
+
+def _check_slice(key: Any, shape: tuple[int, ...]) -> None:
+    """Refuses, with safetensors' own messages, the indices safetensors
+    refuses where NumPy and PyTorch would clamp, give an empty result or
+    raise ``IndexError``: a non-empty list, an integer or a slice start at
+    or past a dimension's end, a slice stop past it. Other indexing (steps,
+    negative slice bounds, arrays) is left to the framework. A tensor with
+    no elements is not checked."""
+    if isinstance(key, list):
+        if key:
+            raise SafetensorError("Non empty lists are not implemented")
+        return
+    if _product(shape) == 0:
+        return
+    items = key if isinstance(key, tuple) else (key,)
+    if sum(k is Ellipsis for k in items) > 1:
+        return  # the framework's error
+    explicit = len(items) - sum(k is Ellipsis for k in items)
+    expanded: list[Any] = []
+    for k in items:
+        expanded.extend([slice(None)] * max(len(shape) - explicit, 0) if k is Ellipsis else [k])
+    if len(expanded) > len(shape):
+        return  # too many indices: the framework's error
+    ranges: list[tuple[int, int] | None] = []
+    for dim, k in enumerate(expanded):
+        size = shape[dim]
+        if isinstance(k, int) and not isinstance(k, bool):
+            if k < -size:
+                raise SafetensorError(f"Invalid index {k} for dimension {dim} of size {size}")
+            at = k + size if k < 0 else k
+            expanded[dim] = at
+            ranges.append((at, at + 1))
+        elif isinstance(k, slice) and all(b is None or (isinstance(b, int) and b >= 0) for b in (k.start, k.stop)):
+            ranges.append((k.start or 0, size if k.stop is None else k.stop))
+        else:
+            ranges.append(None)
+
+    def shown(k: Any) -> str:
+        if not isinstance(k, slice):
+            return str(k)
+        bounds = f"{'' if k.start is None else k.start}:{'' if k.stop is None else k.stop}"
+        return bounds if k.step in (None, 1) else f"{bounds}:{k.step}"
+
+    # safetensors looks at the last dimension first.
+    for dim in reversed(range(len(ranges))):
+        bounds = ranges[dim]
+        if bounds is None:
+            continue
+        (start, stop), size = bounds, shape[dim]
+        if start >= size or stop > size:
+            raise SafetensorError(
+                f"Error during slicing [{', '.join(map(shown, expanded))}] with shape {list(shape)}: "
+                f"index {start if start >= size else stop - 1} out of bounds for tensor dimension #{dim} of size {size}"
+            )
 
 
 def safe_open(
@@ -444,11 +532,13 @@ def safe_open(
     process_group: Any = None,
     tensor_filter: TensorFilter = None,
     window: Size | None = None,
+    backend: Backend = None,
     **options: Unpack[LoadOptions],
 ) -> SafeOpen:
     """Opens (loads) a safetensors file or sharded model; see :class:`SafeOpen`
-    and, for ``process_group``, ``tensor_filter`` and ``window``,
-    :func:`load_file`."""
+    and, for ``process_group``, ``tensor_filter``, ``window`` and
+    ``backend``, :func:`load_file`."""
+    _check_backend(backend)
     return SafeOpen(
         path,
         framework,
@@ -474,6 +564,7 @@ def load_file(
     process_group: Any = None,
     tensor_filter: TensorFilter = None,
     window: Size | None = None,
+    backend: Backend = None,
     **options: Unpack[LoadOptions],
 ) -> dict[str, Any]:
     """All tensors of a safetensors file (or sharded model) as a dict, like
@@ -504,6 +595,11 @@ def load_file(
     bytes that no rank wants are never read. See :func:`iter_tensors` and
     ``dmaload.safetensors._collective``. With ``cache=``, every rank maps
     the service's memory instead (no disk read to share).
+
+    ``backend`` (``"mmap"`` or ``"pread"``, as safetensors 0.8 takes it) is
+    accepted for compatibility and changes nothing: safetensors' backends
+    choose how it reads, and dmaload reads with its own engine either way,
+    giving the same tensors. Another value is a ``ValueError``.
     """
     with safe_open(
         path,
@@ -515,6 +611,7 @@ def load_file(
         process_group=process_group,
         tensor_filter=tensor_filter,
         window=window,
+        backend=backend,
         **options,
     ) as f:
         return f.get_tensors()

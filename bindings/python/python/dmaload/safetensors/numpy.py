@@ -7,7 +7,7 @@ from typing import Any, Union, Unpack
 
 from .._options import LoadOptions
 from .._progress import Progress
-from . import DEFAULT_CONCURRENCY
+from . import DEFAULT_CONCURRENCY, Backend
 from . import load_file as _load_file
 
 __all__ = ["load_file"]
@@ -18,8 +18,10 @@ def load_file(
     *,
     progress: Progress = None,
     concurrency: int = DEFAULT_CONCURRENCY,
+    backend: Backend = None,
     **options: Unpack[LoadOptions],
 ) -> dict[str, Any]:
     """Like ``safetensors.numpy.load_file``: a dict of NumPy arrays, each a
-    view of the loaded file (see ``dmaload.safetensors``)."""
-    return _load_file(filename, "cpu", "np", progress=progress, concurrency=concurrency, **options)
+    view of the loaded file (see ``dmaload.safetensors``; ``backend``: see
+    :func:`dmaload.safetensors.load_file`)."""
+    return _load_file(filename, "cpu", "np", progress=progress, concurrency=concurrency, backend=backend, **options)

@@ -7,7 +7,7 @@ from typing import Any, Union, Unpack
 
 from .._options import LoadOptions, Size
 from .._progress import Progress
-from . import DEFAULT_CONCURRENCY, TensorFilter
+from . import DEFAULT_CONCURRENCY, Backend, TensorFilter
 from . import load_file as _load_file
 
 __all__ = ["load_file"]
@@ -22,11 +22,12 @@ def load_file(
     process_group: Any = None,
     tensor_filter: TensorFilter = None,
     window: Size | None = None,
+    backend: Backend = None,
     **options: Unpack[LoadOptions],
 ) -> dict[str, Any]:
     """Like ``safetensors.torch.load_file``: a dict of PyTorch tensors, each a
     view of the loaded file on the CPU (copied to ``device`` otherwise).
-    ``process_group``, ``tensor_filter`` and ``window``: see
+    ``process_group``, ``tensor_filter``, ``window`` and ``backend``: see
     :func:`dmaload.safetensors.load_file`."""
     return _load_file(
         filename,
@@ -37,5 +38,6 @@ def load_file(
         process_group=process_group,
         tensor_filter=tensor_filter,
         window=window,
+        backend=backend,
         **options,
     )
