@@ -98,7 +98,7 @@ pub(crate) fn load_object_source(
     })?;
     let engine_wall = engine_started.elapsed();
     let (buffer, unregistered) = hand_out(alloc, &plan, path)?;
-    let mut report = started.report(object, &plan, run, &params, memory, &facts, engine_wall)?;
+    let mut report = started.report(&plan, run, &params, memory, &facts, engine_wall)?;
     report.fallbacks.extend(unregistered);
     report.alloc_seconds = times.all.as_secs_f64();
     report.first_gather_seconds = times.first.as_secs_f64();
@@ -135,8 +135,7 @@ pub(crate) fn load_object_to_sink(
         reason: "a staged load allocates no host buffer".into(),
     };
     let params = object_params(options);
-    let mut report =
-        started.report(object, &plan, run, &params, memory, &MemoryFacts::read(), engine_wall)?;
+    let mut report = started.report(&plan, run, &params, memory, &MemoryFacts::read(), engine_wall)?;
     report.destination = format!("staging ring ({} x {} bytes)", ring.slots(), ring.slot_len());
     report.ring_bytes = len;
     report.register_seconds = times.register.as_secs_f64();
@@ -144,23 +143,24 @@ pub(crate) fn load_object_to_sink(
     Ok(report)
 }
 
-/// When an object load started: its wall clock and the process's CPU time.
-struct Started {
+/// When a load of the object at `path` started: its wall clock and the
+/// process's CPU time.
+struct Started<'a> {
+    path: &'a Path,
     at: Instant,
     cpu: (Duration, Duration),
 }
 
-impl Started {
-    fn now(path: &Path) -> Result<Started> {
+impl<'a> Started<'a> {
+    fn now(path: &'a Path) -> Result<Started<'a>> {
         let cpu = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-        Ok(Started { at: Instant::now(), cpu })
+        Ok(Started { path, at: Instant::now(), cpu })
     }
 
     /// The report of an object load that ran `plan` since then, its engine
     /// busy for `engine_wall`.
     fn report(
         &self,
-        object: &Object,
         plan: &Plan,
         run: EngineRun,
         params: &EngineParams,
@@ -168,7 +168,7 @@ impl Started {
         facts: &MemoryFacts,
         engine_wall: Duration,
     ) -> Result<LoadReport> {
-        let path = object.name();
+        let path = self.path;
         let cpu = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
         let total = self.at.elapsed();
         let len = plan.data_end - plan.data_start;
