@@ -74,6 +74,11 @@ fn dmaload_load_an_object_to_cuda_hashes_equal_to_the_uploaded_bytes() {
         assert!(report["destination"].as_str().unwrap().starts_with("cuda:0"), "{report}");
         assert_eq!(report["hash"]["xxh3_64"], xxh3(bytes).as_str(), "{report}");
     }
+    // What an object cannot take yet is refused, naming it.
+    let out = dmaload(&garage, home.path(), &["load", url, "--to", "cuda:0", "--verify"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("verify is not supported for objects"), "{stderr}");
 }
 
 /// A safetensors file of F32 tensors (name, element count), its bytes

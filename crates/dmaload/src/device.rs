@@ -10,7 +10,9 @@ use crate::cuda::{Context, CudaError, DeviceBuffer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::object::Object;
 use crate::options::LoadOptions;
-use crate::pipeline::{load_object_to_sink, load_open_to_sink, range_len, range_within};
+use crate::pipeline::{
+    check_object_options, load_object_to_sink, load_open_to_sink, range_len, range_within,
+};
 use crate::report::LoadReport;
 use crate::sink::{keep_ring, take_ring, CudaSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use crate::source::OpenFile;
@@ -69,8 +71,9 @@ pub(crate) fn load_open_device(
 /// Loads `len` bytes (to the end when `None`) from `offset` of `object`
 /// into a new allocation on device `ordinal`, as [`load_open_device`] does
 /// a file's: the GETs receive into the pinned ring's slots, which the
-/// [`CudaSink`] copies to the device. A range past the object's end, or
-/// larger than the device's free memory, is refused before any GET.
+/// [`CudaSink`] copies to the device. Options an object cannot take, a
+/// range past the object's end or larger than the device's free memory
+/// are refused before anything is allocated or requested.
 pub(crate) fn load_object_device(
     object: &Object,
     offset: u64,
@@ -79,6 +82,7 @@ pub(crate) fn load_object_device(
     options: &LoadOptions,
 ) -> Result<(LoadedDevice, LoadReport)> {
     let path = object.name();
+    check_object_options(path, options)?;
     let len = range_within(object.size, "object", path, offset, len)?;
     load_device(path, offset, len, ordinal, options, |ring, sink| {
         load_object_to_sink(object, offset, Some(len), ring, sink, options)

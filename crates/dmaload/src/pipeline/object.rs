@@ -54,8 +54,9 @@ pub(super) fn object_params(options: &LoadOptions) -> EngineParams {
     }
 }
 
-/// What every object load refuses before it looks at the range.
-fn refuse_unsupported(path: &Path, options: &LoadOptions) -> Result<()> {
+/// What every object load refuses before it looks at the range (or a
+/// device allocates anything).
+pub(crate) fn check_object_options(path: &Path, options: &LoadOptions) -> Result<()> {
     if options.verify {
         return Err(Error::new(
             ErrorKind::InvalidInput,
@@ -77,7 +78,7 @@ pub(crate) fn load_object_source(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     let path = object.name();
-    refuse_unsupported(path, options)?;
+    check_object_options(path, options)?;
     let started = Started::now(path)?;
     let len = range_within(object.size, "object", path, offset, len)?;
     check_memory(path, len)?;
@@ -119,7 +120,7 @@ pub(crate) fn load_object_to_sink(
     options: &LoadOptions,
 ) -> Result<LoadReport> {
     let path = object.name();
-    refuse_unsupported(path, options)?;
+    check_object_options(path, options)?;
     let started = Started::now(path)?;
     let len = range_within(object.size, "object", path, offset, len)?;
     let chunk = staged_chunk(path, ring, object_request(options))?;
