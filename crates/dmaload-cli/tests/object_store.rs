@@ -51,7 +51,8 @@ fn dmaload_load_reads_an_object_and_names_a_missing_one() {
 /// `dmaload load s3://BUCKET/KEY --to cuda:0 --hash` receives the object
 /// through the pinned staging ring into a device allocation, copies it
 /// back and hashes it: the uploaded bytes' hash, whole (past one 16 MiB
-/// slot, not a whole number of pages) and a range (`--offset`, `--length`).
+/// slot, not a whole number of pages) and a range (`--offset`, `--length`);
+/// the ring a large object pins is sized by the GETs in flight.
 #[test]
 fn dmaload_load_an_object_to_cuda_hashes_equal_to_the_uploaded_bytes() {
     let test = "dmaload_load_an_object_to_cuda_hashes_equal_to_the_uploaded_bytes";
@@ -74,6 +75,18 @@ fn dmaload_load_an_object_to_cuda_hashes_equal_to_the_uploaded_bytes() {
         assert!(report["destination"].as_str().unwrap().starts_with("cuda:0"), "{report}");
         assert_eq!(report["hash"]["xxh3_64"], xxh3(bytes).as_str(), "{report}");
     }
+    // A larger object pins no more slots than its GETs in flight fill (8
+    // connections of 8 MiB requests: 4 slots of 16 MiB, and 2 more), not
+    // the 10 its 160 MiB would: each slot serves several gathers.
+    let large = pattern((160 << 20) + 1, 12);
+    garage.put("big/large.bin", &large);
+    let args = ["load", "s3://models/big/large.bin", "--to", "cuda:0", "--hash", "--json"];
+    let out = dmaload(&garage, home.path(), &args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["hash"]["xxh3_64"], xxh3(&large).as_str(), "{report}");
+    let destination = report["destination"].as_str().unwrap();
+    assert!(destination.ends_with("via staging ring (6 x 16777216 bytes)"), "{report}");
     // What an object cannot take yet is refused, naming it.
     let out = dmaload(&garage, home.path(), &["load", url, "--to", "cuda:0", "--verify"]);
     assert!(!out.status.success());

@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::object::Object;
 use crate::options::LoadOptions;
 use crate::pipeline::{
-    check_object_options, load_object_to_sink, load_open_to_sink, range_len, range_within,
+    check_object_options, load_object_to_sink, load_open_to_sink, object_ring_slots, range_len, range_within,
 };
 use crate::report::LoadReport;
 use crate::sink::{keep_ring, take_ring, CudaSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
@@ -63,7 +63,7 @@ pub(crate) fn load_open_device(
     if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
         options.chunk_size = DEFAULT_SLOT_SIZE;
     }
-    load_device(path, offset, len, ordinal, &options, |ring, sink| {
+    load_device(path, (offset, len), ordinal, ring_slots(len), &options, |ring, sink| {
         load_open_to_sink(file, offset, Some(len), ring, sink, &options)
     })
 }
@@ -71,7 +71,9 @@ pub(crate) fn load_open_device(
 /// Loads `len` bytes (to the end when `None`) from `offset` of `object`
 /// into a new allocation on device `ordinal`, as [`load_open_device`] does
 /// a file's: the GETs receive into the pinned ring's slots, which the
-/// [`CudaSink`] copies to the device. Options an object cannot take, a
+/// [`CudaSink`] copies to the device. The ring has no more slots than the
+/// GETs in flight keep busy ([`object_ring_slots`]), unless a larger one
+/// is kept for the device. Options an object cannot take, a
 /// range past the object's end or larger than the device's free memory
 /// are refused before anything is allocated or requested.
 pub(crate) fn load_object_device(
@@ -84,21 +86,22 @@ pub(crate) fn load_object_device(
     let path = object.name();
     check_object_options(path, options)?;
     let len = range_within(object.size, "object", path, offset, len)?;
-    load_device(path, offset, len, ordinal, options, |ring, sink| {
+    let slots = ring_slots(len).min(object_ring_slots(options, DEFAULT_SLOT_SIZE)).max(2);
+    load_device(path, (offset, len), ordinal, slots, options, |ring, sink| {
         load_object_to_sink(object, offset, Some(len), ring, sink, options)
     })
 }
 
 /// The device side of a load to `cuda:N`, whatever the source: checks the
-/// device's free memory for `len` bytes, allocates them, takes the ring
-/// kept for the device (or pins one), and has `load` fill the allocation
-/// through it with a [`CudaSink`] (`offset` is the range's first byte in
-/// the source); the ring is kept again afterwards.
+/// device's free memory for the range's `len` bytes (from `offset` of the
+/// source), allocates them, takes the ring kept for the device (or pins
+/// one of `slots` slots), and has `load` fill the allocation through it
+/// with a [`CudaSink`]; the ring is kept again afterwards.
 fn load_device(
     path: &Path,
-    offset: u64,
-    len: u64,
+    (offset, len): (u64, u64),
     ordinal: usize,
+    slots: usize,
     options: &LoadOptions,
     load: impl FnOnce(&mut StagingRing, &mut CudaSink) -> Result<LoadReport>,
 ) -> Result<(LoadedDevice, LoadReport)> {
@@ -118,7 +121,7 @@ fn load_device(
     let mut memory = DeviceBuffer::new(&context, bytes).map_err(cuda("cuMemAlloc"))?;
     let ring_started = std::time::Instant::now();
     let device = Some((ordinal, &context));
-    let mut ring = take_ring(device, ring_slots(len), DEFAULT_SLOT_SIZE, options.chunk_size)
+    let mut ring = take_ring(device, slots, DEFAULT_SLOT_SIZE, options.chunk_size)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
     let ring_setup = ring_started.elapsed();
     let loaded = CudaSink::new(&context, vec![(offset, memory.range())])
