@@ -1,6 +1,8 @@
 //! `dmaload load s3://BUCKET/KEY` against a real S3 server (a single-node
 //! Garage, `crates/dmaload/tests/common/garage.rs`); SKIP without one.
 
+#[path = "../../dmaload/tests/common/cuda_driver.rs"]
+mod cuda_driver;
 #[path = "../../dmaload/tests/common/garage.rs"]
 mod garage;
 
@@ -16,6 +18,10 @@ fn dmaload(garage: &Garage, home: &std::path::Path, args: &[&str]) -> std::proce
         // No ~/.aws of the machine's: only the server's settings.
         .env("HOME", home)
         .envs(garage.env())
+        // The CUDA driver `cuda_driver` chose (the emulator, strict), if any.
+        .envs(
+            ["DMALOAD_LIBCUDA", "DMALOAD_EMU_STRICT"].iter().filter_map(|k| Some((k, std::env::var_os(k)?))),
+        )
         .output()
         .unwrap()
 }
@@ -40,6 +46,52 @@ fn dmaload_load_reads_an_object_and_names_a_missing_one() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("HTTP 404") && stderr.contains("key llama/missing.safetensors"), "{stderr}");
     assert!(!stderr.contains(&garage.key.secret_key), "{stderr}");
+}
+
+/// `dmaload load s3://BUCKET/KEY --to cuda:0 --hash` receives the object
+/// through the pinned staging ring into a device allocation, copies it
+/// back and hashes it: the uploaded bytes' hash, whole (past one 16 MiB
+/// slot, not a whole number of pages) and a range (`--offset`, `--length`);
+/// the ring a large object pins is sized by the GETs in flight.
+#[test]
+fn dmaload_load_an_object_to_cuda_hashes_equal_to_the_uploaded_bytes() {
+    let test = "dmaload_load_an_object_to_cuda_hashes_equal_to_the_uploaded_bytes";
+    if let Err(reason) = cuda_driver::cuda_driver() {
+        return eprintln!("SKIP {test}: {reason}");
+    }
+    let Some(garage) = Garage::start(test) else { return };
+    let home = tempfile::tempdir().unwrap();
+    let body = pattern((40 << 20) + 4093, 11);
+    garage.put("big/model.bin", &body);
+    let url = "s3://models/big/model.bin";
+    let range = ["--offset", "4097", "--length", "20000001"];
+    for (args, bytes) in [(&[][..], &body[..]), (&range[..], &body[4097..4097 + 20_000_001])] {
+        let load = ["load", url, "--to", "cuda:0", "--hash", "--json"];
+        let out = dmaload(&garage, home.path(), &[&load[..], args].concat());
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["bytes"], bytes.len() as u64, "{report}");
+        assert_eq!(report["filesystem"], "s3", "{report}");
+        assert!(report["destination"].as_str().unwrap().starts_with("cuda:0"), "{report}");
+        assert_eq!(report["hash"]["xxh3_64"], xxh3(bytes).as_str(), "{report}");
+    }
+    // A larger object pins no more slots than its GETs in flight fill (8
+    // connections of 8 MiB requests: 4 slots of 16 MiB, and 2 more), not
+    // the 10 its 160 MiB would: each slot serves several gathers.
+    let large = pattern((160 << 20) + 1, 12);
+    garage.put("big/large.bin", &large);
+    let args = ["load", "s3://models/big/large.bin", "--to", "cuda:0", "--hash", "--json"];
+    let out = dmaload(&garage, home.path(), &args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["hash"]["xxh3_64"], xxh3(&large).as_str(), "{report}");
+    let destination = report["destination"].as_str().unwrap();
+    assert!(destination.ends_with("via staging ring (6 x 16777216 bytes)"), "{report}");
+    // What an object cannot take yet is refused, naming it.
+    let out = dmaload(&garage, home.path(), &["load", url, "--to", "cuda:0", "--verify"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("verify is not supported for objects"), "{stderr}");
 }
 
 /// A safetensors file of F32 tensors (name, element count), its bytes

@@ -1,16 +1,20 @@
-//! `cuda:N` as a destination: a range of a file in one allocation on a CUDA
-//! device, read through a pinned staging ring and copied by the
+//! `cuda:N` as a destination: a range of a file or an object in one
+//! allocation on a CUDA device, read through a pinned staging ring and copied by the
 //! [`CudaSink`]; the host holds the ring only, whatever the file's size,
 //! and keeps it for the next load on the device ([`crate::sink::take_ring`]).
 
 use std::io;
+use std::path::Path;
 
 use crate::cuda::{Context, CudaError, DeviceBuffer};
 use crate::error::{Error, ErrorKind, Result};
+use crate::object::Object;
 use crate::options::LoadOptions;
-use crate::pipeline::{load_open_to_sink, range_len};
+use crate::pipeline::{
+    check_object_options, load_object_to_sink, load_open_to_sink, object_ring_slots, range_len, range_within,
+};
 use crate::report::LoadReport;
-use crate::sink::{keep_ring, take_ring, CudaSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
+use crate::sink::{keep_ring, take_ring, CudaSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use crate::source::OpenFile;
 
 /// A range of a file in device memory.
@@ -52,10 +56,56 @@ pub(crate) fn load_open_device(
     options: &LoadOptions,
 ) -> Result<(LoadedDevice, LoadReport)> {
     let path = file.path();
-    let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
     let len = range_len(file.source(), path, offset, len)?;
     // Refused or looked up before any allocation; the load checks again.
     crate::verify::Expected::for_load(file, offset, Some(len), options.verify)?;
+    let mut options = options.clone();
+    if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
+        options.chunk_size = DEFAULT_SLOT_SIZE;
+    }
+    load_device(path, (offset, len), ordinal, ring_slots(len), &options, |ring, sink| {
+        load_open_to_sink(file, offset, Some(len), ring, sink, &options)
+    })
+}
+
+/// Loads `len` bytes (to the end when `None`) from `offset` of `object`
+/// into a new allocation on device `ordinal`, as [`load_open_device`] does
+/// a file's: the GETs receive into the pinned ring's slots, which the
+/// [`CudaSink`] copies to the device. The ring has no more slots than the
+/// GETs in flight keep busy ([`object_ring_slots`]), unless a larger one
+/// is kept for the device. Options an object cannot take, a
+/// range past the object's end or larger than the device's free memory
+/// are refused before anything is allocated or requested.
+pub(crate) fn load_object_device(
+    object: &Object,
+    offset: u64,
+    len: Option<u64>,
+    ordinal: usize,
+    options: &LoadOptions,
+) -> Result<(LoadedDevice, LoadReport)> {
+    let path = object.name();
+    check_object_options(path, options)?;
+    let len = range_within(object.size, "object", path, offset, len)?;
+    let slots = ring_slots(len).min(object_ring_slots(options, DEFAULT_SLOT_SIZE)).max(2);
+    load_device(path, (offset, len), ordinal, slots, options, |ring, sink| {
+        load_object_to_sink(object, offset, Some(len), ring, sink, options)
+    })
+}
+
+/// The device side of a load to `cuda:N`, whatever the source: checks the
+/// device's free memory for the range's `len` bytes (from `offset` of the
+/// source), allocates them, takes the ring kept for the device (or pins
+/// one of `slots` slots), and has `load` fill the allocation through it
+/// with a [`CudaSink`]; the ring is kept again afterwards.
+fn load_device(
+    path: &Path,
+    (offset, len): (u64, u64),
+    ordinal: usize,
+    slots: usize,
+    options: &LoadOptions,
+    load: impl FnOnce(&mut StagingRing, &mut CudaSink) -> Result<LoadReport>,
+) -> Result<(LoadedDevice, LoadReport)> {
+    let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
     let context = Context::primary(ordinal).map_err(cuda("open the CUDA device"))?;
     let (free, _) = context.mem_info().map_err(cuda("cuMemGetInfo"))?;
     if len > free as u64 {
@@ -69,18 +119,14 @@ pub(crate) fn load_open_device(
     let bytes =
         usize::try_from(len).map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "too large"))?;
     let mut memory = DeviceBuffer::new(&context, bytes).map_err(cuda("cuMemAlloc"))?;
-    let mut options = options.clone();
-    if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
-        options.chunk_size = DEFAULT_SLOT_SIZE;
-    }
     let ring_started = std::time::Instant::now();
     let device = Some((ordinal, &context));
-    let mut ring = take_ring(device, ring_slots(len), DEFAULT_SLOT_SIZE, options.chunk_size)
+    let mut ring = take_ring(device, slots, DEFAULT_SLOT_SIZE, options.chunk_size)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
     let ring_setup = ring_started.elapsed();
     let loaded = CudaSink::new(&context, vec![(offset, memory.range())])
         .map_err(cuda("cuStreamCreate"))
-        .and_then(|mut sink| load_open_to_sink(file, offset, Some(len), &mut ring, &mut sink, &options));
+        .and_then(|mut sink| load(&mut ring, &mut sink));
     // Every copy has finished when the load returns, so the ring is idle
     // and serves the next load on this device, unless the context is
     // broken (a sticky error, a lost device): its pinned memory must not

@@ -31,7 +31,7 @@ use std::os::fd::BorrowedFd;
 use std::path::Path;
 
 use crate::buffer::Buffer;
-use crate::device::{load_open_device, LoadedDevice};
+use crate::device::{load_object_device, load_open_device, LoadedDevice};
 use crate::dmabuf::{load_open_dmabuf, LoadedDmaBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::into::fill_into;
@@ -41,7 +41,7 @@ pub use crate::options::{
     default_populate_threads, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE,
     DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
 };
-use crate::pipeline::{load_object_source, load_open_to_sink, load_source};
+use crate::pipeline::{load_object_source, load_object_to_sink, load_open_to_sink, load_source};
 pub use crate::report::LoadReport;
 use crate::sink::{Sink, StagingRing};
 use crate::source::OpenFile;
@@ -150,9 +150,11 @@ impl<'a> LoadRequest<'a> {
     }
 
     /// An object opened once with [`Object::open`] (`s3://BUCKET/KEY`: its
-    /// size and ETag looked up). It loads into host memory so far; every
-    /// GET pins the ETag the open found, so an object replaced since is
-    /// [`ErrorKind::Changed`]. See docs/object-storage.md.
+    /// size and ETag looked up). It loads into host memory, a device
+    /// (`cuda:N`) or a [`Sink`] ([`to_sink`](Self::to_sink)), not yet a
+    /// dma-buf or caller memory; every GET pins the ETag the open found,
+    /// so an object replaced since is [`ErrorKind::Changed`]. See
+    /// docs/object-storage.md.
     pub fn object(object: &'a Object) -> Self {
         Self::new(Input::Object(object))
     }
@@ -199,13 +201,13 @@ impl<'a> LoadRequest<'a> {
             Some(Target::DmaBuf) => options.check_dmabuf(name)?,
             _ => {}
         }
-        if matches!(self.input, Input::Object(_)) && target != Target::Host {
+        if matches!(self.input, Input::Object(_)) && target == Target::DmaBuf {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 "load",
                 name,
                 format!(
-                    "an object loads into host memory so far, not {} (docs/object-storage.md)",
+                    "an object loads into host memory or cuda:N so far, not {} (docs/object-storage.md)",
                     options.to
                 ),
             ));
@@ -240,7 +242,11 @@ impl<'a> LoadRequest<'a> {
         let target = self.resolve(None)?;
         let (offset, len, options) = (self.offset, self.len, &*self.options);
         if let Input::Object(object) = self.input {
-            return load_object_source(object, offset, len, options).map(|(b, r)| (Loaded::Host(b), r));
+            return match target {
+                Target::Device(ordinal) => load_object_device(object, offset, len, ordinal, options)
+                    .map(|(d, r)| (Loaded::Device(d), r)),
+                _ => load_object_source(object, offset, len, options).map(|(b, r)| (Loaded::Host(b), r)),
+            };
         }
         self.with_file("there", |file| match target {
             Target::Device(ordinal) => {
@@ -346,8 +352,12 @@ impl<'a> LoadRequest<'a> {
     /// use. `options.to` plays no part. A file whose direct-I/O alignment
     /// is larger than a slot is read buffered (a fallback in the report),
     /// or in `direct` mode is an [`ErrorKind::DirectIoUnavailable`] error.
+    /// An object's GETs receive into the slots as a file's reads do.
     pub fn to_sink(&self, ring: &mut StagingRing, sink: &mut dyn Sink) -> Result<LoadReport> {
         validate(self.name(), &self.options)?;
+        if let Input::Object(object) = self.input {
+            return load_object_to_sink(object, self.offset, self.len, ring, sink, &self.options);
+        }
         self.with_file("through a sink", |file| {
             load_open_to_sink(file, self.offset, self.len, ring, sink, &self.options)
         })

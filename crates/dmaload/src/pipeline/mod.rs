@@ -12,9 +12,9 @@ mod staged;
 mod write;
 
 pub(crate) use host::{load_source, with_kept_ring};
-pub(crate) use object::load_object_source;
+pub(crate) use object::{check_object_options, load_object_source, load_object_to_sink, object_ring_slots};
 pub use range::check_memory;
-pub(crate) use range::{open_range, range_len};
+pub(crate) use range::{open_range, range_len, range_within};
 pub(crate) use staged::load_open_to_sink;
 pub(crate) use write::{write_at, KeptWriteRing};
 
@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use crate::engine::{self, EngineParams, EngineRun, Gate, Input, Job, Layout, Progress, RegisterAhead};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Allocation, MemoryKind};
+use crate::object::Object;
 use crate::options::{LoadOptions, DEFAULT_QUEUE_DEPTH};
 use crate::plan::Plan;
 use crate::sink::{CachedRanges, Sink, SlotData, StagingRing, CACHE_LANE_PIECE, CACHE_LANE_PIECES};
@@ -199,6 +200,26 @@ fn remember_tuned(params: &EngineParams, run: &EngineRun) {
     }
 }
 
+/// Where a pipeline's reads come from: a file opened for the load (the
+/// io_uring and pread engines, tuned per device), or an object (the
+/// object engine's ranged GETs). Everything after the engine, the gate,
+/// the helper and the sink, is the same for both.
+#[derive(Clone, Copy)]
+pub(crate) enum ReadFrom<'a> {
+    File(&'a ReadSetup),
+    Object(&'a Object),
+}
+
+impl ReadFrom<'_> {
+    /// The engine's parameters for a load with `options` from here.
+    fn params(self, options: &LoadOptions) -> EngineParams {
+        match self {
+            ReadFrom::File(setup) => load_params(options, setup),
+            ReadFrom::Object(_) => object::object_params(options),
+        }
+    }
+}
+
 /// What one successful fill produced.
 pub(crate) struct Filled {
     pub alloc: Allocation,
@@ -260,7 +281,7 @@ pub(crate) fn fill_mapping(
         (verifier.is_some() || arrived.is_some()).then_some(&follow as _);
     let params = load_params(options, setup);
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
-        let transfer = Transfer::read(path, setup, plan, &params, progress);
+        let transfer = Transfer::read(path, ReadFrom::File(setup), plan, &params, progress);
         let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, beside, populate);
         debug_assert!(run.is_err() || progress.done() == len);
         run.map(|run| (run, times))
@@ -338,8 +359,8 @@ impl LaneShare {
 /// Staging slots the engine keeps when the cache lane takes a share.
 const SLOTS_THE_ENGINE_KEEPS: usize = 2;
 
-/// Reads the plan's range through `ring`'s staging slots into `sink`: the
-/// engine fills slots, a helper thread hands each filled slot to the sink
+/// Reads the plan's range, from a file or an object (`from`), through
+/// `ring`'s staging slots into `sink`: the engine fills slots, a helper thread hands each filled slot to the sink
 /// (in file order) and gives it back to the engine once the sink has
 /// released it (where no such thread can be created and the slots are
 /// reused, the load runs in parts on this thread: [`run_in_parts`]). With
@@ -356,7 +377,7 @@ const SLOTS_THE_ENGINE_KEEPS: usize = 2;
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fill_staged(
     path: &Path,
-    setup: &ReadSetup,
+    from: ReadFrom<'_>,
     plan: &Plan,
     len: u64,
     options: &LoadOptions,
@@ -371,7 +392,7 @@ pub(crate) fn fill_staged(
     debug_assert!(plan.cache_lane_gathers().next().is_none() || lane.is_some());
     let dst = ring.writer();
     let sink = std::sync::Mutex::new(sink);
-    let params = load_params(options, setup);
+    let params = from.params(options);
     // One run of the pipeline over `plan`, with `lane` carrying the
     // gathers the plan leaves to it.
     let run_plan = |plan: &Plan, lane: Option<(&LaneShare, BorrowedFd<'_>)>, progress: &Progress<'_>| {
@@ -410,7 +431,7 @@ pub(crate) fn fill_staged(
             let carried = cached.as_ref().map(|c| (c.bytes(), c.threads(), c.take_failure()));
             (fed, carried)
         };
-        let transfer = Transfer::read(path, setup, plan, &params, progress);
+        let transfer = Transfer::read(path, from, plan, &params, progress);
         run_pipeline(&transfer, dst, layout, None, feed)
     };
     let mut fed = None;
@@ -665,7 +686,7 @@ const SLOTS_BEFORE_THE_FIRST_READ: usize = 2;
 const RELEASE_POLL: Duration = Duration::from_micros(200);
 
 /// What one run of the pipeline moves: the plan's bytes between the open
-/// file and memory, with the engine the parameters name, counting into
+/// file (or an object) and memory, with the engine the parameters name, counting into
 /// `progress` (whose reporting the caller runs, [`Progress::reporting`]).
 pub(crate) struct Transfer<'a> {
     pub path: &'a Path,
@@ -677,15 +698,20 @@ pub(crate) struct Transfer<'a> {
 }
 
 impl<'a> Transfer<'a> {
-    /// A read of the plan's bytes from the file `setup` opened for it.
+    /// A read of the plan's bytes from the file `setup` opened for it, or
+    /// from an object (whose GETs no page cache is involved in).
     fn read(
         path: &'a Path,
-        setup: &'a ReadSetup,
+        from: ReadFrom<'a>,
         plan: &'a Plan,
         params: &'a EngineParams,
         progress: &'a Progress<'a>,
     ) -> Transfer<'a> {
-        Transfer { path, input: Input::File(setup.file.as_fd()), cache: setup.cache, plan, params, progress }
+        let (input, cache) = match from {
+            ReadFrom::File(setup) => (Input::File(setup.file.as_fd()), setup.cache),
+            ReadFrom::Object(object) => (Input::Object(object), CachePolicy::Bypass),
+        };
+        Transfer { path, input, cache, plan, params, progress }
     }
 }
 

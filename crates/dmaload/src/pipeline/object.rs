@@ -1,21 +1,26 @@
-//! A load from an object store into a new host [`Buffer`]: the same
-//! pipeline as a file's in-place load (a helper thread populates the
-//! buffer gather by gather behind the gate; the engine fills what is
-//! ready), with the object engine's GETs in place of reads.
+//! A load from an object store, with the object engine's GETs in place
+//! of reads and the rest of the pipeline a file's: into a new host
+//! [`Buffer`] in place (a helper thread populates the buffer gather by
+//! gather behind the gate; the engine fills what is ready), or through
+//! the slots of a [`StagingRing`] into a [`Sink`] (`cuda:N`, memory the
+//! caller owns) by [`fill_staged`], the staged run of a file.
 
-use std::time::Instant;
+use std::path::Path;
+use std::time::{Duration, Instant};
 
 use super::host::hand_out;
 use super::range::{check_memory, range_within};
-use super::{allocation_error, populate_gathers, run_pipeline, Transfer};
+use super::staged::staged_chunk;
+use super::{allocation_error, fill_staged, populate_gathers, run_pipeline, ReadFrom, Transfer};
 use crate::buffer::Buffer;
-use crate::engine::{object::DEFAULT_CONNECTIONS, EngineParams, Gate, Input, Layout, Progress};
+use crate::engine::{object::DEFAULT_CONNECTIONS, EngineParams, EngineRun, Gate, Layout, Progress};
 use crate::error::{Error, ErrorKind, Result};
-use crate::memory::{Allocation, MemoryFacts};
+use crate::memory::{Allocation, MemoryChoice, MemoryFacts};
 use crate::object::Object;
 use crate::options::{host_memory, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS};
 use crate::plan::Plan;
 use crate::report::LoadReport;
+use crate::sink::{Sink, StagingRing};
 use crate::sys;
 use crate::types::{CachePolicy, Engine};
 
@@ -23,6 +28,56 @@ use crate::types::{CachePolicy, Engine};
 /// enough that a request's round trip is small beside its transfer, small
 /// enough to keep every connection busy on objects of a few hundred MiB.
 const DEFAULT_OBJECT_REQUEST: usize = 8 << 20;
+
+/// The request size of an object load: `chunk_size` when set, else
+/// [`DEFAULT_OBJECT_REQUEST`].
+fn object_request(options: &LoadOptions) -> usize {
+    if options.chunk_size == DEFAULT_CHUNK_SIZE {
+        DEFAULT_OBJECT_REQUEST
+    } else {
+        options.chunk_size
+    }
+}
+
+/// The engine's parameters for an object load: `threads`, when set, is
+/// the connection count.
+pub(super) fn object_params(options: &LoadOptions) -> EngineParams {
+    let connections =
+        if options.threads == DEFAULT_POOL_THREADS { DEFAULT_CONNECTIONS } else { options.threads };
+    EngineParams {
+        engine: Engine::PreadPool,
+        queue_depth: connections,
+        threads: connections,
+        cancel: options.cancel.clone(),
+        tune: None,
+        request_size: None,
+    }
+}
+
+/// Staging slots of `slot_len` bytes an object load with `options` keeps
+/// busy: as many as its GETs in flight fill (a request on each
+/// connection), and two more, one being delivered while the other waits
+/// for a straggler. GETs are slower than a disk's reads, so a ring sized
+/// for a file's range (up to 32 slots of 16 MiB) would pin memory that
+/// only costs its pinning.
+pub(crate) fn object_ring_slots(options: &LoadOptions, slot_len: usize) -> usize {
+    let in_flight = object_params(options).threads * object_request(options).min(slot_len);
+    in_flight.div_ceil(slot_len) + 2
+}
+
+/// What every object load refuses before it looks at the range (or a
+/// device allocates anything).
+pub(crate) fn check_object_options(path: &Path, options: &LoadOptions) -> Result<()> {
+    if options.verify {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "load",
+            path,
+            "verify is not supported for objects yet (docs/object-storage.md)",
+        ));
+    }
+    Ok(())
+}
 
 /// Loads `len` bytes (to the end when `None`) from `offset` of `object`
 /// into a new host buffer of the memory the options name. `chunk_size`
@@ -34,89 +89,133 @@ pub(crate) fn load_object_source(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     let path = object.name();
-    if options.verify {
-        return Err(Error::new(
-            ErrorKind::InvalidInput,
-            "load",
-            path,
-            "verify is not supported for objects yet (docs/object-storage.md)",
-        ));
-    }
-    let started = Instant::now();
-    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    check_object_options(path, options)?;
+    let started = Started::now(path)?;
     let len = range_within(object.size, "object", path, offset, len)?;
     check_memory(path, len)?;
     let facts = MemoryFacts::read();
     let memory = host_memory(options, len, &facts);
-    let request =
-        if options.chunk_size == DEFAULT_CHUNK_SIZE { DEFAULT_OBJECT_REQUEST } else { options.chunk_size };
-    let connections =
-        if options.threads == DEFAULT_POOL_THREADS { DEFAULT_CONNECTIONS } else { options.threads };
     let page = sys::mem::page_size();
-    let plan = Plan::new(offset, len, 1, request, options.gather_size, page);
+    let plan = Plan::new(offset, len, 1, object_request(options), options.gather_size, page);
     let mut alloc = Allocation::with_facts(memory.kind, plan.mapping_len, &facts)
         .map_err(|e| allocation_error(path, e))?;
-    let params = EngineParams {
-        engine: Engine::PreadPool,
-        queue_depth: connections,
-        threads: connections,
-        cancel: options.cancel.clone(),
-        tune: None,
-        request_size: None,
-    };
+    let params = object_params(options);
     let dst = alloc.mapping.writer();
     let engine_started = Instant::now();
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
-        let transfer = Transfer {
-            path,
-            input: Input::Object(object),
-            cache: CachePolicy::Bypass,
-            plan: &plan,
-            params: &params,
-            progress,
-        };
+        let transfer = Transfer::read(path, ReadFrom::Object(object), &plan, &params, progress);
         let populate = |_, gate: &Gate| populate_gathers(dst, None, &plan, gate, options.populate_threads);
         let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, None, populate);
         run.map(|run| (run, times.unwrap_or_default()))
     })?;
     let engine_wall = engine_started.elapsed();
     let (buffer, unregistered) = hand_out(alloc, &plan, path)?;
-    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-    let total = started.elapsed();
-    let mut fallbacks = run.fallbacks;
-    fallbacks.extend(unregistered);
-    let report = LoadReport {
-        path: path.to_owned(),
-        offset,
-        bytes: len,
-        engine: run.engine,
-        cache: CachePolicy::Bypass,
-        memory: memory.kind,
-        huge_pages: facts.huge_pages(memory.kind),
-        destination: Destination::from(memory.kind).name(),
-        memory_reason: memory.reason,
-        filesystem: "s3",
-        alignment: 1,
-        chunk_size: plan.chunk,
-        gather_size: plan.gather,
-        queue_depth: connections,
-        request_size: plan.chunk,
-        tuning_windows: 0,
-        fallbacks,
-        alloc_seconds: times.all.as_secs_f64(),
-        register_seconds: 0.0,
-        first_gather_seconds: times.first.as_secs_f64(),
-        deliver_seconds: 0.0,
-        ring_bytes: 0,
-        cache_lane_bytes: 0,
-        cache_lane_threads: 0,
-        io_seconds: engine_wall.saturating_sub(run.waited_for_memory).as_secs_f64(),
-        waited_for_memory_seconds: run.waited_for_memory.as_secs_f64(),
-        total_seconds: total.as_secs_f64(),
-        gib_per_second: len as f64 / (1u64 << 30) as f64 / total.as_secs_f64().max(1e-9),
-        cpu_user_seconds: cpu_after.0.saturating_sub(cpu_before.0).as_secs_f64(),
-        cpu_system_seconds: cpu_after.1.saturating_sub(cpu_before.1).as_secs_f64(),
-        page_cache: None,
-    };
+    let mut report = started.report(&plan, run, &params, memory, &facts, engine_wall)?;
+    report.fallbacks.extend(unregistered);
+    report.alloc_seconds = times.all.as_secs_f64();
+    report.first_gather_seconds = times.first.as_secs_f64();
     Ok((buffer, report))
+}
+
+/// [`crate::LoadRequest::to_sink`] of an object (the request checked the
+/// options): `len` bytes (to the end when `None`) from `offset`, received
+/// by the GETs into `ring`'s slots and handed from there to `sink`, as a
+/// file's staged load. Requests are [`DEFAULT_OBJECT_REQUEST`] bytes
+/// (`chunk_size` when set), at most a slot and a whole number in each.
+pub(crate) fn load_object_to_sink(
+    object: &Object,
+    offset: u64,
+    len: Option<u64>,
+    ring: &mut StagingRing,
+    sink: &mut dyn Sink,
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    let path = object.name();
+    check_object_options(path, options)?;
+    let started = Started::now(path)?;
+    let len = range_within(object.size, "object", path, offset, len)?;
+    let chunk = staged_chunk(path, ring, object_request(options))?;
+    let plan = Plan::staged(offset, len, 1, chunk, ring.slot_len(), sys::mem::page_size());
+    let engine_started = Instant::now();
+    let from = ReadFrom::Object(object);
+    let (run, times) = fill_staged(path, from, &plan, len, options, None, ring, sink, None)?;
+    let engine_wall = engine_started.elapsed();
+    // No Buffer is allocated: `memory` is what a host load with these
+    // options would use; `destination` names the ring (and the caller, the sink).
+    let memory = MemoryChoice {
+        kind: options.to.host_memory().unwrap_or_default(),
+        reason: "a staged load allocates no host buffer".into(),
+    };
+    let params = object_params(options);
+    let mut report = started.report(&plan, run, &params, memory, &MemoryFacts::read(), engine_wall)?;
+    report.destination = format!("staging ring ({} x {} bytes)", ring.slots(), ring.slot_len());
+    report.ring_bytes = len;
+    report.register_seconds = times.register.as_secs_f64();
+    report.deliver_seconds = times.deliver.as_secs_f64();
+    Ok(report)
+}
+
+/// When a load of the object at `path` started: its wall clock and the
+/// process's CPU time.
+struct Started<'a> {
+    path: &'a Path,
+    at: Instant,
+    cpu: (Duration, Duration),
+}
+
+impl<'a> Started<'a> {
+    fn now(path: &'a Path) -> Result<Started<'a>> {
+        let cpu = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+        Ok(Started { path, at: Instant::now(), cpu })
+    }
+
+    /// The report of an object load that ran `plan` since then, its engine
+    /// busy for `engine_wall`.
+    fn report(
+        &self,
+        plan: &Plan,
+        run: EngineRun,
+        params: &EngineParams,
+        memory: MemoryChoice,
+        facts: &MemoryFacts,
+        engine_wall: Duration,
+    ) -> Result<LoadReport> {
+        let path = self.path;
+        let cpu = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+        let total = self.at.elapsed();
+        let len = plan.data_end - plan.data_start;
+        Ok(LoadReport {
+            path: path.to_owned(),
+            offset: plan.data_start,
+            bytes: len,
+            engine: run.engine,
+            cache: CachePolicy::Bypass,
+            memory: memory.kind,
+            huge_pages: facts.huge_pages(memory.kind),
+            destination: Destination::from(memory.kind).name(),
+            memory_reason: memory.reason,
+            filesystem: "s3",
+            alignment: 1,
+            chunk_size: plan.chunk,
+            gather_size: plan.gather,
+            queue_depth: params.queue_depth,
+            request_size: plan.chunk,
+            tuning_windows: 0,
+            fallbacks: run.fallbacks,
+            alloc_seconds: 0.0,
+            register_seconds: 0.0,
+            first_gather_seconds: 0.0,
+            deliver_seconds: 0.0,
+            ring_bytes: 0,
+            cache_lane_bytes: 0,
+            cache_lane_threads: 0,
+            io_seconds: engine_wall.saturating_sub(run.waited_for_memory).as_secs_f64(),
+            waited_for_memory_seconds: run.waited_for_memory.as_secs_f64(),
+            total_seconds: total.as_secs_f64(),
+            gib_per_second: len as f64 / (1u64 << 30) as f64 / total.as_secs_f64().max(1e-9),
+            cpu_user_seconds: cpu.0.saturating_sub(self.cpu.0).as_secs_f64(),
+            cpu_system_seconds: cpu.1.saturating_sub(self.cpu.1).as_secs_f64(),
+            page_cache: None,
+        })
+    }
 }

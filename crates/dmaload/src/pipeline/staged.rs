@@ -7,9 +7,10 @@ use std::time::Instant;
 
 use std::ops::Range;
 use std::os::fd::AsFd;
+use std::path::Path;
 
 use super::range::open_range;
-use super::{fill_staged, LaneShare};
+use super::{fill_staged, LaneShare, ReadFrom};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{MemoryChoice, MemoryFacts};
 use crate::options::LoadOptions;
@@ -37,15 +38,7 @@ pub(crate) fn load_open_to_sink(
     let expected = Expected::for_load(file, offset, len, options.verify)?;
     let page = sys::mem::page_size();
     let slot = ring.slot_len();
-    let chunk = Plan::chunk_len(options.chunk_size.min(slot), page);
-    if slot % chunk != 0 {
-        return Err(Error::new(
-            ErrorKind::InvalidInput,
-            "load",
-            path,
-            format!("staging slots of {} bytes do not hold whole chunks of {chunk} bytes", ring.slot_len()),
-        ));
-    }
+    let chunk = staged_chunk(path, ring, options.chunk_size)?;
     // A sink with a cache lane takes the cached windows of an `auto` load
     // itself, window by window; without one (or where the ring has no
     // room for it, or a verified load hashes in file order through the
@@ -77,7 +70,7 @@ pub(crate) fn load_open_to_sink(
     let started = Instant::now();
     let ((run, times), plan) = opened.read(options, plan_for, |setup, plan, options| {
         let lane = lane.as_ref().map(|share| (share, lane_file));
-        fill_staged(path, setup, plan, len, options, lane, ring, sink, expected.as_ref())
+        fill_staged(path, ReadFrom::File(setup), plan, len, options, lane, ring, sink, expected.as_ref())
     })?;
     let wall = started.elapsed();
     let waited = run.waited_for_memory;
@@ -96,6 +89,23 @@ pub(crate) fn load_open_to_sink(
     report.deliver_seconds = times.deliver.as_secs_f64();
     report.io_seconds = wall.saturating_sub(waited).as_secs_f64();
     Ok(report)
+}
+
+/// The request length of a staged load asking for `chunk` bytes a
+/// request: whole pages, at most a slot, and a whole number of them in
+/// each of `ring`'s slots (else an [`ErrorKind::InvalidInput`] error).
+pub(super) fn staged_chunk(path: &Path, ring: &StagingRing, chunk: usize) -> Result<usize> {
+    let slot = ring.slot_len();
+    let chunk = Plan::chunk_len(chunk.min(slot), sys::mem::page_size());
+    if slot % chunk != 0 {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "load",
+            path,
+            format!("staging slots of {slot} bytes do not hold whole chunks of {chunk} bytes"),
+        ));
+    }
+    Ok(chunk)
 }
 
 /// Whether a load window (a slot's worth of the file) goes to the cache
