@@ -53,7 +53,17 @@ def main() -> None:
     except ImportError:
         print("boto3: not installed (pip install boto3)")
         return
-    client = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL"))
+    from botocore.config import Config
+
+    # The region and addressing dmaload uses (docs/object-storage.md): botocore
+    # reads AWS_DEFAULT_REGION, not AWS_REGION, and a custom endpoint such as
+    # Garage's answers path-style requests only.
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    style = os.environ.get("DMALOAD_S3_ADDRESSING") or ("path" if endpoint else "virtual")
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name=region, config=Config(s3={"addressing_style": style})
+    )
     for concurrency in (10, 32):
         config = TransferConfig(max_concurrency=concurrency, multipart_chunksize=8 << 20)
 
