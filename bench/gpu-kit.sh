@@ -18,7 +18,9 @@
 #                                 NCCL group on the GPU) and, where vLLM or
 #                                 SGLang is installed, each serving a tiny
 #                                 Llama with dmaload (tests/engines; SGLang's
-#                                 PyPI build needs CUDA, so its check is here)
+#                                 PyPI build needs CUDA, so its check is here),
+#                                 and bench/serving.py's restarts with vLLM's
+#                                 own ipc_cache row
 #   bench/gpu-kit.sh next         there: the device run in one call, at
 #                                 most 8 minutes with every part (children
 #                                 included) under `timeout` and a shared
@@ -207,6 +209,15 @@ engines() {
             echo "SKIP $engine-serve: $engine is not installed on this machine"
         fi
     done
+    # Restarts against vLLM's own: the default loader, dmaload, and
+    # ipc_cache through a `vllm preload` daemon (reported as not measured,
+    # with the daemon's error, where this vLLM has none).
+    if python3 -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+        part vllm-serving timeout -k 10 1800 python3 "$root/bench/serving.py" --rounds 2 --ranks 1 \
+            --states cold,warm --formats dmaload,safetensors,ipc_cache --memory 0.5 --timeout 600
+    else
+        echo "SKIP vllm-serving: no vLLM with a CUDA device here"
+    fi
     if ((${#failed[@]})); then
         echo "failed: ${failed[*]}" >&2
         exit 1

@@ -33,6 +33,15 @@ with DMALOAD_VLLM_PEERS=1):
 ``--variant NAME='{"window": "64M"}'`` adds dmaload with another extra
 config as its own format (``dmaload:NAME``), interleaved with the rest.
 
+``--formats ...,ipc_cache`` adds vLLM's own restart path (vLLM 0.33 and
+later, CUDA build, a GPU: the device kit): one ``vllm preload`` daemon per
+rank count holds the weights in GPU memory, started before the first
+``ipc_cache`` engine and stopped at the end, and each ``ipc_cache`` engine
+maps them from it (``--load-format ipc_cache`` with the daemons' socket
+directory). Its page-cache state is irrelevant: the daemon loaded once.
+Where no daemon starts (no CUDA build, no GPU, an older vLLM) the row is
+reported as not measured, with the daemon's error.
+
 Not a test: absolute numbers depend on the machine; compare within a run.
 """
 
@@ -42,9 +51,11 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,6 +105,48 @@ def set_cache(model: Path, state: str) -> None:
             with open(p, "rb") as f:
                 while f.read(16 << 20):
                     pass
+
+
+READY = "Weight cache daemon READY"
+
+
+class PreloadDaemon:
+    """``vllm preload`` for ``model`` on ``ranks`` GPUs, its sockets in a
+    directory of its own; ``error`` says why it is not serving."""
+
+    def __init__(self, python: str, model: Path, ranks: int, memory: float, timeout: int) -> None:
+        self.socket_dir = tempfile.mkdtemp(prefix="dmaload-preload-")
+        self.log = Path(self.socket_dir) / "daemon.log"
+        command = [
+            python, "-m", "vllm.entrypoints.cli.main", "preload", "--model", str(model),
+            "--tensor-parallel-size", str(ranks), "--gpu-memory-utilization", str(memory),
+            "--weight-cache-socket-dir", self.socket_dir,
+        ]  # fmt: skip
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.error: str | None = None
+        deadline = time.monotonic() + timeout
+        while READY not in self.log.read_text(errors="replace"):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                lines = self.log.read_text(errors="replace").splitlines()
+                errors = [x for x in lines if ERROR.search(x)]
+                self.error = "vllm preload: " + (errors[-1] if errors else " | ".join(lines[-3:]) or "no output")[-300:]
+                self.stop()
+                return
+            time.sleep(1)
+
+    @property
+    def extra(self) -> str:
+        return json.dumps({"socket_dir": self.socket_dir})
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
 
 
 def serve(
@@ -181,6 +234,7 @@ def main() -> None:
     states = a.states.split(",")
     runs: list[dict[str, object]] = []
     broken: dict[str, str] = {}
+    daemons: dict[int, PreloadDaemon] = {}
     # One engine with dummy weights first: vLLM's own files are then in the
     # page cache, so the reads counted below are the checkpoint's.
     for n in ranks:
@@ -195,12 +249,21 @@ def main() -> None:
                     set_cache(model, state)
                     extra = variants.get(fmt, "{}")
                     engine_format = "dmaload" if fmt in variants else fmt
+                    if fmt == "ipc_cache":
+                        if n not in daemons:
+                            daemons[n] = PreloadDaemon(sys.executable, model, n, a.memory, a.timeout)
+                        if daemons[n].error is not None:
+                            broken[fmt] = str(daemons[n].error)
+                            continue
+                        extra = daemons[n].extra
                     r = serve(sys.executable, model, engine_format, n, a.memory, a.timeout, extra)
                     r.update(format=fmt, ranks=n, state=state, round=rnd)
                     runs.append(r)
                     print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), file=sys.stderr, flush=True)
                     if "error" in r:
                         broken[fmt] = str(r["error"])
+    for daemon in daemons.values():
+        daemon.stop()
     if a.json:
         a.json.write_text(json.dumps({"model_bytes": total, "runs": runs}, indent=1))
 
