@@ -134,27 +134,8 @@ def _numpy_dtype(dtype: str) -> tuple[Any, bool]:
     return np.dtype(np.uint8), True
 
 
-_TORCH = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "U16": "uint16",
-    "I16": "int16",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "U32": "uint32",
-    "I32": "int32",
-    "F32": "float32",
-    "U64": "uint64",
-    "I64": "int64",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-}
+# torch names every NumPy-native type alike and has the ml_dtypes types built in.
+_TORCH = {**_NUMPY_NATIVE, **{dtype: name for dtype, (name, _) in _ML_DTYPES.items()}}
 
 
 def _torch_dtype(torch: Any, dtype: str, shape: tuple[int, ...]) -> tuple[Any, tuple[int, ...]]:
