@@ -191,3 +191,60 @@ fn dmaload_load_reads_a_sharded_model_by_prefix() {
         "{stderr}"
     );
 }
+
+/// `dmaload load s3://BUCKET/DIR/ --to cuda:0 --hash`: each shard of a
+/// sharded model in object storage goes through the core's device path for
+/// objects (its header read first with a ranged GET, checked against the
+/// index before any data moves), bit-exact on the device; a model whose
+/// shards disagree with the index is refused before any shard is loaded.
+#[test]
+fn dmaload_load_a_sharded_object_model_to_cuda_hashes_equal_to_the_uploaded_shards() {
+    let test = "dmaload_load_a_sharded_object_model_to_cuda_hashes_equal_to_the_uploaded_shards";
+    if let Err(reason) = cuda_driver::cuda_driver() {
+        return eprintln!("SKIP {test}: {reason}");
+    }
+    let Some(garage) = Garage::start(test) else { return };
+    let home = tempfile::tempdir().unwrap();
+    let shards = [
+        ("model-00001-of-00002.safetensors", safetensors(&[("embed", 5 << 20), ("layer0.q", 1001)], 4)),
+        ("model-00002-of-00002.safetensors", safetensors(&[("layer0.k", 19), ("head", 1 << 20)], 5)),
+    ];
+    let mut weight_map = serde_json::Map::new();
+    for (name, body) in &shards {
+        garage.put(&format!("gpu/{name}"), body);
+        let tensors = if name.contains("00001") { ["embed", "layer0.q"] } else { ["layer0.k", "head"] };
+        for tensor in tensors {
+            weight_map.insert(tensor.into(), serde_json::json!(name));
+        }
+    }
+    let index = serde_json::json!({"weight_map": weight_map});
+    garage.put("gpu/model.safetensors.index.json", index.to_string().as_bytes());
+    let out =
+        dmaload(&garage, home.path(), &["load", "s3://models/gpu/", "--to", "cuda:0", "--hash", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["tensors"], 4, "{report}");
+    let loaded = report["shards"].as_array().unwrap();
+    assert_eq!(loaded.len(), 2, "{report}");
+    for ((_, body), shard) in shards.iter().zip(loaded) {
+        assert!(shard["destination"].as_str().unwrap().starts_with("cuda:0"), "{report}");
+        assert_eq!(shard["bytes"], body.len() as u64, "{report}");
+        assert_eq!(shard["hash"]["xxh3_64"], xxh3(body).as_str(), "{report}");
+    }
+
+    // An index that puts a tensor in a shard lacking it: refused from the
+    // headers, naming the tensor, before any shard is loaded to the device.
+    let wrong = serde_json::json!({"weight_map": {
+        "embed": "model-00002-of-00002.safetensors",
+        "layer0.q": "model-00001-of-00002.safetensors",
+    }});
+    garage.put("gpu/wrong.safetensors.index.json", wrong.to_string().as_bytes());
+    let out = dmaload(
+        &garage,
+        home.path(),
+        &["load", "s3://models/gpu/wrong.safetensors.index.json", "--to", "cuda:0"],
+    );
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("tensor 'embed'") && stderr.contains("no such tensor"), "{stderr}");
+}
