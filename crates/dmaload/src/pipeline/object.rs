@@ -55,12 +55,13 @@ pub(super) fn object_params(options: &LoadOptions) -> EngineParams {
 }
 
 /// Staging slots of `slot_len` bytes an object load with `options` keeps
-/// busy: as many as its GETs in flight fill (a request on each
+/// busy (the ring a device load of an object pins, and Python's staged
+/// loads of object shards): as many as its GETs in flight fill (a request on each
 /// connection), and two more, one being delivered while the other waits
 /// for a straggler. GETs are slower than a disk's reads, so a ring sized
 /// for a file's range (up to 32 slots of 16 MiB) would pin memory that
 /// only costs its pinning.
-pub(crate) fn object_ring_slots(options: &LoadOptions, slot_len: usize) -> usize {
+pub fn object_ring_slots(options: &LoadOptions, slot_len: usize) -> usize {
     let in_flight = object_params(options).threads * object_request(options).min(slot_len);
     in_flight.div_ceil(slot_len) + 2
 }

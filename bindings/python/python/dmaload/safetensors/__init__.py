@@ -14,10 +14,11 @@ reused while any view exists (``Buffer.close()`` refuses then).
 
 ``path`` may be a file, a ``*.safetensors.index.json`` or a directory (its
 ``model.safetensors.index.json``, else all its ``*.safetensors`` files): the
-shards are loaded concurrently. It may also be an object URL (CPU only):
+shards are loaded concurrently. It may also be an object URL:
 ``s3://BUCKET/KEY``, an index object, or a prefix ``s3://BUCKET/DIR/`` (its
 ``model.safetensors.index.json``, else its ``model.safetensors``), each
-shard loaded once into host memory; see docs/object-storage.md. An index's ``weight_map`` is checked before
+shard loaded once into host memory, or with ``device="cuda:N"`` received
+through the staging ring into the device; see docs/object-storage.md. An index's ``weight_map`` is checked before
 anything is loaded (see ``shard_paths``), then against the shards'
 headers before their data (``_tensor_index``), and against the loaded
 shards again.
@@ -319,11 +320,11 @@ class SafeOpen:
     ) -> None:
         """A model in object storage (``s3://BUCKET/KEY``, ``.../INDEX.json``
         or a prefix ``s3://BUCKET/model/``), resolved by the core as a
-        local model is; each shard object loaded once into host memory."""
+        local model is; each shard object loaded once into host memory, or
+        onto ``device`` through the staged path as a file is."""
         unsupported = [
             name
             for name, given in (
-                ("device", str(device) != "cpu"),
                 ("cache", cache is not None),
                 ("process_group", process_group is not None),
                 ("tensor_filter", tensor_filter is not None),
@@ -332,12 +333,16 @@ class SafeOpen:
         ]
         if unsupported:
             raise ValueError(
-                f"{url}: an s3:// model loads into host memory only so far: drop {', '.join(unsupported)}= "
+                f"{url}: an s3:// model loads without the cache service or a group so far: "
+                f"drop {', '.join(unsupported)}= "
                 "(docs/object-storage.md)"
             )
         urls, pairs = _dmaload.resolve_model(url)
         weight_map = dict(pairs) if pairs is not None else None
-        self._files = _load_files(urls, progress, DEFAULT_CONCURRENCY, options)
+        if self._framework == "pt" and _device.is_device(device):
+            self._files = _device.load_files(urls, device, progress, options)
+        else:
+            self._files = _load_files(urls, progress, DEFAULT_CONCURRENCY, options)
         tables = [(f.path, f.tensors.keys()) for f in self._files]
         self._index = {name: self._files[i] for name, i in _tensor_index(tables, weight_map).items()}
         self._infos = {name: f.tensors[name] for name, f in self._index.items()}

@@ -16,6 +16,11 @@ the same staged path reads (copies from memory into the pinned ring, then
 to the device), so a model another process loaded reaches this device
 without a disk read.
 
+An object (``s3://BUCKET/KEY``, a shard of a model in object storage) is
+opened the same way (``open_safetensors`` looks it up and reads its header
+with a ranged GET), and its data section is received by the GETs into the
+ring's slots, the core's device path for objects (docs/object-storage.md).
+
 ``device="cpu"`` is accepted here too (the same staged path into a host
 tensor): the tests run every part of this code without a GPU that way.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +65,7 @@ def _ordinal(torch: Any, device: Any) -> int:
     return int(index)
 
 
-def _open(path: Path, socket: str | None, native: dict[str, Any]) -> _dmaload.SafetensorsFile:
+def _open(path: str | Path, socket: str | None, native: dict[str, Any]) -> _dmaload.SafetensorsFile:
     """``path`` opened for the staged load: the cache service's memfd of it
     where ``socket`` names a service that has or loads the file, else the
     file itself (``from_service`` says once why)."""
@@ -86,9 +92,14 @@ def _open(path: Path, socket: str | None, native: dict[str, Any]) -> _dmaload.Sa
 
 
 def load_files(
-    paths: list[Path], device: Any, progress: Progress, options: dict[str, Any], socket: str | None = None
+    paths: Sequence[str | Path],
+    device: Any,
+    progress: Progress,
+    options: dict[str, Any],
+    socket: str | None = None,
 ) -> list[_File]:
-    """Loads every tensor of ``paths`` onto ``device``, from the cache
+    """Loads every tensor of ``paths`` (files, or object URLs as strings:
+    ``Path`` would fold ``s3://``'s slashes) onto ``device``, from the cache
     service at ``socket`` when given; one ``_File`` per path."""
     import torch
 
@@ -110,7 +121,7 @@ def load_files(
         # The caching allocator may hand out memory that kernels queued on
         # the current stream still use: they finish before our copies start.
         torch.cuda.current_stream(target).synchronize()
-    desc = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
+    desc = os.path.basename(os.fspath(paths[0])) if len(paths) == 1 else f"{len(paths)} files"
     callback, finish = resolve(progress, desc)
     try:
         # Device memory goes as pointers, its tensors as `keep` (held by the
