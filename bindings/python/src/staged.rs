@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
-use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use dmaload::object::Object;
+use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use dmaload::{LoadRequest, OpenFile, RawBytesMut};
 
 use crate::options::FileArg;
@@ -61,7 +61,7 @@ enum Source {
     File(OpenFile),
     /// An object (`s3://BUCKET/KEY`), looked up once: every GET of its
     /// load pins the ETag that lookup found.
-    Object(Object),
+    Object(Box<Object>),
 }
 
 impl Source {
@@ -130,7 +130,7 @@ fn open_object(py: Python<'_>, url: String) -> PyResult<SafetensorsFile> {
         }
     })?;
     let (object, header) = opened.map_err(|e| format_error(&e))?;
-    opened_file(py, Source::Object(object), header)
+    opened_file(py, Source::Object(Box::new(object)), header)
 }
 
 fn opened_file(py: Python<'_>, source: Source, header: st::Header) -> PyResult<SafetensorsFile> {

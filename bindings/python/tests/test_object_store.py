@@ -324,8 +324,10 @@ def test_safetensors_load_file_of_an_s3_model_takes_the_staged_device_path(s3_en
     else:
         with pytest.raises(RuntimeError, match="PyTorch sees no CUDA device"):
             dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0")
-    with pytest.raises(ValueError, match="drop cache="):
+    with pytest.raises(ValueError, match="does not take cache="):
         dmaload.safetensors.load_file("s3://models/staged/", framework="pt", cache=True)
+    with pytest.raises(ValueError, match="does not take verify=True with device="):
+        dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0", verify=True)
 
 
 # The child of the emulator test: each shard URL in argv is opened by the
@@ -392,3 +394,34 @@ def test_s3_shards_reach_emulated_device_memory_bit_exact(
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and all(line.startswith("OK s3://models/emulated/") for line in lines), out.stdout
     assert all("staging ring (6 x 16777216 bytes)" in line for line in lines), out.stdout
+
+
+def test_verify_checks_objects_against_the_sums_object_beside_them(s3_env: Garage, tmp_path: Path) -> None:
+    """``verify=True`` for ``s3://``: ``dmaload.load`` and ``load_file`` of a
+    sharded model check each object against the ``SHA256SUMS``/``B3SUMS``
+    object under its key's "directory", as a file's sums file; a mismatch
+    is ``OSError`` EBADMSG (nothing returned), no sums object the file's
+    error (EINVAL)."""
+    import errno
+
+    pytest.importorskip("torch")
+    body = os.urandom((3 << 20) + 5)
+    s3_env.put("sums/blob.bin", body)
+    with pytest.raises(OSError, match="no B3SUMS or SHA256SUMS beside it") as missing:
+        dmaload.load("s3://models/sums/blob.bin", verify=True)
+    assert missing.value.errno == errno.EINVAL
+    s3_env.put("sums/SHA256SUMS", f"{hashlib.sha256(body).hexdigest()}  blob.bin\n".encode())
+    assert bytes(dmaload.load("s3://models/sums/blob.bin", verify=True)) == body
+    s3_env.put("sums/SHA256SUMS", f"{hashlib.sha256(body[1:]).hexdigest()}  blob.bin\n".encode())
+    with pytest.raises(OSError, match="SHA-256 mismatch") as mismatch:
+        dmaload.load("s3://models/sums/blob.bin", verify=True)
+    assert mismatch.value.errno == errno.EBADMSG
+
+    expected = _put_sharded(s3_env, tmp_path, "vsharded")
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    sums = "".join(f"{hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
+    s3_env.put("vsharded/SHA256SUMS", sums.encode())
+    _assert_same(dmaload.safetensors.load_file("s3://models/vsharded/", framework="pt", verify=True), expected)
+    s3_env.put("vsharded/SHA256SUMS", sums.replace(sums[:8], "00000000").encode())
+    with pytest.raises(OSError, match="SHA-256 mismatch"):
+        dmaload.safetensors.load_file("s3://models/vsharded/", framework="pt", verify=True)

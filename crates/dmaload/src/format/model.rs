@@ -27,7 +27,8 @@
 //! `*.json` key is an index, checked as an index file is, whose shards are
 //! keys beside it, each looked up (a HEAD); any other key is one shard.
 //! [`Model::load`] loads such a model through [`ObjectModel`]: each shard
-//! once into host memory, its header parsed from those bytes.
+//! once into host memory, its header parsed from those bytes, or onto a
+//! device (`cuda:N`), its header read first with a ranged GET.
 //!
 //! The messages quote names as Python's `repr` does, so that Python's
 //! `dmaload.safetensors` (which raises these) reads as it always has.

@@ -322,24 +322,26 @@ class SafeOpen:
         or a prefix ``s3://BUCKET/model/``), resolved by the core as a
         local model is; each shard object loaded once into host memory, or
         onto ``device`` through the staged path as a file is."""
+        on_device = self._framework == "pt" and _device.is_device(device)
         unsupported = [
             name
             for name, given in (
-                ("cache", cache is not None),
-                ("process_group", process_group is not None),
-                ("tensor_filter", tensor_filter is not None),
+                ("cache=", cache is not None),
+                ("process_group=", process_group is not None),
+                ("tensor_filter=", tensor_filter is not None),
+                # The staged path loads each data section alone, which a
+                # whole object's digest cannot check.
+                ("verify=True with device=", on_device and bool(options.get("verify"))),
             )
             if given
         ]
         if unsupported:
             raise ValueError(
-                f"{url}: an s3:// model loads without the cache service or a group so far: "
-                f"drop {', '.join(unsupported)}= "
-                "(docs/object-storage.md)"
+                f"{url}: an s3:// model does not take {', '.join(unsupported)} so far (docs/object-storage.md)"
             )
         urls, pairs = _dmaload.resolve_model(url)
         weight_map = dict(pairs) if pairs is not None else None
-        if self._framework == "pt" and _device.is_device(device):
+        if on_device:
             self._files = _device.load_files(urls, device, progress, options)
         else:
             self._files = _load_files(urls, progress, DEFAULT_CONCURRENCY, options)
