@@ -425,3 +425,32 @@ def test_verify_checks_objects_against_the_sums_object_beside_them(s3_env: Garag
     s3_env.put("vsharded/SHA256SUMS", sums.replace(sums[:8], "00000000").encode())
     with pytest.raises(OSError, match="SHA-256 mismatch"):
         dmaload.safetensors.load_file("s3://models/vsharded/", framework="pt", verify=True)
+
+
+def test_iter_tensors_streams_an_s3_model_shard_by_shard(s3_env: Garage, tmp_path: Path) -> None:
+    """``iter_tensors("s3://...")``: every tensor bit-exact, in shard and
+    data order, each shard loaded only once the previous one's tensors are
+    handed out (a shard replaced after the first tensor came is ESTALE:
+    its headers were checked, its data not yet read); what it cannot take
+    for an object is a ValueError naming it."""
+    import errno
+
+    pytest.importorskip("torch")
+    expected = _put_sharded(s3_env, tmp_path, "streamed")
+    got = list(dmaload.safetensors.iter_tensors("s3://models/streamed/"))
+    names = [name for name, _ in got]
+    assert sorted(names[:3]) == ["a", "b", "c"] and sorted(names[3:]) == ["d", "e"], names
+    _assert_same(dict(got), expected)
+
+    second = (tmp_path / "model-00002-of-00002.safetensors").read_bytes()
+    stream = dmaload.safetensors.iter_tensors("s3://models/streamed/model.safetensors.index.json")
+    first = next(stream)
+    s3_env.put("streamed/model-00002-of-00002.safetensors", second[:-4] + b"\xff" * 4)
+    with pytest.raises(OSError, match="HTTP 412") as raised:
+        list(stream)
+    assert raised.value.errno == errno.ESTALE
+    assert first[0] in ("a", "b", "c")
+
+    for given, name in ((dict(window=1 << 20), "window="), (dict(verify=True), "verify=")):
+        with pytest.raises(ValueError, match=f"does not take {name}"):
+            next(dmaload.safetensors.iter_tensors("s3://models/streamed/", **given))  # type: ignore[arg-type]

@@ -323,22 +323,13 @@ class SafeOpen:
         local model is; each shard object loaded once into host memory, or
         onto ``device`` through the staged path as a file is."""
         on_device = self._framework == "pt" and _device.is_device(device)
-        unsupported = [
-            name
-            for name, given in (
-                ("cache=", cache is not None),
-                ("process_group=", process_group is not None),
-                ("tensor_filter=", tensor_filter is not None),
-                # The staged path loads each data section alone, which a
-                # whole object's digest cannot check.
-                ("verify=True with device=", on_device and bool(options.get("verify"))),
-            )
-            if given
-        ]
-        if unsupported:
-            raise ValueError(
-                f"{url}: an s3:// model does not take {', '.join(unsupported)} so far (docs/object-storage.md)"
-            )
+        _refuse_for_objects(
+            url,
+            cache=cache is not None,
+            process_group=process_group is not None,
+            tensor_filter=tensor_filter is not None,
+            verify_on_device=on_device and bool(options.get("verify")),
+        )
         urls, pairs = _dmaload.resolve_model(url)
         weight_map = dict(pairs) if pairs is not None else None
         if on_device:
@@ -659,6 +650,14 @@ def iter_tensors(
     until the iterator hands out a tensor two windows later, so the caller
     must copy what it keeps, as a serving engine's ``load_weights`` does.
 
+    An ``s3://`` model (a prefix, an index or one object) streams shard by
+    shard: every shard's header is read first and checked against the
+    index, then each shard is loaded whole (host memory, or ``device``
+    through the staged path) and its tensors handed out before the next
+    one is loaded, so about one shard is held beyond the tensors the caller
+    keeps; ``process_group``, ``tensor_filter``, ``window``, ``recycle``,
+    ``cache`` and ``verify`` are refused for it (docs/object-storage.md).
+
     ``verify=True`` hashes every byte of each file as its windows arrive
     (a filter's unwanted tensors are read too, not handed out) against its
     sums file; a mismatch raises :class:`CollectiveLoadError` at the
@@ -666,6 +665,19 @@ def iter_tensors(
     loads": what the ranks must share, and how long a lost rank holds the
     others."""
     _check_torch("pt", process_group, tensor_filter)
+    if _is_object_url(path):
+        _refuse_for_objects(
+            path,
+            cache=cache is not None,
+            process_group=process_group is not None,
+            tensor_filter=tensor_filter is not None,
+            window=window is not None,
+            recycle=recycle,
+            # Each data section comes through the staging ring alone.
+            verify=bool(options.get("verify")),
+        )
+        yield from _iter_objects(path, device, progress, dict(options))
+        return
     paths, weight_map = shard_paths(path)
     socket = socket_for(cache)
     if socket is not None:
@@ -685,6 +697,36 @@ def iter_tensors(
     )
     with stream:
         yield from stream
+
+
+def _refuse_for_objects(url: str, *, verify_on_device: bool = False, **given: bool) -> None:
+    """Refuses, naming them, what an ``s3://`` model cannot take yet:
+    each keyword of ``given`` that is true (an option given), and
+    ``verify=True`` with a device (the staged path loads each data section
+    alone, which a whole object's digest cannot check)."""
+    unsupported = [f"{name}=" for name, on in given.items() if on]
+    if verify_on_device:
+        unsupported.append("verify=True with device=")
+    if unsupported:
+        raise ValueError(f"{url}: an s3:// model does not take {', '.join(unsupported)} so far (docs/object-storage.md)")
+
+
+def _iter_objects(url: str, device: Any, progress: Progress, options: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """:func:`iter_tensors` of a model in object storage, shard by shard:
+    every shard's header read first (a ranged GET each) and checked against
+    the others and the index, then each shard's data section received
+    through the staged path (into a host tensor, or onto ``device``) from
+    that same open and its tensors handed out in data order before the
+    next shard is loaded."""
+    urls, pairs = _dmaload.resolve_model(url)
+    weight_map = dict(pairs) if pairs is not None else None
+    headers = [_dmaload.open_safetensors(u) for u in urls]
+    _tensor_index([(os.fsdecode(h.path), (t.name for t in h.header.tensors)) for h in headers], weight_map)
+    for opened in headers:
+        # From the open whose header was checked: a shard replaced since
+        # is ESTALE, never a tensor the check did not see.
+        (loaded,) = _device.load_opened([opened], device, progress, options)
+        yield from ((name, loaded.tensor(name, "pt")) for name in loaded.tensors)
 
 
 def _check_torch(framework: str, process_group: Any, tensor_filter: TensorFilter) -> None:
