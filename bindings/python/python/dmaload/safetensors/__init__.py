@@ -650,7 +650,8 @@ def iter_tensors(
     until the iterator hands out a tensor two windows later, so the caller
     must copy what it keeps, as a serving engine's ``load_weights`` does.
 
-    An ``s3://`` model (a prefix, an index or one object) streams shard by
+    An ``s3://`` model (a prefix, an index, one object, or a list of shard
+    URLs) streams shard by
     shard: every shard's header is read first and checked against the
     index, then each shard is loaded whole (host memory, or ``device``
     through the staged path) and its tensors handed out before the next
@@ -665,9 +666,10 @@ def iter_tensors(
     loads": what the ranks must share, and how long a lost rank holds the
     others."""
     _check_torch("pt", process_group, tensor_filter)
-    if _is_object_url(path):
+    url: str | list[str] | None = path if _is_object_url(path) else _object_shards(path)
+    if url is not None:
         _refuse_for_objects(
-            path,
+            url if isinstance(url, str) else url[0],
             cache=cache is not None,
             process_group=process_group is not None,
             tensor_filter=tensor_filter is not None,
@@ -676,7 +678,7 @@ def iter_tensors(
             # Each data section comes through the staging ring alone.
             verify=bool(options.get("verify")),
         )
-        yield from _iter_objects(path, device, progress, dict(options))
+        yield from _iter_objects(url, device, progress, dict(options))
         return
     paths, weight_map = shard_paths(path)
     socket = socket_for(cache)
@@ -711,15 +713,32 @@ def _refuse_for_objects(url: str, *, verify_on_device: bool = False, **given: bo
         raise ValueError(f"{url}: an s3:// model does not take {', '.join(unsupported)} so far (docs/object-storage.md)")
 
 
-def _iter_objects(url: str, device: Any, progress: Progress, options: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """:func:`iter_tensors` of a model in object storage, shard by shard:
+def _object_shards(path: Paths) -> list[str] | None:
+    """The shard URLs of a list of ``s3://`` shards (a model without an
+    index, as vLLM lists one), None for anything else; a list that mixes
+    objects and files is a ``ValueError``."""
+    if not isinstance(path, (list, tuple)) or not path or not _is_object_url(path[0]):
+        return None
+    if not all(_is_object_url(p) for p in path):
+        raise ValueError("a list of shards is all s3:// URLs or all files, not both")
+    return [str(p) for p in path]
+
+
+def _iter_objects(
+    url: str | list[str], device: Any, progress: Progress, options: dict[str, Any]
+) -> Iterator[tuple[str, Any]]:
+    """:func:`iter_tensors` of a model in object storage (a URL the core
+    resolves, or a list of shard URLs without an index), shard by shard:
     every shard's header read first (a ranged GET each) and checked against
     the others and the index, then each shard's data section received
     through the staged path (into a host tensor, or onto ``device``) from
     that same open and its tensors handed out in data order before the
     next shard is loaded."""
-    urls, pairs = _dmaload.resolve_model(url)
-    weight_map = dict(pairs) if pairs is not None else None
+    if isinstance(url, str):
+        urls, pairs = _dmaload.resolve_model(url)
+        weight_map = dict(pairs) if pairs is not None else None
+    else:
+        urls, weight_map = url, None
     headers = [_dmaload.open_safetensors(u) for u in urls]
     _tensor_index([(os.fsdecode(h.path), (t.name for t in h.header.tensors)) for h in headers], weight_map)
     for opened in headers:
