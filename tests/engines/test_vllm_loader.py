@@ -249,3 +249,15 @@ def test_an_s3_model_is_read_from_model_weights_as_vllm_keeps_it(
         _same(ours, theirs)
     finally:
         garage.stop()
+
+
+def test_the_weights_key_takes_an_s3_url_only() -> None:
+    """``weights`` (where an ``s3://`` model's weights are, its config files
+    in MODEL) is the vLLM loader's own key: anything but an ``s3://`` URL is
+    refused when the loader is made, and the key is named among the keys."""
+    with pytest.raises(ValueError, match="weights must be an s3:// URL"):
+        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"weights": "/models/x"}))
+    with pytest.raises(ValueError, match="takes a str"):
+        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"weights": 3}))
+    with pytest.raises(ValueError, match="dmaload's for vLLM: weights"):
+        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"wieghts": "s3://b/m/"}))

@@ -25,12 +25,13 @@ several ranks in vLLM's world group, each rank reads 1/N of the checkpoint
 and the ranks exchange it on the world group's device group (NCCL between
 GPUs, gloo on CPU).
 
-An ``s3://`` model: vLLM's ``ModelConfig`` pulls an object-storage
-model's config files into a local directory (with ``runai_model_streamer``,
-unless ``model_weights`` is given) and keeps the URL in
-``model_config.model_weights``; this loader reads the weights from there
-(``model_weights`` when it is an ``s3://`` URL, a prefix such as
-``s3://B/DIR/``): the core resolves its shards, and
+Weights in object storage: ``--model-loader-extra-config
+'{"weights": "s3://B/DIR/"}'`` with ``MODEL`` a local directory of the
+model's config files (vLLM 0.32 refuses an ``s3://`` MODEL, or
+``model_weights``, for any load format but its own streamers'). The
+loader reads the weights from that URL (else from
+``model_config.model_weights`` where a vLLM leaves an ``s3://`` URL
+there): the core resolves the shards, and
 :func:`dmaload.safetensors.iter_tensors` streams them shard by shard, on
 one rank without an expert filter (docs/object-storage.md).
 
@@ -73,6 +74,7 @@ VLLM_KEYS = EngineKeys(
         "(dmaload's own parallelism: queue_depth, or engine 'pread-pool' with threads)"
         for key in ("enable_multithread_load", "num_threads")
     },
+    own={"weights": str},
 )
 """What vLLM's ``DefaultModelLoader`` does with the extra-config keys it
 knows, under ``--load-format dmaload``."""
@@ -102,6 +104,9 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
             raise ValueError(f"dmaload: model_loader_extra_config must be a dict, not {type(extra).__name__}")
         extra = dict(extra)
         self.dmaload_config = LoaderConfig.take(extra, VLLM_KEYS)
+        self._weights_url: str | None = extra.pop("weights", None)
+        if self._weights_url is not None and not _is_object_url(self._weights_url):
+            raise ValueError(f"dmaload: weights must be an s3:// URL (the model's weights), not {self._weights_url!r}")
         if load_config.safetensors_load_strategy == "torchao":
             raise ValueError(_TORCHAO)
         # DefaultModelLoader finds the files of the "safetensors" format,
@@ -141,7 +146,7 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
         may drop some), else it is stopped and the load reads as usual. So
         a vLLM whose ``_prepare_weights`` changed only loses the head start."""
         expert_parallel = model_config.is_moe and vllm_config.parallel_config.enable_expert_parallel
-        if _world_device_group() is not None or expert_parallel or _object_weights(model_config):
+        if _world_device_group() is not None or expert_parallel or self._object_weights(model_config):
             return None
         try:
             _, files, use_safetensors, _ = self._prepare_weights(
@@ -160,13 +165,20 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
             early.close()
 
     def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """vLLM's, with the primary weights at ``model_config.model_weights``
-        where that is an ``s3://`` URL (``model`` is then the local
-        directory of the config files vLLM pulled)."""
-        url = _object_weights(model_config)
+        """vLLM's, with the primary weights at the ``s3://`` URL of
+        :meth:`_object_weights` where there is one (``model`` is then a local
+        directory of the config files)."""
+        url = self._object_weights(model_config)
         if url is not None:
             model_config = _WeightsAt(model_config, url)
         return super().get_all_weights(model_config, model)  # type: ignore[no-any-return]
+
+    def _object_weights(self, model_config: Any) -> str | None:
+        """The ``s3://`` URL of the model's weights: the extra config's
+        ``weights``, else the one vLLM keeps in ``model_config.model_weights``
+        for a model in object storage; None for a model on disk."""
+        url = self._weights_url or getattr(model_config, "model_weights", "")
+        return url if _is_object_url(url) else None
 
     def _prepare_weights(self, model_name_or_path: str, *args: Any, **kwargs: Any) -> tuple[str, list[str], bool, str]:
         """vLLM's, but for an ``s3://`` model: the shards the core resolves
@@ -299,13 +311,6 @@ def _device() -> torch.device:
 def _is_object_url(path: object) -> bool:
     """Whether ``path`` names an object (``s3://...``), as the core says."""
     return isinstance(path, str) and path.startswith("s3://")
-
-
-def _object_weights(model_config: Any) -> str | None:
-    """The ``s3://`` URL vLLM keeps in ``model_config.model_weights`` for a
-    model in object storage, else None."""
-    url = getattr(model_config, "model_weights", "")
-    return url if _is_object_url(url) else None
 
 
 class _WeightsAt:
