@@ -81,6 +81,40 @@ def test_dmaload_serves_the_same_tokens_as_safetensors(tiny_llama: Path, safeten
     assert "dmaload: loaded" not in reference_output
 
 
+def test_an_s3_model_serves_the_same_tokens_as_safetensors(
+    tiny_llama: Path, safetensors_run: tuple[list[int], str], tmp_path: Path
+) -> None:
+    """An engine whose weights are in object storage (a real S3 server,
+    Garage, as bindings/python/tests/test_object_store.py starts it):
+    ``model`` the directory of the config files, the extra config's
+    ``weights`` the prefix of the shards; the same greedy tokens as vLLM's
+    loader of the files on disk."""
+    sys.path.insert(0, str(HERE.parents[1] / "bindings/python/tests"))
+    from test_object_store import Garage, garage_binary
+
+    binary = garage_binary()
+    if binary is None:
+        print("SKIP test_an_s3_model_serves_the_same_tokens_as_safetensors: no garage binary")
+        pytest.skip("no garage binary")
+    (tmp_path / "garage").mkdir()
+    garage = Garage(binary, tmp_path / "garage")
+    try:
+        configs = tmp_path / "configs"
+        configs.mkdir()
+        for f in tiny_llama.iterdir():
+            if f.name.endswith((".safetensors", ".safetensors.index.json")):
+                garage.put(f"tiny/{f.name}", f.read_bytes())
+            elif f.is_file():
+                (configs / f.name).write_bytes(f.read_bytes())
+        env = {**garage.env(), "HOME": str(tmp_path)}
+        tokens, output = _serve(configs, "dmaload", {"weights": "s3://models/tiny/"}, env=env)
+    finally:
+        garage.stop()
+    assert tokens == safetensors_run[0]
+    shards = len(list(tiny_llama.glob("*.safetensors")))
+    assert f"dmaload: streaming {shards} shard(s) from object storage" in output, output[-4000:]
+
+
 def test_two_tensor_parallel_ranks_share_the_reads(tiny_llama: Path) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:

@@ -212,3 +212,52 @@ def test_a_verified_load_checks_every_shard_against_its_sums_file(models: dict[s
     (model / "SHA256SUMS").unlink()
     with pytest.raises(Exception, match="dmaload sums"):
         _all_weights(_loader({"verify": True}), model, torch.nn.Module())
+
+
+def test_an_s3_model_is_read_from_model_weights_as_vllm_keeps_it(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM keeps an object-storage model's URL in ``model_config.model_weights``
+    and points ``model`` at a local directory of its config files: the
+    loader reads the weights from the URL (a prefix without its ``/``, as
+    vLLM passes it), against a real S3 server (Garage, as
+    bindings/python/tests/test_object_store.py starts it), the same tensors
+    as vLLM's own loader gives from the files on disk."""
+    sys.path.insert(0, str(HERE.parents[1] / "bindings/python/tests"))
+    from test_object_store import Garage, garage_binary
+
+    binary = garage_binary()
+    if binary is None:
+        print("SKIP test_an_s3_model_is_read_from_model_weights_as_vllm_keeps_it: no garage binary")
+        pytest.skip("no garage binary")
+    (tmp_path / "garage").mkdir()
+    garage = Garage(binary, tmp_path / "garage")
+    try:
+        monkeypatch.setenv("HOME", str(tmp_path))
+        for name, value in garage.env().items():
+            monkeypatch.setenv(name, value)
+        for f in models["llama"].iterdir():
+            if f.name.endswith((".safetensors", ".safetensors.index.json")):
+                garage.put(f"llama/{f.name}", f.read_bytes())
+        (tmp_path / "configs").mkdir()  # what vLLM pulled: no weights
+        config = SimpleNamespace(model=str(tmp_path / "configs"), model_weights="s3://models/llama", revision=None)
+        model = torch.nn.Module()
+        loader = DmaloadModelLoader(LoadConfig(load_format="dmaload"))
+        ours = {name: tensor.clone() for name, tensor in loader.get_all_weights(config, model)}
+        theirs = _all_weights(DefaultModelLoader(LoadConfig(load_format="safetensors")), models["llama"], model)
+        assert len(list(models["llama"].glob("*.safetensors"))) > 1
+        _same(ours, theirs)
+    finally:
+        garage.stop()
+
+
+def test_the_weights_key_takes_an_s3_url_only() -> None:
+    """``weights`` (where an ``s3://`` model's weights are, its config files
+    in MODEL) is the vLLM loader's own key: anything but an ``s3://`` URL is
+    refused when the loader is made, and the key is named among the keys."""
+    with pytest.raises(ValueError, match="weights must be an s3:// URL"):
+        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"weights": "/models/x"}))
+    with pytest.raises(ValueError, match="takes a str"):
+        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"weights": 3}))
+    with pytest.raises(ValueError, match="dmaload's for vLLM: weights"):
+        DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config={"wieghts": "s3://b/m/"}))

@@ -2,10 +2,11 @@
 //! allocated: a CUDA device (the tensors' one allocation per file, from
 //! PyTorch) or, for the tests that run without a GPU, host memory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
+use dmaload::object::Object;
 use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use dmaload::{LoadRequest, OpenFile, RawBytesMut};
 
@@ -21,11 +22,12 @@ use crate::report::report_object;
 use crate::run::{run_abandonable, Progress};
 use crate::safetensors::header_object;
 
-/// A safetensors file opened once, its header read and validated; the
-/// data are loaded from this same open file by `_load_staged`.
+/// A safetensors file (or object) opened once, its header read and
+/// validated; the data are loaded from this same open file (or the object
+/// version the open found) by `_load_staged`.
 #[pyclass(module = "dmaload._dmaload", name = "SafetensorsFile", frozen)]
 pub struct SafetensorsFile {
-    file: OpenFile,
+    source: Source,
     /// The `dmaload._header.Header`, built once when the file was opened.
     header: Py<PyAny>,
     data_start: u64,
@@ -40,10 +42,11 @@ impl SafetensorsFile {
         self.header.clone_ref(py)
     }
 
-    /// The path the file was opened at (as ``os.fsdecode`` gives it).
+    /// The path the file was opened at (as ``os.fsdecode`` gives it), or
+    /// the object's URL.
     #[getter]
     fn path(&self) -> std::ffi::OsString {
-        self.file.path().as_os_str().to_owned()
+        self.source.name().as_os_str().to_owned()
     }
 
     /// Bytes of the data section (what the destination must hold).
@@ -53,9 +56,35 @@ impl SafetensorsFile {
     }
 }
 
+/// Where a [`SafetensorsFile`]'s bytes are.
+enum Source {
+    File(OpenFile),
+    /// An object (`s3://BUCKET/KEY`), looked up once: every GET of its
+    /// load pins the ETag that lookup found.
+    Object(Box<Object>),
+}
+
+impl Source {
+    fn name(&self) -> &Path {
+        match self {
+            Source::File(file) => file.path(),
+            Source::Object(object) => object.name(),
+        }
+    }
+
+    fn request(&self) -> LoadRequest<'_> {
+        match self {
+            Source::File(file) => LoadRequest::open(file),
+            Source::Object(object) => LoadRequest::object(object),
+        }
+    }
+}
+
 /// Opens a safetensors file and validates its header: a path, or a
 /// descriptor the caller holds open, such as a cached file's memfd, of
-/// which `length` bytes are the file and which messages call `name`.
+/// which `length` bytes are the file and which messages call `name`. An
+/// object URL (`s3://BUCKET/KEY`) is looked up (a HEAD) and its header read
+/// with a ranged GET by the core (`read_object_header`).
 #[pyfunction]
 #[pyo3(signature = (file, length=None, name=None))]
 pub fn open_safetensors(
@@ -64,6 +93,11 @@ pub fn open_safetensors(
     length: Option<u64>,
     name: Option<PathBuf>,
 ) -> PyResult<SafetensorsFile> {
+    if let FileArg::Path(url) = &file {
+        if dmaload::object::is_object_url(url) {
+            return open_object(py, url.to_string_lossy().into_owned());
+        }
+    }
     // Opened here, before the caller can close a descriptor it named; the
     // header is read by work that a read no cancellation reaches (a silent
     // FUSE or NFS server) does not hold past Ctrl-C (see run_abandonable).
@@ -80,10 +114,30 @@ pub fn open_safetensors(
         Ok((file, header))
     })?;
     let (file, header) = opened.map_err(|e| format_error(&e))?;
+    opened_file(py, Source::File(file), header)
+}
+
+/// [`open_safetensors`] of an object: looked up and its header read, with
+/// Ctrl-C cancelling both.
+fn open_object(py: Python<'_>, url: String) -> PyResult<SafetensorsFile> {
+    let cancel = dmaload::CancelToken::new();
+    let opened = run_abandonable(py, &cancel, {
+        let cancel = cancel.clone();
+        move || -> Result<_, st::Error> {
+            let object = Object::open(&url, &cancel)?;
+            let (header, _) = st::read_object_header(&object, &cancel)?;
+            Ok((object, header))
+        }
+    })?;
+    let (object, header) = opened.map_err(|e| format_error(&e))?;
+    opened_file(py, Source::Object(Box::new(object)), header)
+}
+
+fn opened_file(py: Python<'_>, source: Source, header: st::Header) -> PyResult<SafetensorsFile> {
     guard(|| {
         let (data_start, data_len) = (header.data_start(), header.data_len());
         let header = header_object(py, header)?.unbind();
-        Ok(SafetensorsFile { file, header, data_start, data_len })
+        Ok(SafetensorsFile { source, header, data_start, data_len })
     })
 }
 
@@ -210,11 +264,18 @@ pub fn _load_staged(
     }
     // The host memory's options do not apply: the ring is the memory.
     let opts = Opts::from_dict(options.as_ref())?.without(&["to", "gather_size", "populate_threads"]);
-    let slots = opts.staging_slots.unwrap_or(DEFAULT_SLOTS);
     let slot_size = opts.staging_slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
     let mut options = opts.to_options()?;
+    let objects = files.iter().all(|f| matches!(f.get().source, Source::Object(_)));
+    let slots = match opts.staging_slots {
+        Some(slots) => slots,
+        // GETs keep fewer slots busy than a disk's reads: the core's ring
+        // for objects, its requests of the core's size.
+        None if objects => dmaload::object_ring_slots(&options, slot_size),
+        None => DEFAULT_SLOTS,
+    };
     // One read per slot and every slot in flight, unless asked otherwise.
-    if !opts.given("chunk_size") {
+    if !opts.given("chunk_size") && !objects {
         options.chunk_size = slot_size;
     }
     if !opts.given("queue_depth") {
@@ -267,7 +328,7 @@ pub fn _load_staged(
         };
         let device = ordinal.zip(context.as_ref());
         let mut ring = take_ring(device, slots, slot_size, options.chunk_size).map_err(|e| {
-            let path = files.first().map(|f| f.file.path()).unwrap_or(std::path::Path::new(""));
+            let path = files.first().map(|f| f.source.name()).unwrap_or(Path::new(""));
             os_error(&dmaload::Error::io("allocate the staging ring", path, e))
         })?;
         let mut reports = Vec::with_capacity(files.len());
@@ -282,17 +343,11 @@ pub fn _load_staged(
                     let ctx = context.as_ref().expect("device targets come with a context");
                     let mut sink = CudaSink::new(ctx, vec![(offset, range)])
                         .map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))?;
-                    LoadRequest::open(&file.file)
-                        .range(offset, len)
-                        .options(&options)
-                        .to_sink(&mut ring, &mut sink)
+                    file.source.request().range(offset, len).options(&options).to_sink(&mut ring, &mut sink)
                 }
                 Target::Host(dst) => {
                     let mut sink = HostSink::raw(dst, offset);
-                    LoadRequest::open(&file.file)
-                        .range(offset, len)
-                        .options(&options)
-                        .to_sink(&mut ring, &mut sink)
+                    file.source.request().range(offset, len).options(&options).to_sink(&mut ring, &mut sink)
                 }
             };
             match report {

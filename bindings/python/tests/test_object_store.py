@@ -17,6 +17,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -299,3 +300,157 @@ def test_a_shard_replaced_mid_load_is_changed_and_a_bad_header_a_safetensor_erro
     assert str(from_object.value) == str(from_file.value).replace(
         str(tmp_path / "bad.safetensors"), "s3://models/bad/model.safetensors"
     )
+
+
+def test_safetensors_load_file_of_an_s3_model_takes_the_staged_device_path(s3_env: Garage, tmp_path: Path) -> None:
+    """``device=`` for an ``s3://`` model goes through the staged path of a
+    file (``_device.load_files``: each shard's header read with a ranged
+    GET, then its data section received into the pinned ring and copied to
+    the device): bit-exact with ``device="cpu"``, which runs every part of
+    that path into host tensors, and on a GPU where PyTorch has one. Where
+    PyTorch sees no CUDA device, ``cuda:0`` is PyTorch's refusal, no longer
+    "host memory only"."""
+    torch = pytest.importorskip("torch")
+    from dmaload.safetensors import _device
+
+    expected = _put_sharded(s3_env, tmp_path, "staged")
+    shards = [f"s3://models/staged/model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    files = _device.load_files(shards, "cpu", None, {})
+    _assert_same({name: f.tensor(name, "pt") for f in files for name in f.tensors}, expected)
+    assert [f.path for f in files] == shards
+    if torch.cuda.is_available():
+        got = dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0")
+        _assert_same({name: t.cpu() for name, t in got.items()}, expected)
+    else:
+        with pytest.raises(RuntimeError, match="PyTorch sees no CUDA device"):
+            dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0")
+    with pytest.raises(ValueError, match="does not take cache="):
+        dmaload.safetensors.load_file("s3://models/staged/", framework="pt", cache=True)
+    with pytest.raises(ValueError, match="does not take verify=True with device="):
+        dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0", verify=True)
+
+
+# The child of the emulator test: each shard URL in argv is opened by the
+# core (a HEAD, then its header with a ranged GET) and its data section
+# received into emulated device memory through the staging ring; prints OK
+# when every shard's device bytes are its data section, else the error.
+EMULATED_CHILD = r"""
+import ctypes, os, struct, sys
+from dmaload import _dmaload
+
+cuda = ctypes.CDLL(os.environ["DMALOAD_LIBCUDA"])
+def check(code):
+    assert code == 0, code
+check(cuda.cuInit(0))
+device, ctx = ctypes.c_int(), ctypes.c_void_p()
+check(cuda.cuDeviceGet(ctypes.byref(device), 0))
+check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device))
+check(cuda.cuCtxPushCurrent_v2(ctx))
+urls, bodies = sys.argv[1::2], [open(p, "rb").read() for p in sys.argv[2::2]]
+files = [_dmaload.open_safetensors(url) for url in urls]
+pointers = []
+for f in files:
+    dptr = ctypes.c_ulonglong()
+    check(cuda.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(f.data_len)))
+    pointers.append(dptr.value)
+try:
+    reports = _dmaload._load_staged(files, pointers, 0)
+except OSError as err:
+    print("ERROR", err.errno, err)
+    sys.exit(0)
+for f, body, dptr, report in zip(files, bodies, pointers, reports):
+    start = 8 + struct.unpack("<Q", body[:8])[0]
+    back = ctypes.create_string_buffer(f.data_len)
+    check(cuda.cuMemcpyDtoH_v2(back, ctypes.c_ulonglong(dptr), ctypes.c_size_t(f.data_len)))
+    print("OK" if back.raw == body[start:] else "DIFFERENT", f.path, report.destination)
+"""
+
+
+def test_s3_shards_reach_emulated_device_memory_bit_exact(
+    s3_env: Garage, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``_load_staged`` of object shards (what ``load_file("s3://...",
+    device="cuda:N")`` runs after PyTorch allocates the device memory) to
+    device pointers of the CUDA driver emulator in strict mode: each
+    shard's data section bit-exact on the device, through a ring of the
+    core's size for objects (``object_ring_slots``: 6 x 16 MiB)."""
+    if shutil.which(os.environ.get("CC", "gcc")) is None:
+        print("SKIP test_s3_shards_reach_emulated_device_memory_bit_exact: no C compiler for the CUDA emulator")
+        pytest.skip("no C compiler")
+    pytest.importorskip("torch")
+    emulator = tmp_path_factory.mktemp("cuda-emu")
+    root = Path(__file__).resolve().parents[3]
+    subprocess.run(["bash", str(root / "tests/cuda-emu/build.sh"), str(emulator)], check=True)
+    _put_sharded(s3_env, tmp_path, "emulated")
+    args = []
+    for i in (1, 2):
+        name = f"model-0000{i}-of-00002.safetensors"
+        args += [f"s3://models/emulated/{name}", str(tmp_path / name)]
+    env = dict(os.environ, DMALOAD_LIBCUDA=str(emulator / "libcuda.so.1"), DMALOAD_EMU_STRICT="1")
+    out = subprocess.run(
+        [sys.executable, "-c", EMULATED_CHILD, *args], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("OK s3://models/emulated/") for line in lines), out.stdout
+    assert all("staging ring (6 x 16777216 bytes)" in line for line in lines), out.stdout
+
+
+def test_verify_checks_objects_against_the_sums_object_beside_them(s3_env: Garage, tmp_path: Path) -> None:
+    """``verify=True`` for ``s3://``: ``dmaload.load`` and ``load_file`` of a
+    sharded model check each object against the ``SHA256SUMS``/``B3SUMS``
+    object under its key's "directory", as a file's sums file; a mismatch
+    is ``OSError`` EBADMSG (nothing returned), no sums object the file's
+    error (EINVAL)."""
+    import errno
+
+    pytest.importorskip("torch")
+    body = os.urandom((3 << 20) + 5)
+    s3_env.put("sums/blob.bin", body)
+    with pytest.raises(OSError, match="no B3SUMS or SHA256SUMS beside it") as missing:
+        dmaload.load("s3://models/sums/blob.bin", verify=True)
+    assert missing.value.errno == errno.EINVAL
+    s3_env.put("sums/SHA256SUMS", f"{hashlib.sha256(body).hexdigest()}  blob.bin\n".encode())
+    assert bytes(dmaload.load("s3://models/sums/blob.bin", verify=True)) == body
+    s3_env.put("sums/SHA256SUMS", f"{hashlib.sha256(body[1:]).hexdigest()}  blob.bin\n".encode())
+    with pytest.raises(OSError, match="SHA-256 mismatch") as mismatch:
+        dmaload.load("s3://models/sums/blob.bin", verify=True)
+    assert mismatch.value.errno == errno.EBADMSG
+
+    expected = _put_sharded(s3_env, tmp_path, "vsharded")
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    sums = "".join(f"{hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
+    s3_env.put("vsharded/SHA256SUMS", sums.encode())
+    _assert_same(dmaload.safetensors.load_file("s3://models/vsharded/", framework="pt", verify=True), expected)
+    s3_env.put("vsharded/SHA256SUMS", sums.replace(sums[:8], "00000000").encode())
+    with pytest.raises(OSError, match="SHA-256 mismatch"):
+        dmaload.safetensors.load_file("s3://models/vsharded/", framework="pt", verify=True)
+
+
+def test_iter_tensors_streams_an_s3_model_shard_by_shard(s3_env: Garage, tmp_path: Path) -> None:
+    """``iter_tensors("s3://...")``: every tensor bit-exact, in shard and
+    data order, each shard loaded only once the previous one's tensors are
+    handed out (a shard replaced after the first tensor came is ESTALE:
+    its headers were checked, its data not yet read); what it cannot take
+    for an object is a ValueError naming it."""
+    import errno
+
+    pytest.importorskip("torch")
+    expected = _put_sharded(s3_env, tmp_path, "streamed")
+    got = list(dmaload.safetensors.iter_tensors("s3://models/streamed/"))
+    names = [name for name, _ in got]
+    assert sorted(names[:3]) == ["a", "b", "c"] and sorted(names[3:]) == ["d", "e"], names
+    _assert_same(dict(got), expected)
+
+    second = (tmp_path / "model-00002-of-00002.safetensors").read_bytes()
+    stream = dmaload.safetensors.iter_tensors("s3://models/streamed/model.safetensors.index.json")
+    first = next(stream)
+    s3_env.put("streamed/model-00002-of-00002.safetensors", second[:-4] + b"\xff" * 4)
+    with pytest.raises(OSError, match="HTTP 412") as raised:
+        list(stream)
+    assert raised.value.errno == errno.ESTALE
+    assert first[0] in ("a", "b", "c")
+
+    for given, name in ((dict(window=1 << 20), "window="), (dict(verify=True), "verify=")):
+        with pytest.raises(ValueError, match=f"does not take {name}"):
+            next(dmaload.safetensors.iter_tensors("s3://models/streamed/", **given))  # type: ignore[arg-type]

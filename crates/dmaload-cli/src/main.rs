@@ -178,6 +178,8 @@ pub struct LoadArgs {
     /// BLAKE3 first when both list it), hashing as the bytes arrive:
     /// a mismatch, a missing sums file or a file it does not list fails the
     /// load. Whole files only (with --cache, loaded directly, saying so).
+    /// An object (s3://B/DIR/KEY) is checked against the B3SUMS or
+    /// SHA256SUMS object beside it (s3://B/DIR/B3SUMS).
     #[arg(long)]
     verify: bool,
 }

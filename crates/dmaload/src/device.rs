@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::object::Object;
 use crate::options::LoadOptions;
 use crate::pipeline::{
-    check_object_options, load_object_to_sink, load_open_to_sink, object_ring_slots, range_len, range_within,
+    load_open_to_sink, object_expected, object_ring_slots, range_len, range_within, stage_object,
 };
 use crate::report::LoadReport;
 use crate::sink::{keep_ring, take_ring, CudaSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
@@ -73,9 +73,9 @@ pub(crate) fn load_open_device(
 /// a file's: the GETs receive into the pinned ring's slots, which the
 /// [`CudaSink`] copies to the device. The ring has no more slots than the
 /// GETs in flight keep busy ([`object_ring_slots`]), unless a larger one
-/// is kept for the device. Options an object cannot take, a
-/// range past the object's end or larger than the device's free memory
-/// are refused before anything is allocated or requested.
+/// is kept for the device. A range past the object's end, a verified load
+/// whose sums object does not list it, or a range larger than the device's
+/// free memory is refused before anything is allocated.
 pub(crate) fn load_object_device(
     object: &Object,
     offset: u64,
@@ -84,11 +84,11 @@ pub(crate) fn load_object_device(
     options: &LoadOptions,
 ) -> Result<(LoadedDevice, LoadReport)> {
     let path = object.name();
-    check_object_options(path, options)?;
     let len = range_within(object.size, "object", path, offset, len)?;
+    let expected = object_expected(object, offset, Some(len), options)?;
     let slots = ring_slots(len).min(object_ring_slots(options, DEFAULT_SLOT_SIZE)).max(2);
     load_device(path, (offset, len), ordinal, slots, options, |ring, sink| {
-        load_object_to_sink(object, offset, Some(len), ring, sink, options)
+        stage_object(object, offset, Some(len), ring, sink, (options, expected.as_ref()))
     })
 }
 

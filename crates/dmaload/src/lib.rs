@@ -59,7 +59,7 @@ pub use load::{load, Destination, LoadOptions, LoadReport, LoadRequest, Loaded};
 pub use many::load_many;
 pub use memory::MemoryKind;
 pub use options::{check_load_options, parse_size, OptionError, OptionValue};
-pub use pipeline::check_memory;
+pub use pipeline::{check_memory, object_ring_slots};
 pub use save::{save, save_raw, SaveOptions, SaveReport};
 pub use sink::{DmaHeapSink, HostSink, Sink, SlotData, StagingRing};
 pub use source::OpenFile;

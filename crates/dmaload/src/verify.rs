@@ -151,14 +151,26 @@ pub fn expected_digest(path: &Path) -> Result<(DigestKind, Digest)> {
 
 /// [`expected_digest`] of the file `identity` (device, inode) at `path`.
 fn look_up(path: &Path, identity: (u64, u64)) -> Result<Listed> {
+    look_up_with(path, read_sums_file, |dir, name, own| names_the_file(dir, name, own, identity))
+}
+
+/// The lookup of [`look_up`] wherever the sums are: `read` gives the
+/// bytes of the sums file at a path (`None` where there is none), and
+/// `names(dir, name, own)` whether `name`, a line's name in a sums file in
+/// `dir`, is the loaded one, whose own name is `own`.
+fn look_up_with(
+    path: &Path,
+    mut read: impl FnMut(&Path) -> Result<Option<Vec<u8>>>,
+    names: impl Fn(&Path, &[u8], &[u8]) -> bool,
+) -> Result<Listed> {
     let mut looked = Vec::new();
     let mut passed_over = String::new();
     for kind in DigestKind::ALL {
         let sums = sums_path(path, kind);
-        let Some(text) = read_sums_file(&sums)? else { continue };
+        let Some(text) = read(&sums)? else { continue };
         let listing = listing(kind, &text)
             .map_err(|why| Error::new(ErrorKind::InvalidInput, "read the sums file", &sums, why))?;
-        if let Some(listed) = listed_digest(path, identity, &sums, kind, &listing)? {
+        if let Some(listed) = listed_digest(path, &names, &sums, kind, &listing)? {
             return Ok(listed);
         }
         if !listing.passed_over.is_empty() {
@@ -190,11 +202,12 @@ fn numbers(lines: &[usize]) -> String {
     lines.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
 }
 
-/// The digest the lines of `listing` that list the file at `path` (of
-/// `identity`) record, if any does; an error where two of them disagree.
+/// The digest the lines of `listing` that list the file at `path` (those
+/// `names` accepts, as [`look_up_with`] says) record, if any does; an
+/// error where two of them disagree.
 fn listed_digest(
     path: &Path,
-    identity: (u64, u64),
+    names: &impl Fn(&Path, &[u8], &[u8]) -> bool,
     sums: &Path,
     kind: DigestKind,
     listing: &Listing,
@@ -203,7 +216,7 @@ fn listed_digest(
     let own = path.file_name().unwrap_or_default().as_bytes();
     let mut found: Option<Listed> = None;
     for entry in &listing.entries {
-        if !names_the_file(dir, &entry.name, own, identity) {
+        if !names(dir, &entry.name, own) {
             continue;
         }
         match &mut found {
@@ -251,6 +264,35 @@ fn names_the_file(dir: &Path, name: &[u8], own: &[u8], identity: (u64, u64)) -> 
     }
     let listed = dir.join(OsStr::from_bytes(name));
     std::fs::metadata(listed).is_ok_and(|meta| (meta.dev(), meta.ino()) == identity)
+}
+
+/// Whether `name`, a name in a sums object in `dir` (`s3://BUCKET/DIR`),
+/// is the object whose name is `own` there: its own name (after leading
+/// `./`), or a path with a `/` that leads to it within the bucket, `.` and
+/// `..` taken lexically (keys have no links).
+fn names_the_object(dir: &Path, name: &[u8], own: &[u8]) -> bool {
+    let mut bare = name;
+    while let Some(rest) = bare.strip_prefix(b"./") {
+        bare = rest;
+    }
+    if bare == own {
+        return true;
+    }
+    if !bare.contains(&b'/') || bare.starts_with(b"/") {
+        return false;
+    }
+    // `s3:` and the bucket, then the key's parts.
+    let mut parts: Vec<&OsStr> = dir.iter().collect();
+    let bucket = parts.len().min(2);
+    for part in Path::new(OsStr::from_bytes(bare)).iter() {
+        match part.as_bytes() {
+            b"." => {}
+            b".." if parts.len() > bucket => drop(parts.pop()),
+            b".." => return false,
+            _ => parts.push(part),
+        }
+    }
+    parts.pop() == Some(OsStr::from_bytes(own)) && parts.into_iter().eq(dir.iter())
 }
 
 /// The sums file of `kind` in the directory of `path`.
@@ -452,7 +494,7 @@ pub fn sums_line(kind: DigestKind, digest: &Digest, name: &[u8]) -> Vec<u8> {
 }
 
 /// A sums file is one line a file: more than this is not one.
-const MAX_SUMS_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_SUMS_BYTES: u64 = 16 << 20;
 
 /// The bytes of the sums file `sums`, `None` when there is none: a regular
 /// file of at most [`MAX_SUMS_BYTES`], opened without blocking (a FIFO or
@@ -464,12 +506,7 @@ fn read_sums_file(sums: &Path) -> Result<Option<Vec<u8>>> {
         Ok(meta) => meta,
     };
     if !meta.is_file() || meta.len() > MAX_SUMS_BYTES {
-        return Err(Error::new(
-            ErrorKind::InvalidInput,
-            "read the sums file",
-            sums,
-            format!("not a regular file of at most {MAX_SUMS_BYTES} bytes (the digests `sha256sum` or `b3sum` writes)"),
-        ));
+        return Err(sums_too_large(sums, "not a regular file"));
     }
     let mut text = Vec::new();
     crate::source::open_for_reading(sums)?
@@ -477,6 +514,17 @@ fn read_sums_file(sums: &Path) -> Result<Option<Vec<u8>>> {
         .read_to_end(&mut text)
         .map_err(|e| Error::io("read the sums file", sums, e))?;
     Ok(Some(text))
+}
+
+/// The error of a sums file (or object) that is not `what` of at most
+/// [`MAX_SUMS_BYTES`].
+pub(crate) fn sums_too_large(sums: &Path, what: &str) -> Error {
+    Error::new(
+        ErrorKind::InvalidInput,
+        "read the sums file",
+        sums,
+        format!("{what} of at most {MAX_SUMS_BYTES} bytes (the digests `sha256sum` or `b3sum` writes)"),
+    )
 }
 
 /// The digest of `kind` of the file at `path`, read through once (what
@@ -529,26 +577,33 @@ impl Expected {
         }
         let path = file.path();
         let size = file.len();
-        let end = len.map_or(Some(size), |len| offset.checked_add(len));
         let head = file.head().filter(|head| head.len() as u64 == offset && offset > 0);
-        if end != Some(size) || (offset != 0 && head.is_none()) {
-            let asked = match len {
-                Some(len) => format!("{len} bytes from offset {offset}"),
-                None => format!("the bytes from offset {offset}"),
-            };
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                "verify",
-                path,
-                format!(
-                    "a sums file records the digest of the whole file ({size} bytes): {asked} cannot be \
-                     checked against it; load the whole file with verify, or the range without"
-                ),
-            ));
-        }
+        whole(path, size, offset, len, head.is_some())?;
         let meta = file.source().file.metadata().map_err(|e| Error::io("fstat", path, e))?;
         let listed = look_up(path, (meta.dev(), meta.ino()))?;
         Ok(Some(Expected { listed, head, start: offset, end: size }))
+    }
+
+    /// [`for_load`](Self::for_load) of an object (`name`, `s3://BUCKET/KEY`,
+    /// of `size` bytes): the load must be the whole object, and the sums
+    /// objects beside it (`B3SUMS`, `SHA256SUMS` under the key's
+    /// "directory") are read by `read` (`None` where there is none) and
+    /// taken as the files' are; a line names the object by its name, or
+    /// by a path within the bucket that leads to its key.
+    pub(crate) fn for_object(
+        name: &Path,
+        size: u64,
+        offset: u64,
+        len: Option<u64>,
+        verify: bool,
+        read: impl FnMut(&Path) -> Result<Option<Vec<u8>>>,
+    ) -> Result<Option<Expected>> {
+        if !verify {
+            return Ok(None);
+        }
+        whole(name, size, offset, len, false)?;
+        let listed = look_up_with(name, read, names_the_object)?;
+        Ok(Some(Expected { listed, head: None, start: 0, end: size }))
     }
 
     /// A fresh running digest for one attempt at the load (a retried load
@@ -562,6 +617,29 @@ impl Expected {
             Running { hasher, scratch: vec![0u8; HASH_CHUNK], next: self.start, out_of_order: None };
         Verifier { expected: self, running: std::sync::Mutex::new(running) }
     }
+}
+
+/// Refuses a verified load of anything but the whole source at `path` (of
+/// `size` bytes) from its first byte, or from the end of the bytes the
+/// caller read first (`after_head`): a sums file's digest covers it all.
+fn whole(path: &Path, size: u64, offset: u64, len: Option<u64>, after_head: bool) -> Result<()> {
+    let end = len.map_or(Some(size), |len| offset.checked_add(len));
+    if end == Some(size) && (offset == 0 || after_head) {
+        return Ok(());
+    }
+    let asked = match len {
+        Some(len) => format!("{len} bytes from offset {offset}"),
+        None => format!("the bytes from offset {offset}"),
+    };
+    Err(Error::new(
+        ErrorKind::InvalidInput,
+        "verify",
+        path,
+        format!(
+            "a sums file records the digest of the whole file ({size} bytes): {asked} cannot be \
+             checked against it; load the whole file with verify, or the range without"
+        ),
+    ))
 }
 
 /// The running digest of one attempt at a verified load, fed its bytes in
@@ -700,6 +778,30 @@ mod tests {
 
     fn names(kind: DigestKind, text: &[u8]) -> Vec<(usize, Vec<u8>)> {
         listing(kind, text).unwrap().entries.into_iter().map(|e| (e.line, e.name)).collect()
+    }
+
+    #[test]
+    fn a_sums_object_names_an_object_by_its_name_or_a_path_within_the_bucket() {
+        let dir = Path::new("s3://b/models/llama");
+        let own = b"model.safetensors";
+        for yes in [
+            "model.safetensors",
+            "./model.safetensors",
+            "sub/../model.safetensors",
+            "../llama/model.safetensors",
+        ] {
+            assert!(names_the_object(dir, yes.as_bytes(), own), "{yes}");
+        }
+        for no in [
+            "other.safetensors",
+            "sub/model.safetensors",
+            "/model.safetensors",
+            "../../../b/model.safetensors",
+        ] {
+            assert!(!names_the_object(dir, no.as_bytes(), own), "{no}");
+        }
+        assert!(names_the_object(Path::new("s3://b"), b"x/../k", b"k"));
+        assert!(!names_the_object(Path::new("s3://b"), b"../k", b"k"));
     }
 
     #[test]

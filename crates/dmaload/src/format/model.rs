@@ -27,7 +27,8 @@
 //! `*.json` key is an index, checked as an index file is, whose shards are
 //! keys beside it, each looked up (a HEAD); any other key is one shard.
 //! [`Model::load`] loads such a model through [`ObjectModel`]: each shard
-//! once into host memory, its header parsed from those bytes.
+//! once into host memory, its header parsed from those bytes, or onto a
+//! device (`cuda:N`), its header read first with a ranged GET.
 //!
 //! The messages quote names as Python's `repr` does, so that Python's
 //! `dmaload.safetensors` (which raises these) reads as it always has.
@@ -313,13 +314,25 @@ impl ObjectModel {
         self.len() == 0
     }
 
-    /// Loads each shard whole into host memory, one after another (each
-    /// load runs its own GETs in parallel), with `options.progress` counting
-    /// over all of them; each header is parsed from the loaded bytes with
-    /// the checks of a file's ([`super::safetensors::parse`]), then the
-    /// headers are checked against each other and the index as a file
-    /// model's are, before anything is returned.
+    /// Loads each shard whole into the destination `options.to` names,
+    /// one after another (each load runs its own GETs in parallel), with
+    /// `options.progress` counting over all of them. Into host memory each
+    /// header is parsed from the loaded bytes with the checks of a file's
+    /// ([`super::safetensors::parse`]); elsewhere (`cuda:N`, through the
+    /// core's device path for objects) the headers are read first
+    /// ([`super::safetensors::read_object_header`], pinned to the same
+    /// ETag as the load). Either way the headers are checked against each
+    /// other and the index as a file model's are before anything is
+    /// returned: before any data is loaded where they are read first.
     pub fn load(&self, options: &LoadOptions) -> Result<Vec<LoadedShard>, Error> {
+        let mut read_first = Vec::new();
+        if !options.to.is_host() {
+            for object in &self.objects {
+                read_first.push(super::safetensors::read_object_header(object, &options.cancel)?.0);
+            }
+            self.check_tables(read_first.iter().zip(&self.objects).map(|(h, o)| (o.name(), h)))?;
+        }
+        let mut read_first = read_first.into_iter();
         let total = self.len();
         let mut loaded = Vec::with_capacity(self.objects.len());
         let mut done = 0;
@@ -328,25 +341,36 @@ impl ObjectModel {
             if let Some(progress) = options.progress.clone() {
                 shard_options.progress = Some(Arc::new(move |now, _| progress(done + now, total)));
             }
-            let (buffer, report) = LoadRequest::object(object).options(&shard_options).to_buffer()?;
+            let request = LoadRequest::object(object).options(&shard_options);
+            let (header, data, report) = match read_first.next() {
+                Some(header) => {
+                    let (data, report) = request.load()?;
+                    (header, data, report)
+                }
+                None => {
+                    let (buffer, report) = request.to_buffer()?;
+                    let header = super::safetensors::parse(&buffer, buffer.len() as u64)
+                        .map_err(|error| Error::Header { path: object.name().to_owned(), error })?;
+                    (header, Loaded::Host(buffer), report)
+                }
+            };
             done += object.size;
-            let header = super::safetensors::parse(&buffer, buffer.len() as u64)
-                .map_err(|error| Error::Header { path: object.name().to_owned(), error })?;
-            loaded.push(LoadedShard {
-                path: object.name().to_owned(),
-                header,
-                loaded: Loaded::Host(buffer),
-                report,
-            });
+            loaded.push(LoadedShard { path: object.name().to_owned(), header, loaded: data, report });
         }
-        let tables: Vec<(String, Vec<&str>)> = loaded
-            .iter()
-            .map(|s| {
-                (s.path.display().to_string(), s.header.tensors.iter().map(|t| t.name.as_str()).collect())
+        if options.to.is_host() {
+            self.check_tables(loaded.iter().map(|s| (s.path.as_path(), &s.header)))?;
+        }
+        Ok(loaded)
+    }
+
+    /// The shards' tensor tables checked against each other and the index.
+    fn check_tables<'h>(&self, headers: impl Iterator<Item = (&'h Path, &'h Header)>) -> Result<(), Error> {
+        let tables: Vec<(String, Vec<&str>)> = headers
+            .map(|(path, header)| {
+                (path.display().to_string(), header.tensors.iter().map(|t| t.name.as_str()).collect())
             })
             .collect();
-        tensor_index(&tables, self.weight_map.as_deref())?;
-        Ok(loaded)
+        tensor_index(&tables, self.weight_map.as_deref()).map(drop)
     }
 }
 

@@ -26,7 +26,10 @@ use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use crate::buffer::Buffer;
+use crate::cancel::CancelToken;
 use crate::error::Error as IoError;
+use crate::load::LoadRequest;
+use crate::object::Object;
 use crate::options::LoadOptions;
 use crate::report::LoadReport;
 use crate::source::OpenFile;
@@ -505,6 +508,37 @@ pub fn read_header_of(file: &OpenFile) -> Result<(Header, Vec<u8>), Error> {
     }
     let json = head[8..].to_vec();
     let parsed = parse_header(&json, file_len).map_err(header)?;
+    Ok((parsed, json))
+}
+
+/// Bytes of an object's first GET for its header: most headers fit, so
+/// one request reads them; a longer one takes a second GET for the rest.
+const OBJECT_HEADER_PROBE: u64 = 1 << 20;
+
+/// [`read_header_of`] of an object (`s3://BUCKET/KEY`): its first bytes
+/// read with a ranged GET pinned to the ETag of the open (two GETs where
+/// the header is longer than [`OBJECT_HEADER_PROBE`]), checked as a
+/// file's header. Where the data cannot be parsed from loaded bytes (a
+/// device's), this is how a model in object storage knows its tensors
+/// before any data is loaded.
+pub fn read_object_header(object: &Object, cancel: &CancelToken) -> Result<(Header, Vec<u8>), Error> {
+    let path = object.name();
+    let header = |error| Error::Header { path: path.to_owned(), error };
+    let options = LoadOptions { cancel: cancel.clone(), ..LoadOptions::default() };
+    let read = |offset: u64, len: u64| -> Result<Vec<u8>, Error> {
+        let (bytes, _) = LoadRequest::object(object).range(offset, len).options(&options).to_buffer()?;
+        Ok(bytes.to_vec())
+    };
+    let mut head = read(0, object.size.min(OBJECT_HEADER_PROBE))?;
+    let n = header_len(&head, object.size).map_err(header)?;
+    // header_len checked 8 + n <= the object's size.
+    let end = 8 + n;
+    if end > head.len() as u64 {
+        head.extend(read(head.len() as u64, end - head.len() as u64)?);
+    }
+    head.truncate(end as usize);
+    let json = head.split_off(8);
+    let parsed = parse_header(&json, object.size).map_err(header)?;
     Ok((parsed, json))
 }
 

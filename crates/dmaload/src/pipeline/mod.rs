@@ -12,7 +12,8 @@ mod staged;
 mod write;
 
 pub(crate) use host::{load_source, with_kept_ring};
-pub(crate) use object::{check_object_options, load_object_source, load_object_to_sink, object_ring_slots};
+pub use object::object_ring_slots;
+pub(crate) use object::{load_object_source, load_object_to_sink, object_expected, stage_object};
 pub use range::check_memory;
 pub(crate) use range::{open_range, range_len, range_within};
 pub(crate) use staged::load_open_to_sink;

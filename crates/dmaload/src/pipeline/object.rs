@@ -11,10 +11,12 @@ use std::time::{Duration, Instant};
 use super::host::hand_out;
 use super::range::{check_memory, range_within};
 use super::staged::staged_chunk;
-use super::{allocation_error, fill_staged, populate_gathers, run_pipeline, ReadFrom, Transfer};
+use super::{
+    allocation_error, fill_staged, follow_gathers, populate_gathers, run_pipeline, ReadFrom, Transfer,
+};
 use crate::buffer::Buffer;
 use crate::engine::{object::DEFAULT_CONNECTIONS, EngineParams, EngineRun, Gate, Layout, Progress};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::memory::{Allocation, MemoryChoice, MemoryFacts};
 use crate::object::Object;
 use crate::options::{host_memory, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS};
@@ -23,6 +25,7 @@ use crate::report::LoadReport;
 use crate::sink::{Sink, StagingRing};
 use crate::sys;
 use crate::types::{CachePolicy, Engine};
+use crate::verify::{sums_too_large, Expected, MAX_SUMS_BYTES};
 
 /// Bytes one GET asks for unless `chunk_size` says otherwise: large
 /// enough that a request's round trip is small beside its transfer, small
@@ -55,33 +58,50 @@ pub(super) fn object_params(options: &LoadOptions) -> EngineParams {
 }
 
 /// Staging slots of `slot_len` bytes an object load with `options` keeps
-/// busy: as many as its GETs in flight fill (a request on each
+/// busy (the ring a device load of an object pins, and Python's staged
+/// loads of object shards): as many as its GETs in flight fill (a request on each
 /// connection), and two more, one being delivered while the other waits
 /// for a straggler. GETs are slower than a disk's reads, so a ring sized
 /// for a file's range (up to 32 slots of 16 MiB) would pin memory that
 /// only costs its pinning.
-pub(crate) fn object_ring_slots(options: &LoadOptions, slot_len: usize) -> usize {
+pub fn object_ring_slots(options: &LoadOptions, slot_len: usize) -> usize {
     let in_flight = object_params(options).threads * object_request(options).min(slot_len);
     in_flight.div_ceil(slot_len) + 2
 }
 
-/// What every object load refuses before it looks at the range (or a
-/// device allocates anything).
-pub(crate) fn check_object_options(path: &Path, options: &LoadOptions) -> Result<()> {
-    if options.verify {
-        return Err(Error::new(
-            ErrorKind::InvalidInput,
-            "load",
-            path,
-            "verify is not supported for objects yet (docs/object-storage.md)",
-        ));
-    }
-    Ok(())
+/// What a load of `len` bytes (to the end when `None`) from `offset` of
+/// `object` must hash to when `options.verify` asks (`None` without): the
+/// digest that the `B3SUMS` or `SHA256SUMS` object beside it (under the
+/// key's "directory") records, found as a file's sums file is
+/// ([`Expected::for_object`]). Each sums object is looked up (a HEAD; one
+/// that does not exist is passed over) and read whole. Looked up before
+/// anything is allocated.
+pub(crate) fn object_expected(
+    object: &Object,
+    offset: u64,
+    len: Option<u64>,
+    options: &LoadOptions,
+) -> Result<Option<Expected>> {
+    let read = |sums: &Path| -> Result<Option<Vec<u8>>> {
+        let sums = match Object::open(&sums.to_string_lossy(), &options.cancel) {
+            Err(err) if err.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+            sums => sums?,
+        };
+        if sums.size > MAX_SUMS_BYTES {
+            return Err(sums_too_large(sums.name(), "an object"));
+        }
+        let plain = LoadOptions { cancel: options.cancel.clone(), ..LoadOptions::default() };
+        let (bytes, _) = load_object_source(&sums, 0, None, &plain)?;
+        Ok(Some(bytes.to_vec()))
+    };
+    Expected::for_object(object.name(), object.size, offset, len, options.verify, read)
 }
 
 /// Loads `len` bytes (to the end when `None`) from `offset` of `object`
-/// into a new host buffer of the memory the options name. `chunk_size`
-/// and `threads`, when set, are the request size and the connection count.
+/// into a new host buffer of the memory the options name, checked against
+/// the sums object beside it when `options.verify` asks
+/// ([`object_expected`]). `chunk_size` and `threads`, when set, are the
+/// request size and the connection count.
 pub(crate) fn load_object_source(
     object: &Object,
     offset: u64,
@@ -89,10 +109,10 @@ pub(crate) fn load_object_source(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     let path = object.name();
-    check_object_options(path, options)?;
     let started = Started::now(path)?;
     let len = range_within(object.size, "object", path, offset, len)?;
     check_memory(path, len)?;
+    let expected = object_expected(object, offset, Some(len), options)?;
     let facts = MemoryFacts::read();
     let memory = host_memory(options, len, &facts);
     let page = sys::mem::page_size();
@@ -102,12 +122,19 @@ pub(crate) fn load_object_source(
     let params = object_params(options);
     let dst = alloc.mapping.writer();
     let engine_started = Instant::now();
+    // A verified load hashes each gather as it completes, in object order.
+    let verifier = expected.as_ref().map(Expected::verifier);
+    let follow = |gate: &Gate| follow_gathers(verifier.as_ref(), None, dst, &plan, gate);
+    let beside: Option<&(dyn Fn(&Gate) + Sync)> = verifier.is_some().then_some(&follow as _);
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
         let transfer = Transfer::read(path, ReadFrom::Object(object), &plan, &params, progress);
         let populate = |_, gate: &Gate| populate_gathers(dst, None, &plan, gate, options.populate_threads);
-        let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, None, populate);
+        let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, beside, populate);
         run.map(|run| (run, times.unwrap_or_default()))
     })?;
+    if let Some(verifier) = verifier {
+        verifier.check(path)?;
+    }
     let engine_wall = engine_started.elapsed();
     let (buffer, unregistered) = hand_out(alloc, &plan, path)?;
     let mut report = started.report(&plan, run, &params, memory, &facts, engine_wall)?;
@@ -120,7 +147,8 @@ pub(crate) fn load_object_source(
 /// [`crate::LoadRequest::to_sink`] of an object (the request checked the
 /// options): `len` bytes (to the end when `None`) from `offset`, received
 /// by the GETs into `ring`'s slots and handed from there to `sink`, as a
-/// file's staged load. Requests are [`DEFAULT_OBJECT_REQUEST`] bytes
+/// file's staged load, checked against the sums object beside it when
+/// `options.verify` asks. Requests are [`DEFAULT_OBJECT_REQUEST`] bytes
 /// (`chunk_size` when set), at most a slot and a whole number in each.
 pub(crate) fn load_object_to_sink(
     object: &Object,
@@ -130,15 +158,28 @@ pub(crate) fn load_object_to_sink(
     sink: &mut dyn Sink,
     options: &LoadOptions,
 ) -> Result<LoadReport> {
+    let expected = object_expected(object, offset, len, options)?;
+    stage_object(object, offset, len, ring, sink, (options, expected.as_ref()))
+}
+
+/// [`load_object_to_sink`] with the digest already looked up (`expected`,
+/// from [`object_expected`]; `None` unverified).
+pub(crate) fn stage_object(
+    object: &Object,
+    offset: u64,
+    len: Option<u64>,
+    ring: &mut StagingRing,
+    sink: &mut dyn Sink,
+    (options, expected): (&LoadOptions, Option<&Expected>),
+) -> Result<LoadReport> {
     let path = object.name();
-    check_object_options(path, options)?;
     let started = Started::now(path)?;
     let len = range_within(object.size, "object", path, offset, len)?;
     let chunk = staged_chunk(path, ring, object_request(options))?;
     let plan = Plan::staged(offset, len, 1, chunk, ring.slot_len(), sys::mem::page_size());
     let engine_started = Instant::now();
     let from = ReadFrom::Object(object);
-    let (run, times) = fill_staged(path, from, &plan, len, options, None, ring, sink, None)?;
+    let (run, times) = fill_staged(path, from, &plan, len, options, None, ring, sink, expected)?;
     let engine_wall = engine_started.elapsed();
     // No Buffer is allocated: `memory` is what a host load with these
     // options would use; `destination` names the ring (and the caller, the sink).

@@ -40,6 +40,9 @@ class EngineKeys:
     engine: str
     kept: dict[str, type] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
+    own: dict[str, type] = field(default_factory=dict)
+    """Keys that engine's dmaload loader takes itself (each maps to the
+    type its value must have); left in the extra config for it to take."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,9 @@ def _check_engine_keys(extra: dict[str, Any], engine: EngineKeys) -> None:
     listed = (
         f"dmaload's keys: {', '.join(EXTRA_CONFIG_KEYS)}; "
         f"{engine.engine}'s that keep their meaning: {', '.join(engine.kept) or 'none'}"
+        + (f"; dmaload's for {engine.engine}: {', '.join(engine.own)}" if engine.own else "")
     )
+    allowed = {**engine.kept, **engine.own}
     for key, value in extra.items():
         if key in EXTRA_CONFIG_KEYS:
             continue
@@ -100,11 +105,11 @@ def _check_engine_keys(extra: dict[str, Any], engine: EngineKeys) -> None:
                 f"dmaload: model_loader_extra_config key {key!r} is refused with load format 'dmaload': "
                 f"{engine.refused[key]} ({listed})"
             )
-        if key not in engine.kept:
+        if key not in allowed:
             raise ValueError(f"dmaload: unknown model_loader_extra_config key {key!r} for load format 'dmaload' ({listed})")
-        if value is not None and not isinstance(value, engine.kept[key]):
+        if value is not None and not isinstance(value, allowed[key]):
             raise ValueError(
-                f"dmaload: model_loader_extra_config key {key!r} takes a {engine.kept[key].__name__}, not {value!r}"
+                f"dmaload: model_loader_extra_config key {key!r} takes a {allowed[key].__name__}, not {value!r}"
             )
 
 

@@ -25,6 +25,16 @@ several ranks in vLLM's world group, each rank reads 1/N of the checkpoint
 and the ranks exchange it on the world group's device group (NCCL between
 GPUs, gloo on CPU).
 
+Weights in object storage: ``--model-loader-extra-config
+'{"weights": "s3://B/DIR/"}'`` with ``MODEL`` a local directory of the
+model's config files (vLLM 0.32 refuses an ``s3://`` MODEL, or
+``model_weights``, for any load format but its own streamers'). The
+loader reads the weights from that URL (else from
+``model_config.model_weights`` where a vLLM leaves an ``s3://`` URL
+there): the core resolves the shards, and
+:func:`dmaload.safetensors.iter_tensors` streams them shard by shard, on
+one rank without an expert filter (docs/object-storage.md).
+
 ``--model-loader-extra-config`` is checked when the loader is made: its
 keys are dmaload's (:data:`dmaload.engines.EXTRA_CONFIG_KEYS`) and vLLM's
 ``enable_weights_track``; vLLM's ``enable_multithread_load`` and
@@ -46,11 +56,15 @@ from vllm.model_executor.model_loader import default_loader, register_model_load
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
+from .. import _dmaload
+from ..safetensors import iter_tensors
 from ._weights import EarlyRead, EngineKeys, LoaderConfig, start_early, weights, world_device_group
 
 __all__ = ["LOAD_FORMAT", "VLLM_KEYS", "DmaloadModelLoader", "register"]
 
 LOAD_FORMAT = "dmaload"
+
+INDEX_NAME = "model.safetensors.index.json"
 
 VLLM_KEYS = EngineKeys(
     "vLLM",
@@ -60,6 +74,7 @@ VLLM_KEYS = EngineKeys(
         "(dmaload's own parallelism: queue_depth, or engine 'pread-pool' with threads)"
         for key in ("enable_multithread_load", "num_threads")
     },
+    own={"weights": str},
 )
 """What vLLM's ``DefaultModelLoader`` does with the extra-config keys it
 knows, under ``--load-format dmaload``."""
@@ -89,6 +104,9 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
             raise ValueError(f"dmaload: model_loader_extra_config must be a dict, not {type(extra).__name__}")
         extra = dict(extra)
         self.dmaload_config = LoaderConfig.take(extra, VLLM_KEYS)
+        self._weights_url: str | None = extra.pop("weights", None)
+        if self._weights_url is not None and not _is_object_url(self._weights_url):
+            raise ValueError(f"dmaload: weights must be an s3:// URL (the model's weights), not {self._weights_url!r}")
         if load_config.safetensors_load_strategy == "torchao":
             raise ValueError(_TORCHAO)
         # DefaultModelLoader finds the files of the "safetensors" format,
@@ -128,7 +146,7 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
         may drop some), else it is stopped and the load reads as usual. So
         a vLLM whose ``_prepare_weights`` changed only loses the head start."""
         expert_parallel = model_config.is_moe and vllm_config.parallel_config.enable_expert_parallel
-        if _world_device_group() is not None or expert_parallel:
+        if _world_device_group() is not None or expert_parallel or self._object_weights(model_config):
             return None
         try:
             _, files, use_safetensors, _ = self._prepare_weights(
@@ -145,6 +163,43 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
         early, self._early = self._early, None
         if early is not None:
             early.close()
+
+    def get_all_weights(self, model_config: Any, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """vLLM's, with the primary weights at the ``s3://`` URL of
+        :meth:`_object_weights` where there is one (``model`` is then a local
+        directory of the config files)."""
+        url = self._object_weights(model_config)
+        if url is not None:
+            model_config = _WeightsAt(model_config, url)
+        return super().get_all_weights(model_config, model)  # type: ignore[no-any-return]
+
+    def _object_weights(self, model_config: Any) -> str | None:
+        """The ``s3://`` URL of the model's weights: the extra config's
+        ``weights``, else the one vLLM keeps in ``model_config.model_weights``
+        for a model in object storage; None for a model on disk."""
+        url = self._weights_url or getattr(model_config, "model_weights", "")
+        return url if _is_object_url(url) else None
+
+    def _prepare_weights(self, model_name_or_path: str, *args: Any, **kwargs: Any) -> tuple[str, list[str], bool, str]:
+        """vLLM's, but for an ``s3://`` model: the shards the core resolves
+        (the prefix's ``model.safetensors.index.json``, else its
+        ``model.safetensors``; an index or one object as named), not found
+        on a disk or downloaded from the Hugging Face hub. (vLLM's other
+        arguments pass through as its version gives them: subfolder,
+        revision, fall_back_to_pt, allow_patterns_overrides in 0.32.)"""
+        if not _is_object_url(model_name_or_path):
+            return super()._prepare_weights(model_name_or_path, *args, **kwargs)  # type: ignore[no-any-return]
+        subfolder = kwargs.get("subfolder", args[0] if args else None)
+        allow = kwargs.get("allow_patterns_overrides", args[3] if len(args) > 3 else None)
+        if subfolder or allow:
+            raise ValueError(
+                f"dmaload: {model_name_or_path}: a subfolder or allow patterns of an s3:// model are not read yet"
+            )
+        url = model_name_or_path
+        if not url.endswith(("/", ".json", ".safetensors")):
+            url += "/"  # a prefix, as vLLM and runai_streamer take it
+        shards, _ = _dmaload.resolve_model(url)
+        return url, shards, True, INDEX_NAME
 
     def _get_weights_iterator(self, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """vLLM's own, whose call to the safetensors reader comes to
@@ -187,6 +242,14 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
         if safetensors_load_strategy == "torchao":
             raise ValueError(_TORCHAO)
         group, tensor_filter = _world_device_group(), _expert_filter(local_expert_ids)
+        if files and _is_object_url(files[0]):
+            if group is not None or tensor_filter is not None:
+                raise ValueError(
+                    f"dmaload: {files[0]}: an s3:// model loads on one rank without an expert filter so far "
+                    "(docs/object-storage.md)"
+                )
+            logger.info("dmaload: streaming %d shard(s) from object storage, shard by shard", len(files))
+            return iter_tensors(list(files), _device())
         # The read begun in create_model, for the files it read; load_model
         # closes it in the end whatever happens here.
         early = self._early
@@ -243,6 +306,23 @@ def _device() -> torch.device:
     if current_platform.is_cpu() or current_platform.is_unspecified():
         return torch.device("cpu")
     return torch.device(current_platform.current_device())
+
+
+def _is_object_url(path: object) -> bool:
+    """Whether ``path`` names an object (``s3://...``), as the core says."""
+    return isinstance(path, str) and path.startswith("s3://")
+
+
+class _WeightsAt:
+    """``model_config`` as ``get_all_weights`` reads it, with ``model``
+    the URL of the weights."""
+
+    def __init__(self, model_config: Any, url: str) -> None:
+        self._config = model_config
+        self.model = url
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
 
 
 def _world_device_group() -> Any:

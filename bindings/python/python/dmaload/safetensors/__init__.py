@@ -14,10 +14,11 @@ reused while any view exists (``Buffer.close()`` refuses then).
 
 ``path`` may be a file, a ``*.safetensors.index.json`` or a directory (its
 ``model.safetensors.index.json``, else all its ``*.safetensors`` files): the
-shards are loaded concurrently. It may also be an object URL (CPU only):
+shards are loaded concurrently. It may also be an object URL:
 ``s3://BUCKET/KEY``, an index object, or a prefix ``s3://BUCKET/DIR/`` (its
 ``model.safetensors.index.json``, else its ``model.safetensors``), each
-shard loaded once into host memory; see docs/object-storage.md. An index's ``weight_map`` is checked before
+shard loaded once into host memory, or with ``device="cuda:N"`` received
+through the staging ring into the device; see docs/object-storage.md. An index's ``weight_map`` is checked before
 anything is loaded (see ``shard_paths``), then against the shards'
 headers before their data (``_tensor_index``), and against the loaded
 shards again.
@@ -319,25 +320,22 @@ class SafeOpen:
     ) -> None:
         """A model in object storage (``s3://BUCKET/KEY``, ``.../INDEX.json``
         or a prefix ``s3://BUCKET/model/``), resolved by the core as a
-        local model is; each shard object loaded once into host memory."""
-        unsupported = [
-            name
-            for name, given in (
-                ("device", str(device) != "cpu"),
-                ("cache", cache is not None),
-                ("process_group", process_group is not None),
-                ("tensor_filter", tensor_filter is not None),
-            )
-            if given
-        ]
-        if unsupported:
-            raise ValueError(
-                f"{url}: an s3:// model loads into host memory only so far: drop {', '.join(unsupported)}= "
-                "(docs/object-storage.md)"
-            )
+        local model is; each shard object loaded once into host memory, or
+        onto ``device`` through the staged path as a file is."""
+        on_device = self._framework == "pt" and _device.is_device(device)
+        _refuse_for_objects(
+            url,
+            cache=cache is not None,
+            process_group=process_group is not None,
+            tensor_filter=tensor_filter is not None,
+            verify_on_device=on_device and bool(options.get("verify")),
+        )
         urls, pairs = _dmaload.resolve_model(url)
         weight_map = dict(pairs) if pairs is not None else None
-        self._files = _load_files(urls, progress, DEFAULT_CONCURRENCY, options)
+        if on_device:
+            self._files = _device.load_files(urls, device, progress, options)
+        else:
+            self._files = _load_files(urls, progress, DEFAULT_CONCURRENCY, options)
         tables = [(f.path, f.tensors.keys()) for f in self._files]
         self._index = {name: self._files[i] for name, i in _tensor_index(tables, weight_map).items()}
         self._infos = {name: f.tensors[name] for name, f in self._index.items()}
@@ -652,6 +650,15 @@ def iter_tensors(
     until the iterator hands out a tensor two windows later, so the caller
     must copy what it keeps, as a serving engine's ``load_weights`` does.
 
+    An ``s3://`` model (a prefix, an index, one object, or a list of shard
+    URLs) streams shard by
+    shard: every shard's header is read first and checked against the
+    index, then each shard is loaded whole (host memory, or ``device``
+    through the staged path) and its tensors handed out before the next
+    one is loaded, so about one shard is held beyond the tensors the caller
+    keeps; ``process_group``, ``tensor_filter``, ``window``, ``recycle``,
+    ``cache`` and ``verify`` are refused for it (docs/object-storage.md).
+
     ``verify=True`` hashes every byte of each file as its windows arrive
     (a filter's unwanted tensors are read too, not handed out) against its
     sums file; a mismatch raises :class:`CollectiveLoadError` at the
@@ -659,6 +666,20 @@ def iter_tensors(
     loads": what the ranks must share, and how long a lost rank holds the
     others."""
     _check_torch("pt", process_group, tensor_filter)
+    url: str | list[str] | None = path if _is_object_url(path) else _object_shards(path)
+    if url is not None:
+        _refuse_for_objects(
+            url if isinstance(url, str) else url[0],
+            cache=cache is not None,
+            process_group=process_group is not None,
+            tensor_filter=tensor_filter is not None,
+            window=window is not None,
+            recycle=recycle,
+            # Each data section comes through the staging ring alone.
+            verify=bool(options.get("verify")),
+        )
+        yield from _iter_objects(url, device, progress, dict(options))
+        return
     paths, weight_map = shard_paths(path)
     socket = socket_for(cache)
     if socket is not None:
@@ -678,6 +699,53 @@ def iter_tensors(
     )
     with stream:
         yield from stream
+
+
+def _refuse_for_objects(url: str, *, verify_on_device: bool = False, **given: bool) -> None:
+    """Refuses, naming them, what an ``s3://`` model cannot take yet:
+    each keyword of ``given`` that is true (an option given), and
+    ``verify=True`` with a device (the staged path loads each data section
+    alone, which a whole object's digest cannot check)."""
+    unsupported = [f"{name}=" for name, on in given.items() if on]
+    if verify_on_device:
+        unsupported.append("verify=True with device=")
+    if unsupported:
+        raise ValueError(f"{url}: an s3:// model does not take {', '.join(unsupported)} so far (docs/object-storage.md)")
+
+
+def _object_shards(path: Paths) -> list[str] | None:
+    """The shard URLs of a list of ``s3://`` shards (a model without an
+    index, as vLLM lists one), None for anything else; a list that mixes
+    objects and files is a ``ValueError``."""
+    if not isinstance(path, (list, tuple)) or not path or not _is_object_url(path[0]):
+        return None
+    if not all(_is_object_url(p) for p in path):
+        raise ValueError("a list of shards is all s3:// URLs or all files, not both")
+    return [str(p) for p in path]
+
+
+def _iter_objects(
+    url: str | list[str], device: Any, progress: Progress, options: dict[str, Any]
+) -> Iterator[tuple[str, Any]]:
+    """:func:`iter_tensors` of a model in object storage (a URL the core
+    resolves, or a list of shard URLs without an index), shard by shard:
+    every shard's header read first (a ranged GET each) and checked against
+    the others and the index, then each shard's data section received
+    through the staged path (into a host tensor, or onto ``device``) from
+    that same open and its tensors handed out in data order before the
+    next shard is loaded."""
+    if isinstance(url, str):
+        urls, pairs = _dmaload.resolve_model(url)
+        weight_map = dict(pairs) if pairs is not None else None
+    else:
+        urls, weight_map = url, None
+    headers = [_dmaload.open_safetensors(u) for u in urls]
+    _tensor_index([(os.fsdecode(h.path), (t.name for t in h.header.tensors)) for h in headers], weight_map)
+    for opened in headers:
+        # From the open whose header was checked: a shard replaced since
+        # is ESTALE, never a tensor the check did not see.
+        (loaded,) = _device.load_opened([opened], device, progress, options)
+        yield from ((name, loaded.tensor(name, "pt")) for name in loaded.tensors)
 
 
 def _check_torch(framework: str, process_group: Any, tensor_filter: TensorFilter) -> None:

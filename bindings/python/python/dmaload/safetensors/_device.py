@@ -16,6 +16,11 @@ the same staged path reads (copies from memory into the pinned ring, then
 to the device), so a model another process loaded reaches this device
 without a disk read.
 
+An object (``s3://BUCKET/KEY``, a shard of a model in object storage) is
+opened the same way (``open_safetensors`` looks it up and reads its header
+with a ranged GET), and its data section is received by the GETs into the
+ring's slots, the core's device path for objects (docs/object-storage.md).
+
 ``device="cpu"`` is accepted here too (the same staged path into a host
 tensor): the tests run every part of this code without a GPU that way.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +39,7 @@ from .._options import native_options
 from .._progress import Progress, resolve
 from ._file import _File
 
-__all__ = ["is_device", "load_files"]
+__all__ = ["is_device", "load_files", "load_opened"]
 
 
 def is_device(device: Any) -> bool:
@@ -59,7 +65,7 @@ def _ordinal(torch: Any, device: Any) -> int:
     return int(index)
 
 
-def _open(path: Path, socket: str | None, native: dict[str, Any]) -> _dmaload.SafetensorsFile:
+def _open(path: str | Path, socket: str | None, native: dict[str, Any]) -> _dmaload.SafetensorsFile:
     """``path`` opened for the staged load: the cache service's memfd of it
     where ``socket`` names a service that has or loads the file, else the
     file itself (``from_service`` says once why)."""
@@ -86,16 +92,31 @@ def _open(path: Path, socket: str | None, native: dict[str, Any]) -> _dmaload.Sa
 
 
 def load_files(
-    paths: list[Path], device: Any, progress: Progress, options: dict[str, Any], socket: str | None = None
+    paths: Sequence[str | Path],
+    device: Any,
+    progress: Progress,
+    options: dict[str, Any],
+    socket: str | None = None,
 ) -> list[_File]:
-    """Loads every tensor of ``paths`` onto ``device``, from the cache
+    """Loads every tensor of ``paths`` (files, or object URLs as strings:
+    ``Path`` would fold ``s3://``'s slashes) onto ``device``, from the cache
     service at ``socket`` when given; one ``_File`` per path."""
+    native = native_options(options)
+    return load_opened([_open(p, socket, native) for p in paths], device, progress, options)
+
+
+def load_opened(
+    files: list[_dmaload.SafetensorsFile], device: Any, progress: Progress, options: dict[str, Any]
+) -> list[_File]:
+    """:func:`load_files` of files (or objects) opened already, their
+    headers read: the data come from those same opens (an object's GETs
+    pin the ETag its open found)."""
     import torch
 
     ordinal = _ordinal(torch, device)
     target = torch.device("cpu") if ordinal < 0 else torch.device("cuda", ordinal)
     native = native_options(options)
-    files = [_open(p, socket, native) for p in paths]
+    paths = [os.fsdecode(f.path) for f in files]
     need = sum(f.data_len for f in files)
     if ordinal >= 0:
         free, _total = torch.cuda.mem_get_info(ordinal)
@@ -103,14 +124,14 @@ def load_files(
             raise OSError(
                 errno.ENOMEM,
                 f"load: {len(files)} file(s) need {need} bytes on cuda:{ordinal} but only {free} are free",
-                os.fspath(paths[0]),
+                paths[0],
             )
     data = [torch.empty(f.data_len, dtype=torch.uint8, device=target) for f in files]
     if ordinal >= 0:
         # The caching allocator may hand out memory that kernels queued on
         # the current stream still use: they finish before our copies start.
         torch.cuda.current_stream(target).synchronize()
-    desc = paths[0].name if len(paths) == 1 else f"{len(paths)} files"
+    desc = os.path.basename(paths[0]) if len(paths) == 1 else f"{len(paths)} files"
     callback, finish = resolve(progress, desc)
     try:
         # Device memory goes as pointers, its tensors as `keep` (held by the
