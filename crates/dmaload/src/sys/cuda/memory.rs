@@ -243,6 +243,124 @@ impl Drop for DeviceBuffer {
     }
 }
 
+impl DeviceBuffer {
+    /// `cuIpcGetMemHandle`: a handle another process of this machine (the
+    /// driver decides which: the same user, with the device visible) can
+    /// open with [`IpcMemory::open`] to reach this memory, for as long as
+    /// this buffer lives.
+    pub fn ipc_handle(&self) -> Result<IpcHandle, CudaError> {
+        if self.len == 0 {
+            return Err(CudaError::invalid(
+                "cuIpcGetMemHandle",
+                "an empty buffer has no device memory".into(),
+            ));
+        }
+        let api = self.ctx.inner.api;
+        let _current = self.ctx.enter()?;
+        let mut handle = CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `handle` is a valid out-pointer; `self.ptr` is the base
+        // of this live allocation.
+        api.check("cuIpcGetMemHandle", unsafe { (api.ipc_get_mem_handle)(&mut handle, self.ptr) })?;
+        Ok(IpcHandle(handle.reserved))
+    }
+}
+
+/// A `CUipcMemHandle`: 64 bytes that name a device allocation of another
+/// process, to send over a socket as they are.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("IpcHandle(")?;
+        for byte in &self.0 {
+            write!(f, "{byte:02x}")?;
+        }
+        f.write_str(")")
+    }
+}
+
+/// Device memory of another process, opened from its [`IpcHandle`]
+/// (`cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`) in
+/// this context; dropping it waits for the context (so no copy into it is
+/// still running) and closes it (`cuIpcCloseMemHandle`). The memory stays
+/// the other process's: it frees it, and it may do so while this is open
+/// only at its own cost (the driver keeps the pages until the close).
+pub struct IpcMemory {
+    ctx: Context,
+    ptr: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: as for DeviceBuffer: a device address usable from any thread with
+// the context (kept alive by `ctx`) current, which every method makes it.
+unsafe impl Send for IpcMemory {}
+// SAFETY: no `&self` method touches the memory.
+unsafe impl Sync for IpcMemory {}
+
+impl fmt::Debug for IpcMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IpcMemory(cuda:{}, {} bytes at {:#x})", self.ctx.ordinal(), self.len, self.ptr)
+    }
+}
+
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, the one `cuIpcOpenMemHandle` flag.
+const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+
+impl IpcMemory {
+    /// Opens `handle` in `ctx`; its length is the allocation's
+    /// (`CU_POINTER_ATTRIBUTE_RANGE_SIZE`).
+    pub fn open(ctx: &Context, handle: &IpcHandle) -> Result<IpcMemory, CudaError> {
+        let api = ctx.inner.api;
+        let _current = ctx.enter()?;
+        let mut ptr: CUdeviceptr = 0;
+        let raw = CUipcMemHandle { reserved: handle.0 };
+        // SAFETY: `ptr` is a valid out-pointer; the handle is passed by
+        // value, as the prototype has it; the driver validates its bytes.
+        let code = unsafe { (api.ipc_open_mem_handle)(&mut ptr, raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) };
+        api.check("cuIpcOpenMemHandle", code)?;
+        // Closed on drop, also when its size cannot be read.
+        let mut opened = IpcMemory { ctx: ctx.clone(), ptr, len: 0 };
+        // SAFETY: `ptr` is the base of the mapping just opened; the
+        // attribute writes a size_t.
+        opened.len = unsafe { ctx.pointer_attribute::<usize>(CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr) }?;
+        Ok(opened)
+    }
+
+    /// The device address of the first byte, in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The whole allocation as a copy destination. Copies into it may
+    /// outlive the borrow: dropping this value waits for them.
+    pub fn range(&mut self) -> DeviceRange<'_> {
+        DeviceRange { ptr: self.ptr, len: self.len, _memory: PhantomData }
+    }
+}
+
+impl Drop for IpcMemory {
+    fn drop(&mut self) {
+        if self.ctx.is_wedged() {
+            // A late copy could still write it: the mapping stays open.
+            return;
+        }
+        let api = self.ctx.inner.api;
+        let _current = self.ctx.enter_and_drain();
+        // SAFETY: closes the mapping this value opened, after the wait for
+        // every copy that could still write it; nothing uses it after.
+        unsafe { (api.ipc_close_mem_handle)(self.ptr) };
+    }
+}
+
 /// `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)`: pins `len` bytes at
 /// `ptr` for DMA by every context.
 ///
