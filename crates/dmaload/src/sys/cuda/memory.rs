@@ -4,6 +4,7 @@ use std::ffi::{c_int, c_uint};
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::Range;
+use std::os::fd::BorrowedFd;
 
 use super::*;
 
@@ -555,6 +556,132 @@ impl Drop for PinnedStaging {
         if !self.is_empty() && !unregister_host(&self.ctx, self.ptr) {
             // Still pinned for a copy that may yet read it: the address
             // range stays mapped, never reused for another registration.
+            if let Ok(empty) = Mapping::anonymous(0, HugePageAdvice::Small) {
+                std::mem::forget(std::mem::replace(&mut self.memory, empty));
+            }
+        }
+    }
+}
+
+/// `CU_MEMHOSTREGISTER_READ_ONLY` (CUDA 11.1): the driver pins the pages
+/// for reading only, so memory that may not be written (a sealed memfd)
+/// can be registered.
+const CU_MEMHOSTREGISTER_READ_ONLY: c_uint = 0x08;
+
+/// A read-only mapping of a file (a cached file's sealed memfd) pinned for
+/// every context (`cuMemHostRegister(PORTABLE | READ_ONLY)`), so copies
+/// from it to any device run at the link's speed without staging: pinned
+/// once, copied from by every load. Dropping it waits for its context
+/// before unpinning and unmapping.
+pub struct RegisteredFile {
+    ctx: Context,
+    // Unregistered in `drop`, before the field drops and unmaps.
+    memory: Mapping,
+    ptr: *mut u8,
+}
+
+// SAFETY: as for PinnedStaging: plain memory and a driver-side pin.
+unsafe impl Send for RegisteredFile {}
+// SAFETY: `&self` methods only read (the copies read the pages).
+unsafe impl Sync for RegisteredFile {}
+
+impl fmt::Debug for RegisteredFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RegisteredFile({} bytes)", self.len())
+    }
+}
+
+impl RegisteredFile {
+    /// Maps the first `len` bytes of `fd` (copy-on-write, never written)
+    /// and pins them read-only, through `ctx`.
+    pub fn map(ctx: &Context, fd: BorrowedFd<'_>, len: usize) -> Result<RegisteredFile, CudaError> {
+        let mut memory = Mapping::private(fd, len).map_err(|err| {
+            CudaError::new(
+                "mmap",
+                format!("{len} bytes of a file: {err}"),
+                err.raw_os_error().unwrap_or(libc::EIO),
+            )
+        })?;
+        let (ptr, _) = memory.writer().raw_range(&(0..len));
+        if len > 0 {
+            let pages = len.next_multiple_of(crate::sys::mem::page_size());
+            let api = ctx.inner.api;
+            let _current = ctx.enter()?;
+            // SAFETY: the span is the whole mapping, which `memory` keeps
+            // mapped at this address until after `drop` unregisters it.
+            let code = unsafe {
+                (api.mem_host_register)(
+                    ptr.cast(),
+                    pages,
+                    CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY,
+                )
+            };
+            api.check("cuMemHostRegister", code)?;
+        }
+        Ok(RegisteredFile { ctx: ctx.clone(), memory, ptr })
+    }
+
+    pub fn len(&self) -> usize {
+        self.memory.as_slice().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `cuMemcpyHtoDAsync` of `range` of the file to `dst_offset..` of
+    /// `dst`, on a stream of this registration's context (its drop waits
+    /// only for that one). Spans outside either side are errors.
+    pub fn copy_to_device(
+        &self,
+        range: Range<usize>,
+        dst: &DeviceRange<'_>,
+        dst_offset: usize,
+        stream: &Stream,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "cuMemcpyHtoDAsync";
+        if range.start > range.end || range.end > self.len() {
+            return Err(CudaError::invalid(
+                OP,
+                format!("bytes {range:?} run past the {}-byte file", self.len()),
+            ));
+        }
+        let len = range.len();
+        match dst_offset.checked_add(len) {
+            Some(end) if end <= dst.len => {}
+            _ => {
+                return Err(CudaError::invalid(
+                    OP,
+                    format!("{len} bytes at offset {dst_offset} run past the {}-byte device range", dst.len),
+                ))
+            }
+        }
+        if !stream.ctx.same(&self.ctx) {
+            return Err(CudaError::invalid(OP, "the stream is not of the registration's context".into()));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let api = stream.ctx.inner.api;
+        let _current = stream.ctx.enter()?;
+        // SAFETY: `range` is inside the mapping (checked above).
+        let src = unsafe { self.ptr.add(range.start) };
+        // SAFETY: the source is inside this live, pinned mapping (checked),
+        // which stays mapped and pinned until a wait for the context in
+        // `drop`; the destination span is inside `dst` (checked), device
+        // memory that stays allocated while copies into it may run
+        // (DeviceRange's contract); the stream is live.
+        let code = unsafe {
+            (api.memcpy_htod_async)(dst.ptr + dst_offset as u64, src.cast_const().cast(), len, stream.raw)
+        };
+        api.check(OP, code)
+    }
+}
+
+impl Drop for RegisteredFile {
+    fn drop(&mut self) {
+        if !self.is_empty() && !unregister_host(&self.ctx, self.ptr) {
+            // A late copy may still read the pages: they stay mapped.
             if let Ok(empty) = Mapping::anonymous(0, HugePageAdvice::Small) {
                 std::mem::forget(std::mem::replace(&mut self.memory, empty));
             }

@@ -464,5 +464,7 @@ mod memory;
 mod stream;
 
 pub use context::Context;
-pub use memory::{copy_htod_async, DeviceBuffer, DeviceRange, IpcHandle, IpcMemory, PinnedStaging};
+pub use memory::{
+    copy_htod_async, DeviceBuffer, DeviceRange, IpcHandle, IpcMemory, PinnedStaging, RegisteredFile,
+};
 pub use stream::{Event, Stream};
