@@ -1109,7 +1109,8 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
         close(fd);
         RETURN(CUDA_ERROR_INVALID_HANDLE);
     }
-    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    /* Populated, as in the exporter: copies do not pay page faults. */
+    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     close(fd);
     if (host == MAP_FAILED)
         RETURN(CUDA_ERROR_MAP_FAILED);

@@ -209,3 +209,22 @@ fn wait_output(mut child: Child) -> Output {
     }
     child.wait_with_output().unwrap()
 }
+
+/// A copy that outlasts the client's stall timeout (15 s without progress)
+/// is not taken for a stuck service: the service counts its copy's
+/// progress, piece by piece, in its keepalives. 40 MiB over a link of
+/// 1.6 MiB/s takes about 25 s, each 16 MiB piece under 10 s.
+#[test]
+fn a_copy_over_a_slow_link_is_not_taken_for_a_stalled_service() {
+    let test = "a_copy_over_a_slow_link_is_not_taken_for_a_stalled_service";
+    if !emulator(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = model(dir.path());
+    let expected = host_hash(&file);
+    let service = Serving::start(&dir.path().join("run"), &[("DMALOAD_EMU_LINK_GIBS", "0.0016")]);
+    let (report, stderr) = text(&service.load(&file, &[]));
+    assert!(stderr.contains("(miss)"), "{stderr}");
+    assert_eq!(report["hash"]["xxh3_64"], expected, "bit-exact: {report}");
+}

@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use crate::cuda::{Context, CudaError, IpcHandle, IpcMemory, RegisteredFile, Stream};
+use crate::cuda::{Context, CudaError, Event, IpcHandle, IpcMemory, RegisteredFile, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use crate::share::protocol::{DeviceTarget, DEVICE_UNREACHABLE_OPS};
 
@@ -24,6 +24,8 @@ use super::*;
 const OPEN_OP: &str = DEVICE_UNREACHABLE_OPS[0];
 const REGISTER_OP: &str = DEVICE_UNREACHABLE_OPS[1];
 const COPY_OP: &str = "copy to the client's device memory";
+/// Bytes copied between two progress counts (see `copy_to_device`).
+const PROGRESS_PIECE: usize = 16 << 20;
 
 impl State {
     /// Copies the cached file `loaded` into the device memory `target`
@@ -70,9 +72,23 @@ impl State {
         let start = usize::try_from(loaded.offset).map_err(|_| unreachable(COPY_OP, "too large".into()))?;
         let len = usize::try_from(loaded.len).map_err(|_| unreachable(COPY_OP, "too large".into()))?;
         let stream = Stream::new(&context).map_err(failed)?;
-        registered.copy_to_device(start..start + len, &memory.range(), 0, &stream).map_err(failed)?;
-        // Waited for before the close (the drop) and the reply.
-        stream.synchronize().map_err(failed)?;
+        let dst = memory.range();
+        // All queued at once, each piece followed by an event; as each
+        // completes its bytes count in what the keepalives report, so a
+        // client sees a long copy over a slow link move, not stall.
+        let mut pieces = Vec::new();
+        for at in (0..len).step_by(PROGRESS_PIECE) {
+            let end = len.min(at + PROGRESS_PIECE);
+            registered.copy_to_device(start + at..start + end, &dst, at, &stream).map_err(failed)?;
+            let done = Event::new(&context).map_err(failed)?;
+            done.record(&stream).map_err(failed)?;
+            pieces.push((done, end - at));
+        }
+        // Every piece waited for before the close (the drop) and the reply.
+        for (done, bytes) in pieces {
+            done.synchronize().map_err(failed)?;
+            self.loaded.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
         drop(memory);
         Ok(())
     }
