@@ -5,6 +5,7 @@
  * (asynchrony, a link, a race detector, faults) and its settings. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -13,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -35,12 +37,14 @@ enum {
     CUDA_ERROR_NO_DEVICE = 100,
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_MAP_FAILED = 205,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
     CUDA_ERROR_LAUNCH_FAILED = 719,
+    CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_SYSTEM_DRIVER_MISMATCH = 803,
     CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE = 804,
     CUDA_ERROR_UNKNOWN = 999,
@@ -65,12 +69,14 @@ static const struct {
     {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_MAP_FAILED, "CUDA_ERROR_MAP_FAILED", "mapping of buffer object failed"},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
     {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
     {CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED", "part or all of the requested memory range is already mapped"},
     {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "pointer does not correspond to a registered memory region"},
     {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", "system has unsupported display driver / cuda driver combination"},
     {CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE, "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE", "forward compatibility was attempted on non supported HW"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
@@ -148,6 +154,8 @@ struct event {
     uint64_t target; /* complete once stream->done reaches it */
 };
 
+/* Device memory: a memfd of its own, mapped shared, so another process
+ * can map the same bytes (cuIpcOpenMemHandle). */
 struct allocation {
     struct allocation *next;
     CUdeviceptr dptr;
@@ -155,6 +163,33 @@ struct allocation {
     int device;
     unsigned char *host;
     unsigned pending;
+    int fd; /* the memfd (-1 in an importer, which maps it and closes it) */
+    ino_t inode; /* the memfd's, named by its IPC handle */
+    pid_t exporter; /* an opened IPC handle: the process that allocated it; 0 for our own memory */
+    unsigned opens; /* an opened IPC handle: cuIpcOpenMemHandle calls not yet closed */
+};
+
+/* What cuIpcGetMemHandle writes in the 64-byte CUipcMemHandle: enough
+ * for another process of the same user to open the memfd through
+ * /proc/PID/fd/FD and check it is still that allocation. */
+#define IPC_MAGIC 0x50494c44u /* "DLIP" */
+struct ipc_wire {
+    uint32_t magic, uid;
+    int32_t pid, fd;
+    uint64_t inode, size;
+    int32_t device, reserved;
+};
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
+_Static_assert(sizeof(struct ipc_wire) <= sizeof(CUipcMemHandle), "the IPC handle is 64 bytes");
+
+/* Device addresses of IPC mappings already closed: strict mode names a
+ * copy into one (addresses are never reused, so they stay unknown). */
+struct closed {
+    struct closed *next;
+    CUdeviceptr dptr;
+    size_t size;
 };
 
 struct registration {
@@ -171,6 +206,7 @@ static CUresult init_result = CUDA_ERROR_NOT_INITIALIZED;
 static struct context contexts[MAX_DEVICES];
 static struct allocation *allocations;
 static struct registration *registrations;
+static struct closed *closed_mappings;
 static struct stream *streams;
 static size_t allocated[MAX_DEVICES];
 static CUdeviceptr next_dptr[MAX_DEVICES];
@@ -632,6 +668,23 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
     RETURN(CUDA_SUCCESS);
 }
 
+/* Records `host` as `size` bytes of device memory at the next device
+ * address of `device`. Lock held. */
+static struct allocation *add_allocation(int device, size_t size, unsigned char *host)
+{
+    struct allocation *a = calloc(1, sizeof *a);
+    a->dptr = next_dptr[device];
+    a->size = size;
+    a->device = device;
+    a->host = host;
+    a->fd = -1;
+    a->next = allocations;
+    allocations = a;
+    /* Addresses are never reused, so a stale pointer stays unknown. */
+    next_dptr[device] += (size + 511 + 0xfffff) & ~(CUdeviceptr)0xfffff;
+    return a;
+}
+
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
 {
     ENTER(cuMemAlloc_v2);
@@ -644,19 +697,26 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
     size_t rounded = (size + 511) & ~(size_t)511; /* the driver's 512-byte granule */
     if (rounded > cfg.memory - allocated[device])
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
-    /* Backed at once, as device memory is: copies do not pay page faults. */
-    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (host == MAP_FAILED)
+    /* Shared memory, so cuIpcOpenMemHandle in another process maps the
+     * same bytes; backed at once, as device memory is: copies do not pay
+     * page faults. */
+    char name[32];
+    snprintf(name, sizeof name, "cuda-emu cuda:%d", device);
+    int fd = memfd_create(name, MFD_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || ftruncate(fd, (off_t)rounded) || fstat(fd, &st)) {
+        if (fd >= 0)
+            close(fd);
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
-    struct allocation *a = calloc(1, sizeof *a);
-    a->dptr = next_dptr[device];
-    a->size = size;
-    a->device = device;
-    a->host = host;
-    a->next = allocations;
-    allocations = a;
-    /* Addresses are never reused, so a stale pointer stays unknown. */
-    next_dptr[device] += (rounded + 0xfffff) & ~(CUdeviceptr)0xfffff;
+    }
+    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (host == MAP_FAILED) {
+        close(fd);
+        RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    struct allocation *a = add_allocation(device, size, host);
+    a->fd = fd;
+    a->inode = st.st_ino;
     allocated[device] += rounded;
     *dptr = a->dptr;
     RETURN(CUDA_SUCCESS);
@@ -672,7 +732,7 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     while (*link && (*link)->dptr != dptr)
         link = &(*link)->next;
     struct allocation *a = *link;
-    if (!a)
+    if (!a || a->exporter) /* an opened IPC handle is closed, not freed */
         RETURN(CUDA_ERROR_INVALID_VALUE);
     if (a->pending) {
         if (cfg.strict)
@@ -684,14 +744,21 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     *link = a->next;
     allocated[a->device] -= (a->size + 511) & ~(size_t)511;
     munmap(a->host, (a->size + 511) & ~(size_t)511);
+    close(a->fd); /* an importer's mapping keeps the memory until it closes */
     free(a);
     RETURN(CUDA_SUCCESS);
 }
 
-/* The host bytes behind device span dptr..dptr+len, or NULL. */
-static unsigned char *device_bytes(CUdeviceptr dptr, size_t len, struct allocation **owner)
+/* The host bytes behind device span dptr..dptr+len, or NULL. `op` names
+ * the call for strict mode, which aborts on an IPC mapping already closed. */
+static unsigned char *device_bytes(const char *op, CUdeviceptr dptr, size_t len, struct allocation **owner)
 {
     struct allocation *a = find_allocation(dptr);
+    if (!a && cfg.strict)
+        for (struct closed *c = closed_mappings; c; c = c->next)
+            if (dptr >= c->dptr && dptr - c->dptr < c->size)
+                die("strict: %s at %#llx, in the IPC mapping %#llx..%#llx that cuIpcCloseMemHandle closed", op,
+                    dptr, c->dptr, c->dptr + c->size);
     if (!a || len > a->size - (dptr - a->dptr))
         return NULL;
     if (owner)
@@ -705,7 +772,7 @@ EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dptr, unsigned char value, size_t len)
     CUresult code = check_current();
     if (code)
         RETURN(code);
-    unsigned char *bytes = device_bytes(dptr, len, NULL);
+    unsigned char *bytes = device_bytes("cuMemsetD8", dptr, len, NULL);
     if (!bytes)
         RETURN(CUDA_ERROR_INVALID_VALUE);
     memset(bytes, value, len);
@@ -718,7 +785,7 @@ EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t len)
     CUresult code = check_current();
     if (code)
         RETURN(code);
-    unsigned char *bytes = device_bytes(src, len, NULL);
+    unsigned char *bytes = device_bytes("cuMemcpyDtoH", src, len, NULL);
     if (!bytes || !dst)
         RETURN(CUDA_ERROR_INVALID_VALUE);
     memcpy(dst, bytes, len);
@@ -744,7 +811,7 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t le
     if (s->ctx->sticky)
         RETURN(s->ctx->sticky);
     struct allocation *alloc;
-    unsigned char *bytes = device_bytes(dst, len, &alloc);
+    unsigned char *bytes = device_bytes("cuMemcpyHtoDAsync", dst, len, &alloc);
     if (!bytes || !src || alloc->device != s->ctx->device)
         RETURN(CUDA_ERROR_INVALID_VALUE);
     struct op *op = calloc(1, sizeof *op);
@@ -752,6 +819,10 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t le
     op->len = len;
     op->alloc = alloc;
     op->reg = find_registration(src, len);
+    if (!op->reg && cfg.strict)
+        die("strict: cuMemcpyHtoDAsync of %zu bytes to %#llx from pageable host memory %p..%p (no "
+            "cuMemHostRegister range holds it): the driver would stage it and copy at a fraction of the link",
+            len, dst, src, (const void *)((const unsigned char *)src + len));
     if (op->reg) {
         op->src = src;
         op->reg->pending++;
@@ -982,6 +1053,104 @@ EXPORT CUresult cuEventDestroy_v2(CUevent e)
         RETURN(CUDA_ERROR_INVALID_HANDLE);
     e->magic = DEAD_MAGIC;
     free(e);
+    RETURN(CUDA_SUCCESS);
+}
+
+/* ---- IPC: device memory shared between processes ----------------------- */
+
+EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr)
+{
+    ENTER(cuIpcGetMemHandle);
+    CUresult code = check_current();
+    if (code)
+        RETURN(code);
+    struct allocation *a = find_allocation(dptr);
+    /* Like the driver: the base of a cuMemAlloc allocation of this process. */
+    if (!handle || !a || a->dptr != dptr || a->exporter)
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct ipc_wire wire = {IPC_MAGIC, (uint32_t)getuid(), (int32_t)getpid(), a->fd, (uint64_t)a->inode,
+                            (uint64_t)a->size, a->device, 0};
+    memset(handle, 0, sizeof *handle);
+    memcpy(handle, &wire, sizeof wire);
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned flags)
+{
+    ENTER(cuIpcOpenMemHandle_v2);
+    CUresult code = check_current();
+    if (code)
+        RETURN(code);
+    struct ipc_wire wire;
+    memcpy(&wire, &handle, sizeof wire);
+    if (!pdptr || flags > 1 || wire.magic != IPC_MAGIC)
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (wire.pid == (int32_t)getpid()) /* the driver refuses a process its own memory */
+        RETURN(CUDA_ERROR_INVALID_CONTEXT);
+    /* No peer memory: the handle's device must be the current context's. */
+    if (wire.device != current()->device)
+        RETURN(CUDA_ERROR_INVALID_DEVICE);
+    /* Opened again while open: the same address, counted (as the driver). */
+    for (struct allocation *a = allocations; a; a = a->next)
+        if (a->exporter == wire.pid && a->inode == (ino_t)wire.inode) {
+            a->opens++;
+            *pdptr = a->dptr;
+            RETURN(CUDA_SUCCESS);
+        }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", wire.pid, wire.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) /* another user's process, or the exporter is gone */
+        RETURN(errno == EACCES || errno == EPERM ? CUDA_ERROR_NOT_PERMITTED : CUDA_ERROR_INVALID_HANDLE);
+    /* The fd number may have been reused since: it must be that memfd. */
+    struct stat st;
+    size_t rounded = (wire.size + 511) & ~(uint64_t)511;
+    if (fstat(fd, &st) || st.st_ino != (ino_t)wire.inode || (uint64_t)st.st_size != rounded) {
+        close(fd);
+        RETURN(CUDA_ERROR_INVALID_HANDLE);
+    }
+    /* Populated, as in the exporter: copies do not pay page faults. */
+    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    close(fd);
+    if (host == MAP_FAILED)
+        RETURN(CUDA_ERROR_MAP_FAILED);
+    struct allocation *a = add_allocation(wire.device, wire.size, host);
+    a->inode = (ino_t)wire.inode;
+    a->exporter = wire.pid;
+    a->opens = 1;
+    *pdptr = a->dptr;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
+{
+    ENTER(cuIpcCloseMemHandle);
+    CUresult code = check_current();
+    if (code)
+        RETURN(code);
+    struct allocation **link = &allocations;
+    while (*link && !((*link)->dptr == dptr && (*link)->exporter))
+        link = &(*link)->next;
+    struct allocation *a = *link;
+    if (!a)
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (--a->opens)
+        RETURN(CUDA_SUCCESS);
+    if (a->pending) {
+        if (cfg.strict)
+            die("strict: cuIpcCloseMemHandle of %#llx..%#llx with %u copies into it pending", a->dptr,
+                a->dptr + a->size, a->pending);
+        for (struct stream *s = streams; s; s = s->next_live)
+            wait_stream(s, s->queued);
+    }
+    *link = a->next;
+    munmap(a->host, (a->size + 511) & ~(size_t)511);
+    struct closed *c = calloc(1, sizeof *c);
+    c->dptr = a->dptr;
+    c->size = a->size;
+    c->next = closed_mappings;
+    closed_mappings = c;
+    free(a);
     RETURN(CUDA_SUCCESS);
 }
 

@@ -121,9 +121,10 @@ struct LoadCommand {
     /// Get the whole file from the cache service (`dmaload serve`) at
     /// SOCKET (default: $DMALOAD_CACHE when it names a socket, else the
     /// service's default socket); without a service, load directly and say
-    /// why. DMALOAD_CACHE=1 or a socket path in the environment does the same
-    /// for a whole file into host memory (a range or a device is then
-    /// loaded directly; with --cache it is an error).
+    /// why. With --to cuda:N the service copies the file into this
+    /// process's device memory (a CUDA IPC handle). DMALOAD_CACHE=1 or a
+    /// socket path in the environment does the same for a whole file (a
+    /// range is then loaded directly; with --cache it is an error).
     #[arg(long, value_name = "SOCKET", num_args = 0..=1)]
     cache: Option<Option<PathBuf>>,
 }
@@ -250,7 +251,14 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     // The buffer is dropped once the report is out: no fd to share, so
     // `auto` may choose anonymous memory.
     options.needs_fd = false;
-    let whole_host_file = cmd.offset == 0 && cmd.length.is_none() && options.to.is_host();
+    let whole_file = cmd.offset == 0 && cmd.length.is_none();
+    let whole_host_file = whole_file && options.to.is_host();
+    // A whole file to a device: the service copies it into this process's
+    // device memory (dmaload::share::cached_to_device).
+    let cached_device = match options.to {
+        dmaload::Destination::Cuda(ordinal) if whole_file => Some(ordinal),
+        _ => None,
+    };
     // The report this command prints shows the page cache: measured unless
     // --no-page-cache (the library measures only when asked); a load the
     // cache service cannot take is measured the same way.
@@ -258,8 +266,8 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
     let mut socket = cache_socket(cmd);
-    if socket.is_some() && !whole_host_file {
-        const WHY: &str = "the cache service serves whole files to host memory";
+    if socket.is_some() && !whole_host_file && cached_device.is_none() {
+        const WHY: &str = "the cache service serves whole files to host memory or a CUDA device";
         if cmd.cache.is_some() {
             return Err(dmaload::Error::new(
                 dmaload::ErrorKind::InvalidInput,
@@ -282,21 +290,20 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
                 let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
                 Ok((report, hash))
             })
+    } else if let (Some(socket), Some(ordinal)) = (&socket, cached_device) {
+        let cached = dmaload::OpenFile::open(&cmd.file)
+            .and_then(|f| dmaload::share::cached_to_device(&f, socket, ordinal, &options));
+        cached.and_then(|(device, report, outcome)| {
+            print_outcome(socket, outcome);
+            let loaded = dmaload::Loaded::Device(device);
+            let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
+            Ok((report, hash))
+        })
     } else if let Some(socket) = socket {
         let cached =
             dmaload::OpenFile::open(&cmd.file).and_then(|f| dmaload::share::cached(&f, &socket, &options));
         cached.map(|(buffer, report, outcome)| {
-            match outcome {
-                dmaload::share::CacheOutcome::Service { served, note } => {
-                    eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
-                    if let Some(note) = note {
-                        eprintln!("dmaload: cache service: {note}");
-                    }
-                }
-                dmaload::share::CacheOutcome::Direct { reason } => {
-                    eprintln!("dmaload: {reason}; loaded directly");
-                }
-            }
+            print_outcome(&socket, outcome);
             let hash = cmd.hash.then(|| output::hash_timed(&buffer));
             (report, hash)
         })
@@ -320,6 +327,21 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
         print!("{}", output::load_text(&report, hash.as_ref()));
     }
     Ok(())
+}
+
+/// Says on stderr where a `--cache` load's bytes came from.
+fn print_outcome(socket: &std::path::Path, outcome: dmaload::share::CacheOutcome) {
+    match outcome {
+        dmaload::share::CacheOutcome::Service { served, note } => {
+            eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
+            if let Some(note) = note {
+                eprintln!("dmaload: cache service: {note}");
+            }
+        }
+        dmaload::share::CacheOutcome::Direct { reason } => {
+            eprintln!("dmaload: {reason}; loaded directly");
+        }
+    }
 }
 
 fn main() -> ExitCode {

@@ -12,7 +12,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{scratch_dir, skip, write_pattern_file};
-use dmaload::cuda::{Context, DeviceBuffer, DeviceRange, Event, PinnedStaging, Stream};
+use dmaload::cuda::{Context, DeviceBuffer, DeviceRange, Event, IpcHandle, IpcMemory, PinnedStaging, Stream};
 use dmaload::sink::{CudaSink, Sink, SlotData};
 use dmaload::{Engine, LoadOptions, StagingRing};
 
@@ -20,6 +20,11 @@ use dmaload::{Engine, LoadOptions, StagingRing};
 const CHILD_CASE: &str = "DMALOAD_TEST_EMU_CASE";
 /// In a child: the file it loads.
 const CHILD_FILE: &str = "DMALOAD_TEST_EMU_FILE";
+/// In an importing child: the IPC handle it opens, in hex.
+const CHILD_HANDLE: &str = "DMALOAD_TEST_EMU_HANDLE";
+/// In an importing child: "copy", or "copy_after_close" (the bug strict
+/// mode catches).
+const CHILD_IPC: &str = "DMALOAD_TEST_EMU_IPC";
 
 /// Whether this process can run the cases: the emulator, not a real driver.
 fn emulator(test: &str) -> bool {
@@ -74,6 +79,9 @@ fn child_cases() {
         "lane" => load_through_the_cache_lane(),
         "verify_whole" => verified_load_to_the_device(),
         "verify_section" => verified_data_section_to_the_device(),
+        "ipc_export" => export_device_memory(),
+        "ipc_import" => import_device_memory(),
+        "pageable" => load_through_an_unpinned_ring(),
         other => panic!("no child case {other}"),
     }
 }
@@ -733,4 +741,129 @@ fn verified_loads_to_cuda_check_the_whole_file_and_fail_on_a_flipped_byte() {
     std::fs::write(&section, &bytes).unwrap();
     let out = run("verify_section", &section);
     assert!(out.contains("VERIFY ERROR Corrupt"), "{out}");
+}
+
+/// The device allocation the IPC cases share: an odd length (not a whole
+/// 512-byte granule), and the span of it the importer writes.
+const IPC_LEN: usize = (4 << 20) + 123;
+const IPC_WRITTEN: std::ops::Range<usize> = 4096..(3 << 20) + 7;
+
+/// Process one of the IPC cases: allocates device memory and fills it
+/// with 0xa5, exports it, checks a process cannot open its own handle,
+/// lets a second process (`import_device_memory`, mode `$CHILD_IPC`)
+/// copy into it, then reads all of it back: the importer's pattern bytes
+/// in `IPC_WRITTEN`, 0xa5 around them.
+fn export_device_memory() {
+    let ctx = Context::primary(0).unwrap();
+    let mut gpu = DeviceBuffer::new(&ctx, IPC_LEN).unwrap();
+    gpu.fill(0xa5).unwrap();
+    let handle = gpu.ipc_handle().unwrap();
+    let own = IpcMemory::open(&ctx, &handle).unwrap_err();
+    assert!(own.to_string().contains("cuIpcOpenMemHandle"), "{own}");
+    let hex: String = handle.0.iter().map(|b| format!("{b:02x}")).collect();
+    let mode = std::env::var(CHILD_IPC).unwrap();
+    let out = run_child("ipc_import", &[(CHILD_HANDLE, hex.as_str()), (CHILD_IPC, mode.as_str())]);
+    println!(
+        "IMPORTER EXIT: {:?} signal {:?}\nIMPORTER OUTPUT:\n{}",
+        out.status.code(),
+        out.status.signal(),
+        text(&out)
+    );
+    let mut back = vec![0u8; IPC_LEN];
+    gpu.copy_to_host(0, &mut back).unwrap();
+    common::assert_pattern(&back[IPC_WRITTEN], IPC_WRITTEN.start as u64);
+    assert!(back[..IPC_WRITTEN.start].iter().chain(&back[IPC_WRITTEN.end..]).all(|&b| b == 0xa5));
+    println!("CHILD OK");
+}
+
+/// Process two: opens the handle, copies the file pattern of
+/// `IPC_WRITTEN` into it from pinned memory, waits and closes it; in mode
+/// "copy_after_close" then queues a copy into the closed mapping.
+fn import_device_memory() {
+    let hex = std::env::var(CHILD_HANDLE).unwrap();
+    let mut bytes = [0u8; 64];
+    for (i, byte) in bytes.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let ctx = Context::primary(0).unwrap();
+    let mut opened = IpcMemory::open(&ctx, &IpcHandle(bytes)).unwrap();
+    assert_eq!(opened.len(), IPC_LEN);
+    let len = IPC_WRITTEN.len();
+    let mut staging = PinnedStaging::new(&ctx, len).unwrap();
+    let data: Vec<u8> = IPC_WRITTEN.map(|at| common::pattern_byte(at as u64)).collect();
+    staging.write(0, &data).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    staging.copy_to_device(0..len, &opened.range(), IPC_WRITTEN.start, &stream).unwrap();
+    stream.synchronize().unwrap();
+    let (ptr, len) = (opened.ptr(), opened.len());
+    drop(opened);
+    if std::env::var(CHILD_IPC).unwrap() == "copy_after_close" {
+        // SAFETY: none: the mapping is closed, which is what the emulator
+        // must catch (it aborts before any byte is written).
+        let stale = unsafe { DeviceRange::from_raw(ptr, len) };
+        let result = staging.copy_to_device(0..64, &stale, 0, &stream);
+        println!("COPY AFTER CLOSE RETURNED {result:?}");
+    }
+    println!("IMPORTED OK");
+}
+
+/// Two processes share one emulated device: the importer's copy lands in
+/// the exporter's memory bit-exact, and only where it was aimed, under
+/// strict mode; a copy into a handle already closed aborts the importer
+/// (and writes nothing), where a driver would corrupt or fault.
+#[test]
+fn device_memory_is_shared_between_processes_through_ipc_handles() {
+    let test = "device_memory_is_shared_between_processes_through_ipc_handles";
+    if !emulator(test) {
+        return;
+    }
+    let out = run_child("ipc_export", &[("DMALOAD_EMU_STRICT", "1"), (CHILD_IPC, "copy")]);
+    let output = text(&out);
+    assert!(out.status.success() && output.contains("CHILD OK"), "{output}");
+    assert!(output.contains("IMPORTER EXIT: Some(0)") && output.contains("IMPORTED OK"), "{output}");
+
+    let out = run_child("ipc_export", &[("DMALOAD_EMU_STRICT", "1"), (CHILD_IPC, "copy_after_close")]);
+    let output = text(&out);
+    assert!(out.status.success() && output.contains("CHILD OK"), "{output}");
+    assert!(output.contains(&format!("signal Some({})", libc::SIGABRT)), "{output}");
+    assert!(output.contains("strict: cuMemcpyHtoDAsync at 0x"), "{output}");
+    assert!(output.contains("that cuIpcCloseMemHandle closed"), "{output}");
+    assert!(!output.contains("COPY AFTER CLOSE RETURNED"), "{output}");
+}
+
+/// Loads `$DMALOAD_TEST_EMU_FILE` to cuda:0 through a ring that is not
+/// pinned (`StagingRing::new`): what a ring that lost its pinning does.
+fn load_through_an_unpinned_ring() {
+    let path = std::path::PathBuf::from(std::env::var_os(CHILD_FILE).unwrap());
+    let len = std::fs::metadata(&path).unwrap().len() as usize;
+    let ctx = Context::primary(0).unwrap();
+    let mut gpu = DeviceBuffer::new(&ctx, len).unwrap();
+    let mut ring = StagingRing::new(2, 1 << 20, 1 << 20).unwrap();
+    {
+        let mut sink = CudaSink::new(&ctx, vec![(0, gpu.range())]).unwrap();
+        dmaload::LoadRequest::path(&path).to_sink(&mut ring, &mut sink).unwrap();
+    }
+    let mut back = vec![0u8; len];
+    gpu.copy_to_host(0, &mut back).unwrap();
+    common::assert_pattern(&back, 0);
+    println!("CHILD OK");
+}
+
+/// Strict mode refuses a copy from pageable memory, which the driver
+/// would stage quietly at a fraction of the link: a staging ring that
+/// lost its pinning fails the suite instead of passing it slowly.
+#[test]
+fn strict_mode_aborts_on_a_copy_from_unpinned_memory() {
+    let test = "strict_mode_aborts_on_a_copy_from_unpinned_memory";
+    if !emulator(test) {
+        return;
+    }
+    let (_dir, path) = fault_file();
+    let lenient = run_child("pageable", &[("DMALOAD_EMU_STRICT", "0"), (CHILD_FILE, path.as_str())]);
+    assert!(lenient.status.success() && text(&lenient).contains("CHILD OK"), "{}", text(&lenient));
+    let strict = run_child("pageable", &[("DMALOAD_EMU_STRICT", "1"), (CHILD_FILE, path.as_str())]);
+    let output = text(&strict);
+    assert_eq!(strict.status.signal(), Some(libc::SIGABRT), "{output}");
+    assert!(output.contains("strict: cuMemcpyHtoDAsync of 1048576 bytes to 0x"), "{output}");
+    assert!(output.contains("from pageable host memory"), "{output}");
 }

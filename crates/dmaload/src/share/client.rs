@@ -11,9 +11,11 @@ use std::time::{Duration, Instant};
 
 use crate::buffer::Buffer;
 use crate::cancel::CancelToken;
+use crate::cuda::{Context, CudaError, DeviceBuffer};
+use crate::device::{load_open_device, LoadedDevice};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{LoadOptions, LoadReport, LoadRequest};
-use crate::share::protocol::{self, Reply, Request, Served, Status};
+use crate::share::protocol::{self, DeviceTarget, Reply, Request, Served, Status, DEVICE_UNREACHABLE_OPS};
 use crate::share::{Connection, CONNECT_TIMEOUT};
 use crate::source::OpenFile;
 use crate::types::CachePolicy;
@@ -188,46 +190,15 @@ impl Client {
     pub fn get_file(&self, file: &File, path: &Path) -> Result<Fetched> {
         let started = Instant::now();
         let request = protocol::encode_request(Request::Get);
-        self.conn.send(&request, &[file.as_fd()]).map_err(|e| Error::io("send request", &self.socket, e))?;
-        let mut timeout = protocol::ACK_TIMEOUT;
-        // The service's bytes read, and when they last moved.
-        let mut progress = (0, Instant::now());
-        let (info, memfd) = loop {
-            match self.receive_within(timeout, "receive buffer")? {
-                (Reply::Accepted, _) => {
-                    timeout = protocol::KEEPALIVE_TIMEOUT;
-                    progress.1 = Instant::now();
-                }
-                (Reply::Working { loaded }, _) if loaded != progress.0 => progress = (loaded, Instant::now()),
-                (Reply::Working { .. }, _) if progress.1.elapsed() >= protocol::STALL_TIMEOUT => {
-                    return Err(Error::io(
-                        "receive buffer",
-                        &self.socket,
-                        io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            format!(
-                                "the service's loads have read nothing for {} s: it is stuck",
-                                protocol::STALL_TIMEOUT.as_secs()
-                            ),
-                        ),
-                    ));
-                }
-                (Reply::Working { .. }, _) => {}
-                (Reply::Buffer(info), fds) => {
-                    let count = fds.len();
-                    let [memfd]: [OwnedFd; 1] = fds.try_into().map_err(|_| {
-                        self.refused(format!("a buffer message carried {count} descriptors, not one"))
-                    })?;
-                    break (info, memfd);
-                }
-                // Errors of the service's own name the socket; a failed load
-                // names the file as this client knows it.
-                (Reply::Error(err), _) if matches!(err.op.as_str(), "connect" | "request") => {
-                    return Err(err.into_error(None))
-                }
-                (Reply::Error(err), _) => return Err(err.into_error(Some(path))),
-                (Reply::Status(_), _) => return Err(self.refused("a status reply to a get".into())),
+        let (info, memfd) = match self.request(&request, file, path, "receive buffer")? {
+            (Reply::Buffer(info), fds) => {
+                let count = fds.len();
+                let [memfd]: [OwnedFd; 1] = fds.try_into().map_err(|_| {
+                    self.refused(format!("a buffer message carried {count} descriptors, not one"))
+                })?;
+                (info, memfd)
             }
+            _ => return Err(self.refused("a reply of another kind to a get".into())),
         };
         let buffer = Buffer::from_sealed_memfd(memfd, info.offset, info.len, &self.socket)?;
         let served = info.served.ok_or_else(|| {
@@ -239,6 +210,77 @@ impl Client {
             )
         })?;
         Ok(Fetched { buffer, served, note: info.note, seconds: started.elapsed().as_secs_f64() })
+    }
+
+    /// Has the service copy the open `file` (`path` names it in errors)
+    /// into the client's device memory that `target` names; returns the
+    /// bytes copied and how the service had the file. The memory must stay
+    /// allocated until this returns, and holds the file only when it
+    /// returns `Ok`.
+    pub fn copy_file_to_device(
+        &self,
+        file: &File,
+        path: &Path,
+        target: &DeviceTarget,
+    ) -> Result<(u64, Served)> {
+        const OP: &str = "receive device copy";
+        let request = protocol::encode_device_request(target);
+        match self.request(&request, file, path, OP)? {
+            (Reply::Copied { len, served }, fds) if fds.is_empty() => Ok((len, served)),
+            _ => Err(Error::new(
+                ErrorKind::InvalidInput,
+                OP,
+                &self.socket,
+                "a reply of another kind to a to-device request",
+            )),
+        }
+    }
+
+    /// Sends `request` with `file`'s descriptor, then waits through the
+    /// service's acknowledgement and keepalives for its answer (`op` names
+    /// the wait): an error reply becomes that error, a service that goes
+    /// silent, stops reading or closes the connection an error of `op`.
+    fn request(
+        &self,
+        request: &[u8],
+        file: &File,
+        path: &Path,
+        op: &'static str,
+    ) -> Result<(Reply, Vec<OwnedFd>)> {
+        self.conn.send(request, &[file.as_fd()]).map_err(|e| Error::io("send request", &self.socket, e))?;
+        let mut timeout = protocol::ACK_TIMEOUT;
+        // The service's bytes read, and when they last moved.
+        let mut progress = (0, Instant::now());
+        loop {
+            match self.receive_within(timeout, op)? {
+                (Reply::Accepted, _) => {
+                    timeout = protocol::KEEPALIVE_TIMEOUT;
+                    progress.1 = Instant::now();
+                }
+                (Reply::Working { loaded }, _) if loaded != progress.0 => progress = (loaded, Instant::now()),
+                (Reply::Working { .. }, _) if progress.1.elapsed() >= protocol::STALL_TIMEOUT => {
+                    return Err(Error::io(
+                        op,
+                        &self.socket,
+                        io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!(
+                                "the service's loads have read nothing for {} s: it is stuck",
+                                protocol::STALL_TIMEOUT.as_secs()
+                            ),
+                        ),
+                    ));
+                }
+                (Reply::Working { .. }, _) => {}
+                // Errors of the service's own name the socket; a failed load
+                // names the file as this client knows it.
+                (Reply::Error(err), _) if matches!(err.op.as_str(), "connect" | "request") => {
+                    return Err(err.into_error(None))
+                }
+                (Reply::Error(err), _) => return Err(err.into_error(Some(path))),
+                answer => return Ok(answer),
+            }
+        }
     }
 
     /// What the service holds and has done.
@@ -401,4 +443,116 @@ pub fn from_service(
 fn service_unusable(err: &Error) -> bool {
     matches!(err.op(), "send request" | "receive buffer" | "connect")
         || matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN))
+}
+
+/// Loads the open `file` whole into a new allocation on CUDA device
+/// `ordinal` through the cache service at `socket`: this process
+/// allocates the device memory and sends the service a CUDA IPC handle of
+/// it; the service copies the file in from its cached copy, pinned once
+/// (see `share::service`). This process pins and copies nothing. Where
+/// the service cannot do it (none answers, another version, another user,
+/// no such device in the service, the driver refuses the handle or the
+/// pinning; [`CacheOutcome::Direct`] says which) the file is loaded
+/// directly to the device, as `--to cuda:N` without the cache. Once the
+/// service has taken the request, a failure (a failed copy, the service
+/// gone mid-copy) is an error: the memory is freed, never returned partly
+/// filled.
+pub fn cached_to_device(
+    file: &OpenFile,
+    socket: &Path,
+    ordinal: usize,
+    options: &LoadOptions,
+) -> Result<(LoadedDevice, LoadReport, CacheOutcome)> {
+    match device_from_service(file, socket, ordinal, options)? {
+        Ok((loaded, report, served)) => Ok((loaded, report, CacheOutcome::Service { served, note: None })),
+        Err(reason) => {
+            let (loaded, report) = load_open_device(file, 0, None, ordinal, options)?;
+            Ok((loaded, report, CacheOutcome::Direct { reason }))
+        }
+    }
+}
+
+/// The service's copy of `file` into new memory of device `ordinal`, as
+/// [`cached_to_device`] has it made, or `Ok(Err(why))` where it loads
+/// directly instead.
+fn device_from_service(
+    file: &OpenFile,
+    socket: &Path,
+    ordinal: usize,
+    options: &LoadOptions,
+) -> Result<std::result::Result<(LoadedDevice, LoadReport, Served), String>> {
+    if options.verify {
+        return Ok(Err("the cache service does not verify: a verified load reads the file itself".into()));
+    }
+    let path = file.path();
+    let source = &file.source().file;
+    let meta = source.metadata().map_err(|e| Error::io("fstat", path, e))?;
+    if !meta.file_type().is_file() {
+        return Ok(Err(format!("a {} is not cached, only regular files", source::type_name(&meta))));
+    }
+    if meta.len() == 0 {
+        return Ok(Err("an empty file has no device memory to fill".into()));
+    }
+    let started = Instant::now();
+    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let client = match Client::connect_cancellable(socket, &options.cancel) {
+        Ok(client) => client,
+        Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
+        Err(err) => return Ok(Err(format!("no cache service: {err}"))),
+    };
+    let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
+    let context = Context::primary(ordinal).map_err(cuda("open the CUDA device"))?;
+    let (free, _) = context.mem_info().map_err(cuda("cuMemGetInfo"))?;
+    let len = meta.len();
+    if len > free as u64 {
+        return Err(Error::new(
+            ErrorKind::OutOfMemory,
+            "load",
+            path,
+            format!("needs {len} bytes on cuda:{ordinal} but only {free} are free"),
+        ));
+    }
+    let bytes =
+        usize::try_from(len).map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "too large"))?;
+    let memory = DeviceBuffer::new(&context, bytes).map_err(cuda("cuMemAlloc"))?;
+    let handle = match memory.ipc_handle() {
+        Ok(handle) => handle,
+        Err(err) => return Ok(Err(format!("the device memory cannot be shared with the service: {err}"))),
+    };
+    let target = DeviceTarget::new(ordinal as u32, &handle.0, len);
+    let (copied, served) = match client.copy_file_to_device(source, path, &target) {
+        Ok(done) => done,
+        Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
+        Err(err) if device_unreachable(&err) => {
+            return Ok(Err(format!("the cache service cannot fill device memory: {err}")))
+        }
+        Err(err) => return Err(err),
+    };
+    if copied != len {
+        return Err(Error::new(
+            ErrorKind::Changed,
+            "load",
+            path,
+            format!("the service copied {copied} bytes of the {len} the file had when asked: it changed"),
+        ));
+    }
+    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let device = context.device_name().unwrap_or_default();
+    let destination = format!("cuda:{ordinal} ({device}) via cache-service ({})", served.name());
+    let mut report = handoff_report(path, len, started.elapsed().as_secs_f64(), destination, options);
+    report.memory_reason = "device memory the cache service filled from its pinned copy of the file".into();
+    report.filesystem =
+        sys::file::filesystem_magic(source.as_fd()).map_or("unknown", system::filesystem_name);
+    report.cpu_user_seconds = (cpu_after.0 - cpu_before.0).as_secs_f64();
+    report.cpu_system_seconds = (cpu_after.1 - cpu_before.1).as_secs_f64();
+    Ok(Ok((LoadedDevice { memory, len }, report, served)))
+}
+
+/// Whether `err` from a to-device request means the service cannot write
+/// into this client's device memory (or cannot serve at all before it took
+/// the request), where a direct load does the job instead.
+fn device_unreachable(err: &Error) -> bool {
+    DEVICE_UNREACHABLE_OPS.contains(&err.op())
+        || matches!(err.op(), "send request" | "connect" | "request")
+        || matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::EAGAIN))
 }

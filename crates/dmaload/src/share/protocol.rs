@@ -7,7 +7,11 @@
 //!
 //! Requests (client → service): `{"op": "get"}` with one descriptor, the
 //! client's open file (read access proven by the descriptor, never a
-//! path); `{"op": "status"}` with none. Replies: a buffer (its memfd
+//! path); `{"op": "status"}` with none; `{"op": "to-device", "device":
+//! {"ordinal": N, "handle": HEX, "len": BYTES}}` with the file's descriptor,
+//! which asks the service to copy the file into the client's device
+//! memory that the CUDA IPC handle names (see [`DeviceTarget`]), answered
+//! with `copied` once the bytes are there. Replies: a buffer (its memfd
 //! attached), the status, or an error with the same detail as a direct
 //! load's (kind, operation, path, offset, errno, message). Before a get's
 //! reply the service sends `accepted` as soon as it has read the request,
@@ -69,24 +73,94 @@ pub enum Request {
     Get,
     /// What the service holds.
     Status,
+    /// The bytes of the file whose open descriptor comes with the request,
+    /// copied by the service into the client's device memory.
+    ToDevice,
 }
 
-/// A request as it crosses the socket: `{"op": "get"}`, nothing more.
+/// Where a [`Request::ToDevice`] puts the file: device memory of the
+/// client, which the service opens (`cuIpcOpenMemHandle`), copies into on
+/// a stream of its own, and closes before it answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceTarget {
+    /// The device's ordinal as the client numbers it; the service must
+    /// number devices the same way (the same `CUDA_VISIBLE_DEVICES`), or
+    /// the open fails and the client loads directly.
+    pub ordinal: u32,
+    /// The allocation's `CUipcMemHandle`, as 128 hex digits.
+    pub handle: String,
+    /// Bytes the client allocated for the file: its length when it asked.
+    pub len: u64,
+}
+
+impl DeviceTarget {
+    pub fn new(ordinal: u32, handle: &[u8; 64], len: u64) -> DeviceTarget {
+        let handle = handle.iter().map(|b| format!("{b:02x}")).collect();
+        DeviceTarget { ordinal, handle, len }
+    }
+
+    /// The 64 bytes of the handle, or why the text is not one.
+    pub fn handle_bytes(&self) -> io::Result<[u8; 64]> {
+        let invalid = || io::Error::new(io::ErrorKind::InvalidData, "a device handle is 128 hex digits");
+        let text = self.handle.as_bytes();
+        if text.len() != 128 {
+            return Err(invalid());
+        }
+        let mut bytes = [0u8; 64];
+        for (byte, pair) in bytes.iter_mut().zip(text.chunks(2)) {
+            let pair = std::str::from_utf8(pair).map_err(|_| invalid())?;
+            *byte = u8::from_str_radix(pair, 16).map_err(|_| invalid())?;
+        }
+        Ok(bytes)
+    }
+}
+
+/// A request as it crosses the socket: `{"op": "get"}`, and a device
+/// target for `to-device` only.
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RequestBody {
     op: Request,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    device: Option<DeviceTarget>,
 }
 
-/// `request` as bytes to send.
+/// `request` (not [`Request::ToDevice`]: [`encode_device_request`]) as
+/// bytes to send.
 pub fn encode_request(request: Request) -> Vec<u8> {
-    encode(&RequestBody { op: request })
+    encode(&RequestBody { op: request, device: None })
 }
 
-/// A received request, checked as untrusted input.
-pub fn decode_request(bytes: &[u8]) -> io::Result<Request> {
-    decode::<RequestBody>(bytes).map(|body| body.op)
+/// A [`Request::ToDevice`] for `target` as bytes to send.
+pub fn encode_device_request(target: &DeviceTarget) -> Vec<u8> {
+    encode(&RequestBody { op: Request::ToDevice, device: Some(target.clone()) })
 }
+
+/// A received request, checked as untrusted input: a device target comes
+/// with `to-device` and only with it, its handle well formed.
+pub fn decode_message(bytes: &[u8]) -> io::Result<(Request, Option<DeviceTarget>)> {
+    let body = decode::<RequestBody>(bytes)?;
+    let invalid = |message: &str| io::Error::new(io::ErrorKind::InvalidData, message.to_owned());
+    match (body.op, &body.device) {
+        (Request::ToDevice, Some(target)) => target.handle_bytes().map(drop)?,
+        (Request::ToDevice, None) => return Err(invalid("a to-device request names no device")),
+        (_, Some(_)) => return Err(invalid("only a to-device request names a device")),
+        (_, None) => {}
+    }
+    Ok((body.op, body.device))
+}
+
+/// The kind of a received request, checked as [`decode_message`] does.
+pub fn decode_request(bytes: &[u8]) -> io::Result<Request> {
+    decode_message(bytes).map(|(request, _)| request)
+}
+
+/// The operations a service's error names when it cannot copy into the
+/// client's device memory, where the client loads directly instead: the
+/// memory cannot be opened (another user, no such device in the service,
+/// the driver refused the handle) or the cached file cannot be pinned.
+pub const DEVICE_UNREACHABLE_OPS: [&str; 2] = ["open the client's device memory", "register the cached file"];
 
 /// How the service produced a buffer it hands out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -200,6 +274,11 @@ pub enum Reply {
         loaded: u64,
     },
     Buffer(BufferInfo),
+    /// A to-device request's bytes are in the client's device memory.
+    Copied {
+        len: u64,
+        served: Served,
+    },
     Status(Status),
     Error(WireError),
 }
@@ -260,7 +339,7 @@ pub fn receive_buffer(conn: &Connection, socket: &Path) -> Result<(BufferInfo, O
             Ok((info, memfd))
         }
         Reply::Error(err) => Err(err.into_error(None)),
-        Reply::Status(_) | Reply::Accepted | Reply::Working { .. } => {
+        Reply::Status(_) | Reply::Accepted | Reply::Working { .. } | Reply::Copied { .. } => {
             Err(refused("a reply of another kind where a buffer was expected".into()))
         }
     }
@@ -364,6 +443,30 @@ mod tests {
         assert!(decode_request(extra).is_err(), "a request names no path");
         let outside = br#"{"version": 2, "body": {"op": "get"}, "path": "/etc/shadow"}"#;
         assert!(decode_request(outside).is_err());
+
+        let target = DeviceTarget::new(1, &[0xab; 64], 4096);
+        let (request, back) = decode_message(&encode_device_request(&target)).unwrap();
+        assert_eq!((request, back.unwrap().handle_bytes().unwrap()), (Request::ToDevice, [0xab; 64]));
+        let handle = "ab".repeat(64);
+        let device = format!(r#""device": {{"ordinal": 0, "handle": "{handle}", "len": 1}}"#);
+        for bad in [
+            r#"{"version": 2, "body": {"op": "to-device"}}"#.to_owned(),
+            format!(r#"{{"version": 2, "body": {{"op": "get", {device}}}}}"#),
+            format!(r#"{{"version": 2, "body": {{"op": "to-device", {}}}}}"#, device.replace("ab", "zz")),
+            format!(r#"{{"version": 2, "body": {{"op": "to-device", {}}}}}"#, device.replacen("ab", "", 1)),
+            format!(
+                r#"{{"version": 2, "body": {{"op": "to-device", {}}}}}"#,
+                device.replace("}", r#", "x": 1}"#)
+            ),
+        ] {
+            assert_eq!(
+                decode_message(bad.as_bytes()).unwrap_err().kind(),
+                io::ErrorKind::InvalidData,
+                "{bad}"
+            );
+        }
+        let good = format!(r#"{{"version": 2, "body": {{"op": "to-device", {device}}}}}"#);
+        assert_eq!(decode_request(good.as_bytes()).unwrap(), Request::ToDevice);
     }
 
     /// Mutated valid messages (the fuzz target `share_message` does this

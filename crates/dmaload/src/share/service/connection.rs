@@ -65,9 +65,41 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
             }
         };
         let started = Instant::now();
-        let request = protocol::decode_request(&buf[..len]);
+        let request = protocol::decode_message(&buf[..len]);
         let sent = match (request, fds.len()) {
-            (Ok(Request::Get), 1) => {
+            (Ok((Request::ToDevice, Some(target))), 1) => {
+                let fd = fds.remove(0);
+                if conn.send(&protocol::encode(&Reply::Accepted), &[]).is_err() {
+                    break;
+                }
+                let copied = with_keepalives(&conn, &state.loaded, || {
+                    let handoff = state.get(fd, peer.uid)?;
+                    state.copy_to_device(&handoff.loaded, &target, peer.uid).map(|()| handoff)
+                });
+                match copied {
+                    Ok(Handoff { loaded, served, turn, .. }) => {
+                        let reply = protocol::encode(&Reply::Copied { len: loaded.len, served });
+                        let sent = conn.send(&reply, &[]);
+                        state.log(&format!(
+                            "{who}: to cuda:{} {} ({} bytes): {} in {:.1} ms{}",
+                            target.ordinal,
+                            loaded.path.display(),
+                            loaded.len,
+                            served.name(),
+                            started.elapsed().as_secs_f64() * 1e3,
+                            match &sent {
+                                Ok(()) => String::new(),
+                                Err(err) => format!("; the client is gone: {err}"),
+                            }
+                        ));
+                        drop(loaded);
+                        drop(turn);
+                        sent.is_ok()
+                    }
+                    Err(err) => reply_error(state, &conn, &who, &err),
+                }
+            }
+            (Ok((Request::Get, _)), 1) => {
                 let fd = fds.remove(0);
                 if conn.send(&protocol::encode(&Reply::Accepted), &[]).is_err() {
                     break;
@@ -115,7 +147,7 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
                     Err(err) => reply_error(state, &conn, &who, &err),
                 }
             }
-            (Ok(Request::Status), 0) => {
+            (Ok((Request::Status, _)), 0) => {
                 state.log(&format!("{who}: status"));
                 let viewer = (peer.uid != state.own_uid && peer.uid != 0).then_some(peer.uid);
                 let mut status = state.status(viewer);
@@ -126,7 +158,7 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
                 }
                 conn.send(&reply, &[]).is_ok()
             }
-            (Ok(request), count) => reply_error(
+            (Ok((request, _)), count) => reply_error(
                 state,
                 &conn,
                 &who,
@@ -134,7 +166,7 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
                     ErrorKind::InvalidInput,
                     "request",
                     &state.config.socket,
-                    format!("{request:?} carried {count} descriptors (get: 1, status: 0)"),
+                    format!("{request:?} carried {count} descriptors (get and to-device: 1, status: 0)"),
                 ),
             ),
             (Err(err), _) => {

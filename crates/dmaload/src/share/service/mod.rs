@@ -54,6 +54,7 @@ use crate::sys;
 use crate::sys::mem::{page_size, HugePageCollapse};
 
 mod connection;
+mod device;
 use connection::*;
 
 /// Clients served at once; more are refused with an error.
@@ -176,6 +177,8 @@ struct Loaded {
     path: PathBuf,
     /// The pages that hold it, as the status shows them.
     pages: Mutex<String>,
+    /// The memfd pinned for GPU clients, once the first asked.
+    registered: Mutex<Option<Arc<crate::cuda::RegisteredFile>>>,
 }
 
 /// A cached file's pages while [`Loaded::collapse_in_background`] works.
@@ -376,6 +379,8 @@ struct State {
     loaded: Arc<AtomicU64>,
     /// Connections each uid holds now (only uids with some).
     clients_per_uid: Mutex<HashMap<u32, usize>>,
+    /// The CUDA contexts GPU clients' copies run in, by device ordinal.
+    device_contexts: Mutex<Vec<(usize, crate::cuda::Context)>>,
 }
 
 /// A file to send a client, and, for one not cached, its turn
@@ -471,6 +476,7 @@ impl Service {
             clients: AtomicUsize::new(0),
             loaded: Arc::new(AtomicU64::new(0)),
             clients_per_uid: Mutex::new(HashMap::new()),
+            device_contexts: Mutex::new(Vec::new()),
         };
         Ok(Service { listener, socket_id: (meta.dev(), meta.ino()), state: Arc::new(state) })
     }
@@ -756,6 +762,7 @@ impl State {
             bytes,
             path: report.path,
             pages: Mutex::new(pages.into()),
+            registered: Mutex::new(None),
         })
     }
 }
@@ -916,7 +923,15 @@ mod tests {
         }
         map.unmap_now();
         let pages = Mutex::new("4 KiB".into());
-        Arc::new(Loaded { memfd, offset: 0, len: len as u64, bytes: len as u64, path: "t".into(), pages })
+        Arc::new(Loaded {
+            memfd,
+            offset: 0,
+            len: len as u64,
+            bytes: len as u64,
+            path: "t".into(),
+            pages,
+            registered: Mutex::new(None),
+        })
     }
 
     #[test]

@@ -4,6 +4,7 @@ use std::ffi::{c_int, c_uint};
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::Range;
+use std::os::fd::BorrowedFd;
 
 use super::*;
 
@@ -243,6 +244,124 @@ impl Drop for DeviceBuffer {
     }
 }
 
+impl DeviceBuffer {
+    /// `cuIpcGetMemHandle`: a handle another process of this machine (the
+    /// driver decides which: the same user, with the device visible) can
+    /// open with [`IpcMemory::open`] to reach this memory, for as long as
+    /// this buffer lives.
+    pub fn ipc_handle(&self) -> Result<IpcHandle, CudaError> {
+        if self.len == 0 {
+            return Err(CudaError::invalid(
+                "cuIpcGetMemHandle",
+                "an empty buffer has no device memory".into(),
+            ));
+        }
+        let api = self.ctx.inner.api;
+        let _current = self.ctx.enter()?;
+        let mut handle = CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `handle` is a valid out-pointer; `self.ptr` is the base
+        // of this live allocation.
+        api.check("cuIpcGetMemHandle", unsafe { (api.ipc_get_mem_handle)(&mut handle, self.ptr) })?;
+        Ok(IpcHandle(handle.reserved))
+    }
+}
+
+/// A `CUipcMemHandle`: 64 bytes that name a device allocation of another
+/// process, to send over a socket as they are.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("IpcHandle(")?;
+        for byte in &self.0 {
+            write!(f, "{byte:02x}")?;
+        }
+        f.write_str(")")
+    }
+}
+
+/// Device memory of another process, opened from its [`IpcHandle`]
+/// (`cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`) in
+/// this context; dropping it waits for the context (so no copy into it is
+/// still running) and closes it (`cuIpcCloseMemHandle`). The memory stays
+/// the other process's: it frees it, and it may do so while this is open
+/// only at its own cost (the driver keeps the pages until the close).
+pub struct IpcMemory {
+    ctx: Context,
+    ptr: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: as for DeviceBuffer: a device address usable from any thread with
+// the context (kept alive by `ctx`) current, which every method makes it.
+unsafe impl Send for IpcMemory {}
+// SAFETY: no `&self` method touches the memory.
+unsafe impl Sync for IpcMemory {}
+
+impl fmt::Debug for IpcMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IpcMemory(cuda:{}, {} bytes at {:#x})", self.ctx.ordinal(), self.len, self.ptr)
+    }
+}
+
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, the one `cuIpcOpenMemHandle` flag.
+const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+
+impl IpcMemory {
+    /// Opens `handle` in `ctx`; its length is the allocation's
+    /// (`CU_POINTER_ATTRIBUTE_RANGE_SIZE`).
+    pub fn open(ctx: &Context, handle: &IpcHandle) -> Result<IpcMemory, CudaError> {
+        let api = ctx.inner.api;
+        let _current = ctx.enter()?;
+        let mut ptr: CUdeviceptr = 0;
+        let raw = CUipcMemHandle { reserved: handle.0 };
+        // SAFETY: `ptr` is a valid out-pointer; the handle is passed by
+        // value, as the prototype has it; the driver validates its bytes.
+        let code = unsafe { (api.ipc_open_mem_handle)(&mut ptr, raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) };
+        api.check("cuIpcOpenMemHandle", code)?;
+        // Closed on drop, also when its size cannot be read.
+        let mut opened = IpcMemory { ctx: ctx.clone(), ptr, len: 0 };
+        // SAFETY: `ptr` is the base of the mapping just opened; the
+        // attribute writes a size_t.
+        opened.len = unsafe { ctx.pointer_attribute::<usize>(CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr) }?;
+        Ok(opened)
+    }
+
+    /// The device address of the first byte, in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The whole allocation as a copy destination. Copies into it may
+    /// outlive the borrow: dropping this value waits for them.
+    pub fn range(&mut self) -> DeviceRange<'_> {
+        DeviceRange { ptr: self.ptr, len: self.len, _memory: PhantomData }
+    }
+}
+
+impl Drop for IpcMemory {
+    fn drop(&mut self) {
+        if self.ctx.is_wedged() {
+            // A late copy could still write it: the mapping stays open.
+            return;
+        }
+        let api = self.ctx.inner.api;
+        let _current = self.ctx.enter_and_drain();
+        // SAFETY: closes the mapping this value opened, after the wait for
+        // every copy that could still write it; nothing uses it after.
+        unsafe { (api.ipc_close_mem_handle)(self.ptr) };
+    }
+}
+
 /// `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)`: pins `len` bytes at
 /// `ptr` for DMA by every context.
 ///
@@ -437,6 +556,132 @@ impl Drop for PinnedStaging {
         if !self.is_empty() && !unregister_host(&self.ctx, self.ptr) {
             // Still pinned for a copy that may yet read it: the address
             // range stays mapped, never reused for another registration.
+            if let Ok(empty) = Mapping::anonymous(0, HugePageAdvice::Small) {
+                std::mem::forget(std::mem::replace(&mut self.memory, empty));
+            }
+        }
+    }
+}
+
+/// `CU_MEMHOSTREGISTER_READ_ONLY` (CUDA 11.1): the driver pins the pages
+/// for reading only, so memory that may not be written (a sealed memfd)
+/// can be registered.
+const CU_MEMHOSTREGISTER_READ_ONLY: c_uint = 0x08;
+
+/// A read-only mapping of a file (a cached file's sealed memfd) pinned for
+/// every context (`cuMemHostRegister(PORTABLE | READ_ONLY)`), so copies
+/// from it to any device run at the link's speed without staging: pinned
+/// once, copied from by every load. Dropping it waits for its context
+/// before unpinning and unmapping.
+pub struct RegisteredFile {
+    ctx: Context,
+    // Unregistered in `drop`, before the field drops and unmaps.
+    memory: Mapping,
+    ptr: *mut u8,
+}
+
+// SAFETY: as for PinnedStaging: plain memory and a driver-side pin.
+unsafe impl Send for RegisteredFile {}
+// SAFETY: `&self` methods only read (the copies read the pages).
+unsafe impl Sync for RegisteredFile {}
+
+impl fmt::Debug for RegisteredFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RegisteredFile({} bytes)", self.len())
+    }
+}
+
+impl RegisteredFile {
+    /// Maps the first `len` bytes of `fd` (copy-on-write, never written)
+    /// and pins them read-only, through `ctx`.
+    pub fn map(ctx: &Context, fd: BorrowedFd<'_>, len: usize) -> Result<RegisteredFile, CudaError> {
+        let mut memory = Mapping::private(fd, len).map_err(|err| {
+            CudaError::new(
+                "mmap",
+                format!("{len} bytes of a file: {err}"),
+                err.raw_os_error().unwrap_or(libc::EIO),
+            )
+        })?;
+        let (ptr, _) = memory.writer().raw_range(&(0..len));
+        if len > 0 {
+            let pages = len.next_multiple_of(crate::sys::mem::page_size());
+            let api = ctx.inner.api;
+            let _current = ctx.enter()?;
+            // SAFETY: the span is the whole mapping, which `memory` keeps
+            // mapped at this address until after `drop` unregisters it.
+            let code = unsafe {
+                (api.mem_host_register)(
+                    ptr.cast(),
+                    pages,
+                    CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY,
+                )
+            };
+            api.check("cuMemHostRegister", code)?;
+        }
+        Ok(RegisteredFile { ctx: ctx.clone(), memory, ptr })
+    }
+
+    pub fn len(&self) -> usize {
+        self.memory.as_slice().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `cuMemcpyHtoDAsync` of `range` of the file to `dst_offset..` of
+    /// `dst`, on a stream of this registration's context (its drop waits
+    /// only for that one). Spans outside either side are errors.
+    pub fn copy_to_device(
+        &self,
+        range: Range<usize>,
+        dst: &DeviceRange<'_>,
+        dst_offset: usize,
+        stream: &Stream,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "cuMemcpyHtoDAsync";
+        if range.start > range.end || range.end > self.len() {
+            return Err(CudaError::invalid(
+                OP,
+                format!("bytes {range:?} run past the {}-byte file", self.len()),
+            ));
+        }
+        let len = range.len();
+        match dst_offset.checked_add(len) {
+            Some(end) if end <= dst.len => {}
+            _ => {
+                return Err(CudaError::invalid(
+                    OP,
+                    format!("{len} bytes at offset {dst_offset} run past the {}-byte device range", dst.len),
+                ))
+            }
+        }
+        if !stream.ctx.same(&self.ctx) {
+            return Err(CudaError::invalid(OP, "the stream is not of the registration's context".into()));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let api = stream.ctx.inner.api;
+        let _current = stream.ctx.enter()?;
+        // SAFETY: `range` is inside the mapping (checked above).
+        let src = unsafe { self.ptr.add(range.start) };
+        // SAFETY: the source is inside this live, pinned mapping (checked),
+        // which stays mapped and pinned until a wait for the context in
+        // `drop`; the destination span is inside `dst` (checked), device
+        // memory that stays allocated while copies into it may run
+        // (DeviceRange's contract); the stream is live.
+        let code = unsafe {
+            (api.memcpy_htod_async)(dst.ptr + dst_offset as u64, src.cast_const().cast(), len, stream.raw)
+        };
+        api.check(OP, code)
+    }
+}
+
+impl Drop for RegisteredFile {
+    fn drop(&mut self) {
+        if !self.is_empty() && !unregister_host(&self.ctx, self.ptr) {
+            // A late copy may still read the pages: they stay mapped.
             if let Ok(empty) = Mapping::anonymous(0, HugePageAdvice::Small) {
                 std::mem::forget(std::mem::replace(&mut self.memory, empty));
             }

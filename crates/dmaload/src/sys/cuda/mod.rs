@@ -57,6 +57,12 @@ type CUdeviceptr = u64;
 type CUcontext = *mut c_void;
 type CUstream = *mut c_void;
 type CUevent = *mut c_void;
+/// `CUipcMemHandle`: 64 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CUipcMemHandle {
+    reserved: [u8; 64],
+}
 
 // `CUresult` values (cuda.h, `enum cudaError_enum`).
 const CUDA_SUCCESS: CUresult = 0;
@@ -173,6 +179,9 @@ driver_api! {
     memcpy_dtoh = c"cuMemcpyDtoH_v2" (*mut c_void, CUdeviceptr, usize);
     mem_host_register = c"cuMemHostRegister_v2" (*mut c_void, usize, c_uint);
     mem_host_unregister = c"cuMemHostUnregister" (*mut c_void);
+    ipc_get_mem_handle = c"cuIpcGetMemHandle" (*mut CUipcMemHandle, CUdeviceptr);
+    ipc_open_mem_handle = c"cuIpcOpenMemHandle_v2" (*mut CUdeviceptr, CUipcMemHandle, c_uint);
+    ipc_close_mem_handle = c"cuIpcCloseMemHandle" (CUdeviceptr);
     pointer_get_attribute = c"cuPointerGetAttribute" (*mut c_void, c_uint, CUdeviceptr);
     stream_create = c"cuStreamCreate" (*mut CUstream, c_uint);
     stream_synchronize = c"cuStreamSynchronize" (CUstream);
@@ -455,5 +464,7 @@ mod memory;
 mod stream;
 
 pub use context::Context;
-pub use memory::{copy_htod_async, DeviceBuffer, DeviceRange, PinnedStaging};
+pub use memory::{
+    copy_htod_async, DeviceBuffer, DeviceRange, IpcHandle, IpcMemory, PinnedStaging, RegisteredFile,
+};
 pub use stream::{Event, Stream};

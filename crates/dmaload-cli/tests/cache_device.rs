@@ -1,0 +1,230 @@
+//! `dmaload load FILE --cache --to cuda:0`: the cache service copies the
+//! file into the client's device memory through a CUDA IPC handle, from
+//! its own pinned copy; the client pins and copies nothing. Run on the
+//! CUDA emulator (tests/cuda-emu) in strict mode, service and client each
+//! a process of their own sharing one emulated device, with faults
+//! injected into the service: an open refused falls back to a direct load
+//! (and says why), a failed copy or a service killed mid-copy is an error
+//! with no report.
+
+mod common;
+#[path = "../../dmaload/tests/common/cuda_driver.rs"]
+mod cuda_driver;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{dmaload, output_or_hang};
+use serde_json::Value;
+
+/// Whether this process runs the cases: on the emulator (faults are
+/// injected into it), else a SKIP line says why not.
+fn emulator(test: &str) -> bool {
+    if let Err(reason) = cuda_driver::cuda_driver() {
+        println!("SKIP {test}: {reason}");
+        return false;
+    }
+    if !std::env::var("DMALOAD_LIBCUDA").is_ok_and(|path| path.contains("cuda-emu")) {
+        println!("SKIP {test}: faults are injected into the CUDA emulator only");
+        return false;
+    }
+    true
+}
+
+/// A `dmaload serve` process with the emulator settings `env`, killed if
+/// a test fails before stopping it.
+struct Serving {
+    child: Child,
+    runtime: PathBuf,
+}
+
+impl Serving {
+    fn start(runtime: &Path, env: &[(&str, &str)]) -> Serving {
+        let mut command = dmaload();
+        command.args(["serve", "--memory-limit", "256M"]).env("XDG_RUNTIME_DIR", runtime);
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let child = command.stderr(Stdio::piped()).spawn().unwrap();
+        let serving = Serving { child, runtime: runtime.to_owned() };
+        let started = Instant::now();
+        while dmaload::share::Connection::connect(&runtime.join("dmaload.sock")).is_err() {
+            assert!(started.elapsed() < Duration::from_secs(60), "the service did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        serving
+    }
+
+    /// `dmaload load --json --hash FILE --cache --to cuda:0` with `env`.
+    fn load(&self, file: &Path, env: &[(&str, &str)]) -> Output {
+        let mut command = dmaload();
+        command.args(["load", "--json", "--hash", "--cache", "--to", "cuda:0"]).arg(file);
+        command.env("XDG_RUNTIME_DIR", &self.runtime);
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        output_or_hang(&mut command)
+    }
+
+    /// Stops the service (SIGKILL) and returns its log.
+    fn log(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let mut log = String::new();
+        self.child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+        log
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A file past one 16 MiB slot and not a whole number of pages.
+fn model(dir: &Path) -> PathBuf {
+    let path = dir.join("model.bin");
+    let bytes: Vec<u8> =
+        (0..(40usize << 20) + 4093).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+fn host_hash(file: &Path) -> Value {
+    let out = dmaload().args(["load", "--json", "--hash"]).arg(file).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice::<Value>(&out.stdout).unwrap()["hash"]["xxh3_64"].clone()
+}
+
+fn text(out: &Output) -> (Value, String) {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    (serde_json::from_slice(&out.stdout).unwrap(), stderr)
+}
+
+/// The client's own driver refuses to pin or copy (its first
+/// `cuMemHostRegister` and `cuMemcpyHtoDAsync` fail), so a load that
+/// succeeds through the service proves the client did neither.
+const CLIENT_PINS_NOTHING: &str = "cuMemHostRegister_v2#1=999,cuMemcpyHtoDAsync_v2#1=999";
+
+#[test]
+fn the_service_copies_a_cached_file_into_the_clients_device_memory_bit_exact() {
+    let test = "the_service_copies_a_cached_file_into_the_clients_device_memory_bit_exact";
+    if !emulator(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = model(dir.path());
+    let expected = host_hash(&file);
+    let service = Serving::start(&dir.path().join("run"), &[]);
+    for served in ["(miss)", "(hit)"] {
+        let (report, stderr) = text(&service.load(&file, &[("DMALOAD_EMU_FAULTS", CLIENT_PINS_NOTHING)]));
+        assert!(stderr.contains(served), "{stderr}");
+        assert_eq!(report["hash"]["xxh3_64"], expected, "bit-exact: {report}");
+        let destination = report["destination"].as_str().unwrap();
+        assert!(destination.starts_with("cuda:0 (") && destination.contains("via cache-service"), "{report}");
+    }
+    let log = service.log();
+    assert_eq!(log.matches(": to cuda:0 ").count(), 2, "{log}");
+}
+
+#[test]
+fn where_the_service_cannot_open_the_memory_the_client_loads_directly_and_says_why() {
+    let test = "where_the_service_cannot_open_the_memory_the_client_loads_directly_and_says_why";
+    if !emulator(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = model(dir.path());
+    let expected = host_hash(&file);
+    // The driver refuses the handle (as for another user's memory), or
+    // the service has no device at all.
+    for (faults, cause) in [
+        ("cuIpcOpenMemHandle_v2#1=800", "CUDA_ERROR_NOT_PERMITTED"),
+        ("cuInit#1=100", "CUDA_ERROR_NO_DEVICE"),
+    ] {
+        let service = Serving::start(&dir.path().join("run"), &[("DMALOAD_EMU_FAULTS", faults)]);
+        let (report, stderr) = text(&service.load(&file, &[]));
+        assert!(stderr.contains("the cache service cannot fill device memory"), "{stderr}");
+        assert!(stderr.contains("open the client's device memory") && stderr.contains(cause), "{stderr}");
+        assert!(stderr.contains("loaded directly"), "{stderr}");
+        assert_eq!(report["hash"]["xxh3_64"], expected, "bit-exact: {report}");
+        assert!(!report["destination"].as_str().unwrap().contains("cache-service"), "{report}");
+        drop(service);
+    }
+}
+
+#[test]
+fn a_failed_copy_or_a_service_killed_mid_copy_fails_the_load_with_no_report() {
+    let test = "a_failed_copy_or_a_service_killed_mid_copy_fails_the_load_with_no_report";
+    if !emulator(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = model(dir.path());
+    let service = Serving::start(&dir.path().join("run"), &[("DMALOAD_EMU_FAULTS", "copy#1=sticky:700")]);
+    let out = service.load(&file, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(out.stdout.is_empty(), "no report of a failed load");
+    assert!(stderr.contains("copy to the client's device memory"), "{stderr}");
+    assert!(stderr.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{stderr}");
+    drop(service);
+
+    // The copy never ends; once the service has the client's memory open
+    // (its mapping shows in /proc), it is killed.
+    let service = Serving::start(&dir.path().join("run"), &[("DMALOAD_EMU_FAULTS", "copy#1=hang")]);
+    let mut client = dmaload();
+    client.args(["load", "--json", "--hash", "--cache", "--to", "cuda:0"]).arg(&file);
+    let client =
+        client.env("XDG_RUNTIME_DIR", &service.runtime).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let client = client.spawn().unwrap();
+    let maps = format!("/proc/{}/maps", service.child.id());
+    let started = Instant::now();
+    while std::fs::read_to_string(&maps).unwrap_or_default().matches("cuda-emu cuda:0").count() == 0 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the service never opened the client's memory");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(service);
+    let out = wait_output(client);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(out.stdout.is_empty(), "no report of a failed load");
+    assert!(stderr.contains("receive device copy") && stderr.contains("closed the connection"), "{stderr}");
+}
+
+/// The child's output, or a failed test if it outlives two minutes.
+fn wait_output(mut child: Child) -> Output {
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("the client hung");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A copy that outlasts the client's stall timeout (15 s without progress)
+/// is not taken for a stuck service: the service counts its copy's
+/// progress, piece by piece, in its keepalives. 40 MiB over a link of
+/// 1.6 MiB/s takes about 25 s, each 16 MiB piece under 10 s.
+#[test]
+fn a_copy_over_a_slow_link_is_not_taken_for_a_stalled_service() {
+    let test = "a_copy_over_a_slow_link_is_not_taken_for_a_stalled_service";
+    if !emulator(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = model(dir.path());
+    let expected = host_hash(&file);
+    let service = Serving::start(&dir.path().join("run"), &[("DMALOAD_EMU_LINK_GIBS", "0.0016")]);
+    let (report, stderr) = text(&service.load(&file, &[]));
+    assert!(stderr.contains("(miss)"), "{stderr}");
+    assert_eq!(report["hash"]["xxh3_64"], expected, "bit-exact: {report}");
+}
