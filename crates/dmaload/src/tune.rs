@@ -453,15 +453,6 @@ impl ModeChoice {
         self.choice = choice;
     }
 
-    /// Ends the choice where it is, the reads being no longer measurable:
-    /// the remembered mode (or direct) stays.
-    fn stop(&mut self) {
-        if self.step != ModeStep::Settled {
-            self.kept = self.remembered.map_or(ReadMode::Direct, |read| read.mode);
-            self.step = ModeStep::Settled;
-        }
-    }
-
     /// What to remember of the choice: the mode measured and its slower
     /// window's rate, or the remembered one kept.
     fn to_remember(&self) -> Option<RememberedRead> {
@@ -484,6 +475,10 @@ pub(crate) struct Tuner {
     request: Climb,
     /// The reads fill the slots of a staging ring (see [`Tuner::in_ring`]).
     staged: bool,
+    /// The read mode changed at a window's end: the reads in flight, of
+    /// the mode before, are not measured, and the next window starts once
+    /// they are done ([`Tuner::flipped`]).
+    flipping: bool,
     /// Windows measured while the climb was not settled.
     windows: usize,
     window_bytes: u64,
@@ -508,6 +503,7 @@ impl Tuner {
             depth: Climb::new(depth, MIN_DEPTH, MAX_DEPTH),
             request: Climb::new(start, min, chunk),
             staged: false,
+            flipping: false,
             windows: 0,
             window_bytes: 0,
             window_started: now,
@@ -541,6 +537,15 @@ impl Tuner {
     /// How to read now.
     pub fn read_mode(&self) -> ReadMode {
         self.mode.value()
+    }
+
+    /// The engine drained the reads of the mode before and reads in
+    /// [`Tuner::read_mode`] from `now`: the next window starts, so that
+    /// each window measures reads of one mode (a staging ring's reads in
+    /// flight may be several windows' worth).
+    pub fn flipped(&mut self, now: Instant) {
+        self.flipping = false;
+        (self.window_bytes, self.window_started) = (0, now);
     }
 
     /// The read mode measured (or remembered) the faster.
@@ -608,7 +613,7 @@ impl Tuner {
     /// on. Returns the depth to keep in flight from now ([`Tuner::request`]
     /// says the request size).
     pub fn observe(&mut self, bytes: u64, now: Instant) -> usize {
-        if self.settled() {
+        if self.settled() || self.flipping {
             return self.depth();
         }
         self.window_bytes += bytes;
@@ -620,7 +625,9 @@ impl Tuner {
         (self.window_bytes, self.window_started) = (0, now);
         self.windows += 1;
         if self.mode.step != ModeStep::Settled {
+            let before = self.mode.value();
             self.mode.window_done(rate);
+            self.flipping = self.mode.value() != before;
             if self.mode.step == ModeStep::Settled {
                 // The warm-up is behind: the depth's trials start now.
                 if self.depth.step == Step::WarmUp {
@@ -641,14 +648,17 @@ impl Tuner {
         self.depth()
     }
 
-    /// The engine waited for memory, not for reads: past the warm-up the
-    /// read mode's choice and both climbs end at the kept values, unless the memory is a staging
+    /// The engine waited for memory, not for reads: past the warm-up and
+    /// the read mode's choice, both climbs end at the kept values (a wait
+    /// during the choice does not end it: the reads refilled after a
+    /// mode's flip may run ahead of the memory for a moment, and where
+    /// memory is what limits the load, neither mode reads faster and
+    /// direct reads stay), unless the memory is a staging
     /// ring's slot ([`Tuner::in_ring`]), which frees as fast as the
     /// destination takes it: the trials measure that. Returns the depth to
     /// keep in flight.
     pub fn memory_bound(&mut self) -> usize {
-        if !self.staged && self.windows > 0 {
-            self.mode.stop();
+        if !self.staged && self.windows > 0 && self.mode.step == ModeStep::Settled {
             self.depth.step = Step::Settled;
             self.request.step = Step::Settled;
         }
@@ -880,8 +890,14 @@ mod tests {
         let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now).choosing_reads(remembered);
         let mut windows = Vec::new();
         while tuner.mode.step != ModeStep::Settled && windows.len() < 16 {
-            windows.push(tuner.read_mode());
-            now += Duration::from_secs_f64(WINDOW as f64 / rate_of(tuner.read_mode()));
+            let mode = tuner.read_mode();
+            if windows.last().is_some_and(|&last| last != mode) {
+                // The engine's drain: reads in flight, not measured.
+                assert_eq!(tuner.observe(WINDOW, now + Duration::from_secs(1)), 32);
+                tuner.flipped(now);
+            }
+            windows.push(mode);
+            now += Duration::from_secs_f64(WINDOW as f64 / rate_of(mode));
             tuner.observe(WINDOW, now);
         }
         (windows, tuner)
@@ -943,15 +959,15 @@ mod tests {
     }
 
     #[test]
-    fn waiting_for_memory_ends_the_read_modes_choice_at_the_kept_mode() {
+    fn waiting_for_memory_does_not_end_the_read_modes_trial() {
         let now = Instant::now();
         let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now).choosing_reads(None);
         tuner.observe(WINDOW, now + Duration::from_millis(10));
+        tuner.memory_bound();
         tuner.observe(WINDOW, now + Duration::from_millis(20));
         assert_eq!(tuner.read_mode(), Buffered, "the trial's buffered window");
         tuner.memory_bound();
-        assert_eq!((tuner.read_mode(), tuner.read_choice()), (Direct, ReadChoice::NotChosen));
-        assert!(tuner.settled() && !tuner.moved());
+        assert_eq!((tuner.read_mode(), tuner.mode.step), (Buffered, ModeStep::Trial));
     }
 
     #[test]

@@ -88,27 +88,32 @@ pub(crate) fn run<M: RingMemory>(
             return Err(job.cancelled(next));
         }
         let most = tuner.as_ref().map_or(usize::MAX, Tuner::request);
-        // Every request is whole alignment blocks, so a read queued in
-        // one mode is valid in the other: the kernel takes O_DIRECT from
-        // the file's flags each time it issues a read (a retry from its
-        // worker threads too), and the flip needs no drain.
-        let rw_flags = match (job.read_modes, tuner.as_ref().map(Tuner::read_mode)) {
-            (Some(modes), Some(mode)) => {
-                direct
-                    .set(mode == ReadMode::Direct)
-                    .map_err(|e| Error::io("fcntl(O_DIRECT)", job.path, e))?;
-                if mode == ReadMode::Direct {
-                    job.cache.rw_flags()
-                } else {
-                    modes.buffered.rw_flags()
+        // An `auto` load's read mode flips once the reads of the mode
+        // before are done, so each window measures one mode (the kernel
+        // would take either: it reads O_DIRECT from the file's flags each
+        // time it issues a read, a retry from its workers too, and every
+        // request is whole alignment blocks).
+        let mut rw_flags = job.cache.rw_flags();
+        let mut draining = false;
+        if let (Some(modes), Some(tuner)) = (job.read_modes, tuner.as_mut()) {
+            let want_direct = tuner.read_mode() == ReadMode::Direct;
+            if want_direct != direct.direct {
+                draining = ring.in_flight() > usize::from(wake_armed);
+                if !draining {
+                    direct.set(want_direct).map_err(|e| Error::io("fcntl(O_DIRECT)", job.path, e))?;
+                    tuner.flipped(Instant::now());
                 }
             }
-            _ => job.cache.rw_flags(),
-        };
-        for req in retries.drain(..) {
-            queue(ring, &req, most, rw_flags).map_err(|e| job.transfer_error(req.start, e))?;
+            if !direct.direct {
+                rw_flags = modes.buffered.rw_flags();
+            }
         }
-        while ring.in_flight() < depth && next_chunk < plan.chunk_count() {
+        if !draining {
+            for req in retries.drain(..) {
+                queue(ring, &req, most, rw_flags).map_err(|e| job.transfer_error(req.start, e))?;
+            }
+        }
+        while !draining && ring.in_flight() < depth && next_chunk < plan.chunk_count() {
             let req = plan.chunk_request(next_chunk);
             let g = plan.gather_of(req.start);
             if plan.in_cache_lane(g) {
