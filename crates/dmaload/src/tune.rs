@@ -43,7 +43,9 @@
 //! buffered reads the same way, before the depth ([`Tuner::choosing_reads`]):
 //! after the warm-up, four windows alternate direct, buffered, direct,
 //! buffered on the one open file (the engine flips `O_DIRECT` on its own
-//! file description between windows), and buffered is kept only when its
+//! file description between windows, once the reads of the mode before
+//! are done, and the first [`FLIP_RAMP`] bytes after a flip, the new
+//! mode ramping up, are not measured), and buffered is kept only when its
 //! slower window reads at least [`GAIN`] times faster than direct's faster
 //! one. The mode kept, and the rate of its slower window, are remembered
 //! beside the depth (`read=direct|buffered read_rate=BYTES_PER_SECOND`);
@@ -78,6 +80,9 @@ const MIN_REQUEST: usize = 1 << 20;
 const MAX_REQUEST: usize = 1 << 30;
 /// The memory file is this small; a larger one is not ours to trust.
 const MEMORY_LIMIT: u64 = 64 << 10;
+/// Bytes read unmeasured after a read mode's flip: the new mode's reads
+/// ramping up from none in flight (buffered reads' readahead most).
+const FLIP_RAMP: u64 = 32 << 20;
 /// How much slower than remembered a load's window must read for the read
 /// mode to be measured again: clearly slower, not a disk's usual drift.
 const SLOWER: f64 = 1.5;
@@ -479,6 +484,8 @@ pub(crate) struct Tuner {
     /// the mode before, are not measured, and the next window starts once
     /// they are done ([`Tuner::flipped`]).
     flipping: bool,
+    /// Bytes still to read unmeasured after a flip: the new mode's ramp.
+    ramp: u64,
     /// Windows measured while the climb was not settled.
     windows: usize,
     window_bytes: u64,
@@ -504,6 +511,7 @@ impl Tuner {
             request: Climb::new(start, min, chunk),
             staged: false,
             flipping: false,
+            ramp: 0,
             windows: 0,
             window_bytes: 0,
             window_started: now,
@@ -545,6 +553,7 @@ impl Tuner {
     /// flight may be several windows' worth).
     pub fn flipped(&mut self, now: Instant) {
         self.flipping = false;
+        self.ramp = FLIP_RAMP;
         (self.window_bytes, self.window_started) = (0, now);
     }
 
@@ -614,6 +623,13 @@ impl Tuner {
     /// says the request size).
     pub fn observe(&mut self, bytes: u64, now: Instant) -> usize {
         if self.settled() || self.flipping {
+            return self.depth();
+        }
+        if self.ramp > 0 {
+            self.ramp = self.ramp.saturating_sub(bytes);
+            if self.ramp == 0 {
+                (self.window_bytes, self.window_started) = (0, now);
+            }
             return self.depth();
         }
         self.window_bytes += bytes;
@@ -892,9 +908,10 @@ mod tests {
         while tuner.mode.step != ModeStep::Settled && windows.len() < 16 {
             let mode = tuner.read_mode();
             if windows.last().is_some_and(|&last| last != mode) {
-                // The engine's drain: reads in flight, not measured.
+                // The engine's drain and the new mode's ramp: not measured.
                 assert_eq!(tuner.observe(WINDOW, now + Duration::from_secs(1)), 32);
                 tuner.flipped(now);
+                assert_eq!(tuner.observe(FLIP_RAMP, now), 32);
             }
             windows.push(mode);
             now += Duration::from_secs_f64(WINDOW as f64 / rate_of(mode));
