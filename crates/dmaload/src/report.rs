@@ -19,7 +19,8 @@ pub struct LoadReport {
     /// The engine that did the reading (after fallbacks).
     pub engine: Engine,
     /// How reads treated the page cache (after fallbacks): `bypass` is
-    /// direct I/O.
+    /// direct I/O. For an `auto` load that measured direct against
+    /// buffered reads, the mode it kept (`read_choice`).
     pub cache: CachePolicy,
     /// The memory kind of a host buffer (of a staged load, the kind its
     /// options name, though it allocates no buffer).
