@@ -534,11 +534,24 @@ impl Tuner {
         self
     }
 
-    /// The tuner of an `auto` load that may read direct or buffered: it
-    /// measures both before the depth, unless `remembered` names the mode
-    /// the device read fastest in (see the module's comment).
-    pub fn choosing_reads(mut self, remembered: Option<RememberedRead>) -> Tuner {
+    /// The tuner of an `auto` load of `bytes` that may read direct or
+    /// buffered: it measures both before the depth, unless `remembered`
+    /// names the mode the device read fastest in (see the module's
+    /// comment). A load too short to finish the measuring (or the check of
+    /// the remembered mode) reads in the remembered mode, else direct,
+    /// without it: a trial it cannot finish would cost its slower windows
+    /// every time and remember nothing.
+    pub fn choosing_reads(mut self, remembered: Option<RememberedRead>, bytes: u64) -> Tuner {
+        let in_flight = (self.depth.start * self.request.start) as u64;
+        let trials = TRIAL_WINDOWS as u64;
+        let needed = match remembered {
+            Some(_) => 2 * WINDOW,
+            None => (1 + trials) * WINDOW + (trials - 1) * (in_flight + FLIP_RAMP),
+        };
         self.mode = ModeChoice::new(remembered);
+        if bytes < needed {
+            self.mode.step = ModeStep::Settled;
+        }
         self
     }
 
@@ -903,7 +916,7 @@ mod tests {
         rate_of: impl Fn(ReadMode) -> f64,
     ) -> (Vec<ReadMode>, Tuner) {
         let mut now = Instant::now();
-        let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now).choosing_reads(remembered);
+        let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now).choosing_reads(remembered, u64::MAX);
         let mut windows = Vec::new();
         while tuner.mode.step != ModeStep::Settled && windows.len() < 16 {
             let mode = tuner.read_mode();
@@ -978,13 +991,32 @@ mod tests {
     #[test]
     fn waiting_for_memory_does_not_end_the_read_modes_trial() {
         let now = Instant::now();
-        let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now).choosing_reads(None);
+        let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now).choosing_reads(None, u64::MAX);
         tuner.observe(WINDOW, now + Duration::from_millis(10));
         tuner.memory_bound();
         tuner.observe(WINDOW, now + Duration::from_millis(20));
         assert_eq!(tuner.read_mode(), Buffered, "the trial's buffered window");
         tuner.memory_bound();
         assert_eq!((tuner.read_mode(), tuner.mode.step), (Buffered, ModeStep::Trial));
+    }
+
+    #[test]
+    fn a_load_too_short_to_finish_the_choice_reads_without_measuring() {
+        let now = Instant::now();
+        // 32 requests of 4 MiB: the warm-up, four windows and three flips
+        // of 128 MiB in flight and 32 MiB of ramp each: 1120 MiB.
+        let short = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1100 << 20);
+        assert_eq!((short.read_mode(), short.read_choice()), (Direct, ReadChoice::NotChosen));
+        assert_eq!(short.mode.step, ModeStep::Settled);
+        let long = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1120 << 20);
+        assert_eq!(long.mode.step, ModeStep::WarmUp);
+        // A remembered mode is used; checked where two windows fit.
+        let remembered = Some(RememberedRead { mode: Buffered, rate: 1 << 30 });
+        let short = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(remembered, 200 << 20);
+        assert_eq!((short.read_mode(), short.read_choice()), (Buffered, ReadChoice::Remembered));
+        assert_eq!(short.mode.step, ModeStep::Settled);
+        let long = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(remembered, 256 << 20);
+        assert_eq!((long.read_mode(), long.mode.step), (Buffered, ModeStep::WarmUp));
     }
 
     #[test]

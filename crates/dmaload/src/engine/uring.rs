@@ -52,7 +52,7 @@ pub(crate) fn run<M: RingMemory>(
         let tuner =
             Tuner::new(job.queue_depth, job.request_size.unwrap_or(plan.chunk), plan.chunk, Instant::now());
         let tuner = match job.read_modes {
-            Some(modes) => tuner.choosing_reads(modes.remembered),
+            Some(modes) => tuner.choosing_reads(modes.remembered, plan.data_end - plan.file_start),
             None => tuner,
         };
         match job.layout {
