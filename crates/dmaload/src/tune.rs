@@ -43,9 +43,12 @@
 //! buffered reads the same way, before the depth ([`Tuner::choosing_reads`]):
 //! after the warm-up, four windows alternate direct, buffered, direct,
 //! buffered on the one open file (the engine flips `O_DIRECT` on its own
-//! file description between windows, once the reads of the mode before
-//! are done, and the first [`FLIP_RAMP`] bytes after a flip, the new
-//! mode ramping up, are not measured), and buffered is kept only when its
+//! file description between windows, once the reads in flight are done,
+//! and times each window from there: every window of the trial starts
+//! with nothing in flight and pays its mode's ramp-up; timed from a
+//! mid-stream point instead, a burst of completions reaped together could
+//! make a window of a staging ring's large reads look instant), and
+//! buffered is kept only when its
 //! slower window reads at least [`GAIN`] times faster than direct's faster
 //! one. The mode kept, and the rate of its slower window, are remembered
 //! beside the depth (`read=direct|buffered read_rate=BYTES_PER_SECOND`);
@@ -80,9 +83,6 @@ const MIN_REQUEST: usize = 1 << 20;
 const MAX_REQUEST: usize = 1 << 30;
 /// The memory file is this small; a larger one is not ours to trust.
 const MEMORY_LIMIT: u64 = 64 << 10;
-/// Bytes read unmeasured after a read mode's flip: the new mode's reads
-/// ramping up from none in flight (buffered reads' readahead most).
-const FLIP_RAMP: u64 = 32 << 20;
 /// How much slower than remembered a load's window must read for the read
 /// mode to be measured again: clearly slower, not a disk's usual drift.
 const SLOWER: f64 = 1.5;
@@ -480,12 +480,10 @@ pub(crate) struct Tuner {
     request: Climb,
     /// The reads fill the slots of a staging ring (see [`Tuner::in_ring`]).
     staged: bool,
-    /// The read mode changed at a window's end: the reads in flight, of
-    /// the mode before, are not measured, and the next window starts once
+    /// A window of the read modes' trial is next: the reads in flight
+    /// (of the mode before) are not measured, and the window starts once
     /// they are done ([`Tuner::flipped`]).
     flipping: bool,
-    /// Bytes still to read unmeasured after a flip: the new mode's ramp.
-    ramp: u64,
     /// Windows measured while the climb was not settled.
     windows: usize,
     window_bytes: u64,
@@ -511,7 +509,6 @@ impl Tuner {
             request: Climb::new(start, min, chunk),
             staged: false,
             flipping: false,
-            ramp: 0,
             windows: 0,
             window_bytes: 0,
             window_started: now,
@@ -546,7 +543,7 @@ impl Tuner {
         let trials = TRIAL_WINDOWS as u64;
         let needed = match remembered {
             Some(_) => 2 * WINDOW,
-            None => (1 + trials) * WINDOW + (trials - 1) * (in_flight + FLIP_RAMP),
+            None => (1 + trials) * WINDOW + trials * in_flight,
         };
         self.mode = ModeChoice::new(remembered);
         if bytes < needed {
@@ -560,14 +557,19 @@ impl Tuner {
         self.mode.value()
     }
 
-    /// The engine drained the reads of the mode before and reads in
+    /// The engine drained the reads in flight and reads in
     /// [`Tuner::read_mode`] from `now`: the next window starts, so that
-    /// each window measures reads of one mode (a staging ring's reads in
-    /// flight may be several windows' worth).
+    /// each window measures reads of one mode from none in flight (a
+    /// staging ring's reads in flight may be several windows' worth).
     pub fn flipped(&mut self, now: Instant) {
         self.flipping = false;
-        self.ramp = FLIP_RAMP;
         (self.window_bytes, self.window_started) = (0, now);
+    }
+
+    /// Whether the engine is to let the reads in flight finish, then call
+    /// [`Tuner::flipped`], before reading on.
+    pub fn draining(&self) -> bool {
+        self.flipping
     }
 
     /// The read mode measured (or remembered) the faster.
@@ -638,13 +640,6 @@ impl Tuner {
         if self.settled() || self.flipping {
             return self.depth();
         }
-        if self.ramp > 0 {
-            self.ramp = self.ramp.saturating_sub(bytes);
-            if self.ramp == 0 {
-                (self.window_bytes, self.window_started) = (0, now);
-            }
-            return self.depth();
-        }
         self.window_bytes += bytes;
         if self.window_bytes < WINDOW {
             return self.depth();
@@ -654,9 +649,8 @@ impl Tuner {
         (self.window_bytes, self.window_started) = (0, now);
         self.windows += 1;
         if self.mode.step != ModeStep::Settled {
-            let before = self.mode.value();
             self.mode.window_done(rate);
-            self.flipping = self.mode.value() != before;
+            self.flipping = self.mode.step == ModeStep::Trial;
             if self.mode.step == ModeStep::Settled {
                 // The warm-up is behind: the depth's trials start now.
                 if self.depth.step == Step::WarmUp {
@@ -920,11 +914,10 @@ mod tests {
         let mut windows = Vec::new();
         while tuner.mode.step != ModeStep::Settled && windows.len() < 16 {
             let mode = tuner.read_mode();
-            if windows.last().is_some_and(|&last| last != mode) {
-                // The engine's drain and the new mode's ramp: not measured.
+            if tuner.draining() {
+                // The engine's drain before each window of the trial: not measured.
                 assert_eq!(tuner.observe(WINDOW, now + Duration::from_secs(1)), 32);
                 tuner.flipped(now);
-                assert_eq!(tuner.observe(FLIP_RAMP, now), 32);
             }
             windows.push(mode);
             now += Duration::from_secs_f64(WINDOW as f64 / rate_of(mode));
@@ -993,8 +986,11 @@ mod tests {
         let now = Instant::now();
         let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now).choosing_reads(None, u64::MAX);
         tuner.observe(WINDOW, now + Duration::from_millis(10));
+        assert!(tuner.draining(), "the trial's first window starts from none in flight");
+        tuner.flipped(now + Duration::from_millis(11));
         tuner.memory_bound();
         tuner.observe(WINDOW, now + Duration::from_millis(20));
+        tuner.flipped(now + Duration::from_millis(21));
         assert_eq!(tuner.read_mode(), Buffered, "the trial's buffered window");
         tuner.memory_bound();
         assert_eq!((tuner.read_mode(), tuner.mode.step), (Buffered, ModeStep::Trial));
@@ -1003,12 +999,12 @@ mod tests {
     #[test]
     fn a_load_too_short_to_finish_the_choice_reads_without_measuring() {
         let now = Instant::now();
-        // 32 requests of 4 MiB: the warm-up, four windows and three flips
-        // of 128 MiB in flight and 32 MiB of ramp each: 1120 MiB.
-        let short = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1100 << 20);
+        // 32 requests of 4 MiB: the warm-up, four windows and the drain of
+        // 128 MiB in flight before each: 1152 MiB.
+        let short = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1151 << 20);
         assert_eq!((short.read_mode(), short.read_choice()), (Direct, ReadChoice::NotChosen));
         assert_eq!(short.mode.step, ModeStep::Settled);
-        let long = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1120 << 20);
+        let long = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1152 << 20);
         assert_eq!(long.mode.step, ModeStep::WarmUp);
         // A remembered mode is used; checked where two windows fit.
         let remembered = Some(RememberedRead { mode: Buffered, rate: 1 << 30 });

@@ -20,8 +20,8 @@ fn an_auto_load_flipping_between_direct_and_buffered_windows_is_exact_and_rememb
     std::env::set_var("XDG_CACHE_HOME", &cache);
     let path = dir.path().join("weights");
     // Past the warm-up, the trial's four windows of 128 MiB and the reads
-    // in flight at each of its three flips and the ramp after each (not
-    // measured: 160 MiB at the default 32 requests of 4 MiB), and not a whole
+    // in flight before each (not measured: 128 MiB at the default 32
+    // requests of 4 MiB), and not a whole
     // number of blocks: the last read ends past the end of the file.
     let size = (1280usize << 20) + 4097;
     write_pattern_file(&path, size as u64);

@@ -72,9 +72,8 @@ fn on_an_emulated_disk_an_auto_load_keeps_the_read_mode_that_is_faster() {
     let dir = scratch_dir();
     let cache = dir.path().join("cache");
     std::env::set_var("XDG_CACHE_HOME", &cache);
-    // Chunks of 1 MiB: 32 MiB in flight at each of the trial's three flips
-    // (and 32 MiB of ramp after each); past the warm-up, the four windows
-    // of 128 MiB and the flips.
+    // Chunks of 1 MiB: 32 MiB in flight before each of the trial's four
+    // windows of 128 MiB; past the warm-up, the windows and the drains.
     let size = 900u64 << 20;
     let options = LoadOptions { chunk_size: 1 << 20, ..LoadOptions::default() };
     // (direct, buffered) megabytes per second, and the mode to keep.

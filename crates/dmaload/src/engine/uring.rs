@@ -88,19 +88,20 @@ pub(crate) fn run<M: RingMemory>(
             return Err(job.cancelled(next));
         }
         let most = tuner.as_ref().map_or(usize::MAX, Tuner::request);
-        // An `auto` load's read mode flips once the reads of the mode
-        // before are done, so each window measures one mode (the kernel
-        // would take either: it reads O_DIRECT from the file's flags each
-        // time it issues a read, a retry from its workers too, and every
-        // request is whole alignment blocks).
+        // An `auto` load's read mode flips once the reads in flight are
+        // done, so each window of the trial measures one mode from none in
+        // flight (the kernel would take either: it reads O_DIRECT from the
+        // file's flags each time it issues a read, a retry from its
+        // workers too, and every request is whole alignment blocks).
         let mut rw_flags = job.cache.rw_flags();
         let mut draining = false;
         if let (Some(modes), Some(tuner)) = (job.read_modes, tuner.as_mut()) {
-            let want_direct = tuner.read_mode() == ReadMode::Direct;
-            if want_direct != direct.direct {
-                draining = ring.in_flight() > usize::from(wake_armed);
-                if !draining {
-                    direct.set(want_direct).map_err(|e| Error::io("fcntl(O_DIRECT)", job.path, e))?;
+            draining = tuner.draining() && ring.in_flight() > usize::from(wake_armed);
+            if !draining {
+                direct
+                    .set(tuner.read_mode() == ReadMode::Direct)
+                    .map_err(|e| Error::io("fcntl(O_DIRECT)", job.path, e))?;
+                if tuner.draining() {
                     tuner.flipped(Instant::now());
                 }
             }
