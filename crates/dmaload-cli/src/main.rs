@@ -135,8 +135,9 @@ pub struct LoadArgs {
     /// Engine: uring-fixed, uring, pread-pool or read.
     #[arg(long, default_value_t = Engine::default())]
     engine: Engine,
-    /// I/O mode: auto (direct I/O, else buffered without cache residue),
-    /// direct, buffered or dontcache.
+    /// I/O mode: auto (direct or buffered without cache residue, whichever
+    /// measures faster for the device; buffered where direct I/O is not
+    /// possible), direct, buffered or dontcache.
     #[arg(long, default_value_t = IoMode::default())]
     mode: IoMode,
     /// Require direct I/O: fail instead of falling back (same as --mode direct).

@@ -143,6 +143,9 @@ pub fn load_text(r: &LoadReport, hash: Option<&Hash>) -> String {
     if (r.deliver_seconds == 0.0 && !r.destination.contains("staging ring")) || host_through_ring {
         let _ = writeln!(s, "memory    {}: {}", r.memory.name(), r.memory_reason);
     }
+    if !r.read_choice.is_empty() {
+        let _ = writeln!(s, "reads     {} ({})", cache_description(r), r.read_choice);
+    }
     if r.cache_lane_bytes > 0 {
         let _ = writeln!(
             s,

@@ -19,7 +19,8 @@ pub struct LoadReport {
     /// The engine that did the reading (after fallbacks).
     pub engine: Engine,
     /// How reads treated the page cache (after fallbacks): `bypass` is
-    /// direct I/O.
+    /// direct I/O. For an `auto` load that measured direct against
+    /// buffered reads, the mode it kept (`read_choice`).
     pub cache: CachePolicy,
     /// The memory kind of a host buffer (of a staged load, the kind its
     /// options name, though it allocates no buffer).
@@ -54,6 +55,14 @@ pub struct LoadReport {
     /// the load ended): 0 where the reads were not tuned, 1 the warm-up
     /// alone, 5 or more once a trial ran (docs/cli.md).
     pub tuning_windows: usize,
+    /// How an `auto` load chose between direct and buffered reads (`cache`
+    /// says which it kept): "measured: direct R GiB/s, buffered R GiB/s"
+    /// (the slower window of each), the same after "re-measured, a window
+    /// read R GiB/s against R remembered: " where the remembered mode
+    /// read clearly slower, "remembered" where the device's remembered
+    /// mode read as fast as before, or empty where nothing was chosen (a
+    /// mode asked for, reads not tuned, a load too short; docs/cli.md).
+    pub read_choice: String,
     pub fallbacks: Vec<Fallback>,
     /// Populating (allocating and zeroing) all of the buffer's pages, on the
     /// helper thread. For a load to a `cuda:N` device, allocating and

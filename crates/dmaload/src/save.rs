@@ -430,6 +430,7 @@ fn engine_params(options: &SaveOptions) -> EngineParams {
         cancel: options.cancel.clone(),
         tune: None,
         request_size: None,
+        read_modes: None,
     }
 }
 

@@ -372,6 +372,10 @@ pub(crate) struct ReadSetup {
     pub file: File,
     pub cache: CachePolicy,
     pub align: usize,
+    /// For direct reads in `auto` mode, the buffered reads the load's tuner
+    /// may measure against them ([`crate::tune`]), flipping `O_DIRECT` on
+    /// `file`, a description of the load's own.
+    pub buffered: Option<CachePolicy>,
 }
 
 /// Reads through the page cache, on the source's own open file.
@@ -379,7 +383,7 @@ pub(crate) fn buffered(path: &Path, file: &File, cache: CachePolicy) -> Result<R
     // The source's own description never has O_DIRECT (direct reads get a
     // description of their own: `reopen`).
     let file = file.try_clone().map_err(|e| Error::io("dup", path, e))?;
-    Ok(ReadSetup { file, cache, align: 1 })
+    Ok(ReadSetup { file, cache, align: 1, buffered: None })
 }
 
 /// Buffered reads that leave no page-cache residue: RWF_DONTCACHE where the
@@ -457,7 +461,10 @@ pub(crate) fn choose_read_setup(
         Err(err) => return Err(err),
     };
     match sys::file::set_direct(direct.as_fd(), true) {
-        Ok(()) => Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align }),
+        Ok(()) => {
+            let buffered = (mode == IoMode::Auto).then(|| no_residue_policy(file));
+            Ok(ReadSetup { file: direct, cache: CachePolicy::Bypass, align, buffered })
+        }
         Err(err) if err.raw_os_error() == Some(libc::EINVAL) => unsupported(),
         Err(err) => Err(Error::io("fcntl(O_DIRECT)", path, err)),
     }

@@ -38,6 +38,24 @@
 //! report's `queue_depth` and `request_size`, and are remembered for the
 //! device in `$XDG_CACHE_HOME/dmaload/tuning` when either is not what the
 //! load started from.
+//!
+//! An `auto` load whose file takes direct I/O chooses between direct and
+//! buffered reads the same way, before the depth ([`Tuner::choosing_reads`]):
+//! after the warm-up, four windows alternate direct, buffered, direct,
+//! buffered on the one open file (the engine flips `O_DIRECT` on its own
+//! file description between windows, once the reads in flight are done,
+//! and times each window from there: every window of the trial starts
+//! with nothing in flight and pays its mode's ramp-up; timed from a
+//! mid-stream point instead, a burst of completions reaped together could
+//! make a window of a staging ring's large reads look instant), and
+//! buffered is kept only when its
+//! slower window reads at least [`GAIN`] times faster than direct's faster
+//! one. The mode kept, and the rate of its slower window, are remembered
+//! beside the depth (`read=direct|buffered read_rate=BYTES_PER_SECOND`);
+//! a later load on the device reads in that mode from its first window
+//! and measures one window after the warm-up: only when it reads
+//! [`SLOWER`] times slower than remembered are the two modes measured
+//! again.
 
 use std::fs::File;
 use std::io;
@@ -65,6 +83,47 @@ const MIN_REQUEST: usize = 1 << 20;
 const MAX_REQUEST: usize = 1 << 30;
 /// The memory file is this small; a larger one is not ours to trust.
 const MEMORY_LIMIT: u64 = 64 << 10;
+/// How much slower than remembered a load's window must read for the read
+/// mode to be measured again: clearly slower, not a disk's usual drift.
+const SLOWER: f64 = 1.5;
+
+/// How an `auto` load's file reads go (see the module's comment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadMode {
+    /// O_DIRECT.
+    Direct,
+    /// Through the page cache (with `RWF_DONTCACHE` where the filesystem
+    /// has it: the engine's choice, [`crate::engine::ReadModes`]).
+    Buffered,
+}
+
+impl ReadMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReadMode::Direct => "direct",
+            ReadMode::Buffered => "buffered",
+        }
+    }
+
+    fn parse(word: &str) -> Option<ReadMode> {
+        [ReadMode::Direct, ReadMode::Buffered].into_iter().find(|mode| mode.name() == word)
+    }
+
+    fn other(self) -> ReadMode {
+        match self {
+            ReadMode::Direct => ReadMode::Buffered,
+            ReadMode::Buffered => ReadMode::Direct,
+        }
+    }
+}
+
+/// The read mode a device's measurement kept, and the rate (bytes per
+/// second) of its slower window then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RememberedRead {
+    pub mode: ReadMode,
+    pub rate: u64,
+}
 
 /// A block device, by its numbers: what a depth is remembered for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,41 +152,54 @@ pub(crate) fn memory_file() -> Option<PathBuf> {
     crate::user_cache::path("tuning")
 }
 
-/// What a device's reads were tuned to: the depth, and the request size
+/// What a device's reads were tuned to: the depth, the request size
 /// where one was tuned (a line without it, written before request sizes
-/// were tuned, keeps the plan's).
+/// were tuned, keeps the plan's), and the read mode where an `auto` load
+/// measured one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Remembered {
     pub depth: usize,
     pub request: Option<usize>,
+    pub read: Option<RememberedRead>,
 }
 
-/// Each `MAJOR:MINOR queue_depth=N[ request=BYTES]` line of the memory
-/// file that parses (others are skipped: the file is a cache, never an
-/// error).
+/// One `MAJOR:MINOR queue_depth=N[ request=BYTES][ read=MODE
+/// read_rate=BYTES_PER_SECOND]` line, or `None` where a field's value does
+/// not parse; fields it does not know (a later version's) are skipped, and
+/// a read mode without its rate is not used.
+fn parse_line(line: &str) -> Option<(String, Remembered)> {
+    let mut words = line.split_whitespace();
+    let key = words.next()?;
+    let (major, minor) = key.split_once(':')?;
+    major.parse::<u32>().ok()?;
+    minor.parse::<u32>().ok()?;
+    let (mut depth, mut request, mut mode, mut rate) = (None, None, None, None);
+    for word in words {
+        let (name, value) = word.split_once('=')?;
+        match name {
+            "queue_depth" => {
+                depth = Some(value.parse().ok().filter(|d| (MIN_DEPTH..=MAX_DEPTH).contains(d))?)
+            }
+            "request" => {
+                let fits = |s: &usize| s.is_power_of_two() && (MIN_REQUEST..=MAX_REQUEST).contains(s);
+                request = Some(value.parse().ok().filter(fits)?);
+            }
+            "read" => mode = Some(ReadMode::parse(value)?),
+            "read_rate" => rate = Some(value.parse::<u64>().ok().filter(|&r| r > 0)?),
+            _ => {}
+        }
+    }
+    let read = mode.zip(rate).map(|(mode, rate)| RememberedRead { mode, rate });
+    Some((key.to_owned(), Remembered { depth: depth?, request, read }))
+}
+
+/// Each line of the memory file that parses (others are skipped: the file
+/// is a cache, never an error).
 fn entries(path: &Path) -> Vec<(String, Remembered)> {
     let Ok(Some(bytes)) = crate::user_cache::read(path, MEMORY_LIMIT) else {
         return Vec::new();
     };
-    let text = String::from_utf8_lossy(&bytes);
-    let parse = |line: &str| {
-        let (key, value) = line.split_once(" queue_depth=")?;
-        let (depth, request) = match value.split_once(" request=") {
-            Some((depth, request)) => {
-                let request: usize = request.trim().parse().ok()?;
-                if !request.is_power_of_two() || !(MIN_REQUEST..=MAX_REQUEST).contains(&request) {
-                    return None;
-                }
-                (depth, Some(request))
-            }
-            None => (value, None),
-        };
-        let depth = depth.trim().parse().ok().filter(|d| (MIN_DEPTH..=MAX_DEPTH).contains(d))?;
-        let (major, minor) = key.split_once(':')?;
-        (major.parse::<u32>().is_ok() && minor.parse::<u32>().is_ok())
-            .then(|| (key.to_owned(), Remembered { depth, request }))
-    };
-    text.lines().filter_map(parse).collect()
+    String::from_utf8_lossy(&bytes).lines().filter_map(parse_line).collect()
 }
 
 /// What is remembered for `device` in the memory file at `path`.
@@ -144,9 +216,15 @@ pub(crate) fn remember(path: &Path, device: Device, tuned: Remembered) -> io::Re
     let mut entries = entries(path);
     entries.retain(|(k, _)| *k != key);
     entries.push((key, tuned));
-    let line = |(k, tuned): &(String, Remembered)| match tuned.request {
-        Some(request) => format!("{k} queue_depth={} request={request}\n", tuned.depth),
-        None => format!("{k} queue_depth={}\n", tuned.depth),
+    let line = |(k, tuned): &(String, Remembered)| {
+        let mut line = format!("{k} queue_depth={}", tuned.depth);
+        if let Some(request) = tuned.request {
+            line += &format!(" request={request}");
+        }
+        if let Some(read) = tuned.read {
+            line += &format!(" read={} read_rate={}", read.mode.name(), read.rate);
+        }
+        line + "\n"
     };
     let text: String = entries.iter().map(line).collect();
     crate::user_cache::replace(path, text.as_bytes())
@@ -265,14 +343,147 @@ impl Climb {
     }
 }
 
-/// The hill-climb of one load's reads: the queue depth first, then, once
-/// it has settled, the request size (see the module's comment).
+/// Where the choice of an `auto` load's read mode is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ModeStep {
+    /// The first window: requests ramping up, not measured.
+    WarmUp,
+    /// Reading one window in the remembered mode, which read at
+    /// `remembered` bytes per second.
+    Check {
+        remembered: f64,
+    },
+    /// Alternating windows of the kept mode and the other one.
+    Trial,
+    Settled,
+}
+
+/// How the read mode of a load was chosen, for its report.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum ReadChoice {
+    /// Not by this tuner: the mode asked for, or a load that ended (or was
+    /// found memory-bound) before the choice was made.
+    NotChosen,
+    /// The device's remembered mode (which read as fast as remembered,
+    /// where a window was measured).
+    Remembered,
+    /// Measured: the slower window of each mode (bytes per second); after
+    /// a window of the remembered mode read at `slow`, clearly slower than
+    /// the `remembered` rate, where that started the measuring.
+    Measured { direct: f64, buffered: f64, recheck: Option<(f64, f64)> },
+}
+
+/// The choice between direct and buffered reads (see the module's comment).
+#[derive(Debug)]
+struct ModeChoice {
+    kept: ReadMode,
+    step: ModeStep,
+    window: usize,
+    at_kept: Windows,
+    at_other: Windows,
+    remembered: Option<RememberedRead>,
+    /// The check window's rate, where it was clearly slower than remembered.
+    recheck: Option<(f64, f64)>,
+    choice: ReadChoice,
+}
+
+impl ModeChoice {
+    /// No choice to make: the reads stay direct.
+    fn fixed() -> ModeChoice {
+        ModeChoice {
+            kept: ReadMode::Direct,
+            step: ModeStep::Settled,
+            window: 0,
+            at_kept: Windows::NONE,
+            at_other: Windows::NONE,
+            remembered: None,
+            recheck: None,
+            choice: ReadChoice::NotChosen,
+        }
+    }
+
+    /// A choice starting from the mode remembered for the device, else direct.
+    fn new(remembered: Option<RememberedRead>) -> ModeChoice {
+        ModeChoice {
+            kept: remembered.map_or(ReadMode::Direct, |read| read.mode),
+            step: ModeStep::WarmUp,
+            remembered,
+            choice: if remembered.is_some() { ReadChoice::Remembered } else { ReadChoice::NotChosen },
+            ..ModeChoice::fixed()
+        }
+    }
+
+    fn value(&self) -> ReadMode {
+        match self.step {
+            ModeStep::Trial if self.window % 2 == 1 => self.kept.other(),
+            _ => self.kept,
+        }
+    }
+
+    fn window_done(&mut self, rate: f64) {
+        match self.step {
+            ModeStep::WarmUp => match self.remembered {
+                Some(read) => self.step = ModeStep::Check { remembered: read.rate as f64 },
+                None => self.step = ModeStep::Trial,
+            },
+            ModeStep::Check { remembered } => {
+                if rate * SLOWER < remembered {
+                    self.recheck = Some((rate, remembered));
+                    self.step = ModeStep::Trial;
+                } else {
+                    self.settle(ReadChoice::Remembered);
+                }
+            }
+            ModeStep::Trial => {
+                let into = if self.window % 2 == 0 { &mut self.at_kept } else { &mut self.at_other };
+                into.add(rate);
+                self.window += 1;
+                if self.window == TRIAL_WINDOWS {
+                    let (kept, other) = (self.at_kept.slowest, self.at_other.slowest);
+                    let (direct, buffered) =
+                        if self.kept == ReadMode::Direct { (kept, other) } else { (other, kept) };
+                    if self.at_other.slowest >= self.at_kept.fastest * GAIN {
+                        (self.kept, self.at_kept) = (self.kept.other(), self.at_other);
+                    }
+                    self.settle(ReadChoice::Measured { direct, buffered, recheck: self.recheck });
+                }
+            }
+            ModeStep::Settled => {}
+        }
+    }
+
+    /// Ends the choice at the kept mode.
+    fn settle(&mut self, choice: ReadChoice) {
+        self.step = ModeStep::Settled;
+        self.choice = choice;
+    }
+
+    /// What to remember of the choice: the mode measured and its slower
+    /// window's rate, or the remembered one kept.
+    fn to_remember(&self) -> Option<RememberedRead> {
+        match self.choice {
+            ReadChoice::Measured { .. } => {
+                Some(RememberedRead { mode: self.kept, rate: self.at_kept.slowest.max(1.0).round() as u64 })
+            }
+            ReadChoice::Remembered | ReadChoice::NotChosen => self.remembered,
+        }
+    }
+}
+
+/// The hill-climb of one load's reads: the read mode first (an `auto`
+/// load's), then the queue depth, then, once it has settled, the request
+/// size (see the module's comment).
 #[derive(Debug)]
 pub(crate) struct Tuner {
+    mode: ModeChoice,
     depth: Climb,
     request: Climb,
     /// The reads fill the slots of a staging ring (see [`Tuner::in_ring`]).
     staged: bool,
+    /// A window of the read modes' trial is next: the reads in flight
+    /// (of the mode before) are not measured, and the window starts once
+    /// they are done ([`Tuner::flipped`]).
+    flipping: bool,
     /// Windows measured while the climb was not settled.
     windows: usize,
     window_bytes: u64,
@@ -293,9 +504,11 @@ impl Tuner {
             (chunk, chunk)
         };
         Tuner {
+            mode: ModeChoice::fixed(),
             depth: Climb::new(depth, MIN_DEPTH, MAX_DEPTH),
             request: Climb::new(start, min, chunk),
             staged: false,
+            flipping: false,
             windows: 0,
             window_bytes: 0,
             window_started: now,
@@ -316,6 +529,62 @@ impl Tuner {
         }
         self.staged = true;
         self
+    }
+
+    /// The tuner of an `auto` load of `bytes` that may read direct or
+    /// buffered: it measures both before the depth, unless `remembered`
+    /// names the mode the device read fastest in (see the module's
+    /// comment). A load too short to finish the measuring (or the check of
+    /// the remembered mode) reads in the remembered mode, else direct,
+    /// without it: a trial it cannot finish would cost its slower windows
+    /// every time and remember nothing.
+    pub fn choosing_reads(mut self, remembered: Option<RememberedRead>, bytes: u64) -> Tuner {
+        let in_flight = (self.depth.start * self.request.start) as u64;
+        let trials = TRIAL_WINDOWS as u64;
+        let needed = match remembered {
+            Some(_) => 2 * WINDOW,
+            None => (1 + trials) * WINDOW + trials * in_flight,
+        };
+        self.mode = ModeChoice::new(remembered);
+        if bytes < needed {
+            self.mode.step = ModeStep::Settled;
+        }
+        self
+    }
+
+    /// How to read now.
+    pub fn read_mode(&self) -> ReadMode {
+        self.mode.value()
+    }
+
+    /// The engine drained the reads in flight and reads in
+    /// [`Tuner::read_mode`] from `now`: the next window starts, so that
+    /// each window measures reads of one mode from none in flight (a
+    /// staging ring's reads in flight may be several windows' worth).
+    pub fn flipped(&mut self, now: Instant) {
+        self.flipping = false;
+        (self.window_bytes, self.window_started) = (0, now);
+    }
+
+    /// Whether the engine is to let the reads in flight finish, then call
+    /// [`Tuner::flipped`], before reading on.
+    pub fn draining(&self) -> bool {
+        self.flipping
+    }
+
+    /// The read mode measured (or remembered) the faster.
+    pub fn kept_read_mode(&self) -> ReadMode {
+        self.mode.kept
+    }
+
+    /// How the read mode was chosen.
+    pub fn read_choice(&self) -> ReadChoice {
+        self.mode.choice
+    }
+
+    /// The read mode to remember for the device, where one was chosen.
+    pub fn read_to_remember(&self) -> Option<RememberedRead> {
+        self.mode.to_remember()
     }
 
     /// The depth to keep in flight now.
@@ -343,10 +612,13 @@ impl Tuner {
         Some(self.request.kept).filter(|_| self.request.min < self.request.max)
     }
 
-    /// Whether a trial was kept: the depth or the request size differs
-    /// from where the climb started.
+    /// Whether there is something new to remember: the depth or the
+    /// request size differs from where the climb started, or the read
+    /// modes were measured.
     pub fn moved(&self) -> bool {
-        self.depth.kept != self.depth.start || self.request.kept != self.request.start
+        self.depth.kept != self.depth.start
+            || self.request.kept != self.request.start
+            || matches!(self.mode.choice, ReadChoice::Measured { .. })
     }
 
     /// Windows of reads measured before the climb settled (or the load
@@ -356,14 +628,16 @@ impl Tuner {
     }
 
     fn settled(&self) -> bool {
-        self.depth.step == Step::Settled && self.request.step == Step::Settled
+        self.mode.step == ModeStep::Settled
+            && self.depth.step == Step::Settled
+            && self.request.step == Step::Settled
     }
 
     /// Counts `bytes` done at `now`; at a window's end, moves the climb
     /// on. Returns the depth to keep in flight from now ([`Tuner::request`]
     /// says the request size).
     pub fn observe(&mut self, bytes: u64, now: Instant) -> usize {
-        if self.settled() {
+        if self.settled() || self.flipping {
             return self.depth();
         }
         self.window_bytes += bytes;
@@ -374,7 +648,18 @@ impl Tuner {
         let rate = self.window_bytes as f64 / seconds.max(1e-9);
         (self.window_bytes, self.window_started) = (0, now);
         self.windows += 1;
-        if self.depth.step != Step::Settled {
+        if self.mode.step != ModeStep::Settled {
+            self.mode.window_done(rate);
+            self.flipping = self.mode.step == ModeStep::Trial;
+            if self.mode.step == ModeStep::Settled {
+                // The warm-up is behind: the depth's trials start now.
+                if self.depth.step == Step::WarmUp {
+                    self.depth.start_trial(true, false);
+                } else if self.request.step == Step::WarmUp {
+                    self.request.start_trial(true, false);
+                }
+            }
+        } else if self.depth.step != Step::Settled {
             self.depth.window_done(rate);
             if self.depth.step == Step::Settled && self.request.step == Step::WarmUp {
                 // The requests ramped long ago: straight to a trial.
@@ -386,13 +671,17 @@ impl Tuner {
         self.depth()
     }
 
-    /// The engine waited for memory, not for reads: past the warm-up both
-    /// climbs end at the kept values, unless the memory is a staging
+    /// The engine waited for memory, not for reads: past the warm-up and
+    /// the read mode's choice, both climbs end at the kept values (a wait
+    /// during the choice does not end it: the reads refilled after a
+    /// mode's flip may run ahead of the memory for a moment, and where
+    /// memory is what limits the load, neither mode reads faster and
+    /// direct reads stay), unless the memory is a staging
     /// ring's slot ([`Tuner::in_ring`]), which frees as fast as the
     /// destination takes it: the trials measure that. Returns the depth to
     /// keep in flight.
     pub fn memory_bound(&mut self) -> usize {
-        if !self.staged && self.depth.step != Step::WarmUp {
+        if !self.staged && self.windows > 0 && self.mode.step == ModeStep::Settled {
             self.depth.step = Step::Settled;
             self.request.step = Step::Settled;
         }
@@ -612,6 +901,145 @@ mod tests {
         assert_eq!(tuner.request(), 16 << 20, "a remembered size that is no power of two is not used");
     }
 
+    /// Runs windows through an `auto` load's tuner (starting from the
+    /// `remembered` read mode) whose reads go at `rate_of(mode)` bytes per
+    /// second until the read mode's choice settles; returns the mode of
+    /// each window and the tuner.
+    fn choose(
+        remembered: Option<RememberedRead>,
+        rate_of: impl Fn(ReadMode) -> f64,
+    ) -> (Vec<ReadMode>, Tuner) {
+        let mut now = Instant::now();
+        let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now).choosing_reads(remembered, u64::MAX);
+        let mut windows = Vec::new();
+        while tuner.mode.step != ModeStep::Settled && windows.len() < 16 {
+            let mode = tuner.read_mode();
+            if tuner.draining() {
+                // The engine's drain before each window of the trial: not measured.
+                assert_eq!(tuner.observe(WINDOW, now + Duration::from_secs(1)), 32);
+                tuner.flipped(now);
+            }
+            windows.push(mode);
+            now += Duration::from_secs_f64(WINDOW as f64 / rate_of(mode));
+            tuner.observe(WINDOW, now);
+        }
+        (windows, tuner)
+    }
+
+    use ReadMode::{Buffered, Direct};
+
+    #[test]
+    fn direct_reads_that_are_faster_are_kept_and_the_depth_climb_follows() {
+        let (windows, tuner) = choose(None, |mode| if mode == Direct { 1.5e9 } else { 1e9 });
+        assert_eq!(windows, [Direct, Direct, Buffered, Direct, Buffered]);
+        assert_eq!((tuner.kept_read_mode(), tuner.read_mode()), (Direct, Direct));
+        assert!(matches!(tuner.read_choice(), ReadChoice::Measured { recheck: None, .. }));
+        let read = tuner.read_to_remember().unwrap();
+        assert_eq!((read.mode, read.rate / 1_000_000), (Direct, 1500), "the kept mode's slower window");
+        assert!(tuner.moved(), "a measured mode is remembered");
+        assert_eq!(tuner.depth(), 32, "the depth's trial starts with a window at the kept depth");
+        assert_eq!(tuner.depth.trial, 64, "and no second warm-up");
+    }
+
+    #[test]
+    fn buffered_reads_that_are_clearly_faster_are_kept() {
+        // The H100 machine's disk: buffered readahead 1.46x direct.
+        let (windows, tuner) = choose(None, |mode| if mode == Buffered { 1.46e9 } else { 1e9 });
+        assert_eq!(windows, [Direct, Direct, Buffered, Direct, Buffered]);
+        assert_eq!((tuner.kept_read_mode(), tuner.read_mode()), (Buffered, Buffered));
+        let ReadChoice::Measured { direct, buffered, .. } = tuner.read_choice() else { panic!() };
+        assert_eq!(((direct / 1e6).round(), (buffered / 1e6).round()), (1000.0, 1460.0));
+        assert_eq!(tuner.read_to_remember().map(|read| read.mode), Some(Buffered));
+    }
+
+    #[test]
+    fn buffered_reads_only_a_little_faster_leave_the_reads_direct() {
+        let (_, tuner) = choose(None, |mode| if mode == Buffered { 1.05e9 } else { 1e9 });
+        assert_eq!(tuner.kept_read_mode(), Direct);
+    }
+
+    #[test]
+    fn a_remembered_mode_that_reads_as_fast_as_remembered_is_used_without_measuring() {
+        let remembered = RememberedRead { mode: Buffered, rate: 1_500_000_000 };
+        let (windows, tuner) = choose(Some(remembered), |mode| if mode == Buffered { 1.2e9 } else { 2e9 });
+        assert_eq!(windows, [Buffered, Buffered], "the warm-up and one window: no direct window");
+        assert_eq!((tuner.kept_read_mode(), tuner.read_choice()), (Buffered, ReadChoice::Remembered));
+        assert_eq!(tuner.read_to_remember(), Some(remembered));
+        assert!(!tuner.moved(), "nothing new to remember");
+    }
+
+    #[test]
+    fn a_remembered_mode_is_measured_again_after_a_clearly_slower_load() {
+        // Remembered buffered at 1.5 GB/s; now buffered reads 0.5, direct 1.
+        let remembered = RememberedRead { mode: Buffered, rate: 1_500_000_000 };
+        let (windows, tuner) = choose(Some(remembered), |mode| if mode == Buffered { 0.5e9 } else { 1e9 });
+        assert_eq!(windows, [Buffered, Buffered, Buffered, Direct, Buffered, Direct]);
+        assert_eq!(tuner.kept_read_mode(), Direct);
+        let ReadChoice::Measured { recheck, .. } = tuner.read_choice() else { panic!() };
+        assert_eq!(recheck.map(|(slow, was)| ((slow / 1e6).round(), was)), Some((500.0, 1.5e9)));
+        let read = tuner.read_to_remember().unwrap();
+        assert_eq!((read.mode, read.rate / 1_000_000), (Direct, 1000));
+    }
+
+    #[test]
+    fn waiting_for_memory_does_not_end_the_read_modes_trial() {
+        let now = Instant::now();
+        let mut tuner = Tuner::new(32, 1 << 20, 1 << 20, now).choosing_reads(None, u64::MAX);
+        tuner.observe(WINDOW, now + Duration::from_millis(10));
+        assert!(tuner.draining(), "the trial's first window starts from none in flight");
+        tuner.flipped(now + Duration::from_millis(11));
+        tuner.memory_bound();
+        tuner.observe(WINDOW, now + Duration::from_millis(20));
+        tuner.flipped(now + Duration::from_millis(21));
+        assert_eq!(tuner.read_mode(), Buffered, "the trial's buffered window");
+        tuner.memory_bound();
+        assert_eq!((tuner.read_mode(), tuner.mode.step), (Buffered, ModeStep::Trial));
+    }
+
+    #[test]
+    fn a_load_too_short_to_finish_the_choice_reads_without_measuring() {
+        let now = Instant::now();
+        // 32 requests of 4 MiB: the warm-up, four windows and the drain of
+        // 128 MiB in flight before each: 1152 MiB.
+        let short = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1151 << 20);
+        assert_eq!((short.read_mode(), short.read_choice()), (Direct, ReadChoice::NotChosen));
+        assert_eq!(short.mode.step, ModeStep::Settled);
+        let long = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1152 << 20);
+        assert_eq!(long.mode.step, ModeStep::WarmUp);
+        // A remembered mode is used; checked where two windows fit.
+        let remembered = Some(RememberedRead { mode: Buffered, rate: 1 << 30 });
+        let short = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(remembered, 200 << 20);
+        assert_eq!((short.read_mode(), short.read_choice()), (Buffered, ReadChoice::Remembered));
+        assert_eq!(short.mode.step, ModeStep::Settled);
+        let long = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(remembered, 256 << 20);
+        assert_eq!((long.read_mode(), long.mode.step), (Buffered, ModeStep::WarmUp));
+    }
+
+    #[test]
+    fn a_remembered_read_mode_is_read_back_and_old_lines_still_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tuning");
+        let old = "8:0 queue_depth=16\n259:3 queue_depth=32 request=4194304\n";
+        std::fs::write(&path, old).unwrap();
+        assert_eq!(
+            remembered(&path, device()),
+            Some(Remembered { depth: 32, request: Some(4 << 20), read: None })
+        );
+        let read = Some(RememberedRead { mode: Buffered, rate: 1_610_612_736 });
+        remember(&path, device(), Remembered { depth: 64, request: None, read }).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "8:0 queue_depth=16\n259:3 queue_depth=64 read=buffered read_rate=1610612736\n");
+        assert_eq!(remembered(&path, device()).unwrap().read, read);
+        // A later version's fields are skipped; a mode without its rate,
+        // or a mode not known, is not used.
+        let lines = "259:3 queue_depth=32 read=direct read_rate=5 later=x\n8:0 queue_depth=16 read=direct\n\
+                     8:1 queue_depth=16 read=sideways read_rate=5\n";
+        std::fs::write(&path, lines).unwrap();
+        assert_eq!(remembered(&path, device()).unwrap().read, Some(RememberedRead { mode: Direct, rate: 5 }));
+        assert_eq!(remembered(&path, Device { major: 8, minor: 0 }).unwrap().read, None);
+        assert_eq!(remembered(&path, Device { major: 8, minor: 1 }), None);
+    }
+
     fn device() -> Device {
         Device { major: 259, minor: 3 }
     }
@@ -621,10 +1049,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("missing/dir/tuning");
         assert_eq!(remembered(&path, device()), None);
-        let depth = |depth| Remembered { depth, request: None };
+        let depth = |depth| Remembered { depth, request: None, read: None };
         remember(&path, Device { major: 8, minor: 0 }, depth(16)).unwrap();
         remember(&path, device(), depth(32)).unwrap();
-        let tuned = Remembered { depth: 64, request: Some(4 << 20) };
+        let tuned = Remembered { depth: 64, request: Some(4 << 20), read: None };
         remember(&path, device(), tuned).unwrap();
         assert_eq!(remembered(&path, device()), Some(tuned));
         assert_eq!(remembered(&path, Device { major: 8, minor: 0 }), Some(depth(16)));
@@ -648,7 +1076,7 @@ mod tests {
         assert_eq!(remembered(&path, device()), None);
         std::fs::write(&path, [0xff, 0xfe, 0x00]).unwrap(); // not UTF-8
         assert_eq!(remembered(&path, device()), None);
-        remember(&path, device(), Remembered { depth: 16, request: None }).unwrap();
+        remember(&path, device(), Remembered { depth: 16, request: None, read: None }).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "259:3 queue_depth=16\n");
     }
 
@@ -659,7 +1087,7 @@ mod tests {
         // too, unlike a read-only directory; the CLI's test covers that).
         std::fs::write(dir.path().join("dmaload"), b"").unwrap();
         let path = dir.path().join("dmaload/tuning");
-        assert!(remember(&path, device(), Remembered { depth: 64, request: None }).is_err());
+        assert!(remember(&path, device(), Remembered { depth: 64, request: None, read: None }).is_err());
         assert_eq!(remembered(&path, device()), None);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file is left");
     }

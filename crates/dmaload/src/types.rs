@@ -104,8 +104,10 @@ impl CachePolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum IoMode {
-    /// Direct I/O where the filesystem supports it, else buffered reads that
-    /// leave nothing in the page cache.
+    /// Where the filesystem supports direct I/O, direct or buffered reads
+    /// that leave nothing in the page cache, whichever an io_uring load at
+    /// the default depth measures faster for the device (docs/cli.md;
+    /// direct for other loads); else such buffered reads.
     #[default]
     Auto,
     /// Direct I/O (O_DIRECT) or an error: no fallback.

@@ -30,8 +30,9 @@ class LoadOptions(TypedDict, total=False):
     """Keyword options of every load (all optional; the defaults are the core's).
 
     engine: how the file is read (default ``"uring-fixed"``).
-    mode: ``"auto"`` (direct I/O, else buffered without page-cache residue;
-        the default), ``"direct"`` (or an error), ``"buffered"`` or
+    mode: ``"auto"`` (direct or buffered without page-cache residue,
+        whichever measures faster for the device, ``LoadReport.read_choice``;
+        buffered where direct I/O is not possible; the default), ``"direct"`` (or an error), ``"buffered"`` or
         ``"dontcache"``.
     to: where the bytes go: ``"auto"`` (the default: the cheapest memory
         this kernel gives, huge pages where it allows; a memfd for

@@ -57,6 +57,10 @@ class LoadReport:
     """Bytes one read request asked for at most (``chunk_size`` unless tuned)."""
     tuning_windows: int = 0
     """Windows of 128 MiB the reads' tuning measured (0: not tuned)."""
+    read_choice: str = ""
+    """How an ``auto`` load chose direct or buffered reads (``cache`` says which):
+    ``"measured: direct R GiB/s, buffered ... R GiB/s"``, the same after
+    ``"re-measured, ..."``, ``"remembered"``, or ``""`` where nothing was chosen."""
     fallbacks: tuple[Fallback, ...] = ()
     alloc_seconds: float = 0.0
     register_seconds: float = 0.0

@@ -627,6 +627,20 @@ pub(crate) struct EngineParams {
     pub tune: Option<crate::tune::Device>,
     /// The request size remembered for that device, where one was.
     pub request_size: Option<usize>,
+    /// The buffered reads an `auto` load measures against direct ones,
+    /// where it does.
+    pub read_modes: Option<ReadModes>,
+}
+
+/// An `auto` load's choice of read mode, made by its tuner
+/// ([`crate::tune::Tuner::choosing_reads`]): direct reads (the setup's
+/// file has `O_DIRECT`), or buffered ones with the `buffered` policy
+/// (`RWF_DONTCACHE` where the filesystem has it), starting from the mode
+/// `remembered` for the device.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReadModes {
+    pub buffered: CachePolicy,
+    pub remembered: Option<crate::tune::RememberedRead>,
 }
 
 impl EngineParams {
@@ -671,13 +685,20 @@ pub(crate) struct Job<'a> {
     /// [`crate::tune::MAX_DEPTH`]).
     pub tune: bool,
     pub request_size: Option<usize>,
+    /// Where the tuner chooses between direct and buffered reads.
+    pub read_modes: Option<ReadModes>,
 }
 
 impl<'a> Job<'a> {
     /// Called once a request's data has all arrived: drops its whole chunk
     /// from the page cache when the policy says so.
     pub fn finish_request(&self, req: &Request) {
-        if let (CachePolicy::Fadvise, Input::File(file)) = (self.cache, self.input) {
+        // Buffered windows of an `auto` load with the fadvise policy drop
+        // their chunks too (for a chunk read direct, the advice finds
+        // nothing to drop).
+        let fadvise = self.cache == CachePolicy::Fadvise
+            || self.read_modes.is_some_and(|modes| modes.buffered == CachePolicy::Fadvise);
+        if let (true, Input::File(file)) = (fadvise, self.input) {
             let chunk = self.plan.chunk_request(self.plan.chunk_index(req.start));
             // Advice only: a failure leaves pages cached but loses no data.
             let _ = sys::file::fadvise(file, chunk.start, chunk.end - chunk.start, libc::POSIX_FADV_DONTNEED);

@@ -10,13 +10,15 @@
 //! placed, the memory's owner registered it once for many runs.
 
 use std::io;
+use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
 use super::{Engine, EngineResult, EngineRun, GatherTally, Job, Layout, RegisterAhead};
 use crate::error::Error;
 use crate::plan::{ReadOutcome, Request};
+use crate::sys;
 use crate::sys::uring::{Completion, Registrar, Ring, RingMemory};
-use crate::tune::Tuner;
+use crate::tune::{ReadMode, Tuner};
 use crate::types::Fallback;
 
 /// Runs the job's plan on `ring`. With `fixed`, the gathers are registered
@@ -40,7 +42,8 @@ pub(crate) fn run<M: RingMemory>(
     let mut next_chunk = 0;
     let mut retries: Vec<Request> = Vec::new();
     let mut completions: Vec<Completion> = Vec::with_capacity(job.queue_depth);
-    let rw_flags = job.cache.rw_flags();
+    // An `auto` load's reads flip between direct and buffered windows.
+    let mut direct = DirectFlag { file, direct: true };
     let range_of = |g| plan.gather_range(g);
     let mut inline = inline.as_ref().map(|r| RegisterAhead::new(job.gate, r, &range_of));
     // The gather the gate was last told the engine has reached.
@@ -48,6 +51,10 @@ pub(crate) fn run<M: RingMemory>(
     let mut tuner = job.tune.then(|| {
         let tuner =
             Tuner::new(job.queue_depth, job.request_size.unwrap_or(plan.chunk), plan.chunk, Instant::now());
+        let tuner = match job.read_modes {
+            Some(modes) => tuner.choosing_reads(modes.remembered, plan.data_end - plan.file_start),
+            None => tuner,
+        };
         match job.layout {
             Layout::Staged { slots, slot_len } => tuner.in_ring(slots * slot_len / plan.chunk),
             Layout::InPlace | Layout::Placed { .. } => tuner,
@@ -59,7 +66,7 @@ pub(crate) fn run<M: RingMemory>(
     // size smaller than the plan's chunk. The completion is read against
     // the whole request (`request_from` its start), so the rest is resumed
     // as after a short read, again at most `most` bytes at a time.
-    let queue = |ring: &mut Ring<M>, req: &Request, most: usize| -> io::Result<()> {
+    let queue = |ring: &mut Ring<M>, req: &Request, most: usize, rw_flags: i32| -> io::Result<()> {
         let g = plan.gather_of(req.start);
         let index = job.layout.buffer_index(job.gate, g);
         let slot = job.gate.is_registered(index.into()).then_some(index);
@@ -81,10 +88,33 @@ pub(crate) fn run<M: RingMemory>(
             return Err(job.cancelled(next));
         }
         let most = tuner.as_ref().map_or(usize::MAX, Tuner::request);
-        for req in retries.drain(..) {
-            queue(ring, &req, most).map_err(|e| job.transfer_error(req.start, e))?;
+        // An `auto` load's read mode flips once the reads in flight are
+        // done, so each window of the trial measures one mode from none in
+        // flight (the kernel would take either: it reads O_DIRECT from the
+        // file's flags each time it issues a read, a retry from its
+        // workers too, and every request is whole alignment blocks).
+        let mut rw_flags = job.cache.rw_flags();
+        let mut draining = false;
+        if let (Some(modes), Some(tuner)) = (job.read_modes, tuner.as_mut()) {
+            draining = tuner.draining() && ring.in_flight() > usize::from(wake_armed);
+            if !draining {
+                direct
+                    .set(tuner.read_mode() == ReadMode::Direct)
+                    .map_err(|e| Error::io("fcntl(O_DIRECT)", job.path, e))?;
+                if tuner.draining() {
+                    tuner.flipped(Instant::now());
+                }
+            }
+            if !direct.direct {
+                rw_flags = modes.buffered.rw_flags();
+            }
         }
-        while ring.in_flight() < depth && next_chunk < plan.chunk_count() {
+        if !draining {
+            for req in retries.drain(..) {
+                queue(ring, &req, most, rw_flags).map_err(|e| job.transfer_error(req.start, e))?;
+            }
+        }
+        while !draining && ring.in_flight() < depth && next_chunk < plan.chunk_count() {
             let req = plan.chunk_request(next_chunk);
             let g = plan.gather_of(req.start);
             if plan.in_cache_lane(g) {
@@ -112,7 +142,7 @@ pub(crate) fn run<M: RingMemory>(
                 }
                 run.waited_for_memory += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
             }
-            queue(ring, &req, most).map_err(|e| job.transfer_error(req.start, e))?;
+            queue(ring, &req, most, rw_flags).map_err(|e| job.transfer_error(req.start, e))?;
             next_chunk += 1;
         }
         if ring.in_flight() == usize::from(wake_armed) {
@@ -164,6 +194,32 @@ pub(crate) fn run<M: RingMemory>(
     }
     run.tuner = tuner;
     Ok(run)
+}
+
+/// Whether the load's own file description has `O_DIRECT` (see
+/// [`crate::source::ReadSetup`]): flipped between an `auto` load's
+/// windows, and set again when the engine returns, as its setup says.
+struct DirectFlag<'a> {
+    file: BorrowedFd<'a>,
+    direct: bool,
+}
+
+impl DirectFlag<'_> {
+    fn set(&mut self, direct: bool) -> io::Result<()> {
+        if direct != self.direct {
+            sys::file::set_direct(self.file, direct)?;
+            self.direct = direct;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DirectFlag<'_> {
+    fn drop(&mut self) {
+        // The flag was set on this description before: setting it again
+        // cannot meet a filesystem without direct I/O.
+        let _ = self.set(true);
+    }
 }
 
 /// The tag of the wake poll's completion (no read starts at this offset).

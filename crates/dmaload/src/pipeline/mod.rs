@@ -24,7 +24,9 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::engine::{self, EngineParams, EngineRun, Gate, Input, Job, Layout, Progress, RegisterAhead};
+use crate::engine::{
+    self, EngineParams, EngineRun, Gate, Input, Job, Layout, Progress, ReadModes, RegisterAhead,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Allocation, MemoryKind};
 use crate::object::Object;
@@ -169,14 +171,19 @@ fn prepare_engine<M: RingMemory>(
 
 /// The engine's parameters for a load with `options` through `setup`:
 /// direct reads by io_uring at the default depth are tuned
-/// ([`crate::tune`]), from the depth and request size remembered for the
-/// file's device.
+/// ([`crate::tune`]), from the depth, request size and read mode
+/// remembered for the file's device; in `auto` mode the tuner chooses
+/// between those direct reads and buffered ones.
 fn load_params(options: &LoadOptions, setup: &ReadSetup) -> EngineParams {
     let tuned = setup.cache == CachePolicy::Bypass
         && options.queue_depth == DEFAULT_QUEUE_DEPTH
         && matches!(options.engine, Engine::Uring | Engine::UringFixed);
     let tune = tuned.then(|| tune::Device::of(&setup.file).ok()).flatten();
     let remembered = tune.and_then(|device| tune::remembered(&tune::memory_file()?, device));
+    let read_modes = setup
+        .buffered
+        .filter(|_| tune.is_some())
+        .map(|buffered| ReadModes { buffered, remembered: remembered.and_then(|tuned| tuned.read) });
     EngineParams {
         engine: options.engine,
         queue_depth: remembered.map_or(options.queue_depth, |tuned| tuned.depth),
@@ -184,18 +191,26 @@ fn load_params(options: &LoadOptions, setup: &ReadSetup) -> EngineParams {
         cancel: options.cancel.clone(),
         tune,
         request_size: remembered.and_then(|tuned| tuned.request),
+        read_modes,
     }
 }
 
-/// After a load that tuned its reads: remembers the depth and request
-/// size it kept for the device when they are not the ones the load started
-/// from (a window measured them faster). The memory is a cache: a failure
-/// to write it (a read-only home, say) loses nothing.
+/// After a load that tuned its reads: remembers the depth, request size
+/// and read mode it kept for the device when they are not the ones the
+/// load started from (a window measured them faster), or the read modes
+/// were measured. The memory is a cache: a failure to write it (a
+/// read-only home, say) loses nothing.
 fn remember_tuned(params: &EngineParams, run: &EngineRun) {
     let (Some(device), Some(tuner)) = (params.tune, run.tuner.as_ref()) else { return };
     if tuner.moved() {
         if let Some(path) = tune::memory_file() {
-            let tuned = tune::Remembered { depth: tuner.kept(), request: tuner.tuned_request() };
+            let tuned = tune::Remembered {
+                depth: tuner.kept(),
+                request: tuner.tuned_request(),
+                // A load that chose no read mode (`--mode direct`) keeps
+                // the one an `auto` load measured.
+                read: tuner.read_to_remember().or_else(|| tune::remembered(&path, device)?.read),
+            };
             let _ = tune::remember(&path, device, tuned);
         }
     }
@@ -748,6 +763,7 @@ fn run_pipeline<M: RingMemory, T: Send>(
         queue_depth: params.queue_depth,
         tune: params.tune.is_some(),
         request_size: params.request_size,
+        read_modes: params.read_modes,
     };
     let mut fallbacks = Vec::new();
     let prepared = match transfer.input {

@@ -54,6 +54,7 @@ pub(super) fn object_params(options: &LoadOptions) -> EngineParams {
         cancel: options.cancel.clone(),
         tune: None,
         request_size: None,
+        read_modes: None,
     }
 }
 
@@ -242,6 +243,7 @@ impl<'a> Started<'a> {
             queue_depth: params.queue_depth,
             request_size: plan.chunk,
             tuning_windows: 0,
+            read_choice: String::new(),
             fallbacks: run.fallbacks,
             alloc_seconds: 0.0,
             register_seconds: 0.0,

@@ -13,6 +13,7 @@ use crate::pagecache;
 use crate::plan::Plan;
 use crate::report::LoadReport;
 use crate::source::{buffered, cache_name, choose_read_setup, no_residue_policy, ReadSetup, Source};
+use crate::tune::{ReadChoice, ReadMode, Tuner};
 use crate::types::{CachePolicy, Direction, Engine, Fallback, IoMode};
 use crate::{sys, system};
 
@@ -196,12 +197,13 @@ impl Opened<'_> {
             .flatten();
         let mut fallbacks = self.fallbacks;
         fallbacks.extend(run.fallbacks);
+        let (cache, read_choice) = read_kept(&self.setup, run.tuner.as_ref());
         Ok(LoadReport {
             path: path.to_owned(),
             offset: self.offset,
             bytes: self.len,
             engine: run.engine,
-            cache: self.setup.cache,
+            cache,
             memory: memory.kind,
             huge_pages: facts.huge_pages(memory.kind),
             destination: Destination::from(memory.kind).name(),
@@ -213,6 +215,7 @@ impl Opened<'_> {
             queue_depth: run.tuner.as_ref().map_or(options.queue_depth, |tuner| tuner.kept()),
             request_size: run.tuner.as_ref().map_or(plan.chunk, |tuner| tuner.kept_request()),
             tuning_windows: run.tuner.as_ref().map_or(0, |tuner| tuner.windows()),
+            read_choice,
             fallbacks,
             alloc_seconds: 0.0,
             register_seconds: 0.0,
@@ -230,4 +233,39 @@ impl Opened<'_> {
             page_cache,
         })
     }
+}
+
+/// How the reads treated the page cache (for an `auto` load whose tuner
+/// chose between direct and buffered reads, the mode it kept), and how that
+/// mode was chosen, in the report's words ([`LoadReport::read_choice`]).
+fn read_kept(setup: &ReadSetup, tuner: Option<&Tuner>) -> (CachePolicy, String) {
+    let (Some(buffered), Some(tuner)) = (setup.buffered, tuner) else {
+        return (setup.cache, String::new());
+    };
+    let cache = match tuner.kept_read_mode() {
+        ReadMode::Direct => setup.cache,
+        ReadMode::Buffered => buffered,
+    };
+    let gib = |rate: f64| rate / (1u64 << 30) as f64;
+    let words = match tuner.read_choice() {
+        ReadChoice::NotChosen => String::new(),
+        ReadChoice::Remembered => "remembered".to_owned(),
+        ReadChoice::Measured { direct, buffered: rate, recheck } => {
+            let measured = format!(
+                "measured: direct {:.2} GiB/s, {} {:.2} GiB/s",
+                gib(direct),
+                cache_name(buffered),
+                gib(rate)
+            );
+            match recheck {
+                Some((slow, was)) => format!(
+                    "re-measured, a window read {:.2} GiB/s against {:.2} remembered: {measured}",
+                    gib(slow),
+                    gib(was)
+                ),
+                None => measured,
+            }
+        }
+    };
+    (cache, words)
 }

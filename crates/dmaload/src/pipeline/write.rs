@@ -145,6 +145,7 @@ impl<'s> KeptWriteRing<'s> {
             queue_depth: params.queue_depth,
             tune: false,
             request_size: None,
+            read_modes: None,
         };
         if let Some(on_pool) = &self.on_pool {
             let mut run = engine::pool::run(&job, self.src, params.threads, Engine::PreadPool)?;

@@ -483,6 +483,7 @@ impl<'a> RunWriter<'a> {
             cancel: CancelToken::new(),
             tune: None,
             request_size: None,
+            read_modes: None,
         }
     }
 

@@ -84,6 +84,7 @@ pub fn handoff_report(
         queue_depth: options.queue_depth,
         request_size: options.chunk_size,
         tuning_windows: 0,
+        read_choice: String::new(),
         fallbacks: Vec::new(),
         alloc_seconds: 0.0,
         register_seconds: 0.0,

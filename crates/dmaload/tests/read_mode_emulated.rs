@@ -1,0 +1,101 @@
+//! The read-mode choice of an `auto` load on an emulated disk: a FUSE
+//! filesystem (`tests/support/rated_fuse.py`) that serves O_DIRECT reads
+//! at one rate and buffered reads at another (each READ request carries
+//! the file's flags), so each mode can be made the faster: the load keeps
+//! whichever is. The only test of this binary: it points `XDG_CACHE_HOME`
+//! at a scratch directory.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{scratch_dir, skip};
+use dmaload::{CachePolicy, LoadOptions};
+
+/// A mounted rated filesystem, unmounted on drop.
+struct RatedMount {
+    child: Child,
+    mountpoint: PathBuf,
+}
+
+impl Drop for RatedMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mountpoint).status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Mounts a file `data` of `size` zero bytes at `dir/name`, read direct
+/// at `direct` and buffered at `buffered` megabytes per second.
+fn mount_rated(dir: &Path, name: &str, size: u64, direct: f64, buffered: f64) -> Result<RatedMount, String> {
+    if !Path::new("/dev/fuse").exists() {
+        return Err("no /dev/fuse".into());
+    }
+    let probe = Command::new("python3").args(["-c", "import fuse"]).output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        return Err(
+            "python3 with fusepy and libfuse2 not installed (pip install fusepy; apt-get install libfuse2)"
+                .into(),
+        );
+    }
+    let mountpoint = dir.join(name);
+    std::fs::create_dir(&mountpoint).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/rated_fuse.py");
+    let child = Command::new("python3")
+        .arg(script)
+        .arg(&mountpoint)
+        .args([size.to_string(), direct.to_string(), buffered.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("starting python3: {e}"))?;
+    let mut mount = RatedMount { child, mountpoint };
+    let started = Instant::now();
+    while !mount.mountpoint.join("data").exists() {
+        if let Ok(Some(status)) = mount.child.try_wait() {
+            return Err(format!("FUSE server exited ({status}): mounting FUSE not permitted here?"));
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            return Err("FUSE mount did not appear within 20 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(mount)
+}
+
+#[test]
+fn on_an_emulated_disk_an_auto_load_keeps_the_read_mode_that_is_faster() {
+    let test = "on_an_emulated_disk_an_auto_load_keeps_the_read_mode_that_is_faster";
+    let dir = scratch_dir();
+    let cache = dir.path().join("cache");
+    std::env::set_var("XDG_CACHE_HOME", &cache);
+    // Chunks of 1 MiB: 32 MiB in flight before each of the trial's four
+    // windows of 128 MiB; past the warm-up, the windows and the drains.
+    let size = 900u64 << 20;
+    let options = LoadOptions { chunk_size: 1 << 20, ..LoadOptions::default() };
+    // (direct, buffered) megabytes per second, and the mode to keep.
+    for (name, direct, buffered) in [("direct-faster", 150.0, 50.0), ("buffered-faster", 50.0, 150.0)] {
+        let mount = match mount_rated(dir.path(), name, size, direct, buffered) {
+            Ok(mount) => mount,
+            Err(reason) => return skip(test, &reason),
+        };
+        // Measured afresh on each mount (a device number may come again).
+        let _ = std::fs::remove_file(cache.join("dmaload/tuning"));
+        let (buffer, report) = dmaload::load(mount.mountpoint.join("data"), &options).unwrap();
+        assert_eq!(buffer.len() as u64, size);
+        assert!(buffer.iter().all(|&b| b == 0), "{name}: bytes not loaded");
+        eprintln!("{name}: {:?}, {}", report.cache, report.read_choice);
+        if report.alignment == 1 {
+            return skip(test, &format!("no direct I/O on FUSE here: {:?}", report.fallbacks));
+        }
+        assert!(report.read_choice.starts_with("measured: direct "), "{name}: {report:#?}");
+        let kept_direct = report.cache == CachePolicy::Bypass;
+        assert_eq!(kept_direct, direct > buffered, "{name}: {report:#?}");
+        let tuning = std::fs::read_to_string(cache.join("dmaload/tuning")).unwrap();
+        let kept = if kept_direct { " read=direct " } else { " read=buffered " };
+        assert!(tuning.contains(kept), "{name}: {tuning}");
+    }
+}
