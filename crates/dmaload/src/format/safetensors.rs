@@ -517,7 +517,7 @@ const OBJECT_HEADER_PROBE: u64 = 1 << 20;
 
 /// [`read_header_of`] of an object (`s3://BUCKET/KEY`): its first bytes
 /// read with a ranged GET pinned to the ETag of the open (two GETs where
-/// the header is longer than [`OBJECT_HEADER_PROBE`]), checked as a
+/// the header is longer than 1 MiB), checked as a
 /// file's header. Where the data cannot be parsed from loaded bytes (a
 /// device's), this is how a model in object storage knows its tensors
 /// before any data is loaded.
