@@ -113,14 +113,18 @@ pub fn fadvise(fd: BorrowedFd<'_>, offset: u64, len: u64, advice: libc::c_int) -
 }
 
 /// Whether buffered reads of `fd` accept `RWF_DONTCACHE` (Linux 6.14, per
-/// filesystem): a one-byte `preadv2` at offset 0 with the flag, which fails
-/// with EOPNOTSUPP where it is not supported. An empty file reads 0 bytes
-/// either way, which still tells.
+/// filesystem): a one-byte `preadv2` with the flag, which fails with
+/// EOPNOTSUPP where it is not supported. It reads at the largest offset a
+/// file can have: the kernel checks the flag before the read, and the read
+/// past any file's end ends before it reaches the page cache, so the probe
+/// neither does I/O nor leaves a page (or a readahead window) cached.
 pub fn supports_dontcache(fd: BorrowedFd<'_>) -> bool {
     let mut byte = 0u8;
     let iov = libc::iovec { iov_base: (&mut byte as *mut u8).cast(), iov_len: 1 };
+    // The offset plus the length stays within i64, as the kernel requires.
+    let past_every_end = i64::MAX - 1;
     // SAFETY: the iovec points at one writable byte on this stack frame.
-    let ret = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, 0, libc::RWF_DONTCACHE) };
+    let ret = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, past_every_end, libc::RWF_DONTCACHE) };
     ret >= 0
 }
 
