@@ -670,6 +670,23 @@ fn a_small_load_to_cuda_pins_a_small_ring() {
     assert!(peak_mib < 256, "peak RSS {peak_mib} MiB for a 4 MiB load to cuda:0");
 }
 
+/// A 1 GiB file loaded to the device pins a ring of a quarter of it (16
+/// slots of 16 MiB), not the 512 MiB of a load of 2 GiB or more.
+#[test]
+fn a_load_of_a_1_gib_file_to_cuda_pins_a_quarter_of_it() {
+    let test = "a_load_of_a_1_gib_file_to_cuda_pins_a_quarter_of_it";
+    if let Err(reason) = cuda_driver::cuda_driver() {
+        return skip(test, &reason);
+    }
+    let dir = scratch();
+    let path = dir.path().join("sparse.bin");
+    std::fs::File::create(&path).unwrap().set_len(1 << 30).unwrap(); // holes read fast
+    let out = dmaload().args(["load", "--to", "cuda:0", "--json"]).arg(&path).output().unwrap();
+    let report = json_of(&out);
+    let destination = report["destination"].as_str().unwrap();
+    assert!(destination.ends_with("via staging ring (16 x 16777216 bytes)"), "{report}");
+}
+
 /// `DMALOAD_LIBCUDA` naming a file that is not there: the error names the
 /// variable and the file, not the usual driver advice.
 #[test]

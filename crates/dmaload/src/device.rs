@@ -141,27 +141,32 @@ fn load_device(
     Ok((LoadedDevice { memory, len }, report))
 }
 
-/// Slots of the staging ring for a range of `len` bytes: no more than the
-/// range fills (pinning costs time and memory for every slot: a 40 MiB file
-/// pins 3 slots, not 32), at least the 2 a ring needs, at most
-/// [`DEFAULT_SLOTS`].
+/// Slots of the staging ring for a range of `len` bytes: a quarter of the
+/// range, or all of it up to [`MIN_RING_SLOTS`] (pinning costs time and
+/// memory for every slot: a 40 MiB file pins 3 slots, a 1 GiB file 16, not
+/// 32), at least the 2 a ring needs, at most [`DEFAULT_SLOTS`].
 fn ring_slots(len: u64) -> usize {
-    let filled = len.div_ceil(DEFAULT_SLOT_SIZE as u64);
-    usize::try_from(filled).unwrap_or(DEFAULT_SLOTS).clamp(2, DEFAULT_SLOTS)
+    let filled = usize::try_from(len.div_ceil(DEFAULT_SLOT_SIZE as u64)).unwrap_or(usize::MAX);
+    filled.div_ceil(4).max(filled.min(MIN_RING_SLOTS)).clamp(2, DEFAULT_SLOTS)
 }
+
+/// Slots a range fills before the ring holds a quarter of it.
+const MIN_RING_SLOTS: usize = 8;
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn the_ring_has_no_more_slots_than_the_range_fills() {
+    fn the_ring_holds_a_quarter_of_the_range_or_what_a_small_one_fills() {
         let slot = DEFAULT_SLOT_SIZE as u64;
         assert_eq!(ring_slots(0), 2);
         assert_eq!(ring_slots(1), 2);
         assert_eq!(ring_slots(2 * slot + 1), 3);
         assert_eq!(ring_slots(40 << 20), 3);
-        assert_eq!(ring_slots(DEFAULT_SLOTS as u64 * slot), DEFAULT_SLOTS);
+        assert_eq!(ring_slots(8 * slot), 8);
+        assert_eq!(ring_slots(1 << 30), 16);
+        assert_eq!(ring_slots(4 * DEFAULT_SLOTS as u64 * slot), DEFAULT_SLOTS);
         assert_eq!(ring_slots(u64::MAX), DEFAULT_SLOTS);
     }
 }

@@ -47,8 +47,10 @@
 //! and times each window from there: every window of the trial starts
 //! with nothing in flight and pays its mode's ramp-up; timed from a
 //! mid-stream point instead, a burst of completions reaped together could
-//! make a window of a staging ring's large reads look instant), and
-//! buffered is kept only when its
+//! make a window of a staging ring's large reads look instant; and no
+//! more than [`TRIAL_IN_FLIGHT`] bytes are in flight while the mode is
+//! chosen, so a window is timed with the pipe full, not mostly filling
+//! it), and buffered is kept only when its
 //! slower window reads at least [`GAIN`] times faster than direct's faster
 //! one. The mode kept, and the rate of its slower window, are remembered
 //! beside the depth (`read=direct|buffered read_rate=BYTES_PER_SECOND`);
@@ -86,6 +88,13 @@ const MEMORY_LIMIT: u64 = 64 << 10;
 /// How much slower than remembered a load's window must read for the read
 /// mode to be measured again: clearly slower, not a disk's usual drift.
 const SLOWER: f64 = 1.5;
+/// The most bytes in flight while the read mode is chosen (its warm-up,
+/// check and trial windows): a quarter of a window, so each window is
+/// timed with the reads' pipe full for most of it. A staging ring's 32
+/// requests of 16 MiB would hold 512 MiB in flight, four windows: those
+/// complete in bursts (a disk serving them side by side finishes them
+/// together), and a window then times a ramp and a burst, not a rate.
+const TRIAL_IN_FLIGHT: usize = (WINDOW / 4) as usize;
 
 /// How an `auto` load's file reads go (see the module's comment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -539,7 +548,7 @@ impl Tuner {
     /// without it: a trial it cannot finish would cost its slower windows
     /// every time and remember nothing.
     pub fn choosing_reads(mut self, remembered: Option<RememberedRead>, bytes: u64) -> Tuner {
-        let in_flight = (self.depth.start * self.request.start) as u64;
+        let in_flight = (choosing_depth(self.depth.start, self.request.start) * self.request.start) as u64;
         let trials = TRIAL_WINDOWS as u64;
         let needed = match remembered {
             Some(_) => 2 * WINDOW,
@@ -587,9 +596,13 @@ impl Tuner {
         self.mode.to_remember()
     }
 
-    /// The depth to keep in flight now.
+    /// The depth to keep in flight now: while the read mode is chosen, no
+    /// more requests than [`TRIAL_IN_FLIGHT`] bytes allow.
     pub fn depth(&self) -> usize {
-        self.depth.value()
+        match self.mode.step {
+            ModeStep::Settled => self.depth.value(),
+            _ => choosing_depth(self.depth.value(), self.request()),
+        }
     }
 
     /// The most bytes one request may ask for now.
@@ -687,6 +700,13 @@ impl Tuner {
         }
         self.depth()
     }
+}
+
+/// The depth of `request`-byte reads while the read mode is chosen: at
+/// most `depth`, and no more than [`TRIAL_IN_FLIGHT`] bytes in flight (one
+/// request at least).
+fn choosing_depth(depth: usize, request: usize) -> usize {
+    depth.min(TRIAL_IN_FLIGHT / request.max(1)).max(1)
 }
 
 #[cfg(test)]
@@ -999,12 +1019,12 @@ mod tests {
     #[test]
     fn a_load_too_short_to_finish_the_choice_reads_without_measuring() {
         let now = Instant::now();
-        // 32 requests of 4 MiB: the warm-up, four windows and the drain of
-        // 128 MiB in flight before each: 1152 MiB.
-        let short = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1151 << 20);
+        // Requests of 4 MiB, 8 in flight while choosing: the warm-up, four
+        // windows and the drain of 32 MiB in flight before each: 768 MiB.
+        let short = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 767 << 20);
         assert_eq!((short.read_mode(), short.read_choice()), (Direct, ReadChoice::NotChosen));
         assert_eq!(short.mode.step, ModeStep::Settled);
-        let long = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 1152 << 20);
+        let long = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(None, 768 << 20);
         assert_eq!(long.mode.step, ModeStep::WarmUp);
         // A remembered mode is used; checked where two windows fit.
         let remembered = Some(RememberedRead { mode: Buffered, rate: 1 << 30 });
@@ -1013,6 +1033,30 @@ mod tests {
         assert_eq!(short.mode.step, ModeStep::Settled);
         let long = Tuner::new(32, 4 << 20, 4 << 20, now).choosing_reads(remembered, 256 << 20);
         assert_eq!((long.read_mode(), long.mode.step), (Buffered, ModeStep::WarmUp));
+    }
+
+    #[test]
+    fn a_staging_rings_large_reads_choose_the_read_mode_a_few_at_a_time() {
+        // The CLI's ring: 32 slots of 16 MiB. While the mode is chosen, two
+        // requests (32 MiB) in flight, so a window of 128 MiB is timed with
+        // the pipe full; the ring's depth once it is chosen.
+        let mut now = Instant::now();
+        let mut tuner = Tuner::new(32, 16 << 20, 16 << 20, now).choosing_reads(None, 1 << 30).in_ring(32);
+        assert_eq!(tuner.depth(), 2, "the warm-up");
+        for _ in 0..1 + TRIAL_WINDOWS {
+            if tuner.draining() {
+                assert_eq!(tuner.observe(32 << 20, now), 2, "the drain");
+                tuner.flipped(now);
+            }
+            assert_eq!(tuner.depth(), 2);
+            now += Duration::from_millis(100);
+            tuner.observe(WINDOW, now);
+        }
+        assert!(matches!(tuner.read_choice(), ReadChoice::Measured { .. }));
+        assert_eq!(tuner.depth(), 32, "the depth's trial starts at the ring's depth");
+        // A 1 GiB file finishes the choice; the drains take 128 MiB of it.
+        let short = Tuner::new(32, 16 << 20, 16 << 20, now).choosing_reads(None, 767 << 20).in_ring(32);
+        assert_eq!((short.depth(), short.read_choice()), (32, ReadChoice::NotChosen));
     }
 
     #[test]

@@ -20,7 +20,7 @@ fn an_auto_load_flipping_between_direct_and_buffered_windows_is_exact_and_rememb
     std::env::set_var("XDG_CACHE_HOME", &cache);
     let path = dir.path().join("weights");
     // Past the warm-up, the trial's four windows of 128 MiB and the reads
-    // in flight before each (not measured: 128 MiB at the default 32
+    // in flight before each (not measured: while the mode is chosen, 8
     // requests of 4 MiB), and not a whole
     // number of blocks: the last read ends past the end of the file.
     let size = (1280usize << 20) + 4097;

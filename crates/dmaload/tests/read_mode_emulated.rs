@@ -2,17 +2,27 @@
 //! filesystem (`tests/support/rated_fuse.py`) that serves O_DIRECT reads
 //! at one rate and buffered reads at another (each READ request carries
 //! the file's flags), so each mode can be made the faster: the load keeps
-//! whichever is. The only test of this binary: it points `XDG_CACHE_HOME`
-//! at a scratch directory.
+//! whichever is, in place and through the staging ring of a load to
+//! `cuda:0` (on the CUDA emulator). The tests point `XDG_CACHE_HOME` at a
+//! scratch directory, one at a time.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::{scratch_dir, skip};
-use dmaload::{CachePolicy, LoadOptions};
+use dmaload::{CachePolicy, Destination, LoadOptions, LoadReport, LoadRequest, Loaded};
+
+/// Held by each test: one `XDG_CACHE_HOME` at a time.
+static CACHE_HOME: Mutex<()> = Mutex::new(());
+
+/// The byte the rated filesystem serves at `offset`.
+fn rated_byte(offset: u64) -> u8 {
+    (offset % 251) as u8
+}
 
 /// A mounted rated filesystem, unmounted on drop.
 struct RatedMount {
@@ -28,7 +38,7 @@ impl Drop for RatedMount {
     }
 }
 
-/// Mounts a file `data` of `size` zero bytes at `dir/name`, read direct
+/// Mounts a file `data` of `size` bytes ([`rated_byte`]) at `dir/name`, read direct
 /// at `direct` and buffered at `buffered` megabytes per second.
 fn mount_rated(dir: &Path, name: &str, size: u64, direct: f64, buffered: f64) -> Result<RatedMount, String> {
     if !Path::new("/dev/fuse").exists() {
@@ -69,6 +79,7 @@ fn mount_rated(dir: &Path, name: &str, size: u64, direct: f64, buffered: f64) ->
 #[test]
 fn on_an_emulated_disk_an_auto_load_keeps_the_read_mode_that_is_faster() {
     let test = "on_an_emulated_disk_an_auto_load_keeps_the_read_mode_that_is_faster";
+    let _one = CACHE_HOME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = scratch_dir();
     let cache = dir.path().join("cache");
     std::env::set_var("XDG_CACHE_HOME", &cache);
@@ -86,16 +97,65 @@ fn on_an_emulated_disk_an_auto_load_keeps_the_read_mode_that_is_faster() {
         let _ = std::fs::remove_file(cache.join("dmaload/tuning"));
         let (buffer, report) = dmaload::load(mount.mountpoint.join("data"), &options).unwrap();
         assert_eq!(buffer.len() as u64, size);
-        assert!(buffer.iter().all(|&b| b == 0), "{name}: bytes not loaded");
-        eprintln!("{name}: {:?}, {}", report.cache, report.read_choice);
+        assert!(
+            buffer.iter().enumerate().all(|(i, &b)| b == rated_byte(i as u64)),
+            "{name}: bytes not loaded"
+        );
         if report.alignment == 1 {
             return skip(test, &format!("no direct I/O on FUSE here: {:?}", report.fallbacks));
         }
-        assert!(report.read_choice.starts_with("measured: direct "), "{name}: {report:#?}");
-        let kept_direct = report.cache == CachePolicy::Bypass;
-        assert_eq!(kept_direct, direct > buffered, "{name}: {report:#?}");
-        let tuning = std::fs::read_to_string(cache.join("dmaload/tuning")).unwrap();
-        let kept = if kept_direct { " read=direct " } else { " read=buffered " };
-        assert!(tuning.contains(kept), "{name}: {tuning}");
+        assert_kept_faster(name, &report, direct > buffered, &cache);
+    }
+}
+
+/// Checks that `report`'s load measured both read modes and kept direct
+/// reads when `direct_faster`, else buffered, and remembered that mode.
+fn assert_kept_faster(name: &str, report: &LoadReport, direct_faster: bool, cache: &Path) {
+    eprintln!("{name}: {:?}, {}", report.cache, report.read_choice);
+    assert!(report.read_choice.starts_with("measured: direct "), "{name}: {report:#?}");
+    let kept_direct = report.cache == CachePolicy::Bypass;
+    assert_eq!(kept_direct, direct_faster, "{name}: {report:#?}");
+    let tuning = std::fs::read_to_string(cache.join("dmaload/tuning")).unwrap();
+    let kept = if kept_direct { " read=direct " } else { " read=buffered " };
+    assert!(tuning.contains(kept), "{name}: {tuning}");
+}
+
+#[test]
+fn on_an_emulated_disk_a_load_to_cuda_keeps_the_read_mode_that_is_faster() {
+    // A load to cuda:0 reads through the CLI's staging ring, 32 slots of
+    // 16 MiB: a file of 1 GiB, as users load, is long enough to choose.
+    let test = "on_an_emulated_disk_a_load_to_cuda_keeps_the_read_mode_that_is_faster";
+    let _one = CACHE_HOME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Err(reason) = common::cuda_driver() {
+        return skip(test, &reason);
+    }
+    let dir = scratch_dir();
+    let cache = dir.path().join("cache");
+    std::env::set_var("XDG_CACHE_HOME", &cache);
+    let size = 1u64 << 30;
+    let options = LoadOptions { to: Destination::Cuda(0), ..LoadOptions::default() };
+    for (name, direct, buffered) in [("direct-faster", 150.0, 50.0), ("buffered-faster", 50.0, 150.0)] {
+        let mount = match mount_rated(dir.path(), name, size, direct, buffered) {
+            Ok(mount) => mount,
+            Err(reason) => return skip(test, &reason),
+        };
+        let _ = std::fs::remove_file(cache.join("dmaload/tuning"));
+        let path = mount.mountpoint.join("data");
+        let (loaded, report) = LoadRequest::path(&path).options(&options).load().unwrap();
+        let Loaded::Device(device) = loaded else { panic!("{name}: not loaded to the device") };
+        assert_eq!(device.len, size);
+        let mut at = 0u64;
+        device
+            .read_each(|bytes| {
+                let wrong = bytes.iter().enumerate().position(|(i, &b)| b != rated_byte(at + i as u64));
+                assert!(wrong.is_none(), "{name}: byte {} differs", at + wrong.unwrap() as u64);
+                at += bytes.len() as u64;
+            })
+            .unwrap();
+        assert_eq!(at, size);
+        if report.alignment == 1 {
+            return skip(test, &format!("no direct I/O on FUSE here: {:?}", report.fallbacks));
+        }
+        assert_kept_faster(name, &report, direct > buffered, &cache);
     }
 }

@@ -1,4 +1,5 @@
-"""A read-only FUSE filesystem with one file, `data`, of SIZE zero bytes,
+"""A read-only FUSE filesystem with one file, `data`, of SIZE bytes (the
+byte at offset N is N % 251, so a load is checked byte for byte),
 that serves O_DIRECT reads at DIRECT_MBPS and buffered ones at
 BUFFERED_MBPS (megabytes per second, each a budget shared by that mode's
 reads in flight): an emulated disk on which one read mode is the faster,
@@ -17,6 +18,11 @@ import threading
 import time
 
 from fuse import FUSE, FuseOSError, Operations
+
+
+CYCLE = 251
+# Enough cycles for the reads FUSE hands the server (128 KiB to 1 MiB) from any offset.
+PATTERN = bytes(range(CYCLE)) * ((2 << 20) // CYCLE + 2)
 
 
 class Rated(Operations):
@@ -48,7 +54,9 @@ class Rated(Operations):
             done = max(now, self.free_at[direct]) + max(0, end - offset) / self.rate[direct]
             self.free_at[direct] = done
         time.sleep(max(0.0, done - time.monotonic()))
-        return bytes(max(0, end - offset))
+        start, n = offset % CYCLE, max(0, end - offset)
+        pattern = PATTERN if start + n <= len(PATTERN) else bytes(range(CYCLE)) * (n // CYCLE + 2)
+        return pattern[start : start + n]
 
 
 if __name__ == "__main__":
