@@ -228,6 +228,8 @@ pub(crate) fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue
                 Some((name, value))
             })
             .collect();
+        // The ring's ceiling: a load pins fewer slots for less data
+        // (dmaload::device::staging_ring_slots).
         all.insert("staging_slots", DefaultValue::Number(dmaload::sink::DEFAULT_SLOTS));
         all.insert("staging_slot_size", DefaultValue::Number(dmaload::sink::DEFAULT_SLOT_SIZE));
         Ok(all)

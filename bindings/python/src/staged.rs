@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
 use dmaload::object::Object;
-use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
+use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, DEFAULT_SLOT_SIZE};
 use dmaload::{LoadRequest, OpenFile, RawBytesMut};
 
 use crate::options::FileArg;
@@ -272,7 +272,8 @@ pub fn _load_staged(
         // GETs keep fewer slots busy than a disk's reads: the core's ring
         // for objects, its requests of the core's size.
         None if objects => dmaload::object_ring_slots(&options, slot_size),
-        None => DEFAULT_SLOTS,
+        // A quarter of the data, as the core's loads to a device pin.
+        None => dmaload::device::staging_ring_slots(files.iter().map(|f| f.get().data_len).sum(), slot_size),
     };
     // One read per slot and every slot in flight, unless asked otherwise.
     if !opts.given("chunk_size") && !objects {

@@ -47,6 +47,7 @@ dptr = ctypes.c_ulonglong()
 check(cuda.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(n)))
 ring = {"staging_slots": 2, "staging_slot_size": 65536, "chunk_size": 65536}
 ring.update(json.loads(os.environ.get("CHILD_OPTIONS", "{}")))
+ring = {name: value for name, value in ring.items() if value is not None}
 try:
     _dmaload._load_staged([file], [dptr.value], 0, options=ring)
 except OSError as err:
@@ -98,6 +99,13 @@ def _child(emulator: str, model: Path, faults: str = "", options: str = "{}") ->
 def test_a_staged_load_to_emulated_device_memory_is_bit_exact(emulator: str, model: Path) -> None:
     out = _child(emulator, model)
     assert "OK\n" in out and "KEPT 131072" in out, out
+
+
+def test_the_ring_holds_a_quarter_of_the_data_as_the_cores_device_loads_do(emulator: str, model: Path) -> None:
+    # 600 KiB of data in 64 KiB slots fills 10: a quarter is 3, so the
+    # ring's floor of 8 slots applies (not the 32 it pinned whatever the size).
+    out = _child(emulator, model, options='{"staging_slots": null}')
+    assert "OK\n" in out and f"KEPT {8 * 65536}" in out, out
 
 
 def test_a_sticky_device_error_fails_the_load_and_the_ring_is_not_kept(emulator: str, model: Path) -> None:

@@ -55,7 +55,8 @@ def test_option_names_and_defaults_are_the_cores() -> None:
         "128 MiB and 4 MiB",
         "default 32)",
         "default 8)",
-        "32 slots of 16 MiB",
+        "slots of 16 MiB",
+        "at most 32)",
         "default ``False``",
     )
     for text in promised:

@@ -63,9 +63,14 @@ pub(crate) fn load_open_device(
     if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
         options.chunk_size = DEFAULT_SLOT_SIZE;
     }
-    load_device(path, (offset, len), ordinal, ring_slots(len), &options, |ring, sink| {
-        load_open_to_sink(file, offset, Some(len), ring, sink, &options)
-    })
+    load_device(
+        path,
+        (offset, len),
+        ordinal,
+        staging_ring_slots(len, DEFAULT_SLOT_SIZE),
+        &options,
+        |ring, sink| load_open_to_sink(file, offset, Some(len), ring, sink, &options),
+    )
 }
 
 /// Loads `len` bytes (to the end when `None`) from `offset` of `object`
@@ -86,7 +91,8 @@ pub(crate) fn load_object_device(
     let path = object.name();
     let len = range_within(object.size, "object", path, offset, len)?;
     let expected = object_expected(object, offset, Some(len), options)?;
-    let slots = ring_slots(len).min(object_ring_slots(options, DEFAULT_SLOT_SIZE)).max(2);
+    let slots =
+        staging_ring_slots(len, DEFAULT_SLOT_SIZE).min(object_ring_slots(options, DEFAULT_SLOT_SIZE)).max(2);
     load_device(path, (offset, len), ordinal, slots, options, |ring, sink| {
         stage_object(object, offset, Some(len), ring, sink, (options, expected.as_ref()))
     })
@@ -141,12 +147,14 @@ fn load_device(
     Ok((LoadedDevice { memory, len }, report))
 }
 
-/// Slots of the staging ring for a range of `len` bytes: a quarter of the
-/// range, or all of it up to [`MIN_RING_SLOTS`] (pinning costs time and
-/// memory for every slot: a 40 MiB file pins 3 slots, a 1 GiB file 16, not
-/// 32), at least the 2 a ring needs, at most [`DEFAULT_SLOTS`].
-fn ring_slots(len: u64) -> usize {
-    let filled = usize::try_from(len.div_ceil(DEFAULT_SLOT_SIZE as u64)).unwrap_or(usize::MAX);
+/// Slots of `slot_len` bytes in the staging ring of a device load of `len`
+/// bytes: a quarter of the range, or all of it up to [`MIN_RING_SLOTS`]
+/// (pinning costs time and memory for every slot: with 16 MiB slots a
+/// 40 MiB file pins 3, a 1 GiB file 16, not 32), at least the 2 a ring
+/// needs, at most [`DEFAULT_SLOTS`]. The CLI's, C's and Python's loads to
+/// `cuda:N` all size their ring with it.
+pub fn staging_ring_slots(len: u64, slot_len: usize) -> usize {
+    let filled = usize::try_from(len.div_ceil(slot_len.max(1) as u64)).unwrap_or(usize::MAX);
     filled.div_ceil(4).max(filled.min(MIN_RING_SLOTS)).clamp(2, DEFAULT_SLOTS)
 }
 
@@ -160,13 +168,15 @@ mod tests {
     #[test]
     fn the_ring_holds_a_quarter_of_the_range_or_what_a_small_one_fills() {
         let slot = DEFAULT_SLOT_SIZE as u64;
-        assert_eq!(ring_slots(0), 2);
-        assert_eq!(ring_slots(1), 2);
-        assert_eq!(ring_slots(2 * slot + 1), 3);
-        assert_eq!(ring_slots(40 << 20), 3);
-        assert_eq!(ring_slots(8 * slot), 8);
-        assert_eq!(ring_slots(1 << 30), 16);
-        assert_eq!(ring_slots(4 * DEFAULT_SLOTS as u64 * slot), DEFAULT_SLOTS);
-        assert_eq!(ring_slots(u64::MAX), DEFAULT_SLOTS);
+        assert_eq!(staging_ring_slots(0, DEFAULT_SLOT_SIZE), 2);
+        assert_eq!(staging_ring_slots(1, DEFAULT_SLOT_SIZE), 2);
+        assert_eq!(staging_ring_slots(2 * slot + 1, DEFAULT_SLOT_SIZE), 3);
+        assert_eq!(staging_ring_slots(40 << 20, DEFAULT_SLOT_SIZE), 3);
+        assert_eq!(staging_ring_slots(8 * slot, DEFAULT_SLOT_SIZE), 8);
+        assert_eq!(staging_ring_slots(1 << 30, DEFAULT_SLOT_SIZE), 16);
+        assert_eq!(staging_ring_slots(4 * DEFAULT_SLOTS as u64 * slot, DEFAULT_SLOT_SIZE), DEFAULT_SLOTS);
+        assert_eq!(staging_ring_slots(u64::MAX, DEFAULT_SLOT_SIZE), DEFAULT_SLOTS);
+        // Python's staged loads may choose another slot size.
+        assert_eq!(staging_ring_slots(600 << 10, 64 << 10), 8);
     }
 }

@@ -69,8 +69,9 @@ class LoadOptions(TypedDict, total=False):
         data are both checked); a part of a file is refused (``EINVAL``)
         before anything is read. With ``cache=`` the file is loaded directly.
     staging_slots, staging_slot_size: the pinned staging ring of a device
-        load (``device="cuda:N"``; default 32 slots of 16 MiB, one read
-        each); host loads ignore them.
+        load (``device="cuda:N"``; default slots of 16 MiB, one read each,
+        holding a quarter of the data: at least 8, or as many as the data
+        fills, and at most 32); host loads ignore them.
     """
 
     engine: Engine
