@@ -148,7 +148,7 @@ fn load_device(
 }
 
 /// Slots of `slot_len` bytes in the staging ring of a device load of `len`
-/// bytes: a quarter of the range, or all of it up to [`MIN_RING_SLOTS`]
+/// bytes: a quarter of the range, or all of it up to 8 slots
 /// (pinning costs time and memory for every slot: with 16 MiB slots a
 /// 40 MiB file pins 3, a 1 GiB file 16, not 32), at least the 2 a ring
 /// needs, at most [`DEFAULT_SLOTS`]. The CLI's, C's and Python's loads to
