@@ -113,18 +113,7 @@ fn load_device(
 ) -> Result<(LoadedDevice, LoadReport)> {
     let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
     let context = Context::primary(ordinal).map_err(cuda("open the CUDA device"))?;
-    let (free, _) = context.mem_info().map_err(cuda("cuMemGetInfo"))?;
-    if len > free as u64 {
-        return Err(Error::new(
-            ErrorKind::OutOfMemory,
-            "load",
-            path,
-            format!("needs {len} bytes on cuda:{ordinal} but only {free} are free"),
-        ));
-    }
-    let bytes =
-        usize::try_from(len).map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "too large"))?;
-    let mut memory = DeviceBuffer::new(&context, bytes).map_err(cuda("cuMemAlloc"))?;
+    let mut memory = allocate(&context, ordinal, len, path)?;
     let ring_started = std::time::Instant::now();
     let device = Some((ordinal, &context));
     let mut ring = take_ring(device, slots, DEFAULT_SLOT_SIZE, options.chunk_size)
@@ -145,6 +134,25 @@ fn load_device(
     report.destination =
         format!("cuda:{ordinal} ({}) via {}", context.device_name().unwrap_or_default(), report.destination);
     Ok((LoadedDevice { memory, len }, report))
+}
+
+/// `len` bytes of device memory on `context` (device `ordinal`) for a load
+/// of `path`, after the one check that they fit in what the device has
+/// free: an `OutOfMemory` error naming both, before anything is allocated.
+pub(crate) fn allocate(context: &Context, ordinal: usize, len: u64, path: &Path) -> Result<DeviceBuffer> {
+    let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
+    let (free, _) = context.mem_info().map_err(cuda("cuMemGetInfo"))?;
+    if len > free as u64 {
+        return Err(Error::new(
+            ErrorKind::OutOfMemory,
+            "load",
+            path,
+            format!("needs {len} bytes on cuda:{ordinal} but only {free} are free"),
+        ));
+    }
+    let bytes =
+        usize::try_from(len).map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "too large"))?;
+    DeviceBuffer::new(context, bytes).map_err(cuda("cuMemAlloc"))
 }
 
 /// Slots of `slot_len` bytes in the staging ring of a device load of `len`

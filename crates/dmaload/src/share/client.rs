@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use crate::buffer::Buffer;
 use crate::cancel::CancelToken;
-use crate::cuda::{Context, CudaError, DeviceBuffer};
-use crate::device::{load_open_device, LoadedDevice};
+use crate::cuda::{Context, CudaError};
+use crate::device::{allocate, load_open_device, LoadedDevice};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{LoadOptions, LoadReport, LoadRequest};
 use crate::share::protocol::{self, DeviceTarget, Reply, Request, Served, Status, DEVICE_UNREACHABLE_OPS};
@@ -503,19 +503,8 @@ fn device_from_service(
     };
     let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
     let context = Context::primary(ordinal).map_err(cuda("open the CUDA device"))?;
-    let (free, _) = context.mem_info().map_err(cuda("cuMemGetInfo"))?;
     let len = meta.len();
-    if len > free as u64 {
-        return Err(Error::new(
-            ErrorKind::OutOfMemory,
-            "load",
-            path,
-            format!("needs {len} bytes on cuda:{ordinal} but only {free} are free"),
-        ));
-    }
-    let bytes =
-        usize::try_from(len).map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "too large"))?;
-    let memory = DeviceBuffer::new(&context, bytes).map_err(cuda("cuMemAlloc"))?;
+    let memory = allocate(&context, ordinal, len, path)?;
     let handle = match memory.ipc_handle() {
         Ok(handle) => handle,
         Err(err) => return Ok(Err(format!("the device memory cannot be shared with the service: {err}"))),
