@@ -6,65 +6,21 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
+use common::fuse::{self, FuseMount};
 use common::{scratch_dir, skip};
 use dmaload::{Engine, ErrorKind, LoadOptions};
 
-/// A mounted faulty filesystem, unmounted on drop.
-struct FaultyMount {
-    child: Child,
-    mountpoint: PathBuf,
-}
-
-impl Drop for FaultyMount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.mountpoint).status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Mounts a file `data` of `size` zero bytes whose reads fail over
 /// `bad_offset`, with `blksize` as its block size.
-fn mount_faulty(dir: &Path, size: u64, bad_offset: u64, blksize: usize) -> Result<FaultyMount, String> {
-    if !Path::new("/dev/fuse").exists() {
-        return Err("no /dev/fuse".into());
-    }
-    let probe = Command::new("python3").args(["-c", "import fuse"]).output();
-    if !probe.is_ok_and(|o| o.status.success()) {
-        return Err(
-            "python3 with fusepy and libfuse2 not installed (pip install fusepy; apt-get install libfuse2)"
-                .into(),
-        );
-    }
-    let mountpoint = dir.join("mnt");
-    std::fs::create_dir(&mountpoint).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/faulty_fuse.py");
-    let child = Command::new("python3")
-        .arg(script)
-        .arg(&mountpoint)
-        .arg(size.to_string())
-        .arg(bad_offset.to_string())
-        .arg(blksize.to_string())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("starting python3: {e}"))?;
-    let mut mount = FaultyMount { child, mountpoint };
-    let started = Instant::now();
-    while !mount.mountpoint.join("data").exists() {
-        if let Ok(Some(status)) = mount.child.try_wait() {
-            return Err(format!("FUSE server exited ({status}): mounting FUSE not permitted here?"));
-        }
-        if started.elapsed() > Duration::from_secs(20) {
-            return Err("FUSE mount did not appear within 20 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(mount)
+fn mount_faulty(dir: &Path, size: u64, bad_offset: u64, blksize: usize) -> Result<FuseMount, String> {
+    fuse::mount(
+        dir,
+        "mnt",
+        "faulty_fuse.py",
+        &[size.to_string(), bad_offset.to_string(), blksize.to_string()],
+    )
 }
 
 #[test]

@@ -8,11 +8,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
+use common::fuse::{self, FuseMount};
 use common::{scratch_dir, skip};
 use dmaload::{CachePolicy, Destination, LoadOptions, LoadReport, LoadRequest, Loaded};
 
@@ -24,56 +23,10 @@ fn rated_byte(offset: u64) -> u8 {
     (offset % 251) as u8
 }
 
-/// A mounted rated filesystem, unmounted on drop.
-struct RatedMount {
-    child: Child,
-    mountpoint: PathBuf,
-}
-
-impl Drop for RatedMount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.mountpoint).status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Mounts a file `data` of `size` bytes ([`rated_byte`]) at `dir/name`, read direct
 /// at `direct` and buffered at `buffered` megabytes per second.
-fn mount_rated(dir: &Path, name: &str, size: u64, direct: f64, buffered: f64) -> Result<RatedMount, String> {
-    if !Path::new("/dev/fuse").exists() {
-        return Err("no /dev/fuse".into());
-    }
-    let probe = Command::new("python3").args(["-c", "import fuse"]).output();
-    if !probe.is_ok_and(|o| o.status.success()) {
-        return Err(
-            "python3 with fusepy and libfuse2 not installed (pip install fusepy; apt-get install libfuse2)"
-                .into(),
-        );
-    }
-    let mountpoint = dir.join(name);
-    std::fs::create_dir(&mountpoint).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/rated_fuse.py");
-    let child = Command::new("python3")
-        .arg(script)
-        .arg(&mountpoint)
-        .args([size.to_string(), direct.to_string(), buffered.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("starting python3: {e}"))?;
-    let mut mount = RatedMount { child, mountpoint };
-    let started = Instant::now();
-    while !mount.mountpoint.join("data").exists() {
-        if let Ok(Some(status)) = mount.child.try_wait() {
-            return Err(format!("FUSE server exited ({status}): mounting FUSE not permitted here?"));
-        }
-        if started.elapsed() > Duration::from_secs(20) {
-            return Err("FUSE mount did not appear within 20 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(mount)
+fn mount_rated(dir: &Path, name: &str, size: u64, direct: f64, buffered: f64) -> Result<FuseMount, String> {
+    fuse::mount(dir, name, "rated_fuse.py", &[size.to_string(), direct.to_string(), buffered.to_string()])
 }
 
 #[test]

@@ -170,6 +170,7 @@ pub fn is_root() -> bool {
 }
 
 mod cuda_driver;
+pub mod fuse;
 pub mod reachable;
 #[allow(unused_imports)] // each test binary uses a different subset
 pub use cuda_driver::{cuda_driver, installed_libcuda_loads};
