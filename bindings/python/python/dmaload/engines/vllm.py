@@ -57,7 +57,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
 from .. import _dmaload
-from ..safetensors import iter_tensors
+from ..safetensors import _is_object_url, iter_tensors
 from ._weights import EarlyRead, EngineKeys, LoaderConfig, start_early, weights, world_device_group
 
 __all__ = ["LOAD_FORMAT", "VLLM_KEYS", "DmaloadModelLoader", "register"]
@@ -306,11 +306,6 @@ def _device() -> torch.device:
     if current_platform.is_cpu() or current_platform.is_unspecified():
         return torch.device("cpu")
     return torch.device(current_platform.current_device())
-
-
-def _is_object_url(path: object) -> bool:
-    """Whether ``path`` names an object (``s3://...``), as the core says."""
-    return isinstance(path, str) and path.startswith("s3://")
 
 
 class _WeightsAt:
