@@ -5,6 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# What loads remember between runs (tuned depths, the read mode kept per
+# device, the memory probe, the demo's sample) goes to a scratch directory:
+# the suite neither starts from what the user's own loads remembered (a
+# device remembered as faster buffered would change what tests see) nor
+# rewrites it.
+DMALOAD_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/dmaload-test-cache.XXXXXX")"
+export DMALOAD_CACHE_DIR
+trap 'rm -rf "$DMALOAD_CACHE_DIR"' EXIT
+
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 # Broken or private intra-doc links; --release reuses the dependencies

@@ -68,7 +68,7 @@ def test_a_load_without_options_uses_the_cores_defaults(
 ) -> None:
     path, _ = data_file
     # No depth remembered for the disk (a direct load would start there).
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("DMALOAD_CACHE_DIR", str(tmp_path / "cache"))
     defaults = _dmaload._option_defaults()
     with dmaload.load(path) as buf:
         report = buf.report

@@ -117,17 +117,10 @@ pub fn write_model(path: &Path, target_bytes: u64) -> io::Result<u64> {
     Ok(8 + header.len() as u64 + data_len)
 }
 
-/// The cache directory: $DMALOAD_CACHE_DIR, else $XDG_CACHE_HOME/dmaload,
-/// else ~/.cache/dmaload.
+/// The cache directory ([`dmaload::user_cache::dir`]), else
+/// `dmaload` in the temporary directory when no variable names one.
 pub fn default_cache_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("DMALOAD_CACHE_DIR") {
-        return dir.into();
-    }
-    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(dir).join("dmaload");
-    }
-    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
-    PathBuf::from(home).join(".cache").join("dmaload")
+    dmaload::user_cache::dir().unwrap_or_else(|| std::env::temp_dir().join("dmaload"))
 }
 
 /// The sample model of about `target_bytes` in `dir`, generated on first use.

@@ -244,7 +244,12 @@ fn to_names_the_destination_and_its_defaults_are_the_cores() {
     // (or a recorded probe) gives a load that needs no fd, with its reason.
     let cache = scratch();
     let report = json_of(
-        &dmaload().args(["load", "--json"]).arg(&path).env("XDG_CACHE_HOME", cache.path()).output().unwrap(),
+        &dmaload()
+            .args(["load", "--json"])
+            .arg(&path)
+            .env("DMALOAD_CACHE_DIR", cache.path())
+            .output()
+            .unwrap(),
     );
     let mut facts = dmaload::memory::MemoryFacts::read();
     facts.probe = None;
@@ -301,7 +306,7 @@ fn a_direct_load_starts_from_the_depth_remembered_for_its_device_and_reports_it(
     let key = format!("{}:{}", libc::major(dev), libc::minor(dev));
     let direct = |cmd: &mut Command, cache: &Path, depth: &[&str]| {
         let cmd = cmd.args(["load", "--json", "--hash", "--mode", "direct"]).args(depth).arg(&path);
-        json_of(&cmd.env("XDG_CACHE_HOME", cache).output().unwrap())
+        json_of(&cmd.env_remove("DMALOAD_CACHE_DIR").env("XDG_CACHE_HOME", cache).output().unwrap())
     };
     let fresh = dir.path().join("fresh-cache");
     let report = direct(&mut dmaload(), &fresh, &[]);
@@ -342,6 +347,33 @@ fn a_direct_load_starts_from_the_depth_remembered_for_its_device_and_reports_it(
     assert_eq!(std::fs::read_dir(&memory).unwrap().count(), 1, "nothing written beside the memory");
     mode(&cache, 0o755);
     mode(&memory, 0o755);
+}
+
+/// `$DMALOAD_CACHE_DIR` names the directory of what loads remember, ahead
+/// of `$XDG_CACHE_HOME` (the suite points it at a scratch directory, so a
+/// test neither starts from the user's tuned depths nor rewrites them).
+#[test]
+fn dmaload_cache_dir_comes_before_xdg_cache_home() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = common::open_scratch("dmaload-cli-");
+    let path = common::sample(dir.path(), "f".as_ref(), 8 << 20);
+    let dev = std::fs::metadata(&path).unwrap().dev();
+    let key = format!("{}:{}", libc::major(dev), libc::minor(dev));
+    let (ours, xdg) = (dir.path().join("ours"), dir.path().join("xdg"));
+    for (memory, depth) in [(ours.clone(), 16), (xdg.join("dmaload"), 8)] {
+        std::fs::create_dir_all(&memory).unwrap();
+        std::fs::write(memory.join("tuning"), format!("{key} queue_depth={depth}\n")).unwrap();
+    }
+    let report = json_of(
+        &dmaload()
+            .args(["load", "--json", "--mode", "direct"])
+            .arg(&path)
+            .env("DMALOAD_CACHE_DIR", &ours)
+            .env("XDG_CACHE_HOME", &xdg)
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(report["queue_depth"], 16, "{report}");
 }
 
 #[test]
@@ -433,12 +465,13 @@ fn info_reports_kernel_io_uring_and_path_facts() {
 #[test]
 fn probe_memory_records_figures_that_auto_then_goes_by() {
     let cache = scratch();
-    let run =
-        |args: &[&str]| json_of(&dmaload().args(args).env("XDG_CACHE_HOME", cache.path()).output().unwrap());
+    let run = |args: &[&str]| {
+        json_of(&dmaload().args(args).env("DMALOAD_CACHE_DIR", cache.path()).output().unwrap())
+    };
     let before = run(&["info", "--json"]);
     assert!(before["memory_probe"].is_null(), "{before}");
     let info = run(&["info", "--json", "--probe-memory"]);
-    let file = cache.path().join("dmaload").join("memory-probe.json");
+    let file = cache.path().join("memory-probe.json");
     assert_eq!(info["memory_probe_path"].as_str(), Some(file.to_str().unwrap()));
     let probe = dmaload::memory::MemoryProbe::read(&file).unwrap().expect("the probe recorded its figures");
     assert_eq!(serde_json::to_value(&probe).unwrap(), info["memory_probe"]);

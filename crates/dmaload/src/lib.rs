@@ -47,7 +47,7 @@ pub mod system;
 pub mod tmpfile;
 mod tune;
 mod types;
-mod user_cache;
+pub mod user_cache;
 pub mod verify;
 pub mod vm;
 

@@ -1,17 +1,29 @@
 //! Small files dmaload keeps for the user between runs (recorded memory
 //! probe figures, tuned queue depths): where they live, and how one is
 //! replaced so that no reader, nor a writer racing another, sees half.
+//! The directory is also where the CLI's demo keeps its sample model.
 
 use std::fs;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
-/// `$XDG_CACHE_HOME/dmaload/NAME`, else `$HOME/.cache/dmaload/NAME`; `None`
-/// without either (relative paths are ignored, as the XDG spec asks).
-pub fn path(name: &str) -> Option<PathBuf> {
+/// The directory: `$DMALOAD_CACHE_DIR` as given, else
+/// `$XDG_CACHE_HOME/dmaload`, else `$HOME/.cache/dmaload`; `None` without
+/// any (relative XDG and HOME paths are ignored, as the XDG spec asks).
+/// The test suite points `$DMALOAD_CACHE_DIR` at a scratch directory, so
+/// it neither reads nor rewrites what the user's own loads remembered.
+pub fn dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("DMALOAD_CACHE_DIR").filter(|d| !d.is_empty()) {
+        return Some(PathBuf::from(dir));
+    }
     let absolute = |name| std::env::var_os(name).map(PathBuf::from).filter(|p| p.is_absolute());
     let cache = absolute("XDG_CACHE_HOME").or_else(|| absolute("HOME").map(|home| home.join(".cache")))?;
-    Some(cache.join("dmaload").join(name))
+    Some(cache.join("dmaload"))
+}
+
+/// The file `NAME` in [`dir`].
+pub fn path(name: &str) -> Option<PathBuf> {
+    dir().map(|dir| dir.join(name))
 }
 
 /// The bytes of the file at `path`, `None` when there is none. Anything

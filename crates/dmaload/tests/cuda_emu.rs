@@ -476,7 +476,7 @@ fn a_staged_direct_load_behind_a_slower_link_tunes_its_reads_past_the_first_tria
     let cache = dir.path().join("cache"); // no depth remembered from another run
     let env = [
         ("DMALOAD_EMU_LINK_GIBS", "0.5"),
-        ("XDG_CACHE_HOME", cache.to_str().unwrap()),
+        ("DMALOAD_CACHE_DIR", cache.to_str().unwrap()),
         (CHILD_FILE, path.to_str().unwrap()),
     ];
     let out = run_child("tuned", &env);

@@ -2,7 +2,7 @@
 //! both, window by window, on the one open file (`crates/dmaload/src/tune.rs`):
 //! the bytes are exact while `O_DIRECT` flips between windows, and the
 //! mode kept is remembered for the device beside the depth. The only test
-//! of this binary: it points `XDG_CACHE_HOME` at a scratch directory.
+//! of this binary: it points `DMALOAD_CACHE_DIR` at a scratch directory.
 
 mod common;
 
@@ -17,7 +17,7 @@ const PAGE: usize = 4096;
 fn an_auto_load_flipping_between_direct_and_buffered_windows_is_exact_and_remembers_the_mode() {
     let dir = scratch_dir();
     let cache = dir.path().join("cache");
-    std::env::set_var("XDG_CACHE_HOME", &cache);
+    std::env::set_var("DMALOAD_CACHE_DIR", &cache);
     let path = dir.path().join("weights");
     // Past the warm-up, the trial's four windows of 128 MiB and the reads
     // in flight before each (not measured: while the mode is chosen, 8
@@ -49,7 +49,7 @@ fn an_auto_load_flipping_between_direct_and_buffered_windows_is_exact_and_rememb
         CachePolicy::DontCache | CachePolicy::Fadvise => "buffered",
         CachePolicy::Keep => panic!("an auto load's buffered reads leave no residue: {report:#?}"),
     };
-    let tuning = std::fs::read_to_string(cache.join("dmaload/tuning")).unwrap();
+    let tuning = std::fs::read_to_string(cache.join("tuning")).unwrap();
     let line = tuning.lines().find(|line| line.starts_with(&key)).unwrap_or_else(|| panic!("{tuning}"));
     assert!(line.contains(&format!(" read={kept} read_rate=")), "{line}");
 

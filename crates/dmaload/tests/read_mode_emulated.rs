@@ -3,7 +3,7 @@
 //! at one rate and buffered reads at another (each READ request carries
 //! the file's flags), so each mode can be made the faster: the load keeps
 //! whichever is, in place and through the staging ring of a load to
-//! `cuda:0` (on the CUDA emulator). The tests point `XDG_CACHE_HOME` at a
+//! `cuda:0` (on the CUDA emulator). The tests point `DMALOAD_CACHE_DIR` at a
 //! scratch directory, one at a time.
 
 mod common;
@@ -15,7 +15,7 @@ use common::fuse::{self, FuseMount};
 use common::{scratch_dir, skip};
 use dmaload::{CachePolicy, Destination, LoadOptions, LoadReport, LoadRequest, Loaded};
 
-/// Held by each test: one `XDG_CACHE_HOME` at a time.
+/// Held by each test: one `DMALOAD_CACHE_DIR` at a time.
 static CACHE_HOME: Mutex<()> = Mutex::new(());
 
 /// The byte the rated filesystem serves at `offset`.
@@ -35,7 +35,7 @@ fn on_an_emulated_disk_an_auto_load_keeps_the_read_mode_that_is_faster() {
     let _one = CACHE_HOME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = scratch_dir();
     let cache = dir.path().join("cache");
-    std::env::set_var("XDG_CACHE_HOME", &cache);
+    std::env::set_var("DMALOAD_CACHE_DIR", &cache);
     // Chunks of 1 MiB: 32 MiB in flight before each of the trial's four
     // windows of 128 MiB; past the warm-up, the windows and the drains.
     let size = 900u64 << 20;
@@ -47,7 +47,7 @@ fn on_an_emulated_disk_an_auto_load_keeps_the_read_mode_that_is_faster() {
             Err(reason) => return skip(test, &reason),
         };
         // Measured afresh on each mount (a device number may come again).
-        let _ = std::fs::remove_file(cache.join("dmaload/tuning"));
+        let _ = std::fs::remove_file(cache.join("tuning"));
         let (buffer, report) = dmaload::load(mount.mountpoint.join("data"), &options).unwrap();
         assert_eq!(buffer.len() as u64, size);
         assert!(
@@ -68,7 +68,7 @@ fn assert_kept_faster(name: &str, report: &LoadReport, direct_faster: bool, cach
     assert!(report.read_choice.starts_with("measured: direct "), "{name}: {report:#?}");
     let kept_direct = report.cache == CachePolicy::Bypass;
     assert_eq!(kept_direct, direct_faster, "{name}: {report:#?}");
-    let tuning = std::fs::read_to_string(cache.join("dmaload/tuning")).unwrap();
+    let tuning = std::fs::read_to_string(cache.join("tuning")).unwrap();
     let kept = if kept_direct { " read=direct " } else { " read=buffered " };
     assert!(tuning.contains(kept), "{name}: {tuning}");
 }
@@ -84,7 +84,7 @@ fn on_an_emulated_disk_a_load_to_cuda_keeps_the_read_mode_that_is_faster() {
     }
     let dir = scratch_dir();
     let cache = dir.path().join("cache");
-    std::env::set_var("XDG_CACHE_HOME", &cache);
+    std::env::set_var("DMALOAD_CACHE_DIR", &cache);
     let size = 1u64 << 30;
     let options = LoadOptions { to: Destination::Cuda(0), ..LoadOptions::default() };
     for (name, direct, buffered) in [("direct-faster", 150.0, 50.0), ("buffered-faster", 50.0, 150.0)] {
@@ -92,7 +92,7 @@ fn on_an_emulated_disk_a_load_to_cuda_keeps_the_read_mode_that_is_faster() {
             Ok(mount) => mount,
             Err(reason) => return skip(test, &reason),
         };
-        let _ = std::fs::remove_file(cache.join("dmaload/tuning"));
+        let _ = std::fs::remove_file(cache.join("tuning"));
         let path = mount.mountpoint.join("data");
         let (loaded, report) = LoadRequest::path(&path).options(&options).load().unwrap();
         let Loaded::Device(device) = loaded else { panic!("{name}: not loaded to the device") };
