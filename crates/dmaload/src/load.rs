@@ -41,7 +41,7 @@ pub use crate::options::{
     default_populate_threads, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE,
     DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH,
 };
-use crate::pipeline::{load_object_source, load_object_to_sink, load_open_to_sink, load_source};
+use crate::pipeline::{fill_object, load_object_source, load_object_to_sink, load_open_to_sink, load_source};
 pub use crate::report::LoadReport;
 use crate::sink::{Sink, StagingRing};
 use crate::source::OpenFile;
@@ -339,6 +339,9 @@ impl<'a> LoadRequest<'a> {
                     dst.len()
                 ),
             ));
+        }
+        if let Input::Object(object) = self.input {
+            return fill_object(object, self.offset, dst, &self.options, arrived);
         }
         self.with_file("into caller memory", |file| fill_into(file, self.offset, dst, &self.options, arrived))
     }

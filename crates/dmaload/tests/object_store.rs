@@ -174,6 +174,47 @@ fn an_object_loads_through_a_staging_ring_into_caller_memory() {
     assert_eq!(err.kind(), ErrorKind::Changed, "{err}");
 }
 
+/// `fill_arriving` of an object into memory the caller has (what a
+/// stream's window loads do): bit exact at an address that is not
+/// page-aligned (head and tail through the edge ring, the pages between
+/// in place) and page-aligned, with `arrived` hearing growing counts up to
+/// the whole length; a verified fill of an object whose sums object
+/// records another digest fails; an object replaced since its open is
+/// `Changed`.
+#[test]
+fn an_object_fills_caller_memory_in_place() {
+    let Some(garage) = Garage::start("an_object_fills_caller_memory_in_place") else { return };
+    let body = pattern((9 << 20) + 12_345, 9);
+    garage.put("fill/model.bin", &body);
+    let object = garage.open("fill/model.bin").unwrap();
+    let small = LoadOptions { chunk_size: 1 << 20, threads: 3, ..LoadOptions::default() };
+    let mut memory = vec![0u8; body.len() + 8192];
+    let page_in = 4096 - (memory.as_ptr() as usize % 4096);
+    for (at, offset, len) in
+        [(page_in + 100, 1_000_003, 5_333_333), (page_in, 0, body.len()), (page_in + 7, 3, 10)]
+    {
+        let dst = &mut memory[at..at + len];
+        let heard = std::sync::Mutex::new(Vec::new());
+        let report = LoadRequest::object(&object)
+            .range(offset as u64, len as u64)
+            .options(&small)
+            .fill_arriving(&mut *dst, &|n| heard.lock().unwrap().push(n))
+            .unwrap();
+        assert!(*dst == body[offset..offset + len], "the filled bytes differ from the object's");
+        assert_eq!((report.bytes, report.offset), (len as u64, offset as u64));
+        assert_eq!(report.destination, "caller memory (in place)");
+        let heard = heard.into_inner().unwrap();
+        assert!(heard.windows(2).all(|w| w[0] <= w[1]) && heard.last() == Some(&(len as u64)), "{heard:?}");
+    }
+    garage.put("fill/B3SUMS", format!("{}  model.bin\n", "0".repeat(64)).as_bytes());
+    let verified = LoadOptions { verify: true, ..LoadOptions::default() };
+    let err = LoadRequest::object(&object).options(&verified).fill(&mut memory[..body.len()]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    garage.put("fill/model.bin", &pattern(body.len(), 10));
+    let err = LoadRequest::object(&object).fill(&mut memory[..body.len()]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Changed, "{err}");
+}
+
 /// An object replaced during a load to `cuda:0` (the GETs after the
 /// replacement get `412` on their `If-Match`): an error of kind
 /// `Changed`, no allocation returned; the device's kept ring serves the

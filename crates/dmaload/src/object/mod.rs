@@ -161,6 +161,14 @@ impl Object {
         &self.url.key
     }
 
+    /// Opens the object `key` of the same bucket with this object's
+    /// configuration (its sums object, say): found where this one was,
+    /// whatever the environment says.
+    pub fn open_beside(&self, key: &str, cancel: &CancelToken) -> Result<Object> {
+        let url = ObjectUrl { bucket: self.url.bucket.clone(), key: key.to_owned() };
+        Object::with_config(url, self.config.clone(), cancel)
+    }
+
     /// Reads bytes `range` of the object into `at` of `dst` (of the same
     /// length) with one ranged GET pinned to the ETag, on `connection`
     /// (opened or reopened as needed), retried as failures allow.

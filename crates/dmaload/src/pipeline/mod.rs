@@ -13,7 +13,9 @@ mod write;
 
 pub(crate) use host::{load_source, with_kept_ring};
 pub use object::object_ring_slots;
-pub(crate) use object::{load_object_source, load_object_to_sink, object_expected, stage_object};
+pub(crate) use object::{
+    fill_object, load_object_source, load_object_to_sink, object_expected, stage_object,
+};
 pub use range::check_memory;
 pub(crate) use range::{open_range, range_len, range_within};
 pub(crate) use staged::load_open_to_sink;

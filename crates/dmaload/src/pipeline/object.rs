@@ -3,7 +3,9 @@
 //! [`Buffer`] in place (a helper thread populates the buffer gather by
 //! gather behind the gate; the engine fills what is ready), or through
 //! the slots of a [`StagingRing`] into a [`Sink`] (`cuda:N`, memory the
-//! caller owns) by [`fill_staged`], the staged run of a file.
+//! caller owns) by [`fill_staged`], the staged run of a file, or into
+//! memory the caller has ([`fill_object`]: its whole pages in place, the
+//! edges around them through a ring of two pages).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -16,14 +18,15 @@ use super::{
 };
 use crate::buffer::Buffer;
 use crate::engine::{object::DEFAULT_CONNECTIONS, EngineParams, EngineRun, Gate, Layout, Progress};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{Allocation, MemoryChoice, MemoryFacts};
-use crate::object::Object;
+use crate::object::{Object, ObjectUrl};
 use crate::options::{host_memory, Destination, LoadOptions, DEFAULT_CHUNK_SIZE, DEFAULT_POOL_THREADS};
 use crate::plan::Plan;
 use crate::report::LoadReport;
-use crate::sink::{Sink, StagingRing};
+use crate::sink::{HostSink, Sink, StagingRing};
 use crate::sys;
+use crate::sys::mem::RawBytesMut;
 use crate::types::{CachePolicy, Engine};
 use crate::verify::{sums_too_large, Expected, MAX_SUMS_BYTES};
 
@@ -84,7 +87,11 @@ pub(crate) fn object_expected(
     options: &LoadOptions,
 ) -> Result<Option<Expected>> {
     let read = |sums: &Path| -> Result<Option<Vec<u8>>> {
-        let sums = match Object::open(&sums.to_string_lossy(), &options.cancel) {
+        // Beside the object, with its configuration (not the environment's).
+        let key = sums.to_str().and_then(ObjectUrl::parse).and_then(|url| url.ok()).map(|url| url.key);
+        let key =
+            key.ok_or_else(|| Error::new(ErrorKind::InvalidInput, "verify", sums, "not an object URL"))?;
+        let sums = match object.open_beside(&key, &options.cancel) {
             Err(err) if err.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
             sums => sums?,
         };
@@ -195,6 +202,96 @@ pub(crate) fn stage_object(
     report.register_seconds = times.register.as_secs_f64();
     report.deliver_seconds = times.deliver.as_secs_f64();
     Ok(report)
+}
+
+/// [`crate::LoadRequest::fill_arriving`] of an object (the request checked
+/// the options): `dst.len()` bytes from `offset`. The whole pages of `dst`
+/// receive their GETs' bodies in place, as a new buffer does; the bytes
+/// before its first page boundary and after its last whole page (a socket
+/// read needs no alignment, but the pages are populated whole) come first
+/// and last through a ring of two pages, so `arrived` hears `head + n` as
+/// the body's bytes `0..n` come in. Checked against the sums object beside
+/// it when `options.verify` asks (and then `arrived` hears nothing before
+/// the check). On error `dst` holds an unspecified mix.
+pub(crate) fn fill_object(
+    object: &Object,
+    offset: u64,
+    mut dst: RawBytesMut<'_>,
+    options: &LoadOptions,
+    arrived: Option<&(dyn Fn(u64) + Sync)>,
+) -> Result<LoadReport> {
+    let path = object.name();
+    let started = Started::now(path)?;
+    let len = range_within(object.size, "object", path, offset, Some(dst.len() as u64))?;
+    let expected = object_expected(object, offset, Some(len), options)?;
+    let arrived = arrived.filter(|_| expected.is_none());
+    let page = sys::mem::page_size();
+    let address = dst.as_ptr() as usize;
+    let head = (address.next_multiple_of(page) - address).min(dst.len());
+    let body = (dst.len() - head) / page * page;
+    let (mut head_bytes, rest) = dst.reborrow().split_at(head);
+    let (mut body_bytes, mut tail_bytes) = rest.split_at(body);
+    let verifier = expected.as_ref().map(Expected::verifier);
+    let body_offset = offset + head as u64;
+    let tail_offset = body_offset + body as u64;
+    stage_edge(object, offset, head_bytes.reborrow(), options)?;
+    if let Some(verifier) = &verifier {
+        verifier.add(head_bytes.writer(), 0..head, offset);
+    }
+    let plan = Plan::new(body_offset, body as u64, 1, object_request(options), options.gather_size, page);
+    let params = object_params(options);
+    let engine_started = Instant::now();
+    let (run, times) = if body == 0 {
+        (EngineRun { engine: params.engine, ..EngineRun::default() }, Default::default())
+    } else {
+        let body_dst = body_bytes.writer();
+        let after_head = |n: u64| {
+            if let Some(arrived) = arrived {
+                arrived(head as u64 + n);
+            }
+        };
+        let follow =
+            |gate: &Gate| follow_gathers(verifier.as_ref(), Some(&after_head), body_dst, &plan, gate);
+        let beside: Option<&(dyn Fn(&Gate) + Sync)> =
+            (verifier.is_some() || arrived.is_some()).then_some(&follow as _);
+        Progress::reporting(body as u64, options.progress.as_deref(), |progress| {
+            let transfer = Transfer::read(path, ReadFrom::Object(object), &plan, &params, progress);
+            let populate =
+                |_, gate: &Gate| populate_gathers(body_dst, None, &plan, gate, options.populate_threads);
+            let (run, times) = run_pipeline(&transfer, body_dst, Layout::InPlace, beside, populate);
+            run.map(|run| (run, times.unwrap_or_default()))
+        })?
+    };
+    let engine_wall = engine_started.elapsed();
+    stage_edge(object, tail_offset, tail_bytes.reborrow(), options)?;
+    if let Some(verifier) = verifier {
+        let tail = tail_bytes.len();
+        verifier.add(tail_bytes.writer(), 0..tail, tail_offset);
+        verifier.check(path)?;
+    }
+    let memory = MemoryChoice { kind: Default::default(), reason: "the caller's memory".into() };
+    let whole = Plan::new(offset, len, 1, object_request(options), options.gather_size, page);
+    let mut report = started.report(&whole, run, &params, memory, &MemoryFacts::read(), engine_wall)?;
+    report.destination = "caller memory (in place)".into();
+    report.alloc_seconds = times.all.as_secs_f64();
+    report.first_gather_seconds = times.first.as_secs_f64();
+    Ok(report)
+}
+
+/// Receives bytes `offset..offset + dst.len()` of `object` (less than a
+/// page: an edge of [`fill_object`]'s memory) through a ring of two pages.
+fn stage_edge(object: &Object, offset: u64, dst: RawBytesMut<'_>, options: &LoadOptions) -> Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let page = sys::mem::page_size();
+    let mut ring =
+        StagingRing::new(2, page, page).map_err(|e| Error::io("allocate staging ring", object.name(), e))?;
+    // The caller hashes and reports an edge with the rest.
+    let quiet = LoadOptions { progress: None, verify: false, ..options.clone() };
+    let len = Some(dst.len() as u64);
+    stage_object(object, offset, len, &mut ring, &mut HostSink::raw(dst, offset), (&quiet, None))?;
+    Ok(())
 }
 
 /// When a load of the object at `path` started: its wall clock and the
