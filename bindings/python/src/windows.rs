@@ -16,6 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use dmaload::format::safetensors as st;
 use dmaload::LoadRequest;
 
 use pyo3::buffer::PyBuffer;
@@ -23,9 +24,10 @@ use pyo3::exceptions::{PyIndexError, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{detached, guard, os_error, panic_error, panic_message};
+use crate::errors::{detached, format_error, guard, os_error, panic_error, panic_message};
 use crate::options::{FileArg, Opts};
 use crate::run::{ABANDON_AFTER, SIGNAL_POLL};
+use crate::safetensors::header_object;
 use crate::staged;
 
 /// Loads of ranges of files opened once, into buffers the caller gives,
@@ -39,9 +41,43 @@ pub(crate) struct WindowLoader {
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
+/// A source of a loader's windows: a file opened once, or an object
+/// (`s3://BUCKET/KEY`) looked up once, every GET pinned to the ETag it had
+/// then (an object replaced meanwhile fails the load as `Changed`).
+enum WindowSource {
+    File(dmaload::OpenFile),
+    Object(Box<dmaload::object::Object>),
+}
+
+impl WindowSource {
+    fn open(arg: &FileArg, cancel: &dmaload::CancelToken) -> Result<WindowSource, dmaload::Error> {
+        match arg {
+            FileArg::Path(url) if dmaload::object::is_object_url(url) => {
+                dmaload::object::Object::open(&url.to_string_lossy(), cancel)
+                    .map(|o| WindowSource::Object(Box::new(o)))
+            }
+            arg => arg.open().map(WindowSource::File),
+        }
+    }
+
+    fn request(&self) -> LoadRequest<'_> {
+        match self {
+            WindowSource::File(file) => LoadRequest::open(file),
+            WindowSource::Object(object) => LoadRequest::object(object),
+        }
+    }
+
+    fn path(&self) -> &std::path::Path {
+        match self {
+            WindowSource::File(file) => file.path(),
+            WindowSource::Object(object) => object.name(),
+        }
+    }
+}
+
 /// What the loader's threads and its Python side share.
 struct Shared {
-    files: Vec<dmaload::OpenFile>,
+    files: Vec<WindowSource>,
     options: dmaload::LoadOptions,
     queue: Mutex<Queue>,
     queued: Condvar,
@@ -121,7 +157,8 @@ impl Shared {
         };
         let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let dst = staged::writable_bytes(&mut target);
-            LoadRequest::open(&self.files[file])
+            self.files[file]
+                .request()
                 .range(offset, None)
                 .options(&self.options)
                 .fill_arriving(dst, &reported)
@@ -178,8 +215,9 @@ impl Shared {
 
 #[pymethods]
 impl WindowLoader {
-    /// Opens each of `files` (paths, or descriptors the caller holds open,
-    /// reopened through `/proc/self/fd`) once, with the GIL released, and
+    /// Opens each of `files` (paths, descriptors the caller holds open,
+    /// reopened through `/proc/self/fd`, or `s3://` URLs, looked up with a
+    /// HEAD) once, with the GIL released, and
     /// starts the loader's `in_flight` threads. `options` as `load_into`
     /// takes them (no `to`).
     #[new]
@@ -199,8 +237,11 @@ impl WindowLoader {
             }
             let mut options = opts.to_options()?;
             options.cancel = dmaload::CancelToken::new();
-            let opened = detached(py, || files.iter().map(FileArg::open).collect::<Result<Vec<_>, _>>())?
-                .map_err(|e| os_error(&e))?;
+            let cancel = &options.cancel;
+            let opened = detached(py, || {
+                files.iter().map(|f| WindowSource::open(f, cancel)).collect::<Result<Vec<_>, _>>()
+            })?
+            .map_err(|e| os_error(&e))?;
             let shared = Arc::new(Shared {
                 files: opened,
                 options,
@@ -283,6 +324,33 @@ impl WindowLoader {
         })
     }
 
+    /// The safetensors header of file `file`, read from the loader's own
+    /// open (an object's with a ranged GET pinned to its ETag), so that
+    /// every window loaded later is of the bytes this header describes.
+    fn header<'py>(&self, py: Python<'py>, file: usize) -> PyResult<Bound<'py, PyAny>> {
+        guard(|| {
+            let source = self.file(file)?;
+            let read = detached(py, || match source {
+                WindowSource::File(file) => st::read_header_of(file),
+                WindowSource::Object(object) => st::read_object_header(object, &self.shared.options.cancel),
+            })?;
+            let (header, _) = read.map_err(|e| format_error(&e))?;
+            header_object(py, header)
+        })
+    }
+
+    /// `file`'s identity for ranks comparing what they load: an object's
+    /// `"s3://BUCKET/KEY ETAG SIZE"` (the same bytes wherever it is read),
+    /// `None` for a file.
+    fn object_identity(&self, file: usize) -> PyResult<Option<String>> {
+        Ok(match self.file(file)? {
+            WindowSource::Object(object) => {
+                Some(format!("{} {} {}", object.name().display(), object.etag, object.size))
+            }
+            WindowSource::File(_) => None,
+        })
+    }
+
     /// Stops the loader: the load under way is cancelled (waited for up to
     /// a moment: a read the cancellation cannot reach keeps its target
     /// exported until it ends, on its thread), the queued ones
@@ -311,7 +379,7 @@ impl WindowLoader {
 
 impl WindowLoader {
     /// File `file` of the loader's (an index into them).
-    fn file(&self, file: usize) -> PyResult<&dmaload::OpenFile> {
+    fn file(&self, file: usize) -> PyResult<&WindowSource> {
         self.shared.files.get(file).ok_or_else(|| {
             PyIndexError::new_err(format!("file {file} of a loader of {} file(s)", self.shared.files.len()))
         })

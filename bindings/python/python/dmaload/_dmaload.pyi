@@ -165,7 +165,8 @@ def load_safetensors(
 ) -> list[tuple[Buffer, Header]]: ...
 @final
 class WindowLoader:
-    """Loads of ranges of ``files`` (each opened once, here) into buffers
+    """Loads of ranges of ``files`` (each opened once, here: a path, a
+    descriptor, or an ``s3://`` URL looked up once) into buffers
     the caller gives, started in the order submitted, ``in_flight`` at a
     time, on threads of the loader's own that never take the GIL (where no
     thread can be created, ``submit`` loads at once). A failed load ends
@@ -187,6 +188,11 @@ class WindowLoader:
         ``offset`` into ``target`` (exported until the load ends).
         ``arrived(n)``, for watching a load, runs with the GIL on the
         loader's threads after each report."""
+    def header(self, file: int) -> Header:
+        """The safetensors header of ``files[file]``, read from the
+        loader's own open (an object's pinned to its ETag)."""
+    def object_identity(self, file: int) -> str | None:
+        """``"s3://BUCKET/KEY ETAG SIZE"`` for an object, None for a file."""
     def check_memory(self, file: int, n: int) -> None:
         """OSError (ENOMEM, naming ``files[file]``) unless ``n`` more bytes
         of memory are available: the check a load into fresh memory makes

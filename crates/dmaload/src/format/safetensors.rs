@@ -511,13 +511,16 @@ pub fn read_header_of(file: &OpenFile) -> Result<(Header, Vec<u8>), Error> {
     Ok((parsed, json))
 }
 
-/// Bytes of an object's first GET for its header: most headers fit, so
-/// one request reads them; a longer one takes a second GET for the rest.
-const OBJECT_HEADER_PROBE: u64 = 1 << 20;
+/// Bytes of an object's first GET for its header: most headers fit (a
+/// shard of tens of tensors has a header of a few KiB), so one request
+/// reads them; a longer one takes a second GET for the rest. Every rank of
+/// a group load reads each header, so what the probe reads past it is
+/// read once per rank.
+const OBJECT_HEADER_PROBE: u64 = 64 << 10;
 
 /// [`read_header_of`] of an object (`s3://BUCKET/KEY`): its first bytes
 /// read with a ranged GET pinned to the ETag of the open (two GETs where
-/// the header is longer than 1 MiB), checked as a
+/// the header is longer than 64 KiB), checked as a
 /// file's header. Where the data cannot be parsed from loaded bytes (a
 /// device's), this is how a model in object storage knows its tensors
 /// before any data is loaded.

@@ -138,7 +138,7 @@ class EarlyRead:
     """Why the files are read, not mapped (empty when mapped)."""
 
     @property
-    def paths(self) -> list[Path]:
+    def paths(self) -> Sequence[Path | str]:
         return self.stream.paths
 
     def close(self) -> None:

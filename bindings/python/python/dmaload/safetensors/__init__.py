@@ -264,16 +264,26 @@ class SafeOpen:
         self._closed = False
         # Tensors of a collective or filtered load, each read by one rank.
         self._loaded: dict[str, Any] | None = None
+        streamed = process_group is not None or tensor_filter is not None
+        sources: list[_collective.Source]
         if _is_object_url(path):
-            self._open_objects(path, device, progress, cache, process_group, tensor_filter, dict(options))
-            return
-        paths, weight_map = shard_paths(path)
+            if not streamed:
+                self._open_objects(path, device, progress, cache, dict(options))
+                return
+            # Shared by a group or filtered: a stream's windows, each
+            # received by ranged GETs into its buffer.
+            _refuse_for_objects(path, cache=cache is not None, verify=bool(options.get("verify")))
+            sources, weight_map = _object_model(path)
+            paths: list[Path] = []
+        else:
+            paths, weight_map = shard_paths(path)
+            sources = list(paths)
         socket = socket_for(cache)
-        if process_group is not None or tensor_filter is not None:
+        if streamed:
             _check_torch(self._framework, process_group, tensor_filter)
-        if socket is None and (process_group is not None or tensor_filter is not None):
+        if socket is None and streamed:
             with _collective.Stream(
-                paths,
+                sources,
                 weight_map,
                 device,
                 process_group=process_group,
@@ -314,8 +324,6 @@ class SafeOpen:
         device: Any,
         progress: Progress,
         cache: Cache,
-        process_group: Any,
-        tensor_filter: TensorFilter,
         options: dict[str, Any],
     ) -> None:
         """A model in object storage (``s3://BUCKET/KEY``, ``.../INDEX.json``
@@ -326,12 +334,9 @@ class SafeOpen:
         _refuse_for_objects(
             url,
             cache=cache is not None,
-            process_group=process_group is not None,
-            tensor_filter=tensor_filter is not None,
             verify_on_device=on_device and bool(options.get("verify")),
         )
-        urls, pairs = _dmaload.resolve_model(url)
-        weight_map = dict(pairs) if pairs is not None else None
+        urls, weight_map = _object_model(url)
         if on_device:
             self._files = _device.load_files(urls, device, progress, options)
         else:
@@ -656,8 +661,11 @@ def iter_tensors(
     index, then each shard is loaded whole (host memory, or ``device``
     through the staged path) and its tensors handed out before the next
     one is loaded, so about one shard is held beyond the tensors the caller
-    keeps; ``process_group``, ``tensor_filter``, ``window``, ``recycle``,
-    ``cache`` and ``verify`` are refused for it (docs/object-storage.md).
+    keeps. With ``process_group``, ``tensor_filter``, ``window`` or
+    ``recycle`` it streams in windows as a local model does, each window
+    received by ranged GETs into its buffer (with a group, each rank GETs
+    its 1/N and the ranks exchange the rest); ``cache`` and ``verify`` are
+    refused for it (docs/object-storage.md).
 
     ``verify=True`` hashes every byte of each file as its windows arrive
     (a filter's unwanted tensors are read too, not handed out) against its
@@ -667,27 +675,32 @@ def iter_tensors(
     others."""
     _check_torch("pt", process_group, tensor_filter)
     url: str | list[str] | None = path if _is_object_url(path) else _object_shards(path)
+    windowed = process_group is not None or tensor_filter is not None or window is not None or recycle
+    sources: list[_collective.Source]
     if url is not None:
         _refuse_for_objects(
             url if isinstance(url, str) else url[0],
             cache=cache is not None,
-            process_group=process_group is not None,
-            tensor_filter=tensor_filter is not None,
-            window=window is not None,
-            recycle=recycle,
-            # Each data section comes through the staging ring alone.
+            # Each data section comes through the staging ring alone, or
+            # the windows' digests are of files.
             verify=bool(options.get("verify")),
         )
-        yield from _iter_objects(url, device, progress, dict(options))
-        return
-    paths, weight_map = shard_paths(path)
+        if not windowed:
+            yield from _iter_objects(url, device, progress, dict(options))
+            return
+        # Shared by a group or filtered: the windows of a stream, each
+        # received by ranged GETs into its buffer.
+        sources, weight_map = _object_model(url)
+    else:
+        paths, weight_map = shard_paths(path)
+        sources = list(paths)
     socket = socket_for(cache)
     if socket is not None:
         with safe_open(path, "pt", device, cache=socket, tensor_filter=tensor_filter, **options) as f:
             yield from ((name, f.get_tensor(name)) for name in f.offset_keys())
         return
     stream = _collective.Stream(
-        paths,
+        sources,
         weight_map,
         device,
         process_group=process_group,
@@ -724,6 +737,16 @@ def _object_shards(path: Paths) -> list[str] | None:
     return [str(p) for p in path]
 
 
+def _object_model(url: str | list[str]) -> tuple[list[_collective.Source], dict[str, str] | None]:
+    """The shard URLs and weight map of a model in object storage: a URL
+    the core resolves (an object, an index, a prefix), or a list of shard
+    URLs without an index."""
+    if isinstance(url, str):
+        urls, pairs = _dmaload.resolve_model(url)
+        return list(urls), (dict(pairs) if pairs is not None else None)
+    return list(url), None
+
+
 def _iter_objects(
     url: str | list[str], device: Any, progress: Progress, options: dict[str, Any]
 ) -> Iterator[tuple[str, Any]]:
@@ -734,11 +757,7 @@ def _iter_objects(
     through the staged path (into a host tensor, or onto ``device``) from
     that same open and its tensors handed out in data order before the
     next shard is loaded."""
-    if isinstance(url, str):
-        urls, pairs = _dmaload.resolve_model(url)
-        weight_map = dict(pairs) if pairs is not None else None
-    else:
-        urls, weight_map = url, None
+    urls, weight_map = _object_model(url)
     headers = [_dmaload.open_safetensors(u) for u in urls]
     _tensor_index([(os.fsdecode(h.path), (t.name for t in h.header.tensors)) for h in headers], weight_map)
     for opened in headers:

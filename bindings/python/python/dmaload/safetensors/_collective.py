@@ -90,6 +90,9 @@ from ._file import _File, _tensor_index
 __all__ = ["DEFAULT_WINDOW", "CollectiveLoadError", "Stream", "TensorFilter"]
 
 TensorFilter: TypeAlias = Union[Collection[str], Callable[[str], bool], None]
+
+Source: TypeAlias = Union[Path, str]
+"""A stream's file: a path, or an object's ``s3://BUCKET/KEY`` URL."""
 """The tensors a rank wants: a collection of names, a predicate on the
 name, or None for all."""
 
@@ -192,12 +195,16 @@ def _window(file: int, tensors: tuple[TensorInfo, ...], start: int, end: int, ra
     return _Window(file, tensors, start, end, slot)
 
 
-def _digest(paths: list[Path], headers: list[Header]) -> int:
+def _basename(p: Source) -> str:
+    return os.path.basename(os.fspath(p))
+
+
+def _digest(paths: list[Source], headers: list[Header]) -> int:
     """A fingerprint of the files' names and tables, equal on ranks that see
     the same checkpoint."""
     h = hashlib.blake2b(digest_size=7)
     for p, header in zip(paths, headers):
-        h.update(p.name.encode() + b"\0")
+        h.update(_basename(p).encode() + b"\0")
         for t in header.tensors:
             h.update(f"{t.name}\0{t.dtype}\0{t.shape}\0{t.begin}\0{t.end}\0".encode())
     return int.from_bytes(h.digest(), "little")
@@ -380,7 +387,7 @@ class Stream:
 
     def __init__(
         self,
-        paths: list[Path],
+        paths: list[Source],
         weight_map: dict[str, str] | None = None,
         device: Any = "cpu",
         *,
@@ -416,6 +423,9 @@ class Stream:
         self._recycle = recycle
         self._make_buffer: Callable[[int], Any] = lambda n: _aligned_empty(torch, n, device_of_buffers)
         self.paths = paths
+        # Objects (every source an s3:// URL) are looked up once by the
+        # loader, each GET pinned to the ETag seen then; files are opened here.
+        self._objects = bool(paths) and all(isinstance(p, str) and p.startswith("s3://") for p in paths)
         self._ahead: _StreamAhead | None = None
         self._loader: Any = None
         self._verifier: _Verify | None = None
@@ -424,15 +434,21 @@ class Stream:
         self.headers: list[Header] = []
         failure: BaseException | None = None
         try:
-            for p in paths:
-                # Non-blocking: a FIFO is refused by type, not waited on.
-                self._fds.append(os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK))
-            # Every window of this load, and the early read, is a load of
-            # these open files: a write to one after this (a same-size
-            # rewrite between two windows included) fails the load at the
-            # next window's end check, as a one-file load fails.
-            self._loader = _dmaload.WindowLoader(self._fds, options=self._native, in_flight=LOADS_IN_FLIGHT)
-            self.headers = [_dmaload.open_safetensors(fd, None, os.fspath(p)).header for fd, p in zip(self._fds, paths)]
+            if self._objects:
+                if self._verify:
+                    raise ValueError(f"{paths[0]}: a windowed load of s3:// objects does not take verify=True so far")
+                self._loader = _dmaload.WindowLoader(paths, options=self._native, in_flight=LOADS_IN_FLIGHT)
+                self.headers = [self._loader.header(i) for i in range(len(paths))]
+            else:
+                for p in paths:
+                    # Non-blocking: a FIFO is refused by type, not waited on.
+                    self._fds.append(os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK))
+                # Every window of this load, and the early read, is a load of
+                # these open files: a write to one after this (a same-size
+                # rewrite between two windows included) fails the load at the
+                # next window's end check, as a one-file load fails.
+                self._loader = _dmaload.WindowLoader(self._fds, options=self._native, in_flight=LOADS_IN_FLIGHT)
+                self.headers = [_dmaload.open_safetensors(fd, None, os.fspath(p)).header for fd, p in zip(self._fds, paths)]
             _tensor_index([(os.fspath(p), (t.name for t in h.tensors)) for p, h in zip(paths, self.headers)], weight_map)
         except (OSError, ValueError) as exc:  # ValueError: SafetensorError
             failure = exc
@@ -453,7 +469,8 @@ class Stream:
             if failure is not None:
                 raise failure
             if self._verify:
-                self._verifier = _Verify(self.paths, [_digest_of(p) for p in self.paths], self._fds)
+                files = [Path(p) for p in self.paths]
+                self._verifier = _Verify(files, [_digest_of(p) for p in files], self._fds)
             self._make_windows([bool(self._wants(t.name)) for h in self.headers for t in h.tensors], 1, RING)
             return
         where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
@@ -467,12 +484,19 @@ class Stream:
             except Exception as exc:
                 failure = exc
         digest = -1 if failure is not None else _digest(self.paths, self.headers)
-        identity = _identity(self._fds) if failure is None else 0
+        if failure is not None:
+            identity = 0
+        elif self._objects:
+            identity = _object_identity([self._loader.object_identity(i) for i in range(len(self.paths))])
+        else:
+            identity = _identity(self._fds)
         # The load's number in the group, for the heartbeat's keys: the
         # next one after every rank's last (a rank may have failed a load
         # before its first collective).
         load = _LOADS.get(group.name, 0) + 1
-        mine = [digest, self._window, int(self._verify), load, _HOST, identity]
+        # Ranks on any hosts read the same bytes of an object version.
+        host = 0 if self._objects else _HOST
+        mine = [digest, self._window, int(self._verify), load, host, identity]
         rows = _collective(group, doing, group.gather_ints, mine)
         for r, (theirs, window, *_rest) in enumerate(rows):
             if theirs == -1:
@@ -494,8 +518,13 @@ class Stream:
         # digests are agreed and checked collectively.
         self._verify = any(row[2] for row in rows)
         same_file = all(row[4:] == rows[0][4:] for row in rows)
+        if self._objects and not same_file:
+            raise CollectiveLoadError(
+                f"rank {group.rank}: the ranks see different versions (ETags) of {where}: "
+                "an object was replaced while the ranks opened it; load again"
+            )
         if self._verify or not same_file:
-            self._verifier = _same_bytes(group, where, self.paths, self._fds, same_file)
+            self._verifier = _same_bytes(group, where, [Path(p) for p in self.paths], self._fds, same_file)
         everyone = _collective(group, doing, group.gather_ints, mine_wanted) if mine_wanted else []
         self._make_windows([any(row[k] for row in everyone) for k in range(len(mine_wanted))], group.size, GROUP_RING)
 
@@ -583,7 +612,7 @@ class Stream:
 
         wants, target = self._wants, self._target
         total = sum(t.nbytes for w in self.windows for t in w.tensors if wants(t.name))
-        desc = self.paths[0].name if len(self.paths) == 1 else f"{len(self.paths)} files"
+        desc = _basename(self.paths[0]) if len(self.paths) == 1 else f"{len(self.paths)} files"
         callback, finish = resolve(self.progress, desc)
         done = 0
         windows: _StreamAhead | Generator[tuple[_Window, Any, Any, None], None, None]
@@ -676,6 +705,15 @@ def _identity(fds: list[int]) -> int:
     for fd in fds:
         st = os.fstat(fd)
         h.update(f"{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0".encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def _object_identity(identities: list[str | None]) -> int:
+    """A fingerprint of the objects a loader looked up (URL, ETag and size
+    each): equal on ranks anywhere that read the same object versions."""
+    h = hashlib.blake2b(digest_size=7)
+    for identity in identities:
+        h.update(f"{identity}\0".encode())
     return int.from_bytes(h.digest(), "little")
 
 
@@ -787,7 +825,7 @@ class _Arrival:
     ``_dmaload.Arrival``), its failure raised as a CollectiveLoadError
     naming the file and byte range."""
 
-    def __init__(self, native: Any, path: Path, w: _Window) -> None:
+    def __init__(self, native: Any, path: Source, w: _Window) -> None:
         self._native, self._path, self._window = native, path, w
 
     def _raising_as_ours(self, wait: Callable[[], None]) -> None:
@@ -868,7 +906,7 @@ class _StreamAhead:
     ``arrival.wait_done`` before the next window. A failure is raised by
     those waits; ``close`` cancels the load under way and drops the rest."""
 
-    def __init__(self, windows: list[_Window], buffers: _Buffers, loader: Any, paths: list[Path]) -> None:
+    def __init__(self, windows: list[_Window], buffers: _Buffers, loader: Any, paths: list[Source]) -> None:
         self._unqueued = collections.deque(windows)
         self._queued: collections.deque[tuple[_Window, Any, Any, _Arrival]] = collections.deque()
         self._buffers, self._loader, self._paths = buffers, loader, paths
