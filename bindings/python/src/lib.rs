@@ -48,6 +48,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cache::evict, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors::read_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors::resolve_model, m)?)?;
+    m.add_function(wrap_pyfunction!(safetensors::tensor_index, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors::parse_safetensors_header, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors::safetensors_dtypes, m)?)?;
     m.add_class::<block_queue::BlockQueue>()?;

@@ -13,23 +13,17 @@ use crate::errors::*;
 
 /// The load options of every native entry point, passed as one dict
 /// (`dmaload._options.native_options` builds it): the names and values the
-/// core's [`LoadOptions::set`] takes (sizes in bytes), checked by it, plus
-/// the staging ring of device loads. A name neither takes is a TypeError,
-/// so an option one side lacks cannot pass unnoticed. Each entry point uses
-/// the options that apply to it: a host load ignores the staging ring, a
-/// staged load the host memory's (`to`, `gather_size`, `populate_threads`).
+/// core's [`LoadOptions::set`] takes (sizes in bytes), checked by it. A
+/// name it does not take is a TypeError, so an option one side lacks
+/// cannot pass unnoticed. Each entry point uses the options that apply to
+/// it: a host load ignores the staging ring, a staged load the host
+/// memory's (`to`, `gather_size`, `populate_threads`).
 pub(crate) struct Opts {
     /// "load" or "save": what the errors call the options.
     what: &'static str,
     /// The options given, a value of None (the default) left out.
     given: Vec<(String, OptionValue)>,
-    pub(crate) staging_slots: Option<usize>,
-    pub(crate) staging_slot_size: Option<usize>,
 }
-
-/// The options of a device load's staging ring, which only the binding's
-/// staged load takes (the core sizes the command line's ring to the load).
-const STAGING: [&str; 2] = ["staging_slots", "staging_slot_size"];
 
 impl Opts {
     /// Reads `options` (None: every default); a value of None is the default.
@@ -40,20 +34,14 @@ impl Opts {
     /// [`Opts::from_dict`] for an entry point whose errors call the options
     /// `what` options ("save option chunk_size: ...").
     pub(crate) fn from_dict_for(what: &'static str, options: Option<&Bound<'_, PyDict>>) -> PyResult<Opts> {
-        let mut o = Opts { what, given: Vec::new(), staging_slots: None, staging_slot_size: None };
+        let mut o = Opts { what, given: Vec::new() };
         for (name, value) in options.into_iter().flat_map(|dict| dict.iter()) {
             let name: String = name.extract()?;
             if value.is_none() {
                 continue;
             }
             let value = o.value(&name, &value)?;
-            match (name.as_str(), &value) {
-                ("staging_slots", OptionValue::Number(n)) => o.staging_slots = Some(o.count(&name, *n)?),
-                ("staging_slot_size", OptionValue::Number(n)) => {
-                    o.staging_slot_size = Some(o.count(&name, *n)?)
-                }
-                _ => o.given.push((name, value)),
-            }
+            o.given.push((name, value));
         }
         Ok(o)
     }
@@ -63,9 +51,6 @@ impl Opts {
     fn value(&self, name: &str, value: &Bound<'_, PyAny>) -> PyResult<OptionValue> {
         let what = self.what;
         if value.is_instance_of::<PyBool>() {
-            if STAGING.contains(&name) {
-                return Err(PyTypeError::new_err(format!("{what} option {name}: a bool is not a number")));
-            }
             return Ok(OptionValue::Flag(value.extract()?));
         }
         if let Ok(text) = value.extract::<String>() {
@@ -78,11 +63,6 @@ impl Opts {
         }
         let kind = value.get_type().name()?;
         Err(PyTypeError::new_err(format!("{what} option {name}: a str, int or bool, not {kind}")))
-    }
-
-    fn count(&self, name: &str, n: u64) -> PyResult<usize> {
-        usize::try_from(n)
-            .map_err(|_| PyValueError::new_err(format!("{} option {name}: {n} is too large", self.what)))
     }
 
     /// Whether the option `name` was given.
@@ -108,9 +88,7 @@ impl Opts {
     fn refused(&self, name: &str, error: OptionError) -> PyErr {
         let what = self.what;
         match error {
-            OptionError::Unknown
-                if what == "save" && (LoadOptions::NAMES.contains(&name) || STAGING.contains(&name)) =>
-            {
+            OptionError::Unknown if what == "save" && LoadOptions::NAMES.contains(&name) => {
                 PyTypeError::new_err(format!("unknown save option {name:?} (a load option)"))
             }
             OptionError::Unknown => PyTypeError::new_err(format!("unknown {what} option {name:?}")),
@@ -130,10 +108,6 @@ impl Opts {
     /// The options of a save, with `sync` (None: the default). One only a
     /// load takes is a TypeError naming it.
     pub(crate) fn to_save_options(&self, sync: Option<bool>) -> PyResult<SaveOptions> {
-        let staging = [(STAGING[0], self.staging_slots), (STAGING[1], self.staging_slot_size)];
-        if let Some((name, _)) = staging.iter().find(|(_, given)| given.is_some()) {
-            return Err(self.refused(name, OptionError::Unknown));
-        }
         let mut o = SaveOptions::default();
         o.sync = sync.unwrap_or(o.sync);
         for (name, value) in &self.given {
@@ -211,8 +185,8 @@ pub(crate) enum DefaultValue {
     Flag(bool),
 }
 
-/// Every load option the binding takes, with the core's default: the
-/// core's [`LoadOptions::NAMES`] and the staging ring of device loads.
+/// Every load option the binding takes ([`LoadOptions::NAMES`]), with the
+/// core's default.
 #[pyfunction]
 pub(crate) fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue>> {
     guard(|| {
@@ -228,8 +202,9 @@ pub(crate) fn _option_defaults() -> PyResult<BTreeMap<&'static str, DefaultValue
                 Some((name, value))
             })
             .collect();
-        // The ring's ceiling: a load pins fewer slots for less data
-        // (dmaload::device::staging_ring_slots).
+        // Unset, the staging ring is sized per load: a device's has slots
+        // of this size, and at most this many (fewer for less data,
+        // dmaload::device::staging_ring_slots).
         all.insert("staging_slots", DefaultValue::Number(dmaload::sink::DEFAULT_SLOTS));
         all.insert("staging_slot_size", DefaultValue::Number(dmaload::sink::DEFAULT_SLOT_SIZE));
         Ok(all)

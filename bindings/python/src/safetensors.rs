@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use dmaload::format::model::Model;
+use dmaload::format::model::{self, Model};
 use dmaload::format::safetensors as st;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -86,6 +86,39 @@ pub(crate) fn resolve_model(py: Python<'_>, path: PathBuf) -> PyResult<ResolvedM
 /// [`resolve_model`]'s answer: the shards (paths or object URLs), and the
 /// weight map if indexed.
 type ResolvedModel = (Vec<std::ffi::OsString>, Option<Vec<(String, String)>>);
+
+/// Which of `tables` (each shard's path and tensor names, in the order
+/// `resolve_model` gave the shards) holds each tensor, checked by the
+/// core's `dmaload::format::model::tensor_index` against each other and
+/// `weight_map` (tensor name to shard name, or None without an index): a
+/// dict of name to position, in the tables' order, or its
+/// SafetensorError.
+#[pyfunction]
+pub(crate) fn tensor_index<'py>(
+    py: Python<'py>,
+    tables: Vec<(PathBuf, Vec<String>)>,
+    weight_map: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    guard(|| {
+        let tables: Vec<(String, Vec<String>)> =
+            tables.into_iter().map(|(path, names)| (path.display().to_string(), names)).collect();
+        // In the dict's order, the index's: the shards' order is that of
+        // their first mention.
+        let weight_map: Option<Vec<(String, String)>> = weight_map
+            .map(|map| {
+                map.iter()
+                    .map(|(name, shard)| Ok((name.extract()?, shard.extract()?)))
+                    .collect::<PyResult<_>>()
+            })
+            .transpose()?;
+        let owner = model::tensor_index(&tables, weight_map.as_deref()).map_err(|e| format_error(&e))?;
+        let index = PyDict::new(py);
+        for name in tables.iter().flat_map(|(_, names)| names) {
+            index.set_item(name, owner[name])?;
+        }
+        Ok(index)
+    })
+}
 
 /// Loads safetensors files whole, `concurrency` at a time, with the GIL
 /// released; returns (buffer, `Header`) per file, in order.

@@ -264,10 +264,12 @@ pub fn _load_staged(
     }
     // The host memory's options do not apply: the ring is the memory.
     let opts = Opts::from_dict(options.as_ref())?.without(&["to", "gather_size", "populate_threads"]);
-    let slot_size = opts.staging_slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
     let mut options = opts.to_options()?;
+    // Checked before the ring is made of them, as every load checks them.
+    dmaload::check_load_options(&options).map_err(|e| os_error(&e))?;
+    let slot_size = options.staging_slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
     let objects = files.iter().all(|f| matches!(f.get().source, Source::Object(_)));
-    let slots = match opts.staging_slots {
+    let slots = match options.staging_slots {
         Some(slots) => slots,
         // GETs keep fewer slots busy than a disk's reads: the core's ring
         // for objects, its requests of the core's size.

@@ -140,6 +140,32 @@ def test_native_options_are_one_checked_dict(data_file: tuple[Path, bytes]) -> N
         assert bytes(memoryview(buf)) == data
 
 
+@pytest.mark.parametrize(
+    ("ring", "error"),
+    [
+        ({"staging_slots": 1}, "staging slots 1 must be at least 2"),
+        ({"staging_slot_size": "2G"}, "staging slot size 2147483648 must be between 1 byte and 1 GiB"),
+    ],
+)
+def test_the_staging_ring_is_the_cores_option(data_file: tuple[Path, bytes], ring: LoadOptions, error: str) -> None:
+    """The staging ring's options are checked by the core, as the command
+    line's and C's are, in the same words: on a host load (which takes no
+    ring) and on a staged load, before its ring is made."""
+    path, _ = data_file
+    with pytest.raises(OSError, match=error) as e:
+        dmaload.load(path, **ring)
+    assert e.value.errno == errno.EINVAL
+    np = pytest.importorskip("numpy")
+    st = pytest.importorskip("safetensors.numpy")
+    model = path.with_name("m.safetensors")
+    st.save_file({"w": np.arange(6, dtype=np.float32)}, model)
+    from dmaload.safetensors import _device
+
+    with pytest.raises(OSError, match=error) as e:
+        _device.load_files([model], "cpu", None, dict(ring))
+    assert e.value.errno == errno.EINVAL
+
+
 def _python_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DMALOAD_PYTHON_CLI": "1"}
     command = [sys.executable, "-m", "dmaload", *args]

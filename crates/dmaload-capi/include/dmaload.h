@@ -68,6 +68,13 @@ typedef struct dmaload_load_options {
   uint32_t threads;
   // Threads populating memory ahead of the reads.
   uint32_t populate_threads;
+  // Slots of the staging ring `dmaload_load_dmabuf` reads through for a
+  // "dma-heap:NAME" target, at least 2; 0 (the default): sized from the
+  // range (a quarter of it, at most 128 MiB). Other loads take no ring.
+  uint32_t staging_slots;
+  // Bytes per staging slot, at most 1 GiB; 0 (the default): the heap
+  // ring's own.
+  uint64_t staging_slot_size;
   // Non-zero: after the load, measure how much of the range is in the
   // page cache (in the report's JSON, `page_cache`).
   uint32_t measure_page_cache;

@@ -73,6 +73,13 @@ pub struct dmaload_load_options {
     pub threads: u32,
     /// Threads populating memory ahead of the reads.
     pub populate_threads: u32,
+    /// Slots of the staging ring `dmaload_load_dmabuf` reads through for a
+    /// "dma-heap:NAME" target, at least 2; 0 (the default): sized from the
+    /// range (a quarter of it, at most 128 MiB). Other loads take no ring.
+    pub staging_slots: u32,
+    /// Bytes per staging slot, at most 1 GiB; 0 (the default): the heap
+    /// ring's own.
+    pub staging_slot_size: u64,
     /// Non-zero: after the load, measure how much of the range is in the
     /// page cache (in the report's JSON, `page_cache`).
     pub measure_page_cache: u32,
@@ -368,6 +375,12 @@ fn load_options(
         queue_depth: o.queue_depth as usize,
         threads: o.threads as usize,
         populate_threads: o.populate_threads as usize,
+        // 0 is unset, as in dmaload_load_options_default().
+        staging_slots: (o.staging_slots != 0).then_some(o.staging_slots as usize),
+        staging_slot_size: match o.staging_slot_size {
+            0 => None,
+            n => Some(size(op, "staging slot size", n)?),
+        },
         measure_page_cache: o.measure_page_cache != 0,
         verify: o.verify != 0,
         // Not in C (the tests' option table, crates/dmaload/tests/fronts,
@@ -416,6 +429,8 @@ pub extern "C" fn dmaload_load_options_default() -> dmaload_load_options {
         queue_depth: u32::try_from(d.queue_depth).unwrap_or(u32::MAX),
         threads: u32::try_from(d.threads).unwrap_or(u32::MAX),
         populate_threads: u32::try_from(d.populate_threads).unwrap_or(u32::MAX),
+        staging_slots: d.staging_slots.map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+        staging_slot_size: d.staging_slot_size.map_or(0, |n| n as u64),
         measure_page_cache: u32::from(d.measure_page_cache),
         verify: u32::from(d.verify),
     }

@@ -175,6 +175,15 @@ pub struct LoadArgs {
     /// machine's CPUs, 1 to 4).
     #[arg(long, default_value_t = dmaload::load::default_populate_threads())]
     populate_threads: usize,
+    /// Slots of the staging ring a load to cuda:N (pinned) or dma-heap:NAME
+    /// reads through, at least 2 (default: sized from the range; for a
+    /// device a quarter of it, 2 to 32 slots, for a heap at most 128 MiB).
+    #[arg(long, value_name = "N")]
+    staging_slots: Option<usize>,
+    /// Bytes per staging slot, at most 1G (default: 16M for a device, the
+    /// heap ring's own for dma-heap:NAME).
+    #[arg(long, value_name = "SIZE")]
+    staging_slot_size: Option<Size>,
     /// Check the file against the digest that the B3SUMS (BLAKE3) or
     /// SHA256SUMS file beside it records (`dmaload sums` writes them;
     /// BLAKE3 first when both list it), hashing as the bytes arrive:
@@ -197,6 +206,8 @@ impl LoadArgs {
             queue_depth: self.queue_depth,
             threads: self.threads,
             populate_threads: self.populate_threads,
+            staging_slots: self.staging_slots,
+            staging_slot_size: self.staging_slot_size.map(|s| usize::try_from(s.0).unwrap_or(usize::MAX)),
             verify: self.verify,
             // Each command sets these for itself (`load` hands out no fd and
             // measures the page cache unless --no-page-cache; a terminal

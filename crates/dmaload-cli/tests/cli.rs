@@ -671,6 +671,44 @@ fn a_load_to_cuda_hashes_equal_to_a_host_load() {
     assert_eq!(hash_of(&["--to", "cuda:0", "--offset", "4097"]), hash_of(&["--offset", "4097"]));
 }
 
+/// `--staging-slots` and `--staging-slot-size` size the staging ring of a
+/// load to cuda:N, which is else sized from the range; a ring of one slot
+/// is the core's error, in the words C and Python give too.
+#[test]
+fn the_staging_flags_size_the_ring_of_a_load_to_cuda() {
+    let test = "the_staging_flags_size_the_ring_of_a_load_to_cuda";
+    let dir = scratch();
+    let path = sample_file(dir.path(), "model.bin", (1 << 20) + 4093);
+    for (flag, value, error) in [
+        ("--staging-slots", "1", "staging slots 1 must be at least 2"),
+        ("--staging-slot-size", "2G", "staging slot size 2147483648 must be between 1 byte and 1 GiB"),
+    ] {
+        let out = dmaload().args(["load", flag, value]).arg(&path).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(error), "{flag} {value}: {stderr}");
+    }
+    if let Err(reason) = cuda_driver::cuda_driver() {
+        return skip(test, &reason);
+    }
+    let ring = |args: &[&str]| {
+        let out = dmaload()
+            .args(["load", "--json", "--hash", "--to", "cuda:0", "--mode", "direct"])
+            .args(args)
+            .arg(&path)
+            .output()
+            .unwrap();
+        let report = json_of(&out);
+        assert_eq!(report["ring_bytes"], report["bytes"], "{report}");
+        let destination = report["destination"].as_str().unwrap().to_owned();
+        (destination, report["hash"]["xxh3_64"].as_str().unwrap().to_owned())
+    };
+    let (sized, hash) = ring(&[]);
+    assert!(sized.contains("staging ring (2 x 16777216 bytes)"), "{sized}");
+    let (given, given_hash) = ring(&["--staging-slots", "3", "--staging-slot-size", "64K"]);
+    assert!(given.contains("staging ring (3 x 65536 bytes)"), "{given}");
+    assert_eq!(given_hash, hash);
+}
+
 /// A small file loaded to the device pins a ring it fills, not the 512 MiB
 /// of a large load: the whole process's peak RSS (the pinned ring is
 /// resident, every page) stays far below 512 MiB for a 4 MiB file.

@@ -46,8 +46,10 @@ impl LoadedDevice {
 /// Loads `len` bytes (to the end when `None`) from `offset` of `file` into
 /// a new allocation on device `ordinal`. A range larger than the device's
 /// free memory is an [`ErrorKind::OutOfMemory`] error before any read.
-/// Reads are one slot each unless `options.chunk_size` was changed from its
-/// default.
+/// The ring is `options.staging_slots` of `options.staging_slot_size`
+/// bytes, each unset one sized for the range ([`staging_ring_slots`],
+/// [`DEFAULT_SLOT_SIZE`]). Reads are one slot each unless
+/// `options.chunk_size` was changed from its default.
 pub(crate) fn load_open_device(
     file: &OpenFile,
     offset: u64,
@@ -59,15 +61,16 @@ pub(crate) fn load_open_device(
     let len = range_len(file.source(), path, offset, len)?;
     // Refused or looked up before any allocation; the load checks again.
     crate::verify::Expected::for_load(file, offset, Some(len), options.verify)?;
+    let slot_size = slot_size(options);
     let mut options = options.clone();
     if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
-        options.chunk_size = DEFAULT_SLOT_SIZE;
+        options.chunk_size = slot_size;
     }
     load_device(
         path,
         (offset, len),
         ordinal,
-        staging_ring_slots(len, DEFAULT_SLOT_SIZE),
+        options.staging_slots.unwrap_or_else(|| staging_ring_slots(len, slot_size)),
         &options,
         |ring, sink| load_open_to_sink(file, offset, Some(len), ring, sink, &options),
     )
@@ -78,9 +81,10 @@ pub(crate) fn load_open_device(
 /// a file's: the GETs receive into the pinned ring's slots, which the
 /// [`CudaSink`] copies to the device. The ring has no more slots than the
 /// GETs in flight keep busy ([`object_ring_slots`]), unless a larger one
-/// is kept for the device. A range past the object's end, a verified load
-/// whose sums object does not list it, or a range larger than the device's
-/// free memory is refused before anything is allocated.
+/// is kept for the device or `options.staging_slots` says how many. A
+/// range past the object's end, a verified load whose sums object does not
+/// list it, or a range larger than the device's free memory is refused
+/// before anything is allocated.
 pub(crate) fn load_object_device(
     object: &Object,
     offset: u64,
@@ -91,8 +95,10 @@ pub(crate) fn load_object_device(
     let path = object.name();
     let len = range_within(object.size, "object", path, offset, len)?;
     let expected = object_expected(object, offset, Some(len), options)?;
-    let slots =
-        staging_ring_slots(len, DEFAULT_SLOT_SIZE).min(object_ring_slots(options, DEFAULT_SLOT_SIZE)).max(2);
+    let slot_size = slot_size(options);
+    let slots = options.staging_slots.unwrap_or_else(|| {
+        staging_ring_slots(len, slot_size).min(object_ring_slots(options, slot_size)).max(2)
+    });
     load_device(path, (offset, len), ordinal, slots, options, |ring, sink| {
         stage_object(object, offset, Some(len), ring, sink, (options, expected.as_ref()))
     })
@@ -101,8 +107,9 @@ pub(crate) fn load_object_device(
 /// The device side of a load to `cuda:N`, whatever the source: checks the
 /// device's free memory for the range's `len` bytes (from `offset` of the
 /// source), allocates them, takes the ring kept for the device (or pins
-/// one of `slots` slots), and has `load` fill the allocation through it
-/// with a [`CudaSink`]; the ring is kept again afterwards.
+/// one of `slots` slots of `options.staging_slot_size`), and has `load`
+/// fill the allocation through it with a [`CudaSink`]; the ring is kept
+/// again afterwards.
 fn load_device(
     path: &Path,
     (offset, len): (u64, u64),
@@ -116,7 +123,8 @@ fn load_device(
     let mut memory = allocate(&context, ordinal, len, path)?;
     let ring_started = std::time::Instant::now();
     let device = Some((ordinal, &context));
-    let mut ring = take_ring(device, slots, DEFAULT_SLOT_SIZE, options.chunk_size)
+    let slot_size = slot_size(options);
+    let mut ring = take_ring(device, slots, slot_size, options.chunk_size)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
     let ring_setup = ring_started.elapsed();
     let loaded = CudaSink::new(&context, vec![(offset, memory.range())])
@@ -159,11 +167,18 @@ pub(crate) fn allocate(context: &Context, ordinal: usize, len: u64, path: &Path)
 /// bytes: a quarter of the range, or all of it up to 8 slots
 /// (pinning costs time and memory for every slot: with 16 MiB slots a
 /// 40 MiB file pins 3, a 1 GiB file 16, not 32), at least the 2 a ring
-/// needs, at most [`DEFAULT_SLOTS`]. The CLI's, C's and Python's loads to
-/// `cuda:N` all size their ring with it.
+/// needs, at most [`DEFAULT_SLOTS`]. The CLI's and Python's loads to
+/// `cuda:N` all size their ring with it unless
+/// [`LoadOptions::staging_slots`] is given.
 pub fn staging_ring_slots(len: u64, slot_len: usize) -> usize {
     let filled = usize::try_from(len.div_ceil(slot_len.max(1) as u64)).unwrap_or(usize::MAX);
     filled.div_ceil(4).max(filled.min(MIN_RING_SLOTS)).clamp(2, DEFAULT_SLOTS)
+}
+
+/// Bytes per slot of a device's staging ring: as given, else
+/// [`DEFAULT_SLOT_SIZE`].
+fn slot_size(options: &LoadOptions) -> usize {
+    options.staging_slot_size.unwrap_or(DEFAULT_SLOT_SIZE)
 }
 
 /// Slots a range fills before the ring holds a quarter of it.

@@ -203,7 +203,8 @@ fn load_udmabuf(
 }
 
 /// A dma-buf from the heap `name`, allocated beside the reads and filled
-/// from a staging ring sized to the file ([`heap_ring_geometry`]).
+/// from a staging ring sized to the file ([`heap_ring_geometry`]), or as
+/// `options.staging_slots` and `staging_slot_size` say.
 fn load_heap(
     file: &OpenFile,
     name: &str,
@@ -217,7 +218,10 @@ fn load_heap(
     check_memory(path, len)?;
     // Allocation starts first, so the ring's populating overlaps it too.
     let mut sink = DmaHeapSink::allocate(heap, offset, len)?;
+    // The options' staging ring where given, else one sized to the range.
     let (slots, slot_size) = heap_ring_geometry(len);
+    let slots = options.staging_slots.unwrap_or(slots);
+    let slot_size = options.staging_slot_size.unwrap_or(slot_size);
     let chunk = options.chunk_size.min(slot_size);
     let mut ring = StagingRing::new(slots, slot_size, chunk)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;

@@ -239,6 +239,20 @@ pub struct LoadOptions {
     /// I/O, or a [`crate::HostSink`]'s destination ahead of its copies;
     /// page zeroing is CPU-bound, so more threads hide more of it.
     pub populate_threads: usize,
+    /// Slots of the staging ring a load to `cuda:N` (pinned) or to
+    /// `dma-heap:NAME` reads through, at least 2. `None` (the default):
+    /// sized from the range, a device's ring to a quarter of it
+    /// ([`crate::device::staging_ring_slots`], at most
+    /// [`crate::sink::DEFAULT_SLOTS`]; fewer for an object), a heap's to
+    /// at most 128 MiB ([`crate::dmabuf::heap_ring_geometry`]). A ring kept
+    /// from an earlier load on the device serves where it has as many
+    /// slots or more. Other loads take no ring from these options.
+    pub staging_slots: Option<usize>,
+    /// Bytes per staging slot (whole read requests, at most 1 GiB). `None`
+    /// (the default): [`crate::sink::DEFAULT_SLOT_SIZE`] for a device, the
+    /// heap ring's own for a dma-heap. A device load whose `chunk_size`
+    /// is left at its default reads a slot at a time.
+    pub staging_slot_size: Option<usize>,
     /// Measure, after the load, how much of the range is in the page cache
     /// ([`crate::LoadReport::page_cache`]): `mmap` of the whole range, then
     /// `mincore` (a page-cache look-up per page and a status byte per page
@@ -276,6 +290,8 @@ impl Default for LoadOptions {
             queue_depth: DEFAULT_QUEUE_DEPTH,
             threads: DEFAULT_POOL_THREADS,
             populate_threads: default_populate_threads(),
+            staging_slots: None,
+            staging_slot_size: None,
             measure_page_cache: false,
             progress: None,
             cancel: CancelToken::default(),
@@ -296,6 +312,8 @@ impl fmt::Debug for LoadOptions {
             .field("queue_depth", &self.queue_depth)
             .field("threads", &self.threads)
             .field("populate_threads", &self.populate_threads)
+            .field("staging_slots", &self.staging_slots)
+            .field("staging_slot_size", &self.staging_slot_size)
             .field("measure_page_cache", &self.measure_page_cache)
             .field("progress", &self.progress.is_some())
             .field("cancelled", &self.cancel.is_cancelled())
@@ -415,6 +433,12 @@ pub(crate) fn validate(path: &Path, o: &LoadOptions) -> Result<()> {
     if o.populate_threads == 0 || o.populate_threads > 1024 {
         return bad(format!("populate thread count {} must be between 1 and 1024", o.populate_threads));
     }
+    if let Some(slots) = o.staging_slots.filter(|&n| n < 2) {
+        return bad(format!("staging slots {slots} must be at least 2 (one filling while one is delivered)"));
+    }
+    if let Some(size) = o.staging_slot_size.filter(|&n| n == 0 || n > 1 << 30) {
+        return bad(format!("staging slot size {size} must be between 1 byte and 1 GiB"));
+    }
     Ok(())
 }
 
@@ -433,7 +457,7 @@ pub enum OptionValue {
 }
 
 impl OptionValue {
-    fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             OptionValue::Name(_) => "a name",
             OptionValue::Number(_) => "a number",
@@ -457,7 +481,7 @@ impl LoadOptions {
     /// The options [`LoadOptions::set`] takes, by name: every field but
     /// `needs_fd` (each entry point decides it), the progress callback and
     /// the cancellation token.
-    pub const NAMES: [&'static str; 10] = [
+    pub const NAMES: [&'static str; 12] = [
         "engine",
         "mode",
         "to",
@@ -466,6 +490,8 @@ impl LoadOptions {
         "queue_depth",
         "threads",
         "populate_threads",
+        "staging_slots",
+        "staging_slot_size",
         "measure_page_cache",
         "verify",
     ];
@@ -486,16 +512,25 @@ impl LoadOptions {
             ("queue_depth", Number(n)) => self.queue_depth = count(n)?,
             ("threads", Number(n)) => self.threads = count(n)?,
             ("populate_threads", Number(n)) => self.populate_threads = count(n)?,
+            ("staging_slots", Number(n)) => self.staging_slots = Some(count(n)?),
+            ("staging_slot_size", Number(n)) => self.staging_slot_size = Some(count(n)?),
             ("measure_page_cache", Flag(b)) => self.measure_page_cache = b,
             ("verify", Flag(b)) => self.verify = b,
-            (name, value) if Self::NAMES.contains(&name) => return Err(wrong_kind(self.get(name), &value)),
+            // Every option takes a number but the choices and switches,
+            // which have a value to name their kind by (an unset staging
+            // option has none).
+            (name, value) if Self::NAMES.contains(&name) => {
+                let wanted = self.get(name).map_or("a number", |v| v.kind());
+                return Err(wrong_kind(wanted, &value));
+            }
             _ => return Err(OptionError::Unknown),
         }
         Ok(())
     }
 
     /// The value of the option `name` ([`LoadOptions::NAMES`]), as
-    /// [`LoadOptions::set`] takes it; `None` for a name it does not take.
+    /// [`LoadOptions::set`] takes it; `None` for a name it does not take,
+    /// and for a staging option left unset (sized per load).
     pub fn get(&self, name: &str) -> Option<OptionValue> {
         use OptionValue::{Flag, Name, Number};
         Some(match name {
@@ -507,6 +542,8 @@ impl LoadOptions {
             "queue_depth" => Number(self.queue_depth as u64),
             "threads" => Number(self.threads as u64),
             "populate_threads" => Number(self.populate_threads as u64),
+            "staging_slots" => Number(self.staging_slots? as u64),
+            "staging_slot_size" => Number(self.staging_slot_size? as u64),
             "measure_page_cache" => Flag(self.measure_page_cache),
             "verify" => Flag(self.verify),
             _ => return None,
@@ -519,9 +556,8 @@ pub(crate) fn count(n: u64) -> std::result::Result<usize, OptionError> {
     usize::try_from(n).map_err(|_| OptionError::Value(format!("{n} is too large")))
 }
 
-/// The error for a value of another kind than the option's `current` one.
-pub(crate) fn wrong_kind(current: Option<OptionValue>, given: &OptionValue) -> OptionError {
-    let wanted = current.map_or("another value", |v| v.kind());
+/// The error for a value of another kind than the `wanted` one ("a number").
+pub(crate) fn wrong_kind(wanted: &str, given: &OptionValue) -> OptionError {
     OptionError::Type(format!("takes {wanted}, not {}", given.kind()))
 }
 
@@ -670,10 +706,12 @@ mod tests {
         let defaults = LoadOptions::default();
         let mut set = LoadOptions::default();
         for name in LoadOptions::NAMES {
-            let value = defaults.get(name).expect(name);
+            // Unset by default, the staging ring's are set to a number.
+            let value = defaults.get(name).unwrap_or(OptionValue::Number(4));
             set.set(name, value.clone()).expect(name);
             assert_eq!(set.get(name), Some(value));
         }
+        assert_eq!((defaults.get("staging_slots"), set.staging_slot_size), (None, Some(4)));
         set.set("engine", OptionValue::Name("read".into())).unwrap();
         set.set("queue_depth", OptionValue::Number(7)).unwrap();
         set.set("to", OptionValue::Name("anonymous-thp".into())).unwrap();
@@ -684,6 +722,8 @@ mod tests {
             matches!(set.set("threads", OptionValue::Flag(true)), Err(OptionError::Type(e)) if e.contains("a number, not a bool"))
         );
         assert!(matches!(set.set("verify", OptionValue::Number(1)), Err(OptionError::Type(_))));
+        let unset = LoadOptions::default().set("staging_slots", OptionValue::Flag(true));
+        assert_eq!(unset, Err(OptionError::Type("takes a number, not a bool".into())));
         assert!(matches!(set.set("engine", OptionValue::Name("fast".into())), Err(OptionError::Value(_))));
         let mut save = crate::SaveOptions::default();
         for name in crate::SaveOptions::NAMES {

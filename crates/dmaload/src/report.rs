@@ -1,6 +1,6 @@
 //! What a load did and how long each part took.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
@@ -102,4 +102,50 @@ pub struct LoadReport {
     /// calls every page of a file this process neither owns nor may write
     /// cached.
     pub page_cache: Option<Residency>,
+}
+
+impl LoadReport {
+    /// The report of `bytes` from `offset` of `path` delivered in
+    /// `total_seconds`, with the rate that makes, and every other field at
+    /// what a load that did nothing else would say: the default engine,
+    /// direct reads, a memfd of 4 KiB pages named nowhere, no fallbacks,
+    /// no time in any part, sizes and counts 0, nothing measured. Each load
+    /// writes what it did over this (`LoadReport { .., ..LoadReport::new(..) }`),
+    /// so a new field gets its value for every load here.
+    pub(crate) fn new(path: &Path, offset: u64, bytes: u64, total_seconds: f64) -> LoadReport {
+        LoadReport {
+            path: path.to_owned(),
+            offset,
+            bytes,
+            engine: Engine::default(),
+            cache: CachePolicy::Bypass,
+            memory: MemoryKind::default(),
+            memory_reason: String::new(),
+            huge_pages: false,
+            destination: String::new(),
+            filesystem: "unknown",
+            alignment: 1,
+            chunk_size: 0,
+            gather_size: 0,
+            queue_depth: 0,
+            request_size: 0,
+            tuning_windows: 0,
+            read_choice: String::new(),
+            fallbacks: Vec::new(),
+            alloc_seconds: 0.0,
+            register_seconds: 0.0,
+            first_gather_seconds: 0.0,
+            deliver_seconds: 0.0,
+            ring_bytes: 0,
+            cache_lane_bytes: 0,
+            cache_lane_threads: 0,
+            io_seconds: 0.0,
+            waited_for_memory_seconds: 0.0,
+            total_seconds,
+            gib_per_second: bytes as f64 / (1u64 << 30) as f64 / total_seconds.max(1e-9),
+            cpu_user_seconds: 0.0,
+            cpu_system_seconds: 0.0,
+            page_cache: None,
+        }
+    }
 }

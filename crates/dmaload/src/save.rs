@@ -148,7 +148,10 @@ impl SaveOptions {
             ("chunk_size", Number(n)) => self.chunk_size = count(n)?,
             ("queue_depth", Number(n)) => self.queue_depth = count(n)?,
             ("threads", Number(n)) => self.threads = count(n)?,
-            (name, value) if Self::NAMES.contains(&name) => return Err(wrong_kind(self.get(name), &value)),
+            (name, value) if Self::NAMES.contains(&name) => {
+                let wanted = self.get(name).map_or("another value", |v| v.kind());
+                return Err(wrong_kind(wanted, &value));
+            }
             _ => return Err(OptionError::Unknown),
         }
         Ok(())

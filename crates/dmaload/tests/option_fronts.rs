@@ -49,6 +49,8 @@ fn the_table_has_one_row_per_field_in_order() {
         queue_depth,
         threads,
         populate_threads,
+        staging_slots,
+        staging_slot_size,
         measure_page_cache,
         progress,
         cancel,

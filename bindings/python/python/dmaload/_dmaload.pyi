@@ -44,6 +44,7 @@ __all__ = [
     "read_safetensors_header",
     "release_staging",
     "resolve_model",
+    "tensor_index",
     "safetensors_dtypes",
     "save",
     "__version__",
@@ -322,6 +323,16 @@ def resolve_model(path: str | os.PathLike[str]) -> tuple[list[str], list[tuple[s
     shard object URLs, for an ``s3://`` key, index or prefix), and its
     index's weight map as (tensor, normalized shard name) pairs in
     the index's order (``None`` without an index)."""
+
+def tensor_index(
+    tables: Sequence[tuple[str | os.PathLike[str], Sequence[str]]], weight_map: dict[str, str] | None
+) -> dict[str, int]:
+    """Which of ``tables`` (each shard's path and tensor names, in the order
+    ``resolve_model`` gave the shards) holds each tensor, checked by the
+    core against each other and ``weight_map`` (tensor name to shard name,
+    ``None`` without an index): name to position, in the tables' order.
+    ``SafetensorError`` for a tensor in two shards, one the map puts in a
+    shard that lacks it, or one the map does not list."""
 
 def safetensors_dtypes() -> list[tuple[str, int]]: ...
 def _option_choices() -> dict[str, list[str]]:

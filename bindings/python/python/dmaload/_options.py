@@ -71,7 +71,10 @@ class LoadOptions(TypedDict, total=False):
     staging_slots, staging_slot_size: the pinned staging ring of a device
         load (``device="cuda:N"``; default slots of 16 MiB, one read each,
         holding a quarter of the data: at least 8, or as many as the data
-        fills, and at most 32); host loads ignore them.
+        fills, and at most 32), and the ring of ``load_dmabuf`` to
+        ``"dma-heap:NAME"`` (default: at most 128 MiB, sized from the
+        range); host loads ignore them. At least 2 slots, each of at most
+        1 GiB (an ``OSError``, ``EINVAL``, otherwise; the core's check).
     """
 
     engine: Engine
@@ -100,7 +103,8 @@ def parse_size(value: Size) -> int:
 
 class DmabufLoadOptions(TypedDict, total=False):
     """Keyword options of ``dmaload.load_dmabuf``: those of :class:`LoadOptions`
-    but ``to`` (its own argument) and the staging ring's."""
+    but ``to`` (its own argument); the staging ring's size a load to
+    ``"dma-heap:NAME"``."""
 
     engine: Engine
     mode: Mode
@@ -111,6 +115,8 @@ class DmabufLoadOptions(TypedDict, total=False):
     populate_threads: int
     measure_page_cache: bool
     verify: bool
+    staging_slots: int
+    staging_slot_size: Size
 
 
 class SaveOptions(TypedDict, total=False):

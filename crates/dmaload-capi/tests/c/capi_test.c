@@ -164,7 +164,8 @@ int main(int argc, char **argv)
 	check(strlen(dmaload_version()) > 0, "dmaload_version is a version");
 	dmaload_load_options options = dmaload_load_options_default();
 	check(options.engine == DMALOAD_ENGINE_URING_FIXED && options.mode == DMALOAD_MODE_AUTO &&
-		      options.to == NULL && options.chunk_size == 4 << 20 && options.queue_depth == 32,
+		      options.to == NULL && options.chunk_size == 4 << 20 && options.queue_depth == 32 &&
+		      options.staging_slots == 0 && options.staging_slot_size == 0,
 	      "the default options are the CLI's");
 
 	/* Bad arguments: an error, never a crash. */
@@ -185,6 +186,15 @@ int main(int argc, char **argv)
 	bad = options;
 	bad.chunk_size = 0;
 	check_error(dmaload_load(file, &bad, &buffer), EINVAL, "chunk size 0", "a zero chunk size");
+	/* The core's check of the staging ring, in the CLI's and Python's words. */
+	bad = options;
+	bad.staging_slots = 1;
+	check_error(dmaload_load(file, &bad, &buffer), EINVAL, "staging slots 1 must be at least 2",
+		    "a staging ring of one slot");
+	bad = options;
+	bad.staging_slot_size = (uint64_t)2 << 30;
+	check_error(dmaload_load(file, &bad, &buffer), EINVAL,
+		    "staging slot size 2147483648 must be between 1 byte and 1 GiB", "a staging slot over 1 GiB");
 	bad = options;
 	bad.to = "udmabuf";
 	check_error(dmaload_load(file, &bad, &buffer), EINVAL, "load_dmabuf", "a dma-buf target for a host load");
@@ -389,6 +399,22 @@ int main(int argc, char **argv)
 		free(expected);
 		dmaload_report_free(dmabuf.report);
 		close(dmabuf.fd);
+	}
+
+	/* The options size a dma-heap load's staging ring, which is else sized from the range. */
+	if (exists("/dev/dma_heap/system")) {
+		dmaload_load_options ring = options;
+		ring.staging_slots = 3;
+		ring.staging_slot_size = 64 << 10;
+		rc = dmaload_load_dmabuf_range(file, 5000, 70000, "dma-heap:system", &ring, &dmabuf);
+		check(rc == 0 && strstr(dmabuf.report->destination, "staging ring (3 x 65536 bytes)") != NULL,
+		      "dma-heap:system through the options' staging ring");
+		if (rc == 0) {
+			dmaload_report_free(dmabuf.report);
+			close(dmabuf.fd);
+		}
+	} else {
+		printf("SKIP the options' staging ring for dma-heap:system: no such device here\n");
 	}
 
 	/* ENOMEM: a file larger than the address space this process may still map. */

@@ -442,16 +442,20 @@ fn shard_key(name: &str) -> Result<String, &'static str> {
 }
 
 /// Each tensor's position in `tables` (each shard's path and tensor
-/// names), checked: a tensor in two shards, or where the map does not say,
-/// is an error.
-fn tensor_index(
-    tables: &[(String, Vec<&str>)],
+/// names, the shards in [`Model::shards`]' order), checked against each
+/// other and the index's `weight_map` (as [`Model::weight_map`] holds it):
+/// a tensor in two shards, one the map puts in a shard that lacks it, and
+/// one the map does not list are [`Error::Model`] errors naming the tensor
+/// and the shards. Python's `dmaload.safetensors` checks its shards with
+/// this too.
+pub fn tensor_index<S: AsRef<str>>(
+    tables: &[(String, Vec<S>)],
     weight_map: Option<&[(String, String)]>,
 ) -> Result<BTreeMap<String, usize>, Error> {
     let mut index = BTreeMap::new();
     for (i, (path, names)) in tables.iter().enumerate() {
-        for name in names {
-            if let Some(&first) = index.get(*name) {
+        for name in names.iter().map(AsRef::as_ref) {
+            if let Some(&first) = index.get(name) {
                 let first: usize = first;
                 return Err(Error::Model(format!(
                     "tensor {} is in both {} and {path}",
@@ -459,7 +463,7 @@ fn tensor_index(
                     tables[first].0
                 )));
             }
-            index.insert((*name).to_owned(), i);
+            index.insert(name.to_owned(), i);
         }
     }
     let Some(weight_map) = weight_map else { return Ok(index) };

@@ -324,9 +324,6 @@ impl<'a> Started<'a> {
         let total = self.at.elapsed();
         let len = plan.data_end - plan.data_start;
         Ok(LoadReport {
-            path: path.to_owned(),
-            offset: plan.data_start,
-            bytes: len,
             engine: run.engine,
             cache: CachePolicy::Bypass,
             memory: memory.kind,
@@ -334,28 +331,16 @@ impl<'a> Started<'a> {
             destination: Destination::from(memory.kind).name(),
             memory_reason: memory.reason,
             filesystem: "s3",
-            alignment: 1,
             chunk_size: plan.chunk,
             gather_size: plan.gather,
             queue_depth: params.queue_depth,
             request_size: plan.chunk,
-            tuning_windows: 0,
-            read_choice: String::new(),
             fallbacks: run.fallbacks,
-            alloc_seconds: 0.0,
-            register_seconds: 0.0,
-            first_gather_seconds: 0.0,
-            deliver_seconds: 0.0,
-            ring_bytes: 0,
-            cache_lane_bytes: 0,
-            cache_lane_threads: 0,
             io_seconds: engine_wall.saturating_sub(run.waited_for_memory).as_secs_f64(),
             waited_for_memory_seconds: run.waited_for_memory.as_secs_f64(),
-            total_seconds: total.as_secs_f64(),
-            gib_per_second: len as f64 / (1u64 << 30) as f64 / total.as_secs_f64().max(1e-9),
             cpu_user_seconds: cpu.0.saturating_sub(self.cpu.0).as_secs_f64(),
             cpu_system_seconds: cpu.1.saturating_sub(self.cpu.1).as_secs_f64(),
-            page_cache: None,
+            ..LoadReport::new(path, plan.data_start, len, total.as_secs_f64())
         })
     }
 }

@@ -199,9 +199,6 @@ impl Opened<'_> {
         fallbacks.extend(run.fallbacks);
         let (cache, read_choice) = read_kept(&self.setup, run.tuner.as_ref());
         Ok(LoadReport {
-            path: path.to_owned(),
-            offset: self.offset,
-            bytes: self.len,
             engine: run.engine,
             cache,
             memory: memory.kind,
@@ -217,20 +214,11 @@ impl Opened<'_> {
             tuning_windows: run.tuner.as_ref().map_or(0, |tuner| tuner.windows()),
             read_choice,
             fallbacks,
-            alloc_seconds: 0.0,
-            register_seconds: 0.0,
-            first_gather_seconds: 0.0,
-            deliver_seconds: 0.0,
-            ring_bytes: 0,
-            cache_lane_bytes: 0,
-            cache_lane_threads: 0,
-            io_seconds: 0.0,
             waited_for_memory_seconds: run.waited_for_memory.as_secs_f64(),
-            total_seconds: total.as_secs_f64(),
-            gib_per_second: self.len as f64 / (1u64 << 30) as f64 / total.as_secs_f64().max(1e-9),
             cpu_user_seconds: (cpu_after.0.saturating_sub(self.cpu_before.0)).as_secs_f64(),
             cpu_system_seconds: (cpu_after.1.saturating_sub(self.cpu_before.1)).as_secs_f64(),
             page_cache,
+            ..LoadReport::new(path, self.offset, self.len, total.as_secs_f64())
         })
     }
 }

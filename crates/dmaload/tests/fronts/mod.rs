@@ -55,6 +55,8 @@ pub const LOAD_OPTION_FRONTS: &[OptionFronts] = {
         same("queue_depth", "--queue-depth"),
         same("threads", "--threads"),
         same("populate_threads", "--populate-threads"),
+        same("staging_slots", "--staging-slots"),
+        same("staging_slot_size", "--staging-slot-size"),
         same("measure_page_cache", "--no-page-cache"),
         OptionFronts {
             field: "progress",

@@ -18,7 +18,7 @@ from typing import Any
 from .. import _dmaload
 from .._header import Header
 from ..safetensors._collective import wants
-from ..safetensors._file import _File, _tensor_index
+from ..safetensors._file import _File
 
 Progress = Callable[[int, int], None] | None
 
@@ -67,7 +67,7 @@ class Mapped:
         import torch
 
         headers = [_header(f) for f in self._leased]
-        _tensor_index([(os.fspath(p), (t.name for t in h.tensors)) for p, h in zip(self.paths, headers)], None)
+        _dmaload.tensor_index([(os.fspath(p), [t.name for t in h.tensors]) for p, h in zip(self.paths, headers)], None)
         total = sum(t.nbytes for h in headers for t in h.tensors if self._wants(t.name))
         done = 0
         try:

@@ -20,7 +20,7 @@ shards are loaded concurrently. It may also be an object URL:
 shard loaded once into host memory, or with ``device="cuda:N"`` received
 through the staging ring into the device; see docs/object-storage.md. An index's ``weight_map`` is checked before
 anything is loaded (see ``shard_paths``), then against the shards'
-headers before their data (``_tensor_index``), and against the loaded
+headers before their data (the core's ``tensor_index``), and against the loaded
 shards again.
 
 The header is untrusted input: anything malformed raises
@@ -65,7 +65,7 @@ from .._options import Destination, LoadOptions, Size, native_options
 from .._progress import Progress, resolve
 from .._report import LoadReport
 from . import _collective, _device
-from ._file import _File, _product, _tensor_index
+from ._file import _File, _product
 from ._collective import DEFAULT_WINDOW, CollectiveLoadError, TensorFilter
 
 __all__ = [
@@ -301,7 +301,7 @@ class SafeOpen:
             # Shards that disagree with each other or the index fail here,
             # from their headers, not after minutes of loading.
             headers = [_dmaload.open_safetensors(os.fspath(p)) for p in paths]
-            _tensor_index([(h.path, (t.name for t in h.header.tensors)) for h in headers], weight_map)
+            _dmaload.tensor_index([(h.path, [t.name for t in h.header.tensors]) for h in headers], weight_map)
         on_device = self._framework == "pt" and _device.is_device(device)
         if on_device:
             self._files = _device.load_files(paths, device, progress, dict(options), socket)
@@ -309,8 +309,8 @@ class SafeOpen:
             self._files = _load_files_cached(paths, socket, dict(options))
         else:
             self._files = _load_files(paths, progress, concurrency, dict(options))
-        tables = [(f.path, f.tensors.keys()) for f in self._files]
-        self._index = {name: self._files[i] for name, i in _tensor_index(tables, weight_map).items()}
+        tables = [(f.path, list(f.tensors)) for f in self._files]
+        self._index = {name: self._files[i] for name, i in _dmaload.tensor_index(tables, weight_map).items()}
         if tensor_filter is not None:
             # From the cache service's memory, where reading is mapping.
             wants = _collective.wants(tensor_filter)
@@ -341,8 +341,8 @@ class SafeOpen:
             self._files = _device.load_files(urls, device, progress, options)
         else:
             self._files = _load_files(urls, progress, DEFAULT_CONCURRENCY, options)
-        tables = [(f.path, f.tensors.keys()) for f in self._files]
-        self._index = {name: self._files[i] for name, i in _tensor_index(tables, weight_map).items()}
+        tables = [(f.path, list(f.tensors)) for f in self._files]
+        self._index = {name: self._files[i] for name, i in _dmaload.tensor_index(tables, weight_map).items()}
         self._infos = {name: f.tensors[name] for name, f in self._index.items()}
         self._metadata = self._files[0].metadata if self._files else None
 
@@ -759,7 +759,7 @@ def _iter_objects(
     next shard is loaded."""
     urls, weight_map = _object_model(url)
     headers = [_dmaload.open_safetensors(u) for u in urls]
-    _tensor_index([(os.fsdecode(h.path), (t.name for t in h.header.tensors)) for h in headers], weight_map)
+    _dmaload.tensor_index([(os.fsdecode(h.path), [t.name for t in h.header.tensors]) for h in headers], weight_map)
     for opened in headers:
         # From the open whose header was checked: a shard replaced since
         # is ESTALE, never a tensor the check did not see.

@@ -85,7 +85,7 @@ from .._header import Header, TensorInfo
 from .._options import Size, native_options, parse_size
 from .._progress import Progress, resolve
 from ._heartbeat import _POLL_S, _Heartbeat, _store
-from ._file import _File, _tensor_index
+from ._file import _File
 
 __all__ = ["DEFAULT_WINDOW", "CollectiveLoadError", "Stream", "TensorFilter"]
 
@@ -449,7 +449,9 @@ class Stream:
                 # next window's end check, as a one-file load fails.
                 self._loader = _dmaload.WindowLoader(self._fds, options=self._native, in_flight=LOADS_IN_FLIGHT)
                 self.headers = [_dmaload.open_safetensors(fd, None, os.fspath(p)).header for fd, p in zip(self._fds, paths)]
-            _tensor_index([(os.fspath(p), (t.name for t in h.tensors)) for p, h in zip(paths, self.headers)], weight_map)
+            _dmaload.tensor_index(
+                [(os.fspath(p), [t.name for t in h.tensors]) for p, h in zip(paths, self.headers)], weight_map
+            )
         except (OSError, ValueError) as exc:  # ValueError: SafetensorError
             failure = exc
         try:

@@ -1,15 +1,15 @@
 """One loaded safetensors file as NumPy arrays or PyTorch tensors (views of
-its buffer, or slices of its data on a device), the dtype tables, and the
-check that a model's shards hold each tensor once: what the loaders of
-this package (``__init__``, ``_collective``, ``_device``) and the serving
-engines' mapped views share, in a module that imports none of them."""
+its buffer, or slices of its data on a device) and the dtype tables: what
+the loaders of this package (``__init__``, ``_collective``, ``_device``)
+and the serving engines' mapped views share, in a module that imports
+none of them. The check that a model's shards hold each tensor once is
+the core's (``_dmaload.tensor_index``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .._dmaload import Buffer, SafetensorError
+from .._dmaload import Buffer
 from .._header import Header, TensorInfo
 from .._report import LoadReport
 
@@ -152,35 +152,3 @@ def _torch_dtype(torch: Any, dtype: str, shape: tuple[int, ...]) -> tuple[Any, t
     if dtype.startswith("F8"):
         return torch.uint8, shape  # the raw bits, same shape
     return None, (-1,)  # F6, or U16/U32/U64 before torch 2.3
-
-
-def _tensor_index(tables: Sequence[tuple[str, Iterable[str]]], weight_map: dict[str, str] | None) -> dict[str, int]:
-    """The position in ``tables`` (each file's path and tensor names, in
-    the order ``shard_paths`` gave) of the file holding each tensor; a
-    tensor in two files, or where the index does not say, is an error."""
-    index: dict[str, int] = {}
-    for i, (path, names) in enumerate(tables):
-        for name in names:
-            if name in index:
-                raise SafetensorError(f"tensor {name!r} is in both {tables[index[name]][0]} and {path}")
-            index[name] = i
-    if weight_map is None:
-        return index
-    # shard_paths listed the shards in the order of their first mention in
-    # the weight map.
-    position_of_shard = {shard: i for i, shard in enumerate(dict.fromkeys(weight_map.values()))}
-    for name, shard in weight_map.items():
-        i = position_of_shard[shard]
-        if index.get(name) != i:
-            owner = index.get(name)
-            where = f"it is in {tables[owner][0]}" if owner is not None else "no shard has it"
-            raise SafetensorError(
-                f"index says tensor {name!r} is in {tables[i][0]}, but that file has no such tensor ({where})"
-            )
-    unlisted = sorted(set(index) - set(weight_map))
-    if unlisted:
-        raise SafetensorError(
-            f"tensor {unlisted[0]!r} is in {tables[index[unlisted[0]]][0]} but the index's "
-            f"weight_map does not list it ({len(unlisted)} such tensor(s))"
-        )
-    return index
