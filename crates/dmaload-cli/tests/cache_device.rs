@@ -197,6 +197,33 @@ fn a_failed_copy_or_a_service_killed_mid_copy_fails_the_load_with_no_report() {
     assert!(stderr.contains("receive device copy") && stderr.contains("closed the connection"), "{stderr}");
 }
 
+/// A copy that fails to queue after others are queued (the second piece's
+/// `cuMemcpyHtoDAsync`, while the first is still moving): the load fails
+/// naming the copy, and the service waits for the queued copy before it
+/// closes the client's memory (the strict emulator aborts a close with
+/// copies pending), so it lives on and serves the next load bit-exact.
+#[test]
+fn a_copy_failing_behind_queued_ones_closes_the_clients_memory_only_after_them() {
+    let test = "a_copy_failing_behind_queued_ones_closes_the_clients_memory_only_after_them";
+    if !emulator(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = model(dir.path());
+    let expected = host_hash(&file);
+    let faults = "copy#1=delay:300000,cuMemcpyHtoDAsync_v2#2=999";
+    let service =
+        Serving::start(&dir.path().join("run"), &[("DMALOAD_EMU_STRICT", "1"), ("DMALOAD_EMU_FAULTS", faults)]);
+    let out = service.load(&file, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(out.stdout.is_empty(), "no report of a failed load");
+    assert!(stderr.contains("copy to the client's device memory"), "{stderr}");
+    let (report, stderr) = text(&service.load(&file, &[]));
+    assert!(stderr.contains("(hit)"), "{stderr}");
+    assert_eq!(report["hash"]["xxh3_64"], expected, "bit-exact: {report}");
+}
+
 /// The child's output, or a failed test if it outlives two minutes.
 fn wait_output(mut child: Child) -> Output {
     let started = Instant::now();
