@@ -332,3 +332,46 @@ fn a_certificate_that_does_not_verify_fails_at_once_naming_the_host_and_the_trus
         "{err}"
     );
 }
+
+/// Over TLS as over plain HTTP: a server that stops answering fails the
+/// load in bounded time (the reads' poll and stall clock work on the TLS
+/// session), and a TLS server killed during the load, its connections cut
+/// mid-record, fails it with nothing returned.
+#[test]
+fn a_tls_server_that_stalls_or_dies_mid_load_fails_it_and_returns_nothing() {
+    let test = "a_tls_server_that_stalls_or_dies_mid_load_fails_it_and_returns_nothing";
+    let Some(garage) = Garage::start(test) else { return };
+    let Some(mut proxy) = TlsProxy::start(test, garage.s3_port) else { return };
+    garage.put("model.bin", &pattern(48 << 20, 14));
+    let config = Config {
+        timeout: Duration::from_millis(500),
+        retry_for: Duration::from_secs(2),
+        ..over_tls(&garage, &proxy.endpoint(), Some(proxy.ca()))
+    };
+    let object = garage.open_with("model.bin", config).unwrap();
+    garage.signal("STOP");
+    let result = LoadRequest::object(&object).load();
+    garage.signal("CONT");
+    let err = result.unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(err.to_string().contains("sent nothing"), "{err}");
+
+    let pid = proxy.pid();
+    let killed = Arc::new(AtomicBool::new(false));
+    let flag = killed.clone();
+    let progress = Arc::new(move |done: u64, total: u64| {
+        if done < total && !flag.swap(true, Ordering::SeqCst) {
+            let _ = Command::new("kill").arg("-KILL").arg(pid.to_string()).status();
+        }
+    });
+    let options =
+        LoadOptions { chunk_size: 1 << 20, threads: 1, progress: Some(progress), ..LoadOptions::default() };
+    let result = LoadRequest::object(&object).options(&options).load();
+    proxy.kill();
+    if !killed.load(Ordering::SeqCst) {
+        return eprintln!("SKIP {test} (killed part): the load ended before its first progress report");
+    }
+    let err = result.unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(err.to_string().contains("gave up after"), "{err}");
+}

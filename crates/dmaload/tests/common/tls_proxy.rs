@@ -54,6 +54,16 @@ impl TlsProxy {
         self.dir.path().join("stranger.pem")
     }
 
+    /// Kills the proxy: its connections end mid-record.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn endpoint(&self) -> String {
         format!("https://127.0.0.1:{}", self.port)
     }
@@ -61,8 +71,7 @@ impl TlsProxy {
 
 impl Drop for TlsProxy {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 
