@@ -3,7 +3,8 @@
 //! memory it belongs to, or, for an error's small XML body, into a `Vec`.
 //! Plain HTTP reads the body straight into place (`read(2)` into the
 //! destination range: no buffer between); TLS records are decrypted by
-//! `rustls` in user space, and their plaintext copied into place once.
+//! `rustls` in user space, and their plaintext copied into place from its
+//! queue.
 
 use std::fmt;
 use std::io::{self, BufRead, Read, Write};
