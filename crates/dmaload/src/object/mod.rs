@@ -273,12 +273,7 @@ impl Object {
         let conn = match connection {
             Some(conn) => conn,
             None => {
-                let endpoint = &self.config.endpoint;
-                let addr = match self.config.addressing {
-                    Addressing::Path => endpoint.host.as_str(),
-                    Addressing::VirtualHosted => self.host.as_str(),
-                };
-                let port = endpoint.port;
+                let (addr, port) = (self.host.as_str(), self.config.endpoint.port);
                 let opened =
                     Connection::open(addr, port, self.stall, self.tls.as_ref(), waiter).map_err(|e| {
                         if http::HandshakeRefused::is(&e) {
@@ -437,15 +432,18 @@ impl Object {
 
 /// The host a request for `url` goes to and its (encoded) path, by the
 /// configuration's addressing: `host/[prefix/]bucket/key` or
-/// `bucket.host/[prefix/]key`.
+/// `bucket.host/[prefix/]key`. A bucket name with dots goes in the path
+/// over TLS, as AWS's SDKs do: `a.b.s3.REGION.amazonaws.com` is not
+/// covered by the wildcard certificate `*.s3.REGION.amazonaws.com`.
 fn locate(url: &ObjectUrl, config: &Config) -> (String, String) {
     let key = sigv4::uri_encode(&url.key, true);
     let prefix = &config.endpoint.prefix;
+    let dotted_over_tls = config.endpoint.https && url.bucket.contains('.');
     match config.addressing {
-        Addressing::Path => (config.endpoint.host.clone(), format!("{prefix}/{}/{key}", url.bucket)),
-        Addressing::VirtualHosted => {
+        Addressing::VirtualHosted if !dotted_over_tls => {
             (format!("{}.{}", url.bucket, config.endpoint.host), format!("{prefix}/{key}"))
         }
+        _ => (config.endpoint.host.clone(), format!("{prefix}/{}/{key}", url.bucket)),
     }
 }
 
@@ -528,6 +526,17 @@ mod tests {
         assert_eq!(
             locate(&url, &config),
             ("b.s3.eu-west-1.amazonaws.com".into(), "/dir/a%20b%2Bc.bin".into())
+        );
+        // A bucket with dots is no name under AWS's wildcard certificate.
+        let dotted = ObjectUrl { bucket: "my.models".into(), key: "m.bin".into() };
+        assert_eq!(
+            locate(&dotted, &config),
+            ("s3.eu-west-1.amazonaws.com".into(), "/my.models/m.bin".into())
+        );
+        config.endpoint = config::Endpoint::parse("http://s3.eu-west-1.amazonaws.com").unwrap();
+        assert_eq!(
+            locate(&dotted, &config),
+            ("my.models.s3.eu-west-1.amazonaws.com".into(), "/m.bin".into())
         );
     }
 }
