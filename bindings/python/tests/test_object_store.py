@@ -548,3 +548,51 @@ def test_ranks_of_a_group_each_get_their_share_of_an_s3_model(s3_env: Garage, tm
     received = [p.received for p in proxies]
     # Half the object each, and the header's GET (64 KiB) and the responses' heads.
     assert all(len(body) // 2 - (64 << 10) < n < len(body) // 2 + (192 << 10) for n in received), (received, len(body))
+
+
+def _tls_proxy(garage: Garage, directory: Path) -> tuple[subprocess.Popen[str], int]:
+    """A real TLS server in front of Garage (crates/dmaload/tests/support/
+    tls_proxy.py) with a certificate for 127.0.0.1 signed by ``ca.pem``, an
+    authority made with the ``openssl`` CLI; ``stranger.pem`` signed nothing."""
+    if shutil.which("openssl") is None:
+        print("SKIP test_an_https_endpoint: no openssl CLI to make test certificates")
+        pytest.skip("no openssl")
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    for ca in ("ca", "stranger"):
+        run("req", "-x509", *key, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}")
+    run("req", *key, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
+    (directory / "ext.cnf").write_text("subjectAltName = IP:127.0.0.1\nextendedKeyUsage = serverAuth\n")
+    run(
+        "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf",
+    )
+    script = Path(__file__).resolve().parents[3] / "crates/dmaload/tests/support/tls_proxy.py"
+    proxy = subprocess.Popen(
+        [sys.executable, str(script), "server.pem", "server.key", str(garage.s3_port)],
+        cwd=directory, stdout=subprocess.PIPE, text=True,
+    )
+    assert proxy.stdout is not None
+    return proxy, int(proxy.stdout.readline())
+
+
+def test_an_https_endpoint_loads_with_aws_ca_bundle_and_refuses_an_untrusted_certificate(
+    s3_env: Garage, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    proxy, port = _tls_proxy(s3_env, tmp_path)
+    try:
+        body = os.urandom((3 << 20) + 5)
+        s3_env.put("tls/model.bin", body)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"https://127.0.0.1:{port}")
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "ca.pem"))
+        assert bytes(dmaload.load("s3://models/tls/model.bin")) == body
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "stranger.pem"))
+        with pytest.raises(OSError, match=f"TLS handshake with 127.0.0.1:{port} failed: .*UnknownIssuer") as raised:
+            dmaload.load("s3://models/tls/model.bin")
+        assert "stranger.pem" in str(raised.value) and s3_env.secret_key not in str(raised.value)
+    finally:
+        proxy.kill()
+        proxy.wait()

@@ -5,12 +5,25 @@
 mod cuda_driver;
 #[path = "../../dmaload/tests/common/garage.rs"]
 mod garage;
+#[path = "../../dmaload/tests/common/tls_proxy.rs"]
+mod tls_proxy;
 
 use std::process::Command;
 
 use garage::{pattern, Garage};
+use tls_proxy::TlsProxy;
 
 fn dmaload(garage: &Garage, home: &std::path::Path, args: &[&str]) -> std::process::Output {
+    dmaload_with(garage, home, args, &[])
+}
+
+/// [`dmaload`] with `extra` settings over the server's.
+fn dmaload_with(
+    garage: &Garage,
+    home: &std::path::Path,
+    args: &[&str],
+    extra: &[(&str, String)],
+) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_dmaload"))
         .args(args)
         .env_clear()
@@ -18,6 +31,7 @@ fn dmaload(garage: &Garage, home: &std::path::Path, args: &[&str]) -> std::proce
         // No ~/.aws of the machine's: only the server's settings.
         .env("HOME", home)
         .envs(garage.env())
+        .envs(extra.iter().map(|(k, v)| (k, v)))
         // The CUDA driver `cuda_driver` chose (the emulator, strict), if any.
         .envs(
             ["DMALOAD_LIBCUDA", "DMALOAD_EMU_STRICT"].iter().filter_map(|k| Some((k, std::env::var_os(k)?))),
@@ -45,6 +59,47 @@ fn dmaload_load_reads_an_object_and_names_a_missing_one() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("HTTP 404") && stderr.contains("key llama/missing.safetensors"), "{stderr}");
+    assert!(!stderr.contains(&garage.key.secret_key), "{stderr}");
+}
+
+/// `dmaload load s3://BUCKET/KEY` from an `https://` endpoint (a TLS
+/// server in front of Garage): the uploaded bytes' hash with the test
+/// authority as `AWS_CA_BUNDLE`, and as `SSL_CERT_FILE` (the system's trust
+/// roots, as OpenSSL finds them); with another authority there, an error
+/// naming the host, the certificate's fault and the roots.
+#[test]
+fn dmaload_load_reads_an_object_over_https_with_the_trust_roots_of_the_environment() {
+    let test = "dmaload_load_reads_an_object_over_https_with_the_trust_roots_of_the_environment";
+    let Some(garage) = Garage::start(test) else { return };
+    let Some(proxy) = TlsProxy::start(test, garage.s3_port) else { return };
+    let home = tempfile::tempdir().unwrap();
+    let body = pattern((5 << 20) + 7, 13);
+    garage.put("llama/model.safetensors", &body);
+    let url = "s3://models/llama/model.safetensors";
+    let endpoint = ("AWS_ENDPOINT_URL", proxy.endpoint());
+    let ca = proxy.ca().display().to_string();
+    for roots in [("AWS_CA_BUNDLE", ca.clone()), ("SSL_CERT_FILE", ca)] {
+        let out = dmaload_with(
+            &garage,
+            home.path(),
+            &["load", url, "--hash", "--json"],
+            &[endpoint.clone(), roots],
+        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let expected = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&body));
+        assert_eq!(report["hash"]["xxh3_64"], expected.as_str(), "{report}");
+    }
+    let stranger = ("SSL_CERT_FILE", proxy.stranger().display().to_string());
+    let out = dmaload_with(&garage, home.path(), &["load", url], &[endpoint, stranger.clone()]);
+    assert!(!out.status.success() && out.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let refused = format!(
+        "TLS handshake with 127.0.0.1:{} failed: invalid peer certificate: UnknownIssuer",
+        proxy.port
+    );
+    assert!(stderr.contains(&refused), "{stderr}");
+    assert!(stderr.contains(&format!("(trust roots: SSL_CERT_FILE={})", stranger.1)), "{stderr}");
     assert!(!stderr.contains(&garage.key.secret_key), "{stderr}");
 }
 

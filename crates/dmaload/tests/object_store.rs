@@ -6,16 +6,19 @@
 mod cuda_driver;
 #[path = "common/garage.rs"]
 mod garage;
+#[path = "common/tls_proxy.rs"]
+mod tls_proxy;
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dmaload::object::config::{Config, Credentials};
+use dmaload::object::config::{CaBundle, Config, Credentials, Endpoint};
 use dmaload::object::{Object, ObjectUrl};
 use dmaload::{CancelToken, Destination, ErrorKind, HostSink, LoadOptions, LoadRequest, Loaded, StagingRing};
 use garage::{pattern, Garage};
+use tls_proxy::TlsProxy;
 
 fn host_bytes(loaded: Loaded) -> Vec<u8> {
     match loaded {
@@ -280,4 +283,136 @@ fn an_object_replaced_during_a_load_to_cuda_is_changed_and_nothing_is_returned()
     let mut back = Vec::with_capacity(len);
     loaded.read_each(|bytes| back.extend_from_slice(bytes)).unwrap();
     assert!(back == body, "the device holds other bytes than the object's");
+}
+
+/// The configuration of `garage` reached through `proxy` at `endpoint`
+/// (`https://127.0.0.1:PORT` or `https://localhost:PORT`), trusting
+/// `bundle` as `AWS_CA_BUNDLE` would.
+fn over_tls(garage: &Garage, endpoint: &str, bundle: Option<std::path::PathBuf>) -> Config {
+    Config {
+        endpoint: Endpoint::parse(endpoint).unwrap(),
+        ca_bundle: bundle.map(|path| CaBundle { path, setting: "AWS_CA_BUNDLE".into() }),
+        ..garage.config()
+    }
+}
+
+/// An `https://` endpoint (a TLS server in front of Garage) whose
+/// certificate the bundle's authority signed: the object loads bit exact,
+/// whole and in a range, on one and on several kept-alive connections,
+/// by IP address and by host name (each the name the certificate is
+/// checked against).
+#[test]
+fn an_https_endpoint_loads_an_object_bit_exact_with_the_bundle_as_trust_roots() {
+    let test = "an_https_endpoint_loads_an_object_bit_exact_with_the_bundle_as_trust_roots";
+    let Some(garage) = Garage::start(test) else { return };
+    let Some(proxy) = TlsProxy::start(test, garage.s3_port) else { return };
+    let body = pattern((9 << 20) + 12_345, 11);
+    garage.put("tls/model.bin", &body);
+    let by_name = format!("https://localhost:{}", proxy.port);
+    for endpoint in [proxy.endpoint(), by_name] {
+        let object =
+            garage.open_with("tls/model.bin", over_tls(&garage, &endpoint, Some(proxy.ca()))).unwrap();
+        assert_eq!(object.size, body.len() as u64);
+        let one = LoadOptions { chunk_size: 1 << 20, threads: 1, ..LoadOptions::default() };
+        let small = LoadOptions { chunk_size: 512 << 10, threads: 3, ..LoadOptions::default() };
+        for options in [LoadOptions::default(), one, small] {
+            let (loaded, report) = LoadRequest::object(&object).options(&options).load().unwrap();
+            assert_eq!(report.bytes, body.len() as u64);
+            assert!(host_bytes(loaded) == body, "the bytes loaded over TLS differ from the object's");
+            let (loaded, _) = LoadRequest::object(&object)
+                .range(1_000_003, Some(3_333_333))
+                .options(&options)
+                .load()
+                .unwrap();
+            assert!(host_bytes(loaded) == body[1_000_003..4_333_336]);
+        }
+    }
+}
+
+/// A server whose certificate does not verify against the trust roots
+/// (an authority that signed something else, or the system's roots, which
+/// know no test authority) fails the open at once, not after retries,
+/// naming the host, the cause and the roots, and no secret; an `https://`
+/// endpoint that speaks plain HTTP and a bundle that cannot be read are
+/// refused as clearly.
+#[test]
+fn a_certificate_that_does_not_verify_fails_at_once_naming_the_host_and_the_trust_roots() {
+    let test = "a_certificate_that_does_not_verify_fails_at_once_naming_the_host_and_the_trust_roots";
+    let Some(garage) = Garage::start(test) else { return };
+    let Some(proxy) = TlsProxy::start(test, garage.s3_port) else { return };
+    garage.put("model.bin", &pattern(1 << 20, 12));
+    let stranger = proxy.stranger();
+    let system = over_tls(&garage, &proxy.endpoint(), None);
+    for (config, roots) in [
+        (
+            over_tls(&garage, &proxy.endpoint(), Some(stranger.clone())),
+            format!("AWS_CA_BUNDLE={}", stranger.display()),
+        ),
+        (system, String::new()),
+    ] {
+        let err = garage.open_with("model.bin", config).unwrap_err();
+        assert_eq!((err.kind(), err.raw_os_error()), (ErrorKind::Io, Some(libc::EIO)), "{err}");
+        let message = err.to_string();
+        let host = format!(
+            "TLS handshake with 127.0.0.1:{} failed: invalid peer certificate: UnknownIssuer",
+            proxy.port
+        );
+        assert!(message.contains(&host) && message.contains("(trust roots: "), "{message}");
+        assert!(message.contains(&roots) && !message.contains("gave up after"), "{message}");
+        assert!(!message.contains(&garage.key.secret_key), "{message}");
+    }
+    // https:// to Garage's plain HTTP port.
+    let plain = format!("https://127.0.0.1:{}", garage.s3_port);
+    let err = garage.open_with("model.bin", over_tls(&garage, &plain, Some(proxy.ca()))).unwrap_err();
+    assert!(err.to_string().contains("speak plain http://") && !err.to_string().contains("gave up"), "{err}");
+    let missing = proxy.ca().with_file_name("no-such-bundle.pem");
+    let err = garage.open_with("model.bin", over_tls(&garage, &proxy.endpoint(), Some(missing))).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(
+        err.to_string().contains("AWS_CA_BUNDLE=") && err.to_string().contains("no-such-bundle.pem"),
+        "{err}"
+    );
+}
+
+/// Over TLS as over plain HTTP: a server that stops answering fails the
+/// load in bounded time (the reads' poll and stall clock work on the TLS
+/// session), and a TLS server killed during the load, its connections cut
+/// mid-record, fails it with nothing returned.
+#[test]
+fn a_tls_server_that_stalls_or_dies_mid_load_fails_it_and_returns_nothing() {
+    let test = "a_tls_server_that_stalls_or_dies_mid_load_fails_it_and_returns_nothing";
+    let Some(garage) = Garage::start(test) else { return };
+    let Some(mut proxy) = TlsProxy::start(test, garage.s3_port) else { return };
+    garage.put("model.bin", &pattern(48 << 20, 14));
+    let config = Config {
+        timeout: Duration::from_millis(500),
+        retry_for: Duration::from_secs(2),
+        ..over_tls(&garage, &proxy.endpoint(), Some(proxy.ca()))
+    };
+    let object = garage.open_with("model.bin", config).unwrap();
+    garage.signal("STOP");
+    let result = LoadRequest::object(&object).load();
+    garage.signal("CONT");
+    let err = result.unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(err.to_string().contains("sent nothing"), "{err}");
+
+    let pid = proxy.pid();
+    let killed = Arc::new(AtomicBool::new(false));
+    let flag = killed.clone();
+    let progress = Arc::new(move |done: u64, total: u64| {
+        if done < total && !flag.swap(true, Ordering::SeqCst) {
+            let _ = Command::new("kill").arg("-KILL").arg(pid.to_string()).status();
+        }
+    });
+    let options =
+        LoadOptions { chunk_size: 1 << 20, threads: 1, progress: Some(progress), ..LoadOptions::default() };
+    let result = LoadRequest::object(&object).options(&options).load();
+    proxy.kill();
+    if !killed.load(Ordering::SeqCst) {
+        return eprintln!("SKIP {test} (killed part): the load ended before its first progress report");
+    }
+    let err = result.unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(err.to_string().contains("gave up after"), "{err}");
 }

@@ -1,8 +1,9 @@
 //! The engine of an object source: ranged GETs over a pool of kept-alive
 //! connections, one per thread, each taking the plan's next chunk and
-//! receiving its body straight into the chunk's place in memory (the
-//! gather of an in-place load, the staging slot of a staged one), behind
-//! the same gate as the file engines.
+//! receiving its body into the chunk's place in memory (the gather of an
+//! in-place load, the staging slot of a staged one: straight from the
+//! socket over plain HTTP, copied in as `rustls` decrypts it over TLS),
+//! behind the same gate as the file engines.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;

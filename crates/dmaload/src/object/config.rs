@@ -88,6 +88,15 @@ impl Endpoint {
     }
 }
 
+/// A file of PEM certificates that replaces the system's trust roots for
+/// `https://` endpoints, and the setting that named it (for messages).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaBundle {
+    pub path: PathBuf,
+    /// `AWS_CA_BUNDLE`, or the profile's `ca_bundle` and its file.
+    pub setting: String,
+}
+
 /// Everything a request needs besides the bucket and key.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -102,6 +111,9 @@ pub struct Config {
     /// The most time one request spends on retries:
     /// `DMALOAD_S3_RETRY_SECONDS`, else 60.
     pub retry_for: Duration,
+    /// The trust roots of an `https://` endpoint: `AWS_CA_BUNDLE`, else the
+    /// profile's `ca_bundle`, else (`None`) the system's certificates.
+    pub ca_bundle: Option<CaBundle>,
 }
 
 impl Config {
@@ -166,6 +178,17 @@ impl Config {
             None if endpoint.aws => Addressing::VirtualHosted,
             None => Addressing::Path,
         };
+        let ca_bundle = match env("AWS_CA_BUNDLE") {
+            Some(path) => Some(CaBundle { path: PathBuf::from(path), setting: "AWS_CA_BUNDLE".to_owned() }),
+            None => conf.get("ca_bundle").map(|path| CaBundle {
+                // As the AWS CLI reads it: `~/` is the home directory.
+                path: match (path.strip_prefix("~/"), &home) {
+                    (Some(rest), Some(home)) => home.join(rest),
+                    _ => PathBuf::from(path),
+                },
+                setting: format!("ca_bundle of profile {profile}"),
+            }),
+        };
         let seconds = |name: &str, default: f64| {
             let secs = env(name).and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0 && s.is_finite());
             Duration::from_secs_f64(secs.unwrap_or(default))
@@ -177,6 +200,7 @@ impl Config {
             addressing,
             timeout: seconds("DMALOAD_S3_TIMEOUT", 30.0),
             retry_for: seconds("DMALOAD_S3_RETRY_SECONDS", 60.0),
+            ca_bundle,
         })
     }
 }
@@ -241,7 +265,7 @@ mod tests {
             (aws.addressing, aws.endpoint.https, aws.endpoint.port),
             (Addressing::VirtualHosted, true, 443)
         );
-        assert!(aws.credentials.is_none());
+        assert!(aws.credentials.is_none() && aws.ca_bundle.is_none());
         assert!(config(&[("AWS_ACCESS_KEY_ID", "AK")]).is_err());
         assert_eq!(config(&[("AWS_ENDPOINT_URL_S3", "http://h/p/")]).unwrap().endpoint.prefix, "/p");
     }
@@ -256,7 +280,7 @@ mod tests {
         .unwrap();
         std::fs::write(
             dir.path().join("config"),
-            "[profile dev]\nregion = r1\nendpoint_url = http://localhost:9000\ns3 =\n  addressing_style = virtual\n",
+            "[profile dev]\nregion = r1\nca_bundle = ~/certs/ca.pem\nendpoint_url = http://localhost:9000\ns3 =\n  addressing_style = virtual\n",
         )
         .unwrap();
         let home = dir.path().to_str().unwrap().replace("/.aws", "");
@@ -272,7 +296,18 @@ mod tests {
         let creds = c.credentials.unwrap();
         assert_eq!((creds.access_key.as_str(), creds.session_token.as_deref()), ("K", Some("T")));
         assert_eq!((c.region.as_str(), c.endpoint.port), ("r1", 9000));
+        let bundle = c.ca_bundle.unwrap();
+        assert_eq!(bundle.path, std::path::Path::new(&home).join("certs/ca.pem"));
+        assert_eq!(bundle.setting, "ca_bundle of profile dev");
         let d = config(&[("AWS_SHARED_CREDENTIALS_FILE", credentials.to_str().unwrap())]).unwrap();
         assert_eq!(d.credentials.unwrap().access_key, "D");
+        // AWS_CA_BUNDLE outranks the profile's.
+        let e = config(&[
+            ("AWS_CONFIG_FILE", conf.to_str().unwrap()),
+            ("AWS_PROFILE", "dev"),
+            ("AWS_CA_BUNDLE", "/etc/ca.pem"),
+        ])
+        .unwrap();
+        assert_eq!(e.ca_bundle.unwrap().path, std::path::Path::new("/etc/ca.pem"));
     }
 }

@@ -1,14 +1,21 @@
-//! One kept-alive HTTP/1.1 connection: a request out, the response's head
-//! parsed by `httparse`, and its body received straight into the memory it
-//! belongs to (`read(2)` into the destination range: no buffer between),
-//! or, for an error's small XML body, into a `Vec`.
+//! One kept-alive HTTP/1.1 connection, plain or over TLS: a request out,
+//! the response's head parsed by `httparse`, and its body received into the
+//! memory it belongs to, or, for an error's small XML body, into a `Vec`.
+//! Plain HTTP reads the body straight into place (`read(2)` into the
+//! destination range: no buffer between); TLS records are decrypted by
+//! `rustls` in user space, and their plaintext copied into place from its
+//! queue.
 
-use std::io::{self, Read, Write};
+use std::fmt;
+use std::io::{self, BufRead, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::ops::Range;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
+use rustls::ClientConnection;
+
+use super::tls::Tls;
 use crate::sys::mem::MappingWriter;
 
 /// How often a blocked read looks at the cancellation and the stall clock.
@@ -73,15 +80,47 @@ impl Head {
     }
 }
 
+/// A TLS handshake that failed for a reason another attempt would meet
+/// again (the certificate does not verify, no protocol in common): the
+/// load's error, never retried.
+#[derive(Debug)]
+pub struct HandshakeRefused(String);
+
+impl fmt::Display for HandshakeRefused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for HandshakeRefused {}
+
+impl HandshakeRefused {
+    /// Whether `err` is one.
+    pub fn is(err: &io::Error) -> bool {
+        err.get_ref().is_some_and(|inner| inner.is::<HandshakeRefused>())
+    }
+}
+
 /// A connection to one host, used for one request at a time.
 pub struct Connection {
     stream: TcpStream,
+    /// The TLS session of an `https://` endpoint; `None` on plain HTTP.
+    tls: Option<Box<ClientConnection>>,
     /// Bytes read past the head of the response being read: its body's start.
     early: Vec<u8>,
 }
 
 impl Connection {
-    pub fn open(host: &str, port: u16, timeout: Duration) -> io::Result<Connection> {
+    /// Connects to `host:port`, and with `tls` makes the TLS handshake
+    /// (waiting as `waiter` says). A handshake the server fails is
+    /// [`HandshakeRefused`].
+    pub fn open(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        tls: Option<&Tls>,
+        waiter: &Waiter<'_>,
+    ) -> io::Result<Connection> {
         let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address"));
         for addr in (host.trim_start_matches('[').trim_end_matches(']'), port).to_socket_addrs()? {
             match TcpStream::connect_timeout(&addr, timeout) {
@@ -89,7 +128,13 @@ impl Connection {
                     stream.set_nodelay(true)?;
                     stream.set_read_timeout(Some(POLL))?;
                     stream.set_write_timeout(Some(timeout))?;
-                    return Ok(Connection { stream, early: Vec::new() });
+                    let mut conn = Connection { stream, tls: None, early: Vec::new() };
+                    if let Some(tls) = tls {
+                        let session = tls.session(host).map_err(|e| refused(tls.refusal(host, port, &e)))?;
+                        conn.tls = Some(Box::new(session));
+                        conn.handshake(tls, host, port, waiter)?;
+                    }
+                    return Ok(conn);
                 }
                 Err(e) => last = e,
             }
@@ -97,9 +142,59 @@ impl Connection {
         Err(last)
     }
 
+    /// Runs the TLS handshake to its end. A failure rustls finds (the
+    /// certificate, the protocol) is sent to the server as an alert and
+    /// returned as [`HandshakeRefused`]; a socket's failure stays itself.
+    fn handshake(&mut self, tls: &Tls, host: &str, port: u16, waiter: &Waiter<'_>) -> io::Result<()> {
+        let Some(session) = self.tls.as_deref_mut() else { return Ok(()) };
+        while session.is_handshaking() {
+            while session.wants_write() {
+                session.write_tls(&mut self.stream)?;
+            }
+            if !session.is_handshaking() {
+                break;
+            }
+            let n = waiter.read(|| session.read_tls(&mut self.stream))?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the server closed the connection during the TLS handshake",
+                ));
+            }
+            if let Err(e) = session.process_new_packets() {
+                // The alert saying why; the connection is dropped either way.
+                let _ = session.write_tls(&mut self.stream);
+                return Err(refused(tls.refusal(host, port, &e)));
+            }
+        }
+        Ok(())
+    }
+
     /// Sends a whole request head (no body).
     pub fn send(&mut self, request: &[u8]) -> io::Result<()> {
-        self.stream.write_all(request)
+        match self.tls.as_deref_mut() {
+            None => self.stream.write_all(request),
+            Some(session) => {
+                session.writer().write_all(request)?;
+                while session.wants_write() {
+                    session.write_tls(&mut self.stream)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// One read of the response's bytes into `buf`: 0 at the end of the
+    /// stream; `WouldBlock` while none came within [`POLL`].
+    fn read_some(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self.tls.as_deref_mut() {
+            None => self.stream.read(buf),
+            Some(session) => plaintext(session, &mut self.stream, |chunk| {
+                let n = chunk.len().min(buf.len());
+                buf[..n].copy_from_slice(&chunk[..n]);
+                n
+            }),
+        }
     }
 
     /// Reads the next response's head; the body's first bytes, read with
@@ -114,7 +209,7 @@ impl Connection {
                 }
                 buf.resize(buf.len() * 2, 0);
             }
-            let n = waiter.read(|| self.stream.read(&mut buf[filled..]))?;
+            let n = waiter.read(|| self.read_some(&mut buf[filled..]))?;
             if n == 0 {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
@@ -147,7 +242,8 @@ impl Connection {
 
     /// Receives a body of exactly `range.len()` bytes into `range` of
     /// `dst`: the bytes read with the head are copied, the rest read from
-    /// the socket into place. A body that ends early is `UnexpectedEof`.
+    /// the socket into place (plain HTTP) or copied into place as rustls
+    /// decrypts them (TLS). A body that ends early is `UnexpectedEof`.
     pub fn read_body_into(
         &mut self,
         dst: MappingWriter<'_>,
@@ -161,7 +257,14 @@ impl Connection {
         dst.copy_in(range.start, &early);
         let mut at = range.start + early.len();
         while at < range.end {
-            let n = waiter.read(|| dst.read_stream(self.stream.as_fd(), at..range.end))?;
+            let n = waiter.read(|| match self.tls.as_deref_mut() {
+                None => dst.read_stream(self.stream.as_fd(), at..range.end),
+                Some(session) => plaintext(session, &mut self.stream, |chunk| {
+                    let n = chunk.len().min(range.end - at);
+                    dst.copy_in(at, &chunk[..n]);
+                    n
+                }),
+            })?;
             if n == 0 {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
@@ -181,7 +284,7 @@ impl Connection {
         body.resize(len.min(MAX_ERROR_BODY), 0);
         let mut at = start;
         while at < body.len() {
-            let n = waiter.read(|| self.stream.read(&mut body[at..]))?;
+            let n = waiter.read(|| self.read_some(&mut body[at..]))?;
             if n == 0 {
                 break;
             }
@@ -189,5 +292,45 @@ impl Connection {
         }
         body.truncate(at);
         Ok(body)
+    }
+}
+
+fn refused(why: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, HandshakeRefused(why))
+}
+
+/// Hands the session's next decrypted bytes to `take`, which returns how
+/// many it used, after reading and decrypting records from `stream` until
+/// some are there. Ok(0) at the end of the stream, with or without the
+/// server's `close_notify`: the body's length, not the close, says whether
+/// all of it came. `WouldBlock` when the socket had nothing within
+/// [`POLL`]: the part of a record read so far stays in the session, so a
+/// read that is tried again loses nothing.
+fn plaintext(
+    session: &mut ClientConnection,
+    stream: &mut TcpStream,
+    take: impl FnOnce(&[u8]) -> usize,
+) -> io::Result<usize> {
+    loop {
+        match session.reader().into_first_chunk() {
+            Ok([]) => return Ok(0),
+            Ok(chunk) => {
+                let n = take(chunk);
+                session.reader().consume(n);
+                return Ok(n);
+            }
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(0),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        // At the socket's end rustls notes it, and the reader says so above.
+        session.read_tls(stream)?;
+        session
+            .process_new_packets()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("TLS: {e}")))?;
+        // What the server's messages ask back (a key update's answer).
+        while session.wants_write() {
+            session.write_tls(stream)?;
+        }
     }
 }

@@ -5,12 +5,16 @@
 //! versions. The engine that runs the GETs over a pool of kept-alive
 //! connections is `engine::object`; see docs/object-storage.md.
 //!
-//! Plain `http://` endpoints only in this first slice: an `https://` one is
-//! refused at the open, naming what is missing.
+//! `http://` and `https://` endpoints: TLS is `rustls` on `ring`, checking
+//! the server against `AWS_CA_BUNDLE`, the profile's `ca_bundle`, else the
+//! system's certificates (`tls`). A certificate that does not verify fails
+//! the open at once, naming the host and the trust roots; connection
+//! failures (resets, stalls) are retried as on plain HTTP.
 
 pub mod config;
 mod http;
 pub mod sigv4;
+mod tls;
 
 use std::io;
 use std::ops::Range;
@@ -22,6 +26,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::sys::mem::MappingWriter;
 use config::{Addressing, Config};
 pub(crate) use http::{Connection, Waiter};
+use tls::Tls;
 
 /// `s3://BUCKET/KEY`, taken apart.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +79,8 @@ pub struct Object {
     pub etag: String,
     stall: Duration,
     retry_for: Duration,
+    /// The TLS client of an `https://` endpoint, read once per object.
+    tls: Option<Tls>,
 }
 
 /// How a failed attempt ends: tried again, or the load's error.
@@ -99,22 +106,17 @@ impl Object {
     pub fn with_config(url: ObjectUrl, config: Config, cancel: &CancelToken) -> Result<Object> {
         let stopped = || cancel.is_cancelled();
         let name = PathBuf::from(format!("s3://{}/{}", url.bucket, url.key));
-        if config.endpoint.https {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                "open",
-                &name,
-                format!(
-                    "the endpoint https://{} needs TLS, which this build does not have yet: only http:// \
-                     endpoints (AWS_ENDPOINT_URL) are supported so far (docs/object-storage.md)",
-                    config.endpoint.host
-                ),
-            ));
-        }
+        let tls = match config.endpoint.https {
+            true => Some(
+                Tls::new(config.ca_bundle.as_ref())
+                    .map_err(|why| Error::new(ErrorKind::InvalidInput, "open", &name, why))?,
+            ),
+            false => None,
+        };
         let (host, path) = locate(&url, &config);
         let (stall, retry_for) = (config.timeout, config.retry_for);
         let mut object =
-            Object { url, name, host, path, config, size: 0, etag: String::new(), stall, retry_for };
+            Object { url, name, host, path, config, size: 0, etag: String::new(), stall, retry_for, tls };
         let head = object.request(&mut None, "HEAD", None, &stopped, |_, head, _| match head.status {
             200 => Ok((head.content_length(), head.header("etag").map(str::to_owned))),
             _ => Err(None),
@@ -279,13 +281,18 @@ impl Object {
         let conn = match connection {
             Some(conn) => conn,
             None => {
-                let endpoint = &self.config.endpoint;
-                let addr = match self.config.addressing {
-                    Addressing::Path => endpoint.host.as_str(),
-                    Addressing::VirtualHosted => self.host.as_str(),
-                };
-                let opened = Connection::open(addr, endpoint.port, self.stall)
-                    .map_err(|e| Failure::Retry(format!("connect to {}:{}: {e}", addr, endpoint.port)))?;
+                let (addr, port) = (self.host.as_str(), self.config.endpoint.port);
+                let opened =
+                    Connection::open(addr, port, self.stall, self.tls.as_ref(), waiter).map_err(|e| {
+                        if http::HandshakeRefused::is(&e) {
+                            let err = Error::with_errno(op(method), &self.name, libc::EIO, e.to_string());
+                            return Failure::Fatal(err.at(offset));
+                        }
+                        match self.io_failure(e, offset) {
+                            Failure::Retry(why) => Failure::Retry(format!("connect to {addr}:{port}: {why}")),
+                            cancelled => cancelled,
+                        }
+                    })?;
                 connection.insert(opened)
             }
         };
@@ -433,15 +440,18 @@ impl Object {
 
 /// The host a request for `url` goes to and its (encoded) path, by the
 /// configuration's addressing: `host/[prefix/]bucket/key` or
-/// `bucket.host/[prefix/]key`.
+/// `bucket.host/[prefix/]key`. A bucket name with dots goes in the path
+/// over TLS, as AWS's SDKs do: `a.b.s3.REGION.amazonaws.com` is not
+/// covered by the wildcard certificate `*.s3.REGION.amazonaws.com`.
 fn locate(url: &ObjectUrl, config: &Config) -> (String, String) {
     let key = sigv4::uri_encode(&url.key, true);
     let prefix = &config.endpoint.prefix;
+    let dotted_over_tls = config.endpoint.https && url.bucket.contains('.');
     match config.addressing {
-        Addressing::Path => (config.endpoint.host.clone(), format!("{prefix}/{}/{key}", url.bucket)),
-        Addressing::VirtualHosted => {
+        Addressing::VirtualHosted if !dotted_over_tls => {
             (format!("{}.{}", url.bucket, config.endpoint.host), format!("{prefix}/{key}"))
         }
+        _ => (config.endpoint.host.clone(), format!("{prefix}/{}/{key}", url.bucket)),
     }
 }
 
@@ -516,6 +526,7 @@ mod tests {
             addressing: Addressing::Path,
             timeout: Duration::from_secs(1),
             retry_for: Duration::from_secs(1),
+            ca_bundle: None,
         };
         assert_eq!(locate(&url, &config), ("127.0.0.1".into(), "/base/b/dir/a%20b%2Bc.bin".into()));
         config.endpoint = config::Endpoint::parse("https://s3.eu-west-1.amazonaws.com").unwrap();
@@ -523,6 +534,17 @@ mod tests {
         assert_eq!(
             locate(&url, &config),
             ("b.s3.eu-west-1.amazonaws.com".into(), "/dir/a%20b%2Bc.bin".into())
+        );
+        // A bucket with dots is no name under AWS's wildcard certificate.
+        let dotted = ObjectUrl { bucket: "my.models".into(), key: "m.bin".into() };
+        assert_eq!(
+            locate(&dotted, &config),
+            ("s3.eu-west-1.amazonaws.com".into(), "/my.models/m.bin".into())
+        );
+        config.endpoint = config::Endpoint::parse("http://s3.eu-west-1.amazonaws.com").unwrap();
+        assert_eq!(
+            locate(&dotted, &config),
+            ("my.models.s3.eu-west-1.amazonaws.com".into(), "/m.bin".into())
         );
     }
 }

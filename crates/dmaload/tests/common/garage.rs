@@ -140,6 +140,7 @@ impl Garage {
             addressing: Addressing::Path,
             timeout: Duration::from_secs(10),
             retry_for: Duration::from_secs(10),
+            ca_bundle: None,
         }
     }
 
