@@ -212,8 +212,10 @@ fn a_copy_failing_behind_queued_ones_closes_the_clients_memory_only_after_them()
     let file = model(dir.path());
     let expected = host_hash(&file);
     let faults = "copy#1=delay:300000,cuMemcpyHtoDAsync_v2#2=999";
-    let service =
-        Serving::start(&dir.path().join("run"), &[("DMALOAD_EMU_STRICT", "1"), ("DMALOAD_EMU_FAULTS", faults)]);
+    let service = Serving::start(
+        &dir.path().join("run"),
+        &[("DMALOAD_EMU_STRICT", "1"), ("DMALOAD_EMU_FAULTS", faults)],
+    );
     let out = service.load(&file, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
