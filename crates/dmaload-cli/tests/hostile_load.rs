@@ -327,7 +327,11 @@ fn a_fifo_or_endless_device_in_place_of_the_users_cache_files_is_passed_over() {
         assert!(Command::new("mkfifo").arg(kept.join(fifo)).status().unwrap().success());
         std::os::unix::fs::symlink("/dev/zero", kept.join(endless)).unwrap();
         let out = output_or_hang(
-            dmaload().args(["load", "--json", "--hash"]).arg(&path).env("XDG_CACHE_HOME", &cache),
+            dmaload()
+                .args(["load", "--json", "--hash"])
+                .arg(&path)
+                .env_remove("DMALOAD_CACHE_DIR")
+                .env("XDG_CACHE_HOME", &cache),
         );
         let report = json_of(&out);
         assert_eq!(report["hash"]["xxh3_64"], expected.as_str(), "{report}");
