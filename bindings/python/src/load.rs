@@ -16,15 +16,17 @@ use crate::report::*;
 use crate::run::*;
 use crate::staged;
 
-/// What `load` reads: a file opened once, or an object (`s3://BUCKET/KEY`)
-/// looked up once.
+/// What a load reads (`load`, a stream's windows, a safetensors file): a
+/// file opened once, or an object (`s3://BUCKET/KEY`) looked up once, every
+/// GET of its loads pinned to the ETag that lookup found (an object
+/// replaced meanwhile fails them as `Changed`).
 pub(crate) enum Source {
     File(dmaload::OpenFile),
     Object(Box<dmaload::object::Object>),
 }
 
 impl Source {
-    fn open(file: &FileArg, cancel: &dmaload::CancelToken) -> Result<Source, dmaload::Error> {
+    pub(crate) fn open(file: &FileArg, cancel: &dmaload::CancelToken) -> Result<Source, dmaload::Error> {
         match file {
             FileArg::Path(path) if dmaload::object::is_object_url(path) => {
                 dmaload::object::Object::open(&path.to_string_lossy(), cancel)
@@ -41,10 +43,18 @@ impl Source {
         }
     }
 
-    fn request(&self) -> LoadRequest<'_> {
+    pub(crate) fn request(&self) -> LoadRequest<'_> {
         match self {
             Source::File(file) => LoadRequest::open(file),
             Source::Object(object) => LoadRequest::object(object),
+        }
+    }
+
+    /// The path or URL messages name.
+    pub(crate) fn path(&self) -> &std::path::Path {
+        match self {
+            Source::File(file) => file.path(),
+            Source::Object(object) => object.name(),
         }
     }
 }

@@ -8,7 +8,7 @@ use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
 use dmaload::object::Object;
 use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, DEFAULT_SLOT_SIZE};
-use dmaload::{LoadRequest, OpenFile, RawBytesMut};
+use dmaload::RawBytesMut;
 
 use crate::options::FileArg;
 use pyo3::buffer::PyBuffer;
@@ -17,6 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::{detached, format_error, guard, os_error};
+use crate::load::Source;
 use crate::options::Opts;
 use crate::report::report_object;
 use crate::run::{run_abandonable, Progress};
@@ -46,37 +47,13 @@ impl SafetensorsFile {
     /// the object's URL.
     #[getter]
     fn path(&self) -> std::ffi::OsString {
-        self.source.name().as_os_str().to_owned()
+        self.source.path().as_os_str().to_owned()
     }
 
     /// Bytes of the data section (what the destination must hold).
     #[getter]
     fn data_len(&self) -> u64 {
         self.data_len
-    }
-}
-
-/// Where a [`SafetensorsFile`]'s bytes are.
-enum Source {
-    File(OpenFile),
-    /// An object (`s3://BUCKET/KEY`), looked up once: every GET of its
-    /// load pins the ETag that lookup found.
-    Object(Box<Object>),
-}
-
-impl Source {
-    fn name(&self) -> &Path {
-        match self {
-            Source::File(file) => file.path(),
-            Source::Object(object) => object.name(),
-        }
-    }
-
-    fn request(&self) -> LoadRequest<'_> {
-        match self {
-            Source::File(file) => LoadRequest::open(file),
-            Source::Object(object) => LoadRequest::object(object),
-        }
     }
 }
 
@@ -331,7 +308,7 @@ pub fn _load_staged(
         };
         let device = ordinal.zip(context.as_ref());
         let mut ring = take_ring(device, slots, slot_size, options.chunk_size).map_err(|e| {
-            let path = files.first().map(|f| f.source.name()).unwrap_or(Path::new(""));
+            let path = files.first().map(|f| f.source.path()).unwrap_or(Path::new(""));
             os_error(&dmaload::Error::io("allocate the staging ring", path, e))
         })?;
         let mut reports = Vec::with_capacity(files.len());

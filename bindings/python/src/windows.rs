@@ -17,7 +17,6 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use dmaload::format::safetensors as st;
-use dmaload::LoadRequest;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyIndexError, PyOSError, PyTypeError, PyValueError};
@@ -25,6 +24,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::{detached, format_error, guard, os_error, panic_error, panic_message};
+use crate::load::Source;
 use crate::options::{FileArg, Opts};
 use crate::run::{ABANDON_AFTER, SIGNAL_POLL};
 use crate::safetensors::header_object;
@@ -41,43 +41,9 @@ pub(crate) struct WindowLoader {
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
-/// A source of a loader's windows: a file opened once, or an object
-/// (`s3://BUCKET/KEY`) looked up once, every GET pinned to the ETag it had
-/// then (an object replaced meanwhile fails the load as `Changed`).
-enum WindowSource {
-    File(dmaload::OpenFile),
-    Object(Box<dmaload::object::Object>),
-}
-
-impl WindowSource {
-    fn open(arg: &FileArg, cancel: &dmaload::CancelToken) -> Result<WindowSource, dmaload::Error> {
-        match arg {
-            FileArg::Path(url) if dmaload::object::is_object_url(url) => {
-                dmaload::object::Object::open(&url.to_string_lossy(), cancel)
-                    .map(|o| WindowSource::Object(Box::new(o)))
-            }
-            arg => arg.open().map(WindowSource::File),
-        }
-    }
-
-    fn request(&self) -> LoadRequest<'_> {
-        match self {
-            WindowSource::File(file) => LoadRequest::open(file),
-            WindowSource::Object(object) => LoadRequest::object(object),
-        }
-    }
-
-    fn path(&self) -> &std::path::Path {
-        match self {
-            WindowSource::File(file) => file.path(),
-            WindowSource::Object(object) => object.name(),
-        }
-    }
-}
-
 /// What the loader's threads and its Python side share.
 struct Shared {
-    files: Vec<WindowSource>,
+    files: Vec<Source>,
     options: dmaload::LoadOptions,
     queue: Mutex<Queue>,
     queued: Condvar,
@@ -239,7 +205,7 @@ impl WindowLoader {
             options.cancel = dmaload::CancelToken::new();
             let cancel = &options.cancel;
             let opened = detached(py, || {
-                files.iter().map(|f| WindowSource::open(f, cancel)).collect::<Result<Vec<_>, _>>()
+                files.iter().map(|f| Source::open(f, cancel)).collect::<Result<Vec<_>, _>>()
             })?
             .map_err(|e| os_error(&e))?;
             let shared = Arc::new(Shared {
@@ -331,8 +297,8 @@ impl WindowLoader {
         guard(|| {
             let source = self.file(file)?;
             let read = detached(py, || match source {
-                WindowSource::File(file) => st::read_header_of(file),
-                WindowSource::Object(object) => st::read_object_header(object, &self.shared.options.cancel),
+                Source::File(file) => st::read_header_of(file),
+                Source::Object(object) => st::read_object_header(object, &self.shared.options.cancel),
             })?;
             let (header, _) = read.map_err(|e| format_error(&e))?;
             header_object(py, header)
@@ -344,10 +310,10 @@ impl WindowLoader {
     /// `None` for a file.
     fn object_identity(&self, file: usize) -> PyResult<Option<String>> {
         Ok(match self.file(file)? {
-            WindowSource::Object(object) => {
+            Source::Object(object) => {
                 Some(format!("{} {} {}", object.name().display(), object.etag, object.size))
             }
-            WindowSource::File(_) => None,
+            Source::File(_) => None,
         })
     }
 
@@ -379,7 +345,7 @@ impl WindowLoader {
 
 impl WindowLoader {
     /// File `file` of the loader's (an index into them).
-    fn file(&self, file: usize) -> PyResult<&WindowSource> {
+    fn file(&self, file: usize) -> PyResult<&Source> {
         self.shared.files.get(file).ok_or_else(|| {
             PyIndexError::new_err(format!("file {file} of a loader of {} file(s)", self.shared.files.len()))
         })
