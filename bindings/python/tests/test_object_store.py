@@ -596,3 +596,23 @@ def test_an_https_endpoint_loads_with_aws_ca_bundle_and_refuses_an_untrusted_cer
     finally:
         proxy.kill()
         proxy.wait()
+
+
+def test_ranks_that_see_different_objects_fail_every_rank_before_reading(s3_env: Garage, tmp_path: Path) -> None:
+    """Two ranks handed objects of the same name and tables but other bytes
+    (another prefix, as after a replacement between their lookups): the
+    ranks' agreement on URL, ETag and size fails on every rank, naming it,
+    before any window is read."""
+    torch = pytest.importorskip("torch")
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    from test_collective import _run
+
+    st_torch = pytest.importorskip("safetensors.torch")
+    for version in (1, 2):
+        g = torch.Generator().manual_seed(version)
+        st_torch.save_file({"w": torch.rand(1 << 16, generator=g)}, tmp_path / "model.safetensors")
+        s3_env.put(f"v{version}/model.safetensors", (tmp_path / "model.safetensors").read_bytes())
+    urls = [f"s3://models/v{version}/model.safetensors" for version in (1, 2)]
+    for status, output in _run(tmp_path, 2, "paths", tmp_path, *urls):
+        assert status != 0 and "the ranks see different versions (ETags)" in output, output
