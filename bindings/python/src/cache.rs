@@ -9,6 +9,7 @@ use pyo3::types::PyDict;
 
 use crate::buffer::Buffer;
 use crate::errors::*;
+use crate::load::Source;
 use crate::options::*;
 use crate::run::*;
 
@@ -46,7 +47,21 @@ pub(crate) fn load_cached(
         // cancellation reaches is left behind: see run_abandonable).
         let cancel = options.cancel.clone();
         // Opened here, before the caller can close a descriptor it named.
-        let file = detached(py, || file.open())?.map_err(|e| os_error(&e))?;
+        let source = detached(py, || Source::open(&file, &cancel))?.map_err(|e| os_error(&e))?;
+        let file = match source {
+            Source::File(file) => file,
+            Source::Object(object) if !fallback => {
+                let why = "the cache service serves whole objects to host memory only";
+                return Ok((None, None, Some(format!("{}: {why}", object.name().display()))));
+            }
+            Source::Object(object) => {
+                let (buffer, report, outcome) = run_abandonable(py, &cancel, move || {
+                    dmaload::share::cached_object(&object, &socket, &options)
+                })?
+                .map_err(|e| os_error(&e))?;
+                return Ok(served_buffer(buffer, report, outcome));
+            }
+        };
         if !fallback {
             let served =
                 run_abandonable(py, &cancel, move || dmaload::share::from_service(&file, &socket, &options))?
@@ -61,12 +76,23 @@ pub(crate) fn load_cached(
         let (buffer, report, outcome) =
             run_abandonable(py, &cancel, move || dmaload::share::cached(&file, &socket, &options))?
                 .map_err(|e| os_error(&e))?;
-        let (served, message) = match outcome {
-            dmaload::share::CacheOutcome::Service { served, note } => (Some(served.name()), note),
-            dmaload::share::CacheOutcome::Direct { reason } => (None, Some(reason)),
-        };
-        Ok((Some(Buffer::new(buffer, report)), served, message))
+        Ok(served_buffer(buffer, report, outcome))
     })
+}
+
+/// What Python gets for a buffer [`dmaload::share::cached`] returned: the
+/// buffer, how the service served it (None: loaded directly), and what to
+/// tell the user.
+fn served_buffer(
+    buffer: dmaload::Buffer,
+    report: dmaload::LoadReport,
+    outcome: dmaload::share::CacheOutcome,
+) -> (Option<Buffer>, Option<&'static str>, Option<String>) {
+    let (served, message) = match outcome {
+        dmaload::share::CacheOutcome::Service { served, note } => (Some(served.name()), note),
+        dmaload::share::CacheOutcome::Direct { reason } => (None, Some(reason)),
+    };
+    (Some(Buffer::new(buffer, report)), served, message)
 }
 
 /// Drops the file at `path` from the page cache (fdatasync, then

@@ -616,3 +616,30 @@ def test_ranks_that_see_different_objects_fail_every_rank_before_reading(s3_env:
     urls = [f"s3://models/v{version}/model.safetensors" for version in (1, 2)]
     for status, output in _run(tmp_path, 2, "paths", tmp_path, *urls):
         assert status != 0 and "the ranks see different versions (ETags)" in output, output
+
+
+def test_an_object_through_the_cache_service_is_read_once_then_mapped_under_its_etag(
+    s3_env: Garage, tmp_path: Path
+) -> None:
+    from test_cache import Service
+
+    url = "s3://models/cached/model.bin"
+    v1, v2 = os.urandom((3 << 20) + 5), os.urandom((3 << 20) + 5)
+    s3_env.put("cached/model.bin", v1)
+    service = Service(tmp_path / "cache.sock")
+    try:
+        first = dmaload.load(url, cache=str(service.socket))
+        again = dmaload.load(url, cache=str(service.socket))
+        assert bytes(first) == v1 and bytes(again) == v1
+        assert (first.report.destination, again.report.destination) == (
+            "cache-service (miss)",
+            "cache-service (hit)",
+        )
+        # A new version has a new ETag: read again, never the cached bytes.
+        s3_env.put("cached/model.bin", v2)
+        third = dmaload.load(url, cache=str(service.socket))
+        assert bytes(third) == v2 and third.report.destination == "cache-service (miss)"
+        status = service.status()
+        assert (status["hits"], status["misses"]) == (1, 2), status
+    finally:
+        service.stop()

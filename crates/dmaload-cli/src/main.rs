@@ -292,8 +292,31 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
         eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a range or a device; loading directly");
         socket = None;
     }
-    let result = if dmaload::object::is_object_url(&cmd.file) {
-        // An object (s3://BUCKET/KEY): no cache service or local file involved.
+    let is_object = dmaload::object::is_object_url(&cmd.file);
+    if is_object && socket.is_some() && !whole_host_file {
+        const WHY: &str = "the cache service serves whole objects to host memory";
+        if cmd.cache.is_some() {
+            return Err(dmaload::Error::new(
+                dmaload::ErrorKind::InvalidInput,
+                "load",
+                &cmd.file,
+                format!("{WHY}: drop --cache for a device"),
+            ));
+        }
+        eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a device; loading directly");
+        socket = None;
+    }
+    let result = if let (true, Some(socket)) = (is_object, &socket) {
+        // The service reads the object with this process's grant and keeps it under its ETag.
+        dmaload::object::Object::open(&cmd.file.to_string_lossy(), &options.cancel)
+            .and_then(|object| dmaload::share::cached_object(&object, socket, &options))
+            .map(|(buffer, report, outcome)| {
+                print_outcome(socket, outcome);
+                let hash = cmd.hash.then(|| output::hash_timed(&buffer));
+                (report, hash)
+            })
+    } else if is_object {
+        // An object (s3://BUCKET/KEY) read here.
         dmaload::object::Object::open(&cmd.file.to_string_lossy(), &options.cancel)
             .and_then(|object| {
                 LoadRequest::object(&object).range(cmd.offset, cmd.length).options(&options).load()

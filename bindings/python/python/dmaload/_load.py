@@ -67,7 +67,10 @@ def load(
     mapping of the service's memory, without reading the disk when the
     service holds the file. Without a service it loads directly and says
     so once (``RuntimeWarning``); ``progress`` is not called for a file
-    the service serves.
+    the service serves. An ``s3://`` object is served the same way: the
+    service reads it with presigned queries from this process (its keys
+    stay here) and keeps it under its ETag, so the next load of the same
+    version maps it after a HEAD, without a GET.
 
     A process forked after the load gets its own copy of the buffer's
     bytes: see :class:`Buffer`.

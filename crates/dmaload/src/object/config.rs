@@ -78,6 +78,12 @@ impl Endpoint {
         })
     }
 
+    /// The endpoint as a URL [`Endpoint::parse`] reads back.
+    pub fn url(&self) -> String {
+        let scheme = if self.https { "https" } else { "http" };
+        format!("{scheme}://{}{}", self.authority(&self.host), self.prefix)
+    }
+
     /// The `Host` header's value for `host` on this endpoint's port.
     pub fn authority(&self, host: &str) -> String {
         if self.explicit_port {

@@ -21,6 +21,8 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
+
 use crate::cancel::CancelToken;
 use crate::error::{Error, ErrorKind, Result};
 use crate::sys::mem::MappingWriter;
@@ -81,7 +83,45 @@ pub struct Object {
     retry_for: Duration,
     /// The TLS client of an `https://` endpoint, read once per object.
     tls: Option<Tls>,
+    /// Requests authorized by another process's [`Grant`] instead of keys.
+    granted: Option<Granted>,
 }
+
+/// The queries of a [`Grant`] this object's requests carry.
+#[derive(Debug)]
+struct Granted {
+    head: String,
+    get: String,
+}
+
+/// What lets another process (the cache service) read one object with
+/// this process's authority but without its keys: where the object is,
+/// and presigned queries that authorize a HEAD and ranged GETs of it for
+/// [`GRANT_SECONDS`] ([`sigv4::presign`]). The store checks them on every
+/// request, so the holder can read this object, and nothing else, while
+/// the grant lasts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grant {
+    /// `s3://BUCKET/KEY`.
+    pub url: String,
+    /// `http(s)://host[:port][/prefix]`, as `AWS_ENDPOINT_URL` spells it.
+    pub endpoint: String,
+    /// The bucket goes in the path (`true`) or the host name.
+    pub path_style: bool,
+    pub region: String,
+    /// The query that authorizes the HEAD ("" for an unsigned request).
+    pub head: String,
+    /// The query that authorizes the GETs.
+    pub get: String,
+    /// The version the granting process opened: the holder reads that
+    /// one or fails ([`ErrorKind::Changed`]).
+    pub etag: String,
+}
+
+/// How long a [`Grant`] lasts: long enough for the holder to read a large
+/// object at a slow rate (each GET is checked when it starts).
+pub const GRANT_SECONDS: u64 = 6 * 3600;
 
 /// How a failed attempt ends: tried again, or the load's error.
 enum Failure {
@@ -104,7 +144,11 @@ impl Object {
 
     /// [`Object::open`] with a configuration of the caller's.
     pub fn with_config(url: ObjectUrl, config: Config, cancel: &CancelToken) -> Result<Object> {
-        let stopped = || cancel.is_cancelled();
+        Object::unopened(url, config)?.look_up(cancel)
+    }
+
+    /// The object before its HEAD: where its requests go, and how.
+    fn unopened(url: ObjectUrl, config: Config) -> Result<Object> {
         let name = PathBuf::from(format!("s3://{}/{}", url.bucket, url.key));
         let tls = match config.endpoint.https {
             true => Some(
@@ -115,9 +159,91 @@ impl Object {
         };
         let (host, path) = locate(&url, &config);
         let (stall, retry_for) = (config.timeout, config.retry_for);
-        let mut object =
-            Object { url, name, host, path, config, size: 0, etag: String::new(), stall, retry_for, tls };
-        let head = object.request(&mut None, "HEAD", None, &stopped, |_, head, _| match head.status {
+        Ok(Object {
+            url,
+            name,
+            host,
+            path,
+            config,
+            size: 0,
+            etag: String::new(),
+            stall,
+            retry_for,
+            tls,
+            granted: None,
+        })
+    }
+
+    /// Opens the object `grant` names with the grant's authority, as the
+    /// cache service does for a client: this process's own keys are never
+    /// used, its trust roots, timeouts and retries are. An object whose
+    /// ETag is no longer the grant's fails ([`ErrorKind::Changed`]). The grant is
+    /// untrusted input: anything in it that would not fit in a request's
+    /// head (spaces, control characters) is refused.
+    pub fn granted(grant: &Grant, cancel: &CancelToken) -> Result<Object> {
+        let name = PathBuf::from(&grant.url);
+        let invalid = |why: String| Error::new(ErrorKind::InvalidInput, "open", &name, why);
+        let url = ObjectUrl::parse(&grant.url).unwrap_or_else(|| Err(invalid("not an s3:// URL".into())))?;
+        let fields = [&grant.url, &grant.endpoint, &grant.region, &grant.head, &grant.get, &grant.etag];
+        if fields.iter().any(|f| f.chars().any(|c| c.is_whitespace() || c.is_control())) {
+            return Err(invalid("a grant's fields hold no spaces or control characters".into()));
+        }
+        let mut config = Config::from_env().map_err(invalid)?;
+        config.credentials = None;
+        config.region = grant.region.clone();
+        config.endpoint = config::Endpoint::parse(&grant.endpoint).map_err(invalid)?;
+        config.addressing = if grant.path_style { Addressing::Path } else { Addressing::VirtualHosted };
+        let granted = Granted { head: grant.head.clone(), get: grant.get.clone() };
+        let mut object = Object::unopened(url, config)?;
+        object.granted = Some(granted);
+        let object = object.look_up(cancel)?;
+        if object.etag != grant.etag {
+            return Err(Error::new(
+                ErrorKind::Changed,
+                "HEAD",
+                &name,
+                format!(
+                    "the object was replaced (ETag {} now, {} when it was granted)",
+                    object.etag, grant.etag
+                ),
+            ));
+        }
+        Ok(object)
+    }
+
+    /// A [`Grant`] of this object for [`GRANT_SECONDS`], signed with this
+    /// process's keys (unsigned queries for a public bucket).
+    pub fn grant(&self) -> Grant {
+        let host = self.config.endpoint.authority(&self.host);
+        let presign = |method| match &self.config.credentials {
+            Some(credentials) => sigv4::presign(
+                method,
+                &host,
+                &self.path,
+                credentials,
+                &self.config.region,
+                &sigv4::Stamp::now(),
+                GRANT_SECONDS,
+            ),
+            None => String::new(),
+        };
+        Grant {
+            url: format!("s3://{}/{}", self.url.bucket, self.url.key),
+            endpoint: self.config.endpoint.url(),
+            // `locate` put the bucket in the host name, or left the host as it was.
+            path_style: self.host == self.config.endpoint.host,
+            region: self.config.region.clone(),
+            head: presign("HEAD"),
+            get: presign("GET"),
+            etag: self.etag.clone(),
+        }
+    }
+
+    /// The object's size and ETag from a HEAD (retried like every
+    /// request); `cancel` stops the retries.
+    fn look_up(mut self, cancel: &CancelToken) -> Result<Object> {
+        let stopped = || cancel.is_cancelled();
+        let head = self.request(&mut None, "HEAD", None, &stopped, |_, head, _| match head.status {
             200 => Ok((head.content_length(), head.header("etag").map(str::to_owned))),
             _ => Err(None),
         });
@@ -127,7 +253,7 @@ impl Object {
                 // object gets the server's code (NoSuchKey, NoSuchBucket,
                 // SignatureDoesNotMatch, ...) where it fails the same way.
                 let explained: Result<()> =
-                    object.request(&mut None, "GET", Some(0..1), &stopped, |_, _, _| Err(None));
+                    self.request(&mut None, "GET", Some(0..1), &stopped, |_, _, _| Err(None));
                 return Err(match explained {
                     Err(explained) if explained.raw_os_error() == err.raw_os_error() => explained,
                     _ => err,
@@ -137,14 +263,14 @@ impl Object {
         };
         match head {
             (Some(size), Some(etag)) => {
-                object.size = size;
-                object.etag = etag;
-                Ok(object)
+                self.size = size;
+                self.etag = etag;
+                Ok(self)
             }
             _ => Err(Error::new(
                 ErrorKind::Io,
                 "HEAD",
-                &object.name,
+                &self.name,
                 "the response names no Content-Length or no ETag",
             )),
         }
@@ -316,7 +442,8 @@ impl Object {
         result
     }
 
-    /// The request's head, signed when there are credentials.
+    /// The request's head: signed when there are credentials, with the
+    /// grant's query when it is granted.
     fn request_head(&self, method: &str, range: Option<&Range<u64>>) -> String {
         let host = self.config.endpoint.authority(&self.host);
         let mut headers = vec![("host", host)];
@@ -326,18 +453,28 @@ impl Object {
         if range.is_some() && !self.etag.is_empty() {
             headers.push(("if-match", self.etag.clone()));
         }
-        if let Some(credentials) = &self.config.credentials {
-            let request = sigv4::Request {
-                method,
-                path: &self.path,
-                query: "",
-                headers: &headers,
-                payload_sha256: sigv4::EMPTY_SHA256,
-            };
-            let signed = sigv4::sign(&request, credentials, &self.config.region, &sigv4::Stamp::now());
-            headers.extend(signed);
+        let mut target = self.path.clone();
+        match (&self.granted, &self.config.credentials) {
+            (Some(granted), _) => {
+                let query = if method == "HEAD" { &granted.head } else { &granted.get };
+                if !query.is_empty() {
+                    target = format!("{target}?{query}");
+                }
+            }
+            (None, Some(credentials)) => {
+                let request = sigv4::Request {
+                    method,
+                    path: &self.path,
+                    query: "",
+                    headers: &headers,
+                    payload_sha256: sigv4::EMPTY_SHA256,
+                };
+                let signed = sigv4::sign(&request, credentials, &self.config.region, &sigv4::Stamp::now());
+                headers.extend(signed);
+            }
+            (None, None) => {}
         }
-        let mut head = format!("{method} {} HTTP/1.1\r\n", self.path);
+        let mut head = format!("{method} {target} HTTP/1.1\r\n");
         for (name, value) in &headers {
             head += &format!("{name}: {value}\r\n");
         }

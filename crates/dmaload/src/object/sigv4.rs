@@ -125,14 +125,7 @@ pub fn sign(
         "{}\n{}\n{}\n{canonical_headers}\n{signed}\n{}",
         request.method, request.path, request.query, request.payload_sha256
     );
-    let scope = format!("{}/{region}/s3/aws4_request", stamp.date());
-    let to_sign =
-        format!("AWS4-HMAC-SHA256\n{}\n{scope}\n{}", stamp.datetime, sha256_hex(canonical.as_bytes()));
-    let key = hmac(format!("AWS4{}", credentials.secret_key).as_bytes(), stamp.date().as_bytes());
-    let key = hmac(&key, region.as_bytes());
-    let key = hmac(&key, b"s3");
-    let key = hmac(&key, b"aws4_request");
-    let signature = hex(&hmac(&key, to_sign.as_bytes()));
+    let (scope, signature) = signature(&canonical, credentials, region, stamp);
     added.push((
         "authorization",
         format!(
@@ -141,6 +134,53 @@ pub fn sign(
         ),
     ));
     added
+}
+
+/// The scope and signature of a canonical request.
+fn signature(canonical: &str, credentials: &Credentials, region: &str, stamp: &Stamp) -> (String, String) {
+    let scope = format!("{}/{region}/s3/aws4_request", stamp.date());
+    let to_sign =
+        format!("AWS4-HMAC-SHA256\n{}\n{scope}\n{}", stamp.datetime, sha256_hex(canonical.as_bytes()));
+    let key = hmac(format!("AWS4{}", credentials.secret_key).as_bytes(), stamp.date().as_bytes());
+    let key = hmac(&key, region.as_bytes());
+    let key = hmac(&key, b"s3");
+    let key = hmac(&key, b"aws4_request");
+    (scope, hex(&hmac(&key, to_sign.as_bytes())))
+}
+
+/// The query string that authorizes one `method` request for `path` on
+/// `host` from `stamp` for `expires_secs` (a presigned URL's, query
+/// authentication in AWS's words): only `host` is signed, so the request
+/// may add a `Range` and an `If-Match`. Whoever holds the query may make
+/// that request, and only that one, until it expires; the secret key
+/// stays here.
+pub fn presign(
+    method: &str,
+    host: &str,
+    path: &str,
+    credentials: &Credentials,
+    region: &str,
+    stamp: &Stamp,
+    expires_secs: u64,
+) -> String {
+    let scope = format!("{}/{region}/s3/aws4_request", stamp.date());
+    let mut params = vec![
+        ("X-Amz-Algorithm", "AWS4-HMAC-SHA256".to_owned()),
+        ("X-Amz-Credential", format!("{}/{scope}", credentials.access_key)),
+        ("X-Amz-Date", stamp.datetime.clone()),
+        ("X-Amz-Expires", expires_secs.to_string()),
+        ("X-Amz-SignedHeaders", "host".to_owned()),
+    ];
+    if let Some(token) = &credentials.session_token {
+        params.push(("X-Amz-Security-Token", token.clone()));
+    }
+    params.sort();
+    let query: Vec<String> =
+        params.iter().map(|(k, v)| format!("{}={}", uri_encode(k, false), uri_encode(v, false))).collect();
+    let query = query.join("&");
+    let canonical = format!("{method}\n{path}\n{query}\nhost:{host}\n\nhost\nUNSIGNED-PAYLOAD");
+    let (_, signature) = signature(&canonical, credentials, region, stamp);
+    format!("{query}&X-Amz-Signature={signature}")
 }
 
 #[cfg(test)]
@@ -173,6 +213,33 @@ mod tests {
             "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request, \
              SignedHeaders=host;range;x-amz-content-sha256;x-amz-date, \
              Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41"
+        );
+    }
+
+    /// AWS's documented example of query authentication: a GET of
+    /// `test.txt` valid for 86400 s.
+    #[test]
+    fn presigns_the_documented_example() {
+        let credentials = Credentials {
+            access_key: "AKIAIOSFODNN7EXAMPLE".into(),
+            secret_key: "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY".into(),
+            session_token: None,
+        };
+        let stamp = Stamp { datetime: "20130524T000000Z".into() };
+        let query = presign(
+            "GET",
+            "examplebucket.s3.amazonaws.com",
+            "/test.txt",
+            &credentials,
+            "us-east-1",
+            &stamp,
+            86400,
+        );
+        assert_eq!(
+            query,
+            "X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F20130524%2Fus-east-1%2Fs3%2F\
+             aws4_request&X-Amz-Date=20130524T000000Z&X-Amz-Expires=86400&X-Amz-SignedHeaders=host&\
+             X-Amz-Signature=aeeed9bbccd4d02ee5c0109b86d86835f995330da4c265957d157751f604d404"
         );
     }
 

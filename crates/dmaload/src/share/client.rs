@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -15,6 +15,7 @@ use crate::cuda::{Context, CudaError};
 use crate::device::{allocate, load_open_device, LoadedDevice};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{LoadOptions, LoadReport, LoadRequest};
+use crate::object::Object;
 use crate::share::protocol::{self, DeviceTarget, Reply, Request, Served, Status, DEVICE_UNREACHABLE_OPS};
 use crate::share::{Connection, CONNECT_TIMEOUT};
 use crate::source::OpenFile;
@@ -169,7 +170,24 @@ impl Client {
     pub fn get_file(&self, file: &File, path: &Path) -> Result<Fetched> {
         let started = Instant::now();
         let request = protocol::encode_request(Request::Get);
-        let (info, memfd) = match self.request(&request, file, path, "receive buffer")? {
+        let reply = self.request(&request, &[file.as_fd()], path, "receive buffer")?;
+        self.fetched(reply, started)
+    }
+
+    /// The bytes of `object`, which the service reads (once for every
+    /// client, keeping them under the object's ETag) with a [`Grant`] of
+    /// this process's: the store checks the grant on each request, a hit's
+    /// included, and this process's keys never leave it.
+    pub fn get_object(&self, object: &Object) -> Result<Fetched> {
+        let started = Instant::now();
+        let request = protocol::encode_object_request(&object.grant());
+        let reply = self.request(&request, &[], object.name(), "receive buffer")?;
+        self.fetched(reply, started)
+    }
+
+    /// The buffer a get's `reply` hands over, mapped.
+    fn fetched(&self, reply: (Reply, Vec<OwnedFd>), started: Instant) -> Result<Fetched> {
+        let (info, memfd) = match reply {
             (Reply::Buffer(info), fds) => {
                 let count = fds.len();
                 let [memfd]: [OwnedFd; 1] = fds.try_into().map_err(|_| {
@@ -204,7 +222,7 @@ impl Client {
     ) -> Result<(u64, Served)> {
         const OP: &str = "receive device copy";
         let request = protocol::encode_device_request(target);
-        match self.request(&request, file, path, OP)? {
+        match self.request(&request, &[file.as_fd()], path, OP)? {
             (Reply::Copied { len, served }, fds) if fds.is_empty() => Ok((len, served)),
             _ => Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -215,18 +233,19 @@ impl Client {
         }
     }
 
-    /// Sends `request` with `file`'s descriptor, then waits through the
+    /// Sends `request` with the descriptors `fds`, then waits through the
     /// service's acknowledgement and keepalives for its answer (`op` names
-    /// the wait): an error reply becomes that error, a service that goes
-    /// silent, stops reading or closes the connection an error of `op`.
+    /// the wait, `path` what was asked for): an error reply becomes that
+    /// error, a service that goes silent, stops reading or closes the
+    /// connection an error of `op`.
     fn request(
         &self,
         request: &[u8],
-        file: &File,
+        fds: &[BorrowedFd<'_>],
         path: &Path,
         op: &'static str,
     ) -> Result<(Reply, Vec<OwnedFd>)> {
-        self.conn.send(request, &[file.as_fd()]).map_err(|e| Error::io("send request", &self.socket, e))?;
+        self.conn.send(request, fds).map_err(|e| Error::io("send request", &self.socket, e))?;
         let mut timeout = protocol::ACK_TIMEOUT;
         // The service's bytes read, and when they last moved.
         let mut progress = (0, Instant::now());
@@ -367,6 +386,30 @@ pub fn cached(
     }
 }
 
+/// Loads the opened `object` whole through the cache service at `socket`
+/// ([`Client::get_object`]: the service reads it with a grant of this
+/// process's, and keeps it under its ETag, so the next client, this one
+/// restarted say, maps it without a GET), or directly as [`cached`] does
+/// for a file. The service's HEAD must find the version this process
+/// opened (its ETag): an object replaced since fails with
+/// [`ErrorKind::Changed`], as a direct load does.
+pub fn cached_object(
+    object: &Object,
+    socket: &Path,
+    options: &LoadOptions,
+) -> Result<(Buffer, LoadReport, CacheOutcome)> {
+    match from_service_with(object.name(), socket, options, |client| client.get_object(object))? {
+        Ok((fetched, report)) => {
+            let outcome = CacheOutcome::Service { served: fetched.served, note: fetched.note };
+            Ok((fetched.buffer, report, outcome))
+        }
+        Err(reason) => {
+            let (buffer, report) = LoadRequest::object(object).options(options).to_buffer()?;
+            Ok((buffer, report, CacheOutcome::Direct { reason }))
+        }
+    }
+}
+
 /// What [`from_service`] returns when the service served the file: its
 /// bytes, the handoff's report, how it served them, and its note.
 pub type ServedFile = (Buffer, LoadReport, Served, Option<String>);
@@ -380,39 +423,55 @@ pub fn from_service(
     socket: &Path,
     options: &LoadOptions,
 ) -> Result<std::result::Result<ServedFile, String>> {
-    if options.verify {
-        return Ok(Err("the cache service does not verify: a verified load reads the file itself".into()));
-    }
     let path = file.path();
     let file = &file.source().file;
     let meta = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
     if !meta.file_type().is_file() {
         return Ok(Err(format!("a {} is not cached, only regular files", source::type_name(&meta))));
     }
-    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let fetched = from_service_with(path, socket, options, |client| client.get_file(file, path))?;
+    Ok(fetched.map(|(fetched, mut report)| {
+        report.filesystem =
+            sys::file::filesystem_magic(file.as_fd()).map_or("unknown", system::filesystem_name);
+        (fetched.buffer, report, fetched.served, fetched.note)
+    }))
+}
+
+/// What `get` fetches from a client of the service at `socket`, with the
+/// handoff's report (`name` names it), or `Ok(Err(why))` where the caller
+/// loads directly: no service, one that cannot serve, or a verified load.
+fn from_service_with(
+    name: &Path,
+    socket: &Path,
+    options: &LoadOptions,
+    get: impl FnOnce(&Client) -> Result<Fetched>,
+) -> Result<std::result::Result<(Fetched, LoadReport), String>> {
+    if options.verify {
+        return Ok(Err("the cache service does not verify: a verified load reads the file itself".into()));
+    }
+    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", name, e))?;
     let client = match Client::connect_cancellable(socket, &options.cancel) {
         Ok(client) => client,
         Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
         Err(err) => return Ok(Err(format!("no cache service: {err}"))),
     };
-    let fetched = match client.get_file(file, path) {
+    let fetched = match get(&client) {
         Ok(fetched) => fetched,
         Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
         Err(err) if service_unusable(&err) => return Ok(Err(format!("the cache service failed: {err}"))),
         Err(err) => return Err(err),
     };
-    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", name, e))?;
     let mut report = handoff_report(
-        path,
+        name,
         fetched.buffer.len() as u64,
         fetched.seconds,
         format!("cache-service ({})", fetched.served.name()),
         options,
     );
-    report.filesystem = sys::file::filesystem_magic(file.as_fd()).map_or("unknown", system::filesystem_name);
     report.cpu_user_seconds = (cpu_after.0 - cpu_before.0).as_secs_f64();
     report.cpu_system_seconds = (cpu_after.1 - cpu_before.1).as_secs_f64();
-    Ok(Ok((fetched.buffer, report, fetched.served, fetched.note)))
+    Ok(Ok((fetched, report)))
 }
 
 /// Whether `err` says the service could not serve (gone, refused this

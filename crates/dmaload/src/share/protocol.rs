@@ -11,7 +11,9 @@
 //! {"ordinal": N, "handle": HEX, "len": BYTES}}` with the file's descriptor,
 //! which asks the service to copy the file into the client's device
 //! memory that the CUDA IPC handle names (see [`DeviceTarget`]), answered
-//! with `copied` once the bytes are there. Replies: a buffer (its memfd
+//! with `copied` once the bytes are there; `{"op": "get-object", "object":
+//! GRANT}` with none, which asks for the object a [`Grant`] names (the
+//! service reads it with the grant, never with keys of its own). Replies: a buffer (its memfd
 //! attached), the status, or an error with the same detail as a direct
 //! load's (kind, operation, path, offset, errno, message). Before a get's
 //! reply the service sends `accepted` as soon as it has read the request,
@@ -29,6 +31,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::object::Grant;
 use crate::share::Connection;
 
 /// The protocol version this build speaks.
@@ -43,8 +46,9 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a client waits while the service's loads read nothing (a load
 /// stuck on a silent network or FUSE server) before it loads directly.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(15);
-/// Longest request a service accepts.
-pub const MAX_REQUEST_BYTES: usize = 1024;
+/// Longest request a service accepts (a get-object's grant carries two
+/// presigned queries, with a session token each where there is one).
+pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
 /// Longest reply a client accepts (a status lists at most
 /// [`MAX_STATUS_ENTRIES`] files, well under this).
 pub const MAX_REPLY_BYTES: usize = 128 * 1024;
@@ -76,6 +80,9 @@ pub enum Request {
     /// The bytes of the file whose open descriptor comes with the request,
     /// copied by the service into the client's device memory.
     ToDevice,
+    /// The bytes of the object the request's [`Grant`] names, at the
+    /// version the service finds with the grant's HEAD.
+    GetObject,
 }
 
 /// Where a [`Request::ToDevice`] puts the file: device memory of the
@@ -116,30 +123,48 @@ impl DeviceTarget {
     }
 }
 
-/// A request as it crosses the socket: `{"op": "get"}`, and a device
-/// target for `to-device` only.
+/// A request as it crosses the socket: `{"op": "get"}`, a device target
+/// for `to-device` only, an object's grant for `get-object` only.
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RequestBody {
     op: Request,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     device: Option<DeviceTarget>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    object: Option<Grant>,
 }
 
-/// `request` (not [`Request::ToDevice`]: [`encode_device_request`]) as
-/// bytes to send.
+/// A received request, as [`decode_message`] checked it.
+#[derive(Debug)]
+pub struct Message {
+    pub request: Request,
+    /// Set for [`Request::ToDevice`], and only for it.
+    pub device: Option<DeviceTarget>,
+    /// Set for [`Request::GetObject`], and only for it.
+    pub object: Option<Grant>,
+}
+
+/// `request` (neither [`Request::ToDevice`]: [`encode_device_request`],
+/// nor [`Request::GetObject`]: [`encode_object_request`]) as bytes to send.
 pub fn encode_request(request: Request) -> Vec<u8> {
-    encode(&RequestBody { op: request, device: None })
+    encode(&RequestBody { op: request, device: None, object: None })
 }
 
 /// A [`Request::ToDevice`] for `target` as bytes to send.
 pub fn encode_device_request(target: &DeviceTarget) -> Vec<u8> {
-    encode(&RequestBody { op: Request::ToDevice, device: Some(target.clone()) })
+    encode(&RequestBody { op: Request::ToDevice, device: Some(target.clone()), object: None })
+}
+
+/// A [`Request::GetObject`] of the object `grant` names as bytes to send.
+pub fn encode_object_request(grant: &Grant) -> Vec<u8> {
+    encode(&RequestBody { op: Request::GetObject, device: None, object: Some(grant.clone()) })
 }
 
 /// A received request, checked as untrusted input: a device target comes
-/// with `to-device` and only with it, its handle well formed.
-pub fn decode_message(bytes: &[u8]) -> io::Result<(Request, Option<DeviceTarget>)> {
+/// with `to-device` and only with it, its handle well formed; a grant
+/// with `get-object` and only with it.
+pub fn decode_message(bytes: &[u8]) -> io::Result<Message> {
     let body = decode::<RequestBody>(bytes)?;
     let invalid = |message: &str| io::Error::new(io::ErrorKind::InvalidData, message.to_owned());
     match (body.op, &body.device) {
@@ -148,12 +173,17 @@ pub fn decode_message(bytes: &[u8]) -> io::Result<(Request, Option<DeviceTarget>
         (_, Some(_)) => return Err(invalid("only a to-device request names a device")),
         (_, None) => {}
     }
-    Ok((body.op, body.device))
+    match (body.op, &body.object) {
+        (Request::GetObject, None) => return Err(invalid("a get-object request names no object")),
+        (Request::GetObject, Some(_)) | (_, None) => {}
+        (_, Some(_)) => return Err(invalid("only a get-object request names an object")),
+    }
+    Ok(Message { request: body.op, device: body.device, object: body.object })
 }
 
 /// The kind of a received request, checked as [`decode_message`] does.
 pub fn decode_request(bytes: &[u8]) -> io::Result<Request> {
-    decode_message(bytes).map(|(request, _)| request)
+    decode_message(bytes).map(|message| message.request)
 }
 
 /// The operations a service's error names when it cannot copy into the
@@ -445,8 +475,11 @@ mod tests {
         assert!(decode_request(outside).is_err());
 
         let target = DeviceTarget::new(1, &[0xab; 64], 4096);
-        let (request, back) = decode_message(&encode_device_request(&target)).unwrap();
-        assert_eq!((request, back.unwrap().handle_bytes().unwrap()), (Request::ToDevice, [0xab; 64]));
+        let message = decode_message(&encode_device_request(&target)).unwrap();
+        assert_eq!(
+            (message.request, message.device.unwrap().handle_bytes().unwrap()),
+            (Request::ToDevice, [0xab; 64])
+        );
         let handle = "ab".repeat(64);
         let device = format!(r#""device": {{"ordinal": 0, "handle": "{handle}", "len": 1}}"#);
         for bad in [
@@ -467,6 +500,29 @@ mod tests {
         }
         let good = format!(r#"{{"version": 2, "body": {{"op": "to-device", {device}}}}}"#);
         assert_eq!(decode_request(good.as_bytes()).unwrap(), Request::ToDevice);
+
+        let grant = Grant {
+            url: "s3://b/k".into(),
+            endpoint: "http://127.0.0.1:3900".into(),
+            path_style: true,
+            region: "r".into(),
+            head: "q1".into(),
+            get: "q2".into(),
+            etag: "\"e\"".into(),
+        };
+        let message = decode_message(&encode_object_request(&grant)).unwrap();
+        assert_eq!((message.request, message.object), (Request::GetObject, Some(grant)));
+        for bad in [
+            r#"{"version": 2, "body": {"op": "get-object"}}"#.to_owned(),
+            format!(r#"{{"version": 2, "body": {{"op": "get", "object": {}}}}}"#, "{}"),
+            format!(r#"{{"version": 2, "body": {{"op": "get-object", {device}}}}}"#),
+        ] {
+            assert_eq!(
+                decode_message(bad.as_bytes()).unwrap_err().kind(),
+                io::ErrorKind::InvalidData,
+                "{bad}"
+            );
+        }
     }
 
     /// Mutated valid messages (the fuzz target `share_message` does this

@@ -67,7 +67,7 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
         let started = Instant::now();
         let request = protocol::decode_message(&buf[..len]);
         let sent = match (request, fds.len()) {
-            (Ok((Request::ToDevice, Some(target))), 1) => {
+            (Ok(protocol::Message { request: Request::ToDevice, device: Some(target), .. }), 1) => {
                 let fd = fds.remove(0);
                 if conn.send(&protocol::encode(&Reply::Accepted), &[]).is_err() {
                     break;
@@ -99,55 +99,22 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
                     Err(err) => reply_error(state, &conn, &who, &err),
                 }
             }
-            (Ok((Request::Get, _)), 1) => {
+            (Ok(protocol::Message { request: Request::Get, .. }), 1) => {
                 let fd = fds.remove(0);
                 if conn.send(&protocol::encode(&Reply::Accepted), &[]).is_err() {
                     break;
                 }
-                match with_keepalives(&conn, &state.loaded, || state.get(fd, peer.uid)) {
-                    Ok(Handoff { loaded, served, note, turn }) => {
-                        let info = BufferInfo {
-                            offset: loaded.offset,
-                            len: loaded.len,
-                            served: Some(served),
-                            note: note.clone(),
-                        };
-                        let reply = protocol::encode(&Reply::Buffer(info));
-                        // A file just cached in 4 KiB pages is collapsed
-                        // once its first client has it, not in its way (the
-                        // status says so from before the reply).
-                        let collapse = served == Served::Miss
-                            && state.collapse
-                            && loaded.bytes >= HUGE_PAGE_ALIGN as u64;
-                        if collapse {
-                            *lock(&loaded.pages) = COLLAPSING.into();
-                        }
-                        let sent = conn.send(&reply, &[loaded.memfd.as_fd()]);
-                        if collapse {
-                            loaded.collapse_in_background(Arc::clone(&state.config.log));
-                        }
-                        state.log(&format!(
-                            "{who}: get {} ({} bytes): {} in {:.1} ms{}{}",
-                            loaded.path.display(),
-                            loaded.len,
-                            served.name(),
-                            started.elapsed().as_secs_f64() * 1e3,
-                            note.map(|n| format!(" ({n})")).unwrap_or_default(),
-                            match &sent {
-                                Ok(()) => String::new(),
-                                Err(err) => format!("; the client is gone: {err}"),
-                            }
-                        ));
-                        // An uncached file's last reference here goes
-                        // before its turn does.
-                        drop(loaded);
-                        drop(turn);
-                        sent.is_ok()
-                    }
-                    Err(err) => reply_error(state, &conn, &who, &err),
-                }
+                let handoff = with_keepalives(&conn, &state.loaded, || state.get(fd, peer.uid));
+                reply_buffer(state, &conn, &who, "get", started, handoff)
             }
-            (Ok((Request::Status, _)), 0) => {
+            (Ok(protocol::Message { request: Request::GetObject, object: Some(grant), .. }), 0) => {
+                if conn.send(&protocol::encode(&Reply::Accepted), &[]).is_err() {
+                    break;
+                }
+                let handoff = with_keepalives(&conn, &state.loaded, || state.get_object(&grant, peer.uid));
+                reply_buffer(state, &conn, &who, "get-object", started, handoff)
+            }
+            (Ok(protocol::Message { request: Request::Status, .. }), 0) => {
                 state.log(&format!("{who}: status"));
                 let viewer = (peer.uid != state.own_uid && peer.uid != 0).then_some(peer.uid);
                 let mut status = state.status(viewer);
@@ -158,7 +125,7 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
                 }
                 conn.send(&reply, &[]).is_ok()
             }
-            (Ok((request, _)), count) => reply_error(
+            (Ok(protocol::Message { request, .. }), count) => reply_error(
                 state,
                 &conn,
                 &who,
@@ -166,7 +133,10 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
                     ErrorKind::InvalidInput,
                     "request",
                     &state.config.socket,
-                    format!("{request:?} carried {count} descriptors (get and to-device: 1, status: 0)"),
+                    format!(
+                        "{request:?} carried {count} descriptors (get and to-device: 1, status and \
+                         get-object: 0)"
+                    ),
                 ),
             ),
             (Err(err), _) => {
@@ -178,6 +148,52 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
             break;
         }
     }
+}
+
+/// Sends the client the buffer `handoff` holds (or its error), logging
+/// the request (`op`) and how it was served; whether the client is still
+/// there.
+fn reply_buffer(
+    state: &State,
+    conn: &Connection,
+    who: &str,
+    op: &str,
+    started: Instant,
+    handoff: std::result::Result<Handoff<'_>, Error>,
+) -> bool {
+    let Handoff { loaded, served, note, turn } = match handoff {
+        Ok(handoff) => handoff,
+        Err(err) => return reply_error(state, conn, who, &err),
+    };
+    let info =
+        BufferInfo { offset: loaded.offset, len: loaded.len, served: Some(served), note: note.clone() };
+    let reply = protocol::encode(&Reply::Buffer(info));
+    // A file just cached in 4 KiB pages is collapsed once its first client
+    // has it, not in its way (the status says so from before the reply).
+    let collapse = served == Served::Miss && state.collapse && loaded.bytes >= HUGE_PAGE_ALIGN as u64;
+    if collapse {
+        *lock(&loaded.pages) = COLLAPSING.into();
+    }
+    let sent = conn.send(&reply, &[loaded.memfd.as_fd()]);
+    if collapse {
+        loaded.collapse_in_background(Arc::clone(&state.config.log));
+    }
+    state.log(&format!(
+        "{who}: {op} {} ({} bytes): {} in {:.1} ms{}{}",
+        loaded.path.display(),
+        loaded.len,
+        served.name(),
+        started.elapsed().as_secs_f64() * 1e3,
+        note.map(|n| format!(" ({n})")).unwrap_or_default(),
+        match &sent {
+            Ok(()) => String::new(),
+            Err(err) => format!("; the client is gone: {err}"),
+        }
+    ));
+    // An uncached file's last reference here goes before its turn does.
+    drop(loaded);
+    drop(turn);
+    sent.is_ok()
 }
 
 /// Runs `work` while a thread of its own tells the client, every

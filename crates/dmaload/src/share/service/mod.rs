@@ -1,5 +1,5 @@
-//! The model-cache service: loads files on request with the ordinary
-//! loader, keeps each in a sealed memfd, and hands it to clients over a
+//! The model-cache service: loads files (and objects) on request with the
+//! ordinary loader, keeps each in a sealed memfd, and hands it to clients over a
 //! Unix socket. A second process gets a file's bytes by mapping pages that
 //! are already in memory, in milliseconds, instead of reading the disk.
 //!
@@ -13,7 +13,11 @@
 //! widen it (`SO_PEERCRED`, the peer's primary gid); the socket's mode
 //! only lets them reach it ([`Service::bind`]). A status shows a user other
 //! than the service's own and root only the paths of files handed to it.
-//! Requests are length-limited and parsed as untrusted input.
+//! Requests are length-limited and parsed as untrusted input. An object
+//! (`get-object`) comes with a [`Grant`] instead of a descriptor: the
+//! service reads it with the grant's presigned queries, never with keys of
+//! its own, keeps it under its ETag, and makes the grant's HEAD on every
+//! request, so the store decides each time whether the client may read it.
 //!
 //! Memory: files are dropped least recently used first when a new load
 //! would pass the limit (clients that map a dropped file keep their pages
@@ -45,9 +49,13 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
+use crate::buffer::Buffer;
+use crate::cancel::CancelToken;
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{Destination, LoadOptions, LoadRequest};
 use crate::memory::{MemoryChoice, MemoryFacts};
+use crate::object::{Grant, Object};
+use crate::report::LoadReport;
 use crate::share::protocol::{CachedFile, Served, Status, WireError, MAX_STATUS_ENTRIES};
 use crate::share::{Connection, Listener, PeerCredentials};
 use crate::sys;
@@ -145,9 +153,9 @@ pub struct Service {
     state: Arc<State>,
 }
 
-/// A cache entry: the file's id and the loaded bytes.
+/// A file's id: what its cache entry is kept under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct Key {
+struct FileId {
     dev: u64,
     ino: u64,
     size: u64,
@@ -155,9 +163,9 @@ struct Key {
     ctime: (i64, i64),
 }
 
-impl Key {
-    fn of(meta: &std::fs::Metadata) -> Key {
-        Key {
+impl FileId {
+    fn of(meta: &std::fs::Metadata) -> FileId {
+        FileId {
             dev: meta.dev(),
             ino: meta.ino(),
             size: meta.len(),
@@ -165,6 +173,14 @@ impl Key {
             ctime: (meta.ctime(), meta.ctime_nsec()),
         }
     }
+}
+
+/// What a cache entry is kept under: a file's id, or an object's place and
+/// version (a new version has a new ETag, so it is loaded again).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Key {
+    File(FileId),
+    Object { endpoint: String, bucket: String, key: String, etag: String, size: u64 },
 }
 
 /// A loaded file, sealed: what every client of it gets a descriptor of.
@@ -659,8 +675,37 @@ impl State {
                  right to read the file",
             ));
         }
-        let key = Key::of(&meta);
-        let bytes = key.size.div_ceil(page_size() as u64) * page_size() as u64;
+        let id = FileId::of(&meta);
+        self.serve(Key::File(id), id.size, uid, || self.load(&file, id))
+    }
+
+    /// The bytes of the object `grant` names, at the version its HEAD
+    /// finds now: from the cache, or loaded now. The grant's HEAD is made
+    /// for every request, a hit included, so a client whose grant the
+    /// store refuses gets nothing, cached or not.
+    fn get_object(&self, grant: &Grant, uid: u32) -> std::result::Result<Handoff<'_>, Error> {
+        let object = Object::granted(grant, &CancelToken::new())?;
+        let key = Key::Object {
+            endpoint: grant.endpoint.clone(),
+            bucket: object.bucket().to_owned(),
+            key: object.key().to_owned(),
+            etag: object.etag.clone(),
+            size: object.size,
+        };
+        self.serve(key, object.size, uid, || self.load_object(&object))
+    }
+
+    /// `key`'s entry handed to `uid`: the cached one, the one another
+    /// request is loading, or loaded now with `load` (cached if it fits,
+    /// else for this request only).
+    fn serve(
+        &self,
+        key: Key,
+        size: u64,
+        uid: u32,
+        load: impl Fn() -> Result<Loaded>,
+    ) -> std::result::Result<Handoff<'_>, Error> {
+        let bytes = size.div_ceil(page_size() as u64) * page_size() as u64;
         let next = {
             let mut cache = lock(&self.cache);
             cache.clock += 1;
@@ -686,7 +731,7 @@ impl State {
                         let turn = lock(&self.uncached_turn);
                         let note =
                             format!("{why}: loaded for this request, not cached (one such load at a time)");
-                        return self.load(&file, key).map(|loaded| Handoff {
+                        return load().map(|loaded| Handoff {
                             loaded: Arc::new(loaded),
                             served: Served::Uncached,
                             note: Some(note),
@@ -694,7 +739,7 @@ impl State {
                         });
                     }
                     let pending = Arc::new(Pending { outcome: Mutex::new(None), done: Condvar::new() });
-                    cache.files.insert(key, Slot::Loading(Arc::clone(&pending)));
+                    cache.files.insert(key.clone(), Slot::Loading(Arc::clone(&pending)));
                     cache.used += bytes;
                     Next::Load(pending)
                 }
@@ -720,7 +765,7 @@ impl State {
             Next::Load(pending) => {
                 // Completes the waiters even if the load panics.
                 let mut finish = Finish { state: self, key, bytes, uid, pending, outcome: None };
-                let loaded = self.load(&file, key).map(Arc::new);
+                let loaded = load().map(Arc::new);
                 finish.outcome = Some(match &loaded {
                     Ok(loaded) => Ok(Arc::clone(loaded)),
                     Err(err) => Err(WireError::from_error(err)),
@@ -731,19 +776,26 @@ impl State {
         }
     }
 
-    /// Loads the file with the ordinary loader, from the descriptor the
-    /// client sent, then seals the memfd. The file's id must be the same
-    /// after the load as when the request came: else the bytes might not
-    /// be those of the key they would be cached under.
-    fn load(&self, file: &File, key: Key) -> Result<Loaded> {
+    /// The service's options for one load: its own, with progress counted
+    /// in the bytes every load has read (what keepalives carry).
+    fn load_options(&self) -> LoadOptions {
         let mut options = self.config.load_options.clone();
         let (loaded, this_load) = (Arc::clone(&self.loaded), AtomicU64::new(0));
         options.progress = Some(Arc::new(move |done, _total| {
             loaded.fetch_add(done.saturating_sub(this_load.swap(done, Ordering::Relaxed)), Ordering::Relaxed);
         }));
+        options
+    }
+
+    /// Loads the file with the ordinary loader, from the descriptor the
+    /// client sent, then seals the memfd. The file's id must be the same
+    /// after the load as when the request came: else the bytes might not
+    /// be those of the key they would be cached under.
+    fn load(&self, file: &File, id: FileId) -> Result<Loaded> {
+        let options = self.load_options();
         let (buffer, report) = LoadRequest::fd(file.as_fd()).options(&options).to_buffer()?;
         let after = file.metadata().map_err(|e| Error::io("fstat", &report.path, e))?;
-        if Key::of(&after) != key {
+        if FileId::of(&after) != id {
             return Err(Error::new(
                 ErrorKind::Changed,
                 "load",
@@ -751,6 +803,22 @@ impl State {
                 "the file was written while the service loaded it: ask again once the writer is done",
             ));
         }
+        Loaded::seal(buffer, report)
+    }
+
+    /// Loads the object with the ordinary loader, every GET pinned to the
+    /// ETag its HEAD found (another version fails the load), then seals
+    /// the memfd.
+    fn load_object(&self, object: &Object) -> Result<Loaded> {
+        let options = self.load_options();
+        let (buffer, report) = LoadRequest::object(object).options(&options).to_buffer()?;
+        Loaded::seal(buffer, report)
+    }
+}
+
+impl Loaded {
+    /// A loaded buffer's memfd, sealed, as the cache keeps it.
+    fn seal(buffer: Buffer, report: LoadReport) -> Result<Loaded> {
         let (memfd, range) =
             buffer.into_sealed_memfd().map_err(|e| Error::io("seal memfd", &report.path, e))?;
         let bytes = (range.end as u64).div_ceil(page_size() as u64) * page_size() as u64;
@@ -805,7 +873,7 @@ fn make_room(
     }
     while cache.used.saturating_add(bytes) > limits.bytes || cache.files.len() >= limits.files {
         let oldest = cache.files.iter().filter_map(|(key, slot)| match slot {
-            Slot::Ready(ready) => Some((ready.last_used, *key)),
+            Slot::Ready(ready) => Some((ready.last_used, key.clone())),
             Slot::Loading(_) => None,
         });
         let Some((_, key)) = oldest.min() else { return Err("no cached file is left to drop".into()) };
@@ -861,7 +929,7 @@ impl Drop for Finish<'_> {
                         handoffs: 1,
                         last_used: now,
                     };
-                    cache.files.insert(self.key, Slot::Ready(ready));
+                    cache.files.insert(self.key.clone(), Slot::Ready(ready));
                 }
                 Err(_) => {
                     cache.used -= self.bytes;
