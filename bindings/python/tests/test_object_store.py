@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from pathlib import Path
@@ -325,7 +326,7 @@ def test_safetensors_load_file_of_an_s3_model_takes_the_staged_device_path(s3_en
         with pytest.raises(RuntimeError, match="PyTorch sees no CUDA device"):
             dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0")
     with pytest.raises(ValueError, match="does not take cache="):
-        dmaload.safetensors.load_file("s3://models/staged/", framework="pt", cache=True)
+        dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0", cache=True)
     with pytest.raises(ValueError, match="does not take verify=True with device="):
         dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0", verify=True)
 
@@ -621,6 +622,7 @@ def test_ranks_that_see_different_objects_fail_every_rank_before_reading(s3_env:
 def test_an_object_through_the_cache_service_is_read_once_then_mapped_under_its_etag(
     s3_env: Garage, tmp_path: Path
 ) -> None:
+    pytest.importorskip("torch")
     from test_cache import Service
 
     url = "s3://models/cached/model.bin"
@@ -641,5 +643,16 @@ def test_an_object_through_the_cache_service_is_read_once_then_mapped_under_its_
         assert bytes(third) == v2 and third.report.destination == "cache-service (miss)"
         status = service.status()
         assert (status["hits"], status["misses"]) == (1, 2), status
+
+        # A sharded model's shards, each kept by the service: the second
+        # load maps every shard from it.
+        expected = _put_sharded(s3_env, tmp_path, "cached-model")
+        for _ in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a direct load would warn why
+                got = dmaload.safetensors.load_file("s3://models/cached-model/", framework="pt", cache=str(service.socket))
+            _assert_same(got, expected)
+        status = service.status()
+        assert (status["hits"], status["misses"]) == (3, 4), status
     finally:
         service.stop()
