@@ -215,7 +215,7 @@ def _load_files(
     return [_File(buffer, header) for buffer, header in loaded]
 
 
-def _load_files_cached(paths: list[Path], socket: str, options: dict[str, Any]) -> list[_File]:
+def _load_files_cached(paths: Sequence[Path | str], socket: str, options: dict[str, Any]) -> list[_File]:
     """Each file whole from the cache service at ``socket`` (or loaded
     directly without one); its header parsed from the bytes received."""
     files = []
