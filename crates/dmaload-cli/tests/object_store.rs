@@ -383,3 +383,45 @@ fn dmaload_load_verify_checks_an_object_against_the_sums_object_beside_it() {
     let out = load(&["s3://models/vm/", "--verify", "--to", "cuda:0"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `dmaload load s3://BUCKET/KEY --cache SOCKET`: the service, which has
+/// no keys of its own, reads the object with the client's grant once and
+/// serves the next load from memory; `--cache` with a device is refused.
+#[test]
+fn dmaload_load_an_object_through_a_service_without_keys_is_read_once_then_a_hit() {
+    let test = "dmaload_load_an_object_through_a_service_without_keys_is_read_once_then_a_hit";
+    let Some(garage) = Garage::start(test) else { return };
+    let home = tempfile::tempdir().unwrap();
+    let socket = home.path().join("cache.sock");
+    let socket_arg = socket.to_str().unwrap();
+    let body = pattern((3 << 20) + 5, 4);
+    garage.put("cached/model.bin", &body);
+    let mut service = Command::new(env!("CARGO_BIN_EXE_dmaload"))
+        .args(["serve", "--socket", socket_arg])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", home.path())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while dmaload::share::Connection::connect(&socket).is_err() {
+        assert!(started.elapsed() < std::time::Duration::from_secs(60), "the service did not start");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let expected = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&body));
+    for served in ["miss", "hit"] {
+        let args = ["load", "s3://models/cached/model.bin", "--cache", socket_arg, "--hash", "--json"];
+        let out = dmaload(&garage, home.path(), &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(stderr.contains(&format!("from the cache service at {socket_arg} ({served})")), "{stderr}");
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["hash"]["xxh3_64"], expected.as_str(), "{report}");
+    }
+    let args = ["load", "s3://models/cached/model.bin", "--cache", socket_arg, "--to", "cuda:0"];
+    let out = dmaload(&garage, home.path(), &args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("serves whole objects to host memory"), "{stderr}");
+    let _ = service.kill();
+    let _ = service.wait();
+}
