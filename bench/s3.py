@@ -13,7 +13,10 @@ Against a store you already have (settings from the usual AWS_* variables):
 Or on a throwaway single-node Garage on 127.0.0.1 (the binary the tests use,
 docs/object-storage.md), with objects of 1 and 4 GiB uploaded first:
 
-    python bench/s3.py --serve --sizes 1,4 --runs 3
+    python bench/s3.py --serve --sizes 1,4 --runs 3 [--cache]
+
+--cache also runs `dmaload serve` and measures loads it answers from memory
+(the object read once before the rounds: a warm restart, one HEAD and no GET).
 
 The objects --serve uploads are safetensors files (one U8 tensor of random
 bytes), so that runai-model-streamer, which streams safetensors only, loads
@@ -95,6 +98,23 @@ def dmaload_loader() -> Loader:
     return lambda bucket, key: len(dmaload.load(f"s3://{bucket}/{key}"))
 
 
+def dmaload_cached_loader(socket_path: str) -> Loader:
+    """dmaload through a cache service that already holds the object (a
+    warm restart: one HEAD, no GET). Every page of the mapping is touched,
+    as a reader of the tensors would, so the faults are in the figure."""
+    import numpy as np
+
+    import dmaload
+
+    def load(bucket: str, key: str) -> int:
+        buffer = dmaload.load(f"s3://{bucket}/{key}", cache=socket_path)
+        assert buffer.report.destination == "cache-service (hit)", buffer.report.destination
+        int(np.frombuffer(buffer, np.uint8)[::4096].sum())
+        return len(buffer)
+
+    return load
+
+
 def boto3_loader(concurrency: int) -> Loader:
     from boto3.s3.transfer import TransferConfig
 
@@ -172,10 +192,11 @@ def s5cmd_loader() -> Loader:
     return load
 
 
-def clients() -> dict[str, Loader]:
+def clients(cache_socket: str | None) -> dict[str, Loader]:
     """Every client that is installed; the others are named and skipped."""
     makers: dict[str, Callable[[], Loader]] = {
         "dmaload": dmaload_loader,
+        **({"dmaload (cache hit)": lambda: dmaload_cached_loader(cache_socket)} if cache_socket else {}),
         "boto3 (concurrency 10)": lambda: boto3_loader(10),
         "boto3 (concurrency 32)": lambda: boto3_loader(32),
         "s3torchconnector": s3torchconnector_loader,
@@ -192,10 +213,15 @@ def clients() -> dict[str, Loader]:
     return found
 
 
-def measure(objects: list[tuple[str, str, int]], runs: int) -> None:
-    loaders = clients()
+def measure(objects: list[tuple[str, str, int]], runs: int, cache_socket: str | None = None) -> None:
+    loaders = clients(cache_socket)
     names = list(loaders)
     for bucket, key, size in objects:
+        if cache_socket:
+            import dmaload
+
+            # The service reads the object once here; the rounds are hits.
+            dmaload.load(f"s3://{bucket}/{key}", cache=cache_socket)
         expected = {name: size for name in names}
         if "runai-model-streamer" in expected:
             # It hands over the tensors, not the safetensors header.
@@ -220,7 +246,7 @@ def measure(objects: list[tuple[str, str, int]], runs: int) -> None:
                 f"{name:<26} {statistics.median(r):10.3f} ({min(r):.3f}-{max(r):.3f}) "
                 f"{statistics.median(cpus[name]):10.2f}"
             )
-        peers = [n for n in names if n != "dmaload"]
+        peers = [n for n in names if not n.startswith("dmaload")]
         if "dmaload" in names and peers:
             best = max(peers, key=lambda n: statistics.median(rates[n]))
             ratio = statistics.median(rates["dmaload"]) / statistics.median(rates[best])
@@ -305,6 +331,11 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help="start a throwaway Garage and upload objects")
     parser.add_argument("--sizes", default="1,4", help="GiB of each object --serve uploads (default 1,4)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--cache",
+        action="store_true",
+        help="also run `dmaload serve` and measure loads it serves from memory (a warm restart)",
+    )
     args = parser.parse_args()
     if args.serve == bool(args.urls):
         parser.error("give s3:// URLs or --serve, not both or neither")
@@ -313,10 +344,41 @@ def main() -> None:
         for url in args.urls:
             bucket, key = url.removeprefix("s3://").split("/", 1)
             objects.append((bucket, key, boto3_client().head_object(Bucket=bucket, Key=key)["ContentLength"]))
-        measure(objects, args.runs)
+        with cache_service(args.cache) as socket_path:
+            measure(objects, args.runs, socket_path)
         return
     with tempfile.TemporaryDirectory(prefix="dmaload-s3-bench-") as scratch, garage(Path(scratch)):
-        measure(upload([float(s) for s in args.sizes.split(",")], Path(scratch)), args.runs)
+        objects = upload([float(s) for s in args.sizes.split(",")], Path(scratch))
+        with cache_service(args.cache) as socket_path:
+            measure(objects, args.runs, socket_path)
+
+
+@contextmanager
+def cache_service(wanted: bool) -> Iterator[str | None]:
+    """`dmaload serve` on a scratch socket (the CLI built in target/release,
+    else the package's), stopped after; None when not wanted."""
+    if not wanted:
+        yield None
+        return
+    from dmaload.__main__ import native_cli
+
+    built = Path(__file__).resolve().parents[1] / "target" / "release" / "dmaload"
+    cli = str(built) if built.is_file() else native_cli()
+    if cli is None:
+        sys.exit("--cache needs the dmaload CLI: cargo build --release -p dmaload-cli")
+    with tempfile.TemporaryDirectory(prefix="dmaload-s3-cache-") as scratch:
+        socket_path = str(Path(scratch) / "cache.sock")
+        service = subprocess.Popen([cli, "serve", "--socket", socket_path], stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while not Path(socket_path).exists():
+                if service.poll() is not None or time.monotonic() > deadline:
+                    sys.exit("dmaload serve did not start")
+                time.sleep(0.05)
+            yield socket_path
+        finally:
+            service.terminate()
+            service.wait(timeout=60)
 
 
 if __name__ == "__main__":
