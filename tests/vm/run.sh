@@ -29,6 +29,9 @@ GUEST_ENV=${DMALOAD_VM_ENV:-}
 REQUIRE=${DMALOAD_VM_REQUIRE:-}
 SAVE_LOG=${DMALOAD_VM_LOG:-}
 KEEP=${DMALOAD_VM_KEEP:-0}
+# 1: a virtio NIC on QEMU's user-mode network, the guest at 10.0.2.15 and
+# the host's 127.0.0.1 reachable as 10.0.2.2 (a server the host started).
+NET=${DMALOAD_VM_NET:-0}
 NO_INSTALL=${DMALOAD_VM_NO_INSTALL:-0}
 
 me=${0##*/}
@@ -204,6 +207,7 @@ add_module() {
     for d in ${deps//,/ }; do add_module "$d"; done
     MOD_ORDER+=("$name")
 }
+[[ $NET == 1 ]] && MODULES+=" virtio_net"
 for m in $MODULES; do add_module "$m"; done
 
 # ---- guest /init ------------------------------------------------------------
@@ -237,6 +241,11 @@ mount -t tmpfs tmpfs /tmp
 echo "DMALOAD-VM-BOOTED run=$NONCE"
 
 for m in ${MOD_ORDER[*]}; do insmod /lib/modules/\$m.ko || echo "dmaload-vm: insmod \$m failed"; done
+if [ "$NET" = 1 ]; then
+    ip link set lo up
+    ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 && ip route add default via 10.0.2.2 ||
+        echo "dmaload-vm: the network did not come up"
+fi
 workdir=/tmp
 if [ -e /sys/block/vda ] || { sleep 1; [ -e /sys/block/vda ]; }; then
     if mount -t ext4 /dev/vda /mnt/disk; then workdir=/mnt/disk; fi
@@ -307,6 +316,8 @@ if [[ $DISK_SIZE != 0 ]]; then
 fi
 
 # ---- boot ---------------------------------------------------------------------
+NIC=(-nic none)
+[[ $NET == 1 ]] && NIC=(-nic user,model=virtio-net-pci)
 LOG=$WORK/serial.log
 say "booting $(cat "$KDIR/VERSION") ($ACCEL, ${SMP} cpu, $MEM, timeout ${TIMEOUT}s): $BIN_NAME${ARGS_Q}"
 start=$(date +%s)
@@ -314,7 +325,7 @@ start=$(date +%s)
 # panic=-1 + -no-reboot: any guest panic ends QEMU at once instead of hanging.
 timeout -k 10 "$TIMEOUT" qemu-system-x86_64 \
     -accel "$ACCEL" -cpu max -smp "$SMP" -m "$MEM" \
-    -nodefaults -nographic -serial stdio -no-reboot -nic none \
+    -nodefaults -nographic -serial stdio -no-reboot "${NIC[@]}" \
     -kernel "$KDIR/vmlinuz" -initrd "$WORK/initramfs.cpio" \
     -append "console=ttyS0 panic=-1 oops=panic quiet rdinit=/init $KERNEL_ARGS" \
     "${DRIVE[@]}" </dev/null >"$LOG" 2>&1 &

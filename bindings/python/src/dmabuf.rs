@@ -5,15 +5,15 @@ use std::os::fd::{AsRawFd, IntoRawFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use dmaload::source::OpenFile;
-use dmaload::{Destination, LoadRequest, LoadedDmaBuf, OptionValue};
+use dmaload::{Destination, LoadedDmaBuf, OptionValue};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3::types::PyDict;
 
 use crate::errors::{detached, guard, os_error};
-use crate::options::Opts;
+use crate::load::Source;
+use crate::options::{FileArg, Opts};
 use crate::report::report_object;
 use crate::run::run_abandonable;
 
@@ -137,7 +137,8 @@ impl DmaBuf {
     }
 }
 
-/// Loads a file, or `length` bytes of it from `offset`, into a new dma-buf
+/// Loads a file or an object (`s3://BUCKET/KEY`), or `length` bytes of it
+/// from `offset`, into a new dma-buf
 /// (`to`: "udmabuf", "dma-heap:NAME" or "dmabuf"), with the GIL released.
 #[pyfunction]
 #[pyo3(signature = (path, offset=None, length=None, *, options=None))]
@@ -162,11 +163,13 @@ pub fn load_dmabuf(
         let cancel = dmaload::CancelToken::new();
         options.cancel = cancel.clone();
         let offset = offset.unwrap_or(0);
-        let file = detached(py, || OpenFile::open(&path))?.map_err(|e| os_error(&e))?;
+        // A file opened once, or an object (`s3://`) looked up once.
+        let source =
+            detached(py, || Source::open(&FileArg::Path(path), &cancel))?.map_err(|e| os_error(&e))?;
         // The load owns the dma-buf it fills: a read that Ctrl-C cannot
         // stop is left behind (see run_abandonable).
         let result = run_abandonable(py, &cancel, move || {
-            LoadRequest::open(&file).range(offset, length).options(&options).to_dmabuf()
+            source.request().range(offset, length).options(&options).to_dmabuf()
         })?;
         let (loaded, report) = result.map_err(|e| os_error(&e))?;
         Ok(DmaBuf {

@@ -656,3 +656,18 @@ def test_an_object_through_the_cache_service_is_read_once_then_mapped_under_its_
         assert (status["hits"], status["misses"]) == (3, 4), status
     finally:
         service.stop()
+
+
+def test_an_object_loads_into_a_dma_buf_or_names_the_missing_producer(s3_env: Garage) -> None:
+    """An ``s3://`` object into a dma-buf as a file goes (the QEMU guest of
+    tests/vm/ci.sh loads one for real); on a kernel without the producer,
+    the error names its device rather than refusing the object."""
+    body = os.urandom((1 << 20) + 3)
+    s3_env.put("dmabuf/model.bin", body)
+    for to, device in (("udmabuf", "/dev/udmabuf"), ("dma-heap:system", "/dev/dma_heap/system")):
+        if os.path.exists(device):
+            with dmaload.load_dmabuf("s3://models/dmabuf/model.bin", to=to) as dmabuf:
+                assert dmabuf.tobytes() == body
+        else:
+            with pytest.raises(OSError, match=device):
+                dmaload.load_dmabuf("s3://models/dmabuf/model.bin", to=to)

@@ -425,3 +425,30 @@ fn dmaload_load_an_object_through_a_service_without_keys_is_read_once_then_a_hit
     let _ = service.kill();
     let _ = service.wait();
 }
+
+/// `dmaload load s3://BUCKET/KEY --to udmabuf|dma-heap:system`: an object
+/// goes into a dma-buf as a file does. Where the kernel has the producer
+/// the dma-buf holds the object (tests/vm/ci.sh runs this in its guest);
+/// where it has not, the error names the missing device, not the object.
+#[test]
+fn dmaload_load_an_object_into_a_dma_buf_holds_it_or_names_the_missing_producer() {
+    let test = "dmaload_load_an_object_into_a_dma_buf_holds_it_or_names_the_missing_producer";
+    let Some(garage) = Garage::start(test) else { return };
+    let home = tempfile::tempdir().unwrap();
+    let body = pattern((2 << 20) + 77, 5);
+    garage.put("dmabuf/model.bin", &body);
+    let expected = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&body));
+    for (to, device) in [("udmabuf", "/dev/udmabuf"), ("dma-heap:system", "/dev/dma_heap/system")] {
+        let args = ["load", "s3://models/dmabuf/model.bin", "--to", to, "--hash", "--json"];
+        let out = dmaload(&garage, home.path(), &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if std::path::Path::new(device).exists() {
+            assert!(out.status.success(), "{stderr}");
+            let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(report["hash"]["xxh3_64"], expected.as_str(), "{report}");
+        } else {
+            assert!(!out.status.success() && stderr.contains(device), "{to}: {stderr}");
+            assert!(!stderr.contains("an object loads into"), "{to}: {stderr}");
+        }
+    }
+}

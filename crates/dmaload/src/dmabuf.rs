@@ -1,6 +1,6 @@
-//! A dma-buf filled with a file's bytes ([`crate::LoadRequest::to_dmabuf`]),
-//! handed over as an fd the caller owns: `DMA_HEAP_ALLOC_AND_READ_FILE` in
-//! userspace.
+//! A dma-buf filled with a file's (or an object's) bytes
+//! ([`crate::LoadRequest::to_dmabuf`]), handed over as an fd the caller
+//! owns: `DMA_HEAP_ALLOC_AND_READ_FILE` in userspace.
 //!
 //! Two producers, one pipeline: `udmabuf` loads a memfd in place (direct
 //! I/O where the filesystem allows) and exports its pages, no copy;
@@ -12,13 +12,18 @@ use std::io;
 use std::path::Path;
 use std::time::Instant;
 
+use crate::device::staging_ring_slots;
 use crate::error::{Error, ErrorKind, Result};
 use crate::heap::DEFAULT_DMA_HEAP;
 use crate::heap::{self, CpuAccess, DmaBuf, DmaHeap};
+use crate::object::Object;
 use crate::options::{Destination, LoadOptions};
-use crate::pipeline::{check_memory, load_open_to_sink, load_source, range_len};
+use crate::pipeline::{
+    check_memory, load_object_source, load_object_to_sink, load_open_to_sink, load_source, object_ring_slots,
+    range_len, range_within,
+};
 use crate::report::LoadReport;
-use crate::sink::{DmaHeapSink, StagingRing};
+use crate::sink::{DmaHeapSink, StagingRing, DEFAULT_SLOT_SIZE};
 use crate::source::OpenFile;
 use crate::sys;
 use crate::types::Fallback;
@@ -75,19 +80,35 @@ enum Producer {
     Heap(String),
 }
 
-/// [`crate::LoadRequest::to_dmabuf`] of an open file: `len` bytes (to the
-/// end when `None`) from `offset` into a new dma-buf of the kind
-/// `options.to` names.
-pub(crate) fn load_open_dmabuf(
-    file: &OpenFile,
+/// What a dma-buf load reads: a file opened once, or an object looked up
+/// once (its GETs pinned to the ETag of that lookup).
+#[derive(Clone, Copy)]
+pub(crate) enum DmaBufInput<'a> {
+    File(&'a OpenFile),
+    Object(&'a Object),
+}
+
+/// [`crate::LoadRequest::to_dmabuf`]: `len` bytes (to the end when `None`)
+/// from `offset` of `input` into a new dma-buf of the kind `options.to`
+/// names.
+pub(crate) fn load_dmabuf(
+    input: DmaBufInput<'_>,
     offset: u64,
     len: Option<u64>,
     options: &LoadOptions,
 ) -> Result<(LoadedDmaBuf, LoadReport)> {
-    let path = file.path();
-    let len = range_len(file.source(), path, offset, len)?;
-    // Refused or looked up before any allocation; the load checks again.
-    crate::verify::Expected::for_load(file, offset, Some(len), options.verify)?;
+    let (path, len) = match input {
+        DmaBufInput::File(file) => {
+            let len = range_len(file.source(), file.path(), offset, len)?;
+            // Refused or looked up before any allocation; the load checks again.
+            crate::verify::Expected::for_load(file, offset, Some(len), options.verify)?;
+            (file.path(), len)
+        }
+        DmaBufInput::Object(object) => {
+            let path = object.name();
+            (path, range_within(object.size, "object", path, offset, len)?)
+        }
+    };
     if len == 0 {
         return Err(Error::new(
             ErrorKind::InvalidInput,
@@ -102,11 +123,13 @@ pub(crate) fn load_open_dmabuf(
     let pages_len = (offset % page + len).div_ceil(page) * page;
     let (producer, why) = choose(path, &options.to, pages_len)?;
     let (loaded, mut report) = match (&producer, &why) {
-        (Producer::Udmabuf, _) => load_udmabuf(file, offset, len, options)?,
+        (Producer::Udmabuf, _) => load_udmabuf(input, offset, len, options)?,
         // Where neither exists, the error names both.
-        (Producer::Heap(name), Choice::FellBack(udmabuf)) => load_heap(file, name, offset, len, options)
-            .map_err(|err| err.with_note(&format!(" (and not udmabuf: {})", udmabuf.reason)))?,
-        (Producer::Heap(name), _) => load_heap(file, name, offset, len, options)?,
+        (Producer::Heap(name), Choice::FellBack(udmabuf)) => {
+            load_heap(input, path, name, offset, len, options)
+                .map_err(|err| err.with_note(&format!(" (and not udmabuf: {})", udmabuf.reason)))?
+        }
+        (Producer::Heap(name), _) => load_heap(input, path, name, offset, len, options)?,
     };
     match why {
         Choice::Asked => {}
@@ -181,16 +204,32 @@ fn choose(path: &Path, to: &Destination, pages_len: u64) -> Result<(Producer, Ch
     }
 }
 
+/// The staging ring of a dma-heap load of an object, as a device load of
+/// one has it: slots of 16 MiB (the range's pages when smaller), as many as
+/// the GETs in flight keep busy. A file's ring ([`heap_ring_geometry`])
+/// would cut a small object into GETs of a few hundred KiB. Returns
+/// (slots, slot size).
+fn object_heap_ring(len: u64, options: &LoadOptions) -> (usize, usize) {
+    let page = sys::mem::page_size() as u64;
+    let pages = usize::try_from(len.div_ceil(page) * page).unwrap_or(usize::MAX);
+    let slot_size = DEFAULT_SLOT_SIZE.min(pages);
+    let slots = staging_ring_slots(len, slot_size).min(object_ring_slots(options, slot_size)).max(2);
+    (slots, slot_size)
+}
+
 /// A memfd loaded in place, then exported with udmabuf: no copy.
 fn load_udmabuf(
-    file: &OpenFile,
+    input: DmaBufInput<'_>,
     offset: u64,
     len: u64,
     options: &LoadOptions,
 ) -> Result<(LoadedDmaBuf, LoadReport)> {
     // udmabuf exports a memfd of 4 KiB pages, whatever `auto` would choose.
     let memfd = LoadOptions { to: Destination::Memfd, ..options.clone() };
-    let (buffer, mut report) = load_source(file, offset, Some(len), &memfd)?;
+    let (buffer, mut report) = match input {
+        DmaBufInput::File(file) => load_source(file, offset, Some(len), &memfd)?,
+        DmaBufInput::Object(object) => load_object_source(object, offset, Some(len), &memfd)?,
+    };
     let data_offset = (buffer.memfd_offset() % sys::mem::page_size()) as u64;
     let started = Instant::now();
     let dmabuf = buffer.into_dmabuf().map_err(|refused| refused.0)?;
@@ -206,26 +245,34 @@ fn load_udmabuf(
 /// from a staging ring sized to the file ([`heap_ring_geometry`]), or as
 /// `options.staging_slots` and `staging_slot_size` say.
 fn load_heap(
-    file: &OpenFile,
+    input: DmaBufInput<'_>,
+    path: &Path,
     name: &str,
     offset: u64,
     len: u64,
     options: &LoadOptions,
 ) -> Result<(LoadedDmaBuf, LoadReport)> {
-    let path = file.path();
     let started = Instant::now();
     let heap = DmaHeap::open(name)?;
     check_memory(path, len)?;
     // Allocation starts first, so the ring's populating overlaps it too.
     let mut sink = DmaHeapSink::allocate(heap, offset, len)?;
     // The options' staging ring where given, else one sized to the range.
-    let (slots, slot_size) = heap_ring_geometry(len);
+    let (slots, slot_size) = match input {
+        DmaBufInput::File(_) => heap_ring_geometry(len),
+        DmaBufInput::Object(_) => object_heap_ring(len, options),
+    };
     let slots = options.staging_slots.unwrap_or(slots);
     let slot_size = options.staging_slot_size.unwrap_or(slot_size);
     let chunk = options.chunk_size.min(slot_size);
     let mut ring = StagingRing::new(slots, slot_size, chunk)
         .map_err(|e| Error::io("allocate the staging ring", path, e))?;
-    let loaded = load_open_to_sink(file, offset, Some(len), &mut ring, &mut sink, options);
+    let loaded = match input {
+        DmaBufInput::File(file) => load_open_to_sink(file, offset, Some(len), &mut ring, &mut sink, options),
+        DmaBufInput::Object(object) => {
+            load_object_to_sink(object, offset, Some(len), &mut ring, &mut sink, options)
+        }
+    };
     let mut report = match loaded {
         Ok(report) => report,
         // The allocation's own error is the cause: the load saw only that
@@ -257,5 +304,14 @@ mod tests {
         assert_eq!(heap_ring_geometry(1 << 30), (16, 8 * mib));
         assert_eq!(heap_ring_geometry(3 << 30), (16, 8 * mib));
         assert_eq!(heap_ring_geometry(u64::MAX), (16, 8 * mib));
+    }
+
+    #[test]
+    fn an_objects_heap_ring_takes_whole_gets_in_the_slots_its_connections_fill() {
+        let (options, mib) = (LoadOptions::default(), 1 << 20);
+        // A small object: one slot of its pages, two slots at least.
+        assert_eq!(object_heap_ring(5 * mib as u64 + 123, &options), (2, 5 * mib + 4096));
+        // A large one: 16 MiB slots, as many as 8 GETs of 8 MiB fill, and two more.
+        assert_eq!(object_heap_ring(1 << 30, &options), (6, 16 * mib));
     }
 }

@@ -32,7 +32,7 @@ use std::path::Path;
 
 use crate::buffer::Buffer;
 use crate::device::{load_object_device, load_open_device, LoadedDevice};
-use crate::dmabuf::{load_open_dmabuf, LoadedDmaBuf};
+use crate::dmabuf::{load_dmabuf, DmaBufInput, LoadedDmaBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::into::fill_into;
 use crate::object::Object;
@@ -201,17 +201,6 @@ impl<'a> LoadRequest<'a> {
             Some(Target::DmaBuf) => options.check_dmabuf(name)?,
             _ => {}
         }
-        if matches!(self.input, Input::Object(_)) && target == Target::DmaBuf {
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                "load",
-                name,
-                format!(
-                    "an object loads into host memory or cuda:N so far, not {} (docs/object-storage.md)",
-                    options.to
-                ),
-            ));
-        }
         Ok(target)
     }
 
@@ -245,16 +234,19 @@ impl<'a> LoadRequest<'a> {
             return match target {
                 Target::Device(ordinal) => load_object_device(object, offset, len, ordinal, options)
                     .map(|(d, r)| (Loaded::Device(d), r)),
-                _ => load_object_source(object, offset, len, options).map(|(b, r)| (Loaded::Host(b), r)),
+                Target::DmaBuf => load_dmabuf(DmaBufInput::Object(object), offset, len, options)
+                    .map(|(d, r)| (Loaded::DmaBuf(d), r)),
+                Target::Host => {
+                    load_object_source(object, offset, len, options).map(|(b, r)| (Loaded::Host(b), r))
+                }
             };
         }
         self.with_file("there", |file| match target {
             Target::Device(ordinal) => {
                 load_open_device(file, offset, len, ordinal, options).map(|(d, r)| (Loaded::Device(d), r))
             }
-            Target::DmaBuf => {
-                load_open_dmabuf(file, offset, len, options).map(|(d, r)| (Loaded::DmaBuf(d), r))
-            }
+            Target::DmaBuf => load_dmabuf(DmaBufInput::File(file), offset, len, options)
+                .map(|(d, r)| (Loaded::DmaBuf(d), r)),
             Target::Host => load_source(file, offset, len, options).map(|(b, r)| (Loaded::Host(b), r)),
         })
     }
@@ -279,7 +271,11 @@ impl<'a> LoadRequest<'a> {
     /// `dmabuf` why.
     pub fn to_dmabuf(&self) -> Result<(LoadedDmaBuf, LoadReport)> {
         self.resolve(Some(Target::DmaBuf))?;
-        self.with_file("into a dma-buf", |file| load_open_dmabuf(file, self.offset, self.len, &self.options))
+        let (offset, len, options) = (self.offset, self.len, &*self.options);
+        if let Input::Object(object) = self.input {
+            return load_dmabuf(DmaBufInput::Object(object), offset, len, options);
+        }
+        self.with_file("into a dma-buf", |file| load_dmabuf(DmaBufInput::File(file), offset, len, options))
     }
 
     /// Loads `dst.len()` bytes from the range's offset into memory the

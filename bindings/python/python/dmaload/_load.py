@@ -171,6 +171,8 @@ def load_dmabuf(
     reads, filled through a staging ring) or ``"dmabuf"`` (udmabuf where it
     exists and can hold the range, else ``dma-heap:system``;
     ``report.destination`` and ``report.fallbacks`` say which and why).
+    ``path`` may be an ``s3://BUCKET/KEY`` object: its GETs fill the
+    dma-buf as a file's reads do.
 
     The :class:`DmaBuf` owns the fd (``fileno()``) until ``close()`` or
     ``detach()``. Errors are ``OSError`` as for :func:`load`: an unknown heap
