@@ -295,6 +295,17 @@ fn load_one<'r>(
     Ok(report)
 }
 
+/// Refuses, with the core's error (ENOMEM naming both figures), a load of
+/// `need` bytes to CUDA device `device` that does not fit in what the
+/// device has free; `path` names the load in the message.
+#[pyfunction]
+pub fn check_device_memory(py: Python<'_>, device: usize, need: u64, path: PathBuf) -> PyResult<()> {
+    detached(py, || {
+        let context = Context::primary(device).map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))?;
+        dmaload::device::check_device_memory(&context, device, need, &path).map_err(|e| os_error(&e))
+    })?
+}
+
 /// Frees the staging rings kept for later loads; returns their bytes.
 #[pyfunction]
 pub fn release_staging(py: Python<'_>) -> PyResult<usize> {

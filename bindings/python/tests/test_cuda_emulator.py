@@ -290,3 +290,25 @@ def test_where_the_service_cannot_open_the_memory_the_file_is_staged_and_the_rep
     assert fallback.startswith("FALLBACK cache-service -> staged"), out
     assert "open the client's device memory" in fallback and cause in fallback, out
     assert "DATA same" in out and "AROUND untouched" in out, out
+
+
+def test_the_free_memory_check_python_makes_before_allocating_is_the_cores(emulator: str) -> None:
+    """``load_file(device="cuda:N")`` checks the device's free memory with
+    the core's check (the one ``dmaload load --to cuda:N`` makes) before
+    PyTorch allocates: a load that fits passes, one that does not is
+    ENOMEM naming both figures, on an emulated device of 64 MiB."""
+    code = r"""
+from dmaload import _dmaload
+_dmaload.check_device_memory(0, 1 << 20, "m.safetensors")
+print("FITS")
+try:
+    _dmaload.check_device_memory(0, 65 << 20, "2 files from m.safetensors")
+except OSError as err:
+    print("ERROR", err.errno, err)
+"""
+    env = dict(os.environ, DMALOAD_LIBCUDA=emulator, DMALOAD_EMU_STRICT="1", DMALOAD_EMU_MEMORY_MIB="64")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("FITS\n"), out.stdout
+    assert f"ERROR {errno.ENOMEM} " in out.stdout and "2 files from m.safetensors" in out.stdout, out.stdout
+    assert f"needs {65 << 20} bytes on cuda:0 but only {64 << 20} are free" in out.stdout, out.stdout

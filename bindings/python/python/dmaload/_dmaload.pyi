@@ -31,6 +31,7 @@ __all__ = [
     "SafetensorsFile",
     "StreamDigest",
     "WindowLoader",
+    "check_device_memory",
     "default_cache_socket",
     "evict",
     "load",
@@ -293,6 +294,11 @@ def _load_staged(
     answers, another user, no such device in the service, the driver
     refuses the IPC handle) takes the staging ring, and its report's
     ``fallbacks`` says why."""
+
+def check_device_memory(device: int, need: int, path: str | os.PathLike[str]) -> None:
+    """Raises ``OSError`` (ENOMEM, naming both figures) where ``need`` bytes
+    do not fit in what CUDA device ``device`` has free: the check the
+    core's own device loads make; ``path`` names the load."""
 
 def release_staging() -> int:
     """Frees the staging rings kept for later device loads (one per device,

@@ -146,13 +146,10 @@ def load_opened(
     leads = [(-f.data_start) % 256 + f.data_start if socket is not None else 0 for f in files]
     need = sum(lead + f.data_len for lead, f in zip(leads, files))
     if ordinal >= 0:
-        free, _total = torch.cuda.mem_get_info(ordinal)
-        if need > free:
-            raise OSError(
-                errno.ENOMEM,
-                f"load: {len(files)} file(s) need {need} bytes on cuda:{ordinal} but only {free} are free",
-                paths[0],
-            )
+        # The core's check, as its own device loads make it: before PyTorch
+        # allocates anything.
+        load = paths[0] if len(paths) == 1 else f"{len(paths)} files from {paths[0]}"
+        _dmaload.check_device_memory(ordinal, need, load)
     whole = [torch.empty(lead + f.data_len, dtype=torch.uint8, device=target) for lead, f in zip(leads, files)]
     data = [w[lead:] for lead, w in zip(leads, whole)]
     if ordinal >= 0:
