@@ -313,3 +313,34 @@ fn the_service_copies_into_a_span_at_an_offset_inside_a_larger_allocation() {
     memory.copy_to_host(0, &mut back).unwrap();
     assert!(back[before + bytes.len()..].iter().all(|&b| b == 0x5a), "nothing written past the span");
 }
+
+/// The client opened the file (Python reads its header then) before the
+/// service loads it: a file written in between, which the service loads as
+/// it is now, fails the load naming the change, rather than handing out
+/// bytes the client's header does not describe.
+#[test]
+fn a_file_written_after_the_client_opened_it_fails_the_load() {
+    let test = "a_file_written_after_the_client_opened_it_fails_the_load";
+    if !emulator(test) {
+        return;
+    }
+    use dmaload::cuda::{Context, DeviceBuffer};
+    use std::os::unix::fs::FileExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let len = std::fs::metadata(&path).unwrap().len() as usize;
+    let service = Serving::start(&dir.path().join("run"), &[]);
+    let ctx = Context::primary(0).unwrap();
+    let mut memory = DeviceBuffer::new(&ctx, len).unwrap();
+    let file = dmaload::OpenFile::open(&path).unwrap();
+    // Past the filesystem's timestamp granularity, so the write moves them.
+    std::thread::sleep(Duration::from_millis(50));
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().write_all_at(b"rewritten", 100).unwrap();
+    let socket = service.runtime.join("dmaload.sock");
+    let options = dmaload::LoadOptions::default();
+    let err =
+        dmaload::share::cached_into_device(&file, &socket, &ctx, &memory.range(), &options).unwrap_err();
+    assert_eq!(err.kind(), dmaload::ErrorKind::Changed, "{err}");
+    assert!(err.to_string().contains("written during the load"), "{err}");
+}

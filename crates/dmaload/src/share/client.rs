@@ -585,6 +585,10 @@ fn copy_through_service(
             format!("the service copied {copied} bytes of the {len} the file had when asked: it changed"),
         ));
     }
+    // The bytes must be those of the file as this process opened it (and,
+    // in Python, read its header from): a write since, which the service
+    // may have loaded, fails the load as it fails a direct one.
+    file.source().check_unchanged(path, len)?;
     Ok(Ok(served))
 }
 
