@@ -21,7 +21,8 @@ file from its own pinned copy (pinned once per cached file, not per load)
 on its own streams. This process reads, pins and copies nothing. Where the
 service cannot (none answers, another user, a service that does not see
 this device, the driver refuses the handle: MIG, a container without the
-device) the file takes the staged path from the disk, the reason is said
+device; PyTorch's ``expandable_segments:True``, whose memory has no CUDA
+IPC handle) the file takes the staged path from the disk, the reason is said
 once (a ``RuntimeWarning``) and the file's report lists it in
 ``fallbacks`` (``cache-service -> staged``). With ``cache=`` and
 ``device="cpu"``, the service's sealed memfd of the file is the source the
