@@ -60,6 +60,7 @@ fn _dmaload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(staged::open_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(staged::_load_staged, m)?)?;
     m.add_function(wrap_pyfunction!(staged::release_staging, m)?)?;
+    m.add_function(wrap_pyfunction!(staged::check_device_memory, m)?)?;
     m.add_function(wrap_pyfunction!(options::_option_choices, m)?)?;
     m.add_function(wrap_pyfunction!(options::_option_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(options::_check_load_options, m)?)?;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
 use dmaload::object::Object;
-use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, DEFAULT_SLOT_SIZE};
+use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, StagingRing, DEFAULT_SLOT_SIZE};
 use dmaload::RawBytesMut;
 
 use crate::options::FileArg;
@@ -48,6 +48,12 @@ impl SafetensorsFile {
     #[getter]
     fn path(&self) -> std::ffi::OsString {
         self.source.path().as_os_str().to_owned()
+    }
+
+    /// Offset of the data section in the file (the header's bytes before it).
+    #[getter]
+    fn data_start(&self) -> u64 {
+        self.data_start
     }
 
     /// Bytes of the data section (what the destination must hold).
@@ -125,7 +131,8 @@ enum Target<'d> {
 }
 
 /// Device destinations: each address the start of `lens[i]` bytes of
-/// device memory, checked as far as the driver can tell.
+/// device memory, following `leads[i]` bytes of the same allocation that
+/// the destination takes in too, checked as far as the driver can tell.
 ///
 /// # Safety
 ///
@@ -134,17 +141,25 @@ enum Target<'d> {
 /// (`dmaload.safetensors._device`) passes the storage of tensors it
 /// allocated for this call and holds until it returns.
 #[allow(unsafe_code)]
-unsafe fn device_targets<'d>(ctx: &Context, addresses: &[u64], lens: &[usize]) -> PyResult<Vec<Target<'d>>> {
+unsafe fn device_targets<'d>(
+    ctx: &Context,
+    addresses: &[u64],
+    leads: &[usize],
+    lens: &[usize],
+) -> PyResult<Vec<Target<'d>>> {
     addresses
         .iter()
-        .zip(lens)
-        .map(|(&address, &len)| {
-            let range = match len {
+        .zip(leads.iter().zip(lens))
+        .map(|(&address, (&lead, &len))| {
+            let start = address.checked_sub(lead as u64).ok_or_else(|| {
+                PyValueError::new_err(format!("{lead} bytes before device address {address:#x} wrap around"))
+            })?;
+            let range = match lead + len {
                 // SAFETY: an empty range is never written.
                 0 => Ok(unsafe { DeviceRange::from_raw(address, 0) }),
                 // SAFETY: forwarded from this function's contract; `checked`
                 // also refuses spans outside one allocation of the device.
-                _ => unsafe { DeviceRange::checked(ctx, address, len) },
+                whole => unsafe { DeviceRange::checked(ctx, start, whole) },
             };
             range.map(Target::Device).map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))
         })
@@ -209,6 +224,88 @@ fn host_target(buffer: &mut PyBuffer<u8>) -> Target<'_> {
     Target::Host(writable_bytes(buffer))
 }
 
+/// Loads one file's data into `target` (which takes in `lead` bytes of
+/// header before the data): through the cache service at `socket` where
+/// given and able, else through the staging ring `ring` makes.
+fn load_one<'r>(
+    file: &SafetensorsFile,
+    target: Target<'_>,
+    lead: usize,
+    socket: Option<&Path>,
+    context: Option<&Context>,
+    options: &dmaload::LoadOptions,
+    ring: impl FnOnce() -> Result<&'r mut StagingRing, dmaload::Error>,
+) -> Result<dmaload::LoadReport, dmaload::Error> {
+    let (offset, len) = (file.data_start, Some(file.data_len));
+    let mut fallback = None;
+    let target = match (target, socket, context, &file.source) {
+        (Target::Device(whole), Some(socket), Some(ctx), Source::File(open)) => {
+            match dmaload::share::cached_into_device(open, socket, ctx, &whole, options)? {
+                Ok((report, _served)) => {
+                    if let Some(progress) = &options.progress {
+                        progress(file.data_len, file.data_len);
+                    }
+                    return Ok(report);
+                }
+                Err(why) => fallback = Some(dmaload::Fallback::new("cache-service", "staged", why)),
+            }
+            Target::Device(whole)
+        }
+        (target, Some(_), _, Source::Object(_)) => {
+            let why = "an object is not served by the cache service";
+            fallback = Some(dmaload::Fallback::new("cache-service", "staged", why));
+            target
+        }
+        (target, ..) => target,
+    };
+    let ring = ring()?;
+    let path = file.source.path();
+    let mut report = match (target, context) {
+        (Target::Device(whole), Some(ctx)) => {
+            // The data after the header's bytes (`device_targets` made the
+            // range of both).
+            let data = usize::try_from(file.data_len).ok().and_then(|data_len| whole.sub(lead, data_len));
+            let data = data.ok_or_else(|| {
+                dmaload::Error::new(
+                    dmaload::ErrorKind::InvalidInput,
+                    "load",
+                    path,
+                    "the destination is too small",
+                )
+            })?;
+            let mut sink = CudaSink::new(ctx, vec![(offset, data)])
+                .map_err(|e| dmaload::Error::io("load", path, e.into()))?;
+            file.source.request().range(offset, len).options(options).to_sink(ring, &mut sink)?
+        }
+        (Target::Device(_), None) => {
+            return Err(dmaload::Error::new(
+                dmaload::ErrorKind::InvalidInput,
+                "load",
+                path,
+                "no device context",
+            ))
+        }
+        (Target::Host(dst), _) => {
+            let mut sink = HostSink::raw(dst, offset);
+            file.source.request().range(offset, len).options(options).to_sink(ring, &mut sink)?
+        }
+    };
+    // First: the service was passed over before the load began.
+    report.fallbacks.splice(0..0, fallback);
+    Ok(report)
+}
+
+/// Refuses, with the core's error (ENOMEM naming both figures), a load of
+/// `need` bytes to CUDA device `device` that does not fit in what the
+/// device has free; `path` names the load in the message.
+#[pyfunction]
+pub fn check_device_memory(py: Python<'_>, device: usize, need: u64, path: PathBuf) -> PyResult<()> {
+    detached(py, || {
+        let context = Context::primary(device).map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))?;
+        dmaload::device::check_device_memory(&context, device, need, &path).map_err(|e| os_error(&e))
+    })?
+}
+
 /// Frees the staging rings kept for later loads; returns their bytes.
 #[pyfunction]
 pub fn release_staging(py: Python<'_>) -> PyResult<usize> {
@@ -224,8 +321,17 @@ pub fn release_staging(py: Python<'_>) -> PyResult<usize> {
 /// otherwise). `keep` holds the objects that own device destinations (the
 /// tensors): the load keeps them alive while it runs, past a Ctrl-C that
 /// leaves it to its thread. Returns the reports.
+///
+/// With `socket` (device destinations only), the cache service there
+/// copies each whole file into the device memory from its own pinned copy
+/// (`dmaload::share::cached_into_device`): each destination must then
+/// follow `file.data_start` bytes of the same allocation, where the header
+/// goes. Where the service cannot (none answers, another user, no such
+/// device in the service, the driver refuses the IPC handle), that file
+/// takes the staging ring as without `socket`, and its report's
+/// `fallbacks` says why.
 #[pyfunction]
-#[pyo3(signature = (files, targets, device, *, options=None, progress=None, keep=None))]
+#[pyo3(signature = (files, targets, device, *, options=None, progress=None, keep=None, socket=None))]
 #[allow(clippy::too_many_arguments)] // the Python signature
 pub fn _load_staged(
     py: Python<'_>,
@@ -235,9 +341,15 @@ pub fn _load_staged(
     options: Option<Bound<'_, PyDict>>,
     progress: Option<Py<PyAny>>,
     keep: Option<Vec<Py<PyAny>>>,
+    socket: Option<PathBuf>,
 ) -> PyResult<Vec<Py<PyAny>>> {
     if files.len() != targets.len() {
         return Err(PyValueError::new_err("one destination per file is needed"));
+    }
+    if socket.is_some() && device < 0 {
+        return Err(PyValueError::new_err(
+            "the cache service fills device memory only: socket= needs a device",
+        ));
     }
     // The host memory's options do not apply: the ring is the memory.
     let opts = Opts::from_dict(options.as_ref())?.without(&["to", "gather_size", "populate_threads"]);
@@ -261,10 +373,19 @@ pub fn _load_staged(
     if !opts.given("queue_depth") {
         options.queue_depth = slots;
     }
-    let lens = files
+    let too_large = |_| PyValueError::new_err("file too large");
+    let lens: Vec<usize> = files
         .iter()
-        .map(|f| usize::try_from(f.get().data_len).map_err(|_| PyValueError::new_err("file too large")))
-        .collect::<PyResult<Vec<usize>>>()?;
+        .map(|f| usize::try_from(f.get().data_len).map_err(too_large))
+        .collect::<PyResult<_>>()?;
+    // The header's bytes before each destination, where the service puts them.
+    let leads: Vec<usize> = match &socket {
+        Some(_) => files
+            .iter()
+            .map(|f| usize::try_from(f.get().data_start).map_err(too_large))
+            .collect::<PyResult<_>>()?,
+        None => vec![0; files.len()],
+    };
     let cancel = dmaload::CancelToken::new();
     options.cancel = cancel.clone();
     let total = files.iter().map(|f| f.get().data_len).sum();
@@ -303,48 +424,44 @@ pub fn _load_staged(
         let targets = match &context {
             // SAFETY: the Python caller's promise, documented on `device_targets`.
             #[allow(unsafe_code)]
-            Some(ctx) => unsafe { device_targets(ctx, &addresses, &lens) }?,
+            Some(ctx) => unsafe { device_targets(ctx, &addresses, &leads, &lens) }?,
             None => host.iter_mut().map(host_target).collect(),
         };
         let device = ordinal.zip(context.as_ref());
-        let mut ring = take_ring(device, slots, slot_size, options.chunk_size).map_err(|e| {
-            let path = files.first().map(|f| f.source.path()).unwrap_or(Path::new(""));
-            os_error(&dmaload::Error::io("allocate the staging ring", path, e))
-        })?;
+        // Made at the first file the service does not fill.
+        let mut ring = None;
         let mut reports = Vec::with_capacity(files.len());
-        for (file, target) in files.iter().zip(targets) {
+        for ((file, target), lead) in files.iter().zip(targets).zip(leads) {
             let mut options = options.clone();
             if let Some(relay) = &relay {
                 options.progress = Some(relay.for_load());
             }
-            let (offset, len) = (file.data_start, Some(file.data_len));
-            let report = match target {
-                Target::Device(range) => {
-                    let ctx = context.as_ref().expect("device targets come with a context");
-                    let mut sink = CudaSink::new(ctx, vec![(offset, range)])
-                        .map_err(|e| PyOSError::new_err((e.errno(), e.to_string())))?;
-                    file.source.request().range(offset, len).options(&options).to_sink(&mut ring, &mut sink)
+            let loaded = load_one(file, target, lead, socket.as_deref(), context.as_ref(), &options, || {
+                match ring.take() {
+                    Some(kept) => Ok(ring.insert(kept)),
+                    None => take_ring(device, slots, slot_size, options.chunk_size)
+                        .map(|made| ring.insert(made))
+                        .map_err(|e| dmaload::Error::io("allocate the staging ring", file.source.path(), e)),
                 }
-                Target::Host(dst) => {
-                    let mut sink = HostSink::raw(dst, offset);
-                    file.source.request().range(offset, len).options(&options).to_sink(&mut ring, &mut sink)
-                }
-            };
-            match report {
+            });
+            match loaded {
                 Ok(report) => reports.push(report),
                 Err(err) => {
                     // Every sink finished before the error came back: the
                     // ring is idle and can serve the next load, unless the
                     // device's context is broken (a sticky error, a lost
                     // device), whose pinned memory must not be used again.
-                    if context.as_ref().map_or(true, |ctx| ctx.synchronize().is_ok()) {
+                    let healthy = context.as_ref().map_or(true, |ctx| ctx.synchronize().is_ok());
+                    if let (true, Some(ring)) = (healthy, ring) {
                         keep_ring(ordinal, ring);
                     }
                     return Err(os_error(&err));
                 }
             }
         }
-        keep_ring(ordinal, ring);
+        if let Some(ring) = ring {
+            keep_ring(ordinal, ring);
+        }
         Ok(reports)
     };
     // The work owns the host exports and the device memory's owners

@@ -269,6 +269,29 @@ def test_device_loads_read_the_services_memory_not_the_disk(service: Service, tm
         _device.load_files([cut], "cpu", None, ring, str(service.socket))
 
 
+def test_a_cuda_load_through_the_service_is_copied_by_it_into_the_tensors_memory(
+    service: Service, tmp_path: Path
+) -> None:
+    """On a GPU: ``cache=`` with ``device="cuda:0"`` has the service copy
+    each file into the memory PyTorch allocated (inside a larger segment of
+    its caching allocator, at an offset: a small tensor is allocated first),
+    a miss and then a hit; the emulator tests (test_cuda_emulator.py) cover
+    the same path, its fallbacks and refusals without one."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("SKIP cuda cache service: PyTorch sees no CUDA device")
+    path = tmp_path / "model.safetensors"
+    expected = _model(path)
+    before = torch.empty(1000, dtype=torch.uint8, device="cuda:0")
+    for served in ("miss", "hit"):
+        with dst.safe_open(path, framework="pt", device="cuda:0", cache=service.socket) as f:
+            report = f.reports[0]
+            assert f"via cache-service ({served})" in report.destination and not report.fallbacks, report
+            for name, t in expected.items():
+                np.testing.assert_array_equal(f.get_tensor(name).cpu().numpy(), t)
+    del before
+
+
 def test_a_device_load_without_a_service_reads_the_file_and_says_so_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

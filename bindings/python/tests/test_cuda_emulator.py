@@ -3,7 +3,9 @@ against the CUDA driver emulator in tests/cuda-emu, in strict mode, in a
 child process (``DMALOAD_LIBCUDA`` is read once per process, and torch's
 own CUDA runtime must not see the emulator). The device memory is
 allocated with the emulator's ``cuMemAlloc`` through ctypes and read back
-with ``cuMemcpyDtoH``. What needs torch's CUDA runtime
+with ``cuMemcpyDtoH``. The cache-service cases run ``dmaload serve`` on
+the same emulated device (another process, as in production), which opens
+the child's memory through its CUDA IPC handle. What needs torch's CUDA runtime
 (``torch.empty(device="cuda")``, ``load_file(device="cuda:0")``) cannot be
 emulated and stays GPU-only, in test_device.py."""
 
@@ -16,6 +18,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,3 +152,168 @@ def test_a_verified_staged_load_checks_the_header_and_the_data_it_put_on_the_dev
     path.write_bytes(original[:blank] + b"\t" + original[blank + 1 :])
     out = _child(emulator, path, options=verify)
     assert f"ERROR {errno.EBADMSG} " in out, out
+
+
+# The child of the cache-service cases: one allocation of `lead` bytes, the
+# whole file, and `tail` bytes (a tensor inside a caching allocator's
+# larger segment), filled with 0x5a; `_load_staged(..., socket=)` into the
+# data section's place; then which parts hold what, and the report.
+SERVICE_CHILD = r"""
+import ctypes, os, sys
+from dmaload import _dmaload
+
+cuda = ctypes.CDLL(os.environ["DMALOAD_LIBCUDA"])
+def check(code):
+    assert code == 0, code
+ordinal = int(os.environ.get("CHILD_DEVICE", "0"))
+check(cuda.cuInit(0))
+device, ctx = ctypes.c_int(), ctypes.c_void_p()
+check(cuda.cuDeviceGet(ctypes.byref(device), ordinal))
+check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device))
+check(cuda.cuCtxPushCurrent_v2(ctx))
+path, socket, lead, tail = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+data = open(path, "rb").read()
+file = _dmaload.open_safetensors(path)
+size = lead + len(data) + tail
+dptr = ctypes.c_ulonglong()
+check(cuda.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(size)))
+check(cuda.cuMemsetD8_v2(dptr, ctypes.c_ubyte(0x5A), ctypes.c_size_t(size)))
+ring = {"staging_slots": 2, "staging_slot_size": 65536, "chunk_size": 65536}
+try:
+    target = dptr.value + lead + file.data_start
+    [report] = _dmaload._load_staged([file], [target], ordinal, options=ring, socket=socket)
+except OSError as err:
+    print("ERROR", err.errno, err)
+else:
+    print("DESTINATION", report.destination)
+    for fallback in report.fallbacks:
+        print("FALLBACK", fallback.from_, "->", fallback.to, fallback.reason)
+back = ctypes.create_string_buffer(size)
+check(cuda.cuMemcpyDtoH_v2(back, dptr, ctypes.c_size_t(size)))
+raw, start = back.raw, lead + file.data_start
+print("DATA", "same" if raw[start:lead + len(data)] == data[file.data_start:] else "other")
+print("HEADER", "same" if raw[lead:start] == data[:file.data_start] else "other")
+print("AROUND", "untouched" if set(raw[:lead] + raw[lead + len(data):]) <= {0x5A} else "written")
+"""
+
+# The client's own driver refuses to pin or copy: a load that succeeds
+# through the service proves the client did neither.
+CLIENT_PINS_NOTHING = "cuMemHostRegister_v2#1=999,cuMemcpyHtoDAsync_v2#1=999"
+
+
+def _serve(emulator: str, socket_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    cli = ROOT / "target" / "release" / "dmaload"
+    if not cli.is_file():
+        if os.environ.get("DMALOAD_TEST_NO_SKIP") == "1":
+            pytest.fail("the dmaload CLI is not built")
+        pytest.skip("SKIP cache service on the emulator: the dmaload CLI is not built (cargo build --release)")
+    env = dict(os.environ, DMALOAD_LIBCUDA=emulator, DMALOAD_EMU_STRICT="1", **env)
+    command = [str(cli), "serve", "--socket", str(socket_path)]
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not socket_path.exists():
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline, "the service did not start"
+        time.sleep(0.01)
+    return proc
+
+
+def _through_service(
+    emulator: str,
+    model: Path,
+    tmp_path: Path,
+    lead: int,
+    tail: int,
+    service_env: dict[str, str],
+    client_env: dict[str, str],
+) -> str:
+    """``SERVICE_CHILD`` against a service of its own: the child's output."""
+    socket_path = tmp_path / "cache.sock"
+    service = _serve(emulator, socket_path, service_env)
+    try:
+        env = dict(os.environ, DMALOAD_LIBCUDA=emulator, DMALOAD_EMU_STRICT="1", **client_env)
+        out = subprocess.run(
+            [sys.executable, "-c", SERVICE_CHILD, str(model), str(socket_path), str(lead), str(tail)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        service.kill()
+        service.wait()
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_the_cache_service_copies_a_file_into_a_span_inside_a_larger_allocation_bit_exact(
+    emulator: str, model: Path, tmp_path: Path
+) -> None:
+    """A target at a non-zero offset of its allocation (PyTorch's tensors
+    lie inside larger segments): the service copies the whole file there,
+    header and data, and writes nothing around it; the client pins and
+    copies nothing (its driver would refuse)."""
+    client = {"DMALOAD_EMU_FAULTS": CLIENT_PINS_NOTHING}
+    out = _through_service(emulator, model, tmp_path, 4096 + 123, 777, {}, client)
+    assert "via cache-service (miss)" in out and "FALLBACK" not in out, out
+    assert "DATA same" in out and "HEADER same" in out and "AROUND untouched" in out, out
+
+
+def test_a_target_past_the_end_of_its_allocation_is_refused_and_nothing_written(
+    emulator: str, model: Path, tmp_path: Path
+) -> None:
+    out = _through_service(emulator, model, tmp_path, 512, -1, {}, {})
+    assert f"ERROR {errno.EINVAL} " in out and "past the end of their allocation" in out, out
+    assert "DATA other" in out and "HEADER other" in out and "AROUND untouched" in out, out
+
+
+OPEN = "open the client's device memory"
+
+
+@pytest.mark.parametrize(
+    ("service_env", "client_env", "cause"),
+    [
+        ({"DMALOAD_EMU_FAULTS": "cuIpcOpenMemHandle_v2#1=800"}, {}, (OPEN, "CUDA_ERROR_NOT_PERMITTED")),
+        # The client's cuda:1 is a device the service does not have.
+        ({"DMALOAD_EMU_DEVICES": "1"}, {"DMALOAD_EMU_DEVICES": "2", "CHILD_DEVICE": "1"}, (OPEN, "cuda:1")),
+        # No handle for the memory (as for PyTorch's expandable segments).
+        ({}, {"DMALOAD_EMU_FAULTS": "cuIpcGetMemHandle#1=1"}, ("cannot be shared with the service",)),
+    ],
+)
+def test_where_the_service_cannot_open_the_memory_the_file_is_staged_and_the_report_says_why(
+    emulator: str,
+    model: Path,
+    tmp_path: Path,
+    service_env: dict[str, str],
+    client_env: dict[str, str],
+    cause: tuple[str, ...],
+) -> None:
+    out = _through_service(emulator, model, tmp_path, 64, 64, service_env, client_env)
+    assert out.startswith("DESTINATION ") and "via cache-service" not in out, out
+    # The first fallback: the service was passed over before the load began.
+    fallback = next(line for line in out.splitlines() if line.startswith("FALLBACK"))
+    assert fallback.startswith("FALLBACK cache-service -> staged"), out
+    assert all(part in fallback for part in cause), out
+    assert "DATA same" in out and "AROUND untouched" in out, out
+
+
+def test_the_free_memory_check_python_makes_before_allocating_is_the_cores(emulator: str) -> None:
+    """``load_file(device="cuda:N")`` checks the device's free memory with
+    the core's check (the one ``dmaload load --to cuda:N`` makes) before
+    PyTorch allocates: a load that fits passes, one that does not is
+    ENOMEM naming both figures, on an emulated device of 64 MiB."""
+    code = r"""
+from dmaload import _dmaload
+_dmaload.check_device_memory(0, 1 << 20, "m.safetensors")
+print("FITS")
+try:
+    _dmaload.check_device_memory(0, 65 << 20, "2 files from m.safetensors")
+except OSError as err:
+    print("ERROR", err.errno, err)
+"""
+    env = dict(os.environ, DMALOAD_LIBCUDA=emulator, DMALOAD_EMU_STRICT="1", DMALOAD_EMU_MEMORY_MIB="64")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("FITS\n"), out.stdout
+    assert f"ERROR {errno.ENOMEM} " in out.stdout and "2 files from m.safetensors" in out.stdout, out.stdout
+    assert f"needs {65 << 20} bytes on cuda:0 but only {64 << 20} are free" in out.stdout, out.stdout

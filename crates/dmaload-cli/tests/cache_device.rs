@@ -257,3 +257,90 @@ fn a_copy_over_a_slow_link_is_not_taken_for_a_stalled_service() {
     assert!(stderr.contains("(miss)"), "{stderr}");
     assert_eq!(report["hash"]["xxh3_64"], expected, "bit-exact: {report}");
 }
+
+/// A tensor of a caching allocator (PyTorch's) lies inside a larger
+/// allocation, and a CUDA IPC handle names the whole allocation: the
+/// client (`share::cached_into_device`, Python's path) sends the handle of
+/// the allocation and the span's offset in it; the service copies the file
+/// there bit-exact and writes nothing around it. A span that runs past the
+/// allocation is refused by the service, naming the offset, the length and
+/// the allocation's size.
+#[test]
+fn the_service_copies_into_a_span_at_an_offset_inside_a_larger_allocation() {
+    let test = "the_service_copies_into_a_span_at_an_offset_inside_a_larger_allocation";
+    if !emulator(test) {
+        return;
+    }
+    use dmaload::cuda::{Context, DeviceBuffer};
+    use dmaload::share::protocol::DeviceTarget;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let bytes = std::fs::read(&path).unwrap();
+    let service = Serving::start(&dir.path().join("run"), &[]);
+    let socket = service.runtime.join("dmaload.sock");
+    let ctx = Context::primary(0).unwrap();
+    let (before, after) = (12_345, 4_099);
+    let mut memory = DeviceBuffer::new(&ctx, before + bytes.len() + after).unwrap();
+    memory.fill(0x5a).unwrap();
+    let file = dmaload::OpenFile::open(&path).unwrap();
+    let options = dmaload::LoadOptions::default();
+    let span = memory.range().sub(before, bytes.len()).unwrap();
+    let (report, served) =
+        dmaload::share::cached_into_device(&file, &socket, &ctx, &span, &options).unwrap().unwrap();
+    assert_eq!(served, dmaload::share::Served::Miss);
+    assert!(report.destination.contains("via cache-service (miss)"), "{report:?}");
+    let mut back = vec![0u8; memory.len()];
+    memory.copy_to_host(0, &mut back).unwrap();
+    assert!(back[before..before + bytes.len()] == bytes[..], "the file, bit-exact, at the offset");
+    assert!(
+        back[..before].iter().chain(&back[before + bytes.len()..]).all(|&b| b == 0x5a),
+        "nothing around it"
+    );
+
+    // One byte past the end, sent as a client could: refused, not copied.
+    let handle = memory.ipc_handle().unwrap();
+    let over = (before + after + 1) as u64;
+    let target = DeviceTarget::new(0, &handle.0, over, bytes.len() as u64);
+    let client = dmaload::share::Client::connect(&socket).unwrap();
+    let err = client.copy_file_to_device(&std::fs::File::open(&path).unwrap(), &path, &target).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("copy to the client's device memory"), "{message}");
+    let size = memory.len().to_string();
+    for named in [over.to_string(), bytes.len().to_string(), size] {
+        assert!(message.contains(&named), "{named} in {message}");
+    }
+    memory.copy_to_host(0, &mut back).unwrap();
+    assert!(back[before + bytes.len()..].iter().all(|&b| b == 0x5a), "nothing written past the span");
+}
+
+/// The client opened the file (Python reads its header then) before the
+/// service loads it: a file written in between, which the service loads as
+/// it is now, fails the load naming the change, rather than handing out
+/// bytes the client's header does not describe.
+#[test]
+fn a_file_written_after_the_client_opened_it_fails_the_load() {
+    let test = "a_file_written_after_the_client_opened_it_fails_the_load";
+    if !emulator(test) {
+        return;
+    }
+    use dmaload::cuda::{Context, DeviceBuffer};
+    use std::os::unix::fs::FileExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = model(dir.path());
+    let len = std::fs::metadata(&path).unwrap().len() as usize;
+    let service = Serving::start(&dir.path().join("run"), &[]);
+    let ctx = Context::primary(0).unwrap();
+    let mut memory = DeviceBuffer::new(&ctx, len).unwrap();
+    let file = dmaload::OpenFile::open(&path).unwrap();
+    // Past the filesystem's timestamp granularity, so the write moves them.
+    std::thread::sleep(Duration::from_millis(50));
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().write_all_at(b"rewritten", 100).unwrap();
+    let socket = service.runtime.join("dmaload.sock");
+    let options = dmaload::LoadOptions::default();
+    let err =
+        dmaload::share::cached_into_device(&file, &socket, &ctx, &memory.range(), &options).unwrap_err();
+    assert_eq!(err.kind(), dmaload::ErrorKind::Changed, "{err}");
+    assert!(err.to_string().contains("written during the load"), "{err}");
+}

@@ -145,11 +145,21 @@ fn load_device(
 }
 
 /// `len` bytes of device memory on `context` (device `ordinal`) for a load
-/// of `path`, after the one check that they fit in what the device has
-/// free: an `OutOfMemory` error naming both, before anything is allocated.
+/// of `path`, after [`check_device_memory`].
 pub(crate) fn allocate(context: &Context, ordinal: usize, len: u64, path: &Path) -> Result<DeviceBuffer> {
     let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
-    let (free, _) = context.mem_info().map_err(cuda("cuMemGetInfo"))?;
+    check_device_memory(context, ordinal, len, path)?;
+    let bytes =
+        usize::try_from(len).map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "too large"))?;
+    DeviceBuffer::new(context, bytes).map_err(cuda("cuMemAlloc"))
+}
+
+/// The one check that a load of `path` needing `len` bytes on `context`
+/// (device `ordinal`) fits in what the device has free: an `OutOfMemory`
+/// error naming both figures, for a caller to make before it allocates
+/// anything (the CLI's loads, and Python's before PyTorch allocates).
+pub fn check_device_memory(context: &Context, ordinal: usize, len: u64, path: &Path) -> Result<()> {
+    let (free, _) = context.mem_info().map_err(|e| Error::io("cuMemGetInfo", path, e.into()))?;
     if len > free as u64 {
         return Err(Error::new(
             ErrorKind::OutOfMemory,
@@ -158,9 +168,7 @@ pub(crate) fn allocate(context: &Context, ordinal: usize, len: u64, path: &Path)
             format!("needs {len} bytes on cuda:{ordinal} but only {free} are free"),
         ));
     }
-    let bytes =
-        usize::try_from(len).map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "too large"))?;
-    DeviceBuffer::new(context, bytes).map_err(cuda("cuMemAlloc"))
+    Ok(())
 }
 
 /// Slots of `slot_len` bytes in the staging ring of a device load of `len`

@@ -19,6 +19,7 @@ from typing import Any, TypeAlias, Union
 
 from . import _dmaload
 from ._dmaload import Buffer
+from ._report import LoadReport
 
 Cache: TypeAlias = Union[bool, str, "os.PathLike[str]", None]
 """``True`` (the default socket, or the one ``DMALOAD_CACHE`` names), a
@@ -72,6 +73,14 @@ def from_service(file: Any, socket: str, options: dict[str, Any]) -> Buffer | No
     buffer, served, message = _dmaload.load_cached(file, socket, options=options, fallback=False)
     _say(served, message, "read from the file")
     return buffer
+
+
+def say_fallback(report: LoadReport, instead: str) -> None:
+    """Says once why the service did not serve a load whose report lists
+    it among its ``fallbacks`` (``cache-service -> ...``)."""
+    for fallback in report.fallbacks:
+        if fallback.from_ == "cache-service":
+            _say_once(f"{fallback.reason}; {instead}")
 
 
 def _say(served: str | None, message: str | None, instead: str) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "SafetensorsFile",
     "StreamDigest",
     "WindowLoader",
+    "check_device_memory",
     "default_cache_socket",
     "evict",
     "load",
@@ -260,6 +261,8 @@ class SafetensorsFile:
     @property
     def path(self) -> str: ...
     @property
+    def data_start(self) -> int: ...
+    @property
     def data_len(self) -> int: ...
 
 def open_safetensors(
@@ -273,6 +276,7 @@ def _load_staged(
     options: _Options | None = None,
     progress: Callable[[int, int], Any] | None = None,
     keep: list[Any] | None = None,
+    socket: str | os.PathLike[str] | None = None,
 ) -> list[LoadReport]:
     """Loads each file's data section through a staging ring into ``targets``:
     device pointers (ints) of CUDA device ``device``, each ``file.data_len``
@@ -281,7 +285,20 @@ def _load_staged(
     that thread ends: pass their owners (the tensors) as ``keep``, which
     the load holds until then; or, when ``device`` is -1, writable
     C-contiguous buffers (``tensor.numpy()``, ``bytearray``) of exactly
-    ``file.data_len`` bytes, no two sharing a byte (``ValueError``)."""
+    ``file.data_len`` bytes, no two sharing a byte (``ValueError``).
+
+    With ``socket`` (device targets only), the cache service there copies
+    each whole file into the device memory from its own pinned copy: each
+    target must then follow ``file.data_start`` bytes of the same
+    allocation, where the header goes. A file the service cannot fill (none
+    answers, another user, no such device in the service, the driver
+    refuses the IPC handle) takes the staging ring, and its report's
+    ``fallbacks`` says why."""
+
+def check_device_memory(device: int, need: int, path: str | os.PathLike[str]) -> None:
+    """Raises ``OSError`` (ENOMEM, naming both figures) where ``need`` bytes
+    do not fit in what CUDA device ``device`` has free: the check the
+    core's own device loads make; ``path`` names the load."""
 
 def release_staging() -> int:
     """Frees the staging rings kept for later device loads (one per device,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::buffer::Buffer;
 use crate::cancel::CancelToken;
-use crate::cuda::{Context, CudaError};
+use crate::cuda::{Context, DeviceRange};
 use crate::device::{allocate, load_open_device, LoadedDevice};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{LoadOptions, LoadReport, LoadRequest};
@@ -450,10 +450,9 @@ fn from_service_with(
         return Ok(Err("the cache service does not verify: a verified load reads the file itself".into()));
     }
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", name, e))?;
-    let client = match Client::connect_cancellable(socket, &options.cancel) {
+    let client = match connect_or_why(socket, options)? {
         Ok(client) => client,
-        Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
-        Err(err) => return Ok(Err(format!("no cache service: {err}"))),
+        Err(why) => return Ok(Err(why)),
     };
     let fetched = match get(&client) {
         Ok(fetched) => fetched,
@@ -519,35 +518,117 @@ fn device_from_service(
     ordinal: usize,
     options: &LoadOptions,
 ) -> Result<std::result::Result<(LoadedDevice, LoadReport, Served), String>> {
+    let len = match servable_to_device(file, options)? {
+        Ok(len) => len,
+        Err(why) => return Ok(Err(why)),
+    };
+    let started = Instant::now();
+    let path = file.path();
+    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let client = match connect_or_why(socket, options)? {
+        Ok(client) => client,
+        Err(why) => return Ok(Err(why)),
+    };
+    let context = Context::primary(ordinal).map_err(|e| Error::io("open the CUDA device", path, e.into()))?;
+    let mut memory = allocate(&context, ordinal, len, path)?;
+    let served = match copy_through_service(&client, file, &context, &memory.range(), len)? {
+        Ok(served) => served,
+        Err(why) => return Ok(Err(why)),
+    };
+    let report = device_report(file, &context, len, served, (started, cpu_before), options)?;
+    Ok(Ok((LoadedDevice { memory, len }, report, served)))
+}
+
+/// Has the cache service at `socket` copy the whole open `file` into
+/// `range`, device memory of `context`'s device that the caller allocated
+/// (a tensor inside a caching allocator's larger segment, say): this
+/// process sends a CUDA IPC handle of the allocation `range` lies in and
+/// `range`'s offset in it, and pins and copies nothing. `range` must hold
+/// the file's length. Returns the report and how the service had the
+/// file, or `Ok(Err(why))` where the service cannot do it (as
+/// [`cached_to_device`] falls back: none answers, another user, no such
+/// device in the service, the driver refuses the handle), for the caller
+/// to load the file itself. Once the service has taken the request, a
+/// failure is an error and `range` holds unspecified bytes.
+pub fn cached_into_device(
+    file: &OpenFile,
+    socket: &Path,
+    context: &Context,
+    range: &DeviceRange<'_>,
+    options: &LoadOptions,
+) -> Result<std::result::Result<(LoadReport, Served), String>> {
+    let len = match servable_to_device(file, options)? {
+        Ok(len) => len,
+        Err(why) => return Ok(Err(why)),
+    };
+    let path = file.path();
+    if (range.len() as u64) < len {
+        return Err(Error::new(
+            ErrorKind::Changed,
+            "load",
+            path,
+            format!("the file has {len} bytes, more than the {} set aside for it: it changed", range.len()),
+        ));
+    }
+    let started = Instant::now();
+    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
+    let client = match connect_or_why(socket, options)? {
+        Ok(client) => client,
+        Err(why) => return Ok(Err(why)),
+    };
+    let served = match copy_through_service(&client, file, context, range, len)? {
+        Ok(served) => served,
+        Err(why) => return Ok(Err(why)),
+    };
+    let report = device_report(file, context, len, served, (started, cpu_before), options)?;
+    Ok(Ok((report, served)))
+}
+
+/// The length of `file`, which the service can copy to a device, or why
+/// it cannot.
+fn servable_to_device(file: &OpenFile, options: &LoadOptions) -> Result<std::result::Result<u64, String>> {
     if options.verify {
         return Ok(Err("the cache service does not verify: a verified load reads the file itself".into()));
     }
-    let path = file.path();
-    let source = &file.source().file;
-    let meta = source.metadata().map_err(|e| Error::io("fstat", path, e))?;
+    let meta = file.source().file.metadata().map_err(|e| Error::io("fstat", file.path(), e))?;
     if !meta.file_type().is_file() {
         return Ok(Err(format!("a {} is not cached, only regular files", source::type_name(&meta))));
     }
     if meta.len() == 0 {
         return Ok(Err("an empty file has no device memory to fill".into()));
     }
-    let started = Instant::now();
-    let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-    let client = match Client::connect_cancellable(socket, &options.cancel) {
-        Ok(client) => client,
-        Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
-        Err(err) => return Ok(Err(format!("no cache service: {err}"))),
-    };
-    let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
-    let context = Context::primary(ordinal).map_err(cuda("open the CUDA device"))?;
-    let len = meta.len();
-    let memory = allocate(&context, ordinal, len, path)?;
-    let handle = match memory.ipc_handle() {
-        Ok(handle) => handle,
+    Ok(Ok(meta.len()))
+}
+
+/// A client of the service at `socket`, or why there is none (a cancel is
+/// an error).
+fn connect_or_why(socket: &Path, options: &LoadOptions) -> Result<std::result::Result<Client, String>> {
+    match Client::connect_cancellable(socket, &options.cancel) {
+        Ok(client) => Ok(Ok(client)),
+        Err(err) if err.kind() == ErrorKind::Cancelled => Err(err),
+        Err(err) => Ok(Err(format!("no cache service: {err}"))),
+    }
+}
+
+/// Has the service copy the first `len` bytes of `file` (all of them, as
+/// it had them) into the start of `range`; how it had the file, or why it
+/// cannot fill this process's device memory.
+fn copy_through_service(
+    client: &Client,
+    file: &OpenFile,
+    context: &Context,
+    range: &DeviceRange<'_>,
+    len: u64,
+) -> Result<std::result::Result<Served, String>> {
+    let path = file.path();
+    let (handle, offset) = match range.ipc_handle(context) {
+        Ok(named) => named,
         Err(err) => return Ok(Err(format!("the device memory cannot be shared with the service: {err}"))),
     };
-    let target = DeviceTarget::new(ordinal as u32, &handle.0, len);
-    let (copied, served) = match client.copy_file_to_device(source, path, &target) {
+    let ordinal = u32::try_from(context.ordinal())
+        .map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "no such device"))?;
+    let target = DeviceTarget::new(ordinal, &handle.0, offset, len);
+    let (copied, served) = match client.copy_file_to_device(&file.source().file, path, &target) {
         Ok(done) => done,
         Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
         Err(err) if device_unreachable(&err) => {
@@ -563,16 +644,36 @@ fn device_from_service(
             format!("the service copied {copied} bytes of the {len} the file had when asked: it changed"),
         ));
     }
+    // The bytes must be those of the file as this process opened it (and,
+    // in Python, read its header from): a write since, which the service
+    // may have loaded, fails the load as it fails a direct one.
+    file.source().check_unchanged(path, len)?;
+    Ok(Ok(served))
+}
+
+/// The report of a copy the service made: `len` bytes of `file` into
+/// memory of `context`'s device, from `began` (the time and CPU time when
+/// the client began) until now.
+fn device_report(
+    file: &OpenFile,
+    context: &Context,
+    len: u64,
+    served: Served,
+    began: (Instant, (Duration, Duration)),
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    let path = file.path();
+    let (started, cpu_before) = began;
     let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let device = context.device_name().unwrap_or_default();
-    let destination = format!("cuda:{ordinal} ({device}) via cache-service ({})", served.name());
+    let destination = format!("cuda:{} ({device}) via cache-service ({})", context.ordinal(), served.name());
     let mut report = handoff_report(path, len, started.elapsed().as_secs_f64(), destination, options);
     report.memory_reason = "device memory the cache service filled from its pinned copy of the file".into();
     report.filesystem =
-        sys::file::filesystem_magic(source.as_fd()).map_or("unknown", system::filesystem_name);
+        sys::file::filesystem_magic(file.source().file.as_fd()).map_or("unknown", system::filesystem_name);
     report.cpu_user_seconds = (cpu_after.0 - cpu_before.0).as_secs_f64();
     report.cpu_system_seconds = (cpu_after.1 - cpu_before.1).as_secs_f64();
-    Ok(Ok((LoadedDevice { memory, len }, report, served)))
+    Ok(report)
 }
 
 /// Whether `err` from a to-device request means the service cannot write

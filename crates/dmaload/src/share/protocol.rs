@@ -8,9 +8,10 @@
 //! Requests (client → service): `{"op": "get"}` with one descriptor, the
 //! client's open file (read access proven by the descriptor, never a
 //! path); `{"op": "status"}` with none; `{"op": "to-device", "device":
-//! {"ordinal": N, "handle": HEX, "len": BYTES}}` with the file's descriptor,
-//! which asks the service to copy the file into the client's device
-//! memory that the CUDA IPC handle names (see [`DeviceTarget`]), answered
+//! {"ordinal": N, "handle": HEX, "offset": BYTES, "len": BYTES}}` with the
+//! file's descriptor, which asks the service to copy the file into the
+//! client's device memory that the CUDA IPC handle names, from `offset`
+//! bytes into that allocation (see [`DeviceTarget`]), answered
 //! with `copied` once the bytes are there; `{"op": "get-object", "object":
 //! GRANT}` with none, which asks for the object a [`Grant`] names (the
 //! service reads it with the grant, never with keys of its own). Replies: a buffer (its memfd
@@ -97,14 +98,25 @@ pub struct DeviceTarget {
     pub ordinal: u32,
     /// The allocation's `CUipcMemHandle`, as 128 hex digits.
     pub handle: String,
-    /// Bytes the client allocated for the file: its length when it asked.
+    /// Where the file goes in the allocation the handle names (which is
+    /// the whole allocation: a tensor of a caching allocator lies inside a
+    /// larger one). Absent is 0, and 0 is not sent, so a service or client
+    /// of before the field reads what the other sends.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub offset: u64,
+    /// Bytes the client set aside for the file from `offset`: its length
+    /// when it asked.
     pub len: u64,
 }
 
+fn is_zero(value: &u64) -> bool {
+    *value == 0
+}
+
 impl DeviceTarget {
-    pub fn new(ordinal: u32, handle: &[u8; 64], len: u64) -> DeviceTarget {
+    pub fn new(ordinal: u32, handle: &[u8; 64], offset: u64, len: u64) -> DeviceTarget {
         let handle = handle.iter().map(|b| format!("{b:02x}")).collect();
-        DeviceTarget { ordinal, handle, len }
+        DeviceTarget { ordinal, handle, offset, len }
     }
 
     /// The 64 bytes of the handle, or why the text is not one.
@@ -474,12 +486,17 @@ mod tests {
         let outside = br#"{"version": 2, "body": {"op": "get"}, "path": "/etc/shadow"}"#;
         assert!(decode_request(outside).is_err());
 
-        let target = DeviceTarget::new(1, &[0xab; 64], 4096);
+        let target = DeviceTarget::new(1, &[0xab; 64], 0, 4096);
         let message = decode_message(&encode_device_request(&target)).unwrap();
         assert_eq!(
             (message.request, message.device.unwrap().handle_bytes().unwrap()),
             (Request::ToDevice, [0xab; 64])
         );
+        // An offset crosses; 0 is not sent, so a service of before the
+        // field (which refuses unknown fields) reads what it always did.
+        let at = DeviceTarget::new(1, &[0xab; 64], 512, 4096);
+        assert_eq!(decode_message(&encode_device_request(&at)).unwrap().device.unwrap().offset, 512);
+        assert!(!String::from_utf8_lossy(&encode_device_request(&target)).contains("offset"));
         let handle = "ab".repeat(64);
         let device = format!(r#""device": {{"ordinal": 0, "handle": "{handle}", "len": 1}}"#);
         for bad in [

@@ -318,6 +318,8 @@ def weights(
 def _cache_reads(reports: Sequence[LoadReport]) -> str:
     """What this process read of a checkpoint the model-cache service was
     asked for: the files it loaded itself (those the service did not give)."""
-    served = [r for r in reports if r.destination.startswith("cache-service")]
-    read = sum(r.bytes for r in reports if not r.destination.startswith("cache-service"))
+    # A host buffer's destination is "cache-service (hit)", a device's
+    # "cuda:N (...) via cache-service (hit)".
+    served = [r for r in reports if "cache-service" in r.destination]
+    read = sum(r.bytes for r in reports if "cache-service" not in r.destination)
     return f"{read / 2**30:.3f} GiB of the checkpoint ({len(served)} of {len(reports)} file(s) from the model-cache service)"

@@ -1,8 +1,9 @@
 //! Serving a GPU load: the client allocates its device memory and sends a
 //! CUDA IPC handle of it; the service pins the cached file's memfd once
 //! (`cuMemHostRegister`, read-only), opens the handle, copies on a stream
-//! of its own, waits, and closes the handle before it answers. The client
-//! pins nothing and copies nothing.
+//! of its own into the span the client offered (an offset and a length
+//! inside the allocation the handle names), waits, and closes the handle
+//! before it answers. The client pins nothing and copies nothing.
 //!
 //! Security: the service writes into device memory only for a client of
 //! its own uid or root (`SO_PEERCRED`), even where `allow_uids` lets other
@@ -62,15 +63,26 @@ impl State {
         let context = self.device_context(ordinal).map_err(cuda(OPEN_OP))?;
         let registered = loaded.registered(&context).map_err(cuda(REGISTER_OP))?;
         let mut memory = IpcMemory::open(&context, &IpcHandle(handle)).map_err(cuda(OPEN_OP))?;
-        if (memory.len() as u64) < loaded.len {
-            return Err(unreachable(
-                OPEN_OP,
-                format!("the handle names {} bytes, fewer than the file's {}", memory.len(), loaded.len),
+        // The handle names the whole allocation; the client's span of it
+        // must lie inside, or the copy would write memory it did not offer.
+        if !target.offset.checked_add(target.len).is_some_and(|end| end <= memory.len() as u64) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                COPY_OP,
+                path,
+                format!(
+                    "the client offered {} bytes at offset {} of a {}-byte allocation: they run past its end",
+                    target.len,
+                    target.offset,
+                    memory.len()
+                ),
             ));
         }
         let failed = |e: CudaError| Error::io(COPY_OP, path, e.into());
-        let start = usize::try_from(loaded.offset).map_err(|_| unreachable(COPY_OP, "too large".into()))?;
-        let len = usize::try_from(loaded.len).map_err(|_| unreachable(COPY_OP, "too large".into()))?;
+        let too_large = || unreachable(COPY_OP, "too large".into());
+        let start = usize::try_from(loaded.offset).map_err(|_| too_large())?;
+        let len = usize::try_from(loaded.len).map_err(|_| too_large())?;
+        let at_offset = usize::try_from(target.offset).map_err(|_| too_large())?;
         let stream = Stream::new(&context).map_err(failed)?;
         let dst = memory.range();
         // All queued at once, each piece followed by an event; as each
@@ -79,7 +91,9 @@ impl State {
         let mut pieces = Vec::new();
         for at in (0..len).step_by(PROGRESS_PIECE) {
             let end = len.min(at + PROGRESS_PIECE);
-            registered.copy_to_device(start + at..start + end, &dst, at, &stream).map_err(failed)?;
+            registered
+                .copy_to_device(start + at..start + end, &dst, at_offset + at, &stream)
+                .map_err(failed)?;
             let done = Event::new(&context).map_err(failed)?;
             done.record(&stream).map_err(failed)?;
             pieces.push((done, end - at));

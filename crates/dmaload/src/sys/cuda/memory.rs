@@ -125,6 +125,44 @@ impl<'a> DeviceRange<'a> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The part `offset..offset + len` of this range, or `None` where it
+    /// does not lie inside it.
+    pub fn sub(self, offset: usize, len: usize) -> Option<DeviceRange<'a>> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| DeviceRange { ptr: self.ptr + offset as u64, len, _memory: PhantomData })
+    }
+
+    /// The allocation this range lies in, named for another process: the
+    /// `cuIpcGetMemHandle` of its base (`CU_POINTER_ATTRIBUTE_RANGE_START_ADDR`,
+    /// what `cuMemGetAddressRange` gives: the driver names whole allocations
+    /// only, and a caching allocator's tensor, PyTorch's, lies inside a
+    /// larger segment) and the range's offset from that base. `ctx` must be
+    /// the context of the range's device.
+    pub fn ipc_handle(&self, ctx: &Context) -> Result<(IpcHandle, u64), CudaError> {
+        let _current = ctx.enter()?;
+        // SAFETY: RANGE_START_ADDR writes a `CUdeviceptr`.
+        let base =
+            unsafe { ctx.pointer_attribute::<CUdeviceptr>(CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, self.ptr) }?;
+        let offset = self.ptr.checked_sub(base).ok_or_else(|| {
+            CudaError::invalid(
+                "cuMemGetAddressRange",
+                format!("{:#x} lies before its base {base:#x}", self.ptr),
+            )
+        })?;
+        Ok((ipc_handle_of(ctx, base)?, offset))
+    }
+}
+
+/// `cuIpcGetMemHandle` of the allocation at `base`, with `ctx` current.
+fn ipc_handle_of(ctx: &Context, base: CUdeviceptr) -> Result<IpcHandle, CudaError> {
+    let api = ctx.inner.api;
+    let _current = ctx.enter()?;
+    let mut handle = CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: `handle` is a valid out-pointer; the driver checks that
+    // `base` starts an allocation of this process.
+    api.check("cuIpcGetMemHandle", unsafe { (api.ipc_get_mem_handle)(&mut handle, base) })?;
+    Ok(IpcHandle(handle.reserved))
 }
 
 /// Device memory this value owns: `cuMemAlloc`, and on drop a wait for the
@@ -256,13 +294,7 @@ impl DeviceBuffer {
                 "an empty buffer has no device memory".into(),
             ));
         }
-        let api = self.ctx.inner.api;
-        let _current = self.ctx.enter()?;
-        let mut handle = CUipcMemHandle { reserved: [0; 64] };
-        // SAFETY: `handle` is a valid out-pointer; `self.ptr` is the base
-        // of this live allocation.
-        api.check("cuIpcGetMemHandle", unsafe { (api.ipc_get_mem_handle)(&mut handle, self.ptr) })?;
-        Ok(IpcHandle(handle.reserved))
+        ipc_handle_of(&self.ctx, self.ptr)
     }
 }
 
