@@ -150,6 +150,12 @@ impl Object {
         }
     }
 
+    /// The endpoint its GETs go to, as their tuning is remembered for it
+    /// (`None` for a host no line could hold).
+    pub(crate) fn endpoint(&self) -> Option<crate::tune::Endpoint> {
+        crate::tune::Endpoint::new(&self.config.endpoint.host, self.config.endpoint.port)
+    }
+
     /// The object's URL, as messages and reports name it.
     pub fn name(&self) -> &Path {
         &self.name
