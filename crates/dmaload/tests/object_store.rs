@@ -416,3 +416,31 @@ fn a_tls_server_that_stalls_or_dies_mid_load_fails_it_and_returns_nothing() {
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
     assert!(err.to_string().contains("gave up after"), "{err}");
 }
+
+/// The shards of a model over `https://` read their trust roots once per
+/// process: a bundle removed once the first shard was opened still
+/// verifies the server for the next one (whose connections may resume the
+/// first one's TLS sessions), and both load bit exact.
+#[test]
+fn the_shards_of_an_https_model_read_the_trust_roots_once() {
+    let test = "the_shards_of_an_https_model_read_the_trust_roots_once";
+    let Some(garage) = Garage::start(test) else { return };
+    let Some(proxy) = TlsProxy::start(test, garage.s3_port) else { return };
+    let shards = [pattern((3 << 20) + 5, 21), pattern((2 << 20) + 7, 22)];
+    garage.put("sharded/model-00001-of-00002.safetensors", &shards[0]);
+    garage.put("sharded/model-00002-of-00002.safetensors", &shards[1]);
+    // A bundle of this test's own, at a path no other test reads.
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("bundle.pem");
+    std::fs::copy(proxy.ca(), &bundle).unwrap();
+    let config = over_tls(&garage, &proxy.endpoint(), Some(bundle.clone()));
+    for (i, body) in shards.iter().enumerate() {
+        let key = format!("sharded/model-{:05}-of-00002.safetensors", i + 1);
+        let object = garage.open_with(&key, config.clone()).unwrap();
+        if i == 0 {
+            std::fs::remove_file(&bundle).unwrap();
+        }
+        let (loaded, _) = LoadRequest::object(&object).load().unwrap();
+        assert!(host_bytes(loaded) == *body, "shard {} differs from the object's bytes", i + 1);
+    }
+}

@@ -79,7 +79,8 @@ pub struct Object {
     pub etag: String,
     stall: Duration,
     retry_for: Duration,
-    /// The TLS client of an `https://` endpoint, read once per object.
+    /// The TLS client of an `https://` endpoint (its trust roots read once
+    /// per process, `tls`).
     tls: Option<Tls>,
 }
 
