@@ -410,12 +410,7 @@ fn dmaload_load_without_threads_tunes_its_gets_and_remembers_them_for_the_endpoi
     let (connections, request, windows) = load("big.bin", &[]);
     let endpoint = format!("s3 127.0.0.1:{}", garage.s3_port);
     let line = format!("{endpoint} connections={connections} request={request}");
-    if windows <= 4 {
-        // Waiting for memory being populated ends the climb after its
-        // warm-up (the GETs are then not what limits the load).
-        assert!(!tuning.exists(), "nothing measured, nothing remembered");
-        return eprintln!("SKIP {test}: the load waited for memory, not for its GETs");
-    }
+    assert!(windows > 4, "a warm-up and a trial measured: {windows} windows");
     let text = std::fs::read_to_string(&tuning).unwrap();
     assert!(text.lines().any(|l| l == line), "{line:?} not in {text:?}");
 

@@ -369,11 +369,6 @@ impl Climb {
         }
     }
 
-    /// Ends the climb at the kept value.
-    fn settle(&mut self) {
-        self.step = Step::Settled;
-    }
-
     /// Starts trying the next value from the kept one, larger when `up`;
     /// where that leaves the limits, the other direction (when no trial
     /// moved yet), else the climb ends.
@@ -829,13 +824,17 @@ pub(crate) fn remember_gets(path: &Path, endpoint: &Endpoint, gets: RememberedGe
 /// clear gain), over windows of [`GET_WINDOW`] bytes. Requests never grow
 /// past the plan's chunk (a GET lands in one chunk's memory); a smaller
 /// one is the engine asking for a chunk in several GETs.
+///
+/// Unlike a disk's climb, a GET that waits for its memory (a gather not
+/// yet populated, a staging slot the destination has not freed) does not
+/// end it: the GETs' threads share the CPUs with the populating, so a
+/// wait now and then says little, and where the destination is what
+/// limits the load, every trial measures it, none gains, and the climb
+/// settles where it started after a fair trial of each value.
 #[derive(Debug)]
 pub(crate) struct GetTuner {
     connections: Climb,
     request: Climb,
-    /// The GETs fill a staging ring's slots: waiting for one is the
-    /// destination's back-pressure, measured by the trials.
-    staged: bool,
     windows: usize,
     window_bytes: u64,
     window_started: Instant,
@@ -862,17 +861,10 @@ impl GetTuner {
         GetTuner {
             connections: Climb::new(connections, MIN_CONNECTIONS.min(connections), most),
             request: Climb::new(start, min, chunk),
-            staged: false,
             windows: 0,
             window_bytes: 0,
             window_started: now,
         }
-    }
-
-    /// The tuner of GETs into a staging ring's slots (see [`GetTuner::memory_bound`]).
-    pub fn in_ring(mut self) -> GetTuner {
-        self.staged = true;
-        self
     }
 
     /// The most connections the climb may try: the threads to start.
@@ -932,17 +924,6 @@ impl GetTuner {
             }
         } else {
             self.request.window_done(rate);
-        }
-    }
-
-    /// A GET waited for memory being populated, not for the network:
-    /// past the warm-up, the climb ends at the kept values, as a disk's
-    /// does; a staging ring's slot is the destination's back-pressure
-    /// instead, which the trials measure.
-    pub fn memory_bound(&mut self) {
-        if !self.staged && self.windows > 0 {
-            self.connections.settle();
-            self.request.settle();
         }
     }
 }
@@ -1464,21 +1445,6 @@ mod tests {
             tuner.observe(GET_WINDOW, now + Duration::from_millis(10 * k));
         }
         assert_eq!(tuner.to_remember(), None, "the first trial did not finish");
-    }
-
-    #[test]
-    fn waiting_for_memory_ends_an_in_place_climb_but_not_a_rings() {
-        let now = Instant::now();
-        let mut in_place = GetTuner::new(8, 8 << 20, 8 << 20, usize::MAX, now);
-        let mut ring = GetTuner::new(8, 8 << 20, 8 << 20, usize::MAX, now).in_ring();
-        for tuner in [&mut in_place, &mut ring] {
-            tuner.observe(GET_WINDOW, now + Duration::from_millis(10));
-            assert_eq!(tuner.connections(), 8, "the trial's first window is at the kept count");
-            tuner.memory_bound();
-            tuner.observe(GET_WINDOW, now + Duration::from_millis(20));
-        }
-        assert_eq!((in_place.connections(), in_place.connections.step), (8, Step::Settled));
-        assert_eq!(ring.connections(), 16, "the ring's trial goes on");
     }
 
     #[test]

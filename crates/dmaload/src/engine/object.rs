@@ -55,15 +55,6 @@ impl Pace {
         }
     }
 
-    /// A GET is about to wait for its memory being populated.
-    fn memory_bound(&self) {
-        let mut tuner = self.lock();
-        if let Some(tuner) = tuner.as_mut() {
-            tuner.memory_bound();
-            self.follow(tuner);
-        }
-    }
-
     fn follow(&self, tuner: &GetTuner) {
         self.request.store(tuner.request(), Ordering::Relaxed);
         if self.connections.swap(tuner.connections(), Ordering::Relaxed) != tuner.connections() {
@@ -101,16 +92,12 @@ pub(crate) fn run(
     let connections = connections.max(1);
     let tuner =
         job.request_size.filter(|_| GetTuner::worth_tuning(plan.data_end - plan.data_start)).map(|request| {
-            let (most, staged) = match job.layout {
-                Layout::Staged { slots, slot_len } => (slots * slot_len / plan.chunk.max(1), true),
-                Layout::InPlace | Layout::Placed { .. } => (usize::MAX, false),
+            // A GET holds a chunk of a staging ring: no more than it has.
+            let most = match job.layout {
+                Layout::Staged { slots, slot_len } => slots * slot_len / plan.chunk.max(1),
+                Layout::InPlace | Layout::Placed { .. } => usize::MAX,
             };
-            let tuner = GetTuner::new(connections, request, plan.chunk, most, Instant::now());
-            if staged {
-                tuner.in_ring()
-            } else {
-                tuner
-            }
+            GetTuner::new(connections, request, plan.chunk, most, Instant::now())
         });
     let threads = tuner.as_ref().map_or(connections, GetTuner::most_connections);
     let pace = Pace {
@@ -195,9 +182,6 @@ impl Gets<'_, '_> {
                 return Err(job.cancelled(req.start));
             }
             let g = plan.gather_of(req.start);
-            if !job.gate.is_ready(g) {
-                self.pace.memory_bound();
-            }
             waited += job.gate.wait_for(g).map_err(|e| job.wait_error(req.start, e))?;
             // Reads are unaligned (alignment 1): the request is exactly the
             // bytes needed, so a GET of it is the chunk, no more.
