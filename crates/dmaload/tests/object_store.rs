@@ -444,3 +444,34 @@ fn the_shards_of_an_https_model_read_the_trust_roots_once() {
         assert!(host_bytes(loaded) == *body, "shard {} differs from the object's bytes", i + 1);
     }
 }
+
+/// A load that sets neither the connection count nor the request size
+/// tunes its GETs on every path, not only into a new buffer: into memory
+/// the caller has (`fill_arriving`) and through a staging ring into a
+/// sink, each bit exact, its report counting the windows measured (a
+/// warm-up and at least one trial: six windows of 64 MiB fit) and naming
+/// the connections and request size kept; a small object is not tuned.
+#[test]
+fn a_large_objects_gets_are_tuned_into_caller_memory_and_through_a_ring() {
+    let test = "a_large_objects_gets_are_tuned_into_caller_memory_and_through_a_ring";
+    let Some(garage) = Garage::start(test) else { return };
+    let body = pattern(384 << 20, 23);
+    garage.put("tuned/model.bin", &body);
+    let object = garage.open("tuned/model.bin").unwrap();
+    let tuned = |report: &dmaload::LoadReport| {
+        assert!(report.tuning_windows > 4, "a warm-up and a trial: {} windows", report.tuning_windows);
+        assert!((2..=32).contains(&report.queue_depth), "{} connections", report.queue_depth);
+        assert!(report.request_size.is_power_of_two() && report.request_size <= 8 << 20);
+    };
+    let mut dst = vec![0u8; body.len()];
+    let report = LoadRequest::object(&object).fill_arriving(&mut dst[..], &|_| {}).unwrap();
+    assert!(dst == body, "the filled bytes differ from the object's");
+    tuned(&report);
+    dst.fill(0);
+    let mut ring = StagingRing::new(10, 16 << 20, 1 << 20).unwrap();
+    let report = LoadRequest::object(&object).to_sink(&mut ring, &mut HostSink::new(&mut dst, 0)).unwrap();
+    assert!(dst == body, "the delivered bytes differ from the object's");
+    tuned(&report);
+    let (_, report) = LoadRequest::object(&object).range(0, 64 << 20).load().unwrap();
+    assert_eq!(report.tuning_windows, 0, "a small load runs at its start values");
+}
