@@ -452,3 +452,41 @@ fn dmaload_load_an_object_into_a_dma_buf_holds_it_or_names_the_missing_producer(
         }
     }
 }
+
+/// A load that sets neither `--threads` nor `--chunk-size` tunes its GETs
+/// (docs/object-storage.md, "Connections and request size"): the report
+/// names the connections and request size it kept, the tuning file
+/// remembers them for the endpoint, and the next load starts from that
+/// line (a garbled one is ignored; `--threads` is a fixed count).
+#[test]
+fn dmaload_load_without_threads_tunes_its_gets_and_remembers_them_for_the_endpoint() {
+    let test = "dmaload_load_without_threads_tunes_its_gets_and_remembers_them_for_the_endpoint";
+    let Some(garage) = Garage::start(test) else { return };
+    let home = tempfile::tempdir().unwrap();
+    // Six windows of 64 MiB: a warm-up and a trial fit.
+    let body = pattern(384 << 20, 11);
+    garage.put("big.bin", &body);
+    garage.put("small.bin", &body[..24 << 20]);
+    let load = |key: &str, extra: &[&str]| {
+        let url = format!("s3://models/{key}");
+        let out = dmaload(&garage, home.path(), &[&["load", url.as_str(), "--json"], extra].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let used = |field: &str| report[field].as_u64().unwrap();
+        (used("queue_depth"), used("request_size"), used("tuning_windows"))
+    };
+    let tuning = home.path().join(".cache/dmaload/tuning");
+    let (connections, request, windows) = load("big.bin", &[]);
+    let endpoint = format!("s3 127.0.0.1:{}", garage.s3_port);
+    let line = format!("{endpoint} connections={connections} request={request}");
+    assert!(windows > 4, "a warm-up and a trial measured: {windows} windows");
+    let text = std::fs::read_to_string(&tuning).unwrap();
+    assert!(text.lines().any(|l| l == line), "{line:?} not in {text:?}");
+
+    // A load too short to tune runs at the remembered line's values.
+    std::fs::write(&tuning, format!("{endpoint} connections=3 request=2097152\n")).unwrap();
+    assert_eq!(load("small.bin", &[]), (3, 2 << 20, 0));
+    assert_eq!(load("small.bin", &["--threads", "5"]), (5, 8 << 20, 0), "a fixed count");
+    std::fs::write(&tuning, format!("{endpoint} connections=banana request=2097152\n")).unwrap();
+    assert_eq!(load("small.bin", &[]), (8, 8 << 20, 0), "a garbled line is ignored");
+}

@@ -189,10 +189,7 @@ fn parse_line(line: &str) -> Option<(String, Remembered)> {
             "queue_depth" => {
                 depth = Some(value.parse().ok().filter(|d| (MIN_DEPTH..=MAX_DEPTH).contains(d))?)
             }
-            "request" => {
-                let fits = |s: &usize| s.is_power_of_two() && (MIN_REQUEST..=MAX_REQUEST).contains(s);
-                request = Some(value.parse().ok().filter(fits)?);
-            }
+            "request" => request = Some(parse_request(value)?),
             "read" => mode = Some(ReadMode::parse(value)?),
             "read_rate" => rate = Some(value.parse::<u64>().ok().filter(|&r| r > 0)?),
             _ => {}
@@ -202,40 +199,78 @@ fn parse_line(line: &str) -> Option<(String, Remembered)> {
     Some((key.to_owned(), Remembered { depth: depth?, request, read }))
 }
 
+/// A remembered request size: a power of two a plan's chunk may be.
+fn parse_request(value: &str) -> Option<usize> {
+    value.parse().ok().filter(|s: &usize| s.is_power_of_two() && (MIN_REQUEST..=MAX_REQUEST).contains(s))
+}
+
+/// What one line of the memory file remembers: a block device's reads,
+/// or an object store endpoint's GETs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Line {
+    Device(Remembered),
+    Endpoint(RememberedGets),
+}
+
+impl Line {
+    fn parse(line: &str) -> Option<(String, Line)> {
+        match line.strip_prefix(ENDPOINT_PREFIX) {
+            Some(rest) => parse_endpoint_line(rest).map(|(key, gets)| (key, Line::Endpoint(gets))),
+            None => parse_line(line).map(|(key, tuned)| (key, Line::Device(tuned))),
+        }
+    }
+
+    fn write(&self, key: &str) -> String {
+        match self {
+            Line::Device(tuned) => {
+                let mut line = format!("{key} queue_depth={}", tuned.depth);
+                if let Some(request) = tuned.request {
+                    line += &format!(" request={request}");
+                }
+                if let Some(read) = tuned.read {
+                    line += &format!(" read={} read_rate={}", read.mode.name(), read.rate);
+                }
+                line + "\n"
+            }
+            Line::Endpoint(gets) => {
+                format!("{key} connections={} request={}\n", gets.connections, gets.request)
+            }
+        }
+    }
+}
+
 /// Each line of the memory file that parses (others are skipped: the file
 /// is a cache, never an error).
-fn entries(path: &Path) -> Vec<(String, Remembered)> {
+fn entries(path: &Path) -> Vec<(String, Line)> {
     let Ok(Some(bytes)) = crate::user_cache::read(path, MEMORY_LIMIT) else {
         return Vec::new();
     };
-    String::from_utf8_lossy(&bytes).lines().filter_map(parse_line).collect()
+    String::from_utf8_lossy(&bytes).lines().filter_map(Line::parse).collect()
 }
 
 /// What is remembered for `device` in the memory file at `path`.
 pub(crate) fn remembered(path: &Path, device: Device) -> Option<Remembered> {
     let key = device.key();
-    entries(path).into_iter().find(|(k, _)| *k == key).map(|(_, tuned)| tuned)
+    entries(path).into_iter().find_map(|(k, line)| match line {
+        Line::Device(tuned) if k == key => Some(tuned),
+        _ => None,
+    })
 }
 
 /// Remembers `tuned` for `device` in the memory file at `path`, creating
-/// its directory; the other devices' lines are kept (see
+/// its directory; the other devices' and endpoints' lines are kept (see
 /// [`crate::user_cache::replace`] for concurrent writers).
 pub(crate) fn remember(path: &Path, device: Device, tuned: Remembered) -> io::Result<()> {
-    let key = device.key();
+    replace_line(path, device.key(), Line::Device(tuned))
+}
+
+/// Writes the memory file at `path` with `line` for `key` in place of the
+/// one it had, the others kept.
+fn replace_line(path: &Path, key: String, line: Line) -> io::Result<()> {
     let mut entries = entries(path);
     entries.retain(|(k, _)| *k != key);
-    entries.push((key, tuned));
-    let line = |(k, tuned): &(String, Remembered)| {
-        let mut line = format!("{k} queue_depth={}", tuned.depth);
-        if let Some(request) = tuned.request {
-            line += &format!(" request={request}");
-        }
-        if let Some(read) = tuned.read {
-            line += &format!(" read={} read_rate={}", read.mode.name(), read.rate);
-        }
-        line + "\n"
-    };
-    let text: String = entries.iter().map(line).collect();
+    entries.push((key, line));
+    let text: String = entries.iter().map(|(k, line)| line.write(k)).collect();
     crate::user_cache::replace(path, text.as_bytes())
 }
 
@@ -709,6 +744,190 @@ fn choosing_depth(depth: usize, request: usize) -> usize {
     depth.min(TRIAL_IN_FLIGHT / request.max(1)).max(1)
 }
 
+/// The key of an endpoint's line begins with this word (a device's is
+/// `MAJOR:MINOR`).
+const ENDPOINT_PREFIX: &str = "s3 ";
+/// Bytes of one measured window of GETs: smaller than a disk's, so that a
+/// 1 GiB object finishes the warm-up and two trials.
+const GET_WINDOW: u64 = 64 << 20;
+/// The connection counts a climb stays between: below 2 a lost connection
+/// stops the load's progress until it is reopened; 32 connections of 8 MiB
+/// GETs keep 256 MiB in flight, past what one server's link needs.
+const MIN_CONNECTIONS: usize = 2;
+pub(crate) const MAX_CONNECTIONS: usize = 32;
+
+/// An object store's endpoint (`HOST:PORT`, the host as the endpoint URL
+/// names it): what GETs are tuned for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Endpoint(String);
+
+impl Endpoint {
+    /// `None` for a host that could not be read back from a line.
+    pub fn new(host: &str, port: u16) -> Option<Endpoint> {
+        let fits = !host.is_empty() && !host.contains(|c: char| c.is_whitespace() || c.is_control());
+        fits.then(|| Endpoint(format!("{host}:{port}")))
+    }
+
+    fn key(&self) -> String {
+        format!("{ENDPOINT_PREFIX}{}", self.0)
+    }
+}
+
+/// What an endpoint's GETs were tuned to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RememberedGets {
+    pub connections: usize,
+    pub request: usize,
+}
+
+/// The rest of one `s3 HOST:PORT connections=N request=BYTES` line after
+/// `s3 `: `None` where the endpoint or a field does not parse or a field is
+/// missing; fields it does not know are skipped.
+fn parse_endpoint_line(rest: &str) -> Option<(String, RememberedGets)> {
+    let mut words = rest.split_whitespace();
+    let endpoint = words.next()?;
+    let (host, port) = endpoint.rsplit_once(':')?;
+    let endpoint = Endpoint::new(host, port.parse().ok()?)?;
+    let (mut connections, mut request) = (None, None);
+    for word in words {
+        let (name, value) = word.split_once('=')?;
+        match name {
+            "connections" => {
+                let fits = |n: &usize| (MIN_CONNECTIONS..=MAX_CONNECTIONS).contains(n);
+                connections = Some(value.parse().ok().filter(fits)?);
+            }
+            "request" => request = Some(parse_request(value)?),
+            _ => {}
+        }
+    }
+    Some((endpoint.key(), RememberedGets { connections: connections?, request: request? }))
+}
+
+/// What is remembered for `endpoint` in the memory file at `path`.
+pub(crate) fn remembered_gets(path: &Path, endpoint: &Endpoint) -> Option<RememberedGets> {
+    let key = endpoint.key();
+    entries(path).into_iter().find_map(|(k, line)| match line {
+        Line::Endpoint(gets) if k == key => Some(gets),
+        _ => None,
+    })
+}
+
+/// Remembers `gets` for `endpoint` in the memory file at `path`, the other
+/// lines kept (as [`remember`]).
+pub(crate) fn remember_gets(path: &Path, endpoint: &Endpoint, gets: RememberedGets) -> io::Result<()> {
+    replace_line(path, endpoint.key(), Line::Endpoint(gets))
+}
+
+/// The climb of an object load's GETs: the connection count first, then
+/// the request size, each as a disk's depth climbs ([`Climb`]: a warm-up
+/// window, then trials of double and half, alternating windows, kept on a
+/// clear gain), over windows of [`GET_WINDOW`] bytes. Requests never grow
+/// past the plan's chunk (a GET lands in one chunk's memory); a smaller
+/// one is the engine asking for a chunk in several GETs.
+///
+/// Unlike a disk's climb, a GET that waits for its memory (a gather not
+/// yet populated, a staging slot the destination has not freed) does not
+/// end it: the GETs' threads share the CPUs with the populating, so a
+/// wait now and then says little, and where the destination is what
+/// limits the load, every trial measures it, none gains, and the climb
+/// settles where it started after a fair trial of each value.
+#[derive(Debug)]
+pub(crate) struct GetTuner {
+    connections: Climb,
+    request: Climb,
+    windows: usize,
+    window_bytes: u64,
+    window_started: Instant,
+}
+
+impl GetTuner {
+    /// Whether a load of `bytes` is long enough to finish a warm-up and one
+    /// trial: a shorter one (a few requests) runs at its start values.
+    pub fn worth_tuning(bytes: u64) -> bool {
+        bytes >= (1 + TRIAL_WINDOWS as u64) * GET_WINDOW
+    }
+
+    /// A climb from `connections` connections asking for `request` bytes
+    /// each, in a plan of `chunk`-byte chunks, with no more than `most`
+    /// connections ever (the chunks a staging ring holds, say; the start's
+    /// count at least); its first window starts at `now`.
+    pub fn new(connections: usize, request: usize, chunk: usize, most: usize, now: Instant) -> GetTuner {
+        let most = MAX_CONNECTIONS.min(most).max(connections);
+        let (min, start) = if chunk.is_power_of_two() && chunk >= MIN_REQUEST {
+            (MIN_REQUEST, if request.is_power_of_two() { request } else { chunk })
+        } else {
+            (chunk, chunk)
+        };
+        GetTuner {
+            connections: Climb::new(connections, MIN_CONNECTIONS.min(connections), most),
+            request: Climb::new(start, min, chunk),
+            windows: 0,
+            window_bytes: 0,
+            window_started: now,
+        }
+    }
+
+    /// The most connections the climb may try: the threads to start.
+    pub fn most_connections(&self) -> usize {
+        self.connections.max
+    }
+
+    /// The connections to keep busy now.
+    pub fn connections(&self) -> usize {
+        self.connections.value()
+    }
+
+    /// The most bytes one GET may ask for now.
+    pub fn request(&self) -> usize {
+        self.request.value()
+    }
+
+    pub fn kept_connections(&self) -> usize {
+        self.connections.kept
+    }
+
+    pub fn kept_request(&self) -> usize {
+        self.request.kept
+    }
+
+    /// Windows measured before the climb settled (or the load ended).
+    pub fn windows(&self) -> usize {
+        self.windows
+    }
+
+    /// What to remember for the endpoint: the kept values, once a trial
+    /// measured them (a load that ended in its first trial measured nothing).
+    pub fn to_remember(&self) -> Option<RememberedGets> {
+        // Each trial is TRIAL_WINDOWS windows after the one warm-up.
+        let measured = self.windows > TRIAL_WINDOWS;
+        measured.then_some(RememberedGets { connections: self.connections.kept, request: self.request.kept })
+    }
+
+    /// Counts `bytes` of a GET done at `now`; at a window's end, moves the
+    /// climb on.
+    pub fn observe(&mut self, bytes: u64, now: Instant) {
+        if self.request.step == Step::Settled {
+            return;
+        }
+        self.window_bytes += bytes;
+        if self.window_bytes < GET_WINDOW {
+            return;
+        }
+        let seconds = now.saturating_duration_since(self.window_started).as_secs_f64();
+        let rate = self.window_bytes as f64 / seconds.max(1e-9);
+        (self.window_bytes, self.window_started) = (0, now);
+        self.windows += 1;
+        if self.connections.step != Step::Settled {
+            self.connections.window_done(rate);
+            if self.connections.step == Step::Settled && self.request.step == Step::WarmUp {
+                self.request.start_trial(true, false);
+            }
+        } else {
+            self.request.window_done(rate);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1134,5 +1353,139 @@ mod tests {
         assert!(remember(&path, device(), Remembered { depth: 64, request: None, read: None }).is_err());
         assert_eq!(remembered(&path, device()), None);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file is left");
+    }
+
+    /// Runs windows of GETs through a tuner starting at `connections` and
+    /// `request` in 8 MiB chunks (at most `most` connections) whose GETs go
+    /// at `rate_of(window, connections, request)` bytes per second, until
+    /// it settles; returns the (connections, request) of each window.
+    fn climb_gets(
+        (connections, request, most): (usize, usize, usize),
+        rate_of: impl Fn(usize, usize, usize) -> f64,
+    ) -> (Vec<(usize, usize)>, GetTuner) {
+        let mut now = Instant::now();
+        let mut tuner = GetTuner::new(connections, request, 8 << 20, most, now);
+        let mut windows = Vec::new();
+        while tuner.request.step != Step::Settled && windows.len() < 64 {
+            let (c, r) = (tuner.connections(), tuner.request());
+            now += Duration::from_secs_f64(GET_WINDOW as f64 / rate_of(windows.len(), c, r));
+            windows.push((c, r));
+            // A window's bytes arrive in GETs of the request size.
+            for _ in 0..GET_WINDOW / r as u64 {
+                tuner.observe(r as u64, now);
+            }
+        }
+        (windows, tuner)
+    }
+
+    #[test]
+    fn connections_climb_while_the_rate_gains_and_settle_where_it_saturates() {
+        // Faster up to 16 connections, flat beyond.
+        let (windows, tuner) = climb_gets((8, 8 << 20, usize::MAX), |_, c, _| c.min(16) as f64 * 1e8);
+        let connections: Vec<usize> = windows.iter().map(|&(c, _)| c).collect();
+        assert_eq!(connections[..9], [8, 8, 16, 8, 16, 16, 32, 16, 32]);
+        assert_eq!((tuner.kept_connections(), tuner.connections()), (16, 16));
+        // Then the request size: larger is past the chunk, half gains nothing.
+        assert_eq!(windows[9..].iter().map(|&(_, r)| r >> 20).collect::<Vec<_>>(), [8, 4, 8, 4]);
+        assert_eq!(tuner.to_remember(), Some(RememberedGets { connections: 16, request: 8 << 20 }));
+        let (_, capped) = climb_gets((8, 8 << 20, usize::MAX), |_, c, _| c as f64 * 1e8);
+        assert_eq!(capped.kept_connections(), MAX_CONNECTIONS, "never past the cap");
+    }
+
+    #[test]
+    fn a_flat_rate_keeps_the_start_and_is_remembered_as_measured() {
+        let (windows, tuner) = climb_gets((8, 8 << 20, usize::MAX), |_, _, _| 1e9);
+        let connections: Vec<usize> = windows.iter().map(|&(c, _)| c).collect();
+        assert_eq!(connections[..9], [8, 8, 16, 8, 16, 8, 4, 8, 4], "up, then down, then settled");
+        assert_eq!((tuner.kept_connections(), tuner.kept_request()), (8, 8 << 20));
+        assert_eq!(tuner.to_remember(), Some(RememberedGets { connections: 8, request: 8 << 20 }));
+    }
+
+    #[test]
+    fn a_noisy_rate_never_runs_away() {
+        // Noise within the gain a trial needs never moves the climb; wild
+        // noise may, but it stays within the limits and settles.
+        for (spread, seeds) in [(0.04, 0..200), (0.5, 200..400)] {
+            for seed in seeds {
+                let noise = |window: usize| {
+                    let mut x = (seed * 64 + window as u64) | 1;
+                    for _ in 0..4 {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                    }
+                    1.0 + spread * ((x % 2001) as f64 / 1000.0 - 1.0)
+                };
+                let (windows, tuner) = climb_gets((8, 8 << 20, usize::MAX), |w, _, _| 1e9 * noise(w));
+                assert!(windows.len() < 64, "settles");
+                let kept = (tuner.kept_connections(), tuner.kept_request());
+                if spread < GAIN - 1.0 {
+                    assert_eq!(kept, (8, 8 << 20), "seed {seed}");
+                }
+                assert!((MIN_CONNECTIONS..=MAX_CONNECTIONS).contains(&kept.0));
+                assert!((MIN_REQUEST..=8 << 20).contains(&kept.1));
+            }
+        }
+    }
+
+    #[test]
+    fn a_staging_ring_caps_the_connections_at_the_chunks_it_holds() {
+        let (windows, tuner) = climb_gets((8, 8 << 20, 12), |_, c, _| c as f64 * 1e8);
+        assert!(windows.iter().all(|&(c, _)| c <= 12), "{windows:?}");
+        assert_eq!(tuner.kept_connections(), 8, "double is past the ring; half is slower");
+    }
+
+    #[test]
+    fn a_load_too_short_for_a_trial_is_not_tuned_and_remembers_nothing() {
+        assert!(!GetTuner::worth_tuning(5 * GET_WINDOW - 1));
+        assert!(GetTuner::worth_tuning(5 * GET_WINDOW));
+        let now = Instant::now();
+        let mut tuner = GetTuner::new(8, 8 << 20, 8 << 20, usize::MAX, now);
+        for k in 1..=4 {
+            tuner.observe(GET_WINDOW, now + Duration::from_millis(10 * k));
+        }
+        assert_eq!(tuner.to_remember(), None, "the first trial did not finish");
+    }
+
+    #[test]
+    fn an_endpoints_line_is_read_back_beside_the_devices_and_a_garbled_one_is_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tuning");
+        let endpoint = Endpoint::new("127.0.0.1", 3900).unwrap();
+        let gets = RememberedGets { connections: 16, request: 4 << 20 };
+        std::fs::write(&path, "259:3 queue_depth=32\n").unwrap();
+        remember_gets(&path, &endpoint, gets).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, "259:3 queue_depth=32\ns3 127.0.0.1:3900 connections=16 request=4194304\n");
+        assert_eq!(remembered_gets(&path, &endpoint), Some(gets));
+        // A device's write keeps the endpoint's line, and the other way round.
+        remember(&path, device(), Remembered { depth: 64, request: None, read: None }).unwrap();
+        assert_eq!(remembered_gets(&path, &endpoint), Some(gets));
+        assert_eq!(remembered(&path, device()).map(|tuned| tuned.depth), Some(64));
+        assert_eq!(remembered_gets(&path, &Endpoint::new("127.0.0.1", 3901).unwrap()), None);
+        let v6 = Endpoint::new("[::1]", 443).unwrap();
+        remember_gets(&path, &v6, gets).unwrap();
+        assert_eq!(remembered_gets(&path, &v6), Some(gets));
+        for garbled in [
+            "s3 127.0.0.1:3900 connections=banana request=4194304",
+            "s3 127.0.0.1:3900 connections=9999 request=4194304",
+            "s3 127.0.0.1:3900 connections=16 request=3000000",
+            "s3 127.0.0.1:3900 connections=16",
+            "s3 127.0.0.1:99999 connections=16 request=4194304",
+            "s3 127.0.0.1 connections=16 request=4194304",
+            "s3 :3900 connections=16 request=4194304",
+            "s3 127.0.0.1:3900 connections=16 request",
+        ] {
+            std::fs::write(&path, format!("{garbled}\n")).unwrap();
+            assert_eq!(remembered_gets(&path, &endpoint), None, "{garbled}");
+        }
+        // A later version's field is skipped; a line is never a device's.
+        std::fs::write(&path, "s3 127.0.0.1:3900 connections=4 request=1048576 later=x\n").unwrap();
+        assert_eq!(
+            remembered_gets(&path, &endpoint),
+            Some(RememberedGets { connections: 4, request: 1 << 20 })
+        );
+        assert_eq!(Endpoint::new("a b", 1), None);
+        assert_eq!(Endpoint::new("", 1), None);
     }
 }

@@ -416,3 +416,62 @@ fn a_tls_server_that_stalls_or_dies_mid_load_fails_it_and_returns_nothing() {
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
     assert!(err.to_string().contains("gave up after"), "{err}");
 }
+
+/// The shards of a model over `https://` read their trust roots once per
+/// process: a bundle removed once the first shard was opened still
+/// verifies the server for the next one (whose connections may resume the
+/// first one's TLS sessions), and both load bit exact.
+#[test]
+fn the_shards_of_an_https_model_read_the_trust_roots_once() {
+    let test = "the_shards_of_an_https_model_read_the_trust_roots_once";
+    let Some(garage) = Garage::start(test) else { return };
+    let Some(proxy) = TlsProxy::start(test, garage.s3_port) else { return };
+    let shards = [pattern((3 << 20) + 5, 21), pattern((2 << 20) + 7, 22)];
+    garage.put("sharded/model-00001-of-00002.safetensors", &shards[0]);
+    garage.put("sharded/model-00002-of-00002.safetensors", &shards[1]);
+    // A bundle of this test's own, at a path no other test reads.
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("bundle.pem");
+    std::fs::copy(proxy.ca(), &bundle).unwrap();
+    let config = over_tls(&garage, &proxy.endpoint(), Some(bundle.clone()));
+    for (i, body) in shards.iter().enumerate() {
+        let key = format!("sharded/model-{:05}-of-00002.safetensors", i + 1);
+        let object = garage.open_with(&key, config.clone()).unwrap();
+        if i == 0 {
+            std::fs::remove_file(&bundle).unwrap();
+        }
+        let (loaded, _) = LoadRequest::object(&object).load().unwrap();
+        assert!(host_bytes(loaded) == *body, "shard {} differs from the object's bytes", i + 1);
+    }
+}
+
+/// A load that sets neither the connection count nor the request size
+/// tunes its GETs on every path, not only into a new buffer: into memory
+/// the caller has (`fill_arriving`) and through a staging ring into a
+/// sink, each bit exact, its report counting the windows measured (a
+/// warm-up and at least one trial: six windows of 64 MiB fit) and naming
+/// the connections and request size kept; a small object is not tuned.
+#[test]
+fn a_large_objects_gets_are_tuned_into_caller_memory_and_through_a_ring() {
+    let test = "a_large_objects_gets_are_tuned_into_caller_memory_and_through_a_ring";
+    let Some(garage) = Garage::start(test) else { return };
+    let body = pattern(384 << 20, 23);
+    garage.put("tuned/model.bin", &body);
+    let object = garage.open("tuned/model.bin").unwrap();
+    let tuned = |report: &dmaload::LoadReport| {
+        assert!(report.tuning_windows > 4, "a warm-up and a trial: {} windows", report.tuning_windows);
+        assert!((2..=32).contains(&report.queue_depth), "{} connections", report.queue_depth);
+        assert!(report.request_size.is_power_of_two() && report.request_size <= 8 << 20);
+    };
+    let mut dst = vec![0u8; body.len()];
+    let report = LoadRequest::object(&object).fill_arriving(&mut dst[..], &|_| {}).unwrap();
+    assert!(dst == body, "the filled bytes differ from the object's");
+    tuned(&report);
+    dst.fill(0);
+    let mut ring = StagingRing::new(10, 16 << 20, 1 << 20).unwrap();
+    let report = LoadRequest::object(&object).to_sink(&mut ring, &mut HostSink::new(&mut dst, 0)).unwrap();
+    assert!(dst == body, "the delivered bytes differ from the object's");
+    tuned(&report);
+    let (_, report) = LoadRequest::object(&object).range(0, 64 << 20).load().unwrap();
+    assert_eq!(report.tuning_windows, 0, "a small load runs at its start values");
+}

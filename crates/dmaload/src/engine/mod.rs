@@ -761,6 +761,8 @@ pub(crate) struct EngineRun {
     pub engine: Engine,
     /// How the depth was tuned, when it was.
     pub tuner: Option<crate::tune::Tuner>,
+    /// How an object load's GETs were tuned, when they were.
+    pub gets: Option<crate::tune::GetTuner>,
 }
 
 pub(crate) type EngineResult = Result<EngineRun>;

@@ -47,7 +47,7 @@ pub(crate) fn run<M: RingMemory>(job: &Job<'_>, mem: M, threads: usize, engine: 
         return Err(err);
     }
     let waited_for_memory = longest_wait.into_inner().unwrap_or_else(|p| p.into_inner());
-    Ok(EngineRun { waited_for_memory, fallbacks: Vec::new(), engine, tuner: None })
+    Ok(EngineRun { waited_for_memory, fallbacks: Vec::new(), engine, ..EngineRun::default() })
 }
 
 fn worker<M: RingMemory>(

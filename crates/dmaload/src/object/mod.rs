@@ -81,7 +81,8 @@ pub struct Object {
     pub etag: String,
     stall: Duration,
     retry_for: Duration,
-    /// The TLS client of an `https://` endpoint, read once per object.
+    /// The TLS client of an `https://` endpoint (its trust roots read once
+    /// per process, `tls`).
     tls: Option<Tls>,
     /// Requests authorized by another process's [`Grant`] instead of keys.
     granted: Option<Granted>,
@@ -274,6 +275,12 @@ impl Object {
                 "the response names no Content-Length or no ETag",
             )),
         }
+    }
+
+    /// The endpoint its GETs go to, as their tuning is remembered for it
+    /// (`None` for a host no line could hold).
+    pub(crate) fn endpoint(&self) -> Option<crate::tune::Endpoint> {
+        crate::tune::Endpoint::new(&self.config.endpoint.host, self.config.endpoint.port)
     }
 
     /// The object's URL, as messages and reports name it.

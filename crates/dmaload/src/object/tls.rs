@@ -1,18 +1,36 @@
 //! TLS for `https://` endpoints: `rustls` on the `ring` provider (pure
 //! Rust and assembly: no OpenSSL at run time, no cmake to build), checking
-//! the server's certificate against one set of trust roots, read once per
-//! opened object: the bundle `AWS_CA_BUNDLE` or the profile's `ca_bundle`
-//! names, else the system's certificates, found as OpenSSL finds them
-//! (`SSL_CERT_FILE`, `SSL_CERT_DIR`, else the distribution's store) by
-//! `rustls-native-certs`.
+//! the server's certificate against one set of trust roots: the bundle
+//! `AWS_CA_BUNDLE` or the profile's `ca_bundle` names, else the system's
+//! certificates, found as OpenSSL finds them (`SSL_CERT_FILE`,
+//! `SSL_CERT_DIR`, else the distribution's store) by `rustls-native-certs`.
+//!
+//! Each source of roots is read once per process: its client
+//! configuration is kept (a failed read is not, and is tried again) and
+//! shared by every object opened with it, so the shards of a model read
+//! their certificates once, and a connection to an endpoint may resume a
+//! TLS session another object's connection began there (the configuration
+//! holds `rustls`'s in-memory session store).
 
 use std::fmt;
-use std::sync::Arc;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use rustls::pki_types::ServerName;
 use rustls::{ClientConfig, ClientConnection, RootCertStore};
 
 use super::config::CaBundle;
+
+/// The source of a set of trust roots: a bundle's file, or the system's
+/// certificates as the variables named then locate them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Source {
+    Bundle(PathBuf),
+    System(String),
+}
+
+/// The client configuration of each source read so far in this process.
+static CONFIGS: Mutex<Vec<(Source, Arc<ClientConfig>)>> = Mutex::new(Vec::new());
 
 /// The client side of TLS, shared by the connections of one object.
 pub struct Tls {
@@ -28,32 +46,24 @@ impl fmt::Debug for Tls {
 }
 
 impl Tls {
-    /// Reads the trust roots: `bundle`'s certificates only when there is
-    /// one, else the system's. An error when none can be read.
+    /// The client of the trust roots of `bundle` (its certificates only),
+    /// else of the system's: read at the first call for that source in the
+    /// process, the same configuration after. An error when none can be read.
     pub fn new(bundle: Option<&CaBundle>) -> Result<Tls, String> {
-        let (found, roots) = match bundle {
-            Some(bundle) => (
-                rustls_native_certs::load_certs_from_paths(Some(&bundle.path), None),
-                format!("{}={}", bundle.setting, bundle.path.display()),
-            ),
-            None => (rustls_native_certs::load_native_certs(), system_roots()),
+        let (source, roots) = match bundle {
+            Some(bundle) => {
+                (Source::Bundle(bundle.path.clone()), format!("{}={}", bundle.setting, bundle.path.display()))
+            }
+            None => (Source::System(system_roots()), system_roots()),
         };
-        let mut store = RootCertStore::empty();
-        let (added, _unparsable) = store.add_parsable_certificates(found.certs);
-        if added == 0 {
-            let why: Vec<String> = found.errors.iter().map(|e| e.to_string()).collect();
-            return Err(format!(
-                "an https:// endpoint needs trust roots, and none could be read from {roots}{}",
-                if why.is_empty() { String::new() } else { format!(": {}", why.join("; ")) }
-            ));
+        // Held while reading, so that shards opened at once read it once.
+        let mut configs = CONFIGS.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, config)) = configs.iter().find(|(read, _)| *read == source) {
+            return Ok(Tls { config: config.clone(), roots });
         }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| format!("TLS configuration: {e}"))?
-            .with_root_certificates(store)
-            .with_no_client_auth();
-        Ok(Tls { config: Arc::new(config), roots })
+        let config = Arc::new(read_config(&source, &roots)?);
+        configs.push((source, config.clone()));
+        Ok(Tls { config, roots })
     }
 
     /// A new session with `host` (a name or an IP address, IPv6 in
@@ -78,6 +88,30 @@ impl Tls {
         };
         format!("TLS handshake with {host}:{port} failed: {err}{hint}")
     }
+}
+
+/// Reads the trust roots of `source` (`roots` in messages) into a client
+/// configuration; an error when none can be read.
+fn read_config(source: &Source, roots: &str) -> Result<ClientConfig, String> {
+    let found = match source {
+        Source::Bundle(path) => rustls_native_certs::load_certs_from_paths(Some(path), None),
+        Source::System(_) => rustls_native_certs::load_native_certs(),
+    };
+    let mut store = RootCertStore::empty();
+    let (added, _unparsable) = store.add_parsable_certificates(found.certs);
+    if added == 0 {
+        let why: Vec<String> = found.errors.iter().map(|e| e.to_string()).collect();
+        return Err(format!(
+            "an https:// endpoint needs trust roots, and none could be read from {roots}{}",
+            if why.is_empty() { String::new() } else { format!(": {}", why.join("; ")) }
+        ));
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS configuration: {e}"))?
+        .with_root_certificates(store)
+        .with_no_client_auth())
 }
 
 /// The system's trust roots, as messages name them.

@@ -233,7 +233,7 @@ impl ReadFrom<'_> {
     fn params(self, options: &LoadOptions) -> EngineParams {
         match self {
             ReadFrom::File(setup) => load_params(options, setup),
-            ReadFrom::Object(_) => object::object_params(options),
+            ReadFrom::Object(object) => object::object_params(options, object),
         }
     }
 }

@@ -27,6 +27,7 @@ use crate::report::LoadReport;
 use crate::sink::{HostSink, Sink, StagingRing};
 use crate::sys;
 use crate::sys::mem::RawBytesMut;
+use crate::tune;
 use crate::types::{CachePolicy, Engine};
 use crate::verify::{sums_too_large, Expected, MAX_SUMS_BYTES};
 
@@ -36,7 +37,8 @@ use crate::verify::{sums_too_large, Expected, MAX_SUMS_BYTES};
 const DEFAULT_OBJECT_REQUEST: usize = 8 << 20;
 
 /// The request size of an object load: `chunk_size` when set, else
-/// [`DEFAULT_OBJECT_REQUEST`].
+/// [`DEFAULT_OBJECT_REQUEST`] (the plan's chunk; a tuned load's GETs may
+/// ask for less of it at a time).
 fn object_request(options: &LoadOptions) -> usize {
     if options.chunk_size == DEFAULT_CHUNK_SIZE {
         DEFAULT_OBJECT_REQUEST
@@ -45,31 +47,73 @@ fn object_request(options: &LoadOptions) -> usize {
     }
 }
 
-/// The engine's parameters for an object load: `threads`, when set, is
-/// the connection count.
-pub(super) fn object_params(options: &LoadOptions) -> EngineParams {
-    let connections =
-        if options.threads == DEFAULT_POOL_THREADS { DEFAULT_CONNECTIONS } else { options.threads };
+/// Whether the GETs of a load with `options` are tuned by measurement
+/// ([`crate::tune::GetTuner`]): neither the connection count (`threads`)
+/// nor the request size (`chunk_size`) was set.
+fn gets_tuned(options: &LoadOptions) -> bool {
+    options.threads == DEFAULT_POOL_THREADS && options.chunk_size == DEFAULT_CHUNK_SIZE
+}
+
+/// The engine's parameters for a load of `object` with `options`:
+/// `threads`, when set, is the connection count; a tuned load
+/// ([`gets_tuned`]) starts from the connections and request size
+/// remembered for the object's endpoint, else [`DEFAULT_CONNECTIONS`] GETs
+/// of [`DEFAULT_OBJECT_REQUEST`], and says so by naming the request size
+/// (`request_size`, which a fixed load leaves `None`).
+pub(super) fn object_params(options: &LoadOptions, object: &Object) -> EngineParams {
+    let tuned = gets_tuned(options);
+    let remembered =
+        tuned.then(|| tune::remembered_gets(&tune::memory_file()?, &object.endpoint()?)).flatten();
+    let connections = match remembered {
+        Some(gets) => gets.connections,
+        None if options.threads == DEFAULT_POOL_THREADS => DEFAULT_CONNECTIONS,
+        None => options.threads,
+    };
+    let request = remembered.map_or(DEFAULT_OBJECT_REQUEST, |gets| gets.request.min(DEFAULT_OBJECT_REQUEST));
     EngineParams {
         engine: Engine::PreadPool,
         queue_depth: connections,
         threads: connections,
         cancel: options.cancel.clone(),
         tune: None,
-        request_size: None,
+        request_size: tuned.then_some(request),
         read_modes: None,
+    }
+}
+
+/// After an object load that tuned its GETs: remembers the connection
+/// count and request size it kept for the object's endpoint, once a trial
+/// measured them, unless they are what is remembered already. The memory
+/// is a cache: a failure to write it loses nothing.
+fn remember_gets(object: &Object, run: &EngineRun) {
+    let Some(gets) = run.gets.as_ref().and_then(tune::GetTuner::to_remember) else { return };
+    let (Some(path), Some(endpoint)) = (tune::memory_file(), object.endpoint()) else { return };
+    if tune::remembered_gets(&path, &endpoint) != Some(gets) {
+        let _ = tune::remember_gets(&path, &endpoint, gets);
     }
 }
 
 /// Staging slots of `slot_len` bytes an object load with `options` keeps
 /// busy (the ring a device load of an object pins, and Python's staged
-/// loads of object shards): as many as its GETs in flight fill (a request on each
-/// connection), and two more, one being delivered while the other waits
-/// for a straggler. GETs are slower than a disk's reads, so a ring sized
-/// for a file's range (up to 32 slots of 16 MiB) would pin memory that
-/// only costs its pinning.
+/// loads of object shards): as many as its GETs in flight fill (a request
+/// on each connection: for a tuned load, the count remembered for the
+/// environment's endpoint, else [`DEFAULT_CONNECTIONS`]), and two more,
+/// one being delivered while the other waits for a straggler. GETs are
+/// slower than a disk's reads, so a ring sized for a file's range (up to
+/// 32 slots of 16 MiB) would pin memory that only costs its pinning; the
+/// climb of a tuned load tries no more connections than the ring's chunks.
 pub fn object_ring_slots(options: &LoadOptions, slot_len: usize) -> usize {
-    let in_flight = object_params(options).threads * object_request(options).min(slot_len);
+    let remembered = || {
+        let endpoint = crate::object::config::Config::from_env().ok()?.endpoint;
+        let endpoint = tune::Endpoint::new(&endpoint.host, endpoint.port)?;
+        tune::remembered_gets(&tune::memory_file()?, &endpoint)
+    };
+    let connections = match gets_tuned(options) {
+        true => remembered().map_or(DEFAULT_CONNECTIONS, |gets| gets.connections),
+        false if options.threads == DEFAULT_POOL_THREADS => DEFAULT_CONNECTIONS,
+        false => options.threads,
+    };
+    let in_flight = connections * object_request(options).min(slot_len);
     in_flight.div_ceil(slot_len) + 2
 }
 
@@ -117,7 +161,7 @@ pub(crate) fn load_object_source(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     let path = object.name();
-    let started = Started::now(path)?;
+    let started = Started::now(object)?;
     let len = range_within(object.size, "object", path, offset, len)?;
     check_memory(path, len)?;
     let expected = object_expected(object, offset, Some(len), options)?;
@@ -127,7 +171,7 @@ pub(crate) fn load_object_source(
     let plan = Plan::new(offset, len, 1, object_request(options), options.gather_size, page);
     let mut alloc = Allocation::with_facts(memory.kind, plan.mapping_len, &facts)
         .map_err(|e| allocation_error(path, e))?;
-    let params = object_params(options);
+    let params = object_params(options, object);
     let dst = alloc.mapping.writer();
     let engine_started = Instant::now();
     // A verified load hashes each gather as it completes, in object order.
@@ -181,7 +225,7 @@ pub(crate) fn stage_object(
     (options, expected): (&LoadOptions, Option<&Expected>),
 ) -> Result<LoadReport> {
     let path = object.name();
-    let started = Started::now(path)?;
+    let started = Started::now(object)?;
     let len = range_within(object.size, "object", path, offset, len)?;
     let chunk = staged_chunk(path, ring, object_request(options))?;
     let plan = Plan::staged(offset, len, 1, chunk, ring.slot_len(), sys::mem::page_size());
@@ -195,7 +239,7 @@ pub(crate) fn stage_object(
         kind: options.to.host_memory().unwrap_or_default(),
         reason: "a staged load allocates no host buffer".into(),
     };
-    let params = object_params(options);
+    let params = object_params(options, object);
     let mut report = started.report(&plan, run, &params, memory, &MemoryFacts::read(), engine_wall)?;
     report.destination = format!("staging ring ({} x {} bytes)", ring.slots(), ring.slot_len());
     report.ring_bytes = len;
@@ -221,7 +265,7 @@ pub(crate) fn fill_object(
     arrived: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<LoadReport> {
     let path = object.name();
-    let started = Started::now(path)?;
+    let started = Started::now(object)?;
     let len = range_within(object.size, "object", path, offset, Some(dst.len() as u64))?;
     let expected = object_expected(object, offset, Some(len), options)?;
     let arrived = arrived.filter(|_| expected.is_none());
@@ -239,7 +283,7 @@ pub(crate) fn fill_object(
         verifier.add(head_bytes.writer(), 0..head, offset);
     }
     let plan = Plan::new(body_offset, body as u64, 1, object_request(options), options.gather_size, page);
-    let params = object_params(options);
+    let params = object_params(options, object);
     let engine_started = Instant::now();
     let (run, times) = if body == 0 {
         (EngineRun { engine: params.engine, ..EngineRun::default() }, Default::default())
@@ -297,19 +341,19 @@ fn stage_edge(object: &Object, offset: u64, dst: RawBytesMut<'_>, options: &Load
 /// When a load of the object at `path` started: its wall clock and the
 /// process's CPU time.
 struct Started<'a> {
-    path: &'a Path,
+    object: &'a Object,
     at: Instant,
     cpu: (Duration, Duration),
 }
 
 impl<'a> Started<'a> {
-    fn now(path: &'a Path) -> Result<Started<'a>> {
-        let cpu = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
-        Ok(Started { path, at: Instant::now(), cpu })
+    fn now(object: &'a Object) -> Result<Started<'a>> {
+        let cpu = sys::process::cpu_time().map_err(|e| Error::io("getrusage", object.name(), e))?;
+        Ok(Started { object, at: Instant::now(), cpu })
     }
 
     /// The report of an object load that ran `plan` since then, its engine
-    /// busy for `engine_wall`.
+    /// busy for `engine_wall`; the GETs' tuning, if any, is remembered.
     fn report(
         &self,
         plan: &Plan,
@@ -319,7 +363,12 @@ impl<'a> Started<'a> {
         facts: &MemoryFacts,
         engine_wall: Duration,
     ) -> Result<LoadReport> {
-        let path = self.path;
+        let path = self.object.name();
+        remember_gets(self.object, &run);
+        let (connections, request, windows) = match run.gets.as_ref() {
+            Some(gets) => (gets.kept_connections(), gets.kept_request(), gets.windows()),
+            None => (params.queue_depth, params.request_size.map_or(plan.chunk, |r| r.min(plan.chunk)), 0),
+        };
         let cpu = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
         let total = self.at.elapsed();
         let len = plan.data_end - plan.data_start;
@@ -333,8 +382,9 @@ impl<'a> Started<'a> {
             filesystem: "s3",
             chunk_size: plan.chunk,
             gather_size: plan.gather,
-            queue_depth: params.queue_depth,
-            request_size: plan.chunk,
+            queue_depth: connections,
+            request_size: request,
+            tuning_windows: windows,
             fallbacks: run.fallbacks,
             io_seconds: engine_wall.saturating_sub(run.waited_for_memory).as_secs_f64(),
             waited_for_memory_seconds: run.waited_for_memory.as_secs_f64(),
