@@ -293,28 +293,20 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
         socket = None;
     }
     let is_object = dmaload::object::is_object_url(&cmd.file);
-    if is_object && socket.is_some() && !whole_host_file {
-        const WHY: &str = "the cache service serves whole objects to host memory";
-        if cmd.cache.is_some() {
-            return Err(dmaload::Error::new(
-                dmaload::ErrorKind::InvalidInput,
-                "load",
-                &cmd.file,
-                format!("{WHY}: drop --cache for a device"),
-            ));
-        }
-        eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a device; loading directly");
-        socket = None;
-    }
     let result = if let (true, Some(socket)) = (is_object, &socket) {
-        // The service reads the object with this process's grant and keeps it under its ETag.
-        dmaload::object::Object::open(&cmd.file.to_string_lossy(), &options.cancel)
-            .and_then(|object| dmaload::share::cached_object(&object, socket, &options))
-            .map(|(buffer, report, outcome)| {
-                print_outcome(socket, outcome);
-                let hash = cmd.hash.then(|| output::hash_timed(&buffer));
-                (report, hash)
-            })
+        // The service reads the object with this process's grant and keeps
+        // it under its ETag; to a device it copies it into this process's memory.
+        dmaload::object::Object::open(&cmd.file.to_string_lossy(), &options.cancel).and_then(|object| {
+            let (loaded, report, outcome) = match cached_device {
+                Some(ordinal) => dmaload::share::cached_object_to_device(&object, socket, ordinal, &options)
+                    .map(|(device, report, outcome)| (dmaload::Loaded::Device(device), report, outcome))?,
+                None => dmaload::share::cached_object(&object, socket, &options)
+                    .map(|(buffer, report, outcome)| (dmaload::Loaded::Host(buffer), report, outcome))?,
+            };
+            print_outcome(socket, outcome);
+            let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
+            Ok((report, hash))
+        })
     } else if is_object {
         // An object (s3://BUCKET/KEY) read here.
         dmaload::object::Object::open(&cmd.file.to_string_lossy(), &options.cancel)

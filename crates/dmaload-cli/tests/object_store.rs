@@ -386,10 +386,13 @@ fn dmaload_load_verify_checks_an_object_against_the_sums_object_beside_it() {
 
 /// `dmaload load s3://BUCKET/KEY --cache SOCKET`: the service, which has
 /// no keys of its own, reads the object with the client's grant once and
-/// serves the next load from memory; `--cache` with a device is refused.
+/// serves the next load from memory, into host memory and (on the CUDA
+/// driver the tests chose: the emulator here) into the client's device
+/// memory, which it copies into itself.
 #[test]
 fn dmaload_load_an_object_through_a_service_without_keys_is_read_once_then_a_hit() {
     let test = "dmaload_load_an_object_through_a_service_without_keys_is_read_once_then_a_hit";
+    let cuda = cuda_driver::cuda_driver();
     let Some(garage) = Garage::start(test) else { return };
     let home = tempfile::tempdir().unwrap();
     let socket = home.path().join("cache.sock");
@@ -401,6 +404,9 @@ fn dmaload_load_an_object_through_a_service_without_keys_is_read_once_then_a_hit
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("HOME", home.path())
+        .envs(
+            ["DMALOAD_LIBCUDA", "DMALOAD_EMU_STRICT"].iter().filter_map(|k| Some((k, std::env::var_os(k)?))),
+        )
         .spawn()
         .unwrap();
     let started = std::time::Instant::now();
@@ -409,19 +415,33 @@ fn dmaload_load_an_object_through_a_service_without_keys_is_read_once_then_a_hit
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     let expected = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&body));
-    for served in ["miss", "hit"] {
-        let args = ["load", "s3://models/cached/model.bin", "--cache", socket_arg, "--hash", "--json"];
+    let url = "s3://models/cached/model.bin";
+    let mut loads = vec![("miss", vec![]), ("hit", vec![])];
+    match &cuda {
+        Ok(()) => loads.push(("hit", vec!["--to", "cuda:0"])),
+        Err(reason) => eprintln!("SKIP {test} (to cuda:0): {reason}"),
+    }
+    for (served, to) in loads {
+        let args = [&["load", url, "--cache", socket_arg, "--hash", "--json"][..], &to].concat();
         let out = dmaload(&garage, home.path(), &args);
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{stderr}");
+        assert!(out.status.success(), "{to:?}: {stderr}");
         assert!(stderr.contains(&format!("from the cache service at {socket_arg} ({served})")), "{stderr}");
         let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(report["hash"]["xxh3_64"], expected.as_str(), "{report}");
+        if !to.is_empty() {
+            let destination = report["destination"].as_str().unwrap();
+            assert!(
+                destination.starts_with("cuda:0") && destination.contains("via cache-service"),
+                "{report}"
+            );
+        }
     }
-    let args = ["load", "s3://models/cached/model.bin", "--cache", socket_arg, "--to", "cuda:0"];
+    // A range is one load's, not the service's whole object.
+    let args = ["load", url, "--cache", socket_arg, "--offset", "1"];
     let out = dmaload(&garage, home.path(), &args);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.contains("serves whole objects to host memory"), "{stderr}");
+    assert!(!out.status.success() && stderr.contains("serves whole files"), "{stderr}");
     let _ = service.kill();
     let _ = service.wait();
 }

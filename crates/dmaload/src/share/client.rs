@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::buffer::Buffer;
 use crate::cancel::CancelToken;
 use crate::cuda::{Context, DeviceRange};
-use crate::device::{allocate, load_open_device, LoadedDevice};
+use crate::device::{allocate, load_object_device, load_open_device, LoadedDevice};
 use crate::error::{Error, ErrorKind, Result};
 use crate::load::{LoadOptions, LoadReport, LoadRequest};
 use crate::object::Object;
@@ -223,6 +223,24 @@ impl Client {
         const OP: &str = "receive device copy";
         let request = protocol::encode_device_request(target);
         match self.request(&request, &[file.as_fd()], path, OP)? {
+            (Reply::Copied { len, served }, fds) if fds.is_empty() => Ok((len, served)),
+            _ => Err(Error::new(
+                ErrorKind::InvalidInput,
+                OP,
+                &self.socket,
+                "a reply of another kind to a to-device request",
+            )),
+        }
+    }
+
+    /// Has the service copy `object` (read with a [`Grant`] of this
+    /// process's, as [`Client::get_object`]) into the client's device
+    /// memory that `target` names, as [`Client::copy_file_to_device`] does
+    /// a file.
+    pub fn copy_object_to_device(&self, object: &Object, target: &DeviceTarget) -> Result<(u64, Served)> {
+        const OP: &str = "receive device copy";
+        let request = protocol::encode_object_device_request(&object.grant(), target);
+        match self.request(&request, &[], object.name(), OP)? {
             (Reply::Copied { len, served }, fds) if fds.is_empty() => Ok((len, served)),
             _ => Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -500,7 +518,7 @@ pub fn cached_to_device(
     ordinal: usize,
     options: &LoadOptions,
 ) -> Result<(LoadedDevice, LoadReport, CacheOutcome)> {
-    match device_from_service(file, socket, ordinal, options)? {
+    match device_from_service(Asked::File(file), socket, ordinal, options)? {
         Ok((loaded, report, served)) => Ok((loaded, report, CacheOutcome::Service { served, note: None })),
         Err(reason) => {
             let (loaded, report) = load_open_device(file, 0, None, ordinal, options)?;
@@ -509,21 +527,60 @@ pub fn cached_to_device(
     }
 }
 
-/// The service's copy of `file` into new memory of device `ordinal`, as
+/// [`cached_to_device`] of the opened `object`: the service reads it with
+/// a grant of this process's (as [`cached_object`]), keeps it under its
+/// ETag, and copies it into this process's device memory; where it cannot,
+/// the object is loaded directly to the device (its GETs into a pinned
+/// ring here). An object replaced since this process opened it is
+/// [`ErrorKind::Changed`].
+pub fn cached_object_to_device(
+    object: &Object,
+    socket: &Path,
+    ordinal: usize,
+    options: &LoadOptions,
+) -> Result<(LoadedDevice, LoadReport, CacheOutcome)> {
+    match device_from_service(Asked::Object(object), socket, ordinal, options)? {
+        Ok((loaded, report, served)) => Ok((loaded, report, CacheOutcome::Service { served, note: None })),
+        Err(reason) => {
+            let (loaded, report) = load_object_device(object, 0, None, ordinal, options)?;
+            Ok((loaded, report, CacheOutcome::Direct { reason }))
+        }
+    }
+}
+
+/// What a to-device request asks the service for: a file this process
+/// opened (its descriptor goes with the request) or an object it opened
+/// (a grant goes instead).
+#[derive(Clone, Copy)]
+enum Asked<'a> {
+    File(&'a OpenFile),
+    Object(&'a Object),
+}
+
+impl<'a> Asked<'a> {
+    fn path(self) -> &'a Path {
+        match self {
+            Asked::File(file) => file.path(),
+            Asked::Object(object) => object.name(),
+        }
+    }
+}
+
+/// The service's copy of `asked` into new memory of device `ordinal`, as
 /// [`cached_to_device`] has it made, or `Ok(Err(why))` where it loads
 /// directly instead.
 fn device_from_service(
-    file: &OpenFile,
+    asked: Asked<'_>,
     socket: &Path,
     ordinal: usize,
     options: &LoadOptions,
 ) -> Result<std::result::Result<(LoadedDevice, LoadReport, Served), String>> {
-    let len = match servable_to_device(file, options)? {
+    let len = match servable_to_device(asked, options)? {
         Ok(len) => len,
         Err(why) => return Ok(Err(why)),
     };
     let started = Instant::now();
-    let path = file.path();
+    let path = asked.path();
     let cpu_before = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let client = match connect_or_why(socket, options)? {
         Ok(client) => client,
@@ -531,11 +588,11 @@ fn device_from_service(
     };
     let context = Context::primary(ordinal).map_err(|e| Error::io("open the CUDA device", path, e.into()))?;
     let mut memory = allocate(&context, ordinal, len, path)?;
-    let served = match copy_through_service(&client, file, &context, &memory.range(), len)? {
+    let served = match copy_through_service(&client, asked, &context, &memory.range(), len)? {
         Ok(served) => served,
         Err(why) => return Ok(Err(why)),
     };
-    let report = device_report(file, &context, len, served, (started, cpu_before), options)?;
+    let report = device_report(asked, &context, len, served, (started, cpu_before), options)?;
     Ok(Ok((LoadedDevice { memory, len }, report, served)))
 }
 
@@ -557,7 +614,7 @@ pub fn cached_into_device(
     range: &DeviceRange<'_>,
     options: &LoadOptions,
 ) -> Result<std::result::Result<(LoadReport, Served), String>> {
-    let len = match servable_to_device(file, options)? {
+    let len = match servable_to_device(Asked::File(file), options)? {
         Ok(len) => len,
         Err(why) => return Ok(Err(why)),
     };
@@ -576,28 +633,34 @@ pub fn cached_into_device(
         Ok(client) => client,
         Err(why) => return Ok(Err(why)),
     };
-    let served = match copy_through_service(&client, file, context, range, len)? {
+    let served = match copy_through_service(&client, Asked::File(file), context, range, len)? {
         Ok(served) => served,
         Err(why) => return Ok(Err(why)),
     };
-    let report = device_report(file, context, len, served, (started, cpu_before), options)?;
+    let report = device_report(Asked::File(file), context, len, served, (started, cpu_before), options)?;
     Ok(Ok((report, served)))
 }
 
-/// The length of `file`, which the service can copy to a device, or why
-/// it cannot.
-fn servable_to_device(file: &OpenFile, options: &LoadOptions) -> Result<std::result::Result<u64, String>> {
+/// The length of what is `asked`, which the service can copy to a
+/// device, or why it cannot.
+fn servable_to_device(asked: Asked<'_>, options: &LoadOptions) -> Result<std::result::Result<u64, String>> {
     if options.verify {
         return Ok(Err("the cache service does not verify: a verified load reads the file itself".into()));
     }
-    let meta = file.source().file.metadata().map_err(|e| Error::io("fstat", file.path(), e))?;
-    if !meta.file_type().is_file() {
-        return Ok(Err(format!("a {} is not cached, only regular files", source::type_name(&meta))));
-    }
-    if meta.len() == 0 {
+    let len = match asked {
+        Asked::File(file) => {
+            let meta = file.source().file.metadata().map_err(|e| Error::io("fstat", file.path(), e))?;
+            if !meta.file_type().is_file() {
+                return Ok(Err(format!("a {} is not cached, only regular files", source::type_name(&meta))));
+            }
+            meta.len()
+        }
+        Asked::Object(object) => object.size,
+    };
+    if len == 0 {
         return Ok(Err("an empty file has no device memory to fill".into()));
     }
-    Ok(Ok(meta.len()))
+    Ok(Ok(len))
 }
 
 /// A client of the service at `socket`, or why there is none (a cancel is
@@ -610,17 +673,17 @@ fn connect_or_why(socket: &Path, options: &LoadOptions) -> Result<std::result::R
     }
 }
 
-/// Has the service copy the first `len` bytes of `file` (all of them, as
-/// it had them) into the start of `range`; how it had the file, or why it
-/// cannot fill this process's device memory.
+/// Has the service copy the first `len` bytes of what is `asked` (all of
+/// them, as it had them) into the start of `range`; how it had them, or
+/// why it cannot fill this process's device memory.
 fn copy_through_service(
     client: &Client,
-    file: &OpenFile,
+    asked: Asked<'_>,
     context: &Context,
     range: &DeviceRange<'_>,
     len: u64,
 ) -> Result<std::result::Result<Served, String>> {
-    let path = file.path();
+    let path = asked.path();
     let (handle, offset) = match range.ipc_handle(context) {
         Ok(named) => named,
         Err(err) => return Ok(Err(format!("the device memory cannot be shared with the service: {err}"))),
@@ -628,7 +691,12 @@ fn copy_through_service(
     let ordinal = u32::try_from(context.ordinal())
         .map_err(|_| Error::new(ErrorKind::InvalidInput, "load", path, "no such device"))?;
     let target = DeviceTarget::new(ordinal, &handle.0, offset, len);
-    let (copied, served) = match client.copy_file_to_device(&file.source().file, path, &target) {
+    let copied = match asked {
+        Asked::File(file) => client.copy_file_to_device(&file.source().file, path, &target),
+        // The service's HEAD pins the grant's ETag: another version fails there.
+        Asked::Object(object) => client.copy_object_to_device(object, &target),
+    };
+    let (copied, served) = match copied {
         Ok(done) => done,
         Err(err) if err.kind() == ErrorKind::Cancelled => return Err(err),
         Err(err) if device_unreachable(&err) => {
@@ -647,30 +715,36 @@ fn copy_through_service(
     // The bytes must be those of the file as this process opened it (and,
     // in Python, read its header from): a write since, which the service
     // may have loaded, fails the load as it fails a direct one.
-    file.source().check_unchanged(path, len)?;
+    if let Asked::File(file) = asked {
+        file.source().check_unchanged(path, len)?;
+    }
     Ok(Ok(served))
 }
 
-/// The report of a copy the service made: `len` bytes of `file` into
-/// memory of `context`'s device, from `began` (the time and CPU time when
-/// the client began) until now.
+/// The report of a copy the service made: `len` bytes of what was `asked`
+/// into memory of `context`'s device, from `began` (the time and CPU time
+/// when the client began) until now.
 fn device_report(
-    file: &OpenFile,
+    asked: Asked<'_>,
     context: &Context,
     len: u64,
     served: Served,
     began: (Instant, (Duration, Duration)),
     options: &LoadOptions,
 ) -> Result<LoadReport> {
-    let path = file.path();
+    let path = asked.path();
     let (started, cpu_before) = began;
     let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", path, e))?;
     let device = context.device_name().unwrap_or_default();
     let destination = format!("cuda:{} ({device}) via cache-service ({})", context.ordinal(), served.name());
     let mut report = handoff_report(path, len, started.elapsed().as_secs_f64(), destination, options);
     report.memory_reason = "device memory the cache service filled from its pinned copy of the file".into();
-    report.filesystem =
-        sys::file::filesystem_magic(file.source().file.as_fd()).map_or("unknown", system::filesystem_name);
+    report.filesystem = match asked {
+        Asked::File(file) => {
+            sys::file::filesystem_magic(file.source().file.as_fd()).map_or("unknown", system::filesystem_name)
+        }
+        Asked::Object(_) => "s3",
+    };
     report.cpu_user_seconds = (cpu_after.0 - cpu_before.0).as_secs_f64();
     report.cpu_system_seconds = (cpu_after.1 - cpu_before.1).as_secs_f64();
     Ok(report)

@@ -14,7 +14,8 @@
 //! bytes into that allocation (see [`DeviceTarget`]), answered
 //! with `copied` once the bytes are there; `{"op": "get-object", "object":
 //! GRANT}` with none, which asks for the object a [`Grant`] names (the
-//! service reads it with the grant, never with keys of its own). Replies: a buffer (its memfd
+//! service reads it with the grant, never with keys of its own), and
+//! `to-device` with a grant and no descriptor for an object. Replies: a buffer (its memfd
 //! attached), the status, or an error with the same detail as a direct
 //! load's (kind, operation, path, offset, errno, message). Before a get's
 //! reply the service sends `accepted` as soon as it has read the request,
@@ -153,7 +154,8 @@ pub struct Message {
     pub request: Request,
     /// Set for [`Request::ToDevice`], and only for it.
     pub device: Option<DeviceTarget>,
-    /// Set for [`Request::GetObject`], and only for it.
+    /// Set for [`Request::GetObject`], and for a [`Request::ToDevice`] of
+    /// an object.
     pub object: Option<Grant>,
 }
 
@@ -168,6 +170,12 @@ pub fn encode_device_request(target: &DeviceTarget) -> Vec<u8> {
     encode(&RequestBody { op: Request::ToDevice, device: Some(target.clone()), object: None })
 }
 
+/// A [`Request::ToDevice`] of the object `grant` names into `target`, as
+/// bytes to send (with no descriptor: the grant names the object).
+pub fn encode_object_device_request(grant: &Grant, target: &DeviceTarget) -> Vec<u8> {
+    encode(&RequestBody { op: Request::ToDevice, device: Some(target.clone()), object: Some(grant.clone()) })
+}
+
 /// A [`Request::GetObject`] of the object `grant` names as bytes to send.
 pub fn encode_object_request(grant: &Grant) -> Vec<u8> {
     encode(&RequestBody { op: Request::GetObject, device: None, object: Some(grant.clone()) })
@@ -175,7 +183,8 @@ pub fn encode_object_request(grant: &Grant) -> Vec<u8> {
 
 /// A received request, checked as untrusted input: a device target comes
 /// with `to-device` and only with it, its handle well formed; a grant
-/// with `get-object` and only with it.
+/// with `get-object` always, with `to-device` for an object (instead of a
+/// descriptor), and with nothing else.
 pub fn decode_message(bytes: &[u8]) -> io::Result<Message> {
     let body = decode::<RequestBody>(bytes)?;
     let invalid = |message: &str| io::Error::new(io::ErrorKind::InvalidData, message.to_owned());
@@ -187,8 +196,8 @@ pub fn decode_message(bytes: &[u8]) -> io::Result<Message> {
     }
     match (body.op, &body.object) {
         (Request::GetObject, None) => return Err(invalid("a get-object request names no object")),
-        (Request::GetObject, Some(_)) | (_, None) => {}
-        (_, Some(_)) => return Err(invalid("only a get-object request names an object")),
+        (Request::GetObject | Request::ToDevice, Some(_)) | (_, None) => {}
+        (_, Some(_)) => return Err(invalid("only a get-object or to-device request names an object")),
     }
     Ok(Message { request: body.op, device: body.device, object: body.object })
 }
@@ -528,7 +537,13 @@ mod tests {
             etag: "\"e\"".into(),
         };
         let message = decode_message(&encode_object_request(&grant)).unwrap();
-        assert_eq!((message.request, message.object), (Request::GetObject, Some(grant)));
+        assert_eq!((message.request, message.object), (Request::GetObject, Some(grant.clone())));
+        let target = DeviceTarget::new(0, &[0xcd; 64], 256, 4096);
+        let message = decode_message(&encode_object_device_request(&grant, &target)).unwrap();
+        assert_eq!(
+            (message.request, message.device, message.object),
+            (Request::ToDevice, Some(target), Some(grant))
+        );
         for bad in [
             r#"{"version": 2, "body": {"op": "get-object"}}"#.to_owned(),
             format!(r#"{{"version": 2, "body": {{"op": "get", "object": {}}}}}"#, "{}"),

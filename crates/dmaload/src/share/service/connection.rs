@@ -67,13 +67,17 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
         let started = Instant::now();
         let request = protocol::decode_message(&buf[..len]);
         let sent = match (request, fds.len()) {
-            (Ok(protocol::Message { request: Request::ToDevice, device: Some(target), .. }), 1) => {
-                let fd = fds.remove(0);
+            (Ok(protocol::Message { request: Request::ToDevice, device: Some(target), object }), count)
+                if count == usize::from(object.is_none()) =>
+            {
                 if conn.send(&protocol::encode(&Reply::Accepted), &[]).is_err() {
                     break;
                 }
                 let copied = with_keepalives(&conn, &state.loaded, || {
-                    let handoff = state.get(fd, peer.uid)?;
+                    let handoff = match &object {
+                        Some(grant) => state.get_object(grant, peer.uid)?,
+                        None => state.get(fds.remove(0), peer.uid)?,
+                    };
                     state.copy_to_device(&handoff.loaded, &target, peer.uid).map(|()| handoff)
                 });
                 match copied {
@@ -134,8 +138,8 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
                     "request",
                     &state.config.socket,
                     format!(
-                        "{request:?} carried {count} descriptors (get and to-device: 1, status and \
-                         get-object: 0)"
+                        "{request:?} carried {count} descriptors (get and to-device: 1, status, get-object \
+                         and to-device of an object: 0)"
                     ),
                 ),
             ),
