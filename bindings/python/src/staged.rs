@@ -239,8 +239,14 @@ fn load_one<'r>(
     let (offset, len) = (file.data_start, Some(file.data_len));
     let mut fallback = None;
     let target = match (target, socket, context, &file.source) {
-        (Target::Device(whole), Some(socket), Some(ctx), Source::File(open)) => {
-            match dmaload::share::cached_into_device(open, socket, ctx, &whole, options)? {
+        (Target::Device(whole), Some(socket), Some(ctx), source) => {
+            let served = match source {
+                Source::File(open) => dmaload::share::cached_into_device(open, socket, ctx, &whole, options)?,
+                Source::Object(object) => {
+                    dmaload::share::cached_object_into_device(object, socket, ctx, &whole, options)?
+                }
+            };
+            match served {
                 Ok((report, _served)) => {
                     if let Some(progress) = &options.progress {
                         progress(file.data_len, file.data_len);
@@ -250,11 +256,6 @@ fn load_one<'r>(
                 Err(why) => fallback = Some(dmaload::Fallback::new("cache-service", "staged", why)),
             }
             Target::Device(whole)
-        }
-        (target, Some(_), _, Source::Object(_)) => {
-            let why = "an object is not served by the cache service";
-            fallback = Some(dmaload::Fallback::new("cache-service", "staged", why));
-            target
         }
         (target, ..) => target,
     };

@@ -325,8 +325,6 @@ def test_safetensors_load_file_of_an_s3_model_takes_the_staged_device_path(s3_en
     else:
         with pytest.raises(RuntimeError, match="PyTorch sees no CUDA device"):
             dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0")
-    with pytest.raises(ValueError, match="does not take cache="):
-        dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0", cache=True)
     with pytest.raises(ValueError, match="does not take verify=True with device="):
         dmaload.safetensors.load_file("s3://models/staged/", framework="pt", device="cuda:0", verify=True)
 
@@ -671,3 +669,83 @@ def test_an_object_loads_into_a_dma_buf_or_names_the_missing_producer(s3_env: Ga
         else:
             with pytest.raises(OSError, match=device):
                 dmaload.load_dmabuf("s3://models/dmabuf/model.bin", to=to)
+
+
+# The child of the object-through-the-service case: argv = socket, then
+# URL and local copy pairs. Each shard gets one emulated allocation of its
+# whole length (header and data, as `_device.load_files` lays it out) and
+# `_load_staged(..., socket=)` has the service copy it there.
+SERVICE_OBJECT_CHILD = r"""
+import ctypes, os, sys
+from dmaload import _dmaload
+
+cuda = ctypes.CDLL(os.environ["DMALOAD_LIBCUDA"])
+def check(code):
+    assert code == 0, code
+check(cuda.cuInit(0))
+device, ctx = ctypes.c_int(), ctypes.c_void_p()
+check(cuda.cuDeviceGet(ctypes.byref(device), 0))
+check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device))
+check(cuda.cuCtxPushCurrent_v2(ctx))
+socket, urls, copies = sys.argv[1], sys.argv[2::2], sys.argv[3::2]
+for url, copy in zip(urls, copies):
+    body = open(copy, "rb").read()
+    file = _dmaload.open_safetensors(url)
+    dptr = ctypes.c_ulonglong()
+    check(cuda.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(len(body))))
+    [report] = _dmaload._load_staged([file], [dptr.value + file.data_start], 0, socket=socket)
+    back = ctypes.create_string_buffer(len(body))
+    check(cuda.cuMemcpyDtoH_v2(back, dptr, ctypes.c_size_t(len(body))))
+    print("OK" if back.raw == body else "DIFFERENT", url, report.destination, [f.reason for f in report.fallbacks])
+"""
+
+
+def test_s3_shards_reach_device_memory_through_the_cache_service(
+    s3_env: Garage, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``load_file("s3://...", device="cuda:N", cache=...)``'s native step
+    on the CUDA driver emulator: the service (which holds no keys) reads
+    each shard with the client's grant and copies it into the client's
+    device memory; the client's driver refuses to pin or copy, so it did
+    neither. A second run is served from the service's copies."""
+    if shutil.which(os.environ.get("CC", "gcc")) is None:
+        print("SKIP test_s3_shards_reach_device_memory_through_the_cache_service: no C compiler for the emulator")
+        pytest.skip("no C compiler")
+    pytest.importorskip("torch")
+    from test_cuda_emulator import CLIENT_PINS_NOTHING, _serve
+
+    emulator = tmp_path_factory.mktemp("cuda-emu-service")
+    root = Path(__file__).resolve().parents[3]
+    subprocess.run(["bash", str(root / "tests/cuda-emu/build.sh"), str(emulator)], check=True)
+    _put_sharded(s3_env, tmp_path, "served")
+    args = []
+    for i in (1, 2):
+        name = f"model-0000{i}-of-00002.safetensors"
+        args += [f"s3://models/served/{name}", str(tmp_path / name)]
+    socket_path = tmp_path / "cache.sock"
+    keyless = {name: "" for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    service = _serve(str(emulator / "libcuda.so.1"), socket_path, keyless)
+    try:
+        env = dict(
+            os.environ,
+            DMALOAD_LIBCUDA=str(emulator / "libcuda.so.1"),
+            DMALOAD_EMU_STRICT="1",
+            DMALOAD_EMU_FAULTS=CLIENT_PINS_NOTHING,
+        )
+        for served in ("miss", "hit"):
+            out = subprocess.run(
+                [sys.executable, "-c", SERVICE_OBJECT_CHILD, str(socket_path), *args],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+            lines = out.stdout.splitlines()
+            assert len(lines) == 2, out.stdout
+            for line in lines:
+                assert line.startswith("OK s3://models/served/"), out.stdout
+                assert f"via cache-service ({served}) []" in line, out.stdout
+    finally:
+        service.kill()
+        service.wait()

@@ -614,17 +614,40 @@ pub fn cached_into_device(
     range: &DeviceRange<'_>,
     options: &LoadOptions,
 ) -> Result<std::result::Result<(LoadReport, Served), String>> {
-    let len = match servable_to_device(Asked::File(file), options)? {
+    into_device_from_service(Asked::File(file), socket, context, range, options)
+}
+
+/// [`cached_into_device`] of the opened `object`: the service reads it
+/// with a grant of this process's and keeps it under its ETag (as
+/// [`cached_object`]).
+pub fn cached_object_into_device(
+    object: &Object,
+    socket: &Path,
+    context: &Context,
+    range: &DeviceRange<'_>,
+    options: &LoadOptions,
+) -> Result<std::result::Result<(LoadReport, Served), String>> {
+    into_device_from_service(Asked::Object(object), socket, context, range, options)
+}
+
+fn into_device_from_service(
+    asked: Asked<'_>,
+    socket: &Path,
+    context: &Context,
+    range: &DeviceRange<'_>,
+    options: &LoadOptions,
+) -> Result<std::result::Result<(LoadReport, Served), String>> {
+    let len = match servable_to_device(asked, options)? {
         Ok(len) => len,
         Err(why) => return Ok(Err(why)),
     };
-    let path = file.path();
+    let path = asked.path();
     if (range.len() as u64) < len {
         return Err(Error::new(
             ErrorKind::Changed,
             "load",
             path,
-            format!("the file has {len} bytes, more than the {} set aside for it: it changed", range.len()),
+            format!("it has {len} bytes, more than the {} set aside for it: it changed", range.len()),
         ));
     }
     let started = Instant::now();
@@ -633,11 +656,11 @@ pub fn cached_into_device(
         Ok(client) => client,
         Err(why) => return Ok(Err(why)),
     };
-    let served = match copy_through_service(&client, Asked::File(file), context, range, len)? {
+    let served = match copy_through_service(&client, asked, context, range, len)? {
         Ok(served) => served,
         Err(why) => return Ok(Err(why)),
     };
-    let report = device_report(Asked::File(file), context, len, served, (started, cpu_before), options)?;
+    let report = device_report(asked, context, len, served, (started, cpu_before), options)?;
     Ok(Ok((report, served)))
 }
 

@@ -23,9 +23,9 @@ pub use block_queue::{
 };
 pub use capture::{capture_to_file, process_cpu_seconds, CaptureOptions, CaptureReport};
 pub use client::{
-    cached, cached_into_device, cached_object, cached_object_to_device, cached_to_device,
-    connection_from_raw_fd, default_socket, from_service, handoff_report, socket_from_env, CacheOutcome,
-    Client, Fetched, CACHE_ENV,
+    cached, cached_into_device, cached_object, cached_object_into_device, cached_object_to_device,
+    cached_to_device, connection_from_raw_fd, default_socket, from_service, handoff_report, socket_from_env,
+    CacheOutcome, Client, Fetched, CACHE_ENV,
 };
 pub use protocol::{CachedFile, Served, Status};
 pub use service::{Service, ServiceConfig, StopSignals};

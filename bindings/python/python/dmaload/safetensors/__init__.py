@@ -328,19 +328,17 @@ class SafeOpen:
     ) -> None:
         """A model in object storage (``s3://BUCKET/KEY``, ``.../INDEX.json``
         or a prefix ``s3://BUCKET/model/``), resolved by the core as a
-        local model is; each shard object loaded once into host memory (from
-        the cache service with ``cache=``, which keeps it under its ETag),
-        or onto ``device`` through the staged path as a file is."""
+        local model is; each shard object loaded once into host memory, or
+        onto ``device`` through the staged path as a file is. With
+        ``cache=``, the cache service reads each shard (and keeps it under
+        its ETag) and hands host memory its copy, or copies it into the
+        device memory itself."""
         on_device = self._framework == "pt" and _device.is_device(device)
-        _refuse_for_objects(
-            url,
-            cache=on_device and cache is not None,
-            verify_on_device=on_device and bool(options.get("verify")),
-        )
+        _refuse_for_objects(url, verify_on_device=on_device and bool(options.get("verify")))
         urls, weight_map = _object_model(url)
-        socket = None if on_device else socket_for(cache)
+        socket = socket_for(cache)
         if on_device:
-            self._files = _device.load_files(urls, device, progress, options)
+            self._files = _device.load_files(urls, device, progress, options, socket)
         elif socket is not None:
             self._files = _load_files_cached(urls, socket, options)
         else:
@@ -591,9 +589,8 @@ def load_file(
     another process sees; on a device, the service's memory is read through
     the staging ring instead of the disk. Without a service the files load
     directly and a ``RuntimeWarning`` says why, once. An ``s3://`` model's
-    shards come from the service too on the CPU (the service reads them with
-    this process's presigned queries and keeps them under their ETags), not
-    yet on a device.
+    shards come from the service too (it reads them with this process's
+    presigned queries and keeps them under their ETags).
 
     ``process_group`` (a ``torch.distributed`` group; PyTorch only): every
     rank of the group calls this with the same path, each reads a disjoint
