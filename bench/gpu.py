@@ -87,7 +87,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import GIB, MIB, ROOT, evict, log, parse_size, read_header, resident_bytes, warm, write_model  # noqa: E402
 from gpu_child import (  # noqa: E402
-    ALIASES, CACHE_SOCKET_ENV, DEFAULT_LOADERS, DEFAULT_RING_SLOT, DEFAULT_RING_SLOTS, LOADERS, MODULES, RESULT_MARK,
+    ALIASES, CACHE_SOCKET_ENV, DEFAULT_LOADERS, LOADERS, MODULES, RESULT_MARK,
     Unavailable, child_main, parse_opts,
 )
 
@@ -97,8 +97,14 @@ from gpu_child import (  # noqa: E402
 
 
 def ring_bytes(opts: dict[str, Any]) -> int:
-    slots = int(opts.get("staging_slots", DEFAULT_RING_SLOTS))
-    slot = opts.get("staging_slot_size", DEFAULT_RING_SLOT)
+    """The most a device load's staging ring pins: the options' slots, else
+    the core's most (unset, the core sizes the ring to the file, up to
+    that: dmaload::device::staging_ring_slots)."""
+    from dmaload import _dmaload
+
+    most = _dmaload._option_defaults()
+    slots = int(opts.get("staging_slots", most["staging_slots"]))
+    slot = opts.get("staging_slot_size", most["staging_slot_size"])
     return slots * (slot if isinstance(slot, int) else parse_size(str(slot)))
 
 

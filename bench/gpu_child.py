@@ -25,9 +25,6 @@ from _common import GIB, MIB, PAGE
 
 
 RESULT_MARK = "@@gpu-bench-result "
-# The staging ring of dmaload's device path (dmaload/_options.py: 32 slots of 16 MiB).
-DEFAULT_RING_SLOTS = 32
-DEFAULT_RING_SLOT = 16 * MIB
 
 LOADERS: dict[str, str] = {
     "dmaload": "dmaload",
