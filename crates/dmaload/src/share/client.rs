@@ -518,13 +518,9 @@ pub fn cached_to_device(
     ordinal: usize,
     options: &LoadOptions,
 ) -> Result<(LoadedDevice, LoadReport, CacheOutcome)> {
-    match device_from_service(Asked::File(file), socket, ordinal, options)? {
-        Ok((loaded, report, served)) => Ok((loaded, report, CacheOutcome::Service { served, note: None })),
-        Err(reason) => {
-            let (loaded, report) = load_open_device(file, 0, None, ordinal, options)?;
-            Ok((loaded, report, CacheOutcome::Direct { reason }))
-        }
-    }
+    served_or_direct(Asked::File(file), socket, ordinal, options, || {
+        load_open_device(file, 0, None, ordinal, options)
+    })
 }
 
 /// [`cached_to_device`] of the opened `object`: the service reads it with
@@ -539,10 +535,24 @@ pub fn cached_object_to_device(
     ordinal: usize,
     options: &LoadOptions,
 ) -> Result<(LoadedDevice, LoadReport, CacheOutcome)> {
-    match device_from_service(Asked::Object(object), socket, ordinal, options)? {
+    served_or_direct(Asked::Object(object), socket, ordinal, options, || {
+        load_object_device(object, 0, None, ordinal, options)
+    })
+}
+
+/// The service's copy of what is `asked` into new memory of device
+/// `ordinal`, else `direct`'s load, and which of the two it was.
+fn served_or_direct(
+    asked: Asked<'_>,
+    socket: &Path,
+    ordinal: usize,
+    options: &LoadOptions,
+    direct: impl FnOnce() -> Result<(LoadedDevice, LoadReport)>,
+) -> Result<(LoadedDevice, LoadReport, CacheOutcome)> {
+    match device_from_service(asked, socket, ordinal, options)? {
         Ok((loaded, report, served)) => Ok((loaded, report, CacheOutcome::Service { served, note: None })),
         Err(reason) => {
-            let (loaded, report) = load_object_device(object, 0, None, ordinal, options)?;
+            let (loaded, report) = direct()?;
             Ok((loaded, report, CacheOutcome::Direct { reason }))
         }
     }

@@ -91,10 +91,7 @@ pub(super) fn serve_client(state: &State, conn: Connection) {
                             loaded.len,
                             served.name(),
                             started.elapsed().as_secs_f64() * 1e3,
-                            match &sent {
-                                Ok(()) => String::new(),
-                                Err(err) => format!("; the client is gone: {err}"),
-                            }
+                            gone(&sent)
                         ));
                         drop(loaded);
                         drop(turn);
@@ -189,15 +186,20 @@ fn reply_buffer(
         served.name(),
         started.elapsed().as_secs_f64() * 1e3,
         note.map(|n| format!(" ({n})")).unwrap_or_default(),
-        match &sent {
-            Ok(()) => String::new(),
-            Err(err) => format!("; the client is gone: {err}"),
-        }
+        gone(&sent)
     ));
     // An uncached file's last reference here goes before its turn does.
     drop(loaded);
     drop(turn);
     sent.is_ok()
+}
+
+/// What a request's log line adds when its reply could not be sent.
+fn gone(sent: &io::Result<()>) -> String {
+    match sent {
+        Ok(()) => String::new(),
+        Err(err) => format!("; the client is gone: {err}"),
+    }
 }
 
 /// Runs `work` while a thread of its own tells the client, every
