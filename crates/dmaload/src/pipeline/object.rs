@@ -97,7 +97,7 @@ fn remember_gets(object: &Object, run: &EngineRun) {
 /// busy (the ring a device load of an object pins, and Python's staged
 /// loads of object shards): as many as its GETs in flight fill (a request
 /// on each connection: for a tuned load, the count remembered for the
-/// environment's endpoint, else [`DEFAULT_CONNECTIONS`]), and two more,
+/// environment's endpoint, else 8), and two more,
 /// one being delivered while the other waits for a straggler. GETs are
 /// slower than a disk's reads, so a ring sized for a file's range (up to
 /// 32 slots of 16 MiB) would pin memory that only costs its pinning; the

@@ -175,7 +175,7 @@ impl Client {
     }
 
     /// The bytes of `object`, which the service reads (once for every
-    /// client, keeping them under the object's ETag) with a [`Grant`] of
+    /// client, keeping them under the object's ETag) with a [`Grant`](crate::object::Grant) of
     /// this process's: the store checks the grant on each request, a hit's
     /// included, and this process's keys never leave it.
     pub fn get_object(&self, object: &Object) -> Result<Fetched> {
@@ -233,7 +233,7 @@ impl Client {
         }
     }
 
-    /// Has the service copy `object` (read with a [`Grant`] of this
+    /// Has the service copy `object` (read with a [`Grant`](crate::object::Grant) of this
     /// process's, as [`Client::get_object`]) into the client's device
     /// memory that `target` names, as [`Client::copy_file_to_device`] does
     /// a file.
