@@ -222,7 +222,8 @@ def test_an_s3_model_is_read_from_model_weights_as_vllm_keeps_it(
     loader reads the weights from the URL (a prefix without its ``/``, as
     vLLM passes it), against a real S3 server (Garage, as
     bindings/python/tests/test_object_store.py starts it), the same tensors
-    as vLLM's own loader gives from the files on disk."""
+    as vLLM's own loader gives from the files on disk; then the same through
+    the model-cache service, a miss and then a hit for every shard."""
     sys.path.insert(0, str(HERE.parents[1] / "bindings/python/tests"))
     from test_object_store import Garage, garage_binary
 
@@ -245,8 +246,24 @@ def test_an_s3_model_is_read_from_model_weights_as_vllm_keeps_it(
         loader = DmaloadModelLoader(LoadConfig(load_format="dmaload"))
         ours = {name: tensor.clone() for name, tensor in loader.get_all_weights(config, model)}
         theirs = _all_weights(DefaultModelLoader(LoadConfig(load_format="safetensors")), models["llama"], model)
-        assert len(list(models["llama"].glob("*.safetensors"))) > 1
+        shards = len(list(models["llama"].glob("*.safetensors")))
+        assert shards > 1
         _same(ours, theirs)
+        # Through the model-cache service (`cache` in the extra config): the
+        # service reads each shard with this process's grant once, and the
+        # next load maps every shard from it.
+        from test_cache import Service
+
+        service = Service(tmp_path / "cache.sock")
+        try:
+            extra = {"cache": str(service.socket)}
+            cached = DmaloadModelLoader(LoadConfig(load_format="dmaload", model_loader_extra_config=extra))
+            for _ in range(2):
+                _same({name: t.clone() for name, t in cached.get_all_weights(config, model)}, theirs)
+            status = service.status()
+            assert (status["misses"], status["hits"]) == (shards, shards), status
+        finally:
+            service.stop()
     finally:
         garage.stop()
 

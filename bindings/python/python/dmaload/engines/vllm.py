@@ -57,6 +57,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
 from .. import _dmaload
+from .._cache import socket_for
 from ..safetensors import _is_object_url, iter_tensors
 from ._weights import EarlyRead, EngineKeys, LoaderConfig, start_early, weights, world_device_group
 
@@ -248,8 +249,11 @@ class DmaloadModelLoader(DefaultModelLoader):  # type: ignore[misc]
                     f"dmaload: {files[0]}: an s3:// model loads on one rank without an expert filter so far "
                     "(docs/object-storage.md)"
                 )
-            logger.info("dmaload: streaming %d shard(s) from object storage, shard by shard", len(files))
-            return iter_tensors(list(files), _device())
+            if socket_for(self.dmaload_config.cache) is None:
+                logger.info("dmaload: streaming %d shard(s) from object storage, shard by shard", len(files))
+                return iter_tensors(list(files), _device())
+            # With a model-cache service: each shard whole from it (the
+            # service reads it with this process's grant, once per version).
         # The read begun in create_model, for the files it read; load_model
         # closes it in the end whatever happens here.
         early = self._early

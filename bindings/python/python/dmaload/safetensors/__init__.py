@@ -266,14 +266,17 @@ class SafeOpen:
         self._loaded: dict[str, Any] | None = None
         streamed = process_group is not None or tensor_filter is not None
         sources: list[_collective.Source]
-        if _is_object_url(path):
+        # A model in object storage: a URL, or a list of shard URLs (as vLLM lists them).
+        objects = path if _is_object_url(path) else _object_shards(path)
+        if objects is not None:
             if not streamed:
-                self._open_objects(path, device, progress, cache, dict(options))
+                self._open_objects(objects, device, progress, cache, dict(options))
                 return
             # Shared by a group or filtered: a stream's windows, each
             # received by ranged GETs into its buffer.
-            _refuse_for_objects(path, cache=cache is not None, verify=bool(options.get("verify")))
-            sources, weight_map = _object_model(path)
+            name = objects if isinstance(objects, str) else objects[0]
+            _refuse_for_objects(name, cache=cache is not None, verify=bool(options.get("verify")))
+            sources, weight_map = _object_model(objects)
             paths: list[Path] = []
         else:
             paths, weight_map = shard_paths(path)
@@ -320,21 +323,22 @@ class SafeOpen:
 
     def _open_objects(
         self,
-        url: str,
+        url: str | list[str],
         device: Any,
         progress: Progress,
         cache: Cache,
         options: dict[str, Any],
     ) -> None:
-        """A model in object storage (``s3://BUCKET/KEY``, ``.../INDEX.json``
-        or a prefix ``s3://BUCKET/model/``), resolved by the core as a
+        """A model in object storage (``s3://BUCKET/KEY``, ``.../INDEX.json``,
+        a prefix ``s3://BUCKET/model/`` or a list of shard URLs), resolved by the core as a
         local model is; each shard object loaded once into host memory, or
         onto ``device`` through the staged path as a file is. With
         ``cache=``, the cache service reads each shard (and keeps it under
         its ETag) and hands host memory its copy, or copies it into the
         device memory itself."""
         on_device = self._framework == "pt" and _device.is_device(device)
-        _refuse_for_objects(url, verify_on_device=on_device and bool(options.get("verify")))
+        name = url if isinstance(url, str) else url[0]
+        _refuse_for_objects(name, verify_on_device=on_device and bool(options.get("verify")))
         urls, weight_map = _object_model(url)
         socket = socket_for(cache)
         if on_device:
