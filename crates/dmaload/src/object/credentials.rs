@@ -5,6 +5,7 @@
 
 use std::io::{self, Read};
 use std::process::{Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
 use super::config::{Credentials, Endpoint};
@@ -26,6 +27,11 @@ const ENDPOINT_STALL: Duration = Duration::from_secs(5);
 /// split at spaces, `"..."` keeping spaces in one word, run without a
 /// shell; its stdout is JSON with `Version` 1.
 pub fn from_process(profile: &str, command: &str) -> Result<Credentials, String> {
+    from_process_within(profile, command, PROCESS_TIME)
+}
+
+/// [`from_process`] with `limit` for [`PROCESS_TIME`].
+fn from_process_within(profile: &str, command: &str, limit: Duration) -> Result<Credentials, String> {
     let words = split_command(command);
     let Some(program) = words.first() else {
         return Err(format!("credential_process of profile {profile} is empty"));
@@ -39,41 +45,60 @@ pub fn from_process(profile: &str, command: &str) -> Result<Credentials, String>
         .spawn()
         .map_err(|e| fail(format!("cannot run it: {e}")))?;
     // Readers on threads, so a full pipe never stalls the process; each
-    // takes a bounded amount and then closes its end.
+    // takes a bounded amount, then closes its end and hands it over.
     let read = |pipe: Option<Box<dyn Read + Send>>, limit: u64| {
+        let (sender, receiver) = mpsc::channel();
         std::thread::spawn(move || {
             let mut bytes = Vec::new();
             if let Some(pipe) = pipe {
                 let _ = pipe.take(limit).read_to_end(&mut bytes);
             }
-            bytes
-        })
+            let _ = sender.send(bytes);
+        });
+        receiver
     };
     let stdout = read(child.stdout.take().map(|p| Box::new(p) as _), PROCESS_OUTPUT + 1);
     let stderr = read(child.stderr.take().map(|p| Box::new(p) as _), PROCESS_STDERR);
+    // Done when it has exited and its stdout is closed: a child it left
+    // behind may hold stdout open, and is waited for within the limit too.
     let started = Instant::now();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if started.elapsed() < PROCESS_TIME => std::thread::sleep(Duration::from_millis(10)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(fail(format!("still running after {} s; killed", PROCESS_TIME.as_secs())));
+    let (mut status, mut output) = (None, None);
+    let (status, output) = loop {
+        if status.is_none() {
+            status = child.try_wait().map_err(|e| fail(format!("cannot wait for it: {e}")))?;
+        }
+        if output.is_none() {
+            output = stdout.try_recv().ok();
+        }
+        match (status, output) {
+            (Some(status), Some(output)) => break (status, output),
+            (exited, printed) => {
+                let too_much = printed.as_ref().is_some_and(|o: &Vec<u8>| o.len() as u64 > PROCESS_OUTPUT);
+                if too_much || started.elapsed() >= limit {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(fail(match too_much {
+                        true => format!("printed more than {PROCESS_OUTPUT} bytes"),
+                        false => format!(
+                            "not done (exited, its output closed) after {} s; killed",
+                            limit.as_secs_f64()
+                        ),
+                    }));
+                }
+                (status, output) = (exited, printed);
+                std::thread::sleep(Duration::from_millis(10));
             }
-            Err(e) => return Err(fail(format!("cannot wait for it: {e}"))),
         }
     };
-    let stdout = stdout.join().unwrap_or_default();
-    let stderr = stderr.join().unwrap_or_default();
-    if !status.success() {
-        let said = String::from_utf8_lossy(&stderr);
-        return Err(fail(format!("{status}: {}", said.trim())));
-    }
-    if stdout.len() as u64 > PROCESS_OUTPUT {
+    // (Its stdout closed at the limit may have ended it first.)
+    if output.len() as u64 > PROCESS_OUTPUT {
         return Err(fail(format!("printed more than {PROCESS_OUTPUT} bytes")));
     }
-    let json = parse_json(&stdout).map_err(&fail)?;
+    if !status.success() {
+        let said = stderr.recv_timeout(Duration::from_millis(100)).unwrap_or_default();
+        return Err(fail(format!("{status}: {}", String::from_utf8_lossy(&said).trim())));
+    }
+    let json = parse_json(&output).map_err(&fail)?;
     if json.get("Version").and_then(|v| v.as_u64()) != Some(1) {
         return Err(fail("its JSON has no \"Version\": 1".to_owned()));
     }
@@ -347,6 +372,29 @@ mod tests {
         let garbage = json("AccessKeyId=AK SecretAccessKey=SK").unwrap_err();
         assert!(garbage.contains("no JSON") && !garbage.contains("SK"), "{garbage}");
         assert!(json("[1]").is_err());
+    }
+
+    /// A process that hangs, or leaves a child holding its stdout, or
+    /// prints without end, is stopped at its limit with a message saying so.
+    #[test]
+    fn a_process_that_hangs_or_floods_is_stopped() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\n{text}\n")).unwrap();
+            std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+            path.display().to_string()
+        };
+        let limit = Duration::from_millis(500);
+        let hangs = script("hangs.sh", "exec sleep 30");
+        let why = from_process_within("p", &hangs, limit).unwrap_err();
+        assert!(why.contains("not done") && why.ends_with("killed"), "{why}");
+        let leaves = script("leaves.sh", "sleep 5 &\necho '{}'");
+        let why = from_process_within("p", &leaves, limit).unwrap_err();
+        assert!(why.contains("not done (exited, its output closed) after 0.5 s"), "{why}");
+        let floods = script("floods.sh", "exec yes");
+        let why = from_process_within("p", &floods, Duration::from_secs(30)).unwrap_err();
+        assert!(why.ends_with(&format!("printed more than {PROCESS_OUTPUT} bytes")), "{why}");
     }
 
     #[test]
