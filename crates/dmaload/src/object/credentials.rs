@@ -134,10 +134,8 @@ pub fn from_container(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Cre
     }
     let token = match env("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE") {
         Some(file) => Some(
-            std::fs::read_to_string(&file)
-                .map_err(|e| fail(format!("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE {file}: {e}")))?
-                .trim()
-                .to_owned(),
+            read_token(&file)
+                .map_err(|e| fail(format!("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE {file}: {e}")))?,
         ),
         None => env("AWS_CONTAINER_AUTHORIZATION_TOKEN"),
     };
@@ -198,6 +196,26 @@ pub fn from_imds(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Credenti
         None | Some("Success") => keys(&json, "Token").map(Some).map_err(fail),
         Some(code) => Err(fail(format!("the role {role}'s keys: Code {code}"))),
     }
+}
+
+/// The token in `file`, without its line end: a regular file of at most
+/// [`MAX_ERROR_BODY`] bytes (opened without blocking, so a FIFO there is
+/// refused rather than waited on).
+fn read_token(file: &str) -> io::Result<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let opened = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(file)?;
+    if !opened.metadata()?.is_file() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
+    }
+    let mut token = String::new();
+    opened.take(MAX_ERROR_BODY as u64 + 1).read_to_string(&mut token)?;
+    if token.len() > MAX_ERROR_BODY {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("longer than {MAX_ERROR_BODY} bytes"),
+        ));
+    }
+    Ok(token.trim().to_owned())
 }
 
 /// Splits a command line as AWS's tools do: at spaces, with `"..."`
@@ -395,6 +413,26 @@ mod tests {
         let floods = script("floods.sh", "exec yes");
         let why = from_process_within("p", &floods, Duration::from_secs(30)).unwrap_err();
         assert!(why.ends_with(&format!("printed more than {PROCESS_OUTPUT} bytes")), "{why}");
+    }
+
+    /// A token file that is a FIFO (or a directory) is refused at once,
+    /// never waited on, before any request.
+    #[test]
+    fn a_token_file_that_is_no_regular_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("token");
+        assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let fifo = fifo.display().to_string();
+        let env = |name: &str| match name {
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI" => Some("http://127.0.0.1:1/creds".to_owned()),
+            "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE" => Some(fifo.clone()),
+            _ => None,
+        };
+        let why = from_container(&env).unwrap_err();
+        assert!(
+            why.ends_with(&format!("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE {fifo}: not a regular file")),
+            "{why}"
+        );
     }
 
     #[test]
