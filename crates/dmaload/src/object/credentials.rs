@@ -17,10 +17,11 @@ const PROCESS_TIME: Duration = Duration::from_secs(60);
 const PROCESS_OUTPUT: u64 = 1 << 20;
 /// What of its stderr a failed process's message shows.
 const PROCESS_STDERR: u64 = 4 << 10;
-/// Time to connect to the instance metadata service: short, so that a
-/// machine that is no EC2 instance is not slowed.
+/// Time to connect to the instance metadata service and get its first
+/// answer: short, so that a machine that is no EC2 instance is not slowed.
 const IMDS_CONNECT: Duration = Duration::from_secs(1);
-/// Time without a byte from a credentials endpoint before it is given up.
+/// Time to connect to a credentials endpoint, and without a byte from it,
+/// before it is given up.
 const ENDPOINT_STALL: Duration = Duration::from_secs(5);
 
 /// Runs `command` (a profile's `credential_process`) as AWS's tools do:
@@ -321,15 +322,16 @@ fn rfc3339_seconds(time: &str) -> Option<i64> {
 
 /// One plain-HTTP request with no body on a fresh connection (closed
 /// after it): its status and body (at most [`MAX_ERROR_BODY`] bytes).
+/// `wait` bounds the connect, and each wait for a byte.
 fn request(
     endpoint: &Endpoint,
     method: &str,
     path: &str,
     headers: &[(&str, &str)],
-    connect: Duration,
+    wait: Duration,
 ) -> io::Result<(u16, Vec<u8>)> {
-    let waiter = Waiter { stopped: &|| false, stall: ENDPOINT_STALL };
-    let mut connection = Connection::open(&endpoint.host, endpoint.port, connect, None, &waiter)?;
+    let waiter = Waiter { stopped: &|| false, stall: wait };
+    let mut connection = Connection::open(&endpoint.host, endpoint.port, wait, None, &waiter)?;
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {}\r\n", endpoint.authority(&endpoint.host));
     for (name, value) in headers {
         if value.contains(['\r', '\n']) {
