@@ -344,7 +344,7 @@ mod tests {
 
     /// A stand-in credentials endpoint on 127.0.0.1 that answers one
     /// request with `body`, and hands back the request's head.
-    fn serve_once(body: &'static str) -> (String, std::thread::JoinHandle<String>) {
+    fn serve_once(status: &'static str, body: &'static str) -> (String, std::thread::JoinHandle<String>) {
         use std::io::{Read, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}/creds", listener.local_addr().unwrap());
@@ -355,7 +355,7 @@ mod tests {
             while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
                 head.push(byte[0]);
             }
-            let reply = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+            let reply = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n{body}", body.len());
             stream.write_all(reply.as_bytes()).unwrap();
             String::from_utf8(head).unwrap()
         });
@@ -405,6 +405,7 @@ mod tests {
         );
 
         let (url, served) = serve_once(
+            "200 OK",
             r#"{"AccessKeyId":"CK","SecretAccessKey":"CS","Token":"CT","Expiration":"2999-01-01T00:00:00Z"}"#,
         );
         let container = [
@@ -446,5 +447,12 @@ mod tests {
         probe.join().unwrap();
         let nobody = [("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", refused)];
         assert_eq!(keys(&nobody).unwrap(), None);
+        // Another cloud's metadata service at the address: no token, no keys.
+        let (other, served) = serve_once("404 Not Found", "");
+        let other = other.trim_end_matches("/creds");
+        let elsewhere =
+            [("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", other)];
+        assert_eq!(keys(&elsewhere).unwrap(), None);
+        assert!(served.join().unwrap().starts_with("PUT /latest/api/token HTTP/1.1\r\n"));
     }
 }

@@ -153,8 +153,8 @@ pub fn from_container(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Cre
 
 /// The keys of the EC2 instance's role from its metadata service (IMDSv2:
 /// a session token first, then the role's name, then its keys), unless
-/// `AWS_EC2_METADATA_DISABLED` is true. `None` when the service cannot be
-/// reached within [`IMDS_CONNECT`] (no EC2 instance) or the instance has no
+/// `AWS_EC2_METADATA_DISABLED` is true. `None` when no service gives a
+/// token within [`IMDS_CONNECT`] (no EC2 instance) or the instance has no
 /// role. `AWS_EC2_METADATA_SERVICE_ENDPOINT` names another endpoint.
 pub fn from_imds(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Credentials>, String> {
     if env("AWS_EC2_METADATA_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
@@ -170,9 +170,9 @@ pub fn from_imds(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Credenti
     let ttl = [("X-aws-ec2-metadata-token-ttl-seconds", "21600")];
     let token = match request(&endpoint, "PUT", &at("/latest/api/token"), &ttl, IMDS_CONNECT) {
         Ok((200, token)) => String::from_utf8(token).map_err(|_| fail("its token is not text".to_owned()))?,
-        Ok((status, _)) => return Err(fail(format!("PUT /latest/api/token: HTTP {status}"))),
-        // One attempt: nothing there, or nothing that answers HTTP.
-        Err(_) => return Ok(None),
+        // One attempt: nothing there, nothing that answers HTTP, or another
+        // cloud's metadata service (GCP's and Azure's answer at this address).
+        Ok(_) | Err(_) => return Ok(None),
     };
     let header = [("X-aws-ec2-metadata-token", token.trim())];
     let roles = at("/latest/meta-data/iam/security-credentials/");
@@ -332,6 +332,9 @@ fn request(
 ) -> io::Result<(u16, Vec<u8>)> {
     let waiter = Waiter { stopped: &|| false, stall: wait };
     let mut connection = Connection::open(&endpoint.host, endpoint.port, wait, None, &waiter)?;
+    if path.contains(|c: char| c.is_whitespace() || c.is_control()) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{path:?} is no request path")));
+    }
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {}\r\n", endpoint.authority(&endpoint.host));
     for (name, value) in headers {
         if value.contains(['\r', '\n']) {
