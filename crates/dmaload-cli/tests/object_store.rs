@@ -510,3 +510,234 @@ fn dmaload_load_without_threads_tunes_its_gets_and_remembers_them_for_the_endpoi
     std::fs::write(&tuning, format!("{endpoint} connections=banana request=2097152\n")).unwrap();
     assert_eq!(load("small.bin", &[]), (8, 8 << 20, 0), "a garbled line is ignored");
 }
+
+/// [`dmaload`] with the server's endpoint and region but none of its keys
+/// in the environment (nor the metadata service of the machine's): the
+/// keys come from the sources `extra` names.
+fn dmaload_keyless(
+    garage: &Garage,
+    home: &std::path::Path,
+    args: &[&str],
+    extra: &[(&str, String)],
+) -> std::process::Output {
+    let server =
+        garage.env().into_iter().filter(|(k, _)| k.starts_with("AWS_ENDPOINT") || *k == "AWS_REGION");
+    Command::new(env!("CARGO_BIN_EXE_dmaload"))
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", home)
+        .envs(server)
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .envs(extra.iter().map(|(k, v)| (k, v)))
+        .output()
+        .unwrap()
+}
+
+/// A stand-in credentials endpoint on 127.0.0.1 (an ECS/EKS agent, an
+/// instance metadata service): each request's line and headers go to
+/// `answer`, whose status and body are sent back; every request line is
+/// logged. It serves until the test process ends.
+fn stand_in(
+    answer: impl Fn(&str, &dyn Fn(&str) -> Option<String>) -> (u16, String) + Send + 'static,
+) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let logged = log.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let mut stream = stream.unwrap();
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut lines = Vec::new();
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                lines.push(line.trim_end().to_owned());
+            }
+            let Some(request) = lines.first().cloned() else { continue };
+            let header = |name: &str| {
+                lines[1..].iter().find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+                })
+            };
+            let (status, body) = answer(&request, &header);
+            logged.lock().unwrap().push(format!("{request} -> {status}"));
+            let reply = format!(
+                "HTTP/1.1 {status} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(reply.as_bytes());
+        }
+    });
+    (url, log)
+}
+
+/// Garage's keys in AWS's JSON shape (no session token), after the
+/// fields `extra` names.
+fn keys_json(garage: &Garage, extra: &str) -> String {
+    format!(
+        r#"{{{extra}"AccessKeyId": "{}", "SecretAccessKey": "{}", "Expiration": "2999-01-01T00:00:00Z"}}"#,
+        garage.key.access_key, garage.key.secret_key
+    )
+}
+
+/// A profile's `credential_process` (docs/object-storage.md,
+/// "Configuration"): run without a shell, its path and an argument quoted
+/// for their spaces, its JSON's keys sign the load; a process that fails
+/// or prints no JSON fails the load with a message naming the profile and
+/// the program (its stderr too), never the secret.
+#[test]
+fn dmaload_load_signs_with_the_keys_of_the_profiles_credential_process() {
+    let test = "dmaload_load_signs_with_the_keys_of_the_profiles_credential_process";
+    let Some(garage) = Garage::start(test) else { return };
+    let home = tempfile::tempdir().unwrap();
+    let body = pattern((1 << 20) + 3, 21);
+    garage.put("process/model.bin", &body);
+    let bin = home.path().join("my tools");
+    std::fs::create_dir_all(home.path().join(".aws")).unwrap();
+    std::fs::create_dir_all(&bin).unwrap();
+    let script = |name: &str, text: String| {
+        let path = bin.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{text}")).unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        path.display().to_string()
+    };
+    let good = script(
+        "creds.sh",
+        format!(
+            "[ \"$1\" = --role ] && [ \"$2\" = 'a b' ] || exit 3\ncat <<'END'\n{}\nEND\n",
+            keys_json(&garage, r#""Version": 1, "#)
+        ),
+    );
+    let denied = script("denied.sh", "echo 'denied by policy' >&2\nexit 1\n".into());
+    let garbage = script("garbage.sh", format!("echo 'SecretAccessKey={}'\n", garage.key.secret_key));
+    std::fs::write(
+        home.path().join(".aws/config"),
+        format!(
+            "[default]\ncredential_process = \"{good}\" --role \"a b\"\n\
+             [profile denied]\ncredential_process = \"{denied}\"\n\
+             [profile garbage]\ncredential_process = \"{garbage}\"\n"
+        ),
+    )
+    .unwrap();
+    let url = "s3://models/process/model.bin";
+    let out = dmaload_keyless(&garage, home.path(), &["load", url, "--hash", "--json"], &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["hash"]["xxh3_64"], xxh3(&body).as_str(), "{report}");
+
+    for (profile, says) in [("denied", "exit status: 1: denied by policy"), ("garbage", "no JSON object")] {
+        let out = dmaload_keyless(&garage, home.path(), &["load", url], &[("AWS_PROFILE", profile.into())]);
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let program = bin.join(format!("{profile}.sh"));
+        let named = format!("credential_process of profile {profile} ({})", program.display());
+        assert!(stderr.contains(&named) && stderr.contains(says), "{stderr}");
+        assert!(!stderr.contains(&garage.key.secret_key), "{stderr}");
+    }
+}
+
+/// Container credentials (ECS, EKS Pod Identity): the keys a stand-in agent
+/// on `AWS_CONTAINER_CREDENTIALS_FULL_URI` serves only with the token of
+/// `AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE` (or `..._TOKEN`) as the
+/// `Authorization` header sign the load; a wrong token fails it, naming
+/// the URI and the agent's answer.
+#[test]
+fn dmaload_load_signs_with_container_credentials_sent_for_the_authorization_token() {
+    let test = "dmaload_load_signs_with_container_credentials_sent_for_the_authorization_token";
+    let Some(garage) = Garage::start(test) else { return };
+    let home = tempfile::tempdir().unwrap();
+    let body = pattern((1 << 20) + 5, 22);
+    garage.put("container/model.bin", &body);
+    let keys = keys_json(&garage, r#""RoleArn": "arn:aws:iam::1:role/r", "#);
+    let (agent, log) = stand_in(move |request, header| match header("authorization").as_deref() {
+        Some("pod-identity-token") if request.starts_with("GET /v1/credentials ") => (200, keys.clone()),
+        _ => (401, "{}".into()),
+    });
+    let token_file = home.path().join("eks-pod-identity-token");
+    std::fs::write(&token_file, "pod-identity-token\n").unwrap();
+    let uri = ("AWS_CONTAINER_CREDENTIALS_FULL_URI", format!("{agent}/v1/credentials"));
+    let url = "s3://models/container/model.bin";
+    let load = |auth: (&str, String)| {
+        dmaload_keyless(&garage, home.path(), &["load", url, "--hash", "--json"], &[uri.clone(), auth])
+    };
+    for auth in [
+        ("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", token_file.display().to_string()),
+        ("AWS_CONTAINER_AUTHORIZATION_TOKEN", "pod-identity-token".to_owned()),
+    ] {
+        let out = load(auth);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["hash"]["xxh3_64"], xxh3(&body).as_str(), "{report}");
+    }
+    let out = load(("AWS_CONTAINER_AUTHORIZATION_TOKEN", "stolen".to_owned()));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let named = format!(
+        "container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI={agent}/v1/credentials): HTTP 401"
+    );
+    assert!(stderr.contains(&named), "{stderr}");
+    let log = log.lock().unwrap();
+    assert_eq!(log.iter().filter(|l| l.ends_with("-> 200")).count(), 2, "{log:?}");
+}
+
+/// The EC2 instance metadata service (IMDSv2), asked when nothing else gave
+/// keys: a session token from `PUT /latest/api/token` (with its TTL
+/// header), then the role's name and its keys, each `GET` with the token
+/// (the stand-in at `AWS_EC2_METADATA_SERVICE_ENDPOINT` refuses any request
+/// without); `AWS_EC2_METADATA_DISABLED=true` leaves it unasked.
+#[test]
+fn dmaload_load_signs_with_the_instance_roles_keys_from_imdsv2() {
+    let test = "dmaload_load_signs_with_the_instance_roles_keys_from_imdsv2";
+    let Some(garage) = Garage::start(test) else { return };
+    let home = tempfile::tempdir().unwrap();
+    let body = pattern((1 << 20) + 7, 23);
+    garage.put("imds/model.bin", &body);
+    let keys = keys_json(&garage, r#""Code": "Success", "Type": "AWS-HMAC", "#);
+    let (imds, log) = stand_in(move |request, header| {
+        let token = header("x-aws-ec2-metadata-token");
+        match request.split(' ').take(2).collect::<Vec<_>>()[..] {
+            ["PUT", "/latest/api/token"] if header("x-aws-ec2-metadata-token-ttl-seconds").is_some() => {
+                (200, "session-token".into())
+            }
+            ["GET", path] if token.as_deref() == Some("session-token") => {
+                match path.strip_prefix("/latest/meta-data/iam/security-credentials/") {
+                    Some("") => (200, "dmaload-role\n".into()),
+                    Some("dmaload-role") => (200, keys.clone()),
+                    _ => (404, String::new()),
+                }
+            }
+            _ => (401, String::new()),
+        }
+    });
+    let url = "s3://models/imds/model.bin";
+    let endpoint = ("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.clone());
+    let enabled = ("AWS_EC2_METADATA_DISABLED", "false".to_owned());
+    let out = dmaload_keyless(
+        &garage,
+        home.path(),
+        &["load", url, "--hash", "--json"],
+        &[endpoint.clone(), enabled],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["hash"]["xxh3_64"], xxh3(&body).as_str(), "{report}");
+    let asked = log.lock().unwrap().clone();
+    assert_eq!(
+        asked,
+        [
+            "PUT /latest/api/token HTTP/1.1 -> 200",
+            "GET /latest/meta-data/iam/security-credentials/ HTTP/1.1 -> 200",
+            "GET /latest/meta-data/iam/security-credentials/dmaload-role HTTP/1.1 -> 200",
+        ]
+    );
+    // Disabled: unasked, and the load goes unsigned (refused by the bucket).
+    let out = dmaload_keyless(&garage, home.path(), &["load", url], &[endpoint]);
+    assert!(!out.status.success());
+    assert_eq!(log.lock().unwrap().len(), 3);
+}

@@ -1,11 +1,14 @@
 //! Where an object store is and who we are to it, from the places AWS's own
 //! tools read: the environment first, then the shared credentials and
-//! config files of the profile (`AWS_PROFILE`, else `default`).
+//! config files of the profile (`AWS_PROFILE`, else `default`); keys, past
+//! those, from the rest of AWS's default chain (`credentials`).
 
 use std::collections::HashMap;
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
+
+use super::credentials;
 
 /// The keys requests are signed with. `Debug` never shows the secret.
 #[derive(Clone)]
@@ -129,7 +132,17 @@ impl Config {
         Config::from_lookup(&|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
     }
 
+    /// [`Config::from_env`] with no keys, and none looked for (no process
+    /// run, no endpoint asked): for requests another's grant authorizes.
+    pub fn from_env_without_keys() -> Result<Config, String> {
+        Config::read(&|name| std::env::var(name).ok().filter(|v| !v.is_empty()), false)
+    }
+
     fn from_lookup(env: &dyn Fn(&str) -> Option<String>) -> Result<Config, String> {
+        Config::read(env, true)
+    }
+
+    fn read(env: &dyn Fn(&str) -> Option<String>, keys: bool) -> Result<Config, String> {
         let profile = env("AWS_PROFILE").unwrap_or_else(|| "default".to_owned());
         let home = env("HOME").map(PathBuf::from);
         let file = |var: &str, name: &str| {
@@ -151,6 +164,7 @@ impl Config {
             |var: &str, key: &str| env(var).or_else(|| creds.get(key).or_else(|| conf.get(key)).cloned());
 
         let credentials = match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
+            _ if !keys => None,
             (Some(access_key), Some(secret_key)) => {
                 Some(Credentials { access_key, secret_key, session_token: env("AWS_SESSION_TOKEN") })
             }
@@ -165,7 +179,14 @@ impl Config {
                         secret_key,
                         session_token: from_files("aws_session_token"),
                     }),
-                    _ => None,
+                    // The rest of AWS's chain, in its order.
+                    _ => match from_files("credential_process") {
+                        Some(command) => Some(credentials::from_process(&profile, &command)?),
+                        None => match credentials::from_container(env)? {
+                            Some(keys) => Some(keys),
+                            None => credentials::from_imds(env)?,
+                        },
+                    },
                 }
             }
         };
@@ -247,8 +268,12 @@ mod tests {
     use super::*;
 
     fn config(vars: &[(&str, &str)]) -> Result<Config, String> {
-        let vars: HashMap<String, String> =
-            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        // No probe of this machine's instance metadata service unless asked.
+        let vars: HashMap<String, String> = [("AWS_EC2_METADATA_DISABLED", "true")]
+            .iter()
+            .chain(vars)
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         Config::from_lookup(&|name| vars.get(name).cloned())
     }
 
@@ -315,5 +340,119 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(e.ca_bundle.unwrap().path, std::path::Path::new("/etc/ca.pem"));
+    }
+
+    /// A stand-in credentials endpoint on 127.0.0.1 that answers one
+    /// request with `body`, and hands back the request's head.
+    fn serve_once(status: &'static str, body: &'static str) -> (String, std::thread::JoinHandle<String>) {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/creds", listener.local_addr().unwrap());
+        let served = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
+                head.push(byte[0]);
+            }
+            let reply = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+            stream.write_all(reply.as_bytes()).unwrap();
+            String::from_utf8(head).unwrap()
+        });
+        (url, served)
+    }
+
+    #[test]
+    fn keys_come_from_the_environment_the_profile_a_process_a_container_then_the_instance() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("creds.sh");
+        std::fs::write(
+            &script,
+            "#!/bin/sh\necho '{\"Version\": 1, \"AccessKeyId\": \"PK\", \"SecretAccessKey\": \"PS\"}'\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let conf = |text: String| {
+            let path = dir.path().join(format!("config{}", text.len()));
+            std::fs::write(&path, text).unwrap();
+            path.to_str().unwrap().to_owned()
+        };
+        // A container endpoint nothing listens on, and a metadata service
+        // that records whether it was asked.
+        let refused = "http://127.0.0.1:1/creds";
+        let imds = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        imds.set_nonblocking(true).unwrap();
+        let imds_url = format!("http://{}", imds.local_addr().unwrap());
+        let asked = || imds.accept().is_ok();
+        let broken_process = conf("[default]\ncredential_process = /nonexistent/creds\n".into());
+        let keyed = conf("[default]\naws_access_key_id = FK\naws_secret_access_key = FS\ncredential_process = /nonexistent/creds\n".into());
+        let process = conf(format!("[default]\ncredential_process = {}\n", script.display()));
+        let keys = |vars: &[(&str, &str)]| config(vars).map(|c| c.credentials.map(|k| k.access_key));
+
+        let env_first =
+            [("AWS_ACCESS_KEY_ID", "EK"), ("AWS_SECRET_ACCESS_KEY", "ES"), ("AWS_CONFIG_FILE", &keyed)];
+        assert_eq!(keys(&env_first).unwrap().as_deref(), Some("EK"));
+        // The profile's keys: its process is not run, no endpoint asked.
+        let profile = [("AWS_CONFIG_FILE", keyed.as_str()), ("AWS_CONTAINER_CREDENTIALS_FULL_URI", refused)];
+        assert_eq!(keys(&profile).unwrap().as_deref(), Some("FK"));
+        let process_first =
+            [("AWS_CONFIG_FILE", process.as_str()), ("AWS_CONTAINER_CREDENTIALS_FULL_URI", refused)];
+        assert_eq!(keys(&process_first).unwrap().as_deref(), Some("PK"));
+        let why = keys(&[("AWS_CONFIG_FILE", &broken_process)]).unwrap_err();
+        assert!(
+            why.contains("credential_process of profile default (/nonexistent/creds): cannot run it"),
+            "{why}"
+        );
+
+        let (url, served) = serve_once(
+            "200 OK",
+            r#"{"AccessKeyId":"CK","SecretAccessKey":"CS","Token":"CT","Expiration":"2999-01-01T00:00:00Z"}"#,
+        );
+        let container = [
+            ("AWS_CONTAINER_CREDENTIALS_FULL_URI", url.as_str()),
+            ("AWS_CONTAINER_AUTHORIZATION_TOKEN", "Basic abc"),
+            ("AWS_EC2_METADATA_DISABLED", "false"),
+            ("AWS_EC2_METADATA_SERVICE_ENDPOINT", &imds_url),
+        ];
+        let c = config(&container).unwrap().credentials.unwrap();
+        assert_eq!((c.access_key.as_str(), c.session_token.as_deref()), ("CK", Some("CT")));
+        let head = served.join().unwrap();
+        assert!(
+            head.starts_with("GET /creds HTTP/1.1\r\n") && head.contains("\r\nAuthorization: Basic abc\r\n"),
+            "{head}"
+        );
+        assert!(!asked(), "the metadata service is asked only when nothing else gave keys");
+        let why = keys(&[("AWS_CONTAINER_CREDENTIALS_FULL_URI", refused)]).unwrap_err();
+        assert!(
+            why.starts_with(
+                "container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI=http://127.0.0.1:1/creds)"
+            ),
+            "{why}"
+        );
+        let remote = keys(&[("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://example.com/creds")]).unwrap_err();
+        assert!(remote.contains("only http:// to"), "{remote}");
+
+        // Nothing gave keys: the metadata service is asked; where nothing
+        // answers, requests go unsigned.
+        let imds_only =
+            [("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", &imds_url)];
+        let probe = std::thread::spawn({
+            let listener = imds.try_clone().unwrap();
+            move || {
+                listener.set_nonblocking(false).unwrap();
+                drop(listener.accept().unwrap());
+            }
+        });
+        assert_eq!(keys(&imds_only).unwrap(), None);
+        probe.join().unwrap();
+        let nobody = [("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", refused)];
+        assert_eq!(keys(&nobody).unwrap(), None);
+        // Another cloud's metadata service at the address: no token, no keys.
+        let (other, served) = serve_once("404 Not Found", "");
+        let other = other.trim_end_matches("/creds");
+        let elsewhere =
+            [("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", other)];
+        assert_eq!(keys(&elsewhere).unwrap(), None);
+        assert!(served.join().unwrap().starts_with("PUT /latest/api/token HTTP/1.1\r\n"));
     }
 }

@@ -12,6 +12,7 @@
 //! failures (resets, stalls) are retried as on plain HTTP.
 
 pub mod config;
+mod credentials;
 mod http;
 pub mod sigv4;
 mod tls;
@@ -189,8 +190,7 @@ impl Object {
         if fields.iter().any(|f| f.chars().any(|c| c.is_whitespace() || c.is_control())) {
             return Err(invalid("a grant's fields hold no spaces or control characters".into()));
         }
-        let mut config = Config::from_env().map_err(invalid)?;
-        config.credentials = None;
+        let mut config = Config::from_env_without_keys().map_err(invalid)?;
         config.region = grant.region.clone();
         config.endpoint = config::Endpoint::parse(&grant.endpoint).map_err(invalid)?;
         config.addressing = if grant.path_style { Addressing::Path } else { Addressing::VirtualHosted };
