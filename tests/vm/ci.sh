@@ -159,7 +159,8 @@ if [[ -x $garage_bin ]] && command -v curl >/dev/null; then
         "rpc_secret = \"$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')\"" '[s3_api]' 's3_region = "garage"' \
         "api_bind_addr = \"127.0.0.1:$s3_port\"" >"$gdir/garage.toml"
     garage() { "$garage_bin" -c "$gdir/garage.toml" "$@"; }
-    garage server >"$gdir/garage.log" 2>&1 &
+    # Not through the function: $! must be the server itself, for the trap to stop it.
+    "$garage_bin" -c "$gdir/garage.toml" server >"$gdir/garage.log" 2>&1 &
     garage_pid=$!
     trap 'rm -f "$log" "$log.txt" "$log.host"; kill $garage_pid 2>/dev/null; rm -rf "$gdir"' EXIT
     for _ in $(seq 300); do garage status >/dev/null 2>&1 && break; sleep 0.2; done
