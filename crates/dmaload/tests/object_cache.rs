@@ -164,3 +164,31 @@ fn a_grant_carries_no_secret() {
     let granted = Object::granted(&grant, &CancelToken::new()).unwrap();
     assert_eq!((granted.size, &granted.etag), (object.size, &object.etag));
 }
+
+#[test]
+fn a_service_that_refuses_the_request_itself_is_passed_over_for_a_direct_load() {
+    let test = "a_service_that_refuses_the_request_itself_is_passed_over_for_a_direct_load";
+    let Some(garage) = Garage::start(test) else { return };
+    let dir = scratch_dir();
+    let socket = dir.path().join("cache.sock");
+    let body = pattern((1 << 20) + 9, 3);
+    garage.put("model.bin", &body);
+    let object = garage.open("model.bin").unwrap();
+    // What a service of before get-object answers: the request is not one it knows.
+    let refused = dmaload::Error::new(
+        ErrorKind::InvalidInput,
+        "request",
+        &socket,
+        "malformed message: unknown variant `get-object`",
+    );
+    let reply = protocol::encode(&Reply::Error(protocol::WireError::from_error(&refused)));
+    let fake = share::fake_service(&socket, vec![Some(reply)]);
+    let (buffer, _, outcome) =
+        dmaload::share::cached_object(&object, &socket, &LoadOptions::default()).unwrap();
+    fake.join().unwrap();
+    assert!(buffer[..] == body[..], "the direct load's bytes differ from the object's");
+    match outcome {
+        CacheOutcome::Direct { reason } => assert!(reason.contains("unknown variant"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}

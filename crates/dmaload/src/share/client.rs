@@ -496,7 +496,9 @@ fn from_service_with(
 /// its own, which this process may still have) rather than that the file
 /// failed to load.
 fn service_unusable(err: &Error) -> bool {
-    matches!(err.op(), "send request" | "receive buffer" | "connect")
+    // "request": the service refused the request itself (an older one
+    // that knows no get-object, say), not the file.
+    matches!(err.op(), "send request" | "receive buffer" | "connect" | "request")
         || matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN))
 }
 

@@ -242,7 +242,7 @@ pub fn fake_service(socket: &Path, replies: Vec<Option<Vec<u8>>>) -> std::thread
     std::thread::spawn(move || {
         for reply in replies {
             let conn = listener.accept().unwrap();
-            conn.recv(&mut [0u8; 1024]).unwrap();
+            conn.recv(&mut vec![0u8; protocol::MAX_REQUEST_BYTES]).unwrap();
             if let Some(reply) = reply {
                 conn.send(&reply, &[]).unwrap();
             }
