@@ -1,28 +1,19 @@
 //! Where an object store is and who we are to it, from the places AWS's own
 //! tools read: the environment first, then the shared credentials and
 //! config files of the profile (`AWS_PROFILE`, else `default`); keys, past
-//! those, from the rest of AWS's default chain (`credentials`).
+//! those, from the rest of AWS's default chain (`credentials`, a child of
+//! this module: it imports this one's types, this one calls it).
 
 use std::collections::HashMap;
-use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::credentials;
+pub use super::proxy::Proxies;
+pub use super::sigv4::Credentials;
+pub use super::tls::CaBundle;
+use super::tls::Tls;
 
-/// The keys requests are signed with. `Debug` never shows the secret.
-#[derive(Clone)]
-pub struct Credentials {
-    pub access_key: String,
-    pub secret_key: String,
-    pub session_token: Option<String>,
-}
-
-impl fmt::Debug for Credentials {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Credentials").field("access_key", &self.access_key).finish_non_exhaustive()
-    }
-}
+mod credentials;
 
 /// How a bucket is named in a request: in the path (`host/bucket/key`,
 /// what custom endpoints such as Garage, MinIO and Ceph take by default) or
@@ -97,15 +88,6 @@ impl Endpoint {
     }
 }
 
-/// A file of PEM certificates that replaces the system's trust roots for
-/// `https://` endpoints, and the setting that named it (for messages).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CaBundle {
-    pub path: PathBuf,
-    /// `AWS_CA_BUNDLE`, or the profile's `ca_bundle` and its file.
-    pub setting: String,
-}
-
 /// Everything a request needs besides the bucket and key.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -123,6 +105,9 @@ pub struct Config {
     /// The trust roots of an `https://` endpoint: `AWS_CA_BUNDLE`, else the
     /// profile's `ca_bundle`, else (`None`) the system's certificates.
     pub ca_bundle: Option<CaBundle>,
+    /// The HTTP proxies of the environment (`https_proxy`, `no_proxy`...):
+    /// connections to the store (and to STS) go through them.
+    pub proxies: Proxies,
 }
 
 impl Config {
@@ -162,34 +147,8 @@ impl Config {
         );
         let setting =
             |var: &str, key: &str| env(var).or_else(|| creds.get(key).or_else(|| conf.get(key)).cloned());
+        let from_files = |key: &str| creds.get(key).or_else(|| conf.get(key)).cloned();
 
-        let credentials = match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
-            _ if !keys => None,
-            (Some(access_key), Some(secret_key)) => {
-                Some(Credentials { access_key, secret_key, session_token: env("AWS_SESSION_TOKEN") })
-            }
-            (Some(_), None) | (None, Some(_)) => {
-                return Err("only one of AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY is set".to_owned())
-            }
-            (None, None) => {
-                let from_files = |key: &str| creds.get(key).or_else(|| conf.get(key)).cloned();
-                match (from_files("aws_access_key_id"), from_files("aws_secret_access_key")) {
-                    (Some(access_key), Some(secret_key)) => Some(Credentials {
-                        access_key,
-                        secret_key,
-                        session_token: from_files("aws_session_token"),
-                    }),
-                    // The rest of AWS's chain, in its order.
-                    _ => match from_files("credential_process") {
-                        Some(command) => Some(credentials::from_process(&profile, &command)?),
-                        None => match credentials::from_container(env)? {
-                            Some(keys) => Some(keys),
-                            None => credentials::from_imds(env)?,
-                        },
-                    },
-                }
-            }
-        };
         let region = setting("AWS_REGION", "region")
             .or_else(|| env("AWS_DEFAULT_REGION"))
             .unwrap_or_else(|| "us-east-1".to_owned());
@@ -216,6 +175,53 @@ impl Config {
                 setting: format!("ca_bundle of profile {profile}"),
             }),
         };
+        let proxies = Proxies::from_env(env)?;
+
+        // AWS's default chain, in its order (docs/object-storage.md).
+        let credentials = match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
+            _ if !keys => None,
+            (Some(access_key), Some(secret_key)) => Some(Credentials {
+                access_key,
+                secret_key,
+                session_token: env("AWS_SESSION_TOKEN"),
+                source: "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY".to_owned(),
+            }),
+            (Some(_), None) | (None, Some(_)) => {
+                return Err("only one of AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY is set".to_owned())
+            }
+            (None, None) => match credentials::WebIdentity::find(env, &from_files, &profile)? {
+                Some(web) => {
+                    // STS's endpoint as AWS's SDKs find it: its own
+                    // variable, else the one for every service.
+                    let url = env("AWS_ENDPOINT_URL_STS")
+                        .or_else(|| env("AWS_ENDPOINT_URL"))
+                        .or_else(|| conf.get("endpoint_url").cloned())
+                        .unwrap_or_else(|| format!("https://sts.{region}.amazonaws.com"));
+                    let sts = Endpoint::parse(&url).map_err(|e| web.failed(&e))?;
+                    let tls = match sts.https {
+                        true => Some(Tls::new(ca_bundle.as_ref()).map_err(|e| web.failed(&e))?),
+                        false => None,
+                    };
+                    let proxy = proxies.for_host(&sts.host, sts.port, sts.https);
+                    Some(web.assume_role(&sts, tls.as_ref(), proxy)?)
+                }
+                None => match (from_files("aws_access_key_id"), from_files("aws_secret_access_key")) {
+                    (Some(access_key), Some(secret_key)) => Some(Credentials {
+                        access_key,
+                        secret_key,
+                        session_token: from_files("aws_session_token"),
+                        source: format!("the keys of profile {profile} (shared credentials or config file)"),
+                    }),
+                    _ => match from_files("credential_process") {
+                        Some(command) => Some(credentials::from_process(&profile, &command)?),
+                        None => match credentials::from_container(env)? {
+                            Some(keys) => Some(keys),
+                            None => credentials::from_imds(env)?,
+                        },
+                    },
+                },
+            },
+        };
         let seconds = |name: &str, default: f64| {
             let secs = env(name).and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0 && s.is_finite());
             Duration::from_secs_f64(secs.unwrap_or(default))
@@ -228,6 +234,7 @@ impl Config {
             timeout: seconds("DMALOAD_S3_TIMEOUT", 30.0),
             retry_for: seconds("DMALOAD_S3_RETRY_SECONDS", 60.0),
             ca_bundle,
+            proxies,
         })
     }
 }
