@@ -577,7 +577,7 @@ impl Object {
     fn whose(&self) -> String {
         match (&self.granted, &self.config.credentials) {
             (Some(_), _) => "signed by the grant of the process that asked for the load".to_owned(),
-            (None, Some(keys)) => format!("signed with the keys from {}: check them", keys.source),
+            (None, Some(keys)) => format!("signed with keys from {}: check them", keys.source),
             (None, None) => "unsigned: no keys were found (docs/object-storage.md: keys)".to_owned(),
         }
     }

@@ -210,7 +210,7 @@ impl Config {
                         access_key,
                         secret_key,
                         session_token: from_files("aws_session_token"),
-                        source: format!("the keys of profile {profile} (shared credentials or config file)"),
+                        source: format!("profile {profile}'s aws_access_key_id"),
                     }),
                     _ => match from_files("credential_process") {
                         Some(command) => Some(credentials::from_process(&profile, &command)?),
@@ -362,6 +362,12 @@ mod tests {
             while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
                 head.push(byte[0]);
             }
+            // The request's body after its head, by its Content-Length.
+            let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
+            let len = text.split("content-length: ").nth(1).and_then(|v| v.split('\r').next()?.parse().ok());
+            let mut sent = vec![0u8; len.unwrap_or(0)];
+            stream.read_exact(&mut sent).unwrap();
+            head.extend(sent);
             let reply = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n{body}", body.len());
             stream.write_all(reply.as_bytes()).unwrap();
             String::from_utf8(head).unwrap()
@@ -461,5 +467,173 @@ mod tests {
             [("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", other)];
         assert_eq!(keys(&elsewhere).unwrap(), None);
         assert!(served.join().unwrap().starts_with("PUT /latest/api/token HTTP/1.1\r\n"));
+    }
+
+    /// STS's documented answer to AssumeRoleWithWebIdentity.
+    const STS_OK: &str = "<AssumeRoleWithWebIdentityResponse xmlns=\"https://sts.amazonaws.com/doc/2011-06-15/\">\
+        <AssumeRoleWithWebIdentityResult><SubjectFromWebIdentityToken>system:serviceaccount:ml:loader</SubjectFromWebIdentityToken>\
+        <Credentials><SessionToken>WT</SessionToken><SecretAccessKey>WS</SecretAccessKey>\
+        <Expiration>2999-01-01T00:00:00Z</Expiration><AccessKeyId>WK</AccessKeyId></Credentials>\
+        </AssumeRoleWithWebIdentityResult><ResponseMetadata><RequestId>r</RequestId></ResponseMetadata>\
+        </AssumeRoleWithWebIdentityResponse>";
+
+    #[test]
+    fn a_web_identity_token_is_exchanged_at_sts_after_the_environment_keys_and_before_the_profile() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "eyJ.TOKEN-never-shown.sig\n").unwrap();
+        let token = token.to_str().unwrap();
+        let role = "arn:aws:iam::123456789012:role/loader";
+        let keyed = dir.path().join("config");
+        std::fs::write(&keyed, "[default]\naws_access_key_id = FK\naws_secret_access_key = FS\n").unwrap();
+        let keyed = keyed.to_str().unwrap();
+        let keys = |vars: &[(&str, &str)]| config(vars).map(|c| c.credentials.unwrap());
+
+        let (url, served) = serve_once("200 OK", STS_OK);
+        let sts = url.trim_end_matches("/creds");
+        let vars = [
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+            ("AWS_ROLE_SESSION_NAME", "s1"),
+            ("AWS_ENDPOINT_URL_STS", sts),
+            ("AWS_CONFIG_FILE", keyed),
+        ];
+        let c = keys(&vars).unwrap();
+        assert_eq!(
+            (c.access_key.as_str(), c.secret_key.as_str(), c.session_token.as_deref()),
+            ("WK", "WS", Some("WT"))
+        );
+        assert_eq!(c.source, format!("web identity (AWS_WEB_IDENTITY_TOKEN_FILE, role {role})"));
+        let request = served.join().unwrap();
+        assert!(request.starts_with("POST / HTTP/1.1\r\n"), "{request}");
+        assert!(request.contains("\r\nContent-Type: application/x-www-form-urlencoded\r\n"), "{request}");
+        assert!(
+            request.ends_with(
+                "\r\n\r\nAction=AssumeRoleWithWebIdentity&Version=2011-06-15\
+                 &RoleArn=arn%3Aaws%3Aiam%3A%3A123456789012%3Arole%2Floader&RoleSessionName=s1\
+                 &WebIdentityToken=eyJ.TOKEN-never-shown.sig"
+            ),
+            "{request}"
+        );
+
+        // The environment's keys come first: STS (nothing listens) is not asked.
+        let env_first = [
+            ("AWS_ACCESS_KEY_ID", "EK"),
+            ("AWS_SECRET_ACCESS_KEY", "ES"),
+            ("AWS_ENDPOINT_URL_STS", "http://127.0.0.1:1"),
+        ];
+        let with_env: Vec<_> =
+            vars.iter().copied().filter(|(k, _)| *k != "AWS_ENDPOINT_URL_STS").chain(env_first).collect();
+        assert_eq!(keys(&with_env).unwrap().access_key, "EK");
+
+        // A profile's settings, its session named for us.
+        let (url, served) = serve_once("200 OK", STS_OK);
+        let profile = dir.path().join("profile");
+        std::fs::write(
+            &profile,
+            format!(
+                "[profile irsa]\nweb_identity_token_file = {token}\nrole_arn = {role}\nendpoint_url = {}\n",
+                url.trim_end_matches("/creds")
+            ),
+        )
+        .unwrap();
+        let profile = profile.to_str().unwrap();
+        let c = keys(&[("AWS_CONFIG_FILE", profile), ("AWS_PROFILE", "irsa")]).unwrap();
+        assert_eq!(c.source, format!("web identity (web_identity_token_file of profile irsa, role {role})"));
+        assert!(served.join().unwrap().contains("&RoleSessionName=dmaload-"));
+
+        // STS's refusal names the operation, the role and STS's code, never the token.
+        let (url, served) = serve_once(
+            "400 Bad Request",
+            "<ErrorResponse xmlns=\"https://sts.amazonaws.com/doc/2011-06-15/\"><Error><Type>Sender</Type>\
+             <Code>InvalidIdentityToken</Code><Message>Incorrect token audience</Message></Error>\
+             <RequestId>r</RequestId></ErrorResponse>",
+        );
+        let refused = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        let why = keys(&refused).unwrap_err();
+        served.join().unwrap();
+        assert!(
+            why.starts_with(&format!("web identity (AWS_WEB_IDENTITY_TOKEN_FILE={token}, role {role}): AssumeRoleWithWebIdentity at http://127.0.0.1:"))
+                && why.ends_with("HTTP 400 InvalidIdentityToken: Incorrect token audience"),
+            "{why}"
+        );
+        assert!(!why.contains("TOKEN-never-shown"), "{why}");
+        // Keys already expired, or an answer without them, are refused.
+        let (url, served) = serve_once("200 OK", "<AssumeRoleWithWebIdentityResponse><AssumeRoleWithWebIdentityResult><Credentials><AccessKeyId>K</AccessKeyId><SecretAccessKey>S</SecretAccessKey><SessionToken>T</SessionToken><Expiration>2001-01-01T00:00:00Z</Expiration></Credentials></AssumeRoleWithWebIdentityResult></AssumeRoleWithWebIdentityResponse>");
+        let expired = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        assert!(keys(&expired).unwrap_err().ends_with("its keys expired at 2001-01-01T00:00:00Z"));
+        served.join().unwrap();
+        let (url, served) = serve_once("200 OK", "<html>a captive portal</html>");
+        let portal = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        assert!(keys(&portal).unwrap_err().ends_with("its answer names no Credentials/AccessKeyId"));
+        served.join().unwrap();
+
+        // A token file without a role is an error; a role without a token
+        // file (a source_profile's) is no web identity.
+        let why = keys(&[("AWS_WEB_IDENTITY_TOKEN_FILE", token)]).unwrap_err();
+        assert!(why.ends_with("no role to assume (set AWS_ROLE_ARN or role_arn)"), "{why}");
+        assert!(config(&[("AWS_ROLE_ARN", role)]).unwrap().credentials.is_none());
+    }
+
+    /// A token file that is a FIFO is refused at once (never waited on),
+    /// one larger than STS takes is refused unread, and STS is not asked.
+    #[test]
+    fn a_web_identity_token_file_that_is_a_fifo_or_too_large_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let large = dir.path().join("large");
+        std::fs::write(&large, vec![b'a'; 100 << 10]).unwrap();
+        for (file, why) in [(&fifo, "not a regular file"), (&large, "longer than 65536 bytes")] {
+            let file = file.to_str().unwrap();
+            let err = config(&[
+                ("AWS_WEB_IDENTITY_TOKEN_FILE", file),
+                ("AWS_ROLE_ARN", "arn:aws:iam::1:role/r"),
+                ("AWS_ENDPOINT_URL_STS", "http://127.0.0.1:1"),
+            ])
+            .unwrap_err();
+            assert_eq!(
+                err,
+                format!("web identity (AWS_WEB_IDENTITY_TOKEN_FILE={file}, role arn:aws:iam::1:role/r): {file}: {why}")
+            );
+        }
+    }
+
+    /// The link-local credential services are asked directly even where a
+    /// proxy is set for every host, as AWS's SDKs ask them.
+    #[test]
+    fn credential_services_are_never_asked_through_a_proxy() {
+        let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        proxy.set_nonblocking(true).unwrap();
+        let proxy_url = format!("http://{}", proxy.local_addr().unwrap());
+        let (url, served) =
+            serve_once("200 OK", r#"{"AccessKeyId":"CK","SecretAccessKey":"CS","Token":"CT"}"#);
+        let c = config(&[
+            ("AWS_CONTAINER_CREDENTIALS_FULL_URI", &url),
+            ("http_proxy", &proxy_url),
+            ("HTTPS_PROXY", &proxy_url),
+            ("ALL_PROXY", &proxy_url),
+        ])
+        .unwrap();
+        served.join().unwrap();
+        assert_eq!(
+            c.credentials.unwrap().source,
+            "container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI)"
+        );
+        assert!(proxy.accept().is_err(), "the proxy was asked");
+        // While the store itself is reached through it.
+        assert!(c.proxies.for_host("s3.us-east-1.amazonaws.com", 443, true).is_some());
     }
 }
