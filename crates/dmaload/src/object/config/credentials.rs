@@ -32,6 +32,11 @@ const IMDS_CONNECT: Duration = Duration::from_secs(1);
 const ENDPOINT_STALL: Duration = Duration::from_secs(5);
 /// Time to connect to STS, and without a byte from it, before it is given up.
 const STS_STALL: Duration = Duration::from_secs(10);
+/// Tries at STS when it fails in a way its documentation calls transient
+/// (a 5xx, `IDPCommunicationError`, no answer), with waits of
+/// [`STS_BACKOFF`], then twice that, between them.
+const STS_ATTEMPTS: u32 = 3;
+const STS_BACKOFF: Duration = Duration::from_millis(200);
 
 /// A role to assume with a web identity token: `AWS_WEB_IDENTITY_TOKEN_FILE`,
 /// `AWS_ROLE_ARN` and `AWS_ROLE_SESSION_NAME`, each else the profile's
@@ -99,15 +104,39 @@ impl WebIdentity {
         let headers = [("Content-Type", "application/x-www-form-urlencoded"), ("Accept", "text/xml")];
         let path = if sts.prefix.is_empty() { "/" } else { &sts.prefix };
         let op = format!("AssumeRoleWithWebIdentity at {}", sts.url());
-        let sent = request(sts, "POST", path, &headers, form.join("&").as_bytes(), tls, proxy, STS_STALL);
-        let (status, body) = sent.map_err(|e| self.failed(&format!("{op}: {e}")))?;
-        let body = String::from_utf8_lossy(&body);
-        if status != 200 {
-            // STS's error: <ErrorResponse><Error><Code>...</Code><Message>...
-            let code = xml::field(&body, "Code").map_or(String::new(), |c| format!(" {c}"));
-            let message = xml::field(&body, "Message").map_or(String::new(), |m| format!(": {m}"));
-            return Err(self.failed(&format!("{op}: HTTP {status}{code}{message}")));
-        }
+        let form = form.join("&");
+        let mut attempt = 1;
+        let body = loop {
+            // What failed, and whether STS's documentation calls it worth another try.
+            let (why, again) =
+                match request(sts, "POST", path, &headers, form.as_bytes(), tls, proxy, STS_STALL) {
+                    Ok((200, body)) => break String::from_utf8_lossy(&body).into_owned(),
+                    Ok((status, body)) => {
+                        // STS's error: <ErrorResponse><Error><Code>...</Code><Message>...
+                        let body = String::from_utf8_lossy(&body);
+                        let code = xml::field(&body, "Code");
+                        let message =
+                            xml::field(&body, "Message").map_or(String::new(), |m| format!(": {m}"));
+                        let again = status >= 500 || code.as_deref() == Some("IDPCommunicationError");
+                        (
+                            format!(
+                                "HTTP {status}{}{message}",
+                                code.map_or(String::new(), |c| format!(" {c}"))
+                            ),
+                            again,
+                        )
+                    }
+                    Err(e) => (e.to_string(), true),
+                };
+            if !again {
+                return Err(self.failed(&format!("{op}: {why}")));
+            }
+            if attempt == STS_ATTEMPTS {
+                return Err(self.failed(&format!("{op}: {why} ({attempt} attempts)")));
+            }
+            std::thread::sleep(STS_BACKOFF * attempt);
+            attempt += 1;
+        };
         let credentials = xml::field(&body, "Credentials").unwrap_or_default();
         let need = |name: &str| {
             xml::field(&credentials, name)

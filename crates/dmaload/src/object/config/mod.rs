@@ -352,25 +352,37 @@ mod tests {
     /// A stand-in credentials endpoint on 127.0.0.1 that answers one
     /// request with `body`, and hands back the request's head.
     fn serve_once(status: &'static str, body: &'static str) -> (String, std::thread::JoinHandle<String>) {
+        let (url, served) = serve(vec![(status, body)]);
+        (url, std::thread::spawn(move || served.join().unwrap().remove(0)))
+    }
+
+    /// [`serve_once`] for a request per reply, each on its own connection,
+    /// in turn: the requests (heads and bodies).
+    fn serve(replies: Vec<(&'static str, &'static str)>) -> (String, std::thread::JoinHandle<Vec<String>>) {
         use std::io::{Read, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}/creds", listener.local_addr().unwrap());
         let served = std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().unwrap();
-            let mut head = Vec::new();
-            let mut byte = [0u8];
-            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
-                head.push(byte[0]);
+            let mut requests = Vec::new();
+            for (status, body) in replies {
+                let (mut stream, _) = listener.accept().unwrap();
+                let mut head = Vec::new();
+                let mut byte = [0u8];
+                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
+                    head.push(byte[0]);
+                }
+                // The request's body after its head, by its Content-Length.
+                let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                let len =
+                    text.split("content-length: ").nth(1).and_then(|v| v.split('\r').next()?.parse().ok());
+                let mut sent = vec![0u8; len.unwrap_or(0)];
+                stream.read_exact(&mut sent).unwrap();
+                head.extend(sent);
+                let reply = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+                stream.write_all(reply.as_bytes()).unwrap();
+                requests.push(String::from_utf8(head).unwrap());
             }
-            // The request's body after its head, by its Content-Length.
-            let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
-            let len = text.split("content-length: ").nth(1).and_then(|v| v.split('\r').next()?.parse().ok());
-            let mut sent = vec![0u8; len.unwrap_or(0)];
-            stream.read_exact(&mut sent).unwrap();
-            head.extend(sent);
-            let reply = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n{body}", body.len());
-            stream.write_all(reply.as_bytes()).unwrap();
-            String::from_utf8(head).unwrap()
+            requests
         });
         (url, served)
     }
@@ -578,6 +590,28 @@ mod tests {
             ("AWS_ROLE_ARN", role),
         ];
         assert!(keys(&portal).unwrap_err().ends_with("its answer names no Credentials/AccessKeyId"));
+        served.join().unwrap();
+
+        // STS's own trouble (a 5xx, IDPCommunicationError) is tried again,
+        // up to three times in all.
+        let idp = "<ErrorResponse><Error><Code>IDPCommunicationError</Code><Message>try again</Message></Error></ErrorResponse>";
+        let (url, served) =
+            serve(vec![("503 Service Unavailable", ""), ("400 Bad Request", idp), ("200 OK", STS_OK)]);
+        let flaky = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        assert_eq!(keys(&flaky).unwrap().access_key, "WK");
+        assert_eq!(served.join().unwrap().len(), 3);
+        let (url, served) = serve(vec![("400 Bad Request", idp); 3]);
+        let failing = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        let why = keys(&failing).unwrap_err();
+        assert!(why.ends_with("HTTP 400 IDPCommunicationError: try again (3 attempts)"), "{why}");
         served.join().unwrap();
 
         // A token file without a role is an error; a role without a token
