@@ -168,10 +168,12 @@ impl Proxy {
         head + "\r\n"
     }
 
-    /// Why a tunnel to `host:port` the proxy answered with `status` (no
-    /// 2xx) is refused, and what to check.
+    /// Why a tunnel to `host:port` the proxy answered with `status` is
+    /// refused (no 2xx, or a 2xx followed by bytes of the proxy's own),
+    /// and what to check.
     pub fn refusal(&self, host: &str, port: u16, status: u16) -> String {
         let hint = match status {
+            200..=299 => ": it sent bytes of its own after its answer",
             407 if self.authorization.is_none() => ": it wants credentials (http://USER:PASSWORD@HOST:PORT)",
             407 => ": it refused the credentials in its URL",
             403 => ": it does not allow this destination (or port), or set no_proxy for it",

@@ -115,8 +115,9 @@ impl WebIdentity {
                         // STS's error: <ErrorResponse><Error><Code>...</Code><Message>...
                         let body = String::from_utf8_lossy(&body);
                         let code = xml::field(&body, "Code");
-                        let message =
-                            xml::field(&body, "Message").map_or(String::new(), |m| format!(": {m}"));
+                        // (An identity provider's message that echoes the token does not show it.)
+                        let message = xml::field(&body, "Message")
+                            .map_or(String::new(), |m| format!(": {}", m.replace(&token, "<the token>")));
                         let again = status >= 500 || code.as_deref() == Some("IDPCommunicationError");
                         (
                             format!(

@@ -604,6 +604,15 @@ mod tests {
         ];
         assert_eq!(keys(&flaky).unwrap().access_key, "WK");
         assert_eq!(served.join().unwrap().len(), 3);
+        let echo = "<ErrorResponse><Error><Code>InvalidIdentityToken</Code><Message>bad eyJ.TOKEN-never-shown.sig</Message></Error></ErrorResponse>";
+        let (url, served) = serve_once("400 Bad Request", echo);
+        let echoed = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        assert!(keys(&echoed).unwrap_err().ends_with("HTTP 400 InvalidIdentityToken: bad <the token>"));
+        served.join().unwrap();
         let (url, served) = serve(vec![("400 Bad Request", idp); 3]);
         let failing = [
             ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
