@@ -12,7 +12,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
 use super::{Credentials, Endpoint};
-use crate::object::http::{Connection, Waiter, MAX_ERROR_BODY};
+use crate::object::http::{Connection, HandshakeRefused, Waiter, MAX_ERROR_BODY};
 use crate::object::proxy::Proxy;
 use crate::object::sigv4::{rfc3339_seconds, uri_encode};
 use crate::object::tls::Tls;
@@ -33,7 +33,7 @@ const ENDPOINT_STALL: Duration = Duration::from_secs(5);
 /// Time to connect to STS, and without a byte from it, before it is given up.
 const STS_STALL: Duration = Duration::from_secs(10);
 /// Tries at STS when it fails in a way its documentation calls transient
-/// (a 5xx, `IDPCommunicationError`, no answer), with waits of
+/// (a 5xx, `IDPCommunicationError`, no connection or answer), with waits of
 /// [`STS_BACKOFF`], then twice that, between them.
 const STS_ATTEMPTS: u32 = 3;
 const STS_BACKOFF: Duration = Duration::from_millis(200);
@@ -127,7 +127,8 @@ impl WebIdentity {
                             again,
                         )
                     }
-                    Err(e) => (e.to_string(), true),
+                    // A proxy's refusal, a certificate that does not verify: the same again.
+                    Err(e) => (e.to_string(), !HandshakeRefused::is(&e)),
                 };
             if !again {
                 return Err(self.failed(&format!("{op}: {why}")));

@@ -623,6 +623,26 @@ mod tests {
         assert!(why.ends_with("HTTP 400 IDPCommunicationError: try again (3 attempts)"), "{why}");
         served.join().unwrap();
 
+        // STS is asked through the proxy of its scheme: a CONNECT to its
+        // host (never resolved here), and the proxy's refusal is not retried.
+        let (proxy, asked) = serve_once("407 Proxy Authentication Required", "");
+        let proxy = proxy.trim_end_matches("/creds");
+        let proxied = [
+            ("AWS_ENDPOINT_URL_STS", "http://sts.example:8080"),
+            ("http_proxy", proxy),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        let why = keys(&proxied).unwrap_err();
+        let refused = format!(
+            "proxy {proxy} (http_proxy) refused a tunnel to sts.example:8080: HTTP 407: it wants credentials"
+        );
+        assert!(why.contains(&refused) && !why.ends_with("attempts)"), "{why}");
+        assert!(asked
+            .join()
+            .unwrap()
+            .starts_with("CONNECT sts.example:8080 HTTP/1.1\r\nHost: sts.example:8080\r\n"));
+
         // A token file without a role is an error; a role without a token
         // file (a source_profile's) is no web identity.
         let why = keys(&[("AWS_WEB_IDENTITY_TOKEN_FILE", token)]).unwrap_err();
