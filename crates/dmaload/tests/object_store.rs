@@ -86,6 +86,9 @@ fn wrong_credentials_are_refused_without_showing_the_secret() {
         "{message}"
     );
     assert!(!message.contains("not-the-secret") && !message.contains(&garage.key.secret_key), "{message}");
+    // No keys at all: the refusal says the request went unsigned.
+    let err = garage.open_with("model.bin", Config { credentials: None, ..garage.config() }).unwrap_err();
+    assert!(err.to_string().contains("unsigned: no keys were found"), "{err}");
 }
 
 #[test]
