@@ -695,6 +695,17 @@ mod tests {
             c.credentials.unwrap().source,
             "container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI)"
         );
+        // The instance metadata service too (a 404 to its token: no keys).
+        let (imds, served) = serve_once("404 Not Found", "");
+        let c = config(&[
+            ("AWS_EC2_METADATA_DISABLED", "false"),
+            ("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.trim_end_matches("/creds")),
+            ("http_proxy", &proxy_url),
+            ("ALL_PROXY", &proxy_url),
+        ])
+        .unwrap();
+        assert!(c.credentials.is_none());
+        assert!(served.join().unwrap().starts_with("PUT /latest/api/token HTTP/1.1\r\n"));
         assert!(proxy.accept().is_err(), "the proxy was asked");
         // While the store itself is reached through it.
         assert!(c.proxies.for_host("s3.us-east-1.amazonaws.com", 443, true).is_some());
