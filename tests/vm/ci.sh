@@ -181,16 +181,21 @@ if [[ -x $garage_bin ]] && command -v curl >/dev/null; then
     expected=$("$cli" load --hash "$gdir/vm.bin" >"$log.host" && hash_of "$log.host")
     s3_env="AWS_ENDPOINT_URL=http://10.0.2.2:$s3_port AWS_REGION=garage AWS_ACCESS_KEY_ID=$key_id"
     s3_env+=" AWS_SECRET_ACCESS_KEY=$secret"
+    # The CLI, and the C library (examples/c/load.c: dmaload_load_dmabuf
+    # with the URL as its path).
     for target in dma-heap:system udmabuf; do
-        DMALOAD_VM_NET=1 DMALOAD_VM_ENV="$DMALOAD_VM_ENV $s3_env" DMALOAD_VM_LOG=$log \
-            vm "$cli" load --hash --to "$target" s3://models/vm.bin
-        tr -d '\r' <"$log" >"$log.txt"
-        got=$(hash_of "$log.txt")
-        if [[ -z $expected || $got != "$expected" ]]; then
-            say "s3://models/vm.bin into $target: xxh3 '$got' in the guest, '$expected' on the host"
-            exit 1
-        fi
-        say "s3://models/vm.bin into $target: xxh3 $got as uploaded"
+        for run in "$cli load --hash --to $target s3://models/vm.bin" "$load_c s3://models/vm.bin $target"; do
+            # shellcheck disable=SC2086 # $run is the command and its words.
+            DMALOAD_VM_NET=1 DMALOAD_VM_ENV="$DMALOAD_VM_ENV $s3_env" DMALOAD_VM_LOG=$log vm $run
+            tr -d '\r' <"$log" >"$log.txt"
+            got=$(hash_of "$log.txt")
+            name=$(basename "${run%% *}")
+            if [[ -z $expected || $got != "$expected" ]]; then
+                say "$name: s3://models/vm.bin into $target: xxh3 '$got' in the guest, '$expected' on the host"
+                exit 1
+            fi
+            say "$name: s3://models/vm.bin into $target: xxh3 $got as uploaded"
+        done
     done
 else
     printf 'SKIP vm objects into dma-bufs: no garage binary at %s (or no curl)\n' "$garage_bin"

@@ -7,6 +7,8 @@ use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use dmaload::share::CacheRequest;
+
 use crate::buffer::Buffer;
 use crate::errors::*;
 use crate::load::Source;
@@ -48,39 +50,31 @@ pub(crate) fn load_cached(
         let cancel = options.cancel.clone();
         // Opened here, before the caller can close a descriptor it named.
         let source = detached(py, || Source::open(&file, &cancel))?.map_err(|e| os_error(&e))?;
-        let file = match source {
-            Source::File(file) => file,
-            Source::Object(object) if !fallback => {
-                let why = "the cache service serves whole objects to host memory only";
-                return Ok((None, None, Some(format!("{}: {why}", object.name().display()))));
+        // Without a fallback, only what the service serves (the caller
+        // loads otherwise, its own way).
+        let load = move || {
+            let request = match &source {
+                Source::File(file) => CacheRequest::open(file, &socket),
+                Source::Object(object) => CacheRequest::object(object, &socket),
             }
-            Source::Object(object) => {
-                let (buffer, report, outcome) = run_abandonable(py, &cancel, move || {
-                    dmaload::share::cached_object(&object, &socket, &options)
-                })?
-                .map_err(|e| os_error(&e))?;
-                return Ok(served_buffer(buffer, report, outcome));
+            .options(&options);
+            if fallback {
+                return request
+                    .to_buffer()
+                    .map(|(buffer, report, outcome)| served_buffer(buffer, report, outcome));
             }
-        };
-        if !fallback {
-            let served =
-                run_abandonable(py, &cancel, move || dmaload::share::from_service(&file, &socket, &options))?
-                    .map_err(|e| os_error(&e))?;
-            return Ok(match served {
+            Ok(match request.from_service()? {
                 Ok((buffer, report, served, note)) => {
                     (Some(Buffer::new(buffer, report)), Some(served.name()), note)
                 }
                 Err(reason) => (None, None, Some(reason)),
-            });
-        }
-        let (buffer, report, outcome) =
-            run_abandonable(py, &cancel, move || dmaload::share::cached(&file, &socket, &options))?
-                .map_err(|e| os_error(&e))?;
-        Ok(served_buffer(buffer, report, outcome))
+            })
+        };
+        run_abandonable(py, &cancel, load)?.map_err(|e| os_error(&e))
     })
 }
 
-/// What Python gets for a buffer [`dmaload::share::cached`] returned: the
+/// What Python gets for a buffer [`CacheRequest::to_buffer`] returned: the
 /// buffer, how the service served it (None: loaded directly), and what to
 /// tell the user.
 fn served_buffer(

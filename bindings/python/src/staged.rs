@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
 use dmaload::object::Object;
+use dmaload::share::CacheRequest;
 use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, StagingRing, DEFAULT_SLOT_SIZE};
 use dmaload::RawBytesMut;
 
@@ -240,12 +241,11 @@ fn load_one<'r>(
     let mut fallback = None;
     let target = match (target, socket, context, &file.source) {
         (Target::Device(whole), Some(socket), Some(ctx), source) => {
-            let served = match source {
-                Source::File(open) => dmaload::share::cached_into_device(open, socket, ctx, &whole, options)?,
-                Source::Object(object) => {
-                    dmaload::share::cached_object_into_device(object, socket, ctx, &whole, options)?
-                }
+            let request = match source {
+                Source::File(open) => CacheRequest::open(open, socket),
+                Source::Object(object) => CacheRequest::object(object, socket),
             };
+            let served = request.options(options).into_device(ctx, &whole)?;
             match served {
                 Ok((report, _served)) => {
                     if let Some(progress) = &options.progress {
@@ -325,7 +325,7 @@ pub fn release_staging(py: Python<'_>) -> PyResult<usize> {
 ///
 /// With `socket` (device destinations only), the cache service there
 /// copies each whole file into the device memory from its own pinned copy
-/// (`dmaload::share::cached_into_device`): each destination must then
+/// (`dmaload::share::CacheRequest::into_device`): each destination must then
 /// follow `file.data_start` bytes of the same allocation, where the header
 /// goes. Where the service cannot (none answers, another user, no such
 /// device in the service, the driver refuses the IPC handle), that file

@@ -305,6 +305,31 @@ impl WindowLoader {
         })
     }
 
+    /// The digest to come of object `file` (its bytes as the loader's
+    /// windows hand them over), checked against the `B3SUMS` or
+    /// `SHA256SUMS` object beside it, read with the loader's settings;
+    /// OSError (EINVAL) when none lists it, ValueError for a file (whose
+    /// digest is `StreamDigest(path)`).
+    fn digest(&self, py: Python<'_>, file: usize) -> PyResult<StreamDigest> {
+        guard(|| {
+            let Source::Object(object) = self.file(file)? else {
+                return Err(PyValueError::new_err("digest() is for objects: a file's is StreamDigest(path)"));
+            };
+            let cancel = &self.shared.options.cancel;
+            let verifier = detached(py, || dmaload::verify::StreamVerifier::for_object(object, cancel))?
+                .map_err(|e| os_error(&e))?;
+            Ok(StreamDigest::of(object.name().to_owned(), verifier))
+        })
+    }
+
+    /// The size of file or object `file` as the loader opened it.
+    fn size(&self, file: usize) -> PyResult<u64> {
+        Ok(match self.file(file)? {
+            Source::Object(object) => object.size,
+            Source::File(file) => file.len(),
+        })
+    }
+
     /// `file`'s identity for ranks comparing what they load: an object's
     /// `"s3://BUCKET/KEY ETAG SIZE"` (the same bytes wherever it is read),
     /// `None` for a file.
@@ -474,6 +499,18 @@ pub(crate) struct StreamDigest {
     verifier: Mutex<Option<dmaload::verify::StreamVerifier>>,
 }
 
+impl StreamDigest {
+    fn of(path: std::path::PathBuf, verifier: dmaload::verify::StreamVerifier) -> StreamDigest {
+        let (kind, expected) = verifier.expected();
+        StreamDigest {
+            path,
+            kind: kind.sums_file(),
+            expected: dmaload::verify::hex(&expected),
+            verifier: Mutex::new(Some(verifier)),
+        }
+    }
+}
+
 #[pymethods]
 impl StreamDigest {
     /// The digest of the file at `path` to come; OSError (EINVAL) naming
@@ -483,13 +520,7 @@ impl StreamDigest {
         guard(|| {
             let verifier =
                 detached(py, || dmaload::verify::StreamVerifier::new(&path))?.map_err(|e| os_error(&e))?;
-            let (kind, expected) = verifier.expected();
-            Ok(StreamDigest {
-                path,
-                kind: kind.sums_file(),
-                expected: dmaload::verify::hex(&expected),
-                verifier: Mutex::new(Some(verifier)),
-            })
+            Ok(StreamDigest::of(path, verifier))
         })
     }
 

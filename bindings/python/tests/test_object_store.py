@@ -450,8 +450,38 @@ def test_iter_tensors_streams_an_s3_model_shard_by_shard(s3_env: Garage, tmp_pat
     assert raised.value.errno == errno.ESTALE
     assert first[0] in ("a", "b", "c")
 
-    with pytest.raises(ValueError, match="does not take verify="):
-        next(dmaload.safetensors.iter_tensors("s3://models/streamed/", verify=True))
+
+def test_a_verified_stream_of_an_s3_model_hashes_every_object_against_its_sums_object(
+    s3_env: Garage, tmp_path: Path
+) -> None:
+    """``iter_tensors("s3://...", verify=True)``, and a filtered
+    ``load_file``: the stream's windows cover every byte of each object,
+    hashed against the ``SHA256SUMS`` object beside it; no sums object is
+    the file's error (EINVAL) before any tensor, a digest that differs is a
+    ``CollectiveLoadError`` before the shard's tensors."""
+    import errno
+
+    pytest.importorskip("torch")
+    expected = _put_sharded(s3_env, tmp_path, "vstream")
+    with pytest.raises(OSError, match="no B3SUMS or SHA256SUMS beside it") as missing:
+        next(dmaload.safetensors.iter_tensors("s3://models/vstream/", verify=True))
+    assert missing.value.errno == errno.EINVAL
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    sums = "".join(f"{hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
+    s3_env.put("vstream/SHA256SUMS", sums.encode())
+    _assert_same(dict(dmaload.safetensors.iter_tensors("s3://models/vstream/", verify=True, window="64K")), expected)
+    wanted = {"b", "d"}
+    filtered = dmaload.safetensors.load_file("s3://models/vstream/", framework="pt", tensor_filter=wanted, verify=True)
+    _assert_same(filtered, {k: v for k, v in expected.items() if k in wanted})
+    # The second shard's entry off by its first hex digit.
+    line = sums.splitlines()[1]
+    wrong = sums.replace(line, ("0" if line[0] != "0" else "1") + line[1:])
+    s3_env.put("vstream/SHA256SUMS", wrong.encode())
+    got = []
+    with pytest.raises(dmaload.safetensors.CollectiveLoadError, match="SHA-256 mismatch"):
+        for name, _ in dmaload.safetensors.iter_tensors("s3://models/vstream/", verify=True):
+            got.append(name)
+    assert sorted(got) == ["a", "b", "c"], got
 
 
 def test_an_s3_model_streams_in_windows_and_a_filter_leaves_the_rest_unread(s3_env: Garage, tmp_path: Path) -> None:

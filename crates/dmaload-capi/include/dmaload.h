@@ -181,6 +181,15 @@ struct dmaload_load_options dmaload_load_options_default(void);
 // file does not fit in memory, ENODATA when the file shrank during the
 // load, ESTALE when it was written meanwhile. Thread-safe.
 //
+// Every `dmaload_load*` function, `dmaload_load_dmabuf*` included, also
+// takes an object in S3-compatible storage as `path`: `s3://BUCKET/KEY`,
+// with the endpoint, region and credentials from the environment and
+// `~/.aws` (docs/object-storage.md). Its errors name the bucket, key,
+// byte range and the store's error code: EACCES where the store refuses
+// the credentials, ENOENT for a missing bucket or key, ESTALE for an
+// object replaced during the load (every GET is pinned to the ETag the
+// load began with).
+//
 // # Safety
 // `path` is NULL or a NUL-terminated string, `options` NULL or a valid struct
 // (its `to` NULL or a NUL-terminated string), `out` NULL or writable, all

@@ -281,6 +281,21 @@ fn path_arg<'a>(op: &str, path: *const c_char) -> Result<&'a Path, Failure> {
     Ok(Path::new(OsStr::from_bytes(path.to_bytes())))
 }
 
+/// Runs `run` on a request for `path` with `options`: a file, or an object
+/// where `path` is an `s3://BUCKET/KEY` URL (opened here: its size and
+/// ETag looked up, every GET pinned to that ETag; docs/object-storage.md).
+fn with_request<T>(
+    path: &Path,
+    options: &LoadOptions,
+    run: impl FnOnce(LoadRequest<'_>) -> Result<T, dmaload::Error>,
+) -> Result<T, dmaload::Error> {
+    if dmaload::object::is_object_url(path) {
+        let object = dmaload::object::Object::open(&path.to_string_lossy(), &options.cancel)?;
+        return run(LoadRequest::object(&object).options(options));
+    }
+    run(LoadRequest::path(path).options(options))
+}
+
 /// `*ptr`, or `None` when NULL.
 fn borrow<'a, T>(ptr: *const T) -> Option<&'a T> {
     // SAFETY: the caller passes NULL or a pointer to a valid, initialized T
@@ -450,7 +465,8 @@ fn load_impl(
         let path = path_arg(op, path)?;
         let options = load_options(op, options, None)?;
         let (offset, len) = range.map_or((0, None), |(offset, len)| (offset, Some(len)));
-        let (buffer, loaded) = LoadRequest::path(path).range(offset, len).options(&options).to_buffer()?;
+        let (buffer, loaded) =
+            with_request(path, &options, |request| request.range(offset, len).to_buffer())?;
         let report = report(&loaded);
         let handle = Box::into_raw(Box::new(dmaload_buffer { buffer, report }));
         // SAFETY: `out` is non-NULL (checked) and points to writable
@@ -467,6 +483,15 @@ fn load_impl(
 /// EINVAL for bad arguments, ENOENT for a missing file, ENOMEM when the
 /// file does not fit in memory, ENODATA when the file shrank during the
 /// load, ESTALE when it was written meanwhile. Thread-safe.
+///
+/// Every `dmaload_load*` function, `dmaload_load_dmabuf*` included, also
+/// takes an object in S3-compatible storage as `path`: `s3://BUCKET/KEY`,
+/// with the endpoint, region and credentials from the environment and
+/// `~/.aws` (docs/object-storage.md). Its errors name the bucket, key,
+/// byte range and the store's error code: EACCES where the store refuses
+/// the credentials, ENOENT for a missing bucket or key, ESTALE for an
+/// object replaced during the load (every GET is pinned to the ETag the
+/// load began with).
 ///
 /// # Safety
 /// `path` is NULL or a NUL-terminated string, `options` NULL or a valid struct
@@ -536,7 +561,7 @@ pub unsafe extern "C" fn dmaload_load_into(
             // that nothing else touches during the call (the contract).
             (false, _) => unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) },
         };
-        let loaded = LoadRequest::path(path).range(offset, None).options(&options).fill(dst)?;
+        let loaded = with_request(path, &options, |request| request.range(offset, None).fill(dst))?;
         if !report.is_null() {
             let handle = Box::into_raw(self::report(&loaded)).cast();
             // SAFETY: `report` is non-NULL (checked) and writable (the contract).
@@ -656,7 +681,7 @@ fn load_dmabuf_impl(
         let to = destination(op, target)?.unwrap_or(Destination::Dmabuf);
         let options = load_options(op, options, Some(to))?;
         let (loaded, loaded_report) =
-            LoadRequest::path(path).range(range.0, range.1).options(&options).to_dmabuf()?;
+            with_request(path, &options, |request| request.range(range.0, range.1).to_dmabuf())?;
         let result = dmaload_dmabuf {
             fd: -1,
             size: loaded.dmabuf.len(),

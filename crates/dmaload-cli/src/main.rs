@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use dmaload::load::{DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
+use dmaload::share::CacheRequest;
 use dmaload::{Destination, Engine, IoMode, LoadOptions, LoadRequest};
 use dmaload_cli::{output, sample, units};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -263,14 +264,10 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     // The buffer is dropped once the report is out: no fd to share, so
     // `auto` may choose anonymous memory.
     options.needs_fd = false;
+    // A whole file to host memory, or to a device (the service copies it
+    // into this process's device memory).
     let whole_file = cmd.offset == 0 && cmd.length.is_none();
-    let whole_host_file = whole_file && options.to.is_host();
-    // A whole file to a device: the service copies it into this process's
-    // device memory (dmaload::share::cached_to_device).
-    let cached_device = match options.to {
-        dmaload::Destination::Cuda(ordinal) if whole_file => Some(ordinal),
-        _ => None,
-    };
+    let cacheable = whole_file && (options.to.is_host() || matches!(options.to, Destination::Cuda(_)));
     // The report this command prints shows the page cache: measured unless
     // --no-page-cache (the library measures only when asked); a load the
     // cache service cannot take is measured the same way.
@@ -278,71 +275,43 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     let (bar, callback) = progress_bar("loading");
     options.progress = Some(callback);
     let mut socket = cache_socket(cmd);
-    if socket.is_some() && !whole_host_file && cached_device.is_none() {
+    if socket.is_some() && !cacheable {
         const WHY: &str = "the cache service serves whole files to host memory or a CUDA device";
         if cmd.cache.is_some() {
             return Err(dmaload::Error::new(
                 dmaload::ErrorKind::InvalidInput,
                 "load",
                 &cmd.file,
-                format!("{WHY}: drop --cache for a range or a device"),
+                format!("{WHY}: drop --cache for a range or a dma-buf"),
             ));
         }
         // Only the environment asked: it means "where the cache can serve".
-        eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a range or a device; loading directly");
+        eprintln!("dmaload: DMALOAD_CACHE left aside: {WHY}, not a range or a dma-buf; loading directly");
         socket = None;
     }
     let is_object = dmaload::object::is_object_url(&cmd.file);
-    let result = if let (true, Some(socket)) = (is_object, &socket) {
-        // The service reads the object with this process's grant and keeps
-        // it under its ETag; to a device it copies it into this process's memory.
+    let hashed = |(loaded, report): (dmaload::Loaded, dmaload::LoadReport)| {
+        let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
+        Ok((report, hash))
+    };
+    // Every destination, host memory, a dma-buf or a device, is one call;
+    // through the service, host memory or a device. An object
+    // (s3://BUCKET/KEY) the service reads with this process's grant and
+    // keeps under its ETag.
+    let result = if is_object {
         dmaload::object::Object::open(&cmd.file.to_string_lossy(), &options.cancel).and_then(|object| {
-            let (loaded, report, outcome) = match cached_device {
-                Some(ordinal) => dmaload::share::cached_object_to_device(&object, socket, ordinal, &options)
-                    .map(|(device, report, outcome)| (dmaload::Loaded::Device(device), report, outcome))?,
-                None => dmaload::share::cached_object(&object, socket, &options)
-                    .map(|(buffer, report, outcome)| (dmaload::Loaded::Host(buffer), report, outcome))?,
-            };
-            print_outcome(socket, outcome);
-            let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
-            Ok((report, hash))
-        })
-    } else if is_object {
-        // An object (s3://BUCKET/KEY) read here.
-        dmaload::object::Object::open(&cmd.file.to_string_lossy(), &options.cancel)
-            .and_then(|object| {
-                LoadRequest::object(&object).range(cmd.offset, cmd.length).options(&options).load()
-            })
-            .and_then(|(loaded, report)| {
-                let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
-                Ok((report, hash))
-            })
-    } else if let (Some(socket), Some(ordinal)) = (&socket, cached_device) {
-        let cached = dmaload::OpenFile::open(&cmd.file)
-            .and_then(|f| dmaload::share::cached_to_device(&f, socket, ordinal, &options));
-        cached.and_then(|(device, report, outcome)| {
-            print_outcome(socket, outcome);
-            let loaded = dmaload::Loaded::Device(device);
-            let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
-            Ok((report, hash))
-        })
-    } else if let Some(socket) = socket {
-        let cached =
-            dmaload::OpenFile::open(&cmd.file).and_then(|f| dmaload::share::cached(&f, &socket, &options));
-        cached.map(|(buffer, report, outcome)| {
-            print_outcome(&socket, outcome);
-            let hash = cmd.hash.then(|| output::hash_timed(&buffer));
-            (report, hash)
+            match &socket {
+                Some(socket) => cached(CacheRequest::object(&object, socket).options(&options), socket),
+                None => LoadRequest::object(&object).range(cmd.offset, cmd.length).options(&options).load(),
+            }
         })
     } else {
-        // Every destination, host memory, a dma-buf or a device, is one call.
-        dmaload::OpenFile::open(&cmd.file)
-            .and_then(|file| LoadRequest::open(&file).range(cmd.offset, cmd.length).options(&options).load())
-            .and_then(|(loaded, report)| {
-                let hash = cmd.hash.then(|| output::hash_loaded(&loaded, &cmd.file)).transpose()?;
-                Ok((report, hash))
-            })
-    };
+        dmaload::OpenFile::open(&cmd.file).and_then(|file| match &socket {
+            Some(socket) => cached(CacheRequest::open(&file, socket).options(&options), socket),
+            None => LoadRequest::open(&file).range(cmd.offset, cmd.length).options(&options).load(),
+        })
+    }
+    .and_then(hashed);
     bar.finish_and_clear();
     let (report, hash) = result?;
     for fallback in &report.fallbacks {
@@ -356,8 +325,12 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
     Ok(())
 }
 
-/// Says on stderr where a `--cache` load's bytes came from.
-fn print_outcome(socket: &std::path::Path, outcome: dmaload::share::CacheOutcome) {
+/// Runs a `--cache` load and says on stderr where its bytes came from.
+fn cached(
+    request: CacheRequest<'_>,
+    socket: &std::path::Path,
+) -> Result<(dmaload::Loaded, dmaload::LoadReport), dmaload::Error> {
+    let (loaded, report, outcome) = request.load()?;
     match outcome {
         dmaload::share::CacheOutcome::Service { served, note } => {
             eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
@@ -369,6 +342,7 @@ fn print_outcome(socket: &std::path::Path, outcome: dmaload::share::CacheOutcome
             eprintln!("dmaload: {reason}; loaded directly");
         }
     }
+    Ok((loaded, report))
 }
 
 fn main() -> ExitCode {

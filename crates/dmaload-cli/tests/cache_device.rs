@@ -286,8 +286,11 @@ fn the_service_copies_into_a_span_at_an_offset_inside_a_larger_allocation() {
     let file = dmaload::OpenFile::open(&path).unwrap();
     let options = dmaload::LoadOptions::default();
     let span = memory.range().sub(before, bytes.len()).unwrap();
-    let (report, served) =
-        dmaload::share::cached_into_device(&file, &socket, &ctx, &span, &options).unwrap().unwrap();
+    let (report, served) = dmaload::share::CacheRequest::open(&file, &socket)
+        .options(&options)
+        .into_device(&ctx, &span)
+        .unwrap()
+        .unwrap();
     assert_eq!(served, dmaload::share::Served::Miss);
     assert!(report.destination.contains("via cache-service (miss)"), "{report:?}");
     let mut back = vec![0u8; memory.len()];
@@ -339,8 +342,10 @@ fn a_file_written_after_the_client_opened_it_fails_the_load() {
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().write_all_at(b"rewritten", 100).unwrap();
     let socket = service.runtime.join("dmaload.sock");
     let options = dmaload::LoadOptions::default();
-    let err =
-        dmaload::share::cached_into_device(&file, &socket, &ctx, &memory.range(), &options).unwrap_err();
+    let err = dmaload::share::CacheRequest::open(&file, &socket)
+        .options(&options)
+        .into_device(&ctx, &memory.range())
+        .unwrap_err();
     assert_eq!(err.kind(), dmaload::ErrorKind::Changed, "{err}");
     assert!(err.to_string().contains("written during the load"), "{err}");
 }

@@ -150,11 +150,10 @@ impl<'a> LoadRequest<'a> {
     }
 
     /// An object opened once with [`Object::open`] (`s3://BUCKET/KEY`: its
-    /// size and ETag looked up). It loads into host memory, a device
-    /// (`cuda:N`) or a [`Sink`] ([`to_sink`](Self::to_sink)), not yet a
-    /// dma-buf or caller memory; every GET pins the ETag the open found,
-    /// so an object replaced since is [`ErrorKind::Changed`]. See
-    /// docs/object-storage.md.
+    /// size and ETag looked up). It loads by every verb: host memory, a
+    /// device (`cuda:N`), a dma-buf, caller memory or a [`Sink`]; every GET
+    /// pins the ETag the open found, so an object replaced since is
+    /// [`ErrorKind::Changed`]. See docs/object-storage.md.
     pub fn object(object: &'a Object) -> Self {
         Self::new(Input::Object(object))
     }

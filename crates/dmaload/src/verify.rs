@@ -746,9 +746,13 @@ impl StreamVerifier {
     pub fn new(path: &Path) -> Result<StreamVerifier> {
         let meta = std::fs::metadata(path).map_err(|e| Error::io("stat", path, e))?;
         let listed = look_up(path, (meta.dev(), meta.ino()))?;
-        let expected = Expected { listed, head: None, start: 0, end: meta.len() };
+        Ok(Self::from_expected(Expected { listed, head: None, start: 0, end: meta.len() }))
+    }
+
+    /// The verifier of a whole source whose sums entry is `expected`.
+    pub(crate) fn from_expected(expected: Expected) -> StreamVerifier {
         let running = expected.verifier().running.into_inner().unwrap_or_else(|p| p.into_inner());
-        Ok(StreamVerifier { expected, running: std::sync::Mutex::new(running) })
+        StreamVerifier { expected, running: std::sync::Mutex::new(running) }
     }
 
     /// The digest the sums file records, and its kind.

@@ -53,7 +53,8 @@ fn an_object_is_read_once_and_then_mapped_from_the_cache_under_its_etag() {
     let options = LoadOptions::default();
 
     let object = garage.open("model.bin").unwrap();
-    let (buffer, report, outcome) = dmaload::share::cached_object(&object, &socket, &options).unwrap();
+    let (buffer, report, outcome) =
+        dmaload::share::CacheRequest::object(&object, &socket).options(&options).to_buffer().unwrap();
     assert_eq!(served(outcome), Served::Miss);
     assert!(buffer[..] == v1[..], "the first load's bytes differ from the object's");
     assert!(report.destination.starts_with("cache-service"), "{}", report.destination);
@@ -62,7 +63,8 @@ fn an_object_is_read_once_and_then_mapped_from_the_cache_under_its_etag() {
     // and no GET (what it reads from its sockets is far less than the object).
     let before = read_chars(service.pid());
     let object = garage.open("model.bin").unwrap();
-    let (buffer, _, outcome) = dmaload::share::cached_object(&object, &socket, &options).unwrap();
+    let (buffer, _, outcome) =
+        dmaload::share::CacheRequest::object(&object, &socket).options(&options).to_buffer().unwrap();
     assert_eq!(served(outcome), Served::Hit);
     assert!(buffer[..] == v1[..], "the hit's bytes differ from the object's");
     let read = read_chars(service.pid()) - before;
@@ -72,7 +74,8 @@ fn an_object_is_read_once_and_then_mapped_from_the_cache_under_its_etag() {
     // the cached one.
     garage.put("model.bin", &v2);
     let object = garage.open("model.bin").unwrap();
-    let (buffer, _, outcome) = dmaload::share::cached_object(&object, &socket, &options).unwrap();
+    let (buffer, _, outcome) =
+        dmaload::share::CacheRequest::object(&object, &socket).options(&options).to_buffer().unwrap();
     assert_eq!(served(outcome), Served::Miss);
     assert!(buffer[..] == v2[..], "the new version's bytes differ from the object's");
     let status = service.status();
@@ -90,7 +93,7 @@ fn an_object_replaced_after_the_client_opened_it_is_changed_and_nothing_is_retur
     garage.put("model.bin", &pattern(1 << 20, 1));
     let object = garage.open("model.bin").unwrap();
     garage.put("model.bin", &pattern(1 << 20, 2));
-    let err = dmaload::share::cached_object(&object, &socket, &LoadOptions::default()).unwrap_err();
+    let err = dmaload::share::CacheRequest::object(&object, &socket).to_buffer().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Changed, "{err}");
     assert!(err.to_string().contains("s3://models/model.bin"), "{err}");
 }
@@ -118,7 +121,7 @@ fn a_grant_the_store_refuses_gets_nothing_even_when_the_object_is_cached() {
     let service = ServiceProcess::start(&socket, 1 << 30);
     garage.put("model.bin", &pattern(1 << 20, 1));
     let object = garage.open("model.bin").unwrap();
-    let (_, _, outcome) = dmaload::share::cached_object(&object, &socket, &LoadOptions::default()).unwrap();
+    let (_, _, outcome) = dmaload::share::CacheRequest::object(&object, &socket).to_buffer().unwrap();
     assert_eq!(served(outcome), Served::Miss);
 
     // The same object, the grant's signatures not the store's: no bytes.
@@ -183,8 +186,7 @@ fn a_service_that_refuses_the_request_itself_is_passed_over_for_a_direct_load() 
     );
     let reply = protocol::encode(&Reply::Error(protocol::WireError::from_error(&refused)));
     let fake = share::fake_service(&socket, vec![Some(reply)]);
-    let (buffer, _, outcome) =
-        dmaload::share::cached_object(&object, &socket, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::share::CacheRequest::object(&object, &socket).to_buffer().unwrap();
     fake.join().unwrap();
     assert!(buffer[..] == body[..], "the direct load's bytes differ from the object's");
     match outcome {

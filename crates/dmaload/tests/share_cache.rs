@@ -345,15 +345,43 @@ fn a_cached_load_reads_the_file_it_opened_whatever_the_path_becomes() {
     std::fs::rename(&other, &path).unwrap();
     // No service: the direct load reads the opened file, not the path.
     let absent = dir.path().join("absent.sock");
-    let (buffer, _, outcome) = dmaload::share::cached(&opened, &absent, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::share::CacheRequest::open(&opened, &absent).to_buffer().unwrap();
     assert!(matches!(outcome, CacheOutcome::Direct { .. }), "{outcome:?}");
     assert_eq!(xxh3(&buffer), hash);
     // A service gets a descriptor of the opened file too.
     let socket = dir.path().join("cache.sock");
     let service = ServiceProcess::start(&socket, 1 << 30);
-    let (buffer, _, outcome) = dmaload::share::cached(&opened, &socket, &LoadOptions::default()).unwrap();
+    let (buffer, _, outcome) = dmaload::share::CacheRequest::open(&opened, &socket).to_buffer().unwrap();
     assert!(matches!(outcome, CacheOutcome::Service { served: Served::Miss, .. }), "{outcome:?}");
     assert_eq!(xxh3(&buffer), hash);
+    service.stop();
+}
+
+/// `CacheRequest::load` goes where `options.to` says: host memory from
+/// the service, and a dma-buf refused before anything is asked (the
+/// service serves none), naming the destination.
+#[test]
+fn a_cache_request_loads_where_its_options_say_and_refuses_a_dmabuf() {
+    let dir = scratch_dir();
+    let path = dir.path().join("model.bin");
+    write_pattern_file(&path, (2 << 20) + 7);
+    let socket = dir.path().join("cache.sock");
+    let service = ServiceProcess::start(&socket, 1 << 30);
+    let opened = dmaload::OpenFile::open(&path).unwrap();
+    let (loaded, report, outcome) = dmaload::share::CacheRequest::open(&opened, &socket).load().unwrap();
+    assert!(matches!(outcome, CacheOutcome::Service { served: Served::Miss, .. }), "{outcome:?}");
+    assert!(report.destination.starts_with("cache-service"), "{}", report.destination);
+    match loaded {
+        dmaload::Loaded::Host(buffer) => assert_eq!(xxh3(&buffer), file_hash(&path)),
+        _ => panic!("a host load gave something else"),
+    }
+    let options = LoadOptions { to: "udmabuf".parse().unwrap(), ..LoadOptions::default() };
+    let err = dmaload::share::CacheRequest::open(&opened, &socket).options(&options).load().unwrap_err();
+    assert_eq!(err.kind(), dmaload::ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("not udmabuf"), "{err}");
+    // Nothing was asked of the service for it: still one file, one load.
+    let status = Client::connect(&socket).unwrap().status().unwrap();
+    assert_eq!((status.files_cached, status.hits, status.misses), (1, 0, 1), "{status:?}");
     service.stop();
 }
 

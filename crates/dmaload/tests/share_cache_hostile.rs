@@ -235,7 +235,7 @@ fn a_service_out_of_its_own_resources_is_a_fallback_a_failed_file_is_not() {
         vec![error_reply(libc::EMFILE, "allocate memory"), error_reply(libc::EIO, "read")],
     );
     let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).to_buffer())
         .unwrap();
     assert_pattern(&buffer, 0);
     match outcome {
@@ -243,7 +243,7 @@ fn a_service_out_of_its_own_resources_is_a_fallback_a_failed_file_is_not() {
         other => panic!("EMFILE in the service must load directly: {other:?}"),
     }
     let err = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).to_buffer())
         .unwrap_err();
     assert_eq!((err.op(), err.raw_os_error()), ("read", Some(libc::EIO)), "{err}");
     service.join().unwrap();
@@ -380,7 +380,7 @@ fn a_service_whose_loads_read_nothing_is_a_fallback() {
         }
     });
     let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).to_buffer())
         .unwrap();
     assert_pattern(&buffer, 0);
     match outcome {

@@ -232,7 +232,7 @@ fn a_cached_load_with_verify_loads_directly_and_verifies() {
     let socket = dir.path().join("no-service");
     let options = verified(Engine::UringFixed, IoMode::Auto);
     let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::cached(&file, &socket, &options))
+        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).options(&options).to_buffer())
         .unwrap();
     assert_eq!(buffer.len(), 2 * M + 1);
     match outcome {
@@ -243,7 +243,7 @@ fn a_cached_load_with_verify_loads_directly_and_verifies() {
     }
     flip_byte(&path, M as u64);
     let err = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::cached(&file, &socket, &options))
+        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).options(&options).to_buffer())
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
 }

@@ -193,6 +193,12 @@ class WindowLoader:
     def header(self, file: int) -> Header:
         """The safetensors header of ``files[file]``, read from the
         loader's own open (an object's pinned to its ETag)."""
+    def digest(self, file: int) -> StreamDigest:
+        """The digest to come of object ``file``, against the ``B3SUMS`` or
+        ``SHA256SUMS`` object beside it; OSError (EINVAL) when none lists
+        it, ValueError for a file."""
+    def size(self, file: int) -> int:
+        """The size of file or object ``file`` as the loader opened it."""
     def object_identity(self, file: int) -> str | None:
         """``"s3://BUCKET/KEY ETAG SIZE"`` for an object, None for a file."""
     def check_memory(self, file: int, n: int) -> None:

@@ -29,7 +29,7 @@ use crate::sys;
 use crate::sys::mem::RawBytesMut;
 use crate::tune;
 use crate::types::{CachePolicy, Engine};
-use crate::verify::{sums_too_large, Expected, MAX_SUMS_BYTES};
+use crate::verify::{sums_too_large, Expected, StreamVerifier, MAX_SUMS_BYTES};
 
 /// Bytes one GET asks for unless `chunk_size` says otherwise: large
 /// enough that a request's round trip is small beside its transfer, small
@@ -147,6 +147,20 @@ pub(crate) fn object_expected(
         Ok(Some(bytes.to_vec()))
     };
     Expected::for_object(object.name(), object.size, offset, len, options.verify, read)
+}
+
+impl StreamVerifier {
+    /// The verifier of the whole `object`, whose bytes its caller streams
+    /// itself (a Python stream's windows, each a load of part of it): the
+    /// `B3SUMS` or `SHA256SUMS` object beside it must list it, looked up
+    /// and read as a verified load of the object does ([`object_expected`]).
+    pub fn for_object(object: &Object, cancel: &crate::CancelToken) -> Result<StreamVerifier> {
+        let options = LoadOptions { verify: true, cancel: cancel.clone(), ..LoadOptions::default() };
+        let expected = object_expected(object, 0, None, &options)?;
+        expected.map(StreamVerifier::from_expected).ok_or_else(|| {
+            Error::new(ErrorKind::InvalidInput, "verify", object.name(), "no sums entry was looked up")
+        })
+    }
 }
 
 /// Loads `len` bytes (to the end when `None`) from `offset` of `object`

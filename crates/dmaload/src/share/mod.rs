@@ -10,6 +10,7 @@ mod capture;
 pub mod client;
 mod handoff;
 pub mod protocol;
+mod request;
 pub mod service;
 
 pub use crate::sys::shm::{SharedBytes, SharedBytesMut};
@@ -23,9 +24,8 @@ pub use block_queue::{
 };
 pub use capture::{capture_to_file, process_cpu_seconds, CaptureOptions, CaptureReport};
 pub use client::{
-    cached, cached_into_device, cached_object, cached_object_into_device, cached_object_to_device,
-    cached_to_device, connection_from_raw_fd, default_socket, from_service, handoff_report, socket_from_env,
-    CacheOutcome, Client, Fetched, CACHE_ENV,
+    connection_from_raw_fd, default_socket, handoff_report, socket_from_env, Client, Fetched, CACHE_ENV,
 };
 pub use protocol::{CachedFile, Served, Status};
+pub use request::{CacheOutcome, CacheRequest, ServedFile};
 pub use service::{Service, ServiceConfig, StopSignals};

@@ -102,7 +102,7 @@ pub fn process_role() {
         }
         "load-cached" => {
             let (buffer, _, outcome) = dmaload::OpenFile::open(file.unwrap())
-                .and_then(|file| dmaload::share::cached(&file, &socket, &LoadOptions::default()))
+                .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).to_buffer())
                 .unwrap();
             match outcome {
                 CacheOutcome::Service { served, .. } => {

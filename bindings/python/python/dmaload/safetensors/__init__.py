@@ -275,7 +275,7 @@ class SafeOpen:
             # Shared by a group or filtered: a stream's windows, each
             # received by ranged GETs into its buffer.
             name = objects if isinstance(objects, str) else objects[0]
-            _refuse_for_objects(name, cache=cache is not None, verify=bool(options.get("verify")))
+            _refuse_for_objects(name, cache=cache is not None)
             sources, weight_map = _object_model(objects)
             paths: list[Path] = []
         else:
@@ -672,8 +672,9 @@ def iter_tensors(
     keeps. With ``process_group``, ``tensor_filter``, ``window`` or
     ``recycle`` it streams in windows as a local model does, each window
     received by ranged GETs into its buffer (with a group, each rank GETs
-    its 1/N and the ranks exchange the rest); ``cache`` and ``verify`` are
-    refused for it (docs/object-storage.md).
+    its 1/N and the ranks exchange the rest), and so with ``verify=True``,
+    each object hashed against the ``B3SUMS`` or ``SHA256SUMS`` object
+    beside it; ``cache`` is refused for it (docs/object-storage.md).
 
     ``verify=True`` hashes every byte of each file as its windows arrive
     (a filter's unwanted tensors are read too, not handed out) against its
@@ -686,14 +687,11 @@ def iter_tensors(
     windowed = process_group is not None or tensor_filter is not None or window is not None or recycle
     sources: list[_collective.Source]
     if url is not None:
-        _refuse_for_objects(
-            url if isinstance(url, str) else url[0],
-            cache=cache is not None,
-            # Each data section comes through the staging ring alone, or
-            # the windows' digests are of files.
-            verify=bool(options.get("verify")),
-        )
-        if not windowed:
+        _refuse_for_objects(url if isinstance(url, str) else url[0], cache=cache is not None)
+        # Verified, it streams in windows: their digests cover every byte
+        # of each object, where the shard-by-shard path loads each data
+        # section alone.
+        if not windowed and not options.get("verify"):
             yield from _iter_objects(url, device, progress, dict(options))
             return
         # Shared by a group or filtered: the windows of a stream, each

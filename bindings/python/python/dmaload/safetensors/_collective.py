@@ -435,8 +435,6 @@ class Stream:
         failure: BaseException | None = None
         try:
             if self._objects:
-                if self._verify:
-                    raise ValueError(f"{paths[0]}: a windowed load of s3:// objects does not take verify=True so far")
                 self._loader = _dmaload.WindowLoader(paths, options=self._native, in_flight=LOADS_IN_FLIGHT)
                 self.headers = [self._loader.header(i) for i in range(len(paths))]
             else:
@@ -471,8 +469,7 @@ class Stream:
             if failure is not None:
                 raise failure
             if self._verify:
-                files = [Path(p) for p in self.paths]
-                self._verifier = _Verify(files, [_digest_of(p) for p in files], self._fds)
+                self._verifier = _Verify(self.paths, [self._digest_of(i) for i in range(len(self.paths))], self._sizes())
             self._make_windows([bool(self._wants(t.name)) for h in self.headers for t in h.tensors], 1, RING)
             return
         where = f"{len(self.paths)} file(s), the first {self.paths[0] if self.paths else '-'}"
@@ -526,9 +523,23 @@ class Stream:
                 "an object was replaced while the ranks opened it; load again"
             )
         if self._verify or not same_file:
-            self._verifier = _same_bytes(group, where, [Path(p) for p in self.paths], self._fds, same_file)
+            digests = _same_bytes(group, where, self.paths, self._digest_of, same_file)
+            self._verifier = _Verify(self.paths, digests, self._sizes())
         everyone = _collective(group, doing, group.gather_ints, mine_wanted) if mine_wanted else []
         self._make_windows([any(row[k] for row in everyone) for k in range(len(mine_wanted))], group.size, GROUP_RING)
+
+    def _digest_of(self, i: int) -> Any:
+        """The native digest of source ``i`` to come (``_dmaload.StreamDigest``),
+        its expected value from the sums file beside it (an object's: the sums
+        object beside it, read with the loader's settings); OSError (EINVAL)
+        saying so when none lists it."""
+        return self._loader.digest(i) if self._objects else _dmaload.StreamDigest(Path(self.paths[i]))
+
+    def _sizes(self) -> list[int]:
+        """Each source's size as the loader opened it."""
+        if self._objects:
+            return [self._loader.size(i) for i in range(len(self.paths))]
+        return [os.fstat(fd).st_size for fd in self._fds]
 
     def _make_windows(self, wanted: list[bool], ranks: int, depth: int) -> None:
         sizes = self._verifier.sizes if self._verifier is not None else None
@@ -719,17 +730,10 @@ def _object_identity(identities: list[str | None]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def _digest_of(path: Path) -> Any:
-    """The native digest of ``path`` to come (``_dmaload.StreamDigest``),
-    its expected value from the sums file beside it; OSError (EINVAL)
-    saying so when none lists the file."""
-    return _dmaload.StreamDigest(path)
-
-
 _SUMS_KINDS = {"B3SUMS": 1, "SHA256SUMS": 2}
 
 
-def _same_bytes(group: _Group, where: str, paths: list[Path], fds: list[int], same_file: bool) -> _Verify:
+def _same_bytes(group: _Group, where: str, paths: list[Source], digest_of: Callable[[int], Any], same_file: bool) -> list[Any]:
     """The ranks' proof that they read the same bytes, where they do not
     all open the same files on one host (``same_file``) or verification
     was asked: every rank's sums files list every file, and record the same
@@ -742,16 +746,16 @@ def _same_bytes(group: _Group, where: str, paths: list[Path], fds: list[int], sa
     digests: list[Any] = []
     failure: OSError | None = None
     mine: list[int] = []
-    for p in paths:
+    for i, p in enumerate(paths):
         try:
-            d = _digest_of(p)
+            d = digest_of(i)
         except OSError as exc:
             failure = failure or exc
             mine += [exc.errno or errno_codes.EINVAL, 0, 0, 0, 0, 0]
             continue
         digests.append(d)
         raw = bytes.fromhex(d.expected)
-        mine += [0, _SUMS_KINDS[d.sums_file]] + [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
+        mine += [0, _SUMS_KINDS[d.sums_file]] + [int.from_bytes(raw[k : k + 8], "little", signed=True) for k in range(0, 32, 8)]
     rows = _collective(group, f"agreeing on the digests of {where}", group.gather_ints, mine)
     why = "" if same_file else "the ranks do not all open the same files on one host, so "
     for r, row in enumerate(rows):
@@ -759,11 +763,16 @@ def _same_bytes(group: _Group, where: str, paths: list[Path], fds: list[int], sa
             entry, first = row[6 * i : 6 * i + 6], rows[0][6 * i : 6 * i + 6]
             if entry[0]:
                 cause = f" ({failure})" if r == rank and failure is not None else ""
+                if isinstance(p, str):
+                    how = f"upload a B3SUMS or SHA256SUMS listing it beside {p} (`dmaload sums` writes one)"
+                else:
+                    how = (
+                        f"run `dmaload sums {p.parent}` where the checkpoint was written and copy the sums "
+                        "file with it to every node, or load one copy shared by all ranks on one host"
+                    )
                 raise CollectiveLoadError(
                     f"rank {rank}: {why}every rank needs a B3SUMS or SHA256SUMS beside each file listing it, "
-                    f"and rank {r} has none for {p}{cause}: run `dmaload sums {p.parent}` where the checkpoint "
-                    "was written and copy the sums file with it to every node, or load one copy shared by all "
-                    "ranks on one host"
+                    f"and rank {r} has none for {p}{cause}: {how}"
                 ) from failure
             if entry != first:
                 raise CollectiveLoadError(
@@ -771,7 +780,7 @@ def _same_bytes(group: _Group, where: str, paths: list[Path], fds: list[int], sa
                     "the ranks hold different checkpoints (a stale or re-downloaded copy); make every "
                     "node's copy the same, with its sums file"
                 )
-    return _Verify(paths, digests, fds)
+    return digests
 
 
 class _Verify:
@@ -783,9 +792,8 @@ class _Verify:
     mismatch fails the stream at the file's last window, before its
     tensors, without a group, and on every rank at the end with one."""
 
-    def __init__(self, paths: list[Path], digests: list[Any], fds: list[int]) -> None:
-        self.paths, self._digests = paths, digests
-        self.sizes = [os.fstat(fd).st_size for fd in fds]
+    def __init__(self, paths: list[Source], digests: list[Any], sizes: list[int]) -> None:
+        self.paths, self._digests, self.sizes = paths, digests, sizes
         self._hashed = [0] * len(paths)
         self._failure: OSError | None = None
 
