@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use rustls::ClientConnection;
 
+use super::proxy::Proxy;
 use super::tls::Tls;
 use crate::sys::mem::MappingWriter;
 
@@ -80,9 +81,9 @@ impl Head {
     }
 }
 
-/// A TLS handshake that failed for a reason another attempt would meet
-/// again (the certificate does not verify, no protocol in common): the
-/// load's error, never retried.
+/// A connection refused for a reason another attempt would meet again (a
+/// TLS certificate that does not verify, no protocol in common, a proxy's
+/// 4xx to the tunnel): the load's error, never retried.
 #[derive(Debug)]
 pub struct HandshakeRefused(String);
 
@@ -111,24 +112,38 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Connects to `host:port`, and with `tls` makes the TLS handshake
-    /// (waiting as `waiter` says). A handshake the server fails is
-    /// [`HandshakeRefused`].
+    /// Connects to `host:port`, through a `CONNECT` tunnel of `proxy` when
+    /// one is given, and with `tls` makes the TLS handshake (waiting as
+    /// `waiter` says). A handshake the server fails, or a tunnel the proxy
+    /// refuses with a 4xx, is [`HandshakeRefused`].
     pub fn open(
         host: &str,
         port: u16,
         timeout: Duration,
         tls: Option<&Tls>,
+        proxy: Option<&Proxy>,
         waiter: &Waiter<'_>,
     ) -> io::Result<Connection> {
-        let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address"));
-        for addr in (host.trim_start_matches('[').trim_end_matches(']'), port).to_socket_addrs()? {
+        let (to_host, to_port) = proxy.map_or((host, port), |p| (p.host.as_str(), p.port));
+        let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{to_host} has no address"));
+        for addr in (to_host.trim_start_matches('[').trim_end_matches(']'), to_port).to_socket_addrs()? {
             match TcpStream::connect_timeout(&addr, timeout) {
                 Ok(stream) => {
                     stream.set_nodelay(true)?;
                     stream.set_read_timeout(Some(POLL))?;
                     stream.set_write_timeout(Some(timeout))?;
                     let mut conn = Connection { stream, tls: None, early: Vec::new() };
+                    if let Some(proxy) = proxy {
+                        conn.send(proxy.connect_request(host, port).as_bytes())?;
+                        let status = conn.read_head(waiter)?.status;
+                        if !(200..300).contains(&status) || !conn.early.is_empty() {
+                            let why = proxy.refusal(host, port, status);
+                            return Err(match Proxy::refuses_for_good(status) {
+                                true => refused(why),
+                                false => io::Error::new(io::ErrorKind::ConnectionRefused, why),
+                            });
+                        }
+                    }
                     if let Some(tls) = tls {
                         let session = tls.session(host).map_err(|e| refused(tls.refusal(host, port, &e)))?;
                         conn.tls = Some(Box::new(session));
@@ -139,7 +154,10 @@ impl Connection {
                 Err(e) => last = e,
             }
         }
-        Err(last)
+        Err(match proxy {
+            Some(proxy) => io::Error::new(last.kind(), format!("{}: {last}", proxy.shown())),
+            None => last,
+        })
     }
 
     /// Runs the TLS handshake to its end. A failure rustls finds (the

@@ -12,10 +12,11 @@
 //! failures (resets, stalls) are retried as on plain HTTP.
 
 pub mod config;
-mod credentials;
 mod http;
+mod proxy;
 pub mod sigv4;
 mod tls;
+mod xml;
 
 use std::io;
 use std::ops::Range;
@@ -87,6 +88,8 @@ pub struct Object {
     tls: Option<Tls>,
     /// Requests authorized by another process's [`Grant`] instead of keys.
     granted: Option<Granted>,
+    /// The proxy connections to `host` go through (`https_proxy`...).
+    proxy: Option<proxy::Proxy>,
 }
 
 /// The queries of a [`Grant`] this object's requests carry.
@@ -161,6 +164,7 @@ impl Object {
         };
         let (host, path) = locate(&url, &config);
         let (stall, retry_for) = (config.timeout, config.retry_for);
+        let proxy = config.proxies.for_host(&host, config.endpoint.port, config.endpoint.https).cloned();
         Ok(Object {
             url,
             name,
@@ -173,6 +177,7 @@ impl Object {
             retry_for,
             tls,
             granted: None,
+            proxy,
         })
     }
 
@@ -416,16 +421,19 @@ impl Object {
             None => {
                 let (addr, port) = (self.host.as_str(), self.config.endpoint.port);
                 let opened =
-                    Connection::open(addr, port, self.stall, self.tls.as_ref(), waiter).map_err(|e| {
-                        if http::HandshakeRefused::is(&e) {
-                            let err = Error::with_errno(op(method), &self.name, libc::EIO, e.to_string());
-                            return Failure::Fatal(err.at(offset));
-                        }
-                        match self.io_failure(e, offset) {
-                            Failure::Retry(why) => Failure::Retry(format!("connect to {addr}:{port}: {why}")),
-                            cancelled => cancelled,
-                        }
-                    })?;
+                    Connection::open(addr, port, self.stall, self.tls.as_ref(), self.proxy.as_ref(), waiter)
+                        .map_err(|e| {
+                            if http::HandshakeRefused::is(&e) {
+                                let err = Error::with_errno(op(method), &self.name, libc::EIO, e.to_string());
+                                return Failure::Fatal(err.at(offset));
+                            }
+                            match self.io_failure(e, offset) {
+                                Failure::Retry(why) => {
+                                    Failure::Retry(format!("connect to {addr}:{port}: {why}"))
+                                }
+                                cancelled => cancelled,
+                            }
+                        })?;
                 connection.insert(opened)
             }
         };
@@ -507,8 +515,8 @@ impl Object {
             _ => Vec::new(),
         };
         let body = String::from_utf8_lossy(&body);
-        let code = xml_field(&body, "Code");
-        let message = xml_field(&body, "Message");
+        let code = xml::field(&body, "Code");
+        let message = xml::field(&body, "Message");
         let status = head.status;
         let what = self.what(method, range);
         let mut told = format!("{what}: HTTP {status}");
@@ -538,12 +546,9 @@ impl Object {
             404 => {
                 Error::with_errno(op(method), path, libc::ENOENT, not_found(&told, code.as_deref(), method))
             }
-            401 | 403 => Error::with_errno(
-                op(method),
-                path,
-                libc::EACCES,
-                format!("{told} (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile's keys)"),
-            ),
+            401 | 403 => {
+                Error::with_errno(op(method), path, libc::EACCES, format!("{told} ({})", self.whose()))
+            }
             416 => Error::new(ErrorKind::Truncated, op(method), path, told),
             301 | 307 | 308 => {
                 let region = head.header("x-amz-bucket-region").unwrap_or("another region");
@@ -566,6 +571,15 @@ impl Object {
             return Failure::Fatal(self.cancelled("GET", offset));
         }
         Failure::Retry(err.to_string())
+    }
+
+    /// Whose authority a refused request carried, for its message.
+    fn whose(&self) -> String {
+        match (&self.granted, &self.config.credentials) {
+            (Some(_), _) => "signed by the grant of the process that asked for the load".to_owned(),
+            (None, Some(keys)) => format!("signed with keys from {}: check them", keys.source),
+            (None, None) => "unsigned: no keys were found (docs/object-storage.md: keys)".to_owned(),
+        }
     }
 
     fn cancelled(&self, method: &str, offset: u64) -> Error {
@@ -624,15 +638,6 @@ fn content_range(head: &http::Head) -> Option<(u64, u64, u64)> {
     Some((first.parse().ok()?, last.parse().ok()?, total.parse().ok()?))
 }
 
-/// The text of the first `<name>` element of an S3 error body.
-fn xml_field(body: &str, name: &str) -> Option<String> {
-    let start = body.find(&format!("<{name}>"))? + name.len() + 2;
-    let end = start + body[start..].find(&format!("</{name}>"))?;
-    let text = body[start..end].trim();
-    (!text.is_empty())
-        .then(|| text.replace("&quot;", "\"").replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
-}
-
 /// A random duration up to `max` ("full jitter"), so that many requests
 /// failing together do not retry together.
 fn jitter(max: Duration) -> Duration {
@@ -655,8 +660,8 @@ mod tests {
         assert!(ObjectUrl::parse("s3://b").unwrap().is_err());
         assert!(ObjectUrl::parse("s3://b/").unwrap().is_err());
         let body = "<?xml version=\"1.0\"?><Error><Code>NoSuchKey</Code><Message>Key not found: &quot;k&quot;</Message></Error>";
-        assert_eq!(xml_field(body, "Code").as_deref(), Some("NoSuchKey"));
-        assert_eq!(xml_field(body, "Message").as_deref(), Some("Key not found: \"k\""));
+        assert_eq!(xml::field(body, "Code").as_deref(), Some("NoSuchKey"));
+        assert_eq!(xml::field(body, "Message").as_deref(), Some("Key not found: \"k\""));
         assert!(jitter(Duration::from_secs(1)) <= Duration::from_secs(1));
     }
 
@@ -671,6 +676,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             retry_for: Duration::from_secs(1),
             ca_bundle: None,
+            proxies: Default::default(),
         };
         assert_eq!(locate(&url, &config), ("127.0.0.1".into(), "/base/b/dir/a%20b%2Bc.bin".into()));
         config.endpoint = config::Endpoint::parse("https://s3.eu-west-1.amazonaws.com").unwrap();

@@ -3,10 +3,32 @@
 //! and the derived key, as AWS documents them. HMAC-SHA256 comes from the
 //! `hmac` and `sha2` crates.
 
+use std::fmt;
+
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-use super::config::Credentials;
+/// The keys requests are signed with, and where they came from (for
+/// messages). `Debug` never shows the secret.
+#[derive(Clone)]
+pub struct Credentials {
+    pub access_key: String,
+    pub secret_key: String,
+    pub session_token: Option<String>,
+    /// The source of the keys as a message names it (`AWS_ACCESS_KEY_ID`,
+    /// `the keys of profile dev`, `web identity (role ARN)`...): never a
+    /// secret.
+    pub source: String,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("access_key", &self.access_key)
+            .field("source", &self.source)
+            .finish_non_exhaustive()
+    }
+}
 
 /// The SHA-256 of an empty payload, hex.
 pub const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
@@ -49,18 +71,8 @@ pub struct Stamp {
 impl Stamp {
     /// The stamp of `secs` since the Unix epoch (UTC).
     pub fn at(secs: u64) -> Stamp {
-        let days = (secs / 86_400) as i64;
+        let (year, month, day) = civil_from_days((secs / 86_400) as i64);
         let rem = secs % 86_400;
-        // Howard Hinnant's civil_from_days.
-        let z = days + 719_468;
-        let era = z.div_euclid(146_097);
-        let doe = z - era * 146_097;
-        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-        let mp = (5 * doy + 2) / 153;
-        let day = doy - (153 * mp + 2) / 5 + 1;
-        let month = if mp < 10 { mp + 3 } else { mp - 9 };
-        let year = yoe + era * 400 + i64::from(month <= 2);
         Stamp {
             datetime: format!(
                 "{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z",
@@ -80,6 +92,57 @@ impl Stamp {
     fn date(&self) -> &str {
         &self.datetime[..8]
     }
+}
+
+/// The civil date (year, month, day) of a day number since 1970-01-01
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    (yoe + era * 400 + i64::from(month <= 2), month, day)
+}
+
+/// The day number since 1970-01-01 of a civil date: the inverse of
+/// [`civil_from_days`] (Hinnant's `days_from_civil`).
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// Seconds since the Unix epoch of an RFC 3339 time,
+/// `YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)`, as credential sources give
+/// their keys' `Expiration`; `None` for anything else.
+pub fn rfc3339_seconds(time: &str) -> Option<i64> {
+    let num = |s: &str| s.parse::<i64>().ok().filter(|_| s.bytes().all(|b| b.is_ascii_digit()));
+    let (date, rest) = time.split_once(['T', 't', ' '])?;
+    let mut ymd = date.splitn(3, '-').map(num);
+    let (y, m, d) = (ymd.next()??, ymd.next()??, ymd.next()??);
+    let (clock, offset) = match rest.strip_suffix(['Z', 'z']) {
+        Some(clock) => (clock, 0),
+        None => {
+            let at = rest.rfind(['+', '-'])?;
+            let (h, mi) = rest[at + 1..].split_once(':')?;
+            let sign = if rest.as_bytes()[at] == b'-' { -1 } else { 1 };
+            (&rest[..at], sign * (num(h)? * 3600 + num(mi)? * 60))
+        }
+    };
+    let clock = clock.split_once('.').map_or(clock, |(whole, _)| whole);
+    let mut hms = clock.splitn(3, ':').map(num);
+    let (h, mi, s) = (hms.next()??, hms.next()??, hms.next()??);
+    if !(1..=12).contains(&m) || !(1..=31).contains(&d) || h > 23 || mi > 59 || s > 60 {
+        return None;
+    }
+    Some(days_from_civil(y, m, d) * 86400 + h * 3600 + mi * 60 + s - offset)
 }
 
 /// One request to sign: `headers` are the ones sent besides those this
@@ -195,6 +258,7 @@ mod tests {
             access_key: "AKIAIOSFODNN7EXAMPLE".into(),
             secret_key: "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY".into(),
             session_token: None,
+            source: "AWS's example".into(),
         };
         let headers =
             [("host", "examplebucket.s3.amazonaws.com".to_owned()), ("range", "bytes=0-9".to_owned())];
@@ -224,6 +288,7 @@ mod tests {
             access_key: "AKIAIOSFODNN7EXAMPLE".into(),
             secret_key: "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY".into(),
             session_token: None,
+            source: "AWS's example".into(),
         };
         let stamp = Stamp { datetime: "20130524T000000Z".into() };
         let query = presign(
@@ -249,5 +314,22 @@ mod tests {
         assert_eq!(Stamp::at(951_825_599).datetime, "20000229T115959Z");
         assert_eq!(uri_encode("a b/c+d~é", true), "a%20b/c%2Bd~%C3%A9");
         assert_eq!(uri_encode("a/b", false), "a%2Fb");
+    }
+
+    #[test]
+    fn rfc3339_times_read_as_unix_seconds_and_back() {
+        assert_eq!(rfc3339_seconds("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(rfc3339_seconds("2022-05-26T12:34:56.789Z"), Some(1_653_568_496));
+        assert_eq!(rfc3339_seconds("2022-05-26T14:34:56+02:00"), Some(1_653_568_496));
+        assert_eq!(rfc3339_seconds("2000-03-01T00:00:00Z"), Some(951_868_800));
+        assert_eq!(rfc3339_seconds("2022-13-26T12:34:56Z"), None);
+        assert_eq!(rfc3339_seconds("tomorrow"), None);
+        // One calendar both ways: a stamp's time parses back to itself.
+        for secs in [0u64, 951_825_599, 1_369_353_600, 4_102_444_799] {
+            let d = Stamp::at(secs).datetime;
+            let rfc =
+                format!("{}-{}-{}T{}:{}:{}Z", &d[..4], &d[4..6], &d[6..8], &d[9..11], &d[11..13], &d[13..15]);
+            assert_eq!(rfc3339_seconds(&rfc), Some(secs as i64), "{rfc}");
+        }
     }
 }

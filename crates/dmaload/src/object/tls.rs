@@ -19,7 +19,14 @@ use std::sync::{Arc, Mutex};
 use rustls::pki_types::ServerName;
 use rustls::{ClientConfig, ClientConnection, RootCertStore};
 
-use super::config::CaBundle;
+/// A file of PEM certificates that replaces the system's trust roots for
+/// `https://` endpoints, and the setting that named it (for messages).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaBundle {
+    pub path: PathBuf,
+    /// `AWS_CA_BUNDLE`, or the profile's `ca_bundle` and its file.
+    pub setting: String,
+}
 
 /// The source of a set of trust roots: a bundle's file, or the system's
 /// certificates as the variables named then locate them.

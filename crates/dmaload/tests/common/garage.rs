@@ -78,7 +78,12 @@ impl Garage {
             dir,
             child,
             s3_port,
-            key: Credentials { access_key: String::new(), secret_key: String::new(), session_token: None },
+            key: Credentials {
+                access_key: String::new(),
+                secret_key: String::new(),
+                session_token: None,
+                source: "the test's Garage key".into(),
+            },
         };
         garage.set_up();
         Some(garage)
@@ -141,6 +146,7 @@ impl Garage {
             timeout: Duration::from_secs(10),
             retry_for: Duration::from_secs(10),
             ca_bundle: None,
+            proxies: Default::default(),
         }
     }
 

@@ -1,28 +1,19 @@
 //! Where an object store is and who we are to it, from the places AWS's own
 //! tools read: the environment first, then the shared credentials and
 //! config files of the profile (`AWS_PROFILE`, else `default`); keys, past
-//! those, from the rest of AWS's default chain (`credentials`).
+//! those, from the rest of AWS's default chain (`credentials`, a child of
+//! this module: it imports this one's types, this one calls it).
 
 use std::collections::HashMap;
-use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::credentials;
+pub use super::proxy::Proxies;
+pub use super::sigv4::Credentials;
+pub use super::tls::CaBundle;
+use super::tls::Tls;
 
-/// The keys requests are signed with. `Debug` never shows the secret.
-#[derive(Clone)]
-pub struct Credentials {
-    pub access_key: String,
-    pub secret_key: String,
-    pub session_token: Option<String>,
-}
-
-impl fmt::Debug for Credentials {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Credentials").field("access_key", &self.access_key).finish_non_exhaustive()
-    }
-}
+mod credentials;
 
 /// How a bucket is named in a request: in the path (`host/bucket/key`,
 /// what custom endpoints such as Garage, MinIO and Ceph take by default) or
@@ -97,15 +88,6 @@ impl Endpoint {
     }
 }
 
-/// A file of PEM certificates that replaces the system's trust roots for
-/// `https://` endpoints, and the setting that named it (for messages).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CaBundle {
-    pub path: PathBuf,
-    /// `AWS_CA_BUNDLE`, or the profile's `ca_bundle` and its file.
-    pub setting: String,
-}
-
 /// Everything a request needs besides the bucket and key.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -123,6 +105,9 @@ pub struct Config {
     /// The trust roots of an `https://` endpoint: `AWS_CA_BUNDLE`, else the
     /// profile's `ca_bundle`, else (`None`) the system's certificates.
     pub ca_bundle: Option<CaBundle>,
+    /// The HTTP proxies of the environment (`https_proxy`, `no_proxy`...):
+    /// connections to the store (and to STS) go through them.
+    pub proxies: Proxies,
 }
 
 impl Config {
@@ -162,34 +147,8 @@ impl Config {
         );
         let setting =
             |var: &str, key: &str| env(var).or_else(|| creds.get(key).or_else(|| conf.get(key)).cloned());
+        let from_files = |key: &str| creds.get(key).or_else(|| conf.get(key)).cloned();
 
-        let credentials = match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
-            _ if !keys => None,
-            (Some(access_key), Some(secret_key)) => {
-                Some(Credentials { access_key, secret_key, session_token: env("AWS_SESSION_TOKEN") })
-            }
-            (Some(_), None) | (None, Some(_)) => {
-                return Err("only one of AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY is set".to_owned())
-            }
-            (None, None) => {
-                let from_files = |key: &str| creds.get(key).or_else(|| conf.get(key)).cloned();
-                match (from_files("aws_access_key_id"), from_files("aws_secret_access_key")) {
-                    (Some(access_key), Some(secret_key)) => Some(Credentials {
-                        access_key,
-                        secret_key,
-                        session_token: from_files("aws_session_token"),
-                    }),
-                    // The rest of AWS's chain, in its order.
-                    _ => match from_files("credential_process") {
-                        Some(command) => Some(credentials::from_process(&profile, &command)?),
-                        None => match credentials::from_container(env)? {
-                            Some(keys) => Some(keys),
-                            None => credentials::from_imds(env)?,
-                        },
-                    },
-                }
-            }
-        };
         let region = setting("AWS_REGION", "region")
             .or_else(|| env("AWS_DEFAULT_REGION"))
             .unwrap_or_else(|| "us-east-1".to_owned());
@@ -216,6 +175,53 @@ impl Config {
                 setting: format!("ca_bundle of profile {profile}"),
             }),
         };
+        let proxies = Proxies::from_env(env)?;
+
+        // AWS's default chain, in its order (docs/object-storage.md).
+        let credentials = match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
+            _ if !keys => None,
+            (Some(access_key), Some(secret_key)) => Some(Credentials {
+                access_key,
+                secret_key,
+                session_token: env("AWS_SESSION_TOKEN"),
+                source: "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY".to_owned(),
+            }),
+            (Some(_), None) | (None, Some(_)) => {
+                return Err("only one of AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY is set".to_owned())
+            }
+            (None, None) => match credentials::WebIdentity::find(env, &from_files, &profile)? {
+                Some(web) => {
+                    // STS's endpoint as AWS's SDKs find it: its own
+                    // variable, else the one for every service.
+                    let url = env("AWS_ENDPOINT_URL_STS")
+                        .or_else(|| env("AWS_ENDPOINT_URL"))
+                        .or_else(|| conf.get("endpoint_url").cloned())
+                        .unwrap_or_else(|| format!("https://sts.{region}.amazonaws.com"));
+                    let sts = Endpoint::parse(&url).map_err(|e| web.failed(&e))?;
+                    let tls = match sts.https {
+                        true => Some(Tls::new(ca_bundle.as_ref()).map_err(|e| web.failed(&e))?),
+                        false => None,
+                    };
+                    let proxy = proxies.for_host(&sts.host, sts.port, sts.https);
+                    Some(web.assume_role(&sts, tls.as_ref(), proxy)?)
+                }
+                None => match (from_files("aws_access_key_id"), from_files("aws_secret_access_key")) {
+                    (Some(access_key), Some(secret_key)) => Some(Credentials {
+                        access_key,
+                        secret_key,
+                        session_token: from_files("aws_session_token"),
+                        source: format!("profile {profile}'s aws_access_key_id"),
+                    }),
+                    _ => match from_files("credential_process") {
+                        Some(command) => Some(credentials::from_process(&profile, &command)?),
+                        None => match credentials::from_container(env)? {
+                            Some(keys) => Some(keys),
+                            None => credentials::from_imds(env)?,
+                        },
+                    },
+                },
+            },
+        };
         let seconds = |name: &str, default: f64| {
             let secs = env(name).and_then(|v| v.parse::<f64>().ok()).filter(|s| *s > 0.0 && s.is_finite());
             Duration::from_secs_f64(secs.unwrap_or(default))
@@ -228,6 +234,7 @@ impl Config {
             timeout: seconds("DMALOAD_S3_TIMEOUT", 30.0),
             retry_for: seconds("DMALOAD_S3_RETRY_SECONDS", 60.0),
             ca_bundle,
+            proxies,
         })
     }
 }
@@ -345,19 +352,37 @@ mod tests {
     /// A stand-in credentials endpoint on 127.0.0.1 that answers one
     /// request with `body`, and hands back the request's head.
     fn serve_once(status: &'static str, body: &'static str) -> (String, std::thread::JoinHandle<String>) {
+        let (url, served) = serve(vec![(status, body)]);
+        (url, std::thread::spawn(move || served.join().unwrap().remove(0)))
+    }
+
+    /// [`serve_once`] for a request per reply, each on its own connection,
+    /// in turn: the requests (heads and bodies).
+    fn serve(replies: Vec<(&'static str, &'static str)>) -> (String, std::thread::JoinHandle<Vec<String>>) {
         use std::io::{Read, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}/creds", listener.local_addr().unwrap());
         let served = std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().unwrap();
-            let mut head = Vec::new();
-            let mut byte = [0u8];
-            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
-                head.push(byte[0]);
+            let mut requests = Vec::new();
+            for (status, body) in replies {
+                let (mut stream, _) = listener.accept().unwrap();
+                let mut head = Vec::new();
+                let mut byte = [0u8];
+                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap() == 1 {
+                    head.push(byte[0]);
+                }
+                // The request's body after its head, by its Content-Length.
+                let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                let len =
+                    text.split("content-length: ").nth(1).and_then(|v| v.split('\r').next()?.parse().ok());
+                let mut sent = vec![0u8; len.unwrap_or(0)];
+                stream.read_exact(&mut sent).unwrap();
+                head.extend(sent);
+                let reply = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+                stream.write_all(reply.as_bytes()).unwrap();
+                requests.push(String::from_utf8(head).unwrap());
             }
-            let reply = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n{body}", body.len());
-            stream.write_all(reply.as_bytes()).unwrap();
-            String::from_utf8(head).unwrap()
+            requests
         });
         (url, served)
     }
@@ -454,5 +479,235 @@ mod tests {
             [("AWS_EC2_METADATA_DISABLED", "false"), ("AWS_EC2_METADATA_SERVICE_ENDPOINT", other)];
         assert_eq!(keys(&elsewhere).unwrap(), None);
         assert!(served.join().unwrap().starts_with("PUT /latest/api/token HTTP/1.1\r\n"));
+    }
+
+    /// STS's documented answer to AssumeRoleWithWebIdentity.
+    const STS_OK: &str = "<AssumeRoleWithWebIdentityResponse xmlns=\"https://sts.amazonaws.com/doc/2011-06-15/\">\
+        <AssumeRoleWithWebIdentityResult><SubjectFromWebIdentityToken>system:serviceaccount:ml:loader</SubjectFromWebIdentityToken>\
+        <Credentials><SessionToken>WT</SessionToken><SecretAccessKey>WS</SecretAccessKey>\
+        <Expiration>2999-01-01T00:00:00Z</Expiration><AccessKeyId>WK</AccessKeyId></Credentials>\
+        </AssumeRoleWithWebIdentityResult><ResponseMetadata><RequestId>r</RequestId></ResponseMetadata>\
+        </AssumeRoleWithWebIdentityResponse>";
+
+    #[test]
+    fn a_web_identity_token_is_exchanged_at_sts_after_the_environment_keys_and_before_the_profile() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "eyJ.TOKEN-never-shown.sig\n").unwrap();
+        let token = token.to_str().unwrap();
+        let role = "arn:aws:iam::123456789012:role/loader";
+        let keyed = dir.path().join("config");
+        std::fs::write(&keyed, "[default]\naws_access_key_id = FK\naws_secret_access_key = FS\n").unwrap();
+        let keyed = keyed.to_str().unwrap();
+        let keys = |vars: &[(&str, &str)]| config(vars).map(|c| c.credentials.unwrap());
+
+        let (url, served) = serve_once("200 OK", STS_OK);
+        let sts = url.trim_end_matches("/creds");
+        let vars = [
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+            ("AWS_ROLE_SESSION_NAME", "s1"),
+            ("AWS_ENDPOINT_URL_STS", sts),
+            ("AWS_CONFIG_FILE", keyed),
+        ];
+        let c = keys(&vars).unwrap();
+        assert_eq!(
+            (c.access_key.as_str(), c.secret_key.as_str(), c.session_token.as_deref()),
+            ("WK", "WS", Some("WT"))
+        );
+        assert_eq!(c.source, format!("web identity (AWS_WEB_IDENTITY_TOKEN_FILE, role {role})"));
+        let request = served.join().unwrap();
+        assert!(request.starts_with("POST / HTTP/1.1\r\n"), "{request}");
+        assert!(request.contains("\r\nContent-Type: application/x-www-form-urlencoded\r\n"), "{request}");
+        assert!(
+            request.ends_with(
+                "\r\n\r\nAction=AssumeRoleWithWebIdentity&Version=2011-06-15\
+                 &RoleArn=arn%3Aaws%3Aiam%3A%3A123456789012%3Arole%2Floader&RoleSessionName=s1\
+                 &WebIdentityToken=eyJ.TOKEN-never-shown.sig"
+            ),
+            "{request}"
+        );
+
+        // The environment's keys come first: STS (nothing listens) is not asked.
+        let env_first = [
+            ("AWS_ACCESS_KEY_ID", "EK"),
+            ("AWS_SECRET_ACCESS_KEY", "ES"),
+            ("AWS_ENDPOINT_URL_STS", "http://127.0.0.1:1"),
+        ];
+        let with_env: Vec<_> =
+            vars.iter().copied().filter(|(k, _)| *k != "AWS_ENDPOINT_URL_STS").chain(env_first).collect();
+        assert_eq!(keys(&with_env).unwrap().access_key, "EK");
+
+        // A profile's settings, its session named for us.
+        let (url, served) = serve_once("200 OK", STS_OK);
+        let profile = dir.path().join("profile");
+        std::fs::write(
+            &profile,
+            format!(
+                "[profile irsa]\nweb_identity_token_file = {token}\nrole_arn = {role}\nendpoint_url = {}\n",
+                url.trim_end_matches("/creds")
+            ),
+        )
+        .unwrap();
+        let profile = profile.to_str().unwrap();
+        let c = keys(&[("AWS_CONFIG_FILE", profile), ("AWS_PROFILE", "irsa")]).unwrap();
+        assert_eq!(c.source, format!("web identity (web_identity_token_file of profile irsa, role {role})"));
+        assert!(served.join().unwrap().contains("&RoleSessionName=dmaload-"));
+
+        // STS's refusal names the operation, the role and STS's code, never the token.
+        let (url, served) = serve_once(
+            "400 Bad Request",
+            "<ErrorResponse xmlns=\"https://sts.amazonaws.com/doc/2011-06-15/\"><Error><Type>Sender</Type>\
+             <Code>InvalidIdentityToken</Code><Message>Incorrect token audience</Message></Error>\
+             <RequestId>r</RequestId></ErrorResponse>",
+        );
+        let refused = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        let why = keys(&refused).unwrap_err();
+        served.join().unwrap();
+        assert!(
+            why.starts_with(&format!("web identity (AWS_WEB_IDENTITY_TOKEN_FILE={token}, role {role}): AssumeRoleWithWebIdentity at http://127.0.0.1:"))
+                && why.ends_with("HTTP 400 InvalidIdentityToken: Incorrect token audience"),
+            "{why}"
+        );
+        assert!(!why.contains("TOKEN-never-shown"), "{why}");
+        // Keys already expired, or an answer without them, are refused.
+        let (url, served) = serve_once("200 OK", "<AssumeRoleWithWebIdentityResponse><AssumeRoleWithWebIdentityResult><Credentials><AccessKeyId>K</AccessKeyId><SecretAccessKey>S</SecretAccessKey><SessionToken>T</SessionToken><Expiration>2001-01-01T00:00:00Z</Expiration></Credentials></AssumeRoleWithWebIdentityResult></AssumeRoleWithWebIdentityResponse>");
+        let expired = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        assert!(keys(&expired).unwrap_err().ends_with("its keys expired at 2001-01-01T00:00:00Z"));
+        served.join().unwrap();
+        let (url, served) = serve_once("200 OK", "<html>a captive portal</html>");
+        let portal = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        assert!(keys(&portal).unwrap_err().ends_with("its answer names no Credentials/AccessKeyId"));
+        served.join().unwrap();
+
+        // STS's own trouble (a 5xx, IDPCommunicationError) is tried again,
+        // up to three times in all.
+        let idp = "<ErrorResponse><Error><Code>IDPCommunicationError</Code><Message>try again</Message></Error></ErrorResponse>";
+        let (url, served) =
+            serve(vec![("503 Service Unavailable", ""), ("400 Bad Request", idp), ("200 OK", STS_OK)]);
+        let flaky = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        assert_eq!(keys(&flaky).unwrap().access_key, "WK");
+        assert_eq!(served.join().unwrap().len(), 3);
+        let echo = "<ErrorResponse><Error><Code>InvalidIdentityToken</Code><Message>bad eyJ.TOKEN-never-shown.sig</Message></Error></ErrorResponse>";
+        let (url, served) = serve_once("400 Bad Request", echo);
+        let echoed = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        assert!(keys(&echoed).unwrap_err().ends_with("HTTP 400 InvalidIdentityToken: bad <the token>"));
+        served.join().unwrap();
+        let (url, served) = serve(vec![("400 Bad Request", idp); 3]);
+        let failing = [
+            ("AWS_ENDPOINT_URL_STS", url.trim_end_matches("/creds")),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        let why = keys(&failing).unwrap_err();
+        assert!(why.ends_with("HTTP 400 IDPCommunicationError: try again (3 attempts)"), "{why}");
+        served.join().unwrap();
+
+        // STS is asked through the proxy of its scheme: a CONNECT to its
+        // host (never resolved here), and the proxy's refusal is not retried.
+        let (proxy, asked) = serve_once("407 Proxy Authentication Required", "");
+        let proxy = proxy.trim_end_matches("/creds");
+        let proxied = [
+            ("AWS_ENDPOINT_URL_STS", "http://sts.example:8080"),
+            ("http_proxy", proxy),
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", token),
+            ("AWS_ROLE_ARN", role),
+        ];
+        let why = keys(&proxied).unwrap_err();
+        let refused = format!(
+            "proxy {proxy} (http_proxy) refused a tunnel to sts.example:8080: HTTP 407: it wants credentials"
+        );
+        assert!(why.contains(&refused) && !why.ends_with("attempts)"), "{why}");
+        assert!(asked
+            .join()
+            .unwrap()
+            .starts_with("CONNECT sts.example:8080 HTTP/1.1\r\nHost: sts.example:8080\r\n"));
+
+        // A token file without a role is an error; a role without a token
+        // file (a source_profile's) is no web identity.
+        let why = keys(&[("AWS_WEB_IDENTITY_TOKEN_FILE", token)]).unwrap_err();
+        assert!(why.ends_with("no role to assume (set AWS_ROLE_ARN or role_arn)"), "{why}");
+        assert!(config(&[("AWS_ROLE_ARN", role)]).unwrap().credentials.is_none());
+    }
+
+    /// A token file that is a FIFO is refused at once (never waited on),
+    /// one larger than STS takes is refused unread, and STS is not asked.
+    #[test]
+    fn a_web_identity_token_file_that_is_a_fifo_or_too_large_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let large = dir.path().join("large");
+        std::fs::write(&large, vec![b'a'; 100 << 10]).unwrap();
+        for (file, why) in [(&fifo, "not a regular file"), (&large, "longer than 65536 bytes")] {
+            let file = file.to_str().unwrap();
+            let err = config(&[
+                ("AWS_WEB_IDENTITY_TOKEN_FILE", file),
+                ("AWS_ROLE_ARN", "arn:aws:iam::1:role/r"),
+                ("AWS_ENDPOINT_URL_STS", "http://127.0.0.1:1"),
+            ])
+            .unwrap_err();
+            assert_eq!(
+                err,
+                format!("web identity (AWS_WEB_IDENTITY_TOKEN_FILE={file}, role arn:aws:iam::1:role/r): {file}: {why}")
+            );
+        }
+    }
+
+    /// The link-local credential services are asked directly even where a
+    /// proxy is set for every host, as AWS's SDKs ask them.
+    #[test]
+    fn credential_services_are_never_asked_through_a_proxy() {
+        let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        proxy.set_nonblocking(true).unwrap();
+        let proxy_url = format!("http://{}", proxy.local_addr().unwrap());
+        let (url, served) =
+            serve_once("200 OK", r#"{"AccessKeyId":"CK","SecretAccessKey":"CS","Token":"CT"}"#);
+        let c = config(&[
+            ("AWS_CONTAINER_CREDENTIALS_FULL_URI", &url),
+            ("http_proxy", &proxy_url),
+            ("HTTPS_PROXY", &proxy_url),
+            ("ALL_PROXY", &proxy_url),
+        ])
+        .unwrap();
+        served.join().unwrap();
+        assert_eq!(
+            c.credentials.unwrap().source,
+            "container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI)"
+        );
+        // The instance metadata service too (a 404 to its token: no keys).
+        let (imds, served) = serve_once("404 Not Found", "");
+        let c = config(&[
+            ("AWS_EC2_METADATA_DISABLED", "false"),
+            ("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.trim_end_matches("/creds")),
+            ("http_proxy", &proxy_url),
+            ("ALL_PROXY", &proxy_url),
+        ])
+        .unwrap();
+        assert!(c.credentials.is_none());
+        assert!(served.join().unwrap().starts_with("PUT /latest/api/token HTTP/1.1\r\n"));
+        assert!(proxy.accept().is_err(), "the proxy was asked");
+        // While the store itself is reached through it.
+        assert!(c.proxies.for_host("s3.us-east-1.amazonaws.com", 443, true).is_some());
     }
 }
