@@ -161,3 +161,62 @@ impl Loaded {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::share::service::lock;
+    use crate::sys::mem::{memfd_create, set_len, Mapping, MemfdPages};
+
+    /// A cached file of `len` bytes in a memfd's 4 KiB pages.
+    fn cached(len: usize) -> Arc<Loaded> {
+        let memfd = memfd_create(c"test", MemfdPages::Shmem).unwrap();
+        set_len(memfd.as_fd(), len as u64).unwrap();
+        let mut map = Mapping::shared(memfd.as_fd(), len).unwrap();
+        for (i, byte) in map.as_mut_slice().iter_mut().enumerate() {
+            *byte = (i % 251) as u8;
+        }
+        map.unmap_now();
+        let pages = Mutex::new("4 KiB".into());
+        Arc::new(Loaded {
+            memfd,
+            offset: 0,
+            len: len as u64,
+            bytes: len as u64,
+            path: "t".into(),
+            pages,
+            registered: Mutex::new(None),
+        })
+    }
+
+    #[test]
+    fn a_collapse_stops_at_its_next_window_once_the_file_has_left_the_cache() {
+        let file = cached(2 * COLLAPSE_WINDOW);
+        let weak = Arc::downgrade(&file);
+        drop(file); // what eviction does when no request holds the file
+        assert!(matches!(collapse_windows(&weak), CollapseEnd::Dropped { at: 0 }));
+    }
+
+    #[test]
+    fn a_cached_file_collapses_window_by_window_to_its_end() {
+        let len = COLLAPSE_WINDOW + (4 << 20);
+        let file = cached(len);
+        match collapse_windows(&Arc::downgrade(&file)) {
+            CollapseEnd::Done => {}
+            // An older kernel, no THP, shmem_enabled deny; or, at any
+            // window, no huge page to be had (EAGAIN, ENOMEM).
+            CollapseEnd::Failed { at, err }
+                if at == 0 || matches!(err.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM)) =>
+            {
+                return println!("SKIP collapse at byte {at}: {err}");
+            }
+            CollapseEnd::Failed { at, err } => panic!("failed at byte {at}: {err}"),
+            CollapseEnd::Dropped { at } => panic!("dropped at byte {at} while cached"),
+        }
+        // The status counted the windows: the last one started past half.
+        assert_eq!(*lock(&file.pages), format!("{COLLAPSING} (94%)"));
+        let map = Mapping::private(file.memfd.as_fd(), len).unwrap();
+        assert!(map.as_slice().iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        assert_eq!(crate::memory::huge_page_bytes(map.address(), len).unwrap(), len as u64);
+    }
+}
