@@ -30,8 +30,8 @@ pub const MAX_ERROR_BODY: usize = 64 << 10;
 /// where less of the body is left): one wakeup and one `read(2)` per MiB
 /// instead of one per few segments. On a 1 GiB loopback GET load this
 /// took the client from about 14,000 reads and context switches to 1,100
-/// reads and 5,000 switches, and cut its CPU per GiB by about a third
-/// (docs/benchmarks.md).
+/// reads and 5,000 switches, and its CPU per GiB down by about a quarter
+/// (docs/benchmarks.md, "Objects from S3").
 const BODY_LOW_WATER: usize = 1 << 20;
 
 /// When a blocked read gives up: the load was stopped (cancelled, or failed
