@@ -17,6 +17,23 @@ fn dmaload(garage: &Garage, home: &std::path::Path, args: &[&str]) -> std::proce
     dmaload_with(garage, home, args, &[])
 }
 
+/// [`dmaload`] under `strace -f` (each thread's `openat` calls), with the
+/// times it opened `file`.
+fn dmaload_opening(
+    garage: &Garage,
+    home: &std::path::Path,
+    args: &[&str],
+    file: &std::path::Path,
+) -> (std::process::Output, usize) {
+    let trace = home.join("openat.trace");
+    let binary = env!("CARGO_BIN_EXE_dmaload");
+    let strace = ["-f", "-qq", "-e", "trace=openat", "-o", trace.to_str().unwrap(), binary];
+    let out = run_in_env("strace", garage, home, &[&strace[..], args].concat(), &[]);
+    let text = std::fs::read_to_string(&trace).unwrap_or_default();
+    let opened = format!("\"{}\"", file.display());
+    (out, text.lines().filter(|line| line.contains(&opened)).count())
+}
+
 /// [`dmaload`] with `extra` settings over the server's.
 fn dmaload_with(
     garage: &Garage,
@@ -24,7 +41,19 @@ fn dmaload_with(
     args: &[&str],
     extra: &[(&str, String)],
 ) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_dmaload"))
+    run_in_env(env!("CARGO_BIN_EXE_dmaload"), garage, home, args, extra)
+}
+
+/// `program` (dmaload, or a tracer running it) with `args`, in the
+/// environment of [`dmaload_with`].
+fn run_in_env(
+    program: &str,
+    garage: &Garage,
+    home: &std::path::Path,
+    args: &[&str],
+    extra: &[(&str, String)],
+) -> std::process::Output {
+    Command::new(program)
         .args(args)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
@@ -509,6 +538,39 @@ fn dmaload_load_without_threads_tunes_its_gets_and_remembers_them_for_the_endpoi
     assert_eq!(load("small.bin", &["--threads", "5"]), (5, 8 << 20, 0), "a fixed count");
     std::fs::write(&tuning, format!("{endpoint} connections=banana request=2097152\n")).unwrap();
     assert_eq!(load("small.bin", &[]), (8, 8 << 20, 0), "a garbled line is ignored");
+}
+
+#[test]
+fn dmaload_load_of_an_object_reads_the_tuning_file_once() {
+    let test = "dmaload_load_of_an_object_reads_the_tuning_file_once";
+    if Command::new("strace").arg("-V").output().is_err() {
+        return eprintln!("SKIP {test}: no strace");
+    }
+    let Some(garage) = Garage::start(test) else { return };
+    let home = tempfile::tempdir().unwrap();
+    let body = pattern((3 << 20) + 5, 13);
+    garage.put("model.bin", &body);
+    let tuning = home.path().join(".cache/dmaload/tuning");
+    std::fs::create_dir_all(tuning.parent().unwrap()).unwrap();
+    let line = format!("s3 127.0.0.1:{} connections=3 request=2097152\n", garage.s3_port);
+    std::fs::write(&tuning, &line).unwrap();
+    let load = |extra: &[&str]| {
+        let args = [&["load", "s3://models/model.bin", "--json", "--hash"][..], extra].concat();
+        let (out, opened) = dmaload_opening(&garage, home.path(), &args, &tuning);
+        assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["hash"]["xxh3_64"], xxh3(&body).as_str(), "{report}");
+        assert_eq!(report["queue_depth"], 3, "the remembered count: {report}");
+        opened
+    };
+    assert_eq!(load(&[]), 1, "a load into host memory reads the tuning file once");
+    match cuda_driver::cuda_driver() {
+        // The ring is sized from the file before the load, which reads it
+        // once for itself (not once per stage of its pipeline as well).
+        Ok(()) => assert_eq!(load(&["--to", "cuda:0"]), 2, "a load through a staging ring"),
+        Err(reason) => eprintln!("SKIP {test} (to cuda:0): {reason}"),
+    }
+    assert_eq!(std::fs::read_to_string(&tuning).unwrap(), line, "nothing new to remember");
 }
 
 /// [`dmaload`] with the server's endpoint and region but none of its keys

@@ -225,7 +225,9 @@ fn remember_tuned(params: &EngineParams, run: &EngineRun) {
 #[derive(Clone, Copy)]
 pub(crate) enum ReadFrom<'a> {
     File(&'a ReadSetup),
-    Object(&'a Object),
+    /// An object, with the parameters its load chose once at its start
+    /// (from the GETs remembered for its endpoint).
+    Object(&'a Object, &'a EngineParams),
 }
 
 impl ReadFrom<'_> {
@@ -233,7 +235,7 @@ impl ReadFrom<'_> {
     fn params(self, options: &LoadOptions) -> EngineParams {
         match self {
             ReadFrom::File(setup) => load_params(options, setup),
-            ReadFrom::Object(object) => object::object_params(options, object),
+            ReadFrom::Object(_, params) => params.clone(),
         }
     }
 }
@@ -727,7 +729,7 @@ impl<'a> Transfer<'a> {
     ) -> Transfer<'a> {
         let (input, cache) = match from {
             ReadFrom::File(setup) => (Input::File(setup.file.as_fd()), setup.cache),
-            ReadFrom::Object(object) => (Input::Object(object), CachePolicy::Bypass),
+            ReadFrom::Object(object, _) => (Input::Object(object), CachePolicy::Bypass),
         };
         Transfer { path, input, cache, plan, params, progress }
     }

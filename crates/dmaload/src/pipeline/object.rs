@@ -14,7 +14,8 @@ use super::host::hand_out;
 use super::range::{check_memory, range_within};
 use super::staged::staged_chunk;
 use super::{
-    allocation_error, fill_staged, follow_gathers, populate_gathers, run_pipeline, ReadFrom, Transfer,
+    allocation_error, fill_staged, follow_gathers, populate_gathers, run_pipeline, DeliverTimes, ReadFrom,
+    Transfer,
 };
 use crate::buffer::Buffer;
 use crate::engine::{object::DEFAULT_CONNECTIONS, EngineParams, EngineRun, Gate, Layout, Progress};
@@ -54,16 +55,22 @@ fn gets_tuned(options: &LoadOptions) -> bool {
     options.threads == DEFAULT_POOL_THREADS && options.chunk_size == DEFAULT_CHUNK_SIZE
 }
 
-/// The engine's parameters for a load of `object` with `options`:
-/// `threads`, when set, is the connection count; a tuned load
-/// ([`gets_tuned`]) starts from the connections and request size
-/// remembered for the object's endpoint, else [`DEFAULT_CONNECTIONS`] GETs
-/// of [`DEFAULT_OBJECT_REQUEST`], and says so by naming the request size
+/// What the tuning file remembers for the GETs of a load of `object`
+/// with `options`: read for a tuned load ([`gets_tuned`]) only, once per
+/// load ([`Started::now`]).
+fn remembered_gets(options: &LoadOptions, object: &Object) -> Option<tune::RememberedGets> {
+    gets_tuned(options).then(|| tune::remembered_gets(&tune::memory_file()?, &object.endpoint()?)).flatten()
+}
+
+/// The engine's parameters for a load with `options`: `threads`, when
+/// set, is the connection count; a tuned load ([`gets_tuned`]) starts from
+/// the connections and request size `remembered` for the object's
+/// endpoint, else [`DEFAULT_CONNECTIONS`] GETs of
+/// [`DEFAULT_OBJECT_REQUEST`], and says so by naming the request size
 /// (`request_size`, which a fixed load leaves `None`).
-pub(super) fn object_params(options: &LoadOptions, object: &Object) -> EngineParams {
+fn object_params(options: &LoadOptions, remembered: Option<tune::RememberedGets>) -> EngineParams {
     let tuned = gets_tuned(options);
-    let remembered =
-        tuned.then(|| tune::remembered_gets(&tune::memory_file()?, &object.endpoint()?)).flatten();
+    let remembered = remembered.filter(|_| tuned);
     let connections = match remembered {
         Some(gets) => gets.connections,
         None if options.threads == DEFAULT_POOL_THREADS => DEFAULT_CONNECTIONS,
@@ -83,12 +90,13 @@ pub(super) fn object_params(options: &LoadOptions, object: &Object) -> EnginePar
 
 /// After an object load that tuned its GETs: remembers the connection
 /// count and request size it kept for the object's endpoint, once a trial
-/// measured them, unless they are what is remembered already. The memory
-/// is a cache: a failure to write it loses nothing.
-fn remember_gets(object: &Object, run: &EngineRun) {
+/// measured them, unless they are what the load found `remembered` at its
+/// start (the file is then read again only to be rewritten with the other
+/// lines kept). The memory is a cache: a failure to write it loses nothing.
+fn remember_gets(object: &Object, run: &EngineRun, remembered: Option<tune::RememberedGets>) {
     let Some(gets) = run.gets.as_ref().and_then(tune::GetTuner::to_remember) else { return };
     let (Some(path), Some(endpoint)) = (tune::memory_file(), object.endpoint()) else { return };
-    if tune::remembered_gets(&path, &endpoint) != Some(gets) {
+    if remembered != Some(gets) {
         let _ = tune::remember_gets(&path, &endpoint, gets);
     }
 }
@@ -175,7 +183,7 @@ pub(crate) fn load_object_source(
     options: &LoadOptions,
 ) -> Result<(Buffer, LoadReport)> {
     let path = object.name();
-    let started = Started::now(object)?;
+    let started = Started::now(object, options)?;
     let len = range_within(object.size, "object", path, offset, len)?;
     check_memory(path, len)?;
     let expected = object_expected(object, offset, Some(len), options)?;
@@ -185,7 +193,7 @@ pub(crate) fn load_object_source(
     let plan = Plan::new(offset, len, 1, object_request(options), options.gather_size, page);
     let mut alloc = Allocation::with_facts(memory.kind, plan.mapping_len, &facts)
         .map_err(|e| allocation_error(path, e))?;
-    let params = object_params(options, object);
+    let params = &started.params;
     let dst = alloc.mapping.writer();
     let engine_started = Instant::now();
     // A verified load hashes each gather as it completes, in object order.
@@ -193,7 +201,7 @@ pub(crate) fn load_object_source(
     let follow = |gate: &Gate| follow_gathers(verifier.as_ref(), None, dst, &plan, gate);
     let beside: Option<&(dyn Fn(&Gate) + Sync)> = verifier.is_some().then_some(&follow as _);
     let (run, times) = Progress::reporting(len, options.progress.as_deref(), |progress| {
-        let transfer = Transfer::read(path, ReadFrom::Object(object), &plan, &params, progress);
+        let transfer = Transfer::read(path, ReadFrom::Object(object, params), &plan, params, progress);
         let populate = |_, gate: &Gate| populate_gathers(dst, None, &plan, gate, options.populate_threads);
         let (run, times) = run_pipeline(&transfer, dst, Layout::InPlace, beside, populate);
         run.map(|run| (run, times.unwrap_or_default()))
@@ -203,7 +211,7 @@ pub(crate) fn load_object_source(
     }
     let engine_wall = engine_started.elapsed();
     let (buffer, unregistered) = hand_out(alloc, &plan, path)?;
-    let mut report = started.report(&plan, run, &params, memory, &facts, engine_wall)?;
+    let mut report = started.report(&plan, run, memory, &facts, engine_wall)?;
     report.fallbacks.extend(unregistered);
     report.alloc_seconds = times.all.as_secs_f64();
     report.first_gather_seconds = times.first.as_secs_f64();
@@ -239,27 +247,43 @@ pub(crate) fn stage_object(
     (options, expected): (&LoadOptions, Option<&Expected>),
 ) -> Result<LoadReport> {
     let path = object.name();
-    let started = Started::now(object)?;
+    let started = Started::now(object, options)?;
     let len = range_within(object.size, "object", path, offset, len)?;
-    let chunk = staged_chunk(path, ring, object_request(options))?;
-    let plan = Plan::staged(offset, len, 1, chunk, ring.slot_len(), sys::mem::page_size());
-    let engine_started = Instant::now();
-    let from = ReadFrom::Object(object);
-    let (run, times) = fill_staged(path, from, &plan, len, options, None, ring, sink, expected)?;
-    let engine_wall = engine_started.elapsed();
+    let (plan, run, times, engine_wall) = stage_with(&started, offset, len, ring, sink, (options, expected))?;
     // No Buffer is allocated: `memory` is what a host load with these
     // options would use; `destination` names the ring (and the caller, the sink).
     let memory = MemoryChoice {
         kind: options.to.host_memory().unwrap_or_default(),
         reason: "a staged load allocates no host buffer".into(),
     };
-    let params = object_params(options, object);
-    let mut report = started.report(&plan, run, &params, memory, &MemoryFacts::read(), engine_wall)?;
+    let mut report = started.report(&plan, run, memory, &MemoryFacts::read(), engine_wall)?;
     report.destination = format!("staging ring ({} x {} bytes)", ring.slots(), ring.slot_len());
     report.ring_bytes = len;
     report.register_seconds = times.register.as_secs_f64();
     report.deliver_seconds = times.deliver.as_secs_f64();
     Ok(report)
+}
+
+/// The staged run of [`stage_object`] (and of [`fill_object`]'s edges):
+/// bytes `offset..offset + len` of the load `started` received into
+/// `ring`'s slots and handed to `sink`, with the parameters chosen at its
+/// start; returns the plan, the engine's run, the delivery's times and how
+/// long the engine ran.
+fn stage_with(
+    started: &Started<'_>,
+    offset: u64,
+    len: u64,
+    ring: &mut StagingRing,
+    sink: &mut dyn Sink,
+    (options, expected): (&LoadOptions, Option<&Expected>),
+) -> Result<(Plan, EngineRun, DeliverTimes, Duration)> {
+    let (object, path) = (started.object, started.object.name());
+    let chunk = staged_chunk(path, ring, object_request(options))?;
+    let plan = Plan::staged(offset, len, 1, chunk, ring.slot_len(), sys::mem::page_size());
+    let engine_started = Instant::now();
+    let from = ReadFrom::Object(object, &started.params);
+    let (run, times) = fill_staged(path, from, &plan, len, options, None, ring, sink, expected)?;
+    Ok((plan, run, times, engine_started.elapsed()))
 }
 
 /// [`crate::LoadRequest::fill_arriving`] of an object (the request checked
@@ -279,7 +303,7 @@ pub(crate) fn fill_object(
     arrived: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<LoadReport> {
     let path = object.name();
-    let started = Started::now(object)?;
+    let started = Started::now(object, options)?;
     let len = range_within(object.size, "object", path, offset, Some(dst.len() as u64))?;
     let expected = object_expected(object, offset, Some(len), options)?;
     let arrived = arrived.filter(|_| expected.is_none());
@@ -292,12 +316,12 @@ pub(crate) fn fill_object(
     let verifier = expected.as_ref().map(Expected::verifier);
     let body_offset = offset + head as u64;
     let tail_offset = body_offset + body as u64;
-    stage_edge(object, offset, head_bytes.reborrow(), options)?;
+    stage_edge(&started, offset, head_bytes.reborrow(), options)?;
     if let Some(verifier) = &verifier {
         verifier.add(head_bytes.writer(), 0..head, offset);
     }
     let plan = Plan::new(body_offset, body as u64, 1, object_request(options), options.gather_size, page);
-    let params = object_params(options, object);
+    let params = &started.params;
     let engine_started = Instant::now();
     let (run, times) = if body == 0 {
         (EngineRun { engine: params.engine, ..EngineRun::default() }, Default::default())
@@ -313,7 +337,7 @@ pub(crate) fn fill_object(
         let beside: Option<&(dyn Fn(&Gate) + Sync)> =
             (verifier.is_some() || arrived.is_some()).then_some(&follow as _);
         Progress::reporting(body as u64, options.progress.as_deref(), |progress| {
-            let transfer = Transfer::read(path, ReadFrom::Object(object), &plan, &params, progress);
+            let transfer = Transfer::read(path, ReadFrom::Object(object, params), &plan, params, progress);
             let populate =
                 |_, gate: &Gate| populate_gathers(body_dst, None, &plan, gate, options.populate_threads);
             let (run, times) = run_pipeline(&transfer, body_dst, Layout::InPlace, beside, populate);
@@ -321,7 +345,7 @@ pub(crate) fn fill_object(
         })?
     };
     let engine_wall = engine_started.elapsed();
-    stage_edge(object, tail_offset, tail_bytes.reborrow(), options)?;
+    stage_edge(&started, tail_offset, tail_bytes.reborrow(), options)?;
     if let Some(verifier) = verifier {
         let tail = tail_bytes.len();
         verifier.add(tail_bytes.writer(), 0..tail, tail_offset);
@@ -329,41 +353,48 @@ pub(crate) fn fill_object(
     }
     let memory = MemoryChoice { kind: Default::default(), reason: "the caller's memory".into() };
     let whole = Plan::new(offset, len, 1, object_request(options), options.gather_size, page);
-    let mut report = started.report(&whole, run, &params, memory, &MemoryFacts::read(), engine_wall)?;
+    let mut report = started.report(&whole, run, memory, &MemoryFacts::read(), engine_wall)?;
     report.destination = "caller memory (in place)".into();
     report.alloc_seconds = times.all.as_secs_f64();
     report.first_gather_seconds = times.first.as_secs_f64();
     Ok(report)
 }
 
-/// Receives bytes `offset..offset + dst.len()` of `object` (less than a
-/// page: an edge of [`fill_object`]'s memory) through a ring of two pages.
-fn stage_edge(object: &Object, offset: u64, dst: RawBytesMut<'_>, options: &LoadOptions) -> Result<()> {
+/// Receives bytes `offset..offset + dst.len()` of the object (less than a
+/// page: an edge of [`fill_object`]'s memory, the load `started`) through
+/// a ring of two pages.
+fn stage_edge(started: &Started<'_>, offset: u64, dst: RawBytesMut<'_>, options: &LoadOptions) -> Result<()> {
     if dst.is_empty() {
         return Ok(());
     }
     let page = sys::mem::page_size();
-    let mut ring =
-        StagingRing::new(2, page, page).map_err(|e| Error::io("allocate staging ring", object.name(), e))?;
+    let mut ring = StagingRing::new(2, page, page)
+        .map_err(|e| Error::io("allocate staging ring", started.object.name(), e))?;
     // The caller hashes and reports an edge with the rest.
     let quiet = LoadOptions { progress: None, verify: false, ..options.clone() };
-    let len = Some(dst.len() as u64);
-    stage_object(object, offset, len, &mut ring, &mut HostSink::raw(dst, offset), (&quiet, None))?;
+    let len = dst.len() as u64;
+    stage_with(started, offset, len, &mut ring, &mut HostSink::raw(dst, offset), (&quiet, None))?;
     Ok(())
 }
 
-/// When a load of the object at `path` started: its wall clock and the
-/// process's CPU time.
+/// When a load of `object` started (its wall clock and the process's CPU
+/// time), and what it chose then: the GETs remembered for the endpoint
+/// (the tuning file read once for the whole load) and the engine's
+/// parameters from them.
 struct Started<'a> {
     object: &'a Object,
     at: Instant,
     cpu: (Duration, Duration),
+    remembered: Option<tune::RememberedGets>,
+    params: EngineParams,
 }
 
 impl<'a> Started<'a> {
-    fn now(object: &'a Object) -> Result<Started<'a>> {
+    fn now(object: &'a Object, options: &LoadOptions) -> Result<Started<'a>> {
         let cpu = sys::process::cpu_time().map_err(|e| Error::io("getrusage", object.name(), e))?;
-        Ok(Started { object, at: Instant::now(), cpu })
+        let remembered = remembered_gets(options, object);
+        let params = object_params(options, remembered);
+        Ok(Started { object, at: Instant::now(), cpu, remembered, params })
     }
 
     /// The report of an object load that ran `plan` since then, its engine
@@ -372,13 +403,12 @@ impl<'a> Started<'a> {
         &self,
         plan: &Plan,
         run: EngineRun,
-        params: &EngineParams,
         memory: MemoryChoice,
         facts: &MemoryFacts,
         engine_wall: Duration,
     ) -> Result<LoadReport> {
-        let path = self.object.name();
-        remember_gets(self.object, &run);
+        let (path, params) = (self.object.name(), &self.params);
+        remember_gets(self.object, &run, self.remembered);
         let (connections, request, windows) = match run.gets.as_ref() {
             Some(gets) => (gets.kept_connections(), gets.kept_request(), gets.windows()),
             None => (params.queue_depth, params.request_size.map_or(plan.chunk, |r| r.min(plan.chunk)), 0),

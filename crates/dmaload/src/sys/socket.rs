@@ -460,6 +460,26 @@ fn socket_option(fd: BorrowedFd<'_>, option: libc::c_int) -> io::Result<libc::c_
     Ok(value)
 }
 
+/// Sets `SO_RCVLOWAT` (Linux 2.6.28 for TCP's wakeups) on a stream socket:
+/// a blocking read waits until `bytes` are queued (or the stream ends, an
+/// error or its timeout comes) instead of waking for each segment, and the
+/// kernel wakes a reader only once that many are there. TCP grows the
+/// receive buffer to hold them where the application did not fix its size.
+pub fn set_receive_low_water(fd: BorrowedFd<'_>, bytes: usize) -> io::Result<()> {
+    let value = bytes.clamp(1, libc::c_int::MAX as usize) as libc::c_int;
+    // SAFETY: `value` is a readable int of the length passed, alive across the call.
+    check(unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            std::ptr::addr_of!(value).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    })
+    .map(drop)
+}
+
 /// Control-message space for one `SCM_RIGHTS` message of
 /// [`MAX_FDS_PER_MESSAGE`] descriptors, aligned for `cmsghdr`.
 #[repr(C, align(8))]
