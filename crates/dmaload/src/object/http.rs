@@ -421,7 +421,8 @@ mod tests {
         });
         let never = || false;
         let waiter = Waiter { stopped: &never, stall: Duration::from_secs(30) };
-        let mut conn = Connection::open("127.0.0.1", port, Duration::from_secs(30), None, &waiter).unwrap();
+        let mut conn =
+            Connection::open("127.0.0.1", port, Duration::from_secs(30), None, None, &waiter).unwrap();
         let head = conn.read_head(&waiter).unwrap();
         assert_eq!(head.content_length(), Some(body.len() as u64));
         let mut got = vec![0u8; body.len()];

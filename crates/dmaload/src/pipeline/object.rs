@@ -112,7 +112,7 @@ fn remember_gets(object: &Object, run: &EngineRun, remembered: Option<tune::Reme
 /// climb of a tuned load tries no more connections than the ring's chunks.
 pub fn object_ring_slots(options: &LoadOptions, slot_len: usize) -> usize {
     let remembered = || {
-        let endpoint = crate::object::config::Config::from_env().ok()?.endpoint;
+        let endpoint = crate::object::config::Config::from_env_without_keys().ok()?.endpoint;
         let endpoint = tune::Endpoint::new(&endpoint.host, endpoint.port)?;
         tune::remembered_gets(&tune::memory_file()?, &endpoint)
     };
