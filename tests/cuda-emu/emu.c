@@ -111,7 +111,20 @@ static struct {
     int nfaults;
     uint64_t lost_after; /* bytes; 0: never */
     CUresult lost_code;
+    FILE *log; /* DMALOAD_EMU_LOG: pinning and copies, one line each */
 } cfg;
+
+/* Appends a line to DMALOAD_EMU_LOG, where set. Lock held. */
+static void log_line(const char *fmt, ...)
+{
+    if (!cfg.log)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(cfg.log, fmt, ap);
+    va_end(ap);
+    fflush(cfg.log);
+}
 
 /* ---- state -------------------------------------------------------------- */
 
@@ -330,6 +343,9 @@ static void configure(void)
     cfg.copy_latency_ns = (uint64_t)(env_double("DMALOAD_EMU_COPY_LATENCY_US", 0) * 1000);
     cfg.pin_ns_per_page = (uint64_t)env_double("DMALOAD_EMU_PIN_NS_PER_PAGE", 0);
     cfg.strict = env_double("DMALOAD_EMU_STRICT", 0) != 0;
+    const char *log = getenv("DMALOAD_EMU_LOG");
+    if (log && *log && !(cfg.log = fopen(log, "ae")))
+        die("DMALOAD_EMU_LOG=%s: cannot open it: %s", log, strerror(errno));
     parse_faults();
     for (int d = 0; d < MAX_DEVICES; d++) {
         contexts[d].device = d;
@@ -823,6 +839,7 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t le
         die("strict: cuMemcpyHtoDAsync of %zu bytes to %#llx from pageable host memory %p..%p (no "
             "cuMemHostRegister range holds it): the driver would stage it and copy at a fraction of the link",
             len, dst, src, (const void *)((const unsigned char *)src + len));
+    log_line("copy %p %zu\n", src, len);
     if (op->reg) {
         op->src = src;
         op->reg->pending++;
@@ -892,6 +909,7 @@ EXPORT CUresult cuMemHostRegister_v2(void *ptr, size_t len, unsigned flags)
     r->len = len;
     r->next = registrations;
     registrations = r;
+    log_line("register %p %zu\n", ptr, len);
     RETURN(CUDA_SUCCESS);
 }
 
@@ -915,6 +933,7 @@ EXPORT CUresult cuMemHostUnregister(void *ptr)
             wait_stream(s, s->queued);
     }
     *link = r->next;
+    log_line("unregister %p %zu\n", r->start, r->len);
     free(r);
     RETURN(CUDA_SUCCESS);
 }
