@@ -71,14 +71,9 @@ pub(crate) fn load_open_device(
     if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
         options.chunk_size = slot_size;
     }
-    load_device(
-        path,
-        (offset, len),
-        ordinal,
-        slots,
-        &options,
-        |ring, sink| load_open_to_sink(file, offset, Some(len), ring, sink, &options),
-    )
+    load_device(path, (offset, len), ordinal, slots, &options, |ring, sink| {
+        load_open_to_sink(file, offset, Some(len), ring, sink, &options)
+    })
 }
 
 /// Loads `len` bytes (to the end when `None`) from `offset` of `object`

@@ -467,6 +467,7 @@ mod stream;
 
 pub use context::Context;
 pub use memory::{
-    copy_htod_async, DeviceBuffer, DeviceRange, IpcHandle, IpcMemory, PinnedStaging, RegisteredFile, StagingPins,
+    copy_htod_async, DeviceBuffer, DeviceRange, IpcHandle, IpcMemory, PinnedStaging, RegisteredFile,
+    StagingPins,
 };
 pub use stream::{Event, Stream};
