@@ -714,8 +714,11 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
     if (rounded > cfg.memory - allocated[device])
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     /* Shared memory, so cuIpcOpenMemHandle in another process maps the
-     * same bytes; backed at once, as device memory is: copies do not pay
-     * page faults. */
+     * same bytes. Backed as copies first write it, not here: a device
+     * allocates in a few milliseconds whatever the size, while populating
+     * host memory costs about a second a GiB on a small VM (which a load
+     * would be charged as its set-up). The page faults of the copies run
+     * inside the modelled link's time. */
     char name[32];
     snprintf(name, sizeof name, "cuda-emu cuda:%d", device);
     int fd = memfd_create(name, MFD_CLOEXEC);
@@ -725,7 +728,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
             close(fd);
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     }
-    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (host == MAP_FAILED) {
         close(fd);
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
@@ -874,6 +877,15 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t le
     RETURN(CUDA_SUCCESS);
 }
 
+/* Whether a registration holds any of `len` bytes at `start`. Lock held. */
+static int overlaps_registration(const unsigned char *start, size_t len)
+{
+    for (struct registration *r = registrations; r; r = r->next)
+        if (start < r->start + r->len && r->start < start + len)
+            return 1;
+    return 0;
+}
+
 EXPORT CUresult cuMemHostRegister_v2(void *ptr, size_t len, unsigned flags)
 {
     ENTER(cuMemHostRegister_v2);
@@ -884,26 +896,33 @@ EXPORT CUresult cuMemHostRegister_v2(void *ptr, size_t len, unsigned flags)
     if (!ptr || !len)
         RETURN(CUDA_ERROR_INVALID_VALUE);
     unsigned char *start = ptr;
-    for (struct registration *r = registrations; r; r = r->next)
-        if (start < r->start + r->len && r->start < start + len)
-            RETURN(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+    if (overlaps_registration(start, len))
+        RETURN(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
     /* Pinning faults every page in, at a cost per page, as the driver's
      * pin_user_pages does: writable unless the registration is read-only,
      * so memory registered fresh is allocated here, not at its first write
-     * (a read would only map the shared zero page). */
+     * (a read would only map the shared zero page). Without the lock, as
+     * pinning one range does not stop the copies of another. */
+    pthread_mutex_unlock(&lock);
     uintptr_t first = (uintptr_t)start & ~(uintptr_t)(page - 1);
     size_t span = (size_t)((uintptr_t)start + len - first);
     size_t pages = (span + (size_t)page - 1) / (size_t)page;
     int advice = flags & MEMHOSTREGISTER_READ_ONLY ? MADV_POPULATE_READ : MADV_POPULATE_WRITE;
     if (madvise((void *)first, pages * (size_t)page, advice)) {
-        if (errno != EINVAL) /* not mapped (or not writable), or no memory left */
-            RETURN(errno == ENOMEM ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_INVALID_VALUE);
+        if (errno != EINVAL) { /* not mapped (or not writable), or no memory left */
+            CUresult refused = errno == ENOMEM ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_INVALID_VALUE;
+            pthread_mutex_lock(&lock);
+            RETURN(refused);
+        }
         /* A kernel before 5.14: touching is the closest there is. */
         for (size_t i = 0; i < pages; i++)
             (void)*(volatile unsigned char *)(first + i * (size_t)page);
     }
     if (cfg.pin_ns_per_page)
         sleep_until(now_ns() + pages * cfg.pin_ns_per_page);
+    pthread_mutex_lock(&lock);
+    if (overlaps_registration(start, len)) /* registered meanwhile by another thread */
+        RETURN(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
     struct registration *r = calloc(1, sizeof *r);
     r->start = start;
     r->len = len;
@@ -1128,8 +1147,8 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
         close(fd);
         RETURN(CUDA_ERROR_INVALID_HANDLE);
     }
-    /* Populated, as in the exporter: copies do not pay page faults. */
-    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    /* Backed as copies first write it, as in the exporter. */
+    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (host == MAP_FAILED)
         RETURN(CUDA_ERROR_MAP_FAILED);

@@ -178,9 +178,9 @@ pub fn check_device_memory(context: &Context, ordinal: usize, len: u64, path: &P
 /// bytes: a quarter of the range, or all of it up to 8 slots
 /// (pinning costs time and memory for every slot: with 16 MiB slots a
 /// 40 MiB file pins 3, a 1 GiB file 16, not 32), at least the 2 a ring
-/// needs, at most [`DEFAULT_SLOTS`]. The CLI's and Python's loads to
-/// `cuda:N` all size their ring with it unless
-/// [`LoadOptions::staging_slots`] is given.
+/// needs, at most [`DEFAULT_SLOTS`]. Python's staged loads to `cuda:N`
+/// size their ring with it, and the CLI's never exceed it
+/// ([`device_ring_slots`]), unless [`LoadOptions::staging_slots`] is given.
 pub fn staging_ring_slots(len: u64, slot_len: usize) -> usize {
     let filled = usize::try_from(len.div_ceil(slot_len.max(1) as u64)).unwrap_or(usize::MAX);
     filled.div_ceil(4).max(filled.min(MIN_RING_SLOTS)).clamp(2, DEFAULT_SLOTS)
@@ -203,7 +203,12 @@ pub fn device_ring_slots(len: u64, slot_len: usize, reads_in_flight: u64) -> usi
 /// Bytes a load of `file` keeps in flight reading it: the depth and
 /// request size tuned for its device (remembered by earlier loads in the
 /// tuning file), else the options' depth of requests of the default
-/// chunk; a depth or chunk the options set is theirs.
+/// chunk; a depth or chunk the options set is theirs. At most
+/// [`DEFAULT_READS_IN_FLIGHT`] unless the options set them: a depth
+/// remembered by a staged load is where its climb started, not a
+/// measurement (each request holds a 16 MiB slot, and a slot not yet free
+/// settles the climb at once), and 32 requests of 16 MiB would keep
+/// 512 MiB in flight where 128 MiB reach the disk's best.
 fn reads_in_flight(file: &OpenFile, options: &LoadOptions) -> u64 {
     use crate::options::{DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
     let remembered = crate::tune::memory_file().zip(crate::tune::Device::of(&file.source().file).ok());
@@ -216,8 +221,20 @@ fn reads_in_flight(file: &OpenFile, options: &LoadOptions) -> u64 {
         Some(request) if options.chunk_size == DEFAULT_CHUNK_SIZE => request,
         _ => options.chunk_size,
     };
-    depth as u64 * request as u64
+    let in_flight = depth as u64 * request as u64;
+    let given = options.queue_depth != DEFAULT_QUEUE_DEPTH || options.chunk_size != DEFAULT_CHUNK_SIZE;
+    match given {
+        true => in_flight,
+        false => in_flight.min(DEFAULT_READS_IN_FLIGHT),
+    }
 }
+
+/// What a host load's reads keep in flight by default (32 requests of
+/// 4 MiB): enough for the disks measured to read at their best
+/// (docs/benchmarks.md; 4 slots of 16 MiB already did on the development
+/// VM's).
+const DEFAULT_READS_IN_FLIGHT: u64 =
+    crate::options::DEFAULT_QUEUE_DEPTH as u64 * crate::options::DEFAULT_CHUNK_SIZE as u64;
 
 /// Bytes per slot of a device's staging ring: as given, else
 /// [`DEFAULT_SLOT_SIZE`].
