@@ -188,8 +188,8 @@ pub fn staging_ring_slots(len: u64, slot_len: usize) -> usize {
 
 /// Slots of `slot_len` bytes in the staging ring of a device load of
 /// `len` bytes whose reads keep `reads_in_flight` bytes in flight: the
-/// slots those reads fill, plus [`COPIES_BEHIND_THE_LINK`] whose copies
-/// to the device are queued, so neither the disk nor the link waits for a
+/// slots those reads fill, plus two whose copies to the device are
+/// queued (one on the link, one waiting), so neither the disk nor the link waits for a
 /// slot and the ring holds no more than the slower of them keeps busy;
 /// never more than [`staging_ring_slots`] gives the range, at least 2.
 /// The CLI's loads of a file to `cuda:N` size their ring with it unless
@@ -222,10 +222,10 @@ fn reads_in_flight(file: &OpenFile, options: &LoadOptions) -> u64 {
         _ => options.chunk_size,
     };
     let in_flight = depth as u64 * request as u64;
-    let given = options.queue_depth != DEFAULT_QUEUE_DEPTH || options.chunk_size != DEFAULT_CHUNK_SIZE;
-    match given {
-        true => in_flight,
-        false => in_flight.min(DEFAULT_READS_IN_FLIGHT),
+    if options.queue_depth != DEFAULT_QUEUE_DEPTH || options.chunk_size != DEFAULT_CHUNK_SIZE {
+        in_flight
+    } else {
+        in_flight.min(DEFAULT_READS_IN_FLIGHT)
     }
 }
 
