@@ -696,10 +696,13 @@ impl StagingPins {
         let len = (merged.end * pins.unit).min(pins.len) - start;
         // Whole pages, as older drivers require.
         let pages = len.next_multiple_of(crate::sys::mem::page_size());
+        // SAFETY: `start` is inside the mapping (a unit boundary before its
+        // length), so the pointer stays in its allocation.
+        let first = unsafe { pins.base.add(start) };
         // SAFETY: the span lies in the mapping (units end at its length,
         // mmap maps whole pages), which stays mapped until the owner's drop
         // takes `runs` under this lock and unregisters every run first.
-        unsafe { register_host(&pins.ctx, pins.base.add(start), pages) }?;
+        unsafe { register_host(&pins.ctx, first, pages) }?;
         runs.push(merged);
         Ok(())
     }
