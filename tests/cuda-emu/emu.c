@@ -111,7 +111,20 @@ static struct {
     int nfaults;
     uint64_t lost_after; /* bytes; 0: never */
     CUresult lost_code;
+    FILE *log; /* DMALOAD_EMU_LOG: pinning and copies, one line each */
 } cfg;
+
+/* Appends a line to DMALOAD_EMU_LOG, where set. Lock held. */
+static void log_line(const char *fmt, ...)
+{
+    if (!cfg.log)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(cfg.log, fmt, ap);
+    va_end(ap);
+    fflush(cfg.log);
+}
 
 /* ---- state -------------------------------------------------------------- */
 
@@ -330,6 +343,9 @@ static void configure(void)
     cfg.copy_latency_ns = (uint64_t)(env_double("DMALOAD_EMU_COPY_LATENCY_US", 0) * 1000);
     cfg.pin_ns_per_page = (uint64_t)env_double("DMALOAD_EMU_PIN_NS_PER_PAGE", 0);
     cfg.strict = env_double("DMALOAD_EMU_STRICT", 0) != 0;
+    const char *log = getenv("DMALOAD_EMU_LOG");
+    if (log && *log && !(cfg.log = fopen(log, "ae")))
+        die("DMALOAD_EMU_LOG=%s: cannot open it: %s", log, strerror(errno));
     parse_faults();
     for (int d = 0; d < MAX_DEVICES; d++) {
         contexts[d].device = d;
@@ -698,8 +714,11 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
     if (rounded > cfg.memory - allocated[device])
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     /* Shared memory, so cuIpcOpenMemHandle in another process maps the
-     * same bytes; backed at once, as device memory is: copies do not pay
-     * page faults. */
+     * same bytes. Backed as copies first write it, not here: a device
+     * allocates in a few milliseconds whatever the size, while populating
+     * host memory costs about a second a GiB on a small VM (which a load
+     * would be charged as its set-up). The page faults of the copies run
+     * inside the modelled link's time. */
     char name[32];
     snprintf(name, sizeof name, "cuda-emu cuda:%d", device);
     int fd = memfd_create(name, MFD_CLOEXEC);
@@ -709,7 +728,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
             close(fd);
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     }
-    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (host == MAP_FAILED) {
         close(fd);
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
@@ -823,6 +842,7 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t le
         die("strict: cuMemcpyHtoDAsync of %zu bytes to %#llx from pageable host memory %p..%p (no "
             "cuMemHostRegister range holds it): the driver would stage it and copy at a fraction of the link",
             len, dst, src, (const void *)((const unsigned char *)src + len));
+    log_line("copy %p %zu\n", src, len);
     if (op->reg) {
         op->src = src;
         op->reg->pending++;
@@ -857,6 +877,15 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t le
     RETURN(CUDA_SUCCESS);
 }
 
+/* Whether a registration holds any of `len` bytes at `start`. Lock held. */
+static int overlaps_registration(const unsigned char *start, size_t len)
+{
+    for (struct registration *r = registrations; r; r = r->next)
+        if (start < r->start + r->len && r->start < start + len)
+            return 1;
+    return 0;
+}
+
 EXPORT CUresult cuMemHostRegister_v2(void *ptr, size_t len, unsigned flags)
 {
     ENTER(cuMemHostRegister_v2);
@@ -867,31 +896,39 @@ EXPORT CUresult cuMemHostRegister_v2(void *ptr, size_t len, unsigned flags)
     if (!ptr || !len)
         RETURN(CUDA_ERROR_INVALID_VALUE);
     unsigned char *start = ptr;
-    for (struct registration *r = registrations; r; r = r->next)
-        if (start < r->start + r->len && r->start < start + len)
-            RETURN(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+    if (overlaps_registration(start, len))
+        RETURN(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
     /* Pinning faults every page in, at a cost per page, as the driver's
      * pin_user_pages does: writable unless the registration is read-only,
      * so memory registered fresh is allocated here, not at its first write
-     * (a read would only map the shared zero page). */
+     * (a read would only map the shared zero page). Without the lock, as
+     * pinning one range does not stop the copies of another. */
+    pthread_mutex_unlock(&lock);
     uintptr_t first = (uintptr_t)start & ~(uintptr_t)(page - 1);
     size_t span = (size_t)((uintptr_t)start + len - first);
     size_t pages = (span + (size_t)page - 1) / (size_t)page;
     int advice = flags & MEMHOSTREGISTER_READ_ONLY ? MADV_POPULATE_READ : MADV_POPULATE_WRITE;
     if (madvise((void *)first, pages * (size_t)page, advice)) {
-        if (errno != EINVAL) /* not mapped (or not writable), or no memory left */
-            RETURN(errno == ENOMEM ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_INVALID_VALUE);
+        if (errno != EINVAL) { /* not mapped (or not writable), or no memory left */
+            CUresult refused = errno == ENOMEM ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_INVALID_VALUE;
+            pthread_mutex_lock(&lock);
+            RETURN(refused);
+        }
         /* A kernel before 5.14: touching is the closest there is. */
         for (size_t i = 0; i < pages; i++)
             (void)*(volatile unsigned char *)(first + i * (size_t)page);
     }
     if (cfg.pin_ns_per_page)
         sleep_until(now_ns() + pages * cfg.pin_ns_per_page);
+    pthread_mutex_lock(&lock);
+    if (overlaps_registration(start, len)) /* registered meanwhile by another thread */
+        RETURN(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
     struct registration *r = calloc(1, sizeof *r);
     r->start = start;
     r->len = len;
     r->next = registrations;
     registrations = r;
+    log_line("register %p %zu\n", ptr, len);
     RETURN(CUDA_SUCCESS);
 }
 
@@ -915,6 +952,7 @@ EXPORT CUresult cuMemHostUnregister(void *ptr)
             wait_stream(s, s->queued);
     }
     *link = r->next;
+    log_line("unregister %p %zu\n", r->start, r->len);
     free(r);
     RETURN(CUDA_SUCCESS);
 }
@@ -1109,8 +1147,8 @@ EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle,
         close(fd);
         RETURN(CUDA_ERROR_INVALID_HANDLE);
     }
-    /* Populated, as in the exporter: copies do not pay page faults. */
-    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    /* Backed as copies first write it, as in the exporter. */
+    void *host = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (host == MAP_FAILED)
         RETURN(CUDA_ERROR_MAP_FAILED);

@@ -741,11 +741,13 @@ fn a_small_load_to_cuda_pins_a_small_ring() {
     assert!(peak_mib < 256, "peak RSS {peak_mib} MiB for a 4 MiB load to cuda:0");
 }
 
-/// A 1 GiB file loaded to the device pins a ring of a quarter of it (16
-/// slots of 16 MiB), not the 512 MiB of a load of 2 GiB or more.
+/// A 1 GiB file loaded to the device takes a ring of the reads in flight
+/// plus two copies behind the link (at most 8 + 2 slots of 16 MiB, fewer
+/// where the disk was tuned to fewer), not the quarter of the range
+/// (16 slots) nor the 512 MiB of a load of 2 GiB or more.
 #[test]
-fn a_load_of_a_1_gib_file_to_cuda_pins_a_quarter_of_it() {
-    let test = "a_load_of_a_1_gib_file_to_cuda_pins_a_quarter_of_it";
+fn a_load_of_a_1_gib_file_to_cuda_takes_a_ring_of_the_reads_in_flight() {
+    let test = "a_load_of_a_1_gib_file_to_cuda_takes_a_ring_of_the_reads_in_flight";
     if let Err(reason) = cuda_driver::cuda_driver() {
         return skip(test, &reason);
     }
@@ -755,7 +757,11 @@ fn a_load_of_a_1_gib_file_to_cuda_pins_a_quarter_of_it() {
     let out = dmaload().args(["load", "--to", "cuda:0", "--json"]).arg(&path).output().unwrap();
     let report = json_of(&out);
     let destination = report["destination"].as_str().unwrap();
-    assert!(destination.ends_with("via staging ring (16 x 16777216 bytes)"), "{report}");
+    let slots = destination
+        .strip_suffix(" x 16777216 bytes)")
+        .and_then(|head| head.rsplit_once("via staging ring ("))
+        .and_then(|(_, slots)| slots.parse::<usize>().ok());
+    assert!(slots.is_some_and(|slots| (3..=10).contains(&slots)), "{report}");
 }
 
 /// `DMALOAD_LIBCUDA` naming a file that is not there: the error names the

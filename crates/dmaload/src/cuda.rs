@@ -33,7 +33,7 @@ use std::io;
 pub(crate) use crate::sys::cuda::copy_htod_async;
 pub use crate::sys::cuda::{
     copy_timeout, device_count, driver_version, Context, CudaError, DeviceBuffer, DeviceRange, Event,
-    IpcHandle, IpcMemory, PinnedStaging, RegisteredFile, Stream,
+    IpcHandle, IpcMemory, PinnedStaging, RegisteredFile, StagingPins, Stream,
 };
 
 /// Keeps the [`CudaError`] (its [`CudaError::errno`] too, through

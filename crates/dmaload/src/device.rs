@@ -14,7 +14,7 @@ use crate::pipeline::{
     load_open_to_sink, object_expected, object_ring_slots, range_len, range_within, stage_object,
 };
 use crate::report::LoadReport;
-use crate::sink::{keep_ring, take_ring, CudaSink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
+use crate::sink::{keep_ring, take_ring, CudaSink, Sink, StagingRing, DEFAULT_SLOTS, DEFAULT_SLOT_SIZE};
 use crate::source::OpenFile;
 
 /// A range of a file in device memory.
@@ -47,9 +47,11 @@ impl LoadedDevice {
 /// a new allocation on device `ordinal`. A range larger than the device's
 /// free memory is an [`ErrorKind::OutOfMemory`] error before any read.
 /// The ring is `options.staging_slots` of `options.staging_slot_size`
-/// bytes, each unset one sized for the range ([`staging_ring_slots`],
-/// [`DEFAULT_SLOT_SIZE`]). Reads are one slot each unless
-/// `options.chunk_size` was changed from its default.
+/// bytes, each unset one sized for the range and the disk
+/// ([`device_ring_slots`] of the reads the file's device keeps in flight,
+/// [`DEFAULT_SLOT_SIZE`]), and pinned slot by slot as the copies first
+/// read them. Reads are one slot each unless `options.chunk_size` was
+/// changed from its default.
 pub(crate) fn load_open_device(
     file: &OpenFile,
     offset: u64,
@@ -62,18 +64,16 @@ pub(crate) fn load_open_device(
     // Refused or looked up before any allocation; the load checks again.
     crate::verify::Expected::for_load(file, offset, Some(len), options.verify)?;
     let slot_size = slot_size(options);
+    let slots = options
+        .staging_slots
+        .unwrap_or_else(|| device_ring_slots(len, slot_size, reads_in_flight(file, options)));
     let mut options = options.clone();
     if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
         options.chunk_size = slot_size;
     }
-    load_device(
-        path,
-        (offset, len),
-        ordinal,
-        options.staging_slots.unwrap_or_else(|| staging_ring_slots(len, slot_size)),
-        &options,
-        |ring, sink| load_open_to_sink(file, offset, Some(len), ring, sink, &options),
-    )
+    load_device(path, (offset, len), ordinal, slots, &options, |ring, sink| {
+        load_open_to_sink(file, offset, Some(len), ring, sink, &options)
+    })
 }
 
 /// Loads `len` bytes (to the end when `None`) from `offset` of `object`
@@ -129,7 +129,10 @@ fn load_device(
     let ring_setup = ring_started.elapsed();
     let loaded = CudaSink::new(&context, vec![(offset, memory.range())])
         .map_err(cuda("cuStreamCreate"))
-        .and_then(|mut sink| load(&mut ring, &mut sink));
+        .and_then(|mut sink| {
+            sink.staging_ring(&ring);
+            load(&mut ring, &mut sink)
+        });
     // Every copy has finished when the load returns, so the ring is idle
     // and serves the next load on this device, unless the context is
     // broken (a sticky error, a lost device): its pinned memory must not
@@ -175,13 +178,63 @@ pub fn check_device_memory(context: &Context, ordinal: usize, len: u64, path: &P
 /// bytes: a quarter of the range, or all of it up to 8 slots
 /// (pinning costs time and memory for every slot: with 16 MiB slots a
 /// 40 MiB file pins 3, a 1 GiB file 16, not 32), at least the 2 a ring
-/// needs, at most [`DEFAULT_SLOTS`]. The CLI's and Python's loads to
-/// `cuda:N` all size their ring with it unless
-/// [`LoadOptions::staging_slots`] is given.
+/// needs, at most [`DEFAULT_SLOTS`]. Python's staged loads to `cuda:N`
+/// size their ring with it, and the CLI's never exceed it
+/// ([`device_ring_slots`]), unless [`LoadOptions::staging_slots`] is given.
 pub fn staging_ring_slots(len: u64, slot_len: usize) -> usize {
     let filled = usize::try_from(len.div_ceil(slot_len.max(1) as u64)).unwrap_or(usize::MAX);
     filled.div_ceil(4).max(filled.min(MIN_RING_SLOTS)).clamp(2, DEFAULT_SLOTS)
 }
+
+/// Slots of `slot_len` bytes in the staging ring of a device load of
+/// `len` bytes whose reads keep `reads_in_flight` bytes in flight: the
+/// slots those reads fill, plus two whose copies to the device are
+/// queued (one on the link, one waiting), so neither the disk nor the link waits for a
+/// slot and the ring holds no more than the slower of them keeps busy;
+/// never more than [`staging_ring_slots`] gives the range, at least 2.
+/// The CLI's loads of a file to `cuda:N` size their ring with it unless
+/// [`LoadOptions::staging_slots`] is given.
+pub fn device_ring_slots(len: u64, slot_len: usize, reads_in_flight: u64) -> usize {
+    let reads = usize::try_from(reads_in_flight.div_ceil(slot_len.max(1) as u64)).unwrap_or(usize::MAX);
+    let needed = reads.max(1).saturating_add(COPIES_BEHIND_THE_LINK);
+    needed.min(staging_ring_slots(len, slot_len)).max(2)
+}
+
+/// Bytes a load of `file` keeps in flight reading it: the depth and
+/// request size tuned for its device (remembered by earlier loads in the
+/// tuning file), else the options' depth of requests of the default
+/// chunk; a depth or chunk the options set is theirs. At most
+/// [`DEFAULT_READS_IN_FLIGHT`] unless the options set them: a depth
+/// remembered by a staged load is where its climb started, not a
+/// measurement (each request holds a 16 MiB slot, and a slot not yet free
+/// settles the climb at once), and 32 requests of 16 MiB would keep
+/// 512 MiB in flight where 128 MiB reach the disk's best.
+fn reads_in_flight(file: &OpenFile, options: &LoadOptions) -> u64 {
+    use crate::options::{DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
+    let remembered = crate::tune::memory_file().zip(crate::tune::Device::of(&file.source().file).ok());
+    let tuned = remembered.and_then(|(memory, device)| crate::tune::remembered(&memory, device));
+    let depth = match tuned {
+        Some(tuned) if options.queue_depth == DEFAULT_QUEUE_DEPTH => tuned.depth,
+        _ => options.queue_depth,
+    };
+    let request = match tuned.and_then(|tuned| tuned.request) {
+        Some(request) if options.chunk_size == DEFAULT_CHUNK_SIZE => request,
+        _ => options.chunk_size,
+    };
+    let in_flight = depth as u64 * request as u64;
+    if options.queue_depth != DEFAULT_QUEUE_DEPTH || options.chunk_size != DEFAULT_CHUNK_SIZE {
+        in_flight
+    } else {
+        in_flight.min(DEFAULT_READS_IN_FLIGHT)
+    }
+}
+
+/// What a host load's reads keep in flight by default (32 requests of
+/// 4 MiB): enough for the disks measured to read at their best
+/// (docs/benchmarks.md; 4 slots of 16 MiB already did on the development
+/// VM's).
+const DEFAULT_READS_IN_FLIGHT: u64 =
+    crate::options::DEFAULT_QUEUE_DEPTH as u64 * crate::options::DEFAULT_CHUNK_SIZE as u64;
 
 /// Bytes per slot of a device's staging ring: as given, else
 /// [`DEFAULT_SLOT_SIZE`].
@@ -191,6 +244,10 @@ fn slot_size(options: &LoadOptions) -> usize {
 
 /// Slots a range fills before the ring holds a quarter of it.
 const MIN_RING_SLOTS: usize = 8;
+
+/// Slots of a device's ring whose copies wait behind the link: one on it
+/// and one queued, so the link never idles between two copies.
+const COPIES_BEHIND_THE_LINK: usize = 2;
 
 #[cfg(test)]
 mod tests {
@@ -209,5 +266,25 @@ mod tests {
         assert_eq!(staging_ring_slots(u64::MAX, DEFAULT_SLOT_SIZE), DEFAULT_SLOTS);
         // Python's staged loads may choose another slot size.
         assert_eq!(staging_ring_slots(600 << 10, 64 << 10), 8);
+    }
+
+    #[test]
+    fn the_ring_holds_the_reads_in_flight_and_the_copies_behind_the_link() {
+        let slot = DEFAULT_SLOT_SIZE as u64;
+        let mib = 1u64 << 20;
+        // 32 requests of 4 MiB in flight fill 8 slots of 16 MiB; two more
+        // hold the copies queued behind the link: a 1 GiB file pins 160 MiB
+        // at most, not the 256 MiB a quarter of it would be.
+        assert_eq!(device_ring_slots(1 << 30, DEFAULT_SLOT_SIZE, 32 * 4 * mib), 10);
+        // A disk tuned to fewer, or smaller, requests needs fewer slots.
+        assert_eq!(device_ring_slots(1 << 30, DEFAULT_SLOT_SIZE, 4 * 16 * mib), 6);
+        assert_eq!(device_ring_slots(1 << 30, DEFAULT_SLOT_SIZE, 16 * mib + 1), 4);
+        // Never more than the range (a quarter of it, or what a small one
+        // fills) or the default ring, never fewer than two.
+        assert_eq!(device_ring_slots(40 << 20, DEFAULT_SLOT_SIZE, 32 * 16 * mib), 3);
+        assert_eq!(device_ring_slots(u64::MAX, DEFAULT_SLOT_SIZE, u64::MAX), DEFAULT_SLOTS);
+        assert_eq!(device_ring_slots(64 * slot, DEFAULT_SLOT_SIZE, 32 * 16 * mib), 16);
+        assert_eq!(device_ring_slots(1, DEFAULT_SLOT_SIZE, 0), 2);
+        assert_eq!(device_ring_slots(1 << 30, DEFAULT_SLOT_SIZE, 0), 3);
     }
 }

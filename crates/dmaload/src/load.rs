@@ -353,6 +353,7 @@ impl<'a> LoadRequest<'a> {
     /// An object's GETs receive into the slots as a file's reads do.
     pub fn to_sink(&self, ring: &mut StagingRing, sink: &mut dyn Sink) -> Result<LoadReport> {
         validate(self.name(), &self.options)?;
+        sink.staging_ring(ring);
         if let Input::Object(object) = self.input {
             return load_object_to_sink(object, self.offset, self.len, ring, sink, &self.options);
         }

@@ -3,6 +3,9 @@
 //! copies of consecutive slots overlap), and an event recorded after the
 //! slot's copies tells when the slot may be read into again.
 //!
+//! The slots are pinned before their first copy, where the ring is
+//! pinned as it is used ([`super::StagingRing::pinned_as_used`]).
+//!
 //! Ranges of the file already in the page cache take the cache lane
 //! instead ([`CachedRanges`]): threads of the sink's own, each with its own
 //! stream and a few small staging pieces, copy from the page cache into a
@@ -13,8 +16,8 @@ use std::io;
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::{first_overlap, scatter, CachedRanges, Sink, SlotData};
-use crate::cuda::{copy_htod_async, Context, CudaError, DeviceRange, Event, Stream};
+use super::{first_overlap, scatter, CachedRanges, Sink, SlotData, StagingRing};
+use crate::cuda::{copy_htod_async, Context, CudaError, DeviceRange, Event, StagingPins, Stream};
 use crate::sys::mem::MappingWriter;
 use crate::types::Fallback;
 
@@ -31,6 +34,8 @@ pub struct CudaSink<'d> {
     streams: Vec<Stream>,
     /// Per slot: recorded after the slot's last copies.
     events: Vec<Option<Event>>,
+    /// Pins the ring's slots before their first copies ([`Sink::staging_ring`]).
+    pins: Option<StagingPins>,
 }
 
 impl<'d> CudaSink<'d> {
@@ -55,7 +60,7 @@ impl<'d> CudaSink<'d> {
         }
         let streams = (0..STREAMS).map(|_| Stream::new(context)).collect::<Result<Vec<_>, _>>()?;
         let targets = Arc::new(Targets { targets, spans });
-        Ok(CudaSink { context: context.clone(), targets, streams, events: Vec::new() })
+        Ok(CudaSink { context: context.clone(), targets, streams, events: Vec::new(), pins: None })
     }
 }
 
@@ -145,6 +150,9 @@ impl Sink for CudaSink<'_> {
     fn deliver(&mut self, slot: usize, data: SlotData<'_>) -> io::Result<()> {
         let stream = &self.streams[slot % self.streams.len()];
         let (memory, range) = data.raw();
+        if let Some(pins) = &self.pins {
+            pins.pin(range.clone())?;
+        }
         self.targets.copy(memory, range, data.file_offset(), stream)?;
         if self.events.len() <= slot {
             self.events.resize_with(slot + 1, || None);
@@ -175,6 +183,10 @@ impl Sink for CudaSink<'_> {
         true
     }
 
+    fn staging_ring(&mut self, ring: &StagingRing) {
+        self.pins = ring.pins();
+    }
+
     fn feed(
         &mut self,
         _threads: usize,
@@ -185,6 +197,22 @@ impl Sink for CudaSink<'_> {
             deliveries(self);
             return Vec::new();
         };
+        // The lane's pieces, whole slots at the ring's end, pinned as one
+        // registration before any lane thread copies from them (a piece
+        // may straddle two slots).
+        let lane = (0..cached.threads()).flat_map(|t| cached.pieces_of(t)).fold(None, |span, piece| {
+            let (start, end) = span.unwrap_or((piece.start, piece.end));
+            Some((start.min(piece.start), end.max(piece.end)))
+        });
+        if let (Some(pins), Some((start, end))) = (&self.pins, lane) {
+            if let Err(err) = pins.pin(start..end) {
+                // Where the lane would have started: its first range.
+                let at = cached.take().map_or(0, |range| range.start);
+                cached.fail(at, err.into());
+                deliveries(self);
+                return Vec::new();
+            }
+        }
         let (context, targets) = (self.context.clone(), Arc::clone(&self.targets));
         let lane = |thread| carry_cached(&context, &targets, cached, thread);
         std::thread::scope(|scope| {

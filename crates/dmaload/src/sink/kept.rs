@@ -19,10 +19,12 @@ fn kept() -> MutexGuard<'static, Vec<(Option<usize>, StagingRing)>> {
 }
 
 /// A ring of at least `slots` slots of `slot_size` bytes for reads of
-/// `chunk` bytes, pinned for `device` (ordinal and context; `None`: plain
+/// `chunk` bytes, for `device` (ordinal and context; `None`: plain
 /// memory): the ring kept for that device when it has slots of that size
-/// and enough of them, else a new one ([`StagingRing::pinned`],
-/// [`StagingRing::new`]). Give it back with [`keep_ring`].
+/// and enough of them (its slots pinned already where earlier loads used
+/// them), else a new one, pinned slot by slot as a sink first copies from
+/// it ([`StagingRing::pinned_as_used`]) or plain ([`StagingRing::new`]).
+/// Give it back with [`keep_ring`].
 pub fn take_ring(
     device: Option<(usize, &Context)>,
     slots: usize,
@@ -40,7 +42,7 @@ pub fn take_ring(
     };
     match (found, device) {
         (Some(ring), _) => Ok(ring),
-        (None, Some((_, context))) => StagingRing::pinned(context, slots, slot_size, chunk),
+        (None, Some((_, context))) => StagingRing::pinned_as_used(context, slots, slot_size, chunk),
         (None, None) => StagingRing::new(slots, slot_size, chunk),
     }
 }

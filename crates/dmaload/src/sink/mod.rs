@@ -21,7 +21,7 @@ pub use cuda::CudaSink;
 pub use dma_heap::DmaHeapSink;
 pub use kept::{keep_ring, release_staging, take_ring};
 
-use crate::cuda::{Context, PinnedStaging};
+use crate::cuda::{Context, PinnedStaging, StagingPins};
 use crate::lead::Lead;
 use crate::plan::Plan;
 use crate::sys;
@@ -183,6 +183,13 @@ pub trait Sink: Send + dyn_sink::AsDynSink {
         deliveries(self.as_dyn());
         Vec::new()
     }
+
+    /// Told, before a load feeds the sink, the ring it feeds it from. A
+    /// sink whose copies need the slots pinned takes the ring's
+    /// [`StagingRing::pins`] here and pins each part before its first copy
+    /// from it, so a ring pinned as it is used ([`StagingRing::pinned_as_used`])
+    /// pays for no slot the load does not reach. By default nothing.
+    fn staging_ring(&mut self, _ring: &StagingRing) {}
 }
 
 mod dyn_sink {
@@ -200,7 +207,8 @@ mod dyn_sink {
 
 /// A ring of staging slots: anonymous memory (2 MiB pages where THP
 /// allows), populated once, reused by every load it serves; pinned for a
-/// CUDA device ([`StagingRing::pinned`]) when it feeds one.
+/// CUDA device when it feeds one, all at once ([`StagingRing::pinned`]) or
+/// slot by slot as copies first read them ([`StagingRing::pinned_as_used`]).
 #[derive(Debug)]
 pub struct StagingRing {
     memory: StagingMemory,
@@ -236,6 +244,24 @@ impl StagingRing {
     ) -> io::Result<StagingRing> {
         let (slot_len, len) = Self::size(slots, slot_size, chunk)?;
         let memory = PinnedStaging::new(context, len)?;
+        Ok(StagingRing { memory: StagingMemory::Pinned(memory), slots, slot_len })
+    }
+
+    /// [`StagingRing::pinned`] with nothing pinned, nor faulted in, yet: a
+    /// slot is pinned (a `cuMemHostRegister` of its own) when a sink told
+    /// of the ring ([`Sink::staging_ring`]) first copies from it, so the
+    /// set-up of a ring the load does not fill is never paid, and the rest
+    /// is paid beside the reads instead of before them. The cache lane's
+    /// slots are pinned together, as one registration, when the lane
+    /// starts. Pinning stays done for later loads through the ring.
+    pub fn pinned_as_used(
+        context: &Context,
+        slots: usize,
+        slot_size: usize,
+        chunk: usize,
+    ) -> io::Result<StagingRing> {
+        let (slot_len, len) = Self::size(slots, slot_size, chunk)?;
+        let memory = PinnedStaging::unpinned(context, len, slot_len)?;
         Ok(StagingRing { memory: StagingMemory::Pinned(memory), slots, slot_len })
     }
 
@@ -276,9 +302,17 @@ impl StagingRing {
         self.len() == 0
     }
 
-    /// Whether the ring is pinned for a CUDA device.
+    /// Whether the ring is pinned for a CUDA device (or is pinned as it is used).
     pub fn is_pinned(&self) -> bool {
         matches!(self.memory, StagingMemory::Pinned(_))
+    }
+
+    /// What pins the ring's memory for its device, `None` for plain memory.
+    pub fn pins(&self) -> Option<StagingPins> {
+        match &self.memory {
+            StagingMemory::Plain(_) => None,
+            StagingMemory::Pinned(pinned) => Some(pinned.pins()),
+        }
     }
 
     pub(crate) fn writer(&mut self) -> MappingWriter<'_> {

@@ -5,6 +5,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::os::fd::BorrowedFd;
+use std::sync::{Arc, Mutex};
 
 use super::*;
 
@@ -476,30 +477,63 @@ pub fn copy_htod_async(
 
 /// Pinned host memory this value owns: an anonymous mapping, registered
 /// with `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)`, to stage bytes
-/// for asynchronous copies to a device. Dropping it waits for its context
-/// before unpinning and unmapping.
+/// for asynchronous copies to a device: all of it at once
+/// ([`PinnedStaging::new`]), or unit by unit as copies first need it
+/// ([`PinnedStaging::unpinned`], then [`StagingPins::pin`]). Dropping it
+/// waits for its context before unpinning and unmapping.
 pub struct PinnedStaging {
-    ctx: Context,
     // Unregistered in `drop`, before the field drops and unmaps.
     memory: Mapping,
-    ptr: *mut u8,
+    pins: Arc<Pins>,
 }
 
-// SAFETY: the mapping is plain memory (Mapping is Send) and the pin is a
-// driver-side state usable from any thread.
+/// The registrations of a [`PinnedStaging`]'s memory, shared with the
+/// [`StagingPins`] handles that pin more of it.
+struct Pins {
+    ctx: Context,
+    /// The mapping's first byte and length.
+    base: *mut u8,
+    len: usize,
+    /// Bytes of a unit: registrations start and end on units (or the end).
+    unit: usize,
+    /// The registered runs of units, disjoint; `None` once the memory is
+    /// being unpinned for good (its owner's drop), after which nothing is
+    /// registered again.
+    runs: Mutex<Option<Vec<Range<usize>>>>,
+}
+
+// SAFETY: `base` is an address in a mapping the owning PinnedStaging keeps
+// mapped while `runs` is `Some`, and every registration through it is made
+// and undone under the `runs` lock; the pin is driver-side state usable
+// from any thread.
+unsafe impl Send for Pins {}
+// SAFETY: as above: every use of `base` holds the lock.
+unsafe impl Sync for Pins {}
+
+// SAFETY: the mapping is plain memory (Mapping is Send) and `pins` is Send.
 unsafe impl Send for PinnedStaging {}
-// SAFETY: `&self` methods only read lengths.
+// SAFETY: `&self` methods only read lengths, or pin under `pins`' lock.
 unsafe impl Sync for PinnedStaging {}
 
 impl fmt::Debug for PinnedStaging {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "PinnedStaging(cuda:{}, {} bytes)", self.ctx.ordinal(), self.memory.as_slice().len())
+        let pinned = StagingPins(Arc::clone(&self.pins)).pinned_len();
+        write!(f, "PinnedStaging(cuda:{}, {} bytes, {pinned} pinned)", self.pins.ctx.ordinal(), self.len())
     }
 }
 
 impl PinnedStaging {
     /// `len` bytes of zeroed, pinned host memory.
     pub fn new(ctx: &Context, len: usize) -> Result<PinnedStaging, CudaError> {
+        let staging = PinnedStaging::unpinned(ctx, len, len.max(1))?;
+        staging.pins().pin(0..len)?;
+        Ok(staging)
+    }
+
+    /// `len` bytes of zeroed host memory, none of it pinned (nor faulted
+    /// in) yet: [`StagingPins::pin`] registers it in whole units of `unit`
+    /// bytes (rounded up to pages) as copies first need them.
+    pub fn unpinned(ctx: &Context, len: usize, unit: usize) -> Result<PinnedStaging, CudaError> {
         let mut memory = Mapping::anonymous(len, HugePageAdvice::Huge).map_err(|err| {
             CudaError::new(
                 "mmap",
@@ -507,16 +541,17 @@ impl PinnedStaging {
                 err.raw_os_error().unwrap_or(libc::EIO),
             )
         })?;
-        let (ptr, _) = memory.writer().raw_range(&(0..len));
-        if len > 0 {
-            // Whole pages, as older drivers require.
-            let pages = len.next_multiple_of(crate::sys::mem::page_size());
-            // SAFETY: the span is the whole mapping (mmap maps whole pages),
-            // which `memory` keeps mapped at this address until after `drop`
-            // unregisters it.
-            unsafe { register_host(ctx, ptr, pages) }?;
-        }
-        Ok(PinnedStaging { ctx: ctx.clone(), memory, ptr })
+        let (base, _) = memory.writer().raw_range(&(0..len));
+        let unit = unit.max(1).next_multiple_of(crate::sys::mem::page_size());
+        let runs = Mutex::new(Some(Vec::new()));
+        let pins = Arc::new(Pins { ctx: ctx.clone(), base, len, unit, runs });
+        Ok(PinnedStaging { memory, pins })
+    }
+
+    /// A handle that pins more of this memory, usable from any thread for
+    /// as long as the memory lives (after that, its pins are errors).
+    pub fn pins(&self) -> StagingPins {
+        StagingPins(Arc::clone(&self.pins))
     }
 
     pub fn len(&self) -> usize {
@@ -539,7 +574,7 @@ impl PinnedStaging {
     }
 
     /// Write access for the kernel and io_uring (reads into staging
-    /// slots). The borrow keeps the memory mapped and pinned meanwhile.
+    /// slots). The borrow keeps the memory mapped meanwhile.
     pub(crate) fn writer(&mut self) -> MappingWriter<'_> {
         self.memory.writer()
     }
@@ -555,11 +590,12 @@ impl PinnedStaging {
 
     /// `cuMemcpyHtoDAsync`: queues a copy of `range` to `dst_offset..` of
     /// `dst` on `stream` (which must be of this memory's context) and
-    /// returns at once. The copy reads the staging bytes until the stream
-    /// passes it: record an [`Event`] after it and wait for the event
-    /// before writing `range` again, or the device may get a mix of old
-    /// and new bytes. Dropping the staging memory waits for the context, so
-    /// no copy reads it after it is unpinned.
+    /// returns at once, pinning the range first where it is not yet. The
+    /// copy reads the staging bytes until the stream passes it: record an
+    /// [`Event`] after it and wait for the event before writing `range`
+    /// again, or the device may get a mix of old and new bytes. Dropping
+    /// the staging memory waits for the context, so no copy reads it after
+    /// it is unpinned.
     pub fn copy_to_device(
         &mut self,
         range: Range<usize>,
@@ -569,29 +605,114 @@ impl PinnedStaging {
     ) -> Result<(), CudaError> {
         const OP: &str = "cuMemcpyHtoDAsync";
         self.check_span(OP, &range)?;
-        if !stream.ctx.same(&self.ctx) {
+        if !stream.ctx.same(&self.pins.ctx) {
             return Err(CudaError::invalid(
                 OP,
                 format!(
                     "a stream of cuda:{} copying from staging memory of cuda:{}: use a stream of the same context",
                     stream.ctx.ordinal(),
-                    self.ctx.ordinal()
+                    self.pins.ctx.ordinal()
                 ),
             ));
         }
+        self.pins().pin(range.clone())?;
         copy_htod_async(dst, dst_offset, self.memory.writer(), range, stream)
     }
 }
 
 impl Drop for PinnedStaging {
     fn drop(&mut self) {
-        if !self.is_empty() && !unregister_host(&self.ctx, self.ptr) {
+        let pins = &self.pins;
+        let runs = pins.runs.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default();
+        let mut unpinned = true;
+        for run in runs {
+            // SAFETY: `base + run.start` starts a registration of this mapping.
+            unpinned &= unregister_host(&pins.ctx, unsafe { pins.base.add(run.start * pins.unit) });
+        }
+        if !unpinned {
             // Still pinned for a copy that may yet read it: the address
             // range stays mapped, never reused for another registration.
             if let Ok(empty) = Mapping::anonymous(0, HugePageAdvice::Small) {
                 std::mem::forget(std::mem::replace(&mut self.memory, empty));
             }
         }
+    }
+}
+
+/// Pins parts of a [`PinnedStaging`]'s memory as copies first need them
+/// (cloned from [`PinnedStaging::pins`]; shareable between threads).
+#[derive(Clone)]
+pub struct StagingPins(Arc<Pins>);
+
+impl fmt::Debug for StagingPins {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StagingPins({} of {} bytes pinned)", self.pinned_len(), self.0.len)
+    }
+}
+
+impl StagingPins {
+    /// Makes bytes `range` of the memory part of one registration (so one
+    /// copy from anywhere in it runs from pinned memory): nothing where
+    /// they are already, else `cuMemHostRegister` of the whole units they
+    /// fall in, together with any registered run those units touch (which
+    /// is unregistered first, after a wait for the context: its copies
+    /// have landed). Pinning faults the pages in. An error once the memory
+    /// is gone, or the driver's (what was unregistered for the merge then
+    /// stays unpinned).
+    pub fn pin(&self, range: Range<usize>) -> Result<(), CudaError> {
+        const OP: &str = "cuMemHostRegister";
+        let pins = &*self.0;
+        if range.is_empty() {
+            return Ok(());
+        }
+        if range.end > pins.len {
+            return Err(CudaError::invalid(
+                OP,
+                format!("bytes {range:?} run past the {}-byte staging memory", pins.len),
+            ));
+        }
+        let mut guard = pins.runs.lock().unwrap_or_else(|p| p.into_inner());
+        let runs = guard
+            .as_mut()
+            .ok_or_else(|| CudaError::invalid(OP, "the staging memory was freed".to_string()))?;
+        let units = range.start / pins.unit..range.end.div_ceil(pins.unit);
+        if runs.iter().any(|run| run.start <= units.start && units.end <= run.end) {
+            return Ok(());
+        }
+        let mut merged = units.clone();
+        let mut kept = Vec::with_capacity(runs.len());
+        for run in runs.drain(..) {
+            if run.start < units.end && units.start < run.end {
+                merged = merged.start.min(run.start)..merged.end.max(run.end);
+                // SAFETY: `base + run.start` starts a registration of this
+                // mapping, which is mapped while `runs` is `Some`.
+                unregister_host(&pins.ctx, unsafe { pins.base.add(run.start * pins.unit) });
+            } else {
+                kept.push(run);
+            }
+        }
+        *runs = kept;
+        let start = merged.start * pins.unit;
+        let len = (merged.end * pins.unit).min(pins.len) - start;
+        // Whole pages, as older drivers require.
+        let pages = len.next_multiple_of(crate::sys::mem::page_size());
+        // SAFETY: `start` is inside the mapping (a unit boundary before its
+        // length), so the pointer stays in its allocation.
+        let first = unsafe { pins.base.add(start) };
+        // SAFETY: the span lies in the mapping (units end at its length,
+        // mmap maps whole pages), which stays mapped until the owner's drop
+        // takes `runs` under this lock and unregisters every run first.
+        unsafe { register_host(&pins.ctx, first, pages) }?;
+        runs.push(merged);
+        Ok(())
+    }
+
+    /// Bytes of the memory registered now.
+    pub fn pinned_len(&self) -> usize {
+        let pins = &*self.0;
+        let runs = pins.runs.lock().unwrap_or_else(|p| p.into_inner());
+        let units: usize = runs.iter().flatten().map(|run| run.len()).sum();
+        (units * pins.unit).min(pins.len)
     }
 }
 

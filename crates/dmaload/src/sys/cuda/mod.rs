@@ -28,8 +28,10 @@
 //!   [`DeviceBuffer`] (which waits for the context before `cuMemFree`) or
 //!   from [`DeviceRange::from_raw`], whose caller promises the memory stays
 //!   allocated while copies into it may run.
-//! * Host memory is pinned by a [`PinnedStaging`], which owns its
-//!   mapping and waits for its context before unpinning, so no copy reads
+//! * Host memory is pinned by a [`PinnedStaging`] (all at once, or unit
+//!   by unit as copies first need it, through its [`StagingPins`]), which
+//!   owns its mapping and waits for its context before unpinning (and
+//!   registers nothing after its drop began), so no copy reads
 //!   pages the driver no longer holds; an unpinned source is copied by the
 //!   driver into its own staging memory before the copy call returns.
 //! * Waiting for copies is bounded: a copy that does not complete within
@@ -466,5 +468,6 @@ mod stream;
 pub use context::Context;
 pub use memory::{
     copy_htod_async, DeviceBuffer, DeviceRange, IpcHandle, IpcMemory, PinnedStaging, RegisteredFile,
+    StagingPins,
 };
 pub use stream::{Event, Stream};
