@@ -161,7 +161,7 @@ impl StreamVerifier {
     /// The verifier of the whole `object`, whose bytes its caller streams
     /// itself (a Python stream's windows, each a load of part of it): the
     /// `B3SUMS` or `SHA256SUMS` object beside it must list it, looked up
-    /// and read as a verified load of the object does ([`object_expected`]).
+    /// and read as a verified load of the object does (`B3SUMS` first when both list it).
     pub fn for_object(object: &Object, cancel: &crate::CancelToken) -> Result<StreamVerifier> {
         let options = LoadOptions { verify: true, cancel: cancel.clone(), ..LoadOptions::default() };
         let expected = object_expected(object, 0, None, &options)?;
