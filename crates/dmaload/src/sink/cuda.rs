@@ -151,7 +151,10 @@ impl Sink for CudaSink<'_> {
         let stream = &self.streams[slot % self.streams.len()];
         let (memory, range) = data.raw();
         if let Some(pins) = &self.pins {
-            pins.pin(range.clone())?;
+            pins.pin(range.clone()).map_err(|err| {
+                let err = io::Error::from(err);
+                io::Error::new(err.kind(), format!("pin slot {slot} of the staging ring: {err}"))
+            })?;
         }
         self.targets.copy(memory, range, data.file_offset(), stream)?;
         if self.events.len() <= slot {
