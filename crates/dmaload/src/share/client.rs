@@ -217,17 +217,7 @@ impl Client {
         path: &Path,
         target: &DeviceTarget,
     ) -> Result<(u64, Served)> {
-        const OP: &str = "receive device copy";
-        let request = protocol::encode_device_request(target);
-        match self.request(&request, &[file.as_fd()], path, OP)? {
-            (Reply::Copied { len, served }, fds) if fds.is_empty() => Ok((len, served)),
-            _ => Err(Error::new(
-                ErrorKind::InvalidInput,
-                OP,
-                &self.socket,
-                "a reply of another kind to a to-device request",
-            )),
-        }
+        self.device_copy(&protocol::encode_device_request(target), &[file.as_fd()], path)
     }
 
     /// Has the service copy `object` (read with a [`Grant`](crate::object::Grant) of this
@@ -235,9 +225,14 @@ impl Client {
     /// memory that `target` names, as [`Client::copy_file_to_device`] does
     /// a file.
     pub fn copy_object_to_device(&self, object: &Object, target: &DeviceTarget) -> Result<(u64, Served)> {
+        self.device_copy(&protocol::encode_object_device_request(&object.grant(), target), &[], object.name())
+    }
+
+    /// Sends a to-device `request` (with `fds`; `name` names what it asks
+    /// for in errors) and takes the service's `copied` reply.
+    fn device_copy(&self, request: &[u8], fds: &[BorrowedFd<'_>], name: &Path) -> Result<(u64, Served)> {
         const OP: &str = "receive device copy";
-        let request = protocol::encode_object_device_request(&object.grant(), target);
-        match self.request(&request, &[], object.name(), OP)? {
+        match self.request(request, fds, name, OP)? {
             (Reply::Copied { len, served }, fds) if fds.is_empty() => Ok((len, served)),
             _ => Err(Error::new(
                 ErrorKind::InvalidInput,
