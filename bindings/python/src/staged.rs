@@ -358,20 +358,26 @@ pub fn _load_staged(
     // Checked before the ring is made of them, as every load checks them.
     dmaload::check_load_options(&options).map_err(|e| os_error(&e))?;
     let slot_size = options.staging_slot_size.unwrap_or(DEFAULT_SLOT_SIZE);
-    let objects = files.iter().all(|f| matches!(f.get().source, Source::Object(_)));
-    let slots = match options.staging_slots {
-        Some(slots) => slots,
+    let first_file = files.iter().find_map(|f| match &f.get().source {
+        Source::File(open) => Some(open),
+        Source::Object(_) => None,
+    });
+    let total = files.iter().map(|f| f.get().data_len).sum();
+    let slots = match (options.staging_slots, first_file) {
+        (Some(slots), _) => slots,
+        // The reads the first file's disk keeps in flight, as the core's
+        // loads of a file to a device size their ring.
+        (None, Some(file)) => dmaload::device::ring_slots_for(file, total, &options),
         // GETs keep fewer slots busy than a disk's reads: the core's ring
         // for objects, its requests of the core's size.
-        None if objects => dmaload::object_ring_slots(&options, slot_size),
-        // A quarter of the data, as the core's loads to a device pin.
-        None => dmaload::device::staging_ring_slots(files.iter().map(|f| f.get().data_len).sum(), slot_size),
+        (None, None) => dmaload::object_ring_slots(&options, slot_size),
     };
-    // One read per slot and every slot in flight, unless asked otherwise.
-    if !opts.given("chunk_size") && !objects {
+    // One read per slot, unless asked otherwise; a file's depth is tuned
+    // within the ring, an object's GETs keep every slot busy.
+    if !opts.given("chunk_size") && first_file.is_some() {
         options.chunk_size = slot_size;
     }
-    if !opts.given("queue_depth") {
+    if !opts.given("queue_depth") && first_file.is_none() {
         options.queue_depth = slots;
     }
     let too_large = |_| PyValueError::new_err("file too large");

@@ -177,8 +177,9 @@ pub struct LoadArgs {
     #[arg(long, default_value_t = dmaload::load::default_populate_threads())]
     populate_threads: usize,
     /// Slots of the staging ring a load to cuda:N (pinned) or dma-heap:NAME
-    /// reads through, at least 2 (default: sized from the range; for a
-    /// device a quarter of it, 2 to 32 slots, for a heap at most 128 MiB).
+    /// reads through, at least 2 (default: for a device the reads in
+    /// flight and 2 more, at most a quarter of the range and 32 slots, for
+    /// a heap at most 128 MiB).
     #[arg(long, value_name = "N")]
     staging_slots: Option<usize>,
     /// Bytes per staging slot, at most 1G (default: 16M for a device, the

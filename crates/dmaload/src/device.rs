@@ -64,9 +64,7 @@ pub(crate) fn load_open_device(
     // Refused or looked up before any allocation; the load checks again.
     crate::verify::Expected::for_load(file, offset, Some(len), options.verify)?;
     let slot_size = slot_size(options);
-    let slots = options
-        .staging_slots
-        .unwrap_or_else(|| device_ring_slots(len, slot_size, reads_in_flight(file, options)));
+    let slots = ring_slots_for(file, len, options);
     let mut options = options.clone();
     if options.chunk_size == crate::options::DEFAULT_CHUNK_SIZE {
         options.chunk_size = slot_size;
@@ -178,9 +176,9 @@ pub fn check_device_memory(context: &Context, ordinal: usize, len: u64, path: &P
 /// bytes: a quarter of the range, or all of it up to 8 slots
 /// (pinning costs time and memory for every slot: with 16 MiB slots a
 /// 40 MiB file pins 3, a 1 GiB file 16, not 32), at least the 2 a ring
-/// needs, at most [`DEFAULT_SLOTS`]. Python's staged loads to `cuda:N`
-/// size their ring with it, and the CLI's never exceed it
-/// ([`device_ring_slots`]), unless [`LoadOptions::staging_slots`] is given.
+/// needs, at most [`DEFAULT_SLOTS`]. A file's ring to a device never
+/// exceeds it ([`device_ring_slots`]), unless
+/// [`LoadOptions::staging_slots`] is given.
 pub fn staging_ring_slots(len: u64, slot_len: usize) -> usize {
     let filled = usize::try_from(len.div_ceil(slot_len.max(1) as u64)).unwrap_or(usize::MAX);
     filled.div_ceil(4).max(filled.min(MIN_RING_SLOTS)).clamp(2, DEFAULT_SLOTS)
@@ -191,50 +189,43 @@ pub fn staging_ring_slots(len: u64, slot_len: usize) -> usize {
 /// slots those reads fill, plus two whose copies to the device are
 /// queued (one on the link, one waiting), so neither the disk nor the link waits for a
 /// slot and the ring holds no more than the slower of them keeps busy;
-/// never more than [`staging_ring_slots`] gives the range, at least 2.
-/// The CLI's loads of a file to `cuda:N` size their ring with it unless
-/// [`LoadOptions::staging_slots`] is given.
+/// never more than [`staging_ring_slots`] gives the range, at least 2
+/// (see [`ring_slots_for`]).
 pub fn device_ring_slots(len: u64, slot_len: usize, reads_in_flight: u64) -> usize {
     let reads = usize::try_from(reads_in_flight.div_ceil(slot_len.max(1) as u64)).unwrap_or(usize::MAX);
     let needed = reads.max(1).saturating_add(COPIES_BEHIND_THE_LINK);
     needed.min(staging_ring_slots(len, slot_len)).max(2)
 }
 
+/// Slots of the staging ring of a load of `len` bytes of `file` to a
+/// device with `options`: [`LoadOptions::staging_slots`] where given,
+/// else [`device_ring_slots`] of the bytes the file's reads keep in
+/// flight. The CLI's and Python's loads of files to `cuda:N` size their
+/// ring with it.
+pub fn ring_slots_for(file: &OpenFile, len: u64, options: &LoadOptions) -> usize {
+    let in_flight = || device_ring_slots(len, slot_size(options), reads_in_flight(file, options));
+    options.staging_slots.unwrap_or_else(in_flight)
+}
+
 /// Bytes a load of `file` keeps in flight reading it: the depth and
-/// request size tuned for its device (remembered by earlier loads in the
-/// tuning file), else the options' depth of requests of the default
-/// chunk; a depth or chunk the options set is theirs. At most
-/// [`DEFAULT_READS_IN_FLIGHT`] unless the options set them: a depth
-/// remembered by a staged load is where its climb started, not a
-/// measurement (each request holds a 16 MiB slot, and a slot not yet free
-/// settles the climb at once), and 32 requests of 16 MiB would keep
-/// 512 MiB in flight where 128 MiB reach the disk's best.
+/// request size measured for its device (remembered by earlier loads in
+/// the tuning file: only what a trial measured is), else the options'
+/// depth of requests of the options' chunk (32 of 4 MiB by default); a
+/// depth or chunk the options set is theirs.
 fn reads_in_flight(file: &OpenFile, options: &LoadOptions) -> u64 {
     use crate::options::{DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE_DEPTH};
     let remembered = crate::tune::memory_file().zip(crate::tune::Device::of(&file.source().file).ok());
     let tuned = remembered.and_then(|(memory, device)| crate::tune::remembered(&memory, device));
-    let depth = match tuned {
-        Some(tuned) if options.queue_depth == DEFAULT_QUEUE_DEPTH => tuned.depth,
+    let depth = match tuned.and_then(|tuned| tuned.depth) {
+        Some(depth) if options.queue_depth == DEFAULT_QUEUE_DEPTH => depth,
         _ => options.queue_depth,
     };
     let request = match tuned.and_then(|tuned| tuned.request) {
         Some(request) if options.chunk_size == DEFAULT_CHUNK_SIZE => request,
         _ => options.chunk_size,
     };
-    let in_flight = depth as u64 * request as u64;
-    if options.queue_depth != DEFAULT_QUEUE_DEPTH || options.chunk_size != DEFAULT_CHUNK_SIZE {
-        in_flight
-    } else {
-        in_flight.min(DEFAULT_READS_IN_FLIGHT)
-    }
+    depth as u64 * request as u64
 }
-
-/// What a host load's reads keep in flight by default (32 requests of
-/// 4 MiB): enough for the disks measured to read at their best
-/// (docs/benchmarks.md; 4 slots of 16 MiB already did on the development
-/// VM's).
-const DEFAULT_READS_IN_FLIGHT: u64 =
-    crate::options::DEFAULT_QUEUE_DEPTH as u64 * crate::options::DEFAULT_CHUNK_SIZE as u64;
 
 /// Bytes per slot of a device's staging ring: as given, else
 /// [`DEFAULT_SLOT_SIZE`].

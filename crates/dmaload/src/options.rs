@@ -241,9 +241,10 @@ pub struct LoadOptions {
     pub populate_threads: usize,
     /// Slots of the staging ring a load to `cuda:N` (pinned) or to
     /// `dma-heap:NAME` reads through, at least 2. `None` (the default):
-    /// sized from the range, a device's ring to a quarter of it
-    /// ([`crate::device::staging_ring_slots`], at most
-    /// [`crate::sink::DEFAULT_SLOTS`]; fewer for an object), a heap's to
+    /// sized from the range, a device's ring to hold the reads the file's
+    /// disk keeps in flight and two copies behind the link
+    /// ([`crate::device::ring_slots_for`], at most a quarter of the range
+    /// and [`crate::sink::DEFAULT_SLOTS`]; fewer for an object), a heap's to
     /// at most 128 MiB ([`crate::dmabuf::heap_ring_geometry`]). A ring kept
     /// from an earlier load on the device serves where it has as many
     /// slots or more. Other loads take no ring from these options.

@@ -22,7 +22,10 @@
 //! a slot not yet free is the destination's back-pressure, which does not
 //! end the climb: where the destination is slower than the disk, every
 //! trial measures it and none gains, so the climb settles at the depth and
-//! request size it started from after a fair trial of each.
+//! request size it started from after a fair trial of each. Its requests
+//! start at the whole slot: a request size remembered for the device was
+//! measured with the depth's requests in flight, and a smaller request in
+//! each slot would only keep fewer bytes in flight.
 //!
 //! Once the depth has settled, the request size climbs the same way
 //! (trials of half and double, [`GAIN`] to keep one) between
@@ -35,9 +38,11 @@
 //! whole request, and the rest resumed as after a short read. Sizes are
 //! tried only where the chunk is a power of two, so every halving stays
 //! whole pages and alignment blocks. The depth and size kept are the
-//! report's `queue_depth` and `request_size`, and are remembered for the
-//! device in `$XDG_CACHE_HOME/dmaload/tuning` when either is not what the
-//! load started from.
+//! report's `queue_depth` and `request_size`. When either is not what the
+//! load started from, each that a trial measured is remembered for the
+//! device in `$XDG_CACHE_HOME/dmaload/tuning` (one whose trial the load
+//! did not reach keeps what was remembered before: where a climb starts
+//! is not a measurement).
 //!
 //! An `auto` load whose file takes direct I/O chooses between direct and
 //! buffered reads the same way, before the depth ([`Tuner::choosing_reads`]):
@@ -161,18 +166,18 @@ pub(crate) fn memory_file() -> Option<PathBuf> {
     crate::user_cache::path("tuning")
 }
 
-/// What a device's reads were tuned to: the depth, the request size
-/// where one was tuned (a line without it, written before request sizes
-/// were tuned, keeps the plan's), and the read mode where an `auto` load
+/// What a device's reads were tuned to: the depth and the request size
+/// where a load measured them (a line without one keeps the options'
+/// depth or the plan's chunk), and the read mode where an `auto` load
 /// measured one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Remembered {
-    pub depth: usize,
+    pub depth: Option<usize>,
     pub request: Option<usize>,
     pub read: Option<RememberedRead>,
 }
 
-/// One `MAJOR:MINOR queue_depth=N[ request=BYTES][ read=MODE
+/// One `MAJOR:MINOR[ queue_depth=N][ request=BYTES][ read=MODE
 /// read_rate=BYTES_PER_SECOND]` line, or `None` where a field's value does
 /// not parse; fields it does not know (a later version's) are skipped, and
 /// a read mode without its rate is not used.
@@ -196,7 +201,7 @@ fn parse_line(line: &str) -> Option<(String, Remembered)> {
         }
     }
     let read = mode.zip(rate).map(|(mode, rate)| RememberedRead { mode, rate });
-    Some((key.to_owned(), Remembered { depth: depth?, request, read }))
+    Some((key.to_owned(), Remembered { depth, request, read }))
 }
 
 /// A remembered request size: a power of two a plan's chunk may be.
@@ -223,7 +228,10 @@ impl Line {
     fn write(&self, key: &str) -> String {
         match self {
             Line::Device(tuned) => {
-                let mut line = format!("{key} queue_depth={}", tuned.depth);
+                let mut line = key.to_owned();
+                if let Some(depth) = tuned.depth {
+                    line += &format!(" queue_depth={depth}");
+                }
                 if let Some(request) = tuned.request {
                     line += &format!(" request={request}");
                 }
@@ -316,6 +324,8 @@ struct Climb {
     step: Step,
     /// Windows of the current trial so far; even ones run at `kept`.
     window: usize,
+    /// A trial ran to its end: `kept` was measured, not only started from.
+    measured: bool,
     at_kept: Windows,
     at_trial: Windows,
     min: usize,
@@ -331,6 +341,7 @@ impl Climb {
             trial: start,
             step: Step::WarmUp,
             window: 0,
+            measured: false,
             at_kept: Windows::NONE,
             at_trial: Windows::NONE,
             min,
@@ -355,6 +366,7 @@ impl Climb {
                 into.add(rate);
                 self.window += 1;
                 if self.window == TRIAL_WINDOWS {
+                    self.measured = true;
                     if self.at_trial.slowest >= self.at_kept.fastest * GAIN {
                         self.kept = self.trial;
                         self.start_trial(up, true);
@@ -561,16 +573,21 @@ impl Tuner {
 
     /// The tuner of reads through a staging ring that holds `chunks` of
     /// the plan's chunks: a request in flight holds a slot until the sink
-    /// has taken it, so depths past `chunks` are never tried (nor any
-    /// depth, where the ring holds no more than [`MIN_DEPTH`] chunks), and
-    /// waiting for a slot is the destination's back-pressure, not a reason
-    /// to stop measuring ([`Tuner::memory_bound`]).
+    /// has taken it, so the depth starts at no more than `chunks` and
+    /// depths past them are never tried (nor any depth, where the ring
+    /// holds no more than [`MIN_DEPTH`] chunks), and waiting for a slot is
+    /// the destination's back-pressure, not a reason to stop measuring
+    /// ([`Tuner::memory_bound`]). Requests start at the whole chunk, not
+    /// at a size remembered for the device: that size was measured with
+    /// the depth's requests in flight, and a smaller request in each slot
+    /// only keeps fewer bytes in flight.
     pub fn in_ring(mut self, chunks: usize) -> Tuner {
-        let start = self.depth.start;
-        self.depth = Climb::new(start, MIN_DEPTH, MAX_DEPTH.min(chunks).max(start));
+        let start = self.depth.start.min(chunks.max(1));
+        self.depth = Climb::new(start, MIN_DEPTH.min(start), MAX_DEPTH.min(chunks).max(start));
         if chunks <= MIN_DEPTH {
             self.depth.step = Step::Settled;
         }
+        self.request = Climb::new(self.request.max, self.request.min, self.request.max);
         self.staged = true;
         self
     }
@@ -655,9 +672,14 @@ impl Tuner {
         self.request.kept
     }
 
-    /// The request size to remember: the kept one, where sizes were tuned.
+    /// The depth to remember: the kept one, where a trial measured it.
+    pub fn tuned_depth(&self) -> Option<usize> {
+        Some(self.depth.kept).filter(|_| self.depth.measured)
+    }
+
+    /// The request size to remember: the kept one, where a trial measured it.
     pub fn tuned_request(&self) -> Option<usize> {
-        Some(self.request.kept).filter(|_| self.request.min < self.request.max)
+        Some(self.request.kept).filter(|_| self.request.measured)
     }
 
     /// Whether there is something new to remember: the depth or the
@@ -1088,9 +1110,9 @@ mod tests {
 
     #[test]
     fn a_ring_of_few_slots_tunes_the_request_size_alone() {
-        // Four slots: every depth the climb could try reads the same.
+        // Four slots: the depth is the ring's, and no other is tried.
         let (windows, tuner) = climb_staged(32, (4, 16 << 20), |_, request| request as f64 * 100.0);
-        assert!(windows.iter().all(|&(depth, _)| depth == 32));
+        assert!(windows.iter().all(|&(depth, _)| depth == 4));
         assert_eq!(windows.iter().map(|&(_, r)| r >> 20).collect::<Vec<_>>(), [16, 16, 8, 16, 8]);
         assert_eq!(tuner.kept_request(), 16 << 20);
     }
@@ -1279,6 +1301,53 @@ mod tests {
     }
 
     #[test]
+    fn a_staged_load_reads_whole_slots_no_deeper_than_its_ring() {
+        // Remembered: depth 32 of 4 MiB requests (a host load's chunks).
+        // Through a ring of 10 slots of 16 MiB, 10 requests fill it, and
+        // each asks for its whole slot: 4 MiB in each would keep 40 MiB in
+        // flight, not the 128 MiB measured.
+        let now = Instant::now();
+        let tuner = Tuner::new(32, 4 << 20, 16 << 20, now).in_ring(10);
+        assert_eq!((tuner.depth(), tuner.request()), (10, 16 << 20));
+        assert_eq!((tuner.kept(), tuner.kept_request()), (10, 16 << 20));
+        // A ring of more chunks than the depth: the depth as remembered.
+        let tuner = Tuner::new(16, 4 << 20, 8 << 20, now).in_ring(32);
+        assert_eq!((tuner.depth(), tuner.request()), (16, 8 << 20));
+    }
+
+    #[test]
+    fn only_what_a_trial_measured_is_to_be_remembered() {
+        // A staged load of 1 GiB (the CLI's ring of 10 slots) measures
+        // the read modes and ends: its depth (no trial within 10 slots)
+        // and request size (its trial not reached) are not measurements.
+        let mut now = Instant::now();
+        let mut tuner = Tuner::new(32, 16 << 20, 16 << 20, now).choosing_reads(None, 1 << 30).in_ring(10);
+        for _ in 0..1 + TRIAL_WINDOWS {
+            if tuner.draining() {
+                tuner.flipped(now);
+            }
+            now += Duration::from_millis(100);
+            tuner.observe(WINDOW, now);
+        }
+        assert!(tuner.moved(), "the modes were measured");
+        assert!(tuner.read_to_remember().is_some());
+        assert_eq!((tuner.tuned_depth(), tuner.tuned_request()), (None, None));
+        // A host load whose depth's climb ran to its end, the request
+        // size's not: the depth only.
+        let mut tuner = Tuner::new(32, 4 << 20, 4 << 20, now);
+        while tuner.depth.step != Step::Settled {
+            now += Duration::from_millis(100);
+            tuner.observe(WINDOW, now);
+        }
+        assert_eq!((tuner.tuned_depth(), tuner.tuned_request()), (Some(32), None));
+        while !tuner.settled() {
+            now += Duration::from_millis(100);
+            tuner.observe(WINDOW, now);
+        }
+        assert_eq!((tuner.tuned_depth(), tuner.tuned_request()), (Some(32), Some(4 << 20)));
+    }
+
+    #[test]
     fn a_remembered_read_mode_is_read_back_and_old_lines_still_load() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tuning");
@@ -1286,10 +1355,10 @@ mod tests {
         std::fs::write(&path, old).unwrap();
         assert_eq!(
             remembered(&path, device()),
-            Some(Remembered { depth: 32, request: Some(4 << 20), read: None })
+            Some(Remembered { depth: Some(32), request: Some(4 << 20), read: None })
         );
         let read = Some(RememberedRead { mode: Buffered, rate: 1_610_612_736 });
-        remember(&path, device(), Remembered { depth: 64, request: None, read }).unwrap();
+        remember(&path, device(), Remembered { depth: Some(64), request: None, read }).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text, "8:0 queue_depth=16\n259:3 queue_depth=64 read=buffered read_rate=1610612736\n");
         assert_eq!(remembered(&path, device()).unwrap().read, read);
@@ -1301,6 +1370,12 @@ mod tests {
         assert_eq!(remembered(&path, device()).unwrap().read, Some(RememberedRead { mode: Direct, rate: 5 }));
         assert_eq!(remembered(&path, Device { major: 8, minor: 0 }).unwrap().read, None);
         assert_eq!(remembered(&path, Device { major: 8, minor: 1 }), None);
+        // A line may remember a read mode alone: no depth or request size
+        // was measured.
+        let read = Some(RememberedRead { mode: Direct, rate: 7 });
+        remember(&path, device(), Remembered { depth: None, request: None, read }).unwrap();
+        assert!(std::fs::read_to_string(&path).unwrap().contains("\n259:3 read=direct read_rate=7\n"));
+        assert_eq!(remembered(&path, device()), Some(Remembered { depth: None, request: None, read }));
     }
 
     fn device() -> Device {
@@ -1312,10 +1387,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("missing/dir/tuning");
         assert_eq!(remembered(&path, device()), None);
-        let depth = |depth| Remembered { depth, request: None, read: None };
+        let depth = |depth| Remembered { depth: Some(depth), request: None, read: None };
         remember(&path, Device { major: 8, minor: 0 }, depth(16)).unwrap();
         remember(&path, device(), depth(32)).unwrap();
-        let tuned = Remembered { depth: 64, request: Some(4 << 20), read: None };
+        let tuned = Remembered { depth: Some(64), request: Some(4 << 20), read: None };
         remember(&path, device(), tuned).unwrap();
         assert_eq!(remembered(&path, device()), Some(tuned));
         assert_eq!(remembered(&path, Device { major: 8, minor: 0 }), Some(depth(16)));
@@ -1339,7 +1414,7 @@ mod tests {
         assert_eq!(remembered(&path, device()), None);
         std::fs::write(&path, [0xff, 0xfe, 0x00]).unwrap(); // not UTF-8
         assert_eq!(remembered(&path, device()), None);
-        remember(&path, device(), Remembered { depth: 16, request: None, read: None }).unwrap();
+        remember(&path, device(), Remembered { depth: Some(16), request: None, read: None }).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "259:3 queue_depth=16\n");
     }
 
@@ -1350,7 +1425,7 @@ mod tests {
         // too, unlike a read-only directory; the CLI's test covers that).
         std::fs::write(dir.path().join("dmaload"), b"").unwrap();
         let path = dir.path().join("dmaload/tuning");
-        assert!(remember(&path, device(), Remembered { depth: 64, request: None, read: None }).is_err());
+        assert!(remember(&path, device(), Remembered { depth: Some(64), request: None, read: None }).is_err());
         assert_eq!(remembered(&path, device()), None);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file is left");
     }
@@ -1459,9 +1534,9 @@ mod tests {
         assert_eq!(text, "259:3 queue_depth=32\ns3 127.0.0.1:3900 connections=16 request=4194304\n");
         assert_eq!(remembered_gets(&path, &endpoint), Some(gets));
         // A device's write keeps the endpoint's line, and the other way round.
-        remember(&path, device(), Remembered { depth: 64, request: None, read: None }).unwrap();
+        remember(&path, device(), Remembered { depth: Some(64), request: None, read: None }).unwrap();
         assert_eq!(remembered_gets(&path, &endpoint), Some(gets));
-        assert_eq!(remembered(&path, device()).map(|tuned| tuned.depth), Some(64));
+        assert_eq!(remembered(&path, device()).and_then(|tuned| tuned.depth), Some(64));
         assert_eq!(remembered_gets(&path, &Endpoint::new("127.0.0.1", 3901).unwrap()), None);
         let v6 = Endpoint::new("[::1]", 443).unwrap();
         remember_gets(&path, &v6, gets).unwrap();

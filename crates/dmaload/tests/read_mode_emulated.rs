@@ -73,10 +73,22 @@ fn assert_kept_faster(name: &str, report: &LoadReport, direct_faster: bool, cach
     assert!(tuning.contains(kept), "{name}: {tuning}");
 }
 
+/// The tuning file's key of the device `path` is on (`MAJOR:MINOR`, as
+/// glibc's `major()` and `minor()` split `st_dev`).
+fn device_key(path: &Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).unwrap().dev();
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    format!("{major}:{minor}")
+}
+
 #[test]
 fn on_an_emulated_disk_a_load_to_cuda_keeps_the_read_mode_that_is_faster() {
-    // A load to cuda:0 reads through the CLI's staging ring, 32 slots of
-    // 16 MiB: a file of 1 GiB, as users load, is long enough to choose.
+    // A load to cuda:0 reads through a staging ring of 16 MiB slots, as
+    // many as the reads in flight fill and two more (10 for the default
+    // 32 requests of 4 MiB): a file of 1 GiB, as users load, is long
+    // enough to choose the read mode, not to try a depth or request size.
     let test = "on_an_emulated_disk_a_load_to_cuda_keeps_the_read_mode_that_is_faster";
     let _one = CACHE_HOME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Err(reason) = common::cuda_driver() {
@@ -92,8 +104,16 @@ fn on_an_emulated_disk_a_load_to_cuda_keeps_the_read_mode_that_is_faster() {
             Ok(mount) => mount,
             Err(reason) => return skip(test, &reason),
         };
-        let _ = std::fs::remove_file(cache.join("tuning"));
         let path = mount.mountpoint.join("data");
+        // Measured afresh on each mount; on the second, a host load's
+        // 4 MiB requests remembered for the device, which the ring's
+        // reads do not take (a slot each, whole).
+        let before = match name {
+            "direct-faster" => String::new(),
+            _ => format!("{} request=4194304\n", device_key(&path)),
+        };
+        std::fs::create_dir_all(&cache).unwrap();
+        std::fs::write(cache.join("tuning"), &before).unwrap();
         let (loaded, report) = LoadRequest::path(&path).options(&options).load().unwrap();
         let Loaded::Device(device) = loaded else { panic!("{name}: not loaded to the device") };
         assert_eq!(device.len, size);
@@ -110,5 +130,11 @@ fn on_an_emulated_disk_a_load_to_cuda_keeps_the_read_mode_that_is_faster() {
             return skip(test, &format!("no direct I/O on FUSE here: {:?}", report.fallbacks));
         }
         assert_kept_faster(name, &report, direct > buffered, &cache);
+        assert_eq!(report.request_size, 16 << 20, "{name}: {report:#?}");
+        // Only the read mode was measured: the depth and request size the
+        // load started from are not written as if they were.
+        let tuning = std::fs::read_to_string(cache.join("tuning")).unwrap();
+        assert!(!tuning.contains("queue_depth="), "{name}: {tuning}");
+        assert_eq!(tuning.contains(" request=4194304 "), !before.is_empty(), "{name}: {tuning}");
     }
 }

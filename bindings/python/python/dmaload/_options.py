@@ -70,10 +70,10 @@ class LoadOptions(TypedDict, total=False):
         before anything is read. With ``cache=`` the file is loaded directly.
     staging_slots, staging_slot_size: the pinned staging ring of a device
         load (``device="cuda:N"``; default slots of 16 MiB, one read each,
-        holding a quarter of the data: at least 8, or as many as the data
-        fills, and at most 32), and the ring of ``load_dmabuf`` to
-        ``"dma-heap:NAME"`` (default: at most 128 MiB, sized from the
-        range); host loads ignore them. At least 2 slots, each of at most
+        as many as the disk's reads keep in flight and two more, no more
+        than a quarter of the data, at most 32), and the ring of
+        ``load_dmabuf`` to ``"dma-heap:NAME"`` (default: at most 128 MiB,
+        sized from the range); host loads ignore them. At least 2 slots, each of at most
         1 GiB (an ``OSError``, ``EINVAL``, otherwise; the core's check).
     """
 

@@ -188,7 +188,7 @@ fn load_params(options: &LoadOptions, setup: &ReadSetup) -> EngineParams {
         .map(|buffered| ReadModes { buffered, remembered: remembered.and_then(|tuned| tuned.read) });
     EngineParams {
         engine: options.engine,
-        queue_depth: remembered.map_or(options.queue_depth, |tuned| tuned.depth),
+        queue_depth: remembered.and_then(|tuned| tuned.depth).unwrap_or(options.queue_depth),
         threads: options.threads,
         cancel: options.cancel.clone(),
         tune,
@@ -197,21 +197,25 @@ fn load_params(options: &LoadOptions, setup: &ReadSetup) -> EngineParams {
     }
 }
 
-/// After a load that tuned its reads: remembers the depth, request size
-/// and read mode it kept for the device when they are not the ones the
-/// load started from (a window measured them faster), or the read modes
-/// were measured. The memory is a cache: a failure to write it (a
-/// read-only home, say) loses nothing.
+/// After a load that tuned its reads: when the depth, request size or
+/// read mode it kept is not the one it started from (a window measured
+/// it faster), or the read modes were measured, remembers for the device
+/// what its trials measured, and keeps what was remembered before for
+/// the rest (a load that ended before the request size's trial, or whose
+/// staging ring left no depth to try, measured neither, and the values it
+/// started from are not a measurement). The memory is a cache: a failure
+/// to write it (a read-only home, say) loses nothing.
 fn remember_tuned(params: &EngineParams, run: &EngineRun) {
     let (Some(device), Some(tuner)) = (params.tune, run.tuner.as_ref()) else { return };
     if tuner.moved() {
         if let Some(path) = tune::memory_file() {
+            let before = tune::remembered(&path, device);
             let tuned = tune::Remembered {
-                depth: tuner.kept(),
-                request: tuner.tuned_request(),
+                depth: tuner.tuned_depth().or(before.and_then(|b| b.depth)),
+                request: tuner.tuned_request().or(before.and_then(|b| b.request)),
                 // A load that chose no read mode (`--mode direct`) keeps
                 // the one an `auto` load measured.
-                read: tuner.read_to_remember().or_else(|| tune::remembered(&path, device)?.read),
+                read: tuner.read_to_remember().or(before.and_then(|b| b.read)),
             };
             let _ = tune::remember(&path, device, tuned);
         }
