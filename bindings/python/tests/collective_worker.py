@@ -15,7 +15,8 @@ header  rank 1 loads the checkpoint ARGS[0] names instead (a broken header)
 kill    rank 1 SIGKILLs itself when its first tensor arrives
 quit    rank 1 stops iterating after its first tensor and exits
 paths   each rank loads the checkpoint ARGS[rank] names (options: the JSON
-        object ARGS[world], if given); reports each tensor's byte sum and
+        object ARGS[world], if given, or a list of each rank's); reports
+        each tensor's byte sum and
         SHA-256
 load_file like paths, through load_file (nothing comes back unless all of
         the load succeeded)
@@ -115,6 +116,8 @@ def main() -> None:
         result.update(read=read, names=sorted(names), sum=digest, measures=attempt, major_faults=int(faulted), held=held)
     elif scenario in ("paths", "load_file"):
         options = json.loads(args[world_i]) if len(args) > world_i else {}
+        if isinstance(options, list):  # each rank's own
+            options = options[rank_i]
         if scenario == "paths":
             pairs = iter_tensors(args[rank_i], process_group=group, window=window, **options)
         else:

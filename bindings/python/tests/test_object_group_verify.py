@@ -83,6 +83,39 @@ def test_a_verified_group_load_of_an_s3_model_is_bit_exact_and_reads_each_byte_o
     assert all(half - (64 << 10) < n < half + SLACK for n in received), (received, half)
 
 
+def test_a_verified_filtered_group_load_of_an_s3_model_still_reads_every_byte_once(
+    s3_env: Garage, tmp_path: Path
+) -> None:
+    """``tensor_filter=`` with ``verify=True``: only the tensors wanted are
+    handed out, but every byte of each object is read, once across the
+    group (about half the objects per rank), to be hashed."""
+    expected, bodies = _put_model(s3_env, tmp_path, "gfiltered", seed=25)
+    url = "s3://models/gfiltered/"
+    options = json.dumps({"verify": True, "tensor_filter": ["b", "e"]})
+    results, received = _run_counted(s3_env, tmp_path, "load_file", url, url, options)
+    wanted = {name: expected[name] for name in ("b", "e")}
+    assert [_result(*r)["sha256"] for r in results] == [wanted, wanted]
+    half = sum(len(b) for b in bodies.values()) // 2
+    assert all(half - (64 << 10) < n < half + SLACK for n in received), (received, half)
+
+
+def test_an_s3_object_its_sums_object_does_not_list_fails_every_rank_saying_how(s3_env: Garage, tmp_path: Path) -> None:
+    """A ``SHA256SUMS`` beside the shards that lists only the first: every
+    rank refuses before reading, naming the unlisted object and how to
+    make the load verifiable."""
+    _, bodies = _put_model(s3_env, tmp_path, "gunlisted", seed=35)
+    first = "model-00001-of-00002.safetensors"
+    s3_env.put("gunlisted/SHA256SUMS", f"{hashlib.sha256(bodies[first]).hexdigest()}  {first}\n".encode())
+    url = "s3://models/gunlisted/"
+    results, received = _run_counted(s3_env, tmp_path, "paths", url, url, VERIFY)
+    _all_fail(
+        results,
+        "has none for s3://models/gunlisted/model-00002-of-00002.safetensors",
+        "upload a B3SUMS or SHA256SUMS listing it beside",
+    )
+    assert all(n < SLACK for n in received), received
+
+
 @pytest.mark.parametrize("scenario", ["paths", "load_file"])
 def test_an_s3_object_that_differs_from_its_sums_entry_fails_every_rank_naming_it(
     s3_env: Garage, tmp_path: Path, scenario: str
@@ -92,7 +125,8 @@ def test_an_s3_object_that_differs_from_its_sums_entry_fails_every_rank_naming_i
     tables unchanged), the sums object left as it was: every rank reads its
     share, every rank hashes the whole object from the exchange, and every
     rank fails with a ``CollectiveLoadError`` naming the object and the
-    mismatch; no rank gets its tensors (``load_file`` returns nothing)."""
+    mismatch; no rank gets its tensors (``load_file`` returns nothing).
+    The same where only rank 0 passes ``verify=True``."""
     _, bodies = _put_model(s3_env, tmp_path, "gbad", seed=30)
     name = "model-00002-of-00002.safetensors"
     data = bytearray(bodies[name])
@@ -100,9 +134,11 @@ def test_an_s3_object_that_differs_from_its_sums_entry_fails_every_rank_naming_i
     for at in range(start + 4096, len(data), 1 << 20):
         data[at] ^= 0xFF
     s3_env.put(f"gbad/{name}", bytes(data))
-    results = _run(tmp_path, 2, scenario, tmp_path, "s3://models/gbad/", "s3://models/gbad/", VERIFY)
-    _all_fail(results, "do not match the sums files", "SHA-256 mismatch", f"s3://models/gbad/{name}")
-    assert not any("RESULT " in output for _, output in results), results
+    # verify=True on rank 0 alone: every rank verifies.
+    for options in (VERIFY, json.dumps([{"verify": True}, {}])):
+        results = _run(tmp_path, 2, scenario, tmp_path, "s3://models/gbad/", "s3://models/gbad/", options)
+        _all_fail(results, "do not match the sums files", "SHA-256 mismatch", f"s3://models/gbad/{name}")
+        assert not any("RESULT " in output for _, output in results), results
 
 
 def test_ranks_handed_two_s3_checkpoints_fail_every_rank_before_reading(s3_env: Garage, tmp_path: Path) -> None:
