@@ -15,7 +15,11 @@ header  rank 1 loads the checkpoint ARGS[0] names instead (a broken header)
 kill    rank 1 SIGKILLs itself when its first tensor arrives
 quit    rank 1 stops iterating after its first tensor and exits
 paths   each rank loads the checkpoint ARGS[rank] names (options: the JSON
-        object ARGS[world], if given); reports each tensor's byte sum
+        object ARGS[world], if given, or a list of each rank's); reports
+        each tensor's byte sum and
+        SHA-256
+load_file like paths, through load_file (nothing comes back unless all of
+        the load succeeded)
 rewrite rank 0 rewrites the first file in place (same size, other bytes)
         once its first tensor arrives; the others go on loading
 window  rank 1 passes another window than rank 0
@@ -27,6 +31,7 @@ stop    rank 1 stops itself (SIGSTOP) when its first tensor arrives: it
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import resource
@@ -109,12 +114,21 @@ def main() -> None:
         # held: the memory the tensors handed out keep alive.
         held = sum(storages.values())
         result.update(read=read, names=sorted(names), sum=digest, measures=attempt, major_faults=int(faulted), held=held)
-    elif scenario == "paths":
+    elif scenario in ("paths", "load_file"):
         options = json.loads(args[world_i]) if len(args) > world_i else {}
-        sums = {}
-        for name, t in iter_tensors(args[rank_i], process_group=group, window=window, **options):
-            sums[name] = int(t.contiguous().view(-1).view(torch.uint8).sum())
-        result["sums"] = sums
+        if isinstance(options, list):  # each rank's own
+            options = options[rank_i]
+        if scenario == "paths":
+            pairs = iter_tensors(args[rank_i], process_group=group, window=window, **options)
+        else:
+            loaded = load_file(args[rank_i], framework="pt", process_group=group, window=window, **options)
+            pairs = iter(loaded.items())
+        sums, sha256 = {}, {}
+        for name, t in pairs:
+            data = t.contiguous().view(-1).view(torch.uint8)
+            sums[name] = int(data.sum())
+            sha256[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+        result.update(sums=sums, sha256=sha256)
     elif scenario == "rewrite":
         for i, (_name, _t) in enumerate(iter_tensors(model, process_group=group, window=window)):
             if rank_i == 0 and i == 0:

@@ -483,10 +483,12 @@ class Stream:
             except Exception as exc:
                 failure = exc
         digest = -1 if failure is not None else _digest(self.paths, self.headers)
+        identities: list[str | None] = []
         if failure is not None:
             identity = 0
         elif self._objects:
-            identity = _object_identity([self._loader.object_identity(i) for i in range(len(self.paths))])
+            identities = [self._loader.object_identity(i) for i in range(len(self.paths))]
+            identity = _object_identity(identities)
         else:
             identity = _identity(self._fds)
         # The load's number in the group, for the heartbeat's keys: the
@@ -518,10 +520,7 @@ class Stream:
         self._verify = any(row[2] for row in rows)
         same_file = all(row[4:] == rows[0][4:] for row in rows)
         if self._objects and not same_file:
-            raise CollectiveLoadError(
-                f"rank {group.rank}: the ranks see different versions (ETags) of {where}: "
-                "an object was replaced while the ranks opened it; load again"
-            )
+            raise _other_objects(group, where, self.paths, identities)
         if self._verify or not same_file:
             digests = _same_bytes(group, where, self.paths, self._digest_of, same_file)
             self._verifier = _Verify(self.paths, digests, self._sizes())
@@ -728,6 +727,32 @@ def _object_identity(identities: list[str | None]) -> int:
     for identity in identities:
         h.update(f"{identity}\0".encode())
     return int.from_bytes(h.digest(), "little")
+
+
+def _other_objects(group: _Group, where: str, urls: list[Source], identities: list[str | None]) -> CollectiveLoadError:
+    """The error every rank raises where the ranks' objects differ (their
+    fingerprints in the plan did): a second exchange, of each object's URL
+    and identity, names the first object that differs (the same one on
+    every rank), and whether a rank was handed another URL there (another
+    checkpoint: loading again would not help) or sees another version
+    under the same URL (replaced between the ranks' lookups, or mirrors
+    that differ)."""
+    mine = [_object_identity([text]) for url, identity in zip(urls, identities) for text in (os.fspath(url), identity)]
+    rows = _collective(group, f"comparing the objects of {where}", group.gather_ints, mine)
+    for i, url in enumerate(urls):
+        for r, row in enumerate(rows):
+            if row[2 * i] != rows[0][2 * i]:
+                return CollectiveLoadError(
+                    f"rank {group.rank}: rank {r} was handed another object than rank 0 where this rank reads {url}: "
+                    "the ranks were given different checkpoints; give every rank the same model"
+                )
+            if row[2 * i + 1] != rows[0][2 * i + 1]:
+                return CollectiveLoadError(
+                    f"rank {group.rank}: rank {r} sees another version (ETag or size) of {url} than rank 0: it was "
+                    "replaced while the ranks looked it up (load again), or the ranks read mirrors that hold "
+                    "different checkpoints"
+                )
+    return CollectiveLoadError(f"rank {group.rank}: the ranks see different objects or versions of {where}")
 
 
 _SUMS_KINDS = {"B3SUMS": 1, "SHA256SUMS": 2}
