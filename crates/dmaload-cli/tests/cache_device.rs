@@ -260,7 +260,7 @@ fn a_copy_over_a_slow_link_is_not_taken_for_a_stalled_service() {
 
 /// A tensor of a caching allocator (PyTorch's) lies inside a larger
 /// allocation, and a CUDA IPC handle names the whole allocation: the
-/// client (`share::cached_into_device`, Python's path) sends the handle of
+/// client (`CacheRequest::into_device`, Python's path) sends the handle of
 /// the allocation and the span's offset in it; the service copies the file
 /// there bit-exact and writes nothing around it. A span that runs past the
 /// allocation is refused by the service, naming the offset, the length and
