@@ -253,7 +253,7 @@ impl Buffer {
             // Ctrl-C: wait in slices that answer it.
             wait_on_socket(py, timeout, "receive: no buffer arrived", |slice| conn.wait_readable(slice))?;
             let buffer = detached(py, || dmaload::Buffer::receive(&conn))?.map_err(|e| os_error(&e))?;
-            let report = dmaload::share::handoff_report(
+            let report = dmaload_share::handoff_report(
                 std::path::Path::new("socket"),
                 buffer.len() as u64,
                 started.elapsed().as_secs_f64(),

@@ -7,7 +7,7 @@ use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use dmaload::share::CacheRequest;
+use dmaload_share::CacheRequest;
 
 use crate::buffer::Buffer;
 use crate::errors::*;
@@ -22,7 +22,7 @@ pub(crate) fn connection(socket: &Bound<'_, PyAny>) -> PyResult<dmaload::share::
         Ok(fd) => fd,
         Err(_) => socket.call_method0("fileno")?.extract()?,
     };
-    dmaload::share::connection_from_raw_fd(fd)
+    dmaload_share::connection_from_raw_fd(fd)
         .map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(libc::EINVAL), format!("socket: {e}"))))
 }
 
@@ -80,11 +80,11 @@ pub(crate) fn load_cached(
 fn served_buffer(
     buffer: dmaload::Buffer,
     report: dmaload::LoadReport,
-    outcome: dmaload::share::CacheOutcome,
+    outcome: dmaload_share::CacheOutcome,
 ) -> (Option<Buffer>, Option<&'static str>, Option<String>) {
     let (served, message) = match outcome {
-        dmaload::share::CacheOutcome::Service { served, note } => (Some(served.name()), note),
-        dmaload::share::CacheOutcome::Direct { reason } => (None, Some(reason)),
+        dmaload_share::CacheOutcome::Service { served, note } => (Some(served.name()), note),
+        dmaload_share::CacheOutcome::Direct { reason } => (None, Some(reason)),
     };
     (Some(Buffer::new(buffer, report)), served, message)
 }
@@ -103,5 +103,5 @@ pub(crate) fn evict(py: Python<'_>, path: PathBuf) -> PyResult<()> {
 /// else `/run/user/UID/dmaload.sock`.
 #[pyfunction]
 pub(crate) fn default_cache_socket() -> PathBuf {
-    dmaload::share::default_socket()
+    dmaload_share::default_socket()
 }

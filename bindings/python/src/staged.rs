@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use dmaload::cuda::{Context, DeviceRange};
 use dmaload::format::safetensors as st;
 use dmaload::object::Object;
-use dmaload::share::CacheRequest;
 use dmaload::sink::{keep_ring, take_ring, CudaSink, HostSink, StagingRing, DEFAULT_SLOT_SIZE};
 use dmaload::RawBytesMut;
+use dmaload_share::CacheRequest;
 
 use crate::options::FileArg;
 use pyo3::buffer::PyBuffer;
@@ -325,7 +325,7 @@ pub fn release_staging(py: Python<'_>) -> PyResult<usize> {
 ///
 /// With `socket` (device destinations only), the cache service there
 /// copies each whole file into the device memory from its own pinned copy
-/// (`dmaload::share::CacheRequest::into_device`): each destination must then
+/// (`dmaload_share::CacheRequest::into_device`): each destination must then
 /// follow `file.data_start` bytes of the same allocation, where the header
 /// goes. Where the service cannot (none answers, another user, no such
 /// device in the service, the driver refuses the IPC handle), that file

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use dmaload::load::{DEFAULT_CHUNK_SIZE, DEFAULT_GATHER_SIZE, DEFAULT_POOL_THREADS, DEFAULT_QUEUE_DEPTH};
-use dmaload::share::CacheRequest;
 use dmaload::{Destination, Engine, IoMode, LoadOptions, LoadRequest};
 use dmaload_cli::{output, sample, units};
+use dmaload_share::CacheRequest;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use units::Size;
 
@@ -255,8 +255,8 @@ pub fn progress_bar(label: &str) -> (ProgressBar, Arc<dmaload::ProgressFn>) {
 fn cache_socket(cmd: &LoadCommand) -> Option<PathBuf> {
     match &cmd.cache {
         Some(Some(socket)) => Some(socket.clone()),
-        Some(None) => Some(dmaload::share::socket_from_env().unwrap_or_else(dmaload::share::default_socket)),
-        None => dmaload::share::socket_from_env(),
+        Some(None) => Some(dmaload_share::socket_from_env().unwrap_or_else(dmaload_share::default_socket)),
+        None => dmaload_share::socket_from_env(),
     }
 }
 
@@ -333,13 +333,13 @@ fn cached(
 ) -> Result<(dmaload::Loaded, dmaload::LoadReport), dmaload::Error> {
     let (loaded, report, outcome) = request.load()?;
     match outcome {
-        dmaload::share::CacheOutcome::Service { served, note } => {
+        dmaload_share::CacheOutcome::Service { served, note } => {
             eprintln!("dmaload: from the cache service at {} ({})", socket.display(), served.name());
             if let Some(note) = note {
                 eprintln!("dmaload: cache service: {note}");
             }
         }
-        dmaload::share::CacheOutcome::Direct { reason } => {
+        dmaload_share::CacheOutcome::Direct { reason } => {
             eprintln!("dmaload: {reason}; loaded directly");
         }
     }

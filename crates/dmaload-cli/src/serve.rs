@@ -8,8 +8,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
-use dmaload::share::{self, Client, Service, ServiceConfig, Status, StopSignals};
+use dmaload::share::Status;
 use dmaload::LoadOptions;
+use dmaload_share::{Client, Service, ServiceConfig, StopSignals};
 
 use crate::units::{human_bytes, parse_size};
 
@@ -47,14 +48,14 @@ fn parse_memory_limit(text: &str) -> Result<u64, String> {
     match text.trim().strip_suffix('%') {
         Some(percent) => {
             let percent: f64 = percent.trim().parse().map_err(|_| format!("bad percentage {text:?}"))?;
-            share::service::memory_limit_percent(percent)
+            dmaload_share::service::memory_limit_percent(percent)
         }
         None => parse_size(text),
     }
 }
 
 pub fn run(args: &ServeArgs) -> Result<(), String> {
-    let socket = args.socket.clone().unwrap_or_else(share::default_socket);
+    let socket = args.socket.clone().unwrap_or_else(dmaload_share::default_socket);
     if args.status {
         let status =
             Client::connect(&socket).and_then(|client| client.status()).map_err(|e| e.to_string())?;
@@ -73,7 +74,7 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
         allow_uids: args.allow_uid.clone(),
         allow_gids: args.allow_gid.clone(),
         load_options: LoadOptions::default(),
-        idle_timeout: share::service::DEFAULT_IDLE_TIMEOUT,
+        idle_timeout: dmaload_share::service::DEFAULT_IDLE_TIMEOUT,
         log: Arc::new(|line| eprintln!("dmaload serve: {line}")),
     };
     let service = Service::bind(config).map_err(|e| e.to_string())?;

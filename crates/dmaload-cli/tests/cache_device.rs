@@ -260,7 +260,7 @@ fn a_copy_over_a_slow_link_is_not_taken_for_a_stalled_service() {
 
 /// A tensor of a caching allocator (PyTorch's) lies inside a larger
 /// allocation, and a CUDA IPC handle names the whole allocation: the
-/// client (`share::cached_into_device`, Python's path) sends the handle of
+/// client (`CacheRequest::into_device`, Python's path) sends the handle of
 /// the allocation and the span's offset in it; the service copies the file
 /// there bit-exact and writes nothing around it. A span that runs past the
 /// allocation is refused by the service, naming the offset, the length and
@@ -286,7 +286,7 @@ fn the_service_copies_into_a_span_at_an_offset_inside_a_larger_allocation() {
     let file = dmaload::OpenFile::open(&path).unwrap();
     let options = dmaload::LoadOptions::default();
     let span = memory.range().sub(before, bytes.len()).unwrap();
-    let (report, served) = dmaload::share::CacheRequest::open(&file, &socket)
+    let (report, served) = dmaload_share::CacheRequest::open(&file, &socket)
         .options(&options)
         .into_device(&ctx, &span)
         .unwrap()
@@ -305,7 +305,7 @@ fn the_service_copies_into_a_span_at_an_offset_inside_a_larger_allocation() {
     let handle = memory.ipc_handle().unwrap();
     let over = (before + after + 1) as u64;
     let target = DeviceTarget::new(0, &handle.0, over, bytes.len() as u64);
-    let client = dmaload::share::Client::connect(&socket).unwrap();
+    let client = dmaload_share::Client::connect(&socket).unwrap();
     let err = client.copy_file_to_device(&std::fs::File::open(&path).unwrap(), &path, &target).unwrap_err();
     let message = err.to_string();
     assert!(message.contains("copy to the client's device memory"), "{message}");
@@ -342,7 +342,7 @@ fn a_file_written_after_the_client_opened_it_fails_the_load() {
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().write_all_at(b"rewritten", 100).unwrap();
     let socket = service.runtime.join("dmaload.sock");
     let options = dmaload::LoadOptions::default();
-    let err = dmaload::share::CacheRequest::open(&file, &socket)
+    let err = dmaload_share::CacheRequest::open(&file, &socket)
         .options(&options)
         .into_device(&ctx, &memory.range())
         .unwrap_err();

@@ -243,8 +243,8 @@ impl Buffer {
 
     /// Maps `len` bytes at `offset` of a memfd received from another
     /// process over `socket` (its name in errors), after checking its
-    /// seals and size.
-    pub(crate) fn from_sealed_memfd(
+    /// seals and size (as [`Buffer::receive`] does).
+    pub fn from_sealed_memfd(
         memfd: OwnedFd,
         offset: u64,
         len: u64,
@@ -326,7 +326,7 @@ impl Buffer {
     /// Gives up the mapping and returns the memfd sealed for sharing (as
     /// [`Buffer::memfd`] seals it) and where the bytes are in it: what the
     /// cache service keeps of a load.
-    pub(crate) fn into_sealed_memfd(self) -> std::io::Result<(OwnedFd, Range<usize>)> {
+    pub fn into_sealed_memfd(self) -> std::io::Result<(OwnedFd, Range<usize>)> {
         let Buffer { mut mapping, memfd, data, .. } = self;
         // Unmapped first, here and not by the background thread: no
         // writable shared mapping outlives the seals, and a client mapping

@@ -147,7 +147,7 @@ fn load_device(
 
 /// `len` bytes of device memory on `context` (device `ordinal`) for a load
 /// of `path`, after [`check_device_memory`].
-pub(crate) fn allocate(context: &Context, ordinal: usize, len: u64, path: &Path) -> Result<DeviceBuffer> {
+pub fn allocate(context: &Context, ordinal: usize, len: u64, path: &Path) -> Result<DeviceBuffer> {
     let cuda = |op: &'static str| move |e: CudaError| Error::io(op, path, e.into());
     check_device_memory(context, ordinal, len, path)?;
     let bytes =

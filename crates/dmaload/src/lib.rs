@@ -12,7 +12,8 @@
 //! destination `options.to` names, a host buffer, a dma-buf, caller
 //! memory or a sink ([`load`](mod@load) has the table).
 //!
-//! All `unsafe` code lives in the private `sys` module.
+//! All `unsafe` code lives in the private `sys` module; [`sys_share`] is
+//! the part of it the model-cache service (the `dmaload-share` crate) uses.
 #![deny(unsafe_code)]
 
 pub mod buffer;
@@ -43,6 +44,7 @@ pub mod sink;
 pub mod source;
 #[allow(unsafe_code)]
 mod sys;
+pub mod sys_share;
 pub mod system;
 pub mod tmpfile;
 mod tune;

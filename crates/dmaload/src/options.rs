@@ -275,7 +275,7 @@ pub struct LoadOptions {
     /// caller memory, a device; a data section after a header read with
     /// [`crate::OpenFile::read_head`]): a range is refused where the load is
     /// asked for, before any read; a cached load
-    /// ([`crate::share::CacheRequest`]) loads directly.
+    /// (`dmaload_share::CacheRequest`) loads directly.
     pub verify: bool,
 }
 

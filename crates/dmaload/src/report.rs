@@ -112,7 +112,7 @@ impl LoadReport {
     /// no time in any part, sizes and counts 0, nothing measured. Each load
     /// writes what it did over this (`LoadReport { .., ..LoadReport::new(..) }`),
     /// so a new field gets its value for every load here.
-    pub(crate) fn new(path: &Path, offset: u64, bytes: u64, total_seconds: f64) -> LoadReport {
+    pub fn new(path: &Path, offset: u64, bytes: u64, total_seconds: f64) -> LoadReport {
         LoadReport {
             path: path.to_owned(),
             offset,

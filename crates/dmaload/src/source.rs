@@ -24,7 +24,7 @@ use crate::{sys, system};
 
 /// A file type in words ("regular file", "FIFO", ...), for messages and
 /// reports.
-pub(crate) fn type_name(meta: &Metadata) -> &'static str {
+pub fn type_name(meta: &Metadata) -> &'static str {
     let kind = meta.file_type();
     if kind.is_file() {
         "regular file"
@@ -235,6 +235,20 @@ impl OpenFile {
     /// The bytes [`OpenFile::read_head`] last read.
     pub(crate) fn head(&self) -> Option<std::sync::Arc<[u8]>> {
         self.head.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The open file: for a caller that hands it on (the cache service's
+    /// client sends its descriptor) or asks the kernel about it.
+    pub fn file(&self) -> &File {
+        &self.source.file
+    }
+
+    /// Fails when the file changed since it was opened: cut short below
+    /// `end`, [`ErrorKind::Truncated`] at its new size; any other change
+    /// (size, mtime, ctime), [`ErrorKind::Changed`]. A block device is
+    /// never found changed.
+    pub fn check_unchanged(&self, end: u64) -> Result<()> {
+        self.source.check_unchanged(&self.path, end)
     }
 
     pub(crate) fn source(&self) -> &Source {

@@ -221,33 +221,6 @@ fn sums_in_every_form_sha256sum_writes_are_read() {
     }
 }
 
-/// A cached load with `verify` reads the file itself (the service does not
-/// verify), says so, and still fails on a flipped byte.
-#[test]
-fn a_cached_load_with_verify_loads_directly_and_verifies() {
-    let dir = scratch_dir();
-    let path = dir.path().join("f");
-    write_pattern_file(&path, 2 * M as u64 + 1);
-    coreutils_sums(dir.path(), &["f"]);
-    let socket = dir.path().join("no-service");
-    let options = verified(Engine::UringFixed, IoMode::Auto);
-    let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).options(&options).to_buffer())
-        .unwrap();
-    assert_eq!(buffer.len(), 2 * M + 1);
-    match outcome {
-        dmaload::share::CacheOutcome::Direct { reason } => {
-            assert!(reason.contains("does not verify"), "{reason}")
-        }
-        dmaload::share::CacheOutcome::Service { .. } => panic!("a verified load was served"),
-    }
-    flip_byte(&path, M as u64);
-    let err = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).options(&options).to_buffer())
-        .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
-}
-
 /// A FIFO or a device named as the sums file, or as a file to sum, is
 /// refused at once, never read forever (each call runs on a thread the test
 /// gives up on after 30 s, so a regression fails instead of hanging).

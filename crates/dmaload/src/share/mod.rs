@@ -2,16 +2,16 @@
 //! their boundaries and carry file descriptors (memfds, dma-bufs, eventfds),
 //! with the peer's kernel-recorded credentials to decide whom to serve.
 //!
-//! The model-cache service and block queues are built on these; a memfd
-//! sent here reaches the other process as the same memory, not a copy.
+//! Block queues, buffer handoff ([`Buffer::send`](crate::Buffer::send))
+//! and the wire format are built on these; a memfd sent here reaches the
+//! other process as the same memory, not a copy. The model-cache service
+//! and its client, which speak [`protocol`] over these sockets, are the
+//! `dmaload-share` crate, built on the core's public API.
 
 mod block_queue;
 mod capture;
-pub mod client;
 mod handoff;
 pub mod protocol;
-mod request;
-pub mod service;
 
 pub use crate::sys::shm::{SharedBytes, SharedBytesMut};
 pub use crate::sys::socket::{
@@ -23,9 +23,4 @@ pub use block_queue::{
     MAX_BLOCKS, MAX_BLOCK_SIZE, MAX_RING_BYTES, MIN_BLOCK_SIZE,
 };
 pub use capture::{capture_to_file, process_cpu_seconds, CaptureOptions, CaptureReport};
-pub use client::{
-    connection_from_raw_fd, default_socket, handoff_report, socket_from_env, Client, Fetched, CACHE_ENV,
-};
 pub use protocol::{CachedFile, Served, Status};
-pub use request::{CacheOutcome, CacheRequest, ServedFile};
-pub use service::{Service, ServiceConfig, StopSignals};

@@ -554,7 +554,7 @@ fn wait_for_collapse(socket: &Path) -> Result<(Option<f64>, String), String> {
     let started = Instant::now();
     let mut waited = false;
     loop {
-        let status = dmaload::share::Client::connect(socket)
+        let status = dmaload_share::Client::connect(socket)
             .and_then(|client| client.status())
             .map_err(|e| format!("service status: {e}"))?;
         let pages = status.files.first().map(|f| f.pages.clone()).unwrap_or_default();

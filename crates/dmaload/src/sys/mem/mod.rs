@@ -455,8 +455,8 @@ enum Placement {
 /// this whatever the shmem THP policy says, except `deny`; each 2 MiB is
 /// copied into a new huge page, so it costs about a copy of the bytes plus
 /// the huge pages' allocation. Processes that map the memfd afterwards at
-/// an aligned address (as [`Mapping::private`] does) take a fault per 2 MiB
-/// instead of one per 16 pages. The mapping holds the memfd's pages until
+/// an aligned address (as `Mapping::private` maps a received buffer) take
+/// a fault per 2 MiB instead of one per 16 pages. The mapping holds the memfd's pages until
 /// this value is dropped, which unmaps it at once.
 pub struct HugePageCollapse {
     map: Mapping,
@@ -475,6 +475,11 @@ impl HugePageCollapse {
     /// Bytes it covers: whole 2 MiB pages.
     pub fn len(&self) -> usize {
         self.map.len
+    }
+
+    /// Whether it covers nothing (the file is under 2 MiB).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Collapses the 2 MiB pages of `range` (its start rounded down to a

@@ -31,7 +31,7 @@
 //! Robustness: each client has its own thread; a client that dies, sends
 //! garbage or asks for a file that fails to load gets (or misses) an error
 //! reply, and the service goes on. A get is acknowledged at once and kept
-//! alive while it loads (see [`super::protocol`]), so a client tells a slow load
+//! alive while it loads (see [`dmaload::share::protocol`]), so a client tells a slow load
 //! from a stopped service. A connection idle for
 //! [`ServiceConfig::idle_timeout`] is closed, and one uid holds at most
 //! [`MAX_CLIENTS_PER_UID`] connections, so connections that never send
@@ -49,15 +49,15 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::cancel::CancelToken;
-use crate::error::{Error, ErrorKind, Result};
-use crate::load::{Destination, LoadOptions, LoadRequest};
-use crate::memory::{MemoryChoice, MemoryFacts};
-use crate::object::{Grant, Object};
-use crate::share::protocol::{CachedFile, Served, Status, WireError, MAX_STATUS_ENTRIES};
-use crate::share::{Connection, Listener, PeerCredentials};
-use crate::sys;
-use crate::sys::mem::page_size;
+use dmaload::cancel::CancelToken;
+use dmaload::error::{Error, ErrorKind, Result};
+use dmaload::load::{Destination, LoadOptions, LoadRequest};
+use dmaload::memory::{MemoryChoice, MemoryFacts};
+use dmaload::object::{Grant, Object};
+use dmaload::share::protocol::{CachedFile, Served, Status, WireError, MAX_STATUS_ENTRIES};
+use dmaload::share::{Connection, Listener, PeerCredentials};
+use dmaload::sys_share;
+use dmaload::sys_share::page_size;
 
 mod connection;
 mod device;
@@ -101,11 +101,11 @@ impl AcceptFailures {
 /// calling thread and the threads it starts later: create it first thing
 /// in `main`.
 #[derive(Debug)]
-pub struct StopSignals(sys::signal::SignalFd);
+pub struct StopSignals(sys_share::SignalFd);
 
 impl StopSignals {
     pub fn new() -> io::Result<StopSignals> {
-        sys::signal::SignalFd::new(&[libc::SIGINT, libc::SIGTERM]).map(StopSignals)
+        sys_share::SignalFd::new(&[libc::SIGINT, libc::SIGTERM]).map(StopSignals)
     }
 
     /// The signal that arrived, if one did (consuming it).
@@ -123,7 +123,7 @@ impl AsFd for StopSignals {
 /// How a service is set up.
 #[derive(Clone)]
 pub struct ServiceConfig {
-    /// Where the socket is bound (see [`crate::share::default_socket`]).
+    /// Where the socket is bound (see [`crate::default_socket`]).
     pub socket: PathBuf,
     /// Bytes of memory the cached files may hold together.
     pub memory_limit: u64,
@@ -133,7 +133,7 @@ pub struct ServiceConfig {
     pub allow_gids: Vec<u32>,
     /// How files are loaded; the memory is always a memfd (what can be
     /// handed out), with 2 MiB pages where the kernel gives them
-    /// ([`crate::memory::MemoryFacts::choose_shared`]).
+    /// ([`dmaload::memory::MemoryFacts::choose_shared`]).
     pub load_options: LoadOptions,
     /// A connection that sends no request this long after connecting or
     /// after its last reply (or does not take a reply this long) is
@@ -266,7 +266,7 @@ struct State {
     /// Connections each uid holds now (only uids with some).
     clients_per_uid: Mutex<HashMap<u32, usize>>,
     /// The CUDA contexts GPU clients' copies run in, by device ordinal.
-    device_contexts: Mutex<Vec<(usize, crate::cuda::Context)>>,
+    device_contexts: Mutex<Vec<(usize, dmaload::cuda::Context)>>,
 }
 
 /// A file to send a client, and, for one not cached, its turn
@@ -335,7 +335,7 @@ impl Service {
         // Created 0600 less the umask (never wider); then made exactly the
         // mode this service needs.
         // Never through a symlink put at the path since the bind.
-        sys::file::chmod_socket(&path, if shared { 0o666 } else { 0o600 })
+        sys_share::chmod_socket(&path, if shared { 0o666 } else { 0o600 })
             .map_err(|e| Error::io("chmod", &path, e))?;
         let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::io("stat", &path, e))?;
         let facts = MemoryFacts::read();
@@ -347,8 +347,8 @@ impl Service {
             config,
             memory,
             collapse: facts.collapses_shared(),
-            own_uid: sys::process::effective_uid(),
-            max_files: sys::process::open_files_limit()
+            own_uid: sys_share::effective_uid(),
+            max_files: sys_share::open_files_limit()
                 .ok()
                 .flatten()
                 .map_or(usize::MAX, |limit| usize::try_from(limit / 2).unwrap_or(usize::MAX)),
@@ -372,14 +372,14 @@ impl Service {
     }
 
     /// Serves clients, each on its own thread, until `stop` becomes
-    /// readable (a [`crate::share::StopSignals`], or any fd), then removes
+    /// readable (a [`crate::StopSignals`], or any fd), then removes
     /// the socket. Cached memory is released when the service is dropped;
     /// clients keep what they mapped.
     pub fn run(&self, stop: BorrowedFd<'_>) -> Result<()> {
         let socket = self.socket().to_path_buf();
         let mut accept_failing: Option<AcceptFailures> = None;
         let result = loop {
-            let ready = match sys::signal::poll_readable(&[self.listener.as_fd(), stop], None) {
+            let ready = match sys_share::poll_readable(&[self.listener.as_fd(), stop], None) {
                 Ok(ready) => ready,
                 Err(err) => break Err(Error::io("poll", &socket, err)),
             };
@@ -532,11 +532,11 @@ impl State {
                 fd_path,
                 format!(
                     "the descriptor sent is a {}, not a regular file: only regular files are cached",
-                    crate::source::type_name(&meta)
+                    dmaload::source::type_name(&meta)
                 ),
             ));
         }
-        if !sys::file::readable(file.as_fd()).map_err(|e| Error::io("fcntl", fd_path, e))? {
+        if !sys_share::readable(file.as_fd()).map_err(|e| Error::io("fcntl", fd_path, e))? {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 "cache",
@@ -823,6 +823,6 @@ pub fn memory_limit_percent(percent: f64) -> std::result::Result<u64, String> {
     if !(percent > 0.0 && percent <= 100.0) {
         return Err(format!("a memory limit of {percent}% is not in (0, 100]"));
     }
-    let budget = crate::system::memory_budget().map_err(|e| format!("read /proc/meminfo: {e}"))?;
+    let budget = dmaload::system::memory_budget().map_err(|e| format!("read /proc/meminfo: {e}"))?;
     Ok((budget.available as f64 * percent / 100.0) as u64)
 }

@@ -1,14 +1,15 @@
 //! Objects through the model-cache service: a real Garage
-//! (`common/garage.rs`) and the service as this test binary run again
-//! (`common/share_cache.rs`). The service reads an object with the
+//! (the core's `tests/common/garage.rs`) and the service as this test binary run again
+//! (`share/mod.rs`). The service reads an object with the
 //! client's grant (presigned queries), keeps it under its ETag, and checks
 //! the grant with a HEAD on every request, a hit's included. Without a
 //! Garage binary each test says SKIP.
 
+// The core's test helpers, shared rather than copied.
+#[path = "../../dmaload/tests/common/mod.rs"]
 mod common;
-#[path = "common/garage.rs"]
+#[path = "../../dmaload/tests/common/garage.rs"]
 mod garage;
-#[path = "common/share_cache.rs"]
 mod share;
 
 use std::time::Duration;
@@ -16,8 +17,9 @@ use std::time::Duration;
 use common::scratch_dir;
 use dmaload::object::Object;
 use dmaload::share::protocol::{self, Reply};
-use dmaload::share::{CacheOutcome, Connection, Served};
+use dmaload::share::{Connection, Served};
 use dmaload::{CancelToken, ErrorKind, LoadOptions};
+use dmaload_share::CacheOutcome;
 use garage::{pattern, Garage};
 use share::ServiceProcess;
 
@@ -54,7 +56,7 @@ fn an_object_is_read_once_and_then_mapped_from_the_cache_under_its_etag() {
 
     let object = garage.open("model.bin").unwrap();
     let (buffer, report, outcome) =
-        dmaload::share::CacheRequest::object(&object, &socket).options(&options).to_buffer().unwrap();
+        dmaload_share::CacheRequest::object(&object, &socket).options(&options).to_buffer().unwrap();
     assert_eq!(served(outcome), Served::Miss);
     assert!(buffer[..] == v1[..], "the first load's bytes differ from the object's");
     assert!(report.destination.starts_with("cache-service"), "{}", report.destination);
@@ -64,7 +66,7 @@ fn an_object_is_read_once_and_then_mapped_from_the_cache_under_its_etag() {
     let before = read_chars(service.pid());
     let object = garage.open("model.bin").unwrap();
     let (buffer, _, outcome) =
-        dmaload::share::CacheRequest::object(&object, &socket).options(&options).to_buffer().unwrap();
+        dmaload_share::CacheRequest::object(&object, &socket).options(&options).to_buffer().unwrap();
     assert_eq!(served(outcome), Served::Hit);
     assert!(buffer[..] == v1[..], "the hit's bytes differ from the object's");
     let read = read_chars(service.pid()) - before;
@@ -75,7 +77,7 @@ fn an_object_is_read_once_and_then_mapped_from_the_cache_under_its_etag() {
     garage.put("model.bin", &v2);
     let object = garage.open("model.bin").unwrap();
     let (buffer, _, outcome) =
-        dmaload::share::CacheRequest::object(&object, &socket).options(&options).to_buffer().unwrap();
+        dmaload_share::CacheRequest::object(&object, &socket).options(&options).to_buffer().unwrap();
     assert_eq!(served(outcome), Served::Miss);
     assert!(buffer[..] == v2[..], "the new version's bytes differ from the object's");
     let status = service.status();
@@ -93,7 +95,7 @@ fn an_object_replaced_after_the_client_opened_it_is_changed_and_nothing_is_retur
     garage.put("model.bin", &pattern(1 << 20, 1));
     let object = garage.open("model.bin").unwrap();
     garage.put("model.bin", &pattern(1 << 20, 2));
-    let err = dmaload::share::CacheRequest::object(&object, &socket).to_buffer().unwrap_err();
+    let err = dmaload_share::CacheRequest::object(&object, &socket).to_buffer().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Changed, "{err}");
     assert!(err.to_string().contains("s3://models/model.bin"), "{err}");
 }
@@ -121,7 +123,7 @@ fn a_grant_the_store_refuses_gets_nothing_even_when_the_object_is_cached() {
     let service = ServiceProcess::start(&socket, 1 << 30);
     garage.put("model.bin", &pattern(1 << 20, 1));
     let object = garage.open("model.bin").unwrap();
-    let (_, _, outcome) = dmaload::share::CacheRequest::object(&object, &socket).to_buffer().unwrap();
+    let (_, _, outcome) = dmaload_share::CacheRequest::object(&object, &socket).to_buffer().unwrap();
     assert_eq!(served(outcome), Served::Miss);
 
     // The same object, the grant's signatures not the store's: no bytes.
@@ -186,7 +188,7 @@ fn a_service_that_refuses_the_request_itself_is_passed_over_for_a_direct_load() 
     );
     let reply = protocol::encode(&Reply::Error(protocol::WireError::from_error(&refused)));
     let fake = share::fake_service(&socket, vec![Some(reply)]);
-    let (buffer, _, outcome) = dmaload::share::CacheRequest::object(&object, &socket).to_buffer().unwrap();
+    let (buffer, _, outcome) = dmaload_share::CacheRequest::object(&object, &socket).to_buffer().unwrap();
     fake.join().unwrap();
     assert!(buffer[..] == body[..], "the direct load's bytes differ from the object's");
     match outcome {

@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use super::lock;
-use crate::buffer::Buffer;
-use crate::error::{Error, Result};
-use crate::report::LoadReport;
-use crate::sys::mem::{page_size, HugePageCollapse};
+use dmaload::buffer::Buffer;
+use dmaload::error::{Error, Result};
+use dmaload::sys_share::{page_size, HugePageCollapse};
+use dmaload::LoadReport;
 
 /// A loaded file, sealed: what every client of it gets a descriptor of.
 pub(super) struct Loaded {
@@ -24,7 +24,7 @@ pub(super) struct Loaded {
     /// The pages that hold it, as the status shows them.
     pub(super) pages: Mutex<String>,
     /// The memfd pinned for GPU clients, once the first asked.
-    pub(super) registered: Mutex<Option<Arc<crate::cuda::RegisteredFile>>>,
+    pub(super) registered: Mutex<Option<Arc<dmaload::cuda::RegisteredFile>>>,
 }
 
 /// A cached file's pages while [`Loaded::collapse_in_background`] works.
@@ -165,28 +165,29 @@ impl Loaded {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::share::service::lock;
-    use crate::sys::mem::{memfd_create, set_len, Mapping, MemfdPages};
+    use crate::service::lock;
+    use dmaload::{Destination, LoadOptions};
 
-    /// A cached file of `len` bytes in a memfd's 4 KiB pages.
+    /// The byte at `i` of a test file.
+    fn byte(i: usize) -> u8 {
+        (i % 251) as u8
+    }
+
+    /// A cached file of `len` bytes in a memfd's 4 KiB pages, loaded and
+    /// sealed as the service keeps one.
     fn cached(len: usize) -> Arc<Loaded> {
-        let memfd = memfd_create(c"test", MemfdPages::Shmem).unwrap();
-        set_len(memfd.as_fd(), len as u64).unwrap();
-        let mut map = Mapping::shared(memfd.as_fd(), len).unwrap();
-        for (i, byte) in map.as_mut_slice().iter_mut().enumerate() {
-            *byte = (i % 251) as u8;
-        }
-        map.unmap_now();
-        let pages = Mutex::new("4 KiB".into());
-        Arc::new(Loaded {
-            memfd,
-            offset: 0,
-            len: len as u64,
-            bytes: len as u64,
-            path: "t".into(),
-            pages,
-            registered: Mutex::new(None),
-        })
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t");
+        std::fs::write(&path, (0..len).map(byte).collect::<Vec<u8>>()).unwrap();
+        let options = LoadOptions { to: Destination::Memfd, ..LoadOptions::default() };
+        let (buffer, report) = dmaload::load(&path, &options).unwrap();
+        Arc::new(Loaded::seal(buffer, report).unwrap())
+    }
+
+    /// The cached file as a client maps it.
+    fn handed_out(file: &Loaded) -> Buffer {
+        let memfd = file.memfd.try_clone().unwrap();
+        Buffer::from_sealed_memfd(memfd, file.offset, file.len, std::path::Path::new("test")).unwrap()
     }
 
     #[test]
@@ -215,8 +216,8 @@ mod tests {
         }
         // The status counted the windows: the last one started past half.
         assert_eq!(*lock(&file.pages), format!("{COLLAPSING} (94%)"));
-        let map = Mapping::private(file.memfd.as_fd(), len).unwrap();
-        assert!(map.as_slice().iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
-        assert_eq!(crate::memory::huge_page_bytes(map.address(), len).unwrap(), len as u64);
+        let buffer = handed_out(&file);
+        assert!(buffer.iter().enumerate().all(|(i, &b)| b == byte(i)));
+        assert_eq!(buffer.huge_page_bytes().unwrap(), len as u64);
     }
 }

@@ -1,6 +1,6 @@
 //! The cache service's client: asks for a file by sending its open
 //! descriptor and receives the file's bytes as a private copy-on-write
-//! mapping of the service's sealed memfd. [`crate::share::CacheRequest`]
+//! mapping of the service's sealed memfd. [`crate::CacheRequest`]
 //! falls back to a direct load when no service answers.
 
 use std::fs::File;
@@ -9,15 +9,15 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::buffer::Buffer;
-use crate::cancel::CancelToken;
-use crate::error::{Error, ErrorKind, Result};
-use crate::load::{LoadOptions, LoadReport};
-use crate::object::Object;
-use crate::share::protocol::{self, DeviceTarget, Reply, Request, Served, Status};
-use crate::share::{Connection, CONNECT_TIMEOUT};
-use crate::types::CachePolicy;
-use crate::{source, sys};
+use dmaload::buffer::Buffer;
+use dmaload::cancel::CancelToken;
+use dmaload::error::{Error, ErrorKind, Result};
+use dmaload::load::{LoadOptions, LoadReport};
+use dmaload::object::Object;
+use dmaload::share::protocol::{self, DeviceTarget, Reply, Request, Served, Status};
+use dmaload::share::{Connection, CONNECT_TIMEOUT};
+use dmaload::CachePolicy;
+use dmaload::{source, sys_share};
 
 /// The environment variable that turns caching on for Python's loaders
 /// and `dmaload load`: `1` for the default socket, or a socket path.
@@ -33,7 +33,7 @@ const WAIT_SLICE: Duration = Duration::from_millis(20);
 pub fn default_socket() -> PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR").filter(|dir| !dir.is_empty()) {
         Some(dir) => PathBuf::from(dir).join("dmaload.sock"),
-        None => PathBuf::from(format!("/run/user/{}/dmaload.sock", sys::process::effective_uid())),
+        None => PathBuf::from(format!("/run/user/{}/dmaload.sock", sys_share::effective_uid())),
     }
 }
 
@@ -52,7 +52,7 @@ pub fn socket_from_env() -> Option<PathBuf> {
 /// connected `SOCK_SEQPACKET` Unix socket that someone else owns (a
 /// Python socket's `fileno()`); anything else is refused.
 pub fn connection_from_raw_fd(fd: std::os::fd::RawFd) -> io::Result<Connection> {
-    Connection::from_fd(sys::file::dup_raw(fd)?)
+    Connection::from_fd(sys_share::dup_raw(fd)?)
 }
 
 /// A report for a buffer that arrived by handoff rather than a load: the
@@ -68,7 +68,7 @@ pub fn handoff_report(
     LoadReport {
         engine: options.engine,
         cache: CachePolicy::Bypass,
-        memory: crate::memory::MemoryKind::Memfd,
+        memory: dmaload::memory::MemoryKind::Memfd,
         destination,
         memory_reason: "a sealed memfd handed over by another process".into(),
         chunk_size: options.chunk_size,
@@ -82,9 +82,9 @@ pub fn handoff_report(
 /// A connection to a cache service. The service closes a connection that
 /// sends no request for its idle timeout (5 s by default): the next request
 /// of a `Client` kept idle longer fails naming the closed connection, so
-/// connect again for it ([`crate::share::CacheRequest`] connects for each load).
+/// connect again for it ([`crate::CacheRequest`] connects for each load).
 ///
-/// No wait is long: connecting waits at most [`crate::share::CONNECT_TIMEOUT`]
+/// No wait is long: connecting waits at most [`dmaload::share::CONNECT_TIMEOUT`]
 /// for room in the listener's backlog; a get waits
 /// [`protocol::ACK_TIMEOUT`] for the service to accept it, then at most
 /// [`protocol::KEEPALIVE_TIMEOUT`] for each of the messages the service
@@ -133,7 +133,7 @@ impl Client {
             },
         )?;
         let peer = conn.peer_credentials().map_err(|e| Error::io("SO_PEERCRED", socket, e))?;
-        let own = sys::process::effective_uid();
+        let own = sys_share::effective_uid();
         if peer.uid != own && peer.uid != 0 && directory_owner(socket) != Some(peer.uid) {
             return Err(Error::new(
                 ErrorKind::InvalidInput,
@@ -172,7 +172,7 @@ impl Client {
     }
 
     /// The bytes of `object`, which the service reads (once for every
-    /// client, keeping them under the object's ETag) with a [`Grant`](crate::object::Grant) of
+    /// client, keeping them under the object's ETag) with a [`Grant`](dmaload::object::Grant) of
     /// this process's: the store checks the grant on each request, a hit's
     /// included, and this process's keys never leave it.
     pub fn get_object(&self, object: &Object) -> Result<Fetched> {
@@ -220,7 +220,7 @@ impl Client {
         self.device_copy(&protocol::encode_device_request(target), &[file.as_fd()], path)
     }
 
-    /// Has the service copy `object` (read with a [`Grant`](crate::object::Grant) of this
+    /// Has the service copy `object` (read with a [`Grant`](dmaload::object::Grant) of this
     /// process's, as [`Client::get_object`]) into the client's device
     /// memory that `target` names, as [`Client::copy_file_to_device`] does
     /// a file.

@@ -14,9 +14,9 @@
 
 use std::sync::Arc;
 
-use crate::cuda::{Context, CudaError, Event, IpcHandle, IpcMemory, RegisteredFile, Stream};
-use crate::error::{Error, ErrorKind, Result};
-use crate::share::protocol::{DeviceTarget, DEVICE_UNREACHABLE_OPS};
+use dmaload::cuda::{Context, CudaError, Event, IpcHandle, IpcMemory, RegisteredFile, Stream};
+use dmaload::error::{Error, ErrorKind, Result};
+use dmaload::share::protocol::{DeviceTarget, DEVICE_UNREACHABLE_OPS};
 
 use super::*;
 

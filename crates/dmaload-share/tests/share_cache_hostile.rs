@@ -2,10 +2,11 @@
 //! processes: idle and forged connections, other users, exhausted
 //! descriptors, broken or stopped services (each a fallback or a named
 //! error), killed clients and services. The service and most clients are
-//! this test binary run again in a role (`common/share_cache.rs`).
+//! this test binary run again in a role (`share/mod.rs`).
 
+// The core's test helpers, shared rather than copied.
+#[path = "../../dmaload/tests/common/mod.rs"]
 mod common;
-#[path = "common/share_cache.rs"]
 mod share;
 
 use std::fs::File;
@@ -19,9 +20,10 @@ use std::time::{Duration, Instant};
 
 use common::{assert_pattern, file_hash, scratch_dir, write_pattern_file};
 use dmaload::share::protocol::{self, Reply, Request};
-use dmaload::share::service::{DEFAULT_IDLE_TIMEOUT, MAX_CLIENTS_PER_UID};
-use dmaload::share::{CacheOutcome, Client, Connection, Listener, Served, Service, ServiceConfig};
+use dmaload::share::{Connection, Listener, Served};
 use dmaload::{ErrorKind, LoadOptions};
+use dmaload_share::service::{DEFAULT_IDLE_TIMEOUT, MAX_CLIENTS_PER_UID};
+use dmaload_share::{CacheOutcome, Client, Service, ServiceConfig};
 use share::*;
 
 /// Not a test of its own: this binary run again in a role (`share::process_role`).
@@ -235,7 +237,7 @@ fn a_service_out_of_its_own_resources_is_a_fallback_a_failed_file_is_not() {
         vec![error_reply(libc::EMFILE, "allocate memory"), error_reply(libc::EIO, "read")],
     );
     let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).to_buffer())
+        .and_then(|file| dmaload_share::CacheRequest::open(&file, &socket).to_buffer())
         .unwrap();
     assert_pattern(&buffer, 0);
     match outcome {
@@ -243,7 +245,7 @@ fn a_service_out_of_its_own_resources_is_a_fallback_a_failed_file_is_not() {
         other => panic!("EMFILE in the service must load directly: {other:?}"),
     }
     let err = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).to_buffer())
+        .and_then(|file| dmaload_share::CacheRequest::open(&file, &socket).to_buffer())
         .unwrap_err();
     assert_eq!((err.op(), err.raw_os_error()), ("read", Some(libc::EIO)), "{err}");
     service.join().unwrap();
@@ -380,7 +382,7 @@ fn a_service_whose_loads_read_nothing_is_a_fallback() {
         }
     });
     let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
-        .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).to_buffer())
+        .and_then(|file| dmaload_share::CacheRequest::open(&file, &socket).to_buffer())
         .unwrap();
     assert_pattern(&buffer, 0);
     match outcome {

@@ -9,17 +9,17 @@ use std::os::fd::AsFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::buffer::Buffer;
-use crate::cuda::{Context, DeviceRange};
-use crate::device::{allocate, load_object_device, load_open_device, LoadedDevice};
-use crate::error::{Error, ErrorKind, Result};
-use crate::load::{LoadOptions, LoadReport, LoadRequest, Loaded};
-use crate::object::Object;
-use crate::options::Destination;
-use crate::share::client::{handoff_report, Client, Fetched};
-use crate::share::protocol::{DeviceTarget, Served, DEVICE_UNREACHABLE_OPS};
-use crate::source::OpenFile;
-use crate::{source, sys, system};
+use crate::client::{handoff_report, Client, Fetched};
+use dmaload::buffer::Buffer;
+use dmaload::cuda::{Context, DeviceRange};
+use dmaload::device::{allocate, LoadedDevice};
+use dmaload::error::{Error, ErrorKind, Result};
+use dmaload::load::{LoadOptions, LoadReport, LoadRequest, Loaded};
+use dmaload::object::Object;
+use dmaload::share::protocol::{DeviceTarget, Served, DEVICE_UNREACHABLE_OPS};
+use dmaload::source::OpenFile;
+use dmaload::Destination;
+use dmaload::{source, sys_share, system};
 
 /// Where the bytes of a [`CacheRequest`] came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,7 +105,7 @@ impl<'a> CacheRequest<'a> {
     /// [`Loaded::Host`] (as [`to_buffer`](Self::to_buffer)); `cuda:N`
     /// gives [`Loaded::Device`], new memory of device N that this process
     /// allocates and the service copies into from its cached copy, pinned
-    /// once (see `share::service`): this process sends a CUDA IPC handle
+    /// once (see [`service`](crate::service)): this process sends a CUDA IPC handle
     /// and pins and copies nothing. Where the service cannot fill it (see
     /// [`into_device`](Self::into_device)) the load runs directly to the
     /// device, as `--to cuda:N` without the cache. Once the service has
@@ -158,7 +158,7 @@ impl<'a> CacheRequest<'a> {
     pub fn from_service(&self) -> Result<std::result::Result<ServedFile, String>> {
         let fetched = match self.asked {
             Asked::File(open) => {
-                let (path, file) = (open.path(), &open.source().file);
+                let (path, file) = (open.path(), open.file());
                 let meta = file.metadata().map_err(|e| Error::io("fstat", path, e))?;
                 if !meta.file_type().is_file() {
                     return Ok(Err(format!(
@@ -227,12 +227,22 @@ impl<'a> CacheRequest<'a> {
             }
             Err(reason) => {
                 let options = &*self.options;
-                let (loaded, report) = match self.asked {
-                    Asked::File(file) => load_open_device(file, 0, None, ordinal, options)?,
-                    // Its GETs into a pinned ring here.
-                    Asked::Object(object) => load_object_device(object, 0, None, ordinal, options)?,
+                // `options.to` is `cuda:N`: the direct load allocates on
+                // device N (an object's GETs into a pinned ring here).
+                let request = match self.asked {
+                    Asked::File(file) => LoadRequest::open(file),
+                    Asked::Object(object) => LoadRequest::object(object),
                 };
-                Ok((loaded, report, CacheOutcome::Direct { reason }))
+                match request.options(options).load()? {
+                    (Loaded::Device(loaded), report) => Ok((loaded, report, CacheOutcome::Direct { reason })),
+                    // Not reached: `load` gives what `options.to` names.
+                    (_, _) => Err(Error::new(
+                        ErrorKind::Io,
+                        "load",
+                        self.asked.name(),
+                        format!("a load to cuda:{ordinal} gave no device memory"),
+                    )),
+                }
             }
         }
     }
@@ -304,7 +314,7 @@ impl<'a> CacheRequest<'a> {
         }
         let len = match self.asked {
             Asked::File(file) => {
-                let meta = file.source().file.metadata().map_err(|e| Error::io("fstat", file.path(), e))?;
+                let meta = file.file().metadata().map_err(|e| Error::io("fstat", file.path(), e))?;
                 if !meta.file_type().is_file() {
                     return Ok(Err(format!(
                         "a {} is not cached, only regular files",
@@ -334,13 +344,13 @@ impl<'a> CacheRequest<'a> {
     /// The time and the process's CPU time now, where a load through the
     /// service begins.
     fn begin(&self) -> Result<(Instant, (Duration, Duration))> {
-        let cpu = sys::process::cpu_time().map_err(|e| Error::io("getrusage", self.asked.name(), e))?;
+        let cpu = sys_share::cpu_time().map_err(|e| Error::io("getrusage", self.asked.name(), e))?;
         Ok((Instant::now(), cpu))
     }
 
     /// Sets `report`'s CPU times to those spent since `cpu_before`.
     fn charge_cpu(&self, report: &mut LoadReport, cpu_before: (Duration, Duration)) -> Result<()> {
-        let cpu_after = sys::process::cpu_time().map_err(|e| Error::io("getrusage", self.asked.name(), e))?;
+        let cpu_after = sys_share::cpu_time().map_err(|e| Error::io("getrusage", self.asked.name(), e))?;
         report.cpu_user_seconds = (cpu_after.0 - cpu_before.0).as_secs_f64();
         report.cpu_system_seconds = (cpu_after.1 - cpu_before.1).as_secs_f64();
         Ok(())
@@ -349,8 +359,9 @@ impl<'a> CacheRequest<'a> {
     /// The filesystem the reports name: the file's, or `s3` for an object.
     fn filesystem(&self) -> &'static str {
         match self.asked {
-            Asked::File(file) => sys::file::filesystem_magic(file.source().file.as_fd())
-                .map_or("unknown", system::filesystem_name),
+            Asked::File(file) => {
+                sys_share::filesystem_magic(file.file().as_fd()).map_or("unknown", system::filesystem_name)
+            }
             Asked::Object(_) => "s3",
         }
     }
@@ -376,7 +387,7 @@ impl<'a> CacheRequest<'a> {
             .map_err(|_| Error::new(ErrorKind::InvalidInput, "load", name, "no such device"))?;
         let target = DeviceTarget::new(ordinal, &handle.0, offset, len);
         let copied = match self.asked {
-            Asked::File(file) => client.copy_file_to_device(&file.source().file, name, &target),
+            Asked::File(file) => client.copy_file_to_device(file.file(), name, &target),
             // The service's HEAD pins the grant's ETag: another version fails there.
             Asked::Object(object) => client.copy_object_to_device(object, &target),
         };
@@ -400,7 +411,7 @@ impl<'a> CacheRequest<'a> {
         // in Python, read its header from): a write since, which the service
         // may have loaded, fails the load as it fails a direct one.
         if let Asked::File(file) = self.asked {
-            file.source().check_unchanged(name, len)?;
+            file.check_unchanged(len)?;
         }
         Ok(Ok(served))
     }

@@ -3,10 +3,11 @@
 //! (hits, reloads, limits, huge pages, memory charged). Hostile clients,
 //! users and failures: share_cache_hostile.rs. The service and most
 //! clients are this test binary run again in a role
-//! (`common/share_cache.rs`), so memfds, credentials and deaths are real.
+//! (`share/mod.rs`), so memfds, credentials and deaths are real.
 
+// The core's test helpers, shared rather than copied.
+#[path = "../../dmaload/tests/common/mod.rs"]
 mod common;
-#[path = "common/share_cache.rs"]
 mod share;
 
 use std::fs::File;
@@ -20,8 +21,9 @@ use std::time::{Duration, Instant};
 
 use common::{assert_pattern, file_hash, scratch_dir, write_pattern_file};
 use dmaload::share::protocol::{self, Reply};
-use dmaload::share::{CacheOutcome, Client, Connection, Listener, Served};
+use dmaload::share::{Connection, Listener, Served};
 use dmaload::{Buffer, LoadOptions};
+use dmaload_share::{CacheOutcome, Client};
 use share::*;
 
 /// Not a test of its own: this binary run again in a role (`share::process_role`).
@@ -345,13 +347,13 @@ fn a_cached_load_reads_the_file_it_opened_whatever_the_path_becomes() {
     std::fs::rename(&other, &path).unwrap();
     // No service: the direct load reads the opened file, not the path.
     let absent = dir.path().join("absent.sock");
-    let (buffer, _, outcome) = dmaload::share::CacheRequest::open(&opened, &absent).to_buffer().unwrap();
+    let (buffer, _, outcome) = dmaload_share::CacheRequest::open(&opened, &absent).to_buffer().unwrap();
     assert!(matches!(outcome, CacheOutcome::Direct { .. }), "{outcome:?}");
     assert_eq!(xxh3(&buffer), hash);
     // A service gets a descriptor of the opened file too.
     let socket = dir.path().join("cache.sock");
     let service = ServiceProcess::start(&socket, 1 << 30);
-    let (buffer, _, outcome) = dmaload::share::CacheRequest::open(&opened, &socket).to_buffer().unwrap();
+    let (buffer, _, outcome) = dmaload_share::CacheRequest::open(&opened, &socket).to_buffer().unwrap();
     assert!(matches!(outcome, CacheOutcome::Service { served: Served::Miss, .. }), "{outcome:?}");
     assert_eq!(xxh3(&buffer), hash);
     service.stop();
@@ -368,7 +370,7 @@ fn a_cache_request_loads_where_its_options_say_and_refuses_a_dmabuf() {
     let socket = dir.path().join("cache.sock");
     let service = ServiceProcess::start(&socket, 1 << 30);
     let opened = dmaload::OpenFile::open(&path).unwrap();
-    let (loaded, report, outcome) = dmaload::share::CacheRequest::open(&opened, &socket).load().unwrap();
+    let (loaded, report, outcome) = dmaload_share::CacheRequest::open(&opened, &socket).load().unwrap();
     assert!(matches!(outcome, CacheOutcome::Service { served: Served::Miss, .. }), "{outcome:?}");
     assert!(report.destination.starts_with("cache-service"), "{}", report.destination);
     match loaded {
@@ -376,7 +378,7 @@ fn a_cache_request_loads_where_its_options_say_and_refuses_a_dmabuf() {
         _ => panic!("a host load gave something else"),
     }
     let options = LoadOptions { to: "udmabuf".parse().unwrap(), ..LoadOptions::default() };
-    let err = dmaload::share::CacheRequest::open(&opened, &socket).options(&options).load().unwrap_err();
+    let err = dmaload_share::CacheRequest::open(&opened, &socket).options(&options).load().unwrap_err();
     assert_eq!(err.kind(), dmaload::ErrorKind::InvalidInput, "{err}");
     assert!(err.to_string().contains("not udmabuf"), "{err}");
     // Nothing was asked of the service for it: still one file, one load.
@@ -542,4 +544,34 @@ fn cached_memory_is_charged_to_the_service_and_a_client_can_keep_it_past_the_lim
     }
     drop(client);
     service.stop();
+}
+
+/// A cached load with `verify` reads the file itself (the service does not
+/// verify), says so, and still fails on a flipped byte.
+#[test]
+fn a_cached_load_with_verify_loads_directly_and_verifies() {
+    const M: usize = 1 << 20;
+    let dir = scratch_dir();
+    let path = dir.path().join("f");
+    write_pattern_file(&path, 2 * M as u64 + 1);
+    let sums = Command::new("sha256sum").arg("f").current_dir(dir.path()).output().unwrap();
+    assert!(sums.status.success());
+    std::fs::write(dir.path().join("SHA256SUMS"), sums.stdout).unwrap();
+    let socket = dir.path().join("no-service");
+    let options = LoadOptions { verify: true, ..LoadOptions::default() };
+    let (buffer, _, outcome) = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload_share::CacheRequest::open(&file, &socket).options(&options).to_buffer())
+        .unwrap();
+    assert_eq!(buffer.len(), 2 * M + 1);
+    match outcome {
+        CacheOutcome::Direct { reason } => assert!(reason.contains("does not verify"), "{reason}"),
+        CacheOutcome::Service { .. } => panic!("a verified load was served"),
+    }
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[M] ^= 0x20;
+    std::fs::write(&path, bytes).unwrap();
+    let err = dmaload::OpenFile::open(&path)
+        .and_then(|file| dmaload_share::CacheRequest::open(&file, &socket).options(&options).to_buffer())
+        .unwrap_err();
+    assert_eq!(err.kind(), dmaload::ErrorKind::Corrupt, "{err}");
 }

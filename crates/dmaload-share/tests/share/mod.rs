@@ -12,9 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dmaload::share::protocol::{self, Request};
-use dmaload::share::service::{DEFAULT_IDLE_TIMEOUT, MAX_CLIENTS_PER_UID};
-use dmaload::share::{CacheOutcome, Client, Connection, Listener, Service, ServiceConfig};
+use dmaload::share::{Connection, Listener};
 use dmaload::{Buffer, LoadOptions};
+use dmaload_share::service::{DEFAULT_IDLE_TIMEOUT, MAX_CLIENTS_PER_UID};
+use dmaload_share::{CacheOutcome, Client, Service, ServiceConfig};
 
 pub const ROLE: &str = "DMALOAD_SHARE_CACHE_ROLE";
 pub const SOCKET: &str = "DMALOAD_SHARE_CACHE_SOCKET";
@@ -102,7 +103,7 @@ pub fn process_role() {
         }
         "load-cached" => {
             let (buffer, _, outcome) = dmaload::OpenFile::open(file.unwrap())
-                .and_then(|file| dmaload::share::CacheRequest::open(&file, &socket).to_buffer())
+                .and_then(|file| dmaload_share::CacheRequest::open(&file, &socket).to_buffer())
                 .unwrap();
             match outcome {
                 CacheOutcome::Service { served, .. } => {

@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::error::{Error, ErrorKind};
-use crate::share::protocol::{self, BufferInfo, Reply, Request, Served, WireError, MAX_REQUEST_BYTES};
-use crate::share::Connection;
-use crate::sys::mem::HUGE_PAGE_ALIGN;
+use dmaload::error::{Error, ErrorKind};
+use dmaload::share::protocol::{self, BufferInfo, Reply, Request, Served, WireError, MAX_REQUEST_BYTES};
+use dmaload::share::Connection;
+use dmaload::sys_share::HUGE_PAGE_ALIGN;
 
 use super::*;
 
