@@ -12,6 +12,7 @@
 //! whose end belongs to another block, or that is out of place still fails
 //! `--verify`.
 
+use dmaload_cli::outln;
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::AsFd;
@@ -377,9 +378,9 @@ fn consume(cmd: &CaptureCommand) -> Result<(), String> {
         filesystem: report.filesystem,
     };
     if cmd.json {
-        println!("{}", serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?);
+        outln!("{}", serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?);
     } else {
-        println!(
+        outln!(
             "captured {} blocks, {} bytes to {} in {:.3} s ({:.1} MiB/s); dropped {}; CPU: producer {}, consumer {:.3} s",
             out.blocks,
             out.bytes,
@@ -391,7 +392,7 @@ fn consume(cmd: &CaptureCommand) -> Result<(), String> {
             out.consumer_cpu_seconds
         );
         for (first, last) in &out.dropped_ranges {
-            println!("dropped blocks {first}..={last}");
+            outln!("dropped blocks {first}..={last}");
         }
     }
     if let Some(why) = &out.stream_error {
@@ -646,9 +647,9 @@ fn verify(path: &Path, json: bool) -> Result<(), String> {
     }
     verdict.ok = verdict.blocks > 0 && verdict.missing == 0 && verdict.bad_blocks.is_empty();
     if json {
-        println!("{}", serde_json::to_string_pretty(&verdict).map_err(|e| e.to_string())?);
+        outln!("{}", serde_json::to_string_pretty(&verdict).map_err(|e| e.to_string())?);
     } else {
-        println!(
+        outln!(
             "{}: {} blocks, {} bytes, {} missing, {} bad",
             verdict.file,
             verdict.blocks,
@@ -657,10 +658,10 @@ fn verify(path: &Path, json: bool) -> Result<(), String> {
             verdict.bad_blocks.len()
         );
         for (first, last) in &verdict.missing_ranges {
-            println!("missing blocks {first}..={last}");
+            outln!("missing blocks {first}..={last}");
         }
         for bad in &verdict.bad_blocks {
-            println!("{bad}");
+            outln!("{bad}");
         }
     }
     if verdict.ok {

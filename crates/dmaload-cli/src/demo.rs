@@ -2,6 +2,7 @@
 //! model with the default engine and with a plain buffered read, cold each
 //! time, and compares them.
 
+use dmaload_cli::{out, outln};
 use std::path::PathBuf;
 
 use clap::Args;
@@ -48,13 +49,13 @@ pub fn run(args: &DemoArgs) -> Result<(), String> {
         bar.finish_and_clear();
         let (buffer, report) = loaded.map_err(|e| e.to_string())?;
         let hash = hash_timed(&buffer);
-        println!("== {label}");
-        print!("{}", load_text(&report, Some(&hash)));
-        println!();
+        outln!("== {label}");
+        out!("{}", load_text(&report, Some(&hash)));
+        outln!();
         results.push((report, hash.xxh3_64));
     }
     let (fast, slow) = (&results[0], &results[1]);
-    println!(
+    outln!(
         "default vs baseline: {:.2}x faster ({:.3} s vs {:.3} s); content identical: {}",
         slow.0.total_seconds / fast.0.total_seconds,
         fast.0.total_seconds,

@@ -7,6 +7,7 @@ mod save_cmd;
 mod serve;
 mod sums;
 
+use dmaload_cli::{out, outln};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -319,9 +320,9 @@ fn run_load(cmd: &LoadCommand) -> Result<(), dmaload::Error> {
         eprintln!("dmaload: fallback {fallback}");
     }
     if cmd.json {
-        println!("{}", output::load_json(&report, hash.as_ref()));
+        outln!("{}", output::load_json(&report, hash.as_ref()));
     } else {
-        print!("{}", output::load_text(&report, hash.as_ref()));
+        out!("{}", output::load_text(&report, hash.as_ref()));
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! `dmaload load MODEL`: a safetensors model (a directory, or its index)
 //! loaded shard by shard through the core's `format::model`.
 
+use dmaload_cli::{out, outln};
 use std::path::Path;
 use std::time::Instant;
 
@@ -86,9 +87,9 @@ pub fn run(cmd: &LoadCommand) -> Result<(), String> {
                 .map(|(s, hash)| ShardJson { tensors: s.header.tensors.len(), report: &s.report, hash })
                 .collect(),
         };
-        println!("{}", serde_json::to_string(&out).map_err(|e| e.to_string())?);
+        outln!("{}", serde_json::to_string(&out).map_err(|e| e.to_string())?);
     } else {
-        print!("{}", text(&cmd.file, &shards, &hashes, seconds, gib_per_second, cmd.options.verify));
+        out!("{}", text(&cmd.file, &shards, &hashes, seconds, gib_per_second, cmd.options.verify));
     }
     Ok(())
 }

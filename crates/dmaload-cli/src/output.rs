@@ -1,6 +1,7 @@
 //! How reports look: text for people, JSON for machines.
 
 use std::fmt::Write as _;
+use std::io::{self, Write as _};
 use std::path::Path;
 use std::time::Instant;
 
@@ -15,6 +16,23 @@ use crate::units::human_bytes;
 pub struct Hash {
     pub xxh3_64: String,
     pub seconds: f64,
+}
+
+/// Writes a command's output to stdout (the `out!` and `outln!` macros).
+/// A reader that left (`dmaload load F --json | head -c1`: EPIPE, since
+/// Rust ignores SIGPIPE, where `println!` would panic) ends the process
+/// at once with status 141, quietly, as a tool that SIGPIPE kills does;
+/// every command prints only once its work is done, so nothing is left
+/// half made. Any other failure to write is an error, and status 1.
+pub fn write_stdout(args: std::fmt::Arguments<'_>) {
+    let mut stdout = io::stdout().lock();
+    if let Err(err) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        if err.kind() == io::ErrorKind::BrokenPipe {
+            std::process::exit(141);
+        }
+        eprintln!("dmaload: error: write the output to stdout: {err}");
+        std::process::exit(1);
+    }
 }
 
 pub fn hash_timed(bytes: &[u8]) -> Hash {
@@ -202,10 +220,10 @@ pub fn info(path: Option<&Path>, json: bool, probe_memory: bool) -> Result<(), S
         None => format!("info: {e}"),
     })?;
     if json {
-        println!("{}", serde_json::to_string(&info).expect("info serializes"));
+        outln!("{}", serde_json::to_string(&info).expect("info serializes"));
         return Ok(());
     }
-    println!("kernel            {}", info.kernel);
+    outln!("kernel            {}", info.kernel);
     match &info.io_uring {
         Ok(probe) => {
             let ops: Vec<String> = probe
@@ -213,13 +231,13 @@ pub fn info(path: Option<&Path>, json: bool, probe_memory: bool) -> Result<(), S
                 .iter()
                 .map(|(name, ok)| format!("{name} {}", if *ok { "yes" } else { "no" }))
                 .collect();
-            println!("io_uring          available: {}", ops.join(", "));
+            outln!("io_uring          available: {}", ops.join(", "));
             match &probe.sparse_buffers {
-                Ok(()) => println!("registered bufs   sparse table + update supported (Linux 5.19+)"),
-                Err(e) => println!("registered bufs   no sparse table: {e} (loads register nothing)"),
+                Ok(()) => outln!("registered bufs   sparse table + update supported (Linux 5.19+)"),
+                Err(e) => outln!("registered bufs   no sparse table: {e} (loads register nothing)"),
             }
         }
-        Err(e) => println!("io_uring          unavailable: {e} (loads use the pread pool)"),
+        Err(e) => outln!("io_uring          unavailable: {e} (loads use the pread pool)"),
     }
     let memlock = match info.memlock_limit {
         Some(bytes) => human_bytes(bytes),
@@ -230,23 +248,23 @@ pub fn info(path: Option<&Path>, json: bool, probe_memory: bool) -> Result<(), S
     } else {
         "counts pinned buffers: gathers larger than this fall back to unregistered I/O"
     };
-    println!("RLIMIT_MEMLOCK    {memlock}, {exempt}");
+    outln!("RLIMIT_MEMLOCK    {memlock}, {exempt}");
     let thp = |v: &Option<String>| v.clone().unwrap_or_else(|| "unknown".into());
-    println!("THP anonymous     {}", thp(&info.thp_anonymous));
-    println!(
+    outln!("THP anonymous     {}", thp(&info.thp_anonymous));
+    outln!(
         "THP shmem         {} (memfds get 2 MiB pages, memfd-huge, only with always/within_size/advise/force)",
         thp(&info.thp_shmem)
     );
     let page = |bytes: u64| human_bytes(bytes);
-    println!(
+    outln!(
         "hugetlb pool      {} free pages of {} (/proc/sys/vm/nr_hugepages)",
         info.hugetlb_free_pages,
         page(info.hugetlb_page_size)
     );
-    println!("auto memory       {}: {}", info.auto_shareable.kind, info.auto_shareable.reason);
-    println!("auto, no fd       {}: {}", info.auto_private.kind, info.auto_private.reason);
+    outln!("auto memory       {}: {}", info.auto_shareable.kind, info.auto_shareable.reason);
+    outln!("auto, no fd       {}: {}", info.auto_private.kind, info.auto_private.reason);
     if let Some(hint) = info.huge_pages_hint {
-        println!("huge pages hint   as root, `{hint}` gives memfd buffers 2 MiB pages");
+        outln!("huge pages hint   as root, `{hint}` gives memfd buffers 2 MiB pages");
     }
     match (&info.memory_probe, &info.memory_probe_path) {
         (Some(probe), Some(path)) => {
@@ -263,56 +281,56 @@ pub fn info(path: Option<&Path>, json: bool, probe_memory: bool) -> Result<(), S
                     (None, None) => format!("{} unmeasured", k.kind),
                 })
                 .collect();
-            println!("memory probe      {path}: {}", figures.join("; "));
+            outln!("memory probe      {path}: {}", figures.join("; "));
         }
         (None, Some(path)) => {
-            println!("memory probe      none recorded ({path}): `dmaload info --probe-memory` records one")
+            outln!("memory probe      none recorded ({path}): `dmaload info --probe-memory` records one")
         }
-        (_, None) => println!("memory probe      no cache directory ($XDG_CACHE_HOME and $HOME unset)"),
+        (_, None) => outln!("memory probe      no cache directory ($XDG_CACHE_HOME and $HOME unset)"),
     }
     if let Some(bytes) = info.memory_available {
-        println!("MemAvailable      {}", human_bytes(bytes));
+        outln!("MemAvailable      {}", human_bytes(bytes));
     }
     match info.free_page_reporting {
-        Some(block) => println!("page reporting    {}", free_page_reporting_note(block)),
-        None => println!("page reporting    off (no virtio balloon reporting free memory to a host)"),
+        Some(block) => outln!("page reporting    {}", free_page_reporting_note(block)),
+        None => outln!("page reporting    off (no virtio balloon reporting free memory to a host)"),
     }
     if info.dma_heaps.is_empty() {
-        println!("dma-heap          none (/dev/dma_heap missing: kernel without CONFIG_DMABUF_HEAPS)");
+        outln!("dma-heap          none (/dev/dma_heap missing: kernel without CONFIG_DMABUF_HEAPS)");
     } else {
-        println!("dma-heap          {}", info.dma_heaps.join(", "));
+        outln!("dma-heap          {}", info.dma_heaps.join(", "));
     }
     match (info.udmabuf, info.udmabuf_size_limit_mb) {
-        (true, Some(mb)) => println!("udmabuf           /dev/udmabuf, size_limit_mb {mb}"),
-        (true, None) => println!("udmabuf           /dev/udmabuf"),
+        (true, Some(mb)) => outln!("udmabuf           /dev/udmabuf, size_limit_mb {mb}"),
+        (true, None) => outln!("udmabuf           /dev/udmabuf"),
         (false, _) => {
-            println!("udmabuf           none (/dev/udmabuf missing: kernel without CONFIG_UDMABUF)")
+            outln!("udmabuf           none (/dev/udmabuf missing: kernel without CONFIG_UDMABUF)")
         }
     }
     match &info.cuda {
-        Ok(devices) => println!("CUDA              {devices} (--to cuda:N)"),
-        Err(why) => println!("CUDA              unavailable: {why}"),
+        Ok(devices) => outln!("CUDA              {devices} (--to cuda:N)"),
+        Err(why) => outln!("CUDA              unavailable: {why}"),
     }
     if let Some(p) = &info.path {
-        println!("path              {}", p.path);
-        println!("filesystem        {} ({})", p.filesystem, p.filesystem_magic);
+        outln!("path              {}", p.path);
+        outln!("filesystem        {} ({})", p.filesystem, p.filesystem_magic);
         match &p.direct_io {
             DirectIoInfo::Supported { memory_align, offset_align } => {
-                println!("O_DIRECT          supported: memory align {memory_align}, offset align {offset_align} (statx)")
+                outln!("O_DIRECT          supported: memory align {memory_align}, offset align {offset_align} (statx)")
             }
-            DirectIoInfo::Unsupported => println!("O_DIRECT          not supported on this file (statx)"),
-            DirectIoInfo::Unknown { reason } => println!("O_DIRECT          unknown: {reason}"),
+            DirectIoInfo::Unsupported => outln!("O_DIRECT          not supported on this file (statx)"),
+            DirectIoInfo::Unknown { reason } => outln!("O_DIRECT          unknown: {reason}"),
         }
         match p.rwf_dontcache {
-            Some(true) => println!("RWF_DONTCACHE     supported"),
+            Some(true) => outln!("RWF_DONTCACHE     supported"),
             Some(false) => {
-                println!("RWF_DONTCACHE     not supported (buffered fallback uses POSIX_FADV_DONTNEED)")
+                outln!("RWF_DONTCACHE     not supported (buffered fallback uses POSIX_FADV_DONTNEED)")
             }
             None => {}
         }
         if let Some(q) = &p.device_queue {
             let read = 4 << 20;
-            println!(
+            outln!(
                 "device queue      {}: {} entries and {} a request: a 4 MiB direct read is {} request(s) into 4 KiB pages, {} into 2 MiB pages",
                 q.device,
                 q.max_segments,

@@ -3,6 +3,7 @@
 //! reporting both halves; `save` writes a generated buffer (a quick way to
 //! see what a device takes).
 
+use dmaload_cli::{out, outln};
 use std::path::{Path, PathBuf};
 
 use clap::Args;
@@ -160,9 +161,9 @@ pub fn save(cmd: &SaveCommand) -> Result<(), String> {
         eprintln!("dmaload: fallback {fallback}");
     }
     if cmd.json {
-        println!("{}", serde_json::to_string(&report).map_err(|err| format!("report as JSON: {err}"))?);
+        outln!("{}", serde_json::to_string(&report).map_err(|err| format!("report as JSON: {err}"))?);
     } else {
-        print!("{}", save_text(&report));
+        out!("{}", save_text(&report));
     }
     Ok(())
 }
@@ -207,17 +208,17 @@ pub fn copy(cmd: &CopyCommand) -> Result<(), String> {
             save: &'a SaveReport,
             total_seconds: f64,
         }
-        println!(
+        outln!(
             "{}",
             serde_json::to_string(&Out { load: &load, save: &save, total_seconds: total })
                 .map_err(|err| format!("report as JSON: {err}"))?
         );
     } else {
-        println!("== load ({})", cache_description(&load));
-        print!("{}", load_text(&load, None));
-        println!("== save");
-        print!("{}", save_text(&save));
-        println!(
+        outln!("== load ({})", cache_description(&load));
+        out!("{}", load_text(&load, None));
+        outln!("== save");
+        out!("{}", save_text(&save));
+        outln!(
             "== copy      {} in {:.3} s = load {:.3} s + save {:.3} s ({:.2} GiB/s end to end)",
             human_bytes(load.bytes),
             total,

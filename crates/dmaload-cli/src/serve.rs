@@ -2,6 +2,7 @@
 //! line per request on stderr, stopped by SIGINT or SIGTERM; and
 //! `dmaload serve --status`, which asks a running service what it holds.
 
+use dmaload_cli::{out, outln};
 use std::fmt::Write as _;
 use std::os::fd::AsFd;
 use std::path::PathBuf;
@@ -60,9 +61,9 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
         let status =
             Client::connect(&socket).and_then(|client| client.status()).map_err(|e| e.to_string())?;
         if args.json {
-            println!("{}", serde_json::to_string(&status).map_err(|e| e.to_string())?);
+            outln!("{}", serde_json::to_string(&status).map_err(|e| e.to_string())?);
         } else {
-            print!("{}", status_text(&status));
+            out!("{}", status_text(&status));
         }
         return Ok(());
     }

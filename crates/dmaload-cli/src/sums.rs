@@ -10,6 +10,7 @@
 //! a socket, a character device) is left out, as are hidden names and the
 //! sums files themselves, and each one left out is named on stderr.
 
+use dmaload_cli::outln;
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
@@ -68,7 +69,7 @@ pub fn run(paths: &[PathBuf], kind: DigestKind) -> Result<(), String> {
         }
         let sums = dir.join(kind.sums_file());
         write_file(&sums, &text, 0o644).map_err(|e| e.to_string())?;
-        println!("{}: {} files", sums.display(), names.len());
+        outln!("{}: {} files", sums.display(), names.len());
     }
     Ok(())
 }

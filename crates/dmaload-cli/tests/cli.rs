@@ -53,6 +53,28 @@ fn load_json_reports_the_engine_and_a_correct_hash() {
 }
 
 #[test]
+fn output_to_a_reader_that_left_ends_quietly_not_in_a_panic() {
+    // The pipe's read end is closed before the command writes a byte of
+    // its report: the write fails with EPIPE (Rust ignores SIGPIPE).
+    let dir = scratch();
+    let path = sample_file(dir.path(), "model.bin", 1 << 20);
+    for args in [vec!["load", "--json"], vec!["load"], vec!["info"]] {
+        let mut child = dmaload()
+            .args(&args)
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(stderr.is_empty(), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
 fn load_text_report_names_engine_time_split_and_cache() {
     let dir = scratch();
     let path = sample_file(dir.path(), "f", 1 << 20);
