@@ -226,6 +226,11 @@ static CUdeviceptr next_dptr[MAX_DEVICES];
 static uint64_t link_free_at[MAX_DEVICES]; /* ns: when the link is next idle */
 static uint64_t bytes_copied;
 static CUresult lost; /* the device fell off the bus: every call returns it */
+/* Copies moving bytes now, outside the lock: a call that reports the lost
+ * device waits for them, as a driver reports it once the device's copy
+ * engines are stopped (else a caller told of the loss would unmap a slot
+ * a copy is still reading). */
+static unsigned transfers_running;
 static unsigned long calls[64], copies; /* per-symbol call counts (see count_call) */
 
 static __thread struct context *ctx_stack[64];
@@ -370,8 +375,11 @@ static CUresult injected(const char *symbol, int index)
     pthread_mutex_lock(&lock);                                                                                         \
     do {                                                                                                               \
         CUresult early_ = injected(#name, __COUNTER__);                                                                \
-        if (!early_ && lost)                                                                                           \
+        if (!early_ && lost) {                                                                                         \
+            while (transfers_running)                                                                                  \
+                pthread_cond_wait(&changed, &lock);                                                                    \
             early_ = lost;                                                                                             \
+        }                                                                                                              \
         if (!early_ && !initialised)                                                                                   \
             early_ = init_result;                                                                                      \
         if (early_) {                                                                                                  \
@@ -430,6 +438,9 @@ static void transfer(struct context *ctx, struct op *op)
     if (latency)
         sleep_until(now_ns() + latency);
     for (size_t off = 0; off < op->len; off += PIECE) {
+        /* A lost device's copy engines stop mid-copy. */
+        if (__atomic_load_n(&lost, __ATOMIC_RELAXED))
+            return;
         size_t piece = op->len - off < PIECE ? op->len - off : PIECE;
         uint64_t end = 0;
         if (cfg.link_bytes_per_ns > 0) {
@@ -467,9 +478,11 @@ static void *stream_worker(void *arg)
             skip = 1;
         }
         if (!skip) {
+            transfers_running++;
             pthread_mutex_unlock(&lock);
             transfer(s->ctx, op);
             pthread_mutex_lock(&lock);
+            transfers_running--;
             if (cfg.strict && hash_bytes(op->src, op->len) != op->hash)
                 die("strict: the %zu-byte copy source at %p..%p (a pinned slot) was rewritten while its copy "
                     "to %#llx was pending: its event had not completed",
@@ -477,7 +490,7 @@ static void *stream_worker(void *arg)
                     op->alloc->dptr + (CUdeviceptr)(op->dst - op->alloc->host));
             bytes_copied += op->len;
             if (cfg.lost_after && bytes_copied >= cfg.lost_after && !lost)
-                lost = cfg.lost_code;
+                __atomic_store_n(&lost, cfg.lost_code, __ATOMIC_RELAXED);
         }
         if (op->reg)
             op->reg->pending--;
