@@ -21,6 +21,7 @@ pub(super) const MAX_REQUEST: usize = 1 << 30;
 pub(super) const MIN_CONNECTIONS: usize = 2;
 pub(super) const MAX_CONNECTIONS: usize = 32;
 
+/// Where a climb is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Step {
     /// The first window: requests ramping up, not measured.

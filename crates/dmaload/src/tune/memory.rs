@@ -2,11 +2,12 @@
 //! device, what its reads were tuned to, and one per object store
 //! endpoint, what its GETs were tuned to.
 
-use crate::sys;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
+
+use crate::sys;
 
 use super::climb::{MAX_CONNECTIONS, MAX_DEPTH, MAX_REQUEST, MIN_CONNECTIONS, MIN_DEPTH, MIN_REQUEST};
 
