@@ -1,5 +1,5 @@
 //! An `auto` load chooses between direct and buffered reads by measuring
-//! both, window by window, on the one open file (`crates/dmaload/src/tune.rs`):
+//! both, window by window, on the one open file (`crates/dmaload/src/tune/mod.rs`):
 //! the bytes are exact while `O_DIRECT` flips between windows, and the
 //! mode kept is remembered for the device beside the depth. The only test
 //! of this binary: it points `DMALOAD_CACHE_DIR` at a scratch directory.
