@@ -713,6 +713,23 @@ mod tests {
     }
 
     #[test]
+    fn advice_for_a_range_changes_only_the_pages_under_it() {
+        let len = 4 * HUGE_PAGE_ALIGN;
+        let mut map = Mapping::anonymous(len, HugePageAdvice::Huge).unwrap();
+        if map.advice.is_none() {
+            println!("SKIP advice_for_a_range_changes_only_the_pages_under_it: a kernel without THP took no advice");
+            return;
+        }
+        let address = map.address();
+        // From inside the second huge page on: the range widens to whole pages.
+        map.writer().advise(HUGE_PAGE_ALIGN + 1..len, HugePageAdvice::Small).unwrap();
+        let has = |at: usize, flag: &str| vm_flags(address + at).iter().any(|f| f == flag);
+        assert!(has(0, "hg") && !has(0, "nh"), "the first page keeps its advice");
+        assert!(has(HUGE_PAGE_ALIGN, "nh") && has(len - 1, "nh"));
+        assert!(!has(HUGE_PAGE_ALIGN, "hg"));
+    }
+
+    #[test]
     fn make_private_keeps_the_huge_page_advice_and_adds_none() {
         let len = 2 * HUGE_PAGE_ALIGN;
         let mut advised = Vec::new();

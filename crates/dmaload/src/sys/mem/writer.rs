@@ -155,6 +155,32 @@ impl<'m> MappingWriter<'m> {
         Ok(())
     }
 
+    /// Bytes of memory it writes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Asks for `advice`'s pages under `range` from now on (`madvise`,
+    /// which touches no byte): pages faulted in already keep their size.
+    /// The range is widened to whole pages.
+    pub fn advise(&self, range: Range<usize>, advice: HugePageAdvice) -> io::Result<()> {
+        let page = page_size();
+        let (ptr, len) = self.raw_range(&range);
+        if len == 0 {
+            return Ok(());
+        }
+        let start = ptr as usize / page * page;
+        let end = (ptr as usize + len).next_multiple_of(page);
+        // SAFETY: `start..end` covers only pages holding bytes of `range`,
+        // inside the live mapping (checked by raw_range); the advice
+        // changes how later faults fill them, never their bytes.
+        check(unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice.flag()) }).map(drop)
+    }
+
     /// Whether every page under `range` is resident (`mincore`), its first
     /// page asked alone first, so that fresh memory costs one page's look.
     /// For a shared mapping (a memfd) mincore answers for the file's pages,
