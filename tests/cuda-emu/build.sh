@@ -10,6 +10,6 @@ mkdir -p "$out"
 tmp="$(mktemp "$out/.libcuda.XXXXXX")"
 trap 'rm -f "$tmp"' EXIT
 ${CC:-gcc} -std=gnu11 -O2 -g -Wall -Wextra -Werror -fPIC -fvisibility=hidden -pthread \
-    -shared -Wl,-soname,libcuda.so.1 -o "$tmp" "$here/emu.c"
+    -shared -Wl,-soname,libcuda.so.1 -o "$tmp" "$here"/{emu,memory,copy,ipc}.c
 mv -f "$tmp" "$out/libcuda.so.1"
 trap - EXIT
