@@ -82,6 +82,7 @@ fn child_cases() {
         "ipc_export" => export_device_memory(),
         "ipc_import" => import_device_memory(),
         "pageable" => load_through_an_unpinned_ring(),
+        "calls" => call_one_function_of_each_file(),
         other => panic!("no child case {other}"),
     }
 }
@@ -135,19 +136,25 @@ fn write_pinned() {
     println!("FAULTS WRITING THE PINNED MEMORY: {}", thread_faults() - before);
 }
 
-/// The thread's current context, asked of the emulator directly (the same
-/// library dmaload opened: dlopen of the same path shares it).
-fn current_context() -> *mut libc::c_void {
+/// The emulator's function `name`, from the library dmaload opens (a
+/// dlopen of the same path shares it where dmaload loaded it already).
+fn emulator_symbol(name: &std::ffi::CStr) -> *mut libc::c_void {
     let path = std::ffi::CString::new(std::env::var("DMALOAD_LIBCUDA").unwrap()).unwrap();
-    // SAFETY: a NUL-terminated path of a library already loaded by dmaload;
-    // the handle is never closed.
+    // SAFETY: a NUL-terminated path of the emulator; the handle is never
+    // closed.
     let lib = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     assert!(!lib.is_null());
     // SAFETY: `lib` is a live handle; the name is NUL-terminated.
-    let symbol = unsafe { libc::dlsym(lib, c"cuCtxGetCurrent".as_ptr()) };
-    assert!(!symbol.is_null());
+    let symbol = unsafe { libc::dlsym(lib, name.as_ptr()) };
+    assert!(!symbol.is_null(), "no {name:?}");
+    symbol
+}
+
+/// The thread's current context, asked of the emulator directly.
+fn current_context() -> *mut libc::c_void {
     // SAFETY: cuCtxGetCurrent's cuda.h prototype is CUresult (CUcontext *).
-    let get: extern "C" fn(*mut *mut libc::c_void) -> libc::c_int = unsafe { std::mem::transmute(symbol) };
+    let get: extern "C" fn(*mut *mut libc::c_void) -> libc::c_int =
+        unsafe { std::mem::transmute(emulator_symbol(c"cuCtxGetCurrent")) };
     let mut current = std::ptr::null_mut();
     assert_eq!(get(&mut current), 0);
     current
@@ -866,4 +873,69 @@ fn strict_mode_aborts_on_a_copy_from_unpinned_memory() {
     assert_eq!(strict.status.signal(), Some(libc::SIGABRT), "{output}");
     assert!(output.contains("strict: cuMemcpyHtoDAsync of 1048576 bytes to 0x"), "{output}");
     assert!(output.contains("from pageable host memory"), "{output}");
+}
+
+/// Calls one entry point of each of the emulator's files (emu.c,
+/// memory.c, copy.c, ipc.c) in turn, four rounds, straight through dlsym
+/// (no dmaload call between to add to the counts); prints each round's
+/// results.
+fn call_one_function_of_each_file() {
+    use libc::{c_int, c_uint};
+    use std::mem::transmute;
+    type Handle = *mut libc::c_void;
+    // SAFETY: cuInit's cuda.h prototype is CUresult (unsigned).
+    let init: extern "C" fn(c_uint) -> c_int = unsafe { transmute(emulator_symbol(c"cuInit")) };
+    // SAFETY: cuDevicePrimaryCtxRetain's is CUresult (CUcontext *, CUdevice).
+    let retain: extern "C" fn(*mut Handle, c_int) -> c_int =
+        unsafe { transmute(emulator_symbol(c"cuDevicePrimaryCtxRetain")) };
+    // SAFETY: cuCtxSetCurrent's is CUresult (CUcontext).
+    let set_current: extern "C" fn(Handle) -> c_int =
+        unsafe { transmute(emulator_symbol(c"cuCtxSetCurrent")) };
+    // SAFETY: cuDeviceGetCount's is CUresult (int *).
+    let count: extern "C" fn(*mut c_int) -> c_int =
+        unsafe { transmute(emulator_symbol(c"cuDeviceGetCount")) };
+    // SAFETY: cuMemGetInfo_v2's is CUresult (size_t *, size_t *).
+    let mem_info: extern "C" fn(*mut usize, *mut usize) -> c_int =
+        unsafe { transmute(emulator_symbol(c"cuMemGetInfo_v2")) };
+    // SAFETY: cuEventCreate's is CUresult (CUevent *, unsigned).
+    let event: extern "C" fn(*mut Handle, c_uint) -> c_int =
+        unsafe { transmute(emulator_symbol(c"cuEventCreate")) };
+    // SAFETY: cuIpcGetMemHandle's is CUresult (CUipcMemHandle *, CUdeviceptr),
+    // the handle 64 bytes.
+    let ipc_handle: extern "C" fn(*mut [u8; 64], u64) -> c_int =
+        unsafe { transmute(emulator_symbol(c"cuIpcGetMemHandle")) };
+    let mut ctx = std::ptr::null_mut();
+    assert_eq!((init(0), retain(&mut ctx, 0), set_current(ctx)), (0, 0, 0));
+    let rounds: Vec<[c_int; 4]> = (0..4)
+        .map(|_| {
+            let (mut n, mut free, mut total, mut created) = (0, 0, 0, std::ptr::null_mut());
+            // Left to right; no allocation at 0, so cuIpcGetMemHandle's
+            // own answer is CUDA_ERROR_INVALID_VALUE (1).
+            [
+                count(&mut n),
+                mem_info(&mut free, &mut total),
+                event(&mut created, 0),
+                ipc_handle(&mut [0; 64], 0),
+            ]
+        })
+        .collect();
+    println!("CALLS {rounds:?}");
+}
+
+/// `SYMBOL#N` fails the Nth call of SYMBOL, whichever of the emulator's
+/// files defines it, and no other call: each entry point counts its own
+/// calls (a counter per position in a file, shared between files, would
+/// fail another call, or none).
+#[test]
+fn an_injected_fault_fails_the_nth_call_of_its_own_function_only() {
+    let test = "an_injected_fault_fails_the_nth_call_of_its_own_function_only";
+    if !emulator(test) {
+        return;
+    }
+    let faults = "cuDeviceGetCount#3=999,cuMemGetInfo_v2#3=999,cuEventCreate#3=999,cuIpcGetMemHandle#3=999";
+    let out = run_child("calls", &[("DMALOAD_EMU_FAULTS", faults)]);
+    let output = text(&out);
+    assert!(out.status.success(), "{output}");
+    let third_fails = "CALLS [[0, 0, 0, 1], [0, 0, 0, 1], [999, 999, 999, 999], [0, 0, 0, 1]]";
+    assert!(output.contains(third_fails), "{output}");
 }
