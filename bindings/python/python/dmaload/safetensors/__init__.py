@@ -64,7 +64,7 @@ from .._header import Header, TensorInfo
 from .._options import Destination, LoadOptions, Size, native_options
 from .._progress import Progress, resolve
 from .._report import LoadReport
-from . import _collective, _device
+from . import _collective, _device, _group
 from ._file import _File, _product
 from ._collective import DEFAULT_WINDOW, CollectiveLoadError, TensorFilter
 
@@ -265,7 +265,7 @@ class SafeOpen:
         # Tensors of a collective or filtered load, each read by one rank.
         self._loaded: dict[str, Any] | None = None
         streamed = process_group is not None or tensor_filter is not None
-        sources: list[_collective.Source]
+        sources: list[_group.Source]
         # A model in object storage: a URL, or a list of shard URLs (as vLLM lists them).
         objects = path if _is_object_url(path) else _object_shards(path)
         if objects is not None:
@@ -685,7 +685,7 @@ def iter_tensors(
     _check_torch("pt", process_group, tensor_filter)
     url: str | list[str] | None = path if _is_object_url(path) else _object_shards(path)
     windowed = process_group is not None or tensor_filter is not None or window is not None or recycle
-    sources: list[_collective.Source]
+    sources: list[_group.Source]
     if url is not None:
         _refuse_for_objects(url if isinstance(url, str) else url[0], cache=cache is not None)
         # Verified, it streams in windows: their digests cover every byte
@@ -743,7 +743,7 @@ def _object_shards(path: Paths) -> list[str] | None:
     return [str(p) for p in path]
 
 
-def _object_model(url: str | list[str]) -> tuple[list[_collective.Source], dict[str, str] | None]:
+def _object_model(url: str | list[str]) -> tuple[list[_group.Source], dict[str, str] | None]:
     """The shard URLs and weight map of a model in object storage: a URL
     the core resolves (an object, an index, a prefix), or a list of shard
     URLs without an index."""

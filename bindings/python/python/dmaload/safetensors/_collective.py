@@ -74,7 +74,6 @@ import hashlib
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,15 +83,14 @@ from .. import _dmaload
 from .._header import Header, TensorInfo
 from .._options import Size, native_options, parse_size
 from .._progress import Progress, resolve
-from ._heartbeat import _POLL_S, _Heartbeat, _store
 from ._file import _File
+from ._group import CollectiveLoadError, Source, _collective, _Group
+from ._same import _HOST, _identity, _object_identity, _other_objects, _same_bytes
 
 __all__ = ["DEFAULT_WINDOW", "CollectiveLoadError", "Stream", "TensorFilter"]
 
 TensorFilter: TypeAlias = Union[Collection[str], Callable[[str], bool], None]
 
-Source: TypeAlias = Union[Path, str]
-"""A stream's file: a path, or an object's ``s3://BUCKET/KEY`` URL."""
 """The tensors a rank wants: a collection of names, a predicate on the
 name, or None for all."""
 
@@ -105,11 +103,6 @@ memory; 64 MiB windows read as fast as 1 GiB ones on the development VM
 
 _ALIGN = 4096
 """Slots start at this multiple of the file offset (direct-I/O alignment)."""
-
-
-class CollectiveLoadError(RuntimeError):
-    """A load shared by a process group failed on some rank: the message
-    names that rank (or says a peer left), the file and the byte range."""
 
 
 @dataclass(frozen=True)
@@ -210,68 +203,6 @@ def _digest(paths: list[Source], headers: list[Header]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-class _Group:
-    """The torch.distributed side: rank, size, the device collectives run
-    on, and (once :meth:`watch` started it) the heartbeat that bounds each
-    wait for the others."""
-
-    def __init__(self, group: Any) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self.dist, self.group = dist, group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        backend = str(dist.get_backend(group)).lower()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        self.name = str(getattr(group, "group_name", "") or "default")
-        self.heartbeat: _Heartbeat | None = None
-
-    def watch(self, load: int) -> None:
-        """Starts this rank's heartbeat for the group's load number ``load``
-        (agreed in the plan): from here on, a wait for the others ends
-        within ``DEAD_AFTER`` seconds of a peer going silent."""
-        store = _store(self.dist)
-        if store is not None:
-            self.heartbeat = _Heartbeat(store, f"dmaload/{self.name}/{load}", self.rank, self.size)
-
-    def _wait(self, work: Any) -> None:
-        """Waits for ``work`` (an async collective), raising once the
-        heartbeat says a peer is gone rather than waiting for the backend
-        to notice (a gloo send to a stopped peer waits for the group's
-        timeout, 30 minutes by default); then raises its own failure."""
-        if self.heartbeat is not None:
-            done = threading.Event()
-            work.get_future().add_done_callback(lambda _future: done.set())
-            while not done.wait(_POLL_S):
-                gone = self.heartbeat.gone
-                if gone is not None:
-                    raise RuntimeError(gone)
-        work.wait()
-
-    def gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every rank's ``values`` (the same length on all ranks)."""
-        import torch
-
-        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
-        out = torch.empty(self.size * len(values), dtype=torch.int64, device=self.device)
-        self._wait(self.dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True))
-        rows: list[list[int]] = out.view(self.size, len(values)).tolist()
-        return rows
-
-    def gather_slots(self, buffer: Any, slot: int) -> None:
-        """Fills ``buffer`` (N slots) with every rank's slot, in place."""
-        mine = buffer[self.rank * slot : (self.rank + 1) * slot]
-        self._wait(self.dist.all_gather_into_tensor(buffer, mine, group=self.group, async_op=True))
-
-    def leave(self, finished: bool) -> None:
-        """Stops the heartbeat; a rank leaving before the end of the load
-        says so at once, so the others need not wait ``DEAD_AFTER``."""
-        if self.heartbeat is not None:
-            self.heartbeat.stop(finished)
-            self.heartbeat = None
-
-
 _LOADS: dict[str, int] = {}
 """The last load number of each group in this process."""
 
@@ -352,18 +283,6 @@ class _Buffers:
     def wake(self) -> None:
         """Unblocks a ``take`` waiting for a buffer (it raises ``_Stopped``)."""
         self._free.put(None)
-
-
-def _collective(group: _Group, doing: str, call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)``, a collective of ``group``, its failure (the backend's
-    error for a dead, failed or silent peer) raised as a CollectiveLoadError
-    saying what this rank was ``doing``."""
-    try:
-        return call(*args)
-    except Exception as exc:
-        raise CollectiveLoadError(
-            f"rank {group.rank}: a peer rank failed or left while {doing}: {exc}"
-        ) from exc
 
 
 def _aligned_empty(torch: Any, n: int, device: Any) -> Any:
@@ -691,121 +610,6 @@ class Stream:
             windows.close()
             finish()
             self.close()
-
-
-def _boot() -> int:
-    """This kernel's boot (``/proc/sys/kernel/random/boot_id``; a random
-    number where it cannot be read, which matches no other rank's): two
-    ranks that see the same (device, inode) see one file only inside one
-    kernel."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            boot = f.read()
-    except OSError:
-        boot = os.urandom(16)
-    return int.from_bytes(hashlib.blake2b(boot, digest_size=7).digest(), "little")
-
-
-_HOST = _boot()
-
-
-def _identity(fds: list[int]) -> int:
-    """A fingerprint of the open files: device, inode, size, modification
-    and change times (nanoseconds). Equal on ranks of one host that opened
-    the same files, unchanged."""
-    h = hashlib.blake2b(digest_size=7)
-    for fd in fds:
-        st = os.fstat(fd)
-        h.update(f"{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0".encode())
-    return int.from_bytes(h.digest(), "little")
-
-
-def _object_identity(identities: list[str | None]) -> int:
-    """A fingerprint of the objects a loader looked up (URL, ETag and size
-    each): equal on ranks anywhere that read the same object versions."""
-    h = hashlib.blake2b(digest_size=7)
-    for identity in identities:
-        h.update(f"{identity}\0".encode())
-    return int.from_bytes(h.digest(), "little")
-
-
-def _other_objects(group: _Group, where: str, urls: list[Source], identities: list[str | None]) -> CollectiveLoadError:
-    """The error every rank raises where the ranks' objects differ (their
-    fingerprints in the plan did): a second exchange, of each object's URL
-    and identity, names the first object that differs (the same one on
-    every rank), and whether a rank was handed another URL there (another
-    checkpoint: loading again would not help) or sees another version
-    under the same URL (replaced between the ranks' lookups, or mirrors
-    that differ)."""
-    mine = [_object_identity([text]) for url, identity in zip(urls, identities) for text in (os.fspath(url), identity)]
-    rows = _collective(group, f"comparing the objects of {where}", group.gather_ints, mine)
-    for i, url in enumerate(urls):
-        for r, row in enumerate(rows):
-            if row[2 * i] != rows[0][2 * i]:
-                return CollectiveLoadError(
-                    f"rank {group.rank}: rank {r} was handed another object than rank 0 where this rank reads {url}: "
-                    "the ranks were given different checkpoints; give every rank the same model"
-                )
-            if row[2 * i + 1] != rows[0][2 * i + 1]:
-                return CollectiveLoadError(
-                    f"rank {group.rank}: rank {r} sees another version (ETag or size) of {url} than rank 0: it was "
-                    "replaced while the ranks looked it up (load again), or the ranks read mirrors that hold "
-                    "different checkpoints"
-                )
-    return CollectiveLoadError(f"rank {group.rank}: the ranks see different objects or versions of {where}")
-
-
-_SUMS_KINDS = {"B3SUMS": 1, "SHA256SUMS": 2}
-
-
-def _same_bytes(group: _Group, where: str, paths: list[Source], digest_of: Callable[[int], Any], same_file: bool) -> list[Any]:
-    """The ranks' proof that they read the same bytes, where they do not
-    all open the same files on one host (``same_file``) or verification
-    was asked: every rank's sums files list every file, and record the same
-    digest on every rank (so a stale copy beside its own stale sums fails
-    here, before any byte is read); each rank then hashes the whole stream
-    of every file it is handed (see :class:`_Verify`). Raises
-    CollectiveLoadError on every rank otherwise, saying how to make the
-    load safe."""
-    rank = group.rank
-    digests: list[Any] = []
-    failure: OSError | None = None
-    mine: list[int] = []
-    for i, p in enumerate(paths):
-        try:
-            d = digest_of(i)
-        except OSError as exc:
-            failure = failure or exc
-            mine += [exc.errno or errno_codes.EINVAL, 0, 0, 0, 0, 0]
-            continue
-        digests.append(d)
-        raw = bytes.fromhex(d.expected)
-        mine += [0, _SUMS_KINDS[d.sums_file]] + [int.from_bytes(raw[k : k + 8], "little", signed=True) for k in range(0, 32, 8)]
-    rows = _collective(group, f"agreeing on the digests of {where}", group.gather_ints, mine)
-    why = "" if same_file else "the ranks do not all open the same files on one host, so "
-    for r, row in enumerate(rows):
-        for i, p in enumerate(paths):
-            entry, first = row[6 * i : 6 * i + 6], rows[0][6 * i : 6 * i + 6]
-            if entry[0]:
-                cause = f" ({failure})" if r == rank and failure is not None else ""
-                if isinstance(p, str):
-                    how = f"upload a B3SUMS or SHA256SUMS listing it beside {p} (`dmaload sums` writes one)"
-                else:
-                    how = (
-                        f"run `dmaload sums {p.parent}` where the checkpoint was written and copy the sums "
-                        "file with it to every node, or load one copy shared by all ranks on one host"
-                    )
-                raise CollectiveLoadError(
-                    f"rank {rank}: {why}every rank needs a B3SUMS or SHA256SUMS beside each file listing it, "
-                    f"and rank {r} has none for {p}{cause}: {how}"
-                ) from failure
-            if entry != first:
-                raise CollectiveLoadError(
-                    f"rank {rank}: rank {r}'s sums file records another digest for {p} than rank 0's: "
-                    "the ranks hold different checkpoints (a stale or re-downloaded copy); make every "
-                    "node's copy the same, with its sums file"
-                )
-    return digests
 
 
 class _Verify:
